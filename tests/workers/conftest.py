@@ -1,0 +1,56 @@
+"""Fixtures for engine tests: HF transformers greedy references and shared prompts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "Explain quantum computing in simple terms.",
+    "1, 2, 3, 4, 5,",
+    "Translate to German: The weather is nice today.",
+    "Les fleurs du jardin sont",  # non-English
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",  # chat format
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(smollm2_path: Path) -> Callable[[list[int], int], list[int]]:
+    """Greedy continuation from HF transformers generate(), memoised per (prompt ids, length)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def run(prompt_ids: list[int], max_new_tokens: int = NEW_TOKENS) -> list[int]:
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in cache:
+            ids = torch.tensor([prompt_ids])
+            with torch.inference_mode():
+                out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+            cache[key] = out[0, len(prompt_ids) :].tolist()
+        return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def llm(smollm2_path: Path):
+    """The default engine (default chunking and block size), with a small KV budget for tests."""
+    from workers.llm import LLM
+
+    return LLM(str(smollm2_path), kv_cache_memory_bytes=128 << 20)

@@ -1,0 +1,70 @@
+"""Incremental detokenization and stop strings.
+
+Decoding one token at a time is wrong for byte-level BPE (a multi-byte UTF-8 character spans
+tokens) and for SentencePiece (a token's leading space depends on its left neighbour). So each step
+decodes a short window: the text of ids[prefix:] minus the text of ids[prefix:read]; the delta is
+emitted only once it no longer ends in an incomplete character (U+FFFD), then the window slides.
+The window starts on the last few prompt tokens so the first output token gets its spacing right.
+
+Stop strings: the text is searched (only the part the new delta can complete) and cut just before
+the earliest stop string. Text that could still be the start of a stop string is held back from
+the deltas until it is either completed (and cut) or ruled out, so a streaming client never sees a
+piece of a stop string.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_PROMPT_CONTEXT = 5  # prompt tokens kept as left context for the first output token
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.stop = stop
+        self.max_stop_len = max((len(s) for s in stop), default=0)
+        self.text = ""
+        self.emitted = 0  # chars of text already returned as deltas
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Append a token. Returns (text delta safe to emit, stopped on a stop string)."""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return "", False
+        start = len(self.text)
+        self.text += new_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if not self.stop:
+            return self.flush(), False
+        window_start = max(0, start - self.max_stop_len + 1)
+        hits = [i for s in self.stop if (i := self.text.find(s, window_start)) != -1]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return self.flush(), True
+        return self._emit(len(self.text) - self._partial_stop_suffix()), False
+
+    def flush(self) -> str:
+        """Everything not yet emitted (called when the request finishes)."""
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        delta = self.text[self.emitted : upto]
+        self.emitted = max(self.emitted, upto)
+        return delta
+
+    def _partial_stop_suffix(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        for n in range(min(self.max_stop_len - 1, len(self.text)), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0

@@ -1,0 +1,75 @@
+"""Offline batch API: ``LLM(model=...).generate(prompts, SamplingParams(...))``.
+
+Worked example::
+
+    llm = LLM()  # SmolLM2-135M-Instruct on CPU
+    [out] = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    print(out.text, out.finish_reason)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.config import CacheConfig, EngineConfig, SchedulerConfig
+from workers.engine import Engine
+from workers.sampling_params import SamplingParams
+from workers.sequence import FinishReason
+
+Prompt = str | list[int]
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt: Prompt
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """Keyword arguments are EngineConfig fields (model, dtype, device, max_model_len, seed) or
+    CacheConfig / SchedulerConfig fields (block_size, num_blocks, kv_cache_memory_bytes,
+    enable_prefix_caching, max_num_batched_tokens, max_num_seqs)."""
+
+    def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs) -> None:
+        cache_keys = CacheConfig.__dataclass_fields__.keys()
+        sched_keys = SchedulerConfig.__dataclass_fields__.keys()
+        cache = CacheConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in cache_keys})
+        sched = SchedulerConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in sched_keys})
+        self.engine = Engine(EngineConfig(model=model, cache=cache, scheduler=sched, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Run all prompts to completion with continuous batching; results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        results: dict[str, Completion] = {}
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = self.engine.add_request(None, prompt, p)
+                results[rid] = Completion(rid, prompt)
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    c = results[out.request_id]
+                    c.token_ids.extend(out.new_token_ids)
+                    c.text += out.new_text
+                    c.finish_reason = out.finish_reason
+                    c.num_prompt_tokens = out.num_prompt_tokens
+                    c.num_cached_tokens = out.num_cached_tokens
+        except BaseException:
+            for rid in results:  # leave the engine clean if a prompt was rejected or we were interrupted
+                self.engine.abort(rid)
+            raise
+        return list(results.values())

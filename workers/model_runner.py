@@ -1,0 +1,135 @@
+"""ModelRunner: SchedulerOutput -> one forward pass -> sampled tokens (RunnerOutput).
+
+Owns the model, the KV cache tensors and per-request sampling state (params, generator). It turns
+the scheduler's lists (token ids, start positions, block tables) into tensors once per step:
+flat input ids and positions, the cache slot of every new token, and the attention metadata that
+every layer shares. Logits are computed only for rows that are sampled.
+
+Axes: T tokens in the step, B single-token chunks, L context, S cache slots, G kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workers.config import EngineConfig
+from workers.layers.attention import AttentionMetadata, PrefillSpan
+from workers.layers.sampler import Sampler
+from workers.models.config import ModelSpec
+from workers.sampling_params import SamplingParams
+from workers.scheduler import ScheduledChunk, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    sampled: dict[str, int]  # request id -> next token, for chunks with sample=True
+
+
+def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    return spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, spec: ModelSpec, config: EngineConfig, num_blocks: int) -> None:
+        self.model = model
+        self.spec = spec
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        slots = num_blocks * self.block_size
+        # [layers, 2, S, G, D]; zeros, not empty: padded gathers read unused slots, which are masked
+        # out, but NaN garbage would still poison the masked softmax.
+        self.kv_cache = torch.zeros(
+            spec.num_layers, 2, slots, spec.num_kv_heads, spec.head_dim, dtype=config.torch_dtype, device=self.device
+        )
+        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        self.sampler = Sampler()
+        self._params: dict[str, SamplingParams] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._default_generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        self._block_offsets = torch.arange(self.block_size)  # metadata is built on CPU, then moved
+
+    # ---------------------------------------------------------- request state
+    def add_request(self, request_id: str, params: SamplingParams) -> None:
+        self._params[request_id] = params
+        if params.seed is not None:
+            self._generators[request_id] = torch.Generator(device="cpu").manual_seed(params.seed)
+
+    def remove_request(self, request_id: str) -> None:
+        self._params.pop(request_id, None)
+        self._generators.pop(request_id, None)
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        # Single-token chunks (decodes) go first: they share one batched attention call.
+        singles = [c for c in sched.chunks if len(c.token_ids) == 1]
+        multis = [c for c in sched.chunks if len(c.token_ids) > 1]
+        chunks = singles + multis
+        input_ids, positions, slot_mapping, meta, sample_rows = self._prepare(chunks, len(singles))
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, E]
+        if not sample_rows:
+            return RunnerOutput({})
+        rows, ids = zip(*sample_rows)
+        logits = self.model.compute_logits(hidden[list(rows)])  # [N, V]
+        params = [self._params[r] for r in ids]
+        gens = [self._generators.get(r, self._default_generator) for r in ids]
+        tokens = self.sampler(logits, params, gens)
+        return RunnerOutput(dict(zip(ids, tokens)))
+
+    def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
+        """Cache slots of token positions [start, end) of a sequence with this block table."""
+        bt = torch.tensor(table[: -(-end // self.block_size)], dtype=torch.long)
+        all_slots = (bt[:, None] * self.block_size + self._block_offsets).view(-1)  # [nb * bs]
+        return all_slots[start:end]
+
+    def _prepare(self, chunks: list[ScheduledChunk], num_singles: int):
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_parts: list[torch.Tensor] = []
+        sample_rows: list[tuple[int, str]] = []
+        prefills: list[PrefillSpan] = []
+        decode_ctx: list[torch.Tensor] = []
+        row = 0
+        for i, c in enumerate(chunks):
+            n = len(c.token_ids)
+            end = c.start_pos + n
+            ids.extend(c.token_ids)
+            pos.extend(range(c.start_pos, end))
+            ctx_slots = self._slots(c.block_table, 0, end)  # [L]
+            slot_parts.append(ctx_slots[c.start_pos :])
+            if i < num_singles:
+                decode_ctx.append(ctx_slots)
+            elif c.start_pos == 0:
+                prefills.append(PrefillSpan(row, row + n, None, None))
+            else:
+                q_pos = torch.arange(c.start_pos, end)[:, None]
+                mask = torch.arange(end)[None, :] <= q_pos  # [n, L]
+                prefills.append(PrefillSpan(row, row + n, ctx_slots.to(self.device), mask.to(self.device)))
+            row += n
+            if c.sample:
+                sample_rows.append((row - 1, c.request_id))
+        decode_slots = decode_mask = None
+        if decode_ctx:
+            lens = [len(s) for s in decode_ctx]
+            decode_slots = torch.nn.utils.rnn.pad_sequence(decode_ctx, batch_first=True)  # [B, L]
+            if min(lens) != max(lens):
+                valid = torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]
+                decode_mask = valid[:, None, None, :]  # [B, 1, 1, L]
+        slot_mapping = torch.cat(slot_parts)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(self.device),
+            num_decodes=num_singles,
+            decode_slots=None if decode_slots is None else decode_slots.to(self.device),
+            decode_mask=None if decode_mask is None else decode_mask.to(self.device),
+            prefills=prefills,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        return input_ids, positions, slot_mapping, meta, sample_rows

@@ -1,0 +1,79 @@
+"""ModelSpec: the architecture facts the engine needs, read once from an HF ``config.json``.
+
+Reading through ``transformers.AutoConfig`` normalises old and new key spellings (``rope_theta`` +
+``rope_scaling`` in v4 files, ``rope_parameters`` in v5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workers.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_pretrained(cls, path: Path) -> "ModelSpec":
+        from transformers import AutoConfig, GenerationConfig
+
+        try:
+            cfg = AutoConfig.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 - any parse failure is a checkpoint problem
+            raise CheckpointError(f"{path}/config.json cannot be read ({e}); re-prepare the checkpoint") from e
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        theta = rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", 10000.0)
+        scaling = rope or getattr(cfg, "rope_scaling", None)
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+            scaling = None
+        num_heads = cfg.num_attention_heads
+        return cls(
+            model_type=cfg.model_type,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and no o_proj bias; Llama's flag covers q/k/v/o.
+            attention_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            eos_token_ids=_eos_ids(path, cfg, GenerationConfig),
+        )
+
+
+def _eos_ids(path: Path, cfg: Any, generation_config_cls: Any) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (what HF generate() stops on), else config.json."""
+    eos: Any = None
+    if (path / "generation_config.json").exists():
+        eos = generation_config_cls.from_pretrained(path).eos_token_id
+    if eos is None:
+        eos = getattr(cfg, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

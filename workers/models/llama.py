@@ -1,0 +1,149 @@
+"""Llama-family decoder (Llama, Qwen2): flat token batch in, hidden states out.
+
+Each layer: x += o_proj(attn(rope(qkv_proj(norm(x))))) ; x += down(silu(gate) * up)(norm(x)).
+q/k/v and gate/up are fused at load time (one GEMM each). Qwen2 differs only by q/k/v biases.
+
+Axes: T tokens in the step, E hidden, H query heads, G kv heads, D head dim, V vocab, I MLP width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.layers.activation import SiluAndMul
+from workers.layers.attention import AttentionMetadata, PagedAttention
+from workers.layers.linear import Linear, MergedLinear
+from workers.layers.norm import RMSNorm
+from workers.layers.rotary import RotaryEmbedding
+from workers.models.config import ModelSpec
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V each [S, G, D]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        h, g, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.h, self.g, self.d = h, g, d
+        self.qkv_proj = MergedLinear(spec.hidden_size, {"q": h * d, "k": g * d, "v": g * d}, spec.attention_bias)
+        o_bias = spec.attention_bias and spec.model_type != "qwen2"
+        self.o_proj = Linear(h * d, spec.hidden_size, bias=o_bias)
+        self.attn = PagedAttention(h, g, d)
+
+    def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2G) D]
+        qk = qkv[:, : (self.h + self.g) * self.d].view(t, self.h + self.g, self.d)
+        qk = RotaryEmbedding.apply(qk, cos, sin)  # rotate q and k in one pass
+        q, k = qk.split([self.h, self.g], dim=1)  # [T, H, D], [T, G, D]
+        v = qkv[:, (self.h + self.g) * self.d :].view(t, self.g, self.d)
+        o = self.attn(q, k, v, kv[0], kv[1], meta)  # [T, H D]
+        return self.o_proj(o)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        i = spec.intermediate_size
+        self.gate_up_proj = MergedLinear(spec.hidden_size, {"gate": i, "up": i}, spec.mlp_bias)
+        self.down_proj = Linear(i, spec.hidden_size, spec.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = LlamaAttention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = LlamaMLP(spec)
+
+    def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our fused parameter fragment, shard id)
+    _fused = {
+        ".q_proj.": (".qkv_proj.", "q"),
+        ".k_proj.": (".qkv_proj.", "k"),
+        ".v_proj.": (".qkv_proj.", "v"),
+        ".gate_proj.": (".gate_up_proj.", "gate"),
+        ".up_proj.": (".gate_up_proj.", "up"),
+    }
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = LlamaModel(spec)
+        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],  # one per layer
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, E]
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary.lookup(positions, x.dtype)  # [T, 1, D/2] each
+        for layer, kv in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, kv, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, E] -> logits [N, V] (only rows that are sampled)."""
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w)
+
+    def expected_weights(self) -> set[tuple[str, str | None]]:
+        """(parameter name, shard id) pairs a complete checkpoint fills."""
+        keys: set[tuple[str, str | None]] = set()
+        for mod_name, mod in self.named_modules():
+            for p_name, _ in mod.named_parameters(recurse=False):
+                full = f"{mod_name}.{p_name}" if mod_name else p_name
+                shards = mod.offsets if isinstance(mod, MergedLinear) else {None: None}
+                keys.update((full, s) for s in shards)
+        return keys
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[tuple[str, str | None]]:
+        """Copy checkpoint tensors into parameters; returns the (name, shard) pairs filled."""
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, str | None]] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            shard = None
+            for frag, (fused, shard_id) in self._fused.items():
+                if frag in name:
+                    name, shard = name.replace(frag, fused), shard_id
+                    break
+            param = params.get(name)
+            if param is None:
+                raise KeyError(name)
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                assert shard is None and param.shape == tensor.shape, (name, param.shape, tensor.shape)
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor, shard)
+            loaded.add((name, shard))
+        return loaded

@@ -1,0 +1,57 @@
+"""Build a model from a local HF checkpoint directory (config.json + *.safetensors).
+
+Tensors are read lazily with safetensors (memory-mapped), cast to the engine dtype and copied into
+the model's own (fused) parameters through each parameter's weight loader.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from workers.errors import CheckpointError
+from workers.models.config import ModelSpec
+from workers.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+
+def iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weights; re-prepare or re-download the checkpoint")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name).to(dtype)
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - safetensors raises several types for bad files
+            raise CheckpointError(f"{f}: unreadable safetensors file ({e}); re-prepare the checkpoint") from e
+
+
+def load_model(path: Path, dtype: torch.dtype, device: str = "cpu") -> tuple[nn.Module, ModelSpec]:
+    t0 = time.perf_counter()
+    spec = ModelSpec.from_pretrained(path)
+    cls = model_class(spec)
+    with torch.device(device):
+        model = cls(spec).to(dtype)
+    try:
+        loaded = model.load_weights(iter_safetensors(path, dtype))
+    except KeyError as e:
+        raise CheckpointError(f"{path}: unexpected tensor {e.args[0]!r} for model_type {spec.model_type!r}") from None
+    missing = model.expected_weights() - loaded
+    if missing:
+        names = sorted(f"{n}[{s}]" if s else n for n, s in missing)[:5]
+        raise CheckpointError(f"{path}: checkpoint is missing {len(missing)} tensors, e.g. {names}")
+    model.eval()
+    logger.info("loaded %s (%s, %d layers) in %.1fs", path, spec.model_type, spec.num_layers, time.perf_counter() - t0)
+    return model, spec

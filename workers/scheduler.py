@@ -1,0 +1,162 @@
+"""Token-budget scheduler: continuous batching with stall-free chunked prefill.
+
+Each step has a budget of ``max_num_batched_tokens``. The scheduler spends it in this order
+(Sarathi-Serve's stall-free batching):
+  1. running sequences in decode, oldest first: one token each;
+  2. running sequences still in prefill (a long prompt split across steps), oldest first;
+  3. waiting sequences, oldest first (preempted ones re-enter at the head of the queue), taking
+     their prefix-cache hits and then as large a prompt chunk as the budget allows.
+So a long prompt is chunked around the decodes and never stalls them. When the block pool runs
+dry, the newest running sequence is preempted: its blocks are freed and it waits to be recomputed
+(usually cheaply, from the prefix cache). Admission is FIFO and only the newest is ever preempted,
+so no request starves. No new request is admitted in a step that had to preempt.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from workers.block_manager import BlockManager
+from workers.config import SchedulerConfig
+from workers.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One sequence's work in a step: compute ``token_ids`` at positions ``start_pos...``.
+
+    sample: the chunk reaches the end of the sequence's tokens, so a next token is sampled.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]  # decode chunks first, then prefill chunks
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: oldest first
+        self.num_preemptions = 0  # since start, for stats and metrics
+
+    # ----------------------------------------------------------- bookkeeping
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.block_manager.free(seq.request_id)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.request_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        logger.debug("preempted %s (%d tokens to recompute)", seq.request_id, seq.num_tokens)
+
+    # -------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}  # request id -> new tokens, insertion = batch order
+        preempted: list[str] = []
+
+        decoding = [s for s in self.running if s.in_decode]
+        prefilling = [s for s in self.running if not s.in_decode]
+        for seq in decoding + prefilling:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq, n):
+                victim = self.running[-1]
+                budget += scheduled.pop(victim.request_id, 0)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is seq:
+                    break
+            else:
+                scheduled[seq.request_id] = n
+                budget -= n
+
+        while (
+            self.waiting
+            and budget > 0
+            and not preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            cached = self.block_manager.match_prefix(seq)  # also speeds up recompute after preemption
+            seq.num_computed_tokens = len(cached) * self.block_manager.block_size
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.allocate(seq, n, cached):
+                seq.num_computed_tokens = 0
+                break
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled[seq.request_id] = n
+            budget -= n
+
+        by_id = {s.request_id: s for s in self.running}
+        chunks = []
+        for rid, n in scheduled.items():
+            seq = by_id[rid]
+            start = seq.num_computed_tokens
+            chunks.append(
+                ScheduledChunk(
+                    request_id=rid,
+                    token_ids=seq.token_ids[start : start + n],
+                    start_pos=start,
+                    block_table=list(self.block_manager.block_table(rid)),
+                    sample=start + n == seq.num_tokens,
+                )
+            )
+        return SchedulerOutput(chunks=chunks, preempted_ids=preempted)
+
+    def commit(self, output: SchedulerOutput) -> None:
+        """Advance ``num_computed_tokens`` after the runner has written the chunks' KV."""
+        by_id = {s.request_id: s for s in self.running}
+        for chunk in output.chunks:
+            seq = by_id.get(chunk.request_id)
+            if seq is None:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
+            self.block_manager.cache_computed_blocks(seq)
