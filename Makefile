@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.duet-setup.stamp
 ARGS   ?=
 
-.PHONY: setup model test serve bench clean
+.PHONY: setup model test serve bench protos protos-check clean
 
 setup: model
 
@@ -31,6 +31,13 @@ serve: setup
 
 bench: setup
 	$(PY) benchmarks/engine_throughput.py $(ARGS)
+
+# Regenerate the gRPC stubs from protos/**/*.proto (commit the result); protos-check fails on drift.
+protos: setup
+	$(PY) -m protos.generate
+
+protos-check: setup
+	$(PY) -m protos.generate --check
 
 # Leaves the model cache ($$DUET_CACHE_DIR or ~/.cache/duet) alone.
 clean:

@@ -39,8 +39,11 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator],
     ) -> list[int]:
-        logits = logits.float()
         greedy = logits.argmax(-1).tolist()  # [N]
+        if all(p.greedy for p in params):
+            return greedy
+        # Request generators live on the CPU (seeded draws must not depend on the device).
+        logits = logits.float().cpu()
         out: list[int] = []
         for i, p in enumerate(params):
             if p.greedy:

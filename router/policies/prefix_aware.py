@@ -1,0 +1,158 @@
+"""prefix_aware: send a request where its prompt prefix is likely cached, unless that worker is
+much busier than the idlest one (after SGLang's cache-aware policy with balance thresholds).
+
+Algorithm, per request (P = the prompt's token ids, load = WorkerState.load_tokens):
+ 1. Cut P into full blocks of ``block_size`` tokens (= the workers' KV block size) and look them
+    up in the PrefixTree of what was recently sent to each worker: matched(w) = leading blocks
+    of P that worker w was sent before (router/prefix_tree.py).
+ 2. best  = the healthy worker with the most matched blocks; ties -> lower load (so a popular
+            prefix held by several workers is spread by load), then fewer in-flight, then id.
+    least = the least-loaded healthy worker (router/policies/least_loaded.py).
+ 3. matched(best) == 0        -> least      (nothing cached anywhere: plain least-loaded)
+    load(best) - load(least) > balance_abs_tokens
+      and load(best) > balance_rel * load(least)
+                              -> least      (imbalance fallback: logged, counted)
+    otherwise                 -> best       (prefix hit)
+ 4. Insert P's blocks under the chosen worker (most recently used), evicting that worker's least
+    recently used blocks beyond its cap: ``max_blocks_per_worker``, or by default its reported KV
+    capacity (kv_blocks_total, converted to our block size), or 4096 blocks before its first report.
+
+Why both thresholds (as SGLang): the absolute one ignores imbalance too small to matter (at low
+load any ratio is noise); the relative one stops a large but proportionally small difference from
+throwing away a cache hit. Why fall back at all: a popular prefix (a shared system prompt) would
+otherwise pin all traffic to the first worker that saw it, the hot-spotting Dynamo and SGLang
+users report. After a fallback the least-loaded worker holds the prefix too, so it replicates to
+as many workers as the load needs, and step 2's tie-break spreads it among them.
+
+Example (block_size=16, thresholds 4096 tokens and 1.5x): w0 was sent a 512-token system prompt,
+w1 was not. A request with that prompt + a question goes to w0 while load(w0) - load(w1) <= 4096
+tokens (or load(w0) <= 1.5 * load(w1)); past that, to w1, which from then on matches it too.
+
+The tree is forgotten for a worker that leaves the pool (absent from ``workers``) or restarts
+(its LoadReport.incarnation changes); an unhealthy worker keeps its entries (a restart shows).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import ClassVar
+
+from router.policies.base import PolicyConfigError, RouteRequest, WorkerState, healthy_workers, log_fallback
+from router.policies.least_loaded import least_loaded
+from router.prefix_tree import PrefixTree, block_hashes
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BLOCKS_PER_WORKER = 4096  # before a worker reports its KV capacity
+
+
+class PrefixAwarePolicy:
+    name: ClassVar[str] = "prefix_aware"
+
+    def __init__(self, *, block_size: int = 16, balance_abs_tokens: int = 4096, balance_rel: float = 1.5,
+                 max_blocks_per_worker: int | None = None) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise PolicyConfigError(f"prefix_aware.block_size={block_size!r}: must be an integer >= 1 "
+                                    "(use the workers' KV block size)")
+        if not isinstance(balance_abs_tokens, int) or balance_abs_tokens < 0:
+            raise PolicyConfigError(f"prefix_aware.balance_abs_tokens={balance_abs_tokens!r}: must be an integer >= 0")
+        if not isinstance(balance_rel, (int, float)) or not balance_rel >= 1.0:
+            raise PolicyConfigError(f"prefix_aware.balance_rel={balance_rel!r}: must be a number >= 1.0")
+        if max_blocks_per_worker is not None and (not isinstance(max_blocks_per_worker, int)
+                                                  or max_blocks_per_worker < 1):
+            raise PolicyConfigError(f"prefix_aware.max_blocks_per_worker={max_blocks_per_worker!r}: must be an "
+                                    "integer >= 1, or unset to follow each worker's KV capacity")
+        self.block_size = block_size
+        self.balance_abs_tokens = balance_abs_tokens
+        self.balance_rel = float(balance_rel)
+        self.max_blocks_per_worker = max_blocks_per_worker
+        self.tree = PrefixTree()
+        self._incarnations: dict[str, str] = {}
+        self._warned_block_size: set[str] = set()
+        # Counters (exported as metrics by the router).
+        self.num_prefix_hits = 0  # routed to the best-matching worker
+        self.num_matched_tokens = 0  # prompt tokens those hits matched
+        self.num_no_match = 0  # no worker held the first block: routed least-loaded
+        self.num_imbalance_fallbacks = 0  # best match too loaded: routed least-loaded
+        self.num_worker_resets = 0  # tree entries dropped because a worker left or restarted
+
+    def select(self, request: RouteRequest, workers: Sequence[WorkerState]) -> str:
+        healthy = healthy_workers(workers)
+        self._sync_membership(workers)
+        hashes = block_hashes(request.prompt_token_ids, self.block_size)
+        matched = self.tree.match(hashes)
+        least = least_loaded(healthy)
+        best = min(healthy, key=lambda w: (-matched.get(w.worker_id, 0), w.load_tokens,
+                                           w.in_flight_requests, w.worker_id))
+        best_blocks = matched.get(best.worker_id, 0)
+        if best_blocks == 0:
+            self.num_no_match += 1
+            logger.debug("request %s: no cached prefix on any worker, least-loaded -> %s",
+                         request.request_id, least.worker_id)
+            chosen = least
+        elif best is not least and self._imbalanced(best, least):
+            self.num_imbalance_fallbacks += 1
+            log_fallback(logger, self.num_imbalance_fallbacks,
+                         "request %s: %s holds %d prefix tokens but its load %d exceeds %s's %d beyond the "
+                         "balance thresholds (+%d tokens and x%.2f); routing to %s",
+                         request.request_id, best.worker_id, best_blocks * self.block_size, best.load_tokens,
+                         least.worker_id, least.load_tokens, self.balance_abs_tokens, self.balance_rel,
+                         least.worker_id)
+            chosen = least
+        else:
+            self.num_prefix_hits += 1
+            self.num_matched_tokens += best_blocks * self.block_size
+            chosen = best
+        self.tree.insert(chosen.worker_id, hashes, self._max_blocks(chosen))
+        return chosen.worker_id
+
+    def on_request_complete(self, worker_id: str, request_id: str) -> None:
+        pass  # a finished request's blocks stay cached on the worker (its LRU), so they stay here too
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "prefix_hits": self.num_prefix_hits,
+            "matched_tokens": self.num_matched_tokens,
+            "no_match": self.num_no_match,
+            "imbalance_fallbacks": self.num_imbalance_fallbacks,
+            "worker_resets": self.num_worker_resets,
+            "tree_blocks": self.tree.num_blocks(),
+        }
+
+    # ------------------------------------------------------------- internals
+    def _imbalanced(self, best: WorkerState, least: WorkerState) -> bool:
+        hi, lo = best.load_tokens, least.load_tokens
+        return hi - lo > self.balance_abs_tokens and hi > self.balance_rel * lo
+
+    def _max_blocks(self, w: WorkerState) -> int:
+        if self.max_blocks_per_worker is not None:
+            return self.max_blocks_per_worker
+        if w.kv_blocks_total and w.kv_block_size:
+            return max(1, w.kv_blocks_total * w.kv_block_size // self.block_size)
+        return DEFAULT_MAX_BLOCKS_PER_WORKER
+
+    def _sync_membership(self, workers: Sequence[WorkerState]) -> None:
+        """Forget workers that left or restarted; warn once per worker on a block-size mismatch."""
+        present = {w.worker_id: w for w in workers}
+        for wid in self.tree.workers:
+            if wid not in present:
+                self._forget(wid, "left the pool")
+        for wid in [wid for wid in self._incarnations if wid not in present]:
+            del self._incarnations[wid]
+        for wid, w in present.items():
+            if w.incarnation:  # "" = no report yet
+                old = self._incarnations.get(wid)
+                if old is not None and old != w.incarnation:
+                    self._forget(wid, f"restarted (incarnation {old} -> {w.incarnation})")
+                self._incarnations[wid] = w.incarnation
+            if w.kv_block_size and w.kv_block_size != self.block_size and wid not in self._warned_block_size:
+                self._warned_block_size.add(wid)
+                logger.warning("worker %s uses KV blocks of %d tokens but prefix_aware.block_size is %d: "
+                               "prefix matches are approximate; set block_size to %d",
+                               wid, w.kv_block_size, self.block_size, w.kv_block_size)
+
+    def _forget(self, worker_id: str, why: str) -> None:
+        n = self.tree.remove_worker(worker_id)
+        self.num_worker_resets += 1
+        logger.info("prefix tree: forgot %d blocks of worker %s: it %s", n, worker_id, why)
