@@ -13,3 +13,15 @@ from workers.models.assets import prepare_smollm2
 def smollm2_path() -> Path:
     """The embedded default model as a safetensors checkpoint (converted once per machine, then cached)."""
     return prepare_smollm2()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster per test session (2 CPUs, no dashboard), always shut down."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

@@ -1,0 +1,220 @@
+"""Python client for a Duet router (duet.v1 over gRPC).
+
+Async, streaming::
+
+    async with DuetClient("localhost:50051") as client:
+        async for chunk in client.generate("The capital of France is", max_tokens=32, temperature=0):
+            print(chunk.text, end="", flush=True)
+        # the last chunk has chunk.finish_reason ("stop" | "length" | "abort") and chunk.usage
+
+Sync::
+
+    text = generate_text("Write a haiku about gRPC", max_tokens=64)
+    result = complete(messages=[{"role": "user", "content": "What is 2+2?"}], temperature=0)
+    for chunk in stream("Once upon a time", max_tokens=100): ...
+
+The prompt is exactly one of ``prompt`` (text, no chat template), ``token_ids`` or ``messages``
+(the router applies the model's chat template). Sampling keywords mirror duet.v1.SamplingParams:
+``max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos``; unset ones take
+the server's defaults. ``timeout`` (seconds) is the request's gRPC deadline. A failed request
+raises DuetError with the gRPC status code and the server's message (which names the bad field).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.duet.v1 import duet_pb2, duet_pb2_grpc
+
+DEFAULT_TARGET = "localhost:50051"
+FINISH_REASONS = {duet_pb2.FINISH_REASON_STOP: "stop", duet_pb2.FINISH_REASON_LENGTH: "length",
+                  duet_pb2.FINISH_REASON_ABORT: "abort"}
+
+
+class DuetError(Exception):
+    """A request failed: ``code`` is the gRPC status, ``details`` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+    @classmethod
+    def from_rpc(cls, e: grpc.RpcError) -> DuetError:
+        return cls(e.code(), e.details() or "")  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed message: the new text and token ids; the last also has finish_reason, usage."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    @classmethod
+    def from_proto(cls, r: duet_pb2.GenerateResponse) -> Chunk:
+        final = r.HasField("finish_reason")
+        return cls(r.request_id, r.text, tuple(r.token_ids),
+                   FINISH_REASONS.get(r.finish_reason, "unspecified") if final else None,
+                   Usage(r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.cached_prompt_tokens)
+                   if final else None)
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    usage: Usage | None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    is_default: bool
+    max_model_len: int
+
+
+Message = Mapping[str, str] | tuple[str, str]
+
+
+def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
+                  messages: Iterable[Message] | None = None, model: str = "", request_id: str = "",
+                  max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
+                  top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] = (),
+                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> duet_pb2.GenerateRequest:
+    """The GenerateRequest for these arguments (ValueError if not exactly one prompt form)."""
+    given = [name for name, v in (("prompt", prompt), ("token_ids", token_ids), ("messages", messages))
+             if v is not None]
+    if len(given) != 1:
+        raise ValueError(f"pass exactly one of prompt, token_ids or messages (got {', '.join(given) or 'none'})")
+    sampling = duet_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+        stop=[stop] if isinstance(stop, str) else list(stop), stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos)
+    request = duet_pb2.GenerateRequest(sampling=sampling, model=model, request_id=request_id)
+    if prompt is not None:
+        request.prompt = prompt
+    elif token_ids is not None:
+        request.prompt_token_ids.ids.extend(token_ids)
+    else:
+        assert messages is not None
+        chat = request.messages
+        chat.SetInParent()  # an empty list still selects the messages form (the server rejects it)
+        for m in messages:
+            role, content = (m["role"], m["content"]) if isinstance(m, Mapping) else m
+            chat.messages.add(role=role, content=content)
+    return request
+
+
+def collect(chunks: Iterable[Chunk]) -> Completion:
+    """Join streamed chunks into one Completion."""
+    chunks = list(chunks)
+    last = chunks[-1] if chunks else None
+    return Completion(last.request_id if last else "", "".join(c.text for c in chunks),
+                      tuple(t for c in chunks for t in c.token_ids),
+                      last.finish_reason if last else None, last.usage if last else None)
+
+
+class DuetClient:
+    """Async client; one HTTP/2 channel, opened on first use (inside the running event loop)."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, options: Sequence[tuple[str, Any]] = ()) -> None:
+        self.target = target
+        self._options = list(options)
+        self._channel: grpc.aio.Channel | None = None
+
+    def _stub(self) -> duet_pb2_grpc.DuetStub:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
+        return duet_pb2_grpc.DuetStub(self._channel)
+
+    async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                       **kwargs: Any) -> AsyncIterator[Chunk]:
+        """Stream chunks (see the module docstring for the arguments). Closing the iterator cancels
+        the request on the server; to stop early, wrap it in ``contextlib.aclosing(...)`` and
+        ``break`` (a bare ``break`` cancels only once the generator is garbage-collected)."""
+        call = self._stub().Generate(build_request(prompt, **kwargs), timeout=timeout)
+        try:
+            async for response in call:
+                yield Chunk.from_proto(response)
+        except grpc.aio.AioRpcError as e:
+            raise DuetError.from_rpc(e) from None
+        finally:
+            call.cancel()  # no-op when the call already finished
+
+    async def complete(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Completion:
+        return collect([c async for c in self.generate(prompt, timeout=timeout, **kwargs)])
+
+    async def list_models(self, timeout: float | None = 10.0) -> list[ModelInfo]:
+        try:
+            r = await self._stub().ListModels(duet_pb2.ListModelsRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise DuetError.from_rpc(e) from None
+        return [ModelInfo(m.name, m.is_default, m.max_model_len) for m in r.models]
+
+    async def health(self, service: str = "", timeout: float | None = 5.0) -> str:
+        """The router's health status name, e.g. "SERVING" or "NOT_SERVING"."""
+        self._stub()
+        assert self._channel is not None
+        try:
+            r = await health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise DuetError.from_rpc(e) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def __aenter__(self) -> DuetClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def stream(prompt: str | None = None, *, target: str = DEFAULT_TARGET, timeout: float | None = None,
+           **kwargs: Any) -> Iterator[Chunk]:
+    """Sync streaming (works inside a running event loop too: it uses the blocking gRPC API).
+    Closing the iterator early cancels the request."""
+    request = build_request(prompt, **kwargs)
+    with grpc.insecure_channel(target) as channel:
+        call = duet_pb2_grpc.DuetStub(channel).Generate(request, timeout=timeout)
+        try:
+            for response in call:
+                yield Chunk.from_proto(response)
+        except grpc.RpcError as e:
+            raise DuetError.from_rpc(e) from None
+        finally:
+            call.cancel()
+
+
+def complete(prompt: str | None = None, *, target: str = DEFAULT_TARGET, timeout: float | None = None,
+             **kwargs: Any) -> Completion:
+    """Sync: the whole completion (text, token ids, finish reason, usage)."""
+    return collect(stream(prompt, target=target, timeout=timeout, **kwargs))
+
+
+def generate_text(prompt: str | None = None, *, target: str = DEFAULT_TARGET, timeout: float | None = None,
+                  **kwargs: Any) -> str:
+    """Sync: just the completion text."""
+    return complete(prompt, target=target, timeout=timeout, **kwargs).text

@@ -1,0 +1,135 @@
+"""RouterConfig: everything the router process needs, validated once at construction.
+
+Terms:
+    in flight   requests the router is streaming from a worker right now.
+    queue       admitted requests waiting for an in-flight slot (FIFO). A request arriving when
+                both are full gets RESOURCE_EXHAUSTED at once; it never waits for room.
+    poll        one GetLoad + health Check round trip to a worker; ``load_poll_interval_s`` apart.
+
+Sampling defaults fill the *unset* optional fields of a public request (duet.v1.SamplingParams):
+``default_max_tokens`` 16 (the value the public proto documents), temperature 1.0, top_p 1.0.
+A prompt plus max_tokens may exceed the context: the completion then ends with LENGTH at the
+context limit (max_tokens is clamped before the worker sees it), as the public proto documents.
+
+Example::
+
+    cfg = RouterConfig(tokenizer_path="~/.cache/duet/models/SmolLM2-135M-Instruct",
+                       model_name="SmolLM2-135M-Instruct", policy="least_loaded")
+    RouterConfig(tokenizer_path="x", port=70000)
+    # RouterConfigError: port=70000: must be in 0..65535 (0 picks a free port)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from router.policies import DEFAULT_POLICY, PolicyConfigError, make_policy
+
+DEFAULT_PORT = 50051
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class RouterConfigError(ValueError):
+    """A RouterConfig value is invalid; the message names the field and what to change."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Router settings. ``tokenizer_path`` is a local directory ``AutoTokenizer`` can load
+    (normally the model checkpoint the workers serve).
+
+    max_model_len: context limit (prompt + output) checked before routing; None = the checkpoint's
+        ``config.json`` ``max_position_embeddings`` (else the tokenizer's ``model_max_length``).
+        Set it to the workers' effective limit when their KV budget makes it smaller.
+    policy / policy_options: a routing policy from router.policies and its keyword options.
+    max_route_attempts: workers tried per request when a worker is unreachable or its own queue
+        is full *before the first token*; after the first token a failure ends the stream.
+    worker_failure_threshold: consecutive failed polls before a worker is marked unhealthy.
+    stream_failure_cooldown_s: after a worker's stream fails, it is not re-admitted by a
+        successful poll until this long has passed (stops a flapping worker taking traffic).
+    """
+
+    tokenizer_path: str
+    model_name: str = DEFAULT_MODEL_NAME
+    max_model_len: int | None = None
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    policy: str = DEFAULT_POLICY
+    policy_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    # Admission control.
+    max_in_flight: int = 128
+    max_queue: int = 512
+    # Sampling defaults for unset optional fields.
+    default_max_tokens: int = 16
+    default_temperature: float = 1.0
+    default_top_p: float = 1.0
+    # Request limits (the public proto documents these).
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256
+    # Workers.
+    load_poll_interval_s: float = 0.2
+    load_poll_timeout_s: float = 2.0
+    worker_failure_threshold: int = 3
+    stream_failure_cooldown_s: float = 1.0
+    max_route_attempts: int = 2
+    # Shutdown: seconds in-flight streams get to finish on stop().
+    shutdown_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy_options", MappingProxyType(dict(self.policy_options)))
+        if not isinstance(self.tokenizer_path, str) or not self.tokenizer_path:
+            _fail("tokenizer_path", self.tokenizer_path, "must be a local tokenizer/checkpoint directory")
+        if not isinstance(self.model_name, str) or not self.model_name.strip():
+            _fail("model_name", self.model_name, "must be a non-empty name (what GenerateRequest.model accepts)")
+        if self.max_model_len is not None:
+            _int_at_least("max_model_len", self.max_model_len, 2, " (or None to read it from the checkpoint)")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            _fail("port", self.port, "must be in 0..65535 (0 picks a free port)")
+        if not isinstance(self.host, str) or not self.host:
+            _fail("host", self.host, "must be a host name or address, e.g. 127.0.0.1 or 0.0.0.0")
+        try:
+            make_policy(self.policy, **self.policy_options)
+        except PolicyConfigError as e:
+            raise RouterConfigError(f"policy: {e}") from None
+        _int_at_least("max_in_flight", self.max_in_flight, 1)
+        _int_at_least("max_queue", self.max_queue, 0, " (0 = reject whenever max_in_flight is reached)")
+        _int_at_least("default_max_tokens", self.default_max_tokens, 1)
+        if not _finite(self.default_temperature) or self.default_temperature < 0:
+            _fail("default_temperature", self.default_temperature, "must be a finite number >= 0")
+        if not _finite(self.default_top_p) or not 0 < self.default_top_p <= 1:
+            _fail("default_top_p", self.default_top_p, "must be in (0, 1]")
+        _int_at_least("max_stop_strings", self.max_stop_strings, 0)
+        _int_at_least("max_stop_string_len", self.max_stop_string_len, 1)
+        for name in ("load_poll_interval_s", "load_poll_timeout_s"):
+            value = getattr(self, name)
+            if not _finite(value) or value <= 0:
+                _fail(name, value, "must be a positive number of seconds")
+        for name in ("stream_failure_cooldown_s", "shutdown_grace_s"):
+            value = getattr(self, name)
+            if not _finite(value) or value < 0:
+                _fail(name, value, "must be a number of seconds >= 0")
+        _int_at_least("worker_failure_threshold", self.worker_failure_threshold, 1)
+        _int_at_least("max_route_attempts", self.max_route_attempts, 1)
+
+    @property
+    def address(self) -> str:
+        """host:port to bind (IPv6 literals bracketed)."""
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"{host}:{self.port}"
+
+
+def _fail(name: str, value: object, what: str) -> None:
+    raise RouterConfigError(f"{name}={value!r}: {what}")
+
+
+def _int_at_least(name: str, value: object, low: int, hint: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        _fail(name, value, f"must be an integer >= {low}{hint}")
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

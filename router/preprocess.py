@@ -1,0 +1,193 @@
+"""Public request -> PreparedRequest: pick the prompt form, tokenize (chat template for messages),
+validate every field, resolve the sampling defaults. Everything a bad request can get wrong is
+caught here, before admission and routing, as a RequestError whose message names the field.
+
+Terms:
+    ServedModel       the model this router serves: name, tokenizer, context limit, vocab size.
+    PreparedRequest   a validated request: prompt token ids + resolved worker SamplingParams.
+    request id        what the client sees (its own, or one the router assigns); internal id is
+                      the unique id the worker sees (equal to the request id when the router
+                      assigned it, so logs on both sides line up).
+
+Example::
+
+    model = ServedModel.load(RouterConfig(tokenizer_path=ckpt))
+    req = duet_pb2.GenerateRequest(prompt="Hi", sampling=duet_pb2.SamplingParams(top_p=0))
+    prepare_request(req, model, config)
+    # RequestError(INVALID_ARGUMENT, "sampling.top_p: must be in (0, 1], got 0.0")
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from protos.duet.v1 import duet_pb2
+from protos.duet.worker.v1 import worker_pb2
+from router.config import RouterConfig, RouterConfigError
+
+MAX_REQUEST_ID_LEN = 256
+_NO_LIMIT = 10**8  # transformers' model_max_length when a tokenizer declares none is ~1e30
+
+
+class RequestError(Exception):
+    """A request the router answers with ``code`` and ``message`` (which names the field)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(field: str, message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+
+    @classmethod
+    def load(cls, config: RouterConfig, tokenizer: Any | None = None) -> ServedModel:
+        """The model of ``config``; loads the tokenizer from ``config.tokenizer_path`` unless given."""
+        path = Path(config.tokenizer_path).expanduser()
+        if tokenizer is None:
+            if not path.is_dir():
+                raise RouterConfigError(f"tokenizer_path={config.tokenizer_path!r}: not a directory; pass the "
+                                        "model checkpoint directory the workers serve")
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(config.model_name, tokenizer, _max_model_len(config, path, tokenizer), len(tokenizer))
+
+
+def _max_model_len(config: RouterConfig, path: Path, tokenizer: Any) -> int:
+    if config.max_model_len is not None:
+        return config.max_model_len
+    try:
+        value = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        value = None
+    if isinstance(value, int) and value >= 2:
+        return value
+    value = getattr(tokenizer, "model_max_length", None)
+    if isinstance(value, int) and 2 <= value < _NO_LIMIT:
+        return value
+    raise RouterConfigError(f"max_model_len: not set and not found in {path}/config.json (max_position_embeddings) "
+                            "or the tokenizer; set RouterConfig.max_model_len to the workers' context limit")
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request_id: str
+    internal_id: str
+    prompt_token_ids: list[int]
+    sampling: worker_pb2.SamplingParams
+    stop: tuple[str, ...]
+
+    def submit_request(self) -> worker_pb2.SubmitRequest:
+        return worker_pb2.SubmitRequest(request_id=self.internal_id, prompt_token_ids=self.prompt_token_ids,
+                                        sampling=self.sampling)
+
+
+def check_model(request: duet_pb2.GenerateRequest, model: ServedModel) -> None:
+    if request.model and request.model != model.name:
+        raise RequestError(grpc.StatusCode.NOT_FOUND,
+                           f"model: unknown model {request.model!r}; this router serves {model.name!r} "
+                           "(or leave model empty for the default)")
+
+
+def prepare_request(request: duet_pb2.GenerateRequest, model: ServedModel, config: RouterConfig) -> PreparedRequest:
+    """Validate and tokenize ``request``; raises RequestError naming the first bad field."""
+    check_model(request, model)
+    if len(request.request_id) > MAX_REQUEST_ID_LEN:
+        raise invalid("request_id", f"at most {MAX_REQUEST_ID_LEN} characters, got {len(request.request_id)}")
+    field, ids = _prompt_ids(request, model)
+    if len(ids) >= model.max_model_len:
+        raise invalid(field, f"the prompt is {len(ids)} tokens; the limit is {model.max_model_len - 1} "
+                             f"(context {model.max_model_len} = prompt + at least 1 generated token)")
+    sampling, stop = _sampling(request.sampling, model, config, len(ids))
+    internal_id = uuid.uuid4().hex
+    return PreparedRequest(request.request_id or internal_id, internal_id, ids, sampling, stop)
+
+
+def _prompt_ids(request: duet_pb2.GenerateRequest, model: ServedModel) -> tuple[str, list[int]]:
+    kind = request.WhichOneof("input")
+    tok = model.tokenizer
+    if kind is None:
+        raise invalid("prompt", "no input: set exactly one of prompt, prompt_token_ids or messages")
+    if kind == "prompt":
+        if not request.prompt:
+            raise invalid("prompt", "must be a non-empty string")
+        ids = list(tok.encode(request.prompt))  # special tokens as the engine adds them
+    elif kind == "prompt_token_ids":
+        ids = list(request.prompt_token_ids.ids)
+        if not ids:
+            raise invalid("prompt_token_ids", "must hold at least one token id")
+        _check_vocab("prompt_token_ids", ids, model.vocab_size)
+    else:
+        ids = _chat_ids(request.messages.messages, tok)
+    if not ids:
+        raise invalid(kind, "tokenizes to zero tokens")
+    return kind, ids
+
+
+def _chat_ids(messages: Any, tok: Any) -> list[int]:
+    if not messages:
+        raise invalid("messages", "must hold at least one message")
+    for i, msg in enumerate(messages):
+        if not msg.role:
+            raise invalid(f"messages[{i}].role", "must be non-empty (e.g. 'system', 'user', 'assistant')")
+    if not getattr(tok, "chat_template", None):
+        raise invalid("messages", "this model's tokenizer has no chat template; send a prompt instead")
+    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    try:
+        text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # jinja2 raise_exception() in a template: the conversation is malformed
+        raise invalid("messages", f"the chat template rejected the conversation: {e}") from None
+    # The template already wrote any BOS/special tokens as text, so add none here.
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def _check_vocab(field: str, ids: list[int], vocab_size: int) -> None:
+    for i, t in enumerate(ids):
+        if t >= vocab_size:
+            raise invalid(f"{field}[{i}]", f"token id {t} is outside the vocabulary (size {vocab_size})")
+
+
+def _sampling(p: duet_pb2.SamplingParams, model: ServedModel, config: RouterConfig,
+              prompt_len: int) -> tuple[worker_pb2.SamplingParams, tuple[str, ...]]:
+    max_tokens = p.max_tokens if p.HasField("max_tokens") else config.default_max_tokens
+    if max_tokens < 1:
+        raise invalid("sampling.max_tokens", f"must be >= 1, got {max_tokens}")
+    temperature = p.temperature if p.HasField("temperature") else config.default_temperature
+    if not math.isfinite(temperature) or temperature < 0:
+        raise invalid("sampling.temperature", f"must be a finite number >= 0 (0 = greedy), got {temperature}")
+    top_p = p.top_p if p.HasField("top_p") else config.default_top_p
+    if not 0 < top_p <= 1:  # also rejects NaN
+        raise invalid("sampling.top_p", f"must be in (0, 1], got {top_p}")
+    if p.HasField("seed") and p.seed >= 2**63:
+        raise invalid("sampling.seed", f"must be < 2**63, got {p.seed}")
+    if len(p.stop) > config.max_stop_strings:
+        raise invalid("sampling.stop", f"at most {config.max_stop_strings} stop strings, got {len(p.stop)}")
+    for i, s in enumerate(p.stop):
+        if not 0 < len(s) <= config.max_stop_string_len:
+            raise invalid(f"sampling.stop[{i}]", f"each stop string must be 1..{config.max_stop_string_len} "
+                                                 f"characters, got {len(s)}")
+    _check_vocab("sampling.stop_token_ids", list(p.stop_token_ids), model.vocab_size)
+    # Past the context limit the worker ends with LENGTH anyway; clamping keeps load estimates honest.
+    max_tokens = min(max_tokens, model.max_model_len - prompt_len)
+    sampling = worker_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=p.top_k,
+        seed=p.seed if p.HasField("seed") else None, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos)
+    return sampling, tuple(p.stop)

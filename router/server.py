@@ -1,0 +1,274 @@
+"""The router's public gRPC server: duet.v1.Duet, grpc.health.v1 and server reflection.
+
+Two ways to run it:
+
+    # in your own event loop (e.g. the cluster controller's)
+    server = await start_router(config, members=[("w0", "10.0.0.5:50061")])
+    await server.set_members([...])          # on every pool change: joins and leaves, no restart
+    await server.stop()
+
+    # on a background thread with its own loop (CLI, Ray actor, tests); methods are blocking
+    handle = serve_router(config, members=[("w0", "10.0.0.5:50061")])
+    handle.set_members([...]); handle.stop()
+
+Health: the overall service ("") and "duet.v1.Duet" are SERVING while at least one worker is
+healthy, NOT_SERVING otherwise (and from the moment shutdown begins).
+
+Run a standalone router against running workers (debugging, benchmarks)::
+
+    python -m router.server --tokenizer ~/.cache/duet/models/SmolLM2-135M-Instruct \\
+        --worker w0=127.0.0.1:50061 --worker w1=127.0.0.1:50062
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos.duet.v1 import duet_pb2, duet_pb2_grpc
+from router.admission import AdmissionController
+from router.config import RouterConfig, RouterConfigError
+from router.pipeline import Pipeline
+from router.policies import make_policy
+from router.preprocess import RequestError, ServedModel
+from router.workers import WorkerDirectory
+
+logger = logging.getLogger(__name__)
+
+DUET_SERVICE = duet_pb2.DESCRIPTOR.services_by_name["Duet"].full_name  # "duet.v1.Duet"
+Members = Iterable[tuple[str, str]]  # (worker_id, endpoint)
+
+
+class DuetServicer(duet_pb2_grpc.DuetServicer):
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+
+    async def Generate(self, request: duet_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[duet_pb2.GenerateResponse]:
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        try:
+            async for response in self.pipeline.generate(request, deadline=deadline):
+                yield response
+        except RequestError as e:
+            logger.info("request %s: %s %s", request.request_id or "(unnamed)", e.code.name, e.message)
+            await context.abort(e.code, e.message)
+        except Exception:  # a router bug: log it whole, tell the client no more than INTERNAL
+            logger.exception("request %s: internal router error", request.request_id or "(unnamed)")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal router error (see the router's log)")
+
+    async def ListModels(self, request: duet_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> duet_pb2.ListModelsResponse:
+        model = self.pipeline.model
+        return duet_pb2.ListModelsResponse(models=[
+            duet_pb2.ModelInfo(name=model.name, is_default=True, max_model_len=model.max_model_len)])
+
+
+class RouterServer:
+    """A started router on the current event loop. Build it with ``start_router``."""
+
+    def __init__(self, config: RouterConfig, model: ServedModel) -> None:
+        self.config = config
+        self.health = health.aio.HealthServicer()
+        self.directory = WorkerDirectory(
+            poll_interval_s=config.load_poll_interval_s, poll_timeout_s=config.load_poll_timeout_s,
+            failure_threshold=config.worker_failure_threshold,
+            stream_failure_cooldown_s=config.stream_failure_cooldown_s, on_health_change=self._on_health_change)
+        self.pipeline = Pipeline(config, model, self.directory, make_policy(config.policy, **config.policy_options),
+                                 AdmissionController(config.max_in_flight, config.max_queue))
+        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a busy port is an error, not shared
+        self.port = 0
+        self._stopped = False
+        self._health_tasks: set[asyncio.Task[None]] = set()
+
+    async def _start(self, members: Members) -> None:
+        duet_pb2_grpc.add_DuetServicer_to_server(DuetServicer(self.pipeline), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection([DUET_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
+        await self._set_health(False)
+        try:
+            self.port = self._server.add_insecure_port(self.config.address)
+        except RuntimeError as e:
+            raise RouterConfigError(f"port: cannot listen on {self.config.address} ({e}); is another "
+                                    "router running there? pick another port (0 = any free port)") from None
+        await self._server.start()
+        await self.directory.set_members(members)
+        logger.info("router serving %s on %s (policy %s, %d workers, %d healthy)", self.config.model_name,
+                    self.address, self.config.policy, len(self.directory.snapshot()),
+                    sum(w.healthy for w in self.directory.snapshot()))
+
+    @property
+    def address(self) -> str:
+        """Where a client on this machine connects (host:port)."""
+        host = self.config.host
+        host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
+        return f"[{host}]:{self.port}" if ":" in host and not host.startswith("[") else f"{host}:{self.port}"
+
+    async def set_members(self, members: Members) -> None:
+        """Make the worker pool exactly ``members``; returns once newcomers have been polled."""
+        await self.directory.set_members(members)
+
+    def stats(self) -> dict[str, Any]:
+        return self.pipeline.stats()
+
+    async def stop(self, grace: float | None = None) -> None:
+        """NOT_SERVING at once, let in-flight streams finish for ``grace`` seconds
+        (default config.shutdown_grace_s), then cancel the rest and close worker channels."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.health.enter_graceful_shutdown()
+        await self._server.stop(self.config.shutdown_grace_s if grace is None else grace)
+        await self.directory.close()
+        logger.info("router on %s stopped", self.address)
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()
+
+    def _on_health_change(self, serving: bool) -> None:
+        logger.info("router health -> %s", "SERVING" if serving else "NOT_SERVING (no healthy worker)")
+        task = asyncio.ensure_future(self._set_health(None))
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
+
+    async def _set_health(self, serving: bool | None) -> None:
+        # Reads the current state when it runs, so reordered updates still end on the truth.
+        serving = self.directory.any_healthy() if serving is None else serving
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", DUET_SERVICE):
+            await self.health.set(service, status)
+
+
+async def start_router(config: RouterConfig, members: Members = (), *, tokenizer: Any | None = None) -> RouterServer:
+    """Start the router on the running loop: load the tokenizer (unless given; a thread, so the
+    loop keeps running), listen on ``config.address``, poll ``members`` once, return."""
+    model = await asyncio.to_thread(ServedModel.load, config, tokenizer)
+    server = RouterServer(config, model)
+    try:
+        await server._start(members)
+    except BaseException:
+        await server.stop(0)
+        raise
+    return server
+
+
+class RouterHandle:
+    """A router running on its own thread and event loop (``serve_router``). Thread-safe,
+    blocking methods; also a context manager that stops it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, thread: threading.Thread, server: RouterServer) -> None:
+        self._loop = loop
+        self._thread = thread
+        self.server = server
+        self.port = server.port
+        self.address = server.address
+
+    def _run(self, coro: Any, timeout: float | None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def set_members(self, members: Members, timeout: float | None = 30.0) -> None:
+        """Make the pool exactly ``members``; blocks until newcomers were polled. Call it from any
+        thread but the router's own (there, ``await handle.server.set_members(...)``)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("RouterHandle.set_members called on the router's loop; await server.set_members()")
+        self._run(self.server.set_members(list(members)), timeout)
+
+    def stats(self) -> dict[str, Any]:
+        async def get() -> dict[str, Any]:
+            return self.server.stats()
+        return self._run(get(), 10.0)
+
+    def stop(self, grace: float | None = None) -> None:
+        if not self._thread.is_alive():
+            return
+        try:
+            self._run(self.server.stop(grace), None)
+        finally:
+            _stop_loop(self._loop, self._thread)
+
+    def __enter__(self) -> RouterHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve_router(config: RouterConfig, members: Members = (), *, tokenizer: Any | None = None,
+                 timeout: float = 120.0) -> RouterHandle:
+    """Start the router on a daemon thread with its own event loop; returns once it listens."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name=f"duet-router-{config.port}", daemon=True)
+    thread.start()
+    try:
+        server = asyncio.run_coroutine_threadsafe(start_router(config, list(members), tokenizer=tokenizer),
+                                                  loop).result(timeout)
+    except BaseException:
+        _stop_loop(loop, thread)
+        raise
+    return RouterHandle(loop, thread, server)
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    async def cancel_rest() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    with contextlib.suppress(Exception):
+        asyncio.run_coroutine_threadsafe(cancel_rest(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
+    # Not loop.close(): grpc's completion-queue poller may still post late events to this loop,
+    # which on a closed loop log "Event loop is closed" errors. A stopped loop just drops them.
+
+
+def _parse_args(argv: list[str] | None) -> tuple[RouterConfig, list[tuple[str, str]]]:
+    p = argparse.ArgumentParser(prog="python -m router.server", description="Run a Duet router against "
+                                "already running workers (the cluster's `duet serve` does this for you).")
+    p.add_argument("--tokenizer", required=True, help="checkpoint/tokenizer directory the workers serve")
+    p.add_argument("--model-name", default=RouterConfig.model_name)
+    p.add_argument("--host", default=RouterConfig.host)
+    p.add_argument("--port", type=int, default=RouterConfig.port)
+    p.add_argument("--policy", default=RouterConfig.policy)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--worker", action="append", default=[], metavar="ID=HOST:PORT", help="repeat per worker")
+    args = p.parse_args(argv)
+    members = []
+    for spec in args.worker:
+        wid, sep, endpoint = spec.partition("=")
+        if not sep or not wid or not endpoint:
+            p.error(f"--worker {spec!r}: expected ID=HOST:PORT")
+        members.append((wid, endpoint))
+    try:
+        config = RouterConfig(tokenizer_path=args.tokenizer, model_name=args.model_name, host=args.host,
+                              port=args.port, policy=args.policy, max_model_len=args.max_model_len)
+    except RouterConfigError as e:
+        p.error(str(e))
+    return config, members
+
+
+async def _main(config: RouterConfig, members: list[tuple[str, str]]) -> None:
+    server = await start_router(config, members)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_main(*_parse_args(None)))

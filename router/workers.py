@@ -1,0 +1,302 @@
+"""WorkerDirectory: the router's view of its worker pool (membership, channels, load, health).
+
+Terms:
+    member      a (worker_id, endpoint) pair pushed by whoever knows the pool: a static list, or
+                the cluster controller on every join/leave (``set_members``; no router restart).
+    poll        GetLoad + grpc.health.v1 Check("duet.worker.v1.Worker"), sent together right after
+                a worker joins and then every ``poll_interval_s``.
+    lease       one request's use of one worker, from ``begin`` (after the policy chose it) to
+                ``end`` (the stream is over, any way). Leases carry the router-side counters.
+    healthy     routable: the latest poll succeeded and said SERVING, fewer than
+                ``failure_threshold`` polls have failed in a row since, and no stream has failed on
+                it within ``stream_failure_cooldown_s``. A new member is unhealthy until its first
+                poll succeeds.
+
+What the directory does for the policies (see router/policies/base.py): after ``select`` the
+pipeline calls ``begin`` (in_flight += 1, routed_since_report += 1 / += cost tokens), ``end``
+when the stream is over (in_flight -= 1); a LoadReport replaces the reported numbers and resets
+the routed-since-report counters (less whatever was routed while that GetLoad was in flight,
+which the report may not include yet).
+
+Failure handling: ``failure_threshold`` polls failing in a row mark a worker unhealthy *and*
+cancel its in-flight streams (the pipeline ends them with UNAVAILABLE): a worker whose node
+vanished without closing its connections would otherwise leave those streams hanging. A worker
+that answers NOT_SERVING (draining) is only taken out of routing; its streams finish. A member
+that leaves keeps its channel until its last lease ends, so leaving never cuts a stream short.
+
+Single event loop: every method runs on the router's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
+from router.policies import RouteRequest, WorkerState
+
+logger = logging.getLogger(__name__)
+
+WORKER_HEALTH_SERVICE = "duet.worker.v1.Worker"
+# Reconnect quickly to a worker that comes back (gRPC's default backoff grows to 120 s).
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+@dataclass(eq=False)
+class WorkerLease:
+    """One request's use of one worker. ``call`` is set by the pipeline once the Submit call
+    exists; ``failure`` is set (and the call cancelled) if the directory declares the worker dead
+    while the lease is held."""
+
+    worker_id: str
+    stub: worker_pb2_grpc.WorkerStub
+    cost_tokens: int
+    call: grpc.aio.Call | None = None
+    failure: str | None = None
+    _member: _Member | None = field(default=None, repr=False)
+
+
+@dataclass(eq=False)
+class _Member:
+    worker_id: str
+    endpoint: str
+    channel: grpc.aio.Channel
+    state: WorkerState
+    stub: worker_pb2_grpc.WorkerStub = field(init=False)
+    health_stub: health_pb2_grpc.HealthStub = field(init=False)
+    failures: int = 0  # consecutive failed polls
+    cooldown_until: float = 0.0  # monotonic; no re-admission before (after a stream failure)
+    last_error: str = ""
+    leases: set[WorkerLease] = field(default_factory=set)
+    poll_task: asyncio.Task[None] | None = None
+    first_poll: asyncio.Event = field(default_factory=asyncio.Event)
+    removed: bool = False
+    warned: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+
+class WorkerDirectory:
+    def __init__(self, *, poll_interval_s: float = 0.2, poll_timeout_s: float = 2.0, failure_threshold: int = 3,
+                 stream_failure_cooldown_s: float = 1.0,
+                 on_health_change: Callable[[bool], None] | None = None) -> None:
+        self.poll_interval_s = poll_interval_s
+        self.poll_timeout_s = poll_timeout_s
+        self.failure_threshold = failure_threshold
+        self.stream_failure_cooldown_s = stream_failure_cooldown_s
+        self.on_health_change = on_health_change
+        self._members: dict[str, _Member] = {}
+        self._any_healthy = False
+        self._closed = False
+        self._background: set[asyncio.Task[None]] = set()  # strong refs to fire-and-forget tasks
+        self.num_stream_failures = 0
+        self.num_unhealthy_transitions = 0
+
+    # ------------------------------------------------------------- membership
+    async def set_members(self, members: Iterable[tuple[str, str]], *, wait: bool = True) -> None:
+        """Make the pool exactly ``members`` ((worker_id, endpoint) pairs). Newcomers are polled at
+        once; with ``wait`` this returns after their first poll (bounded by the poll timeout), so
+        a healthy newcomer is routable when it returns. A changed endpoint is a leave + join."""
+        assert not self._closed, "set_members after close()"
+        wanted: dict[str, str] = {}
+        for worker_id, endpoint in members:
+            if not isinstance(worker_id, str) or not worker_id or not isinstance(endpoint, str) or not endpoint:
+                raise ValueError(f"member ({worker_id!r}, {endpoint!r}): worker id and endpoint must be "
+                                 "non-empty strings")
+            if wanted.setdefault(worker_id, endpoint) != endpoint:
+                raise ValueError(f"worker id {worker_id!r} listed twice with different endpoints "
+                                 f"({wanted[worker_id]!r}, {endpoint!r})")
+        for m in list(self._members.values()):
+            if wanted.get(m.worker_id) != m.endpoint:
+                self._remove(m)
+        joined = [self._add(wid, ep) for wid, ep in wanted.items() if wid not in self._members]
+        self._notify_health()
+        if wait and joined:
+            waits = [asyncio.ensure_future(m.first_poll.wait()) for m in joined]
+            _, pending = await asyncio.wait(waits, timeout=self.poll_timeout_s + 0.5)
+            for w in pending:
+                w.cancel()
+
+    def _add(self, worker_id: str, endpoint: str) -> _Member:
+        channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+        m = _Member(worker_id, endpoint, channel, WorkerState(worker_id, endpoint, healthy=False))
+        self._members[worker_id] = m
+        m.poll_task = asyncio.create_task(self._poll_loop(m), name=f"poll-{worker_id}")
+        logger.info("worker %s joined at %s", worker_id, endpoint)
+        return m
+
+    def _remove(self, m: _Member) -> None:
+        m.removed = True
+        del self._members[m.worker_id]
+        if m.poll_task is not None:
+            m.poll_task.cancel()
+        m.state = replace(m.state, healthy=False)
+        logger.info("worker %s (%s) left the pool (%d requests still streaming from it)",
+                    m.worker_id, m.endpoint, len(m.leases))
+        if not m.leases:
+            self._spawn(m.channel.close())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Stop polling and close every channel (cancelling any call still open)."""
+        self._closed = True
+        members = list(self._members.values())
+        self._members.clear()
+        for m in members:
+            if m.poll_task is not None:
+                m.poll_task.cancel()
+        await asyncio.gather(*(m.poll_task for m in members if m.poll_task), return_exceptions=True)
+        await asyncio.gather(*(m.channel.close() for m in members), *self._background, return_exceptions=True)
+        self._notify_health()
+
+    # ------------------------------------------------------------- routing
+    def snapshot(self) -> list[WorkerState]:
+        """Every member's current state (healthy or not): what a policy's ``select`` takes."""
+        return [m.state for m in self._members.values()]
+
+    def any_healthy(self) -> bool:
+        return any(m.state.healthy for m in self._members.values())
+
+    def begin(self, worker_id: str, request: RouteRequest) -> WorkerLease:
+        """Start a lease on ``worker_id`` (just returned by the policy from ``snapshot()``)."""
+        m = self._members[worker_id]
+        cost = request.cost_tokens
+        lease = WorkerLease(worker_id, m.stub, cost, _member=m)
+        m.leases.add(lease)
+        s = m.state
+        m.state = replace(s, in_flight_requests=s.in_flight_requests + 1,
+                          routed_requests_since_report=s.routed_requests_since_report + 1,
+                          routed_tokens_since_report=s.routed_tokens_since_report + cost)
+        return lease
+
+    def end(self, lease: WorkerLease) -> None:
+        m = lease._member
+        assert m is not None and lease in m.leases, "lease ended twice"
+        m.leases.discard(lease)
+        m.state = replace(m.state, in_flight_requests=m.state.in_flight_requests - 1)
+        if m.removed and not m.leases:
+            self._spawn(m.channel.close())
+
+    def report_stream_failure(self, lease: WorkerLease, reason: str) -> None:
+        """A Submit stream on this worker failed in a way that means the worker is gone or
+        broken: stop routing to it until a poll succeeds after the cooldown."""
+        m = lease._member
+        assert m is not None
+        self.num_stream_failures += 1
+        m.cooldown_until = time.monotonic() + self.stream_failure_cooldown_s
+        m.last_error = reason
+        if not m.removed:
+            self._set_healthy(m, False, f"stream failed: {reason}")
+
+    # ------------------------------------------------------------- polling
+    async def _poll_loop(self, m: _Member) -> None:
+        while True:
+            try:
+                await self._poll_once(m)
+            except Exception:  # a bug: keep polling rather than silently freezing this worker's state
+                logger.exception("worker %s: poll crashed", m.worker_id)
+            m.first_poll.set()
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def _poll_once(self, m: _Member) -> None:
+        sent_requests = m.state.routed_requests_since_report
+        sent_tokens = m.state.routed_tokens_since_report
+        report, status = await asyncio.gather(
+            m.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=self.poll_timeout_s),
+            m.health_stub.Check(health_pb2.HealthCheckRequest(service=WORKER_HEALTH_SERVICE),
+                                timeout=self.poll_timeout_s),
+            return_exceptions=True,
+        )
+        if isinstance(status, grpc.aio.AioRpcError) and status.code() == grpc.StatusCode.UNIMPLEMENTED:
+            self._warn_once(m, "no-health", "worker %s serves no grpc.health.v1 service: judging its "
+                            "health by GetLoad alone", m.worker_id)
+            status = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+        elif isinstance(status, grpc.aio.AioRpcError) and status.code() == grpc.StatusCode.NOT_FOUND:
+            # The worker has not registered its service yet (still loading): alive, not ready.
+            status = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+        if m.removed:
+            return
+        error = next((r for r in (report, status) if isinstance(r, BaseException)), None)
+        if error is not None:
+            if not isinstance(error, grpc.aio.AioRpcError):
+                raise error  # a bug, not a worker failure
+            m.failures += 1
+            m.last_error = f"{error.code().name}: {error.details()}"
+            logger.debug("worker %s poll failed (%d in a row): %s", m.worker_id, m.failures, m.last_error)
+            if m.failures >= self.failure_threshold:
+                self._set_healthy(m, False, f"{m.failures} polls failed, last {m.last_error}")
+            if m.failures == self.failure_threshold:  # healthy or draining: its streams are stuck too
+                self._fail_leases(m, f"worker {m.worker_id} stopped answering ({m.last_error})")
+            return
+        m.failures = 0
+        if report.worker_id and report.worker_id != m.worker_id:
+            self._warn_once(m, "id", "worker %s at %s reports worker_id %r; keeping the member id",
+                            m.worker_id, m.endpoint, report.worker_id)
+        s = m.state
+        m.state = replace(
+            WorkerState.from_load_report(
+                report, endpoint=m.endpoint, healthy=s.healthy, in_flight_requests=s.in_flight_requests,
+                routed_requests_since_report=s.routed_requests_since_report - sent_requests,
+                routed_tokens_since_report=s.routed_tokens_since_report - sent_tokens),
+            worker_id=m.worker_id,
+        )
+        if status.status != health_pb2.HealthCheckResponse.SERVING:
+            name = health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
+            self._set_healthy(m, False, f"health of {WORKER_HEALTH_SERVICE} is {name}")
+        elif time.monotonic() >= m.cooldown_until:
+            self._set_healthy(m, True, "poll succeeded")
+
+    def _fail_leases(self, m: _Member, reason: str) -> None:
+        for lease in list(m.leases):
+            if lease.failure is None:
+                lease.failure = reason
+                if lease.call is not None:
+                    lease.call.cancel()
+
+    def _set_healthy(self, m: _Member, healthy: bool, why: str) -> None:
+        if m.state.healthy == healthy:
+            return
+        m.state = replace(m.state, healthy=healthy)
+        if healthy:
+            logger.info("worker %s (%s) is healthy: %s", m.worker_id, m.endpoint, why)
+        else:
+            self.num_unhealthy_transitions += 1
+            logger.warning("worker %s (%s) marked unhealthy, not routing to it: %s", m.worker_id, m.endpoint, why)
+        self._notify_health()
+
+    def _notify_health(self) -> None:
+        now = self.any_healthy()
+        if now != self._any_healthy:
+            self._any_healthy = now
+            if self.on_health_change is not None:
+                self.on_health_change(now)
+
+    def _warn_once(self, m: _Member, key: str, msg: str, *args: object) -> None:
+        if key not in m.warned:
+            m.warned.add(key)
+            logger.warning(msg, *args)
+
+    # ------------------------------------------------------------- introspection
+    def describe(self) -> list[dict[str, object]]:
+        """One dict per member (for status pages and tests)."""
+        return [{"worker_id": m.worker_id, "endpoint": m.endpoint, "healthy": m.state.healthy,
+                 "in_flight": m.state.in_flight_requests, "load_tokens": m.state.load_tokens,
+                 "consecutive_poll_failures": m.failures, "last_error": m.last_error}
+                for m in self._members.values()]

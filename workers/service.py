@@ -1,0 +1,248 @@
+"""The worker's internal gRPC service: one Engine behind ``duet.worker.v1.Worker`` and grpc health.
+
+Threads. The asyncio loop serves RPCs; ONE engine thread (``workers.engine_loop.EngineLoop``) builds
+the Engine, steps it, and is the only thread that ever touches it. The two sides meet in three places:
+  inbox     RPC side -> engine thread: a deque of commands (add, abort) under a Condition. The engine
+            thread drains it between steps and sleeps on the Condition when it has no work.
+  sinks     engine thread -> RPC side: one ``asyncio.Queue`` per request, fed through
+            ``loop.call_soon_threadsafe`` (one callback per step, carrying all of that step's outputs).
+  snapshot  an immutable ``LoadSnapshot`` the engine thread publishes after every step; GetLoad
+            reads it (a reference read), so GetLoad never waits for a step.
+
+Ending a request early:
+  client cancel / deadline  the Submit handler's ``finally`` posts an abort; the engine frees the
+                            request's KV blocks before its next step. Nothing more is sent.
+  Abort RPC                 the stream ends normally with finish_reason ABORT; found=False if unknown.
+  stop(grace)               health goes NOT_SERVING and new Submits get UNAVAILABLE at once; in-flight
+                            streams get ``grace`` seconds to finish, then the rest are aborted in the
+                            engine and end with status UNAVAILABLE (retryable: the router may resend).
+  engine failure            (a step raised) every stream ends with UNAVAILABLE, health goes
+                            NOT_SERVING, and the worker refuses new work until it is restarted.
+
+Worked example::
+
+    server = await start_worker_server(EngineConfig(model="SmolLM2-135M-Instruct"), port=50061)
+    async with grpc.aio.insecure_channel(server.endpoint) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        request = worker_pb2.SubmitRequest(request_id="r1", prompt_token_ids=[504, 3575, 282, 4649, 314],
+            sampling=worker_pb2.SamplingParams(max_tokens=8, temperature=0, top_p=1))
+        async for msg in stub.Submit(request):   # one message per step: token-id deltas
+            print(list(msg.token_ids))            # the last one also has finish_reason and usage
+    await server.stop(grace=5)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
+from workers.config import EngineConfig
+from workers.engine import Engine, RequestOutput
+from workers.engine_loop import EngineLimits, EngineLoop, LoadSnapshot, WorkerUnavailableError
+from workers.errors import InvalidRequestError
+from workers.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "duet.worker.v1.Worker"
+
+
+
+def to_sampling_params(p: worker_pb2.SamplingParams) -> SamplingParams:
+    """Proto -> engine params (every field literal; see the proto). Raises InvalidRequestError."""
+    return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                          seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
+                          stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
+
+
+def _merge(outputs: list[RequestOutput]) -> worker_pb2.SubmitResponse:
+    """Several queued step outputs of one request as one message (the last may be the final one)."""
+    msg = worker_pb2.SubmitResponse(token_ids=[t for o in outputs for t in o.new_token_ids])
+    last = outputs[-1]
+    if last.finished:
+        msg.finish_reason = worker_pb2.FinishReason.Value(f"FINISH_REASON_{last.finish_reason.name}")
+        msg.usage.CopyFrom(worker_pb2.Usage(prompt_tokens=last.num_prompt_tokens,
+                                            completion_tokens=last.num_output_tokens,
+                                            cached_prompt_tokens=last.num_cached_tokens))
+    return msg
+
+
+def _status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(error, InvalidRequestError):
+        code = grpc.StatusCode.ALREADY_EXISTS if error.field == "request_id" else grpc.StatusCode.INVALID_ARGUMENT
+        return code, str(error)
+    if isinstance(error, WorkerUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE, str(error)
+    return grpc.StatusCode.INTERNAL, f"worker error: {error!r}"
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """duet.worker.v1.Worker over an EngineLoop. Runs on the asyncio loop only (no locks needed).
+
+    max_inflight: Submits in flight at once; beyond it, RESOURCE_EXHAUSTED.
+    """
+
+    def __init__(self, engine: EngineLoop, limits: EngineLimits, worker_id: str, max_inflight: int = 1024) -> None:
+        self.worker_id = worker_id
+        self.incarnation = uuid.uuid4().hex  # new per process start: the prefix cache starts empty
+        self.limits = limits
+        self.max_inflight = max_inflight
+        self.accepting = True  # False once draining (or the engine failed): Submit -> UNAVAILABLE
+        self._engine = engine
+        self._inflight: set[str] = set()  # request ids with a live Submit handler
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    def _check(self, request: worker_pb2.SubmitRequest) -> tuple[grpc.StatusCode, str] | None:
+        rid, ids, lim = request.request_id, request.prompt_token_ids, self.limits
+        if not self.accepting:
+            return grpc.StatusCode.UNAVAILABLE, "worker is draining or shutting down"
+        if not rid:
+            return grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty"
+        if rid in self._inflight:
+            return grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight on this worker"
+        if len(self._inflight) >= self.max_inflight:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, f"worker queue full ({self.max_inflight} requests in flight)"
+        if not request.HasField("sampling"):
+            return grpc.StatusCode.INVALID_ARGUMENT, "sampling: required (resolved sampling parameters)"
+        if not ids:
+            return grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: must not be empty"
+        if len(ids) >= lim.max_model_len:
+            return grpc.StatusCode.INVALID_ARGUMENT, (
+                f"prompt_token_ids: {len(ids)} tokens; the limit is {lim.max_model_len - 1} "
+                f"(context {lim.max_model_len} including at least one output token)")
+        if max(ids) >= lim.vocab_size:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: every id must be < {lim.vocab_size}"
+        return None
+
+    async def Submit(self, request: worker_pb2.SubmitRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.SubmitResponse]:
+        problem = self._check(request)
+        if problem is None:
+            try:
+                params = to_sampling_params(request.sampling)
+            except InvalidRequestError as e:
+                problem = grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{e}"
+        if problem is not None:
+            await context.abort(*problem)
+        rid = request.request_id
+        sink: Sink = asyncio.Queue()
+        self._inflight.add(rid)
+        finished = False
+        try:
+            self._engine.add(rid, list(request.prompt_token_ids), params, sink)
+            while not finished:
+                items = [await sink.get()]
+                while not sink.empty():  # a slow reader gets the backlog as one message
+                    items.append(sink.get_nowait())
+                error = next((i for i in items if isinstance(i, Exception)), None)
+                if error is not None:
+                    finished = True  # the engine no longer holds the request
+                    await context.abort(*_status_of(error))
+                finished = items[-1].finished
+                yield _merge(items)
+        finally:
+            if not finished:  # cancelled, deadline, or the stream broke: free the KV blocks
+                self._engine.abort(rid)
+                logger.debug("request %s ended early; aborted in the engine", rid)
+            self._inflight.discard(rid)
+
+    async def Abort(self, request: worker_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:
+        found = bool(request.request_id) and await self._engine.abort(request.request_id)
+        return worker_pb2.AbortResponse(found=found)
+
+    async def GetLoad(self, request: worker_pb2.GetLoadRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.LoadReport:
+        return worker_pb2.LoadReport(worker_id=self.worker_id, incarnation=self.incarnation,
+                                     **dataclasses.asdict(self._engine.snapshot))
+
+
+class WorkerServer:
+    """A running worker: gRPC server + servicer + engine thread. Build with ``start_worker_server``."""
+
+    def __init__(self, server: grpc.aio.Server, servicer: WorkerServicer, engine: EngineLoop,
+                 health_servicer: health.aio.HealthServicer, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.servicer = servicer
+        self.limits = servicer.limits
+        self._server, self._engine, self._health = server, engine, health_servicer
+        self._stopped = False
+        engine.done.add_done_callback(self._on_engine_exit)
+
+    @property
+    def worker_id(self) -> str:
+        return self.servicer.worker_id
+
+    @property
+    def incarnation(self) -> str:
+        return self.servicer.incarnation
+
+    def _on_engine_exit(self, done: asyncio.Future) -> None:
+        if done.result() is not None:  # the engine died under us: stop taking work, say so
+            self.servicer.accepting = False
+            asyncio.ensure_future(self._health.enter_graceful_shutdown())
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop accepting (NOT_SERVING, new Submits UNAVAILABLE), let in-flight streams finish for up
+        to ``grace`` s, abort the rest (status UNAVAILABLE), stop the gRPC server and join the engine
+        thread. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        loop = asyncio.get_running_loop()
+        self.servicer.accepting = False
+        await self._health.enter_graceful_shutdown()
+        deadline = loop.time() + grace
+        while self.servicer.num_inflight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if self.servicer.num_inflight:
+            logger.info("worker %s: aborting %d in-flight requests", self.worker_id, self.servicer.num_inflight)
+        self._engine.stop()
+        await self._engine.wait_closed()
+        await self._server.stop(grace=1.0)  # the aborted streams send their UNAVAILABLE status
+        logger.info("worker %s stopped (%s)", self.worker_id, self.endpoint)
+
+
+async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
+                              worker_id: str | None = None, *, num_threads: int | None = None,
+                              max_inflight: int = 1024) -> WorkerServer:
+    """Load the engine on its own thread, then serve on ``host:port`` (0 = any free port).
+
+    num_threads: torch intra-op threads for the engine thread (match the CPUs reserved for it).
+    """
+    loop = asyncio.get_running_loop()
+    engine = EngineLoop(lambda: Engine(engine_config), loop, num_threads=num_threads)
+    limits = await engine.start()
+    worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
+    servicer = WorkerServicer(engine, limits, worker_id, max_inflight)
+    health_servicer = health.aio.HealthServicer()
+    # so_reuseport=0: a second worker on a taken port must fail, not silently share it.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        bound = server.add_insecure_port(_host_port(host, port))
+        await server.start()
+    except BaseException:
+        engine.stop()
+        await engine.wait_closed()
+        raise
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    endpoint = _host_port(host, bound)
+    logger.info("worker %s serving on %s (max_model_len %d)", worker_id, endpoint, limits.max_model_len)
+    return WorkerServer(server, servicer, engine, health_servicer, endpoint)
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 literals need brackets
