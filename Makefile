@@ -5,9 +5,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.duet-setup.stamp
 ARGS   ?=
 
-.PHONY: setup model test serve bench protos protos-check clean
+.PHONY: setup model kernels test serve bench protos protos-check clean
 
-setup: model
+setup: model kernels
 
 # Re-runs only when pyproject.toml changes (or the venv is gone).
 # torch goes first, pinned exactly, so pip takes the local CPU wheel instead of a CUDA build.
@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml
 # Converts the embedded SmolLM2 GGUF into the safetensors cache once; a no-op when cached.
 model: $(STAMP)
 	$(PY) -m workers.models.assets
+
+# Builds the C++ CPU kernels once (~40 s) into the cache so no test or first request pays for it.
+kernels: $(STAMP)
+	$(PY) -m kernels.build
 
 test: setup
 	$(PY) -m pytest $(ARGS)

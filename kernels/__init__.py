@@ -1,0 +1,44 @@
+"""Duet's fused ops: one op per file, each with a torch reference `<op>_ref` and a dispatching
+wrapper `<op>` that runs the C++ CPU kernel (kernels/csrc/) on fp32 CPU tensors and the reference
+otherwise (Triton GPU kernels come with the GPU kernels issue; CUDA tensors use the references).
+
+    rms_norm(x, weight, eps, residual=None) -> (out, new_residual | None)
+    silu_and_mul(x) -> out
+    linear(x, w, bias=None) -> y                 (C++ GEMV for T <= 16 rows, else MKL via F.linear)
+    paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out=None)
+    rotary_and_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)   (in place)
+
+The C++ extension is built on first use (or by `python -m kernels.build`); see kernels/_build.py for
+the cache, `DUET_DISABLE_CPU_KERNELS=1`, and how a failed build falls back (with a warning and a count).
+"""
+
+from kernels._build import (
+    cpu_kernels_available,
+    cpu_kernels_enabled,
+    fallback_counts,
+    reset_fallback_counts,
+    set_cpu_kernels_enabled,
+)
+from kernels.linear import linear, linear_ref
+from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
+from kernels.rms_norm import rms_norm, rms_norm_ref
+from kernels.rotary_and_cache_write import rotary_and_cache_write, rotary_and_cache_write_ref
+from kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+
+__all__ = [
+    "cpu_kernels_available",
+    "cpu_kernels_enabled",
+    "fallback_counts",
+    "linear",
+    "linear_ref",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "reset_fallback_counts",
+    "rms_norm",
+    "rms_norm_ref",
+    "rotary_and_cache_write",
+    "rotary_and_cache_write_ref",
+    "set_cpu_kernels_enabled",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+]

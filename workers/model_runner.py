@@ -72,7 +72,7 @@ class ModelRunner:
         singles = [c for c in sched.chunks if len(c.token_ids) == 1]
         multis = [c for c in sched.chunks if len(c.token_ids) > 1]
         chunks = singles + multis
-        input_ids, positions, slot_mapping, meta, sample_rows = self._prepare(chunks, len(singles))
+        input_ids, positions, meta, sample_rows = self._prepare(chunks, len(singles))
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, E]
         if not sample_rows:
             return RunnerOutput({})
@@ -83,53 +83,54 @@ class ModelRunner:
         tokens = self.sampler(logits, params, gens)
         return RunnerOutput(dict(zip(ids, tokens)))
 
-    def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
-        """Cache slots of token positions [start, end) of a sequence with this block table."""
+    def _context_slots(self, table: list[int], end: int) -> torch.Tensor:
+        """Cache slots of token positions [0, end) of a sequence with this block table: [end]."""
         bt = torch.tensor(table[: -(-end // self.block_size)], dtype=torch.long)
-        all_slots = (bt[:, None] * self.block_size + self._block_offsets).view(-1)  # [nb * bs]
-        return all_slots[start:end]
+        return (bt[:, None] * self.block_size + self._block_offsets).view(-1)[:end]
 
     def _prepare(self, chunks: list[ScheduledChunk], num_singles: int):
+        bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
-        slot_parts: list[torch.Tensor] = []
+        slots: list[int] = []
         sample_rows: list[tuple[int, str]] = []
         prefills: list[PrefillSpan] = []
-        decode_ctx: list[torch.Tensor] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         row = 0
         for i, c in enumerate(chunks):
             n = len(c.token_ids)
             end = c.start_pos + n
+            table = c.block_table
             ids.extend(c.token_ids)
             pos.extend(range(c.start_pos, end))
-            ctx_slots = self._slots(c.block_table, 0, end)  # [L]
-            slot_parts.append(ctx_slots[c.start_pos :])
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c.start_pos, end))
             if i < num_singles:
-                decode_ctx.append(ctx_slots)
+                decode_tables.append(table)
+                decode_lens.append(end)
             elif c.start_pos == 0:
                 prefills.append(PrefillSpan(row, row + n, None, None))
             else:
-                q_pos = torch.arange(c.start_pos, end)[:, None]
-                mask = torch.arange(end)[None, :] <= q_pos  # [n, L]
-                prefills.append(PrefillSpan(row, row + n, ctx_slots.to(self.device), mask.to(self.device)))
+                mask = torch.arange(end)[None, :] <= torch.arange(c.start_pos, end)[:, None]  # [n, L]
+                ctx = self._context_slots(table, end)
+                prefills.append(PrefillSpan(row, row + n, ctx.to(self.device), mask.to(self.device)))
             row += n
             if c.sample:
                 sample_rows.append((row - 1, c.request_id))
-        decode_slots = decode_mask = None
-        if decode_ctx:
-            lens = [len(s) for s in decode_ctx]
-            decode_slots = torch.nn.utils.rnn.pad_sequence(decode_ctx, batch_first=True)  # [B, L]
-            if min(lens) != max(lens):
-                valid = torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]
-                decode_mask = valid[:, None, None, :]  # [B, 1, 1, L]
-        slot_mapping = torch.cat(slot_parts)
+        block_tables = context_lens = None
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            block_tables = torch.tensor(padded, dtype=torch.int32, device=self.device)  # [B, max_blocks]
+            context_lens = torch.tensor(decode_lens, dtype=torch.int32, device=self.device)  # [B]
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(self.device),
+            block_size=bs,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decodes=num_singles,
-            decode_slots=None if decode_slots is None else decode_slots.to(self.device),
-            decode_mask=None if decode_mask is None else decode_mask.to(self.device),
+            decode_block_tables=block_tables,
+            decode_context_lens=context_lens,
             prefills=prefills,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
-        return input_ids, positions, slot_mapping, meta, sample_rows
+        return input_ids, positions, meta, sample_rows

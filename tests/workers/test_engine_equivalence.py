@@ -65,3 +65,15 @@ def test_preemption_and_recompute(smollm2_path: Path, tokenizer, hf_greedy):
     engine = tight.engine
     assert engine.block_manager.num_free_blocks == 12
     assert engine.stats().num_preemptions > 0
+
+
+def test_plain_torch_path_matches_kernels(llm, tokenizer, hf_greedy):
+    """The C++ kernels are an optimisation: the torch reference path must give the same tokens."""
+    from kernels import cpu_kernels_available, set_cpu_kernels_enabled
+
+    assert cpu_kernels_available()
+    previous = set_cpu_kernels_enabled(False)
+    try:
+        check(llm.generate(PROMPTS, GREEDY), tokenizer, hf_greedy)
+    finally:
+        set_cpu_kernels_enabled(previous)

@@ -1,14 +1,14 @@
-"""SwiGLU gate: silu(gate) * up on the fused [gate | up] projection."""
+"""SwiGLU gate: silu(gate) * up on the fused [gate | up] projection (``kernels.silu_and_mul``)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kernels.silu_and_mul import silu_and_mul
 
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, 2I] -> [T, I]
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)

@@ -1,13 +1,14 @@
 """Attention over the paged KV cache for a flat batch of tokens (no padding between requests).
 
-A step's tokens are laid out as [decode tokens (one per sequence) | prefill chunk 1 | chunk 2 ...].
-Each layer first writes the new K/V into their cache slots, then attends:
-  - decodes: one batched SDPA over each sequence's cached K/V gathered through its slot list
-    (padded to the longest context, padding masked out);
-  - a prefill chunk starting at position 0 attends only to itself (causal, no gather);
+A step's tokens are laid out as [single-token chunks (decodes), one per sequence | prefill chunk 1
+| chunk 2 ...]. Each layer first rotates q/k and writes the new K/V into their cache slots (one fused
+call), then attends:
+  - decodes: ``kernels.paged_decode_attention`` reads each sequence's K/V straight from its
+    blocks (no gather copy);
+  - a prefill chunk starting at position 0 attends only to itself (causal SDPA, no gather);
   - a chunk starting later (chunked prefill, prefix-cache hit, recompute) gathers its cached prefix
     and uses a causal mask offset by the chunk's start.
-Slot lists and masks are built once per step (AttentionMetadata) and shared by all layers.
+The metadata is built once per step (AttentionMetadata) and shared by all layers.
 
 Axes: T tokens in the step, B decode sequences, L context length, S cache slots
 (num_blocks * block_size), H query heads, G kv heads, D head dim.
@@ -21,6 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.paged_decode_attention import paged_decode_attention
+from kernels.rotary_and_cache_write import rotary_and_cache_write
+
 
 @dataclass(frozen=True)
 class PrefillSpan:
@@ -32,10 +36,11 @@ class PrefillSpan:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
+    block_size: int
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
     num_decodes: int  # the first num_decodes tokens are decodes, one per sequence
-    decode_slots: torch.Tensor | None  # [B, L] context slots per decode sequence (0-padded)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool, None when no padding
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks] int32, padded with 0
+    decode_context_lens: torch.Tensor | None  # [B] int32, including the new token
     prefills: list[PrefillSpan]
 
 
@@ -45,34 +50,35 @@ class PagedAttention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.scale = head_dim**-0.5
 
     def forward(
         self,
-        q: torch.Tensor,  # [T, H, D]
-        k: torch.Tensor,  # [T, G, D]
+        q: torch.Tensor,  # [T, H, D], rotated in place
+        k: torch.Tensor,  # [T, G, D], rotated in place
         v: torch.Tensor,  # [T, G, D]
+        cos: torch.Tensor,  # [T, D/2] rotary cos at each token's position
+        sin: torch.Tensor,  # [T, D/2]
         k_cache: torch.Tensor,  # [S, G, D]
         v_cache: torch.Tensor,  # [S, G, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H * D]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
+        rotary_and_cache_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decodes
+        if nd == q.shape[0]:  # decode-only step: the kernel output is the whole result
+            out = paged_decode_attention(
+                q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.block_size, self.scale
+            )
+            return out.view(nd, -1)
+        out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+            paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.block_size,
+                self.scale, out=out[:nd],
+            )
         for span in meta.prefills:
             out[span.q_start : span.q_end] = self._prefill(q, k, v, k_cache, v_cache, span)
         return out.view(q.shape[0], -1)
-
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        slots = meta.decode_slots  # [B, L]
-        kk = k_cache[slots].transpose(1, 2)  # [B, G, L, D]
-        vv = v_cache[slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kk, vv, attn_mask=meta.decode_mask, enable_gqa=True
-        )  # [B, H, 1, D]
-        return o.squeeze(2)
 
     def _prefill(self, q, k, v, k_cache, v_cache, span: PrefillSpan) -> torch.Tensor:
         qq = q[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]

@@ -9,8 +9,9 @@ Tensor-parallel variants (issue [parallel]) shard in the same loaders.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kernels.linear import linear
 
 
 class Linear(nn.Module):
@@ -34,7 +35,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)  # GEMV kernel at decode sizes, MKL GEMM above
 
 
 class MergedLinear(Linear):

@@ -1,21 +1,26 @@
-"""RMSNorm: y = x / sqrt(mean(x^2) + eps) * weight (Llama, Qwen2)."""
+"""RMSNorm: y = r / sqrt(mean(r^2) + eps) * weight, with r = x (+ residual) (Llama, Qwen2).
+
+Called with the residual stream, it fuses the residual add into the norm and returns the new
+residual too (one pass, one call: ``kernels.rms_norm``), so a decoder layer reads
+``h, residual = norm(h, residual)``.
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kernels.rms_norm import rms_norm
 
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H]. Compute in fp32 like HF so low-precision dtypes match the reference.
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        y = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
-        return self.weight * y.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # x, residual: [T, E] -> (normed [T, E], x + residual [T, E] or None)
+        return rms_norm(x, self.weight, self.eps, residual)

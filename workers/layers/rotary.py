@@ -3,9 +3,10 @@
 For a head vector x = [x1 | x2] (two halves of D/2) at position p with frequencies f (D/2 of them):
     rope(x) = [x1 * cos(p f) - x2 * sin(p f) | x2 * cos(p f) + x1 * sin(p f)]
 Supported scalings ('rope_type'): default, linear (positions / factor) and llama3 (Llama 3.1's
-frequency-dependent interpolation). Others raise a ConfigError naming the type.
+frequency-dependent interpolation). Others raise a ConfigError naming the type. The rotation itself
+is applied by ``kernels.rotary_and_cache_write``, fused with the KV-cache write.
 
-Axes: T tokens, N heads, D head dim.
+Axes: T tokens, D head dim.
 """
 
 from __future__ import annotations
@@ -45,20 +46,14 @@ class RotaryEmbedding(nn.Module):
         self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None = None
     ) -> None:
         super().__init__()
-        self.head_dim = head_dim
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        # [max_position, D] holding [cos | sin] of the D/2 frequencies.
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        # [max_position, D] holding [cos | sin] of the D/2 frequencies. A plain attribute, not a
+        # buffer: it stays fp32 (like HF) when the model is cast to bf16/fp16. It is created on the
+        # device the model is built under (``with torch.device(...)`` in the loader).
+        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin each [T, 1, D/2], computed once per step for all layers."""
-        cs = self.cos_sin.index_select(0, positions).to(dtype)
-        cos, sin = cs.unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, N, D] -> rotated [T, N, D]."""
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        """positions [T] -> cos, sin each [T, D/2], computed once per step for all layers."""
+        cos, sin = self.cos_sin.index_select(0, positions).to(dtype).chunk(2, dim=-1)
+        return cos.contiguous(), sin.contiguous()

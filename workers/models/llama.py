@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels.linear import linear
 from workers.layers.activation import SiluAndMul
 from workers.layers.attention import AttentionMetadata, PagedAttention
 from workers.layers.linear import Linear, MergedLinear
@@ -35,13 +35,9 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(h, g, d)
 
     def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (H + 2G) D]
-        qk = qkv[:, : (self.h + self.g) * self.d].view(t, self.h + self.g, self.d)
-        qk = RotaryEmbedding.apply(qk, cos, sin)  # rotate q and k in one pass
-        q, k = qk.split([self.h, self.g], dim=1)  # [T, H, D], [T, G, D]
-        v = qkv[:, (self.h + self.g) * self.d :].view(t, self.g, self.d)
-        o = self.attn(q, k, v, kv[0], kv[1], meta)  # [T, H D]
+        qkv = self.qkv_proj(x).view(x.shape[0], self.h + 2 * self.g, self.d)  # [T, H + 2G, D]
+        q, k, v = qkv.split([self.h, self.g, self.g], dim=1)  # views: [T, H, D], [T, G, D], [T, G, D]
+        o = self.attn(q, k, v, cos, sin, kv[0], kv[1], meta)  # [T, H D]
         return self.o_proj(o)
 
 
@@ -65,9 +61,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = LlamaMLP(spec)
 
-    def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos, sin, kv: KVCache, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: this layer's input delta, residual: the stream so far (None at layer 0).
+        Returns (output delta, residual stream); the next norm adds them (fused add + norm)."""
+        if residual is None:
+            x, _ = self.input_layernorm(h)
+            residual = h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(x, cos, sin, kv, meta)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -103,16 +109,17 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],  # one per layer
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, E]
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary.lookup(positions, x.dtype)  # [T, 1, D/2] each
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary.lookup(positions, h.dtype)  # [T, D/2] each
+        residual = None
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta)
-        return self.model.norm(x)
+            h, residual = layer(h, residual, cos, sin, kv, meta)
+        return self.model.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, E] -> logits [N, V] (only rows that are sampled)."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w)
+        return linear(hidden, w)  # the largest matrix: GEMV kernel at decode batch sizes
 
     def expected_weights(self) -> set[tuple[str, str | None]]:
         """(parameter name, shard id) pairs a complete checkpoint fills."""

@@ -1,0 +1,167 @@
+"""Builds and loads the C++ CPU kernels (one torch extension, `duet_cpu_kernels`), once per process.
+
+The sources are `kernels/csrc/*.cpp`; torch's JIT builder (`torch.utils.cpp_extension.load`, which
+needs a C++ compiler and `ninja`) compiles them into `$DUET_CACHE_DIR/kernels` (default
+`~/.cache/duet/kernels`): ~40 s the first time on 2 cores, then only when a source changes, and a
+load from the cache takes well under a second. The binary is built without `-march`; each kernel picks
+AVX-512, AVX2+FMA or scalar code at run time from what the CPU reports, so a cache built on one x86
+machine runs on another.
+
+Switches:
+  - `DUET_DISABLE_CPU_KERNELS=1` (read at import) or `set_cpu_kernels_enabled(False)`: every wrapper
+    uses its torch reference. Deliberate, so not counted as a fallback.
+  - If the build or load fails, one WARNING names the error, `cpu_kernels_available()` is False and
+    each wrapper call that had to use the reference instead counts in `fallback_counts()`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+EXTENSION_NAME = "duet_cpu_kernels"
+CSRC = Path(__file__).resolve().parent / "csrc"
+# -ffp-contract=off: FMAs only where a kernel writes one (rotary must match torch bit for bit).
+# -Wno-(maybe-)uninitialized: GCC 12's own AVX-512 headers trip them (_mm512_undefined_ps).
+CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-uninitialized", "-Wno-maybe-uninitialized"]
+LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_ext: ModuleType | None = None
+_error: str | None = None  # why the extension is unavailable, once a load was tried and failed
+_enabled = os.environ.get("DUET_DISABLE_CPU_KERNELS", "").strip().lower() not in ("1", "true", "yes")
+_fallbacks: Counter[str] = Counter()
+_warned: set[str] = set()
+
+
+def cache_dir() -> Path:
+    """`$DUET_CACHE_DIR/kernels`, else `~/.cache/duet/kernels` (created)."""
+    root = os.environ.get("DUET_CACHE_DIR")
+    path = (Path(root) if root else Path.home() / ".cache" / "duet") / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def sources() -> list[Path]:
+    return sorted(CSRC.glob("*.cpp"))
+
+
+def _headers_digest() -> str:
+    # torch re-versions the extension when the sources or flags change, not when a header does; a
+    # define carrying the headers' hash makes a header edit a flag change.
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.glob("*.h")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _ensure_ninja_on_path() -> None:
+    # torch looks for `ninja` on PATH only. A venv run without activation has the pip-installed ninja
+    # (venv/bin) off PATH, so put the interpreter's bin dir (and the ninja package's) in front.
+    if shutil.which("ninja"):
+        return
+    dirs = [os.path.dirname(sys.executable)]
+    try:
+        import ninja  # type: ignore[import-not-found]
+
+        dirs.append(ninja.BIN_DIR)
+    except ImportError:
+        pass
+    os.environ["PATH"] = os.pathsep.join(dirs + [os.environ.get("PATH", "")])
+
+
+def load(verbose: bool = False) -> ModuleType | None:
+    """Build (if needed) and import the extension; None, after one WARNING, if that fails."""
+    global _ext, _error
+    if _ext is not None or _error is not None:
+        return _ext
+    with _lock:
+        if _ext is not None or _error is not None:
+            return _ext
+        start = time.perf_counter()
+        try:
+            from torch.utils import cpp_extension
+
+            _ensure_ninja_on_path()
+            _ext = cpp_extension.load(
+                name=EXTENSION_NAME,
+                sources=[str(p) for p in sources()],
+                extra_cflags=[*CFLAGS, f"-DDUET_HEADERS_DIGEST={_headers_digest()}"],
+                extra_ldflags=LDFLAGS,
+                extra_include_paths=[str(CSRC)],
+                build_directory=str(cache_dir()),
+                verbose=verbose,
+            )
+        except Exception as exc:  # compiler missing, build error, load error: all mean "use the refs"
+            _error = f"{type(exc).__name__}: {exc}"
+            logger.warning(
+                "Duet CPU kernels are unavailable, every kernel op falls back to its (slower) torch "
+                "reference: %s",
+                _error[-2000:],
+            )
+            return None
+        logger.info(
+            "Duet CPU kernels loaded in %.1f s (isa %s) from %s", time.perf_counter() - start, _ext.active_isa(), cache_dir()
+        )
+        return _ext
+
+
+def ext() -> ModuleType | None:
+    """The extension if the wrappers should use it (enabled and loaded), else None. Hot path."""
+    if _enabled:
+        return _ext if _ext is not None else load()
+    return None
+
+
+def cpu_kernels_available() -> bool:
+    """True if the C++ kernels are built and loaded (building them now if needed), enabled or not."""
+    return load() is not None
+
+
+def cpu_kernels_enabled() -> bool:
+    return _enabled
+
+
+def set_cpu_kernels_enabled(enabled: bool) -> bool:
+    """Turn the C++ kernels on or off for this process (tests, benchmarks); returns the old value."""
+    global _enabled
+    old, _enabled = _enabled, bool(enabled)
+    return old
+
+
+def unavailable_reason() -> str | None:
+    return _error
+
+
+def note_fallback(op: str, reason: str) -> None:
+    """Record that `op` ran its torch reference where a C++ kernel was wanted (warns once per reason)."""
+    key = f"{op}:{reason}"
+    _fallbacks[key] += 1
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning("kernels.%s: using the torch reference (%s); counted in kernels.fallback_counts()", op, reason)
+
+
+def note_ref_path(op: str) -> None:
+    """The wrapper used the reference on a CPU fp32 input: a fallback unless the kernels are disabled."""
+    if _enabled:
+        note_fallback(op, "cpu kernels unavailable")
+
+
+def fallback_counts() -> dict[str, int]:
+    """Fallbacks so far, keyed 'op:reason'."""
+    return dict(_fallbacks)
+
+
+def reset_fallback_counts() -> None:
+    _fallbacks.clear()

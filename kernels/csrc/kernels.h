@@ -1,0 +1,72 @@
+// Raw-pointer entry points of Duet's CPU kernels (fp32). bindings.cpp checks tensors and calls these.
+//
+// Conventions: a "row stride" is the distance in elements between consecutive rows; the last
+// (feature) dimension is always contiguous. `max_threads` is the OpenMP team size the caller allows
+// (torch's at::get_num_threads()); each kernel decides whether the work is worth more than one.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace duet {
+
+// out[t] = r[t] * rsqrt(mean(r[t]^2) + eps) * weight, r = x (+ residual); res_out[t] = r[t].
+// residual and res_out are both null or both set. out / res_out are contiguous [T, E].
+void rms_norm_f32(const float* x, int64_t x_stride, const float* residual, int64_t res_stride,
+                  const float* weight, float* out, float* res_out, int64_t T, int64_t E, float eps,
+                  int max_threads);
+
+// out[t, i] = silu(x[t, i]) * x[t, I + i]; out is contiguous [T, I].
+void silu_and_mul_f32(const float* x, int64_t x_stride, float* out, int64_t T, int64_t I, int max_threads);
+
+// y[t, n] = sum_k x[t, k] * w[n, k] (+ bias[n]) for any T (up to 8 rows of x per pass over W).
+// bias may be null.
+void gemv_f32(const float* x, int64_t x_stride, const float* w, int64_t w_stride, const float* bias,
+              float* y, int64_t y_stride, int64_t T, int64_t N, int64_t K, int max_threads);
+
+struct PagedDecodeArgs {
+  const float* q;  // [B, H, D], strides q_sb, q_sh
+  int64_t q_sb, q_sh;
+  const float* k_cache;  // [S, G, D], strides k_ss, k_sg
+  int64_t k_ss, k_sg;
+  const float* v_cache;  // [S, G, D], strides v_ss, v_sg
+  int64_t v_ss, v_sg;
+  const void* block_tables;  // [B, max_blocks] int32 or int64 (bt_is64), row stride bt_sb
+  bool bt_is64;
+  int64_t bt_sb, max_blocks;
+  const void* context_lens;  // [B] int32 or int64 (cl_is64), contiguous
+  bool cl_is64;
+  float* out;  // [B, H, D], strides o_sb, o_sh
+  int64_t o_sb, o_sh;
+  int64_t B, H, G, D, S, block_size;
+  float scale;
+};
+
+// Empty string if every sequence's context fits its block table and every block it uses lies in
+// the cache; otherwise a message naming the sequence and the bad value.
+std::string paged_decode_validate(const PagedDecodeArgs& a);
+void paged_decode_attention_f32(const PagedDecodeArgs& a, int max_threads);
+
+struct RotaryCacheArgs {
+  float* q;  // [T, H, D] rotated in place, strides q_st, q_sh
+  int64_t q_st, q_sh;
+  float* k;  // [T, G, D] rotated in place, strides k_st, k_sh
+  int64_t k_st, k_sh;
+  const float* v;  // [T, G, D], strides v_st, v_sh
+  int64_t v_st, v_sh;
+  const float* cos;  // [T, D/2], row stride cos_st
+  const float* sin;  // [T, D/2], row stride sin_st
+  int64_t cos_st, sin_st;
+  float* k_cache;  // [S, G, D], strides kc_ss, kc_sg
+  int64_t kc_ss, kc_sg;
+  float* v_cache;  // [S, G, D], strides vc_ss, vc_sg
+  int64_t vc_ss, vc_sg;
+  const void* slot_mapping;  // [T] int32 or int64; a negative slot means "do not write"
+  bool slot_is64;
+  int64_t T, H, G, D, S;
+};
+
+std::string rotary_cache_validate(const RotaryCacheArgs& a);
+void rotary_and_cache_write_f32(const RotaryCacheArgs& a, int max_threads);
+
+}  // namespace duet

@@ -1,0 +1,177 @@
+// Decode attention over a paged KV cache, fp32: one query token per sequence.
+//
+// For sequence b and query head h (kv head g = h / (H / G)):
+//   s_t = scale * <q[b, h], K[slot(b, t), g]>,  t < context_lens[b]
+//   out[b, h] = sum_t softmax(s)_t * V[slot(b, t), g]
+//   slot(b, t) = block_tables[b, t / block_size] * block_size + t % block_size
+// K and V rows are read in place from the cache (no gather copy), whole slots at a time (all G kv
+// heads, so memory is read sequentially within a block), and each kv head's K/V row is used by all
+// H / G query heads of its group while it is in registers (attention_prims.h).
+//
+// Work item = (b, token range). A long context is split into ranges when there are too few
+// sequences to keep every thread busy (flash-decoding); each range keeps per head its max m, sum
+// l = sum exp(s - m) and unnormalised acc = sum exp(s - m) V, and ranges merge exactly:
+//   M = max_p m_p;  out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p.
+// Within a range the softmax is two-pass (scores to a scratch row, then max, exp, sum), exact and
+// stable (every exponent is <= 0). A sequence with context length 0 gets zeros.
+#include <omp.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "attention_prims.h"
+#include "common.h"
+#include "kernels.h"
+
+namespace duet {
+namespace {
+
+using namespace attn;
+
+constexpr int64_t kMinParallelWork = 1 << 17;  // sum(context) * H * D below which one thread wins
+constexpr int64_t kMinSplit = 64;              // shortest token range worth its own work item
+
+struct Prims {
+  ScoreFn scores;
+  AccumFn accum;
+  ExpSumFn expsum;
+  RowMaxFn rowmax;
+};
+
+Prims prims_for(Isa isa) {
+  if (isa == Isa::kAvx512) return {scores_avx512, accum_avx512, expsum_avx512, rowmax_avx512};
+  if (isa == Isa::kAvx2) return {scores_avx2, accum_avx2, expsum_avx2, rowmax_scalar};
+  return {scores_scalar, accum_scalar, expsum_scalar, rowmax_scalar};
+}
+
+inline int64_t index_at(const void* p, bool is64, int64_t i) {
+  return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
+}
+
+struct Item {
+  int64_t b, t0, t1;
+};
+
+// Walks tokens [t0, t1) of sequence b as runs of <= kRun consecutive slots within one block and
+// calls f(offset from t0, first slot, run length).
+template <typename F>
+inline void for_each_run(const PagedDecodeArgs& a, int64_t b, int64_t t0, int64_t t1, F&& f) {
+  const int64_t* bt64 = static_cast<const int64_t*>(a.block_tables) + b * a.bt_sb;
+  const int32_t* bt32 = static_cast<const int32_t*>(a.block_tables) + b * a.bt_sb;
+  int64_t j = t0 / a.block_size, off = t0 % a.block_size;
+  for (int64_t t = t0; t < t1;) {
+    const int64_t n = std::min({a.block_size - off, t1 - t, kRun});
+    const int64_t blk = a.bt_is64 ? bt64[j] : bt32[j];
+    f(t - t0, blk * a.block_size + off, n);
+    t += n;
+    off += n;
+    if (off == a.block_size) off = 0, ++j;
+  }
+}
+
+// One work item: m[h], l[h] and the unnormalised acc[h * D + d] for all H heads of sequence b.
+void run_item(const PagedDecodeArgs& a, const Prims& pr, const Item& it, float* m, float* l, float* acc) {
+  const int64_t H = a.H, G = a.G, D = a.D, hpg = H / G, len = it.t1 - it.t0;
+  static thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < H * len) scratch.resize(H * len);
+  float* s = scratch.data();  // [H, len] scores, then unnormalised probabilities
+  const float* q = a.q + it.b * a.q_sb;
+  for_each_run(a, it.b, it.t0, it.t1, [&](int64_t i, int64_t slot, int64_t n) {
+    const float* k = a.k_cache + slot * a.k_ss;
+    for (int64_t g = 0; g < G; ++g)
+      pr.scores(q + g * hpg * a.q_sh, a.q_sh, hpg, k + g * a.k_sg, a.k_ss, n, D, a.scale, s + g * hpg * len + i, len);
+  });
+  for (int64_t h = 0; h < H; ++h) {
+    m[h] = pr.rowmax(s + h * len, len);
+    l[h] = pr.expsum(s + h * len, len, m[h]);
+  }
+  std::fill(acc, acc + H * D, 0.f);
+  for_each_run(a, it.b, it.t0, it.t1, [&](int64_t i, int64_t slot, int64_t n) {
+    const float* v = a.v_cache + slot * a.v_ss;
+    for (int64_t g = 0; g < G; ++g)
+      pr.accum(s + g * hpg * len + i, len, hpg, n, v + g * a.v_sg, a.v_ss, D, acc + g * hpg * D);
+  });
+}
+
+// out[b] from the items [i, j) of sequence b (consecutive in the item list).
+void merge(const PagedDecodeArgs& a, const std::vector<Item>& items, const float* part, int64_t per_item, int64_t i,
+           int64_t j) {
+  const int64_t H = a.H, D = a.D;
+  for (int64_t h = 0; h < H; ++h) {
+    float M = -std::numeric_limits<float>::infinity();
+    for (int64_t p = i; p < j; ++p) M = std::max(M, part[p * per_item + h]);
+    float L = 0.f;
+    float* o = a.out + items[i].b * a.o_sb + h * a.o_sh;
+    std::fill_n(o, D, 0.f);
+    for (int64_t p = i; p < j; ++p) {
+      const float* pp = part + p * per_item;
+      const float w = std::exp(pp[h] - M);
+      L += w * pp[H + h];
+      const float* acc = pp + 2 * H + h * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += w * acc[d];
+    }
+    const float inv = 1.0f / L;
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  }
+}
+
+}  // namespace
+
+std::string paged_decode_validate(const PagedDecodeArgs& a) {
+  for (int64_t b = 0; b < a.B; ++b) {
+    const int64_t ctx = index_at(a.context_lens, a.cl_is64, b);
+    if (ctx < 0) return "context_lens[" + std::to_string(b) + "] = " + std::to_string(ctx) + " is negative";
+    const int64_t nblk = (ctx + a.block_size - 1) / a.block_size;
+    if (nblk > a.max_blocks)
+      return "sequence " + std::to_string(b) + " has " + std::to_string(ctx) + " tokens = " + std::to_string(nblk) +
+             " blocks but block_tables has " + std::to_string(a.max_blocks) + " columns";
+    for (int64_t j = 0; j < nblk; ++j) {
+      const int64_t blk = index_at(a.block_tables, a.bt_is64, b * a.bt_sb + j);
+      const int64_t last = std::min(a.block_size, ctx - j * a.block_size) - 1;
+      if (blk < 0 || blk * a.block_size + last >= a.S)
+        return "block_tables[" + std::to_string(b) + ", " + std::to_string(j) + "] = " + std::to_string(blk) +
+               " is outside the cache (" + std::to_string(a.S) + " slots of block_size " +
+               std::to_string(a.block_size) + ")";
+    }
+  }
+  return "";
+}
+
+void paged_decode_attention_f32(const PagedDecodeArgs& a, int max_threads) {
+  const Prims pr = prims_for(active_isa());
+  int64_t total_ctx = 0;
+  for (int64_t b = 0; b < a.B; ++b) total_ctx += index_at(a.context_lens, a.cl_is64, b);
+  const int nt0 = pick_threads(max_threads, total_ctx * a.H * a.D, kMinParallelWork, total_ctx);
+  // Ranges of at most `chunk` tokens: ~4 items per thread when parallel (balance), else whole sequences.
+  const int64_t chunk = nt0 > 1 ? std::max(kMinSplit, (total_ctx + 4 * nt0 - 1) / (4 * nt0)) : 0;
+  std::vector<Item> items;
+  for (int64_t b = 0; b < a.B; ++b) {
+    const int64_t ctx = index_at(a.context_lens, a.cl_is64, b);
+    if (ctx == 0)
+      for (int64_t h = 0; h < a.H; ++h) std::fill_n(a.out + b * a.o_sb + h * a.o_sh, a.D, 0.f);
+    const int64_t parts = chunk > 0 ? (ctx + chunk - 1) / chunk : (ctx > 0);
+    for (int64_t p = 0; p < parts; ++p) items.push_back({b, ctx * p / parts, ctx * (p + 1) / parts});
+  }
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t per_item = a.H * (a.D + 2);  // m[H], l[H], acc[H * D]
+  std::vector<float> part(n_items * per_item);
+  auto run = [&](int64_t i) {
+    float* p = part.data() + i * per_item;
+    run_item(a, pr, items[i], p, p + a.H, p + 2 * a.H);
+  };
+  if (nt0 == 1 || n_items == 1) {
+    for (int64_t i = 0; i < n_items; ++i) run(i);
+  } else {
+#pragma omp parallel for num_threads(nt0) schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_items; ++i) run(i);
+  }
+  for (int64_t i = 0; i < n_items;) {
+    int64_t j = i + 1;
+    while (j < n_items && items[j].b == items[i].b) ++j;
+    merge(a, items, part.data(), per_item, i, j);
+    i = j;
+  }
+}
+
+}  // namespace duet

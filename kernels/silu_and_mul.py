@@ -1,0 +1,36 @@
+"""SwiGLU gate on the fused [gate | up] projection: out = silu(x[:, :I]) * x[:, I:].
+
+silu(g) = g * sigmoid(g) = g / (1 + exp(-g)). Worked example (I = 1): x = [[0, 5]] -> silu(0) * 5 = 0;
+x = [[2, 1]] -> 2 / (1 + e^-2) = 1.7616.
+
+Dispatch: fp32 CPU tensors -> the C++ kernel (one pass, vector exp accurate to a few ulp; torch needs
+a chunk, a silu and a mul, each a dispatch and a temporary); anything else -> `silu_and_mul_ref`,
+counted as a fallback. CUDA uses the reference for now (Triton kernels come with the GPU issue).
+
+Axes: T tokens (any leading dims are accepted), I intermediate size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import _build
+
+_F32 = torch.float32
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    if x.is_cpu and x.dtype is _F32:
+        ext = _build.ext()
+        if ext is not None:
+            return ext.silu_and_mul(x)
+        _build.note_ref_path("silu_and_mul")
+    else:
+        _build.note_fallback("silu_and_mul", f"no kernel for {x.device.type}/{x.dtype}")
+    return silu_and_mul_ref(x)

@@ -1,0 +1,120 @@
+"""The wrappers' choice between C++ kernels and torch references, and its bookkeeping."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from kernels import _build
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _all_ops_once() -> None:
+    x = torch.randn(2, 64)
+    kernels.rms_norm(x, torch.ones(64), 1e-5, x)
+    kernels.silu_and_mul(x)
+    kernels.linear(x, torch.randn(8, 64))
+    bt, cl = torch.tensor([[0]]), torch.tensor([3])
+    kernels.paged_decode_attention(torch.randn(1, 4, 16), torch.randn(16, 2, 16), torch.randn(16, 2, 16), bt, cl, 16, 0.25)
+    q, k, v = torch.randn(1, 4, 16), torch.randn(1, 2, 16), torch.randn(1, 2, 16)
+    kernels.rotary_and_cache_write(q, k, v, torch.ones(1, 8), torch.zeros(1, 8), torch.zeros(4, 2, 16), torch.zeros(4, 2, 16), torch.tensor([1]))
+
+
+@pytest.fixture
+def spy_ext(ext, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records which extension ops the wrappers call (the ops still run)."""
+    calls: list[str] = []
+    for name in ("rms_norm", "silu_and_mul", "linear", "paged_decode_attention", "rotary_and_cache_write"):
+        fn = getattr(ext, name)
+        monkeypatch.setattr(ext, name, lambda *a, _fn=fn, _name=name: calls.append(_name) or _fn(*a))
+    return calls
+
+
+def test_cpu_kernels_available_here() -> None:
+    assert kernels.cpu_kernels_available(), _build.unavailable_reason()
+
+
+def test_wrappers_use_kernels_by_default(spy_ext: list[str]) -> None:
+    kernels.reset_fallback_counts()
+    _all_ops_once()
+    assert spy_ext == ["rms_norm", "silu_and_mul", "linear", "paged_decode_attention", "rotary_and_cache_write"]
+    assert kernels.fallback_counts() == {}
+
+
+def test_toggle_forces_ref_without_counting(spy_ext: list[str]) -> None:
+    kernels.reset_fallback_counts()
+    old = kernels.set_cpu_kernels_enabled(False)
+    try:
+        assert not kernels.cpu_kernels_enabled()
+        _all_ops_once()
+    finally:
+        kernels.set_cpu_kernels_enabled(old)
+    assert spy_ext == []
+    assert kernels.fallback_counts() == {}  # deliberate, not a fallback
+
+
+def test_env_var_forces_ref() -> None:
+    code = (
+        "import torch, kernels\n"
+        "from kernels import _build\n"
+        "x = torch.randn(1, 64)\n"
+        "out, _ = kernels.rms_norm(x, torch.ones(64), 1e-5)\n"
+        "assert torch.allclose(out, kernels.rms_norm_ref(x, torch.ones(64), 1e-5)[0])\n"
+        "assert not kernels.cpu_kernels_enabled()\n"
+        "assert _build._ext is None, 'the extension must not even be loaded'\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, DUET_DISABLE_CPU_KERNELS="1")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+def test_build_failure_warns_once_and_counts(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(_build, "_ext", None)
+    monkeypatch.setattr(_build, "_error", "RuntimeError: simulated compiler failure")
+    monkeypatch.setattr(_build, "_enabled", True)
+    monkeypatch.setattr(_build, "_warned", set())
+    kernels.reset_fallback_counts()
+    with caplog.at_level(logging.WARNING, logger="kernels._build"):
+        x = torch.randn(1, 32)
+        for _ in range(3):
+            out = kernels.silu_and_mul(x)
+        torch.testing.assert_close(out, kernels.silu_and_mul_ref(x))
+    assert not kernels.cpu_kernels_available()
+    assert kernels.fallback_counts() == {"silu_and_mul:cpu kernels unavailable": 3}
+    assert len([r for r in caplog.records if "silu_and_mul" in r.getMessage()]) == 1
+
+
+def test_unsupported_dtype_counts_fallback(ext) -> None:
+    kernels.reset_fallback_counts()
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    out, _ = kernels.rms_norm(x, torch.ones(16, dtype=torch.bfloat16), 1e-5)
+    assert out.dtype == torch.bfloat16
+    kernels.linear(x, torch.randn(4, 16, dtype=torch.bfloat16))
+    assert kernels.fallback_counts() == {"rms_norm:no kernel for cpu/torch.bfloat16": 1, "linear:no kernel for torch.bfloat16": 1}
+
+
+def test_failed_build_in_subprocess_falls_back(tmp_path: Path) -> None:
+    # A real failed build (a compiler that does not exist) must warn and fall back, not crash.
+    code = (
+        "import logging, torch, kernels\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "x = torch.randn(1, 8)\n"
+        "kernels.silu_and_mul(x)\n"
+        "assert not kernels.cpu_kernels_available()\n"
+        "print(kernels.fallback_counts())\n"
+    )
+    env = dict(os.environ, CXX="/nonexistent/c++", DUET_CACHE_DIR=str(tmp_path))
+    env.pop("DUET_DISABLE_CPU_KERNELS", None)
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "{'silu_and_mul:cpu kernels unavailable': 1}" in res.stdout
+    assert "CPU kernels are unavailable" in res.stderr
