@@ -1,69 +1,163 @@
-"""The ``duet`` command.
+"""The ``duet`` command: serve a model over gRPC on Ray worker pools, and talk to it.
 
-Until the serving layer lands (gRPC router, Ray worker pools), every subcommand runs the engine
-in this process:
-  duet serve               run the engine on a few sample prompts and print the results
-  duet generate "prompt"   stream one completion to the terminal
-  duet prepare-model       convert the embedded model into the local cache
+  duet serve               start a deployment in the foreground: Ray (embedded local by default),
+                           a pool of worker actors, and the gRPC router (default 127.0.0.1:50051);
+                           Ctrl-C / SIGTERM shuts everything down
+  duet generate "prompt"   stream one completion from a running router to the terminal
+  duet status              the router's health and model, and every worker's health and load
+  duet prepare-model       convert/locate the model and print its checkpoint path
+
+Configuration for `serve`: a YAML file (--config, or $DUET_CONFIG; see cluster/duet.example.yaml),
+then environment variables (DUET_MODEL, DUET_PORT, RAY_ADDRESS, ...), then flags; later wins.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
-import time
 
-SAMPLE_PROMPTS = [
-    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
-    "<|im_start|>user\nWrite a haiku about autumn.<|im_end|>\n<|im_start|>assistant\n",
-    "<|im_start|>user\nExplain what a KV cache is in one sentence.<|im_end|>\n<|im_start|>assistant\n",
-    "def quicksort(xs):",
-]
+DEFAULT_TARGET = "localhost:50051"
+
+# serve flag -> (dotted config key, type, help). Unset flags leave the key to the file/env/default.
+SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--model": ("model.name", str, "model name ('SmolLM2-135M-Instruct') or local HF checkpoint dir [DUET_MODEL]"),
+    "--dtype": ("model.dtype", str, "float32 | bfloat16 | float16 [DUET_DTYPE]"),
+    "--max-model-len": ("model.max_model_len", int, "context limit, prompt + output [DUET_MAX_MODEL_LEN]"),
+    "--replicas": ("pool.replicas", int, "worker actors in the pool [DUET_REPLICAS]"),
+    "--cpus-per-replica": ("pool.cpus_per_replica", int, "CPUs (= torch threads) per worker [DUET_CPUS_PER_REPLICA]"),
+    "--kv-cache-memory": ("pool.engine.kv_cache_memory_bytes", str,
+                          "KV cache budget per worker, e.g. 256MiB, 1GiB [DUET_KV_CACHE_MEMORY]"),
+    "--host": ("router.host", str, "router bind address; 0.0.0.0 for all interfaces [DUET_HOST]"),
+    "--port": ("router.port", int, "router port, 0 = any free port [DUET_PORT]"),
+    "--policy": ("router.policy", str, "round_robin | least_loaded | prefix_aware [DUET_POLICY]"),
+    "--ray-address": ("ray.address", str, "join this Ray cluster ('auto', host:6379) instead of starting an "
+                      "embedded one [RAY_ADDRESS]"),
+    "--ray-num-cpus": ("ray.num_cpus", int, "CPUs of the embedded Ray (default: all) [DUET_RAY_NUM_CPUS]"),
+}
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="SmolLM2-135M-Instruct",
-                   help="local HF checkpoint dir or 'SmolLM2-135M-Instruct' (default)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the model over gRPC: Ray + worker pool + router (foreground)",
+                       description="Start Ray (embedded local unless --ray-address / RAY_ADDRESS), a pool of "
+                       "worker actors and the gRPC router; log where it listens; serve until Ctrl-C or "
+                       "SIGTERM, then stop the router, the workers and (if embedded) Ray. Settings: "
+                       "defaults < --config YAML < DUET_* env < flags.")
+    p.add_argument("--config", metavar="FILE", help="YAML config (default: $DUET_CONFIG if set); "
+                   "see cluster/duet.example.yaml")
+    for flag, (key, tp, help_text) in SERVE_FLAGS.items():
+        p.add_argument(flag, dest=key, type=tp, default=None, help=help_text)
+    p.add_argument("--dry-run", action="store_true", help="print the merged, validated config as YAML and exit")
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="stream one completion from a running router",
+                       description="Send one request to a running router (`duet serve`) and stream the text "
+                       "to stdout; a summary (tokens, finish reason) goes to stderr.")
+    p.add_argument("prompt")
+    p.add_argument("--target", default=os.environ.get("DUET_TARGET", DEFAULT_TARGET),
+                   help=f"router host:port (default $DUET_TARGET or {DEFAULT_TARGET})")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template applied)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, (0, 1] (default 1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed (reproducible sampling)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--timeout", type=float, default=120.0, help="request deadline in seconds (default 120)")
 
 
-def _build(args: argparse.Namespace):
-    from workers.llm import LLM
-    from workers.sampling_params import SamplingParams
+def _add_status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="router health and every worker's health and load",
+                       description="Ask the router (--target) for health and models, and join the deployment's "
+                       "Ray cluster (--ray-address, default 'auto' = the local one `duet serve` started) to "
+                       "find its worker actors, then ask each worker for health and load over gRPC.")
+    p.add_argument("--target", default=os.environ.get("DUET_TARGET", DEFAULT_TARGET),
+                   help=f"router host:port (default $DUET_TARGET or {DEFAULT_TARGET})")
+    p.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"),
+                   help="Ray cluster of the deployment (default $RAY_ADDRESS or 'auto'); for an explicit "
+                   "address of a token-authenticated cluster also set RAY_AUTH_MODE=token")
+    p.add_argument("--namespace", default="duet", help="Ray namespace of the workers (ray.namespace; default duet)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default 5)")
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
-    return LLM(args.model, dtype=args.dtype), params
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="duet", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_generate(sub)
+    _add_status(sub)
+    prep = sub.add_parser("prepare-model", help="convert/locate the model and print its checkpoint path")
+    prep.add_argument("--model", default="SmolLM2-135M-Instruct")
+    return parser
 
 
 def _serve(args: argparse.Namespace) -> int:
-    llm, params = _build(args)
-    t0 = time.perf_counter()
-    outs = llm.generate(SAMPLE_PROMPTS, params)
-    dt = time.perf_counter() - t0
-    for prompt, out in zip(SAMPLE_PROMPTS, outs):
-        print(f"--- {prompt!r}\n{out.text}\n[{len(out.token_ids)} tokens, {out.finish_reason.value}]")
-    n = sum(len(o.token_ids) for o in outs)
-    print(f"{len(outs)} requests, {n} tokens in {dt:.1f}s ({n / dt:.1f} tok/s, continuous batching)")
-    return 0
+    from cluster.config import load_config
+
+    keys = {key: flag for flag, (key, _, _) in SERVE_FLAGS.items()}
+    config = load_config(args.config, overrides={k: getattr(args, k) for k in keys}, flag_names=keys)
+    if args.dry_run:
+        import yaml
+
+        sys.stdout.write(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        return 0
+    from cluster.serve import run_foreground
+
+    return run_foreground(config)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    llm, params = _build(args)
-    engine = llm.engine
-    engine.add_request("cli", args.prompt, params)
-    while engine.has_unfinished():
-        for out in engine.step():
-            sys.stdout.write(out.new_text)
-            sys.stdout.flush()
+    from router.client import stream
+
+    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    if args.chat:
+        kwargs["messages"] = [{"role": "user", "content": args.prompt}]
+        prompt = None
+    else:
+        prompt = args.prompt
+    last = None
+    for chunk in stream(prompt, target=args.target, timeout=args.timeout, **kwargs):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        last = chunk
     sys.stdout.write("\n")
+    if last is not None and last.usage is not None:
+        print(f"[{last.usage.completion_tokens} tokens, {last.finish_reason}; prompt {last.usage.prompt_tokens} "
+              f"tokens, {last.usage.cached_prompt_tokens} from the prefix cache]", file=sys.stderr)
     return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    from cluster.status import format_status, router_status, worker_status
+
+    status: dict[str, object] = {"router": router_status(args.target, args.timeout), "namespace": args.namespace}
+    try:
+        import ray
+
+        ray.init(address=args.ray_address, namespace=args.namespace, log_to_driver=False,
+                 logging_level=logging.WARNING)
+    except Exception as e:  # noqa: BLE001 - report what we could reach
+        hint = ("" if args.ray_address == "auto" or os.environ.get("RAY_AUTH_MODE") else
+                "; if that cluster uses Ray token authentication (a local `duet serve` does), set "
+                "RAY_AUTH_MODE=token: Ray only sends its token to an explicit address when told to")
+        status["ray_error"] = (f"no Ray cluster reachable at {args.ray_address!r}: "
+                               f"{str(e).splitlines()[0][:200]}{hint}")
+    else:
+        try:
+            status["workers"] = worker_status(args.namespace, args.timeout)
+        finally:
+            ray.shutdown()  # disconnects; the cluster keeps running
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    reachable = "error" not in status["router"] or status.get("workers")  # type: ignore[operator]
+    return 0 if reachable else 1
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -73,34 +167,40 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="duet", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the engine on sample prompts (serving over gRPC comes next)")
-    _engine_args(serve)
-    gen = sub.add_parser("generate", help="stream one completion to the terminal")
-    gen.add_argument("prompt")
-    _engine_args(gen)
-    prep = sub.add_parser("prepare-model", help="convert/locate the model and print its checkpoint path")
-    prep.add_argument("--model", default="SmolLM2-135M-Instruct")
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from workers.errors import DuetError
-
-    handlers = {"serve": _serve, "generate": _generate, "prepare-model": _prepare}
+    handlers = {"serve": _serve, "generate": _generate, "status": _status, "prepare-model": _prepare}
     try:
         return handlers[args.command](args)
-    except DuetError as e:
-        print(f"duet: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # noqa: BLE001 - expected failures become one line; bugs keep their traceback
+        if not _is_user_error(e):
+            raise
+        print(f"duet: error: {e}", file=sys.stderr)
+        return 2 if _is_config_error(e) else 1
+
+
+def _is_config_error(e: Exception) -> bool:
+    from cluster.config import ClusterConfigError
+
+    return isinstance(e, ClusterConfigError)
+
+
+def _is_user_error(e: Exception) -> bool:
+    """Errors whose message already says what to do: print it, no traceback."""
+    from cluster.config import ClusterConfigError
+    from cluster.pools import PoolError
+    from cluster.ray_conn import RayConnectionError
+    from cluster.serve import ServeError
+    from router.client import DuetError as ClientError
+    from router.config import RouterConfigError
+    from workers.errors import DuetError
+
+    return isinstance(e, (ClusterConfigError, PoolError, RayConnectionError, ServeError, ClientError,
+                          RouterConfigError, DuetError))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,297 @@
+"""DuetConfig: the one configuration of a Duet deployment, from a YAML file, env and flags.
+
+Layers, later wins:  built-in defaults  <  YAML file (``--config duet.yaml``)  <  environment
+(``DUET_*``, ``RAY_ADDRESS``)  <  command-line flags. Every layer is a set of dotted keys
+(``router.port``, ``pool.engine.block_size``); the merged result is validated once, here, and every
+error names the key, the value, where the value came from, and what to change::
+
+    >>> load_config(overrides={"router.port": "70000"}, env={})
+    ClusterConfigError: router.port=70000 (from flag --port): must be in 0..65535 (0 picks a free port)
+
+Sections (see ``cluster/duet.example.yaml`` for a documented file):
+    model       what every worker serves: name or checkpoint path, dtype, max_model_len
+    pools       worker pools; for now exactly one, colocated (each worker prefills and decodes)
+    router      the public gRPC server: host, port, routing policy + options, admission limits
+    ray         where the workers run: an existing cluster (``address``) or an embedded local one
+    controller  how often membership and health are polled, how long a worker may take to start
+
+"The pool" (``pool.*`` keys) is ``pools[0]``: env and flags address it by that alias.
+
+This module imports neither torch nor ray (``duet --help`` stays fast); ``to_engine_config`` and
+``to_router_config`` import the engine and router configs when called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster.config_sources import (
+    ClusterConfigError,
+    Sources,
+    build,
+    mark_sources,
+    need,
+    read_yaml,
+    set_key,
+    source_of,
+)
+
+__all__ = ["ClusterConfigError", "DuetConfig", "load_config"]
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+PLACEMENT_STRATEGIES = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
+ROLES = ("colocated",)
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+# ---------------------------------------------------------------------------------- sections
+@dataclass(frozen=True)
+class ModelSection:
+    """name: 'SmolLM2-135M-Instruct' (embedded default) or a local HF checkpoint directory; each
+    worker resolves it on its own node. dtype: float32 | bfloat16 | float16. max_model_len: context
+    limit (prompt + output); None = the model's, further capped by what one worker's KV pool holds."""
+
+    name: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    """Per-worker engine settings (see workers.config): tokens per KV block, the KV pool's byte
+    budget (int or '64MiB' / '1GiB' / '500MB'), tokens per step, sequences per step."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 1 << 30
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class PoolSection:
+    """One worker pool: ``replicas`` Ray actors of ``cpus_per_replica`` CPUs each, one placement
+    group bundle per replica. placement_strategy SPREAD (default) puts replicas on different nodes
+    when it can, so losing a node loses one replica, not the pool; PACK fills one node first
+    (fewer nodes to keep up); STRICT_* make that a hard requirement. max_restarts: how often Ray
+    restarts a dead worker (-1 = forever)."""
+
+    name: str = "default"
+    role: str = "colocated"
+    replicas: int = 1
+    cpus_per_replica: int = 1
+    placement_strategy: str = "SPREAD"
+    max_restarts: int = -1
+    engine: EngineSection = field(default_factory=EngineSection)
+
+
+@dataclass(frozen=True)
+class RouterSection:
+    """The public gRPC server. policy: round_robin | least_loaded | prefix_aware, with its keyword
+    options in policy_options. max_in_flight: requests streamed at once; max_queue: admitted
+    requests waiting for a slot (beyond both: RESOURCE_EXHAUSTED)."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    policy: str = "prefix_aware"
+    policy_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    max_in_flight: int = 128
+    max_queue: int = 512
+    shutdown_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy_options", types.MappingProxyType(dict(self.policy_options)))
+
+
+@dataclass(frozen=True)
+class RaySection:
+    """address: None = start an embedded local Ray (stopped again on shutdown); 'auto' or
+    'host:6379' = join an existing cluster (left running). num_cpus: CPUs the embedded Ray offers
+    (None = all of this machine's). namespace: where the worker actors are named (``duet status``
+    finds them there)."""
+
+    address: str | None = None
+    num_cpus: int | None = None
+    namespace: str = "duet"
+
+
+@dataclass(frozen=True)
+class ControllerSection:
+    """poll_interval_s: how often each worker actor is probed. start_timeout_s: how long a worker
+    may take to load its engine and serve (serve fails if no worker is up by then)."""
+
+    poll_interval_s: float = 1.0
+    start_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class DuetConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    pools: tuple[PoolSection, ...] = (PoolSection(),)
+    router: RouterSection = field(default_factory=RouterSection)
+    ray: RaySection = field(default_factory=RaySection)
+    controller: ControllerSection = field(default_factory=ControllerSection)
+
+    @property
+    def pool(self) -> PoolSection:
+        """The (for now only) pool."""
+        return self.pools[0]
+
+    def to_engine_config(self, pool: PoolSection | None = None):
+        """The ``workers.config.EngineConfig`` every worker of ``pool`` (default: the pool) runs."""
+        from workers.config import CacheConfig, EngineConfig, SchedulerConfig
+
+        e = (pool or self.pool).engine
+        return EngineConfig(
+            model=self.model.name, dtype=self.model.dtype, max_model_len=self.model.max_model_len,
+            cache=CacheConfig(block_size=e.block_size, kv_cache_memory_bytes=e.kv_cache_memory_bytes,
+                              enable_prefix_caching=e.enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs),
+        )
+
+    def to_router_config(self, tokenizer_path: str, max_model_len: int | None = None, **extra: Any):
+        """The ``router.config.RouterConfig``. tokenizer_path: the resolved checkpoint directory;
+        max_model_len: the workers' effective limit (default: ``model.max_model_len``); extra:
+        further RouterConfig fields (tests shorten poll intervals)."""
+        from router.config import RouterConfig
+
+        r = self.router
+        return RouterConfig(
+            tokenizer_path=tokenizer_path, model_name=Path(self.model.name).name,
+            max_model_len=max_model_len if max_model_len is not None else self.model.max_model_len,
+            host=r.host, port=r.port, policy=r.policy, policy_options=dict(r.policy_options),
+            max_in_flight=r.max_in_flight, max_queue=r.max_queue, shutdown_grace_s=r.shutdown_grace_s, **extra)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (what ``duet serve --dry-run`` prints as YAML)."""
+        def plain(v: Any) -> Any:
+            if dataclasses.is_dataclass(v):
+                return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+            if isinstance(v, tuple):
+                return [plain(x) for x in v]
+            if isinstance(v, Mapping):
+                return {k: plain(x) for k, x in v.items()}
+            return v
+        return plain(self)
+
+
+# ---------------------------------------------------------------------------------- sources
+# Environment variables -> dotted keys. RAY_ADDRESS is Ray's own convention.
+ENV_KEYS: dict[str, str] = {
+    "DUET_MODEL": "model.name",
+    "DUET_DTYPE": "model.dtype",
+    "DUET_MAX_MODEL_LEN": "model.max_model_len",
+    "DUET_REPLICAS": "pool.replicas",
+    "DUET_CPUS_PER_REPLICA": "pool.cpus_per_replica",
+    "DUET_KV_CACHE_MEMORY": "pool.engine.kv_cache_memory_bytes",
+    "DUET_HOST": "router.host",
+    "DUET_PORT": "router.port",
+    "DUET_POLICY": "router.policy",
+    "RAY_ADDRESS": "ray.address",
+    "DUET_RAY_NUM_CPUS": "ray.num_cpus",
+}
+CONFIG_ENV = "DUET_CONFIG"  # a YAML file used when --config is not given
+
+
+def load_config(path: str | os.PathLike[str] | None = None, *, overrides: Mapping[str, Any] | None = None,
+                env: Mapping[str, str] | None = None, flag_names: Mapping[str, str] | None = None) -> DuetConfig:
+    """Merge defaults < YAML file < env < overrides and validate once.
+
+    path: YAML file (None: ``$DUET_CONFIG`` if set, else no file). overrides: dotted key -> value
+    (strings are parsed like env values; None values are ignored) — the CLI's flags. env: the
+    environment (default ``os.environ``). flag_names: dotted key -> flag spelling, for messages.
+    """
+    env = os.environ if env is None else env
+    raw: dict[str, Any] = {}
+    sources: Sources = {}
+    path = path if path is not None else env.get(CONFIG_ENV) or None
+    if path is not None:
+        raw = read_yaml(Path(path))
+        mark_sources(raw, "", f"{path}", sources)
+    for var, key in ENV_KEYS.items():
+        value = env.get(var)
+        if value not in (None, ""):
+            set_key(raw, key, value, sources, f"env {var}")
+    flag_names = flag_names or {}
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            set_key(raw, key, value, sources, f"flag {flag_names.get(key, key)}")
+    return build(DuetConfig, raw, "", sources, _CHECKS)
+
+
+def _check_model(m: ModelSection, p: str, s: Sources) -> None:
+    need(bool(m.name.strip()), f"{p}.name", m.name, s, f"must name a model ({DEFAULT_MODEL!r}) or a checkpoint dir")
+    need(m.dtype in ("float32", "bfloat16", "float16"), f"{p}.dtype", m.dtype, s,
+         "must be one of float32, bfloat16, float16")
+    need(m.max_model_len is None or m.max_model_len >= 2, f"{p}.max_model_len", m.max_model_len, s,
+         "must be >= 2, or null for the model's own limit")
+
+
+def _check_engine(e: EngineSection, p: str, s: Sources) -> None:
+    need(e.block_size >= 1 and not e.block_size & (e.block_size - 1), f"{p}.block_size", e.block_size, s,
+         "must be a power of two (16 is a good default)")
+    need(e.kv_cache_memory_bytes >= 1 << 20, f"{p}.kv_cache_memory_bytes", e.kv_cache_memory_bytes, s,
+         "must be at least 1MiB (e.g. 64MiB, 1GiB)")
+    need(e.max_num_batched_tokens >= 1, f"{p}.max_num_batched_tokens", e.max_num_batched_tokens, s, "must be >= 1")
+    need(1 <= e.max_num_seqs <= e.max_num_batched_tokens, f"{p}.max_num_seqs", e.max_num_seqs, s,
+         f"must be between 1 and max_num_batched_tokens ({e.max_num_batched_tokens})")
+
+
+def _check_pool(pool: PoolSection, p: str, s: Sources) -> None:
+    need(bool(_NAME_RE.match(pool.name)), f"{p}.name", pool.name, s,
+         "must be lower-case letters, digits and '_', starting with a letter (it names the actors)")
+    need(pool.role in ROLES, f"{p}.role", pool.role, s,
+         f"must be one of {', '.join(ROLES)} (disaggregated prefill/decode pools are not built yet)")
+    need(pool.replicas >= 1, f"{p}.replicas", pool.replicas, s, "must be >= 1")
+    need(pool.cpus_per_replica >= 1, f"{p}.cpus_per_replica", pool.cpus_per_replica, s,
+         "must be >= 1 (it is also the worker's torch thread count)")
+    need(pool.placement_strategy in PLACEMENT_STRATEGIES, f"{p}.placement_strategy", pool.placement_strategy, s,
+         f"must be one of {', '.join(PLACEMENT_STRATEGIES)}")
+    need(pool.max_restarts >= -1, f"{p}.max_restarts", pool.max_restarts, s, "must be -1 (forever) or >= 0")
+
+
+def _check_router(r: RouterSection, p: str, s: Sources) -> None:
+    need(bool(r.host), f"{p}.host", r.host, s, "must be a host or address, e.g. 127.0.0.1 or 0.0.0.0")
+    need(0 <= r.port <= 65535, f"{p}.port", r.port, s, "must be in 0..65535 (0 picks a free port)")
+    from router.policies import PolicyConfigError, make_policy  # pure Python, no torch
+
+    try:
+        make_policy(r.policy, **r.policy_options)
+    except PolicyConfigError as e:
+        key = f"{p}.policy" if str(e).startswith("unknown routing policy") else f"{p}.policy_options"
+        value = r.policy if key.endswith(".policy") else dict(r.policy_options)
+        raise ClusterConfigError(f"{key}={value!r} ({source_of(key, s)}): {e}") from None
+    need(r.max_in_flight >= 1, f"{p}.max_in_flight", r.max_in_flight, s, "must be >= 1")
+    need(r.max_queue >= 0, f"{p}.max_queue", r.max_queue, s, "must be >= 0 (0 = reject when all slots are busy)")
+    need(r.shutdown_grace_s >= 0, f"{p}.shutdown_grace_s", r.shutdown_grace_s, s, "must be >= 0 seconds")
+
+
+def _check_ray(r: RaySection, p: str, s: Sources) -> None:
+    need(r.address is None or bool(r.address.strip()), f"{p}.address", r.address, s,
+         "must be 'auto', 'host:port' or 'ray://host:port', or null for an embedded local Ray")
+    need(r.num_cpus is None or r.num_cpus >= 1, f"{p}.num_cpus", r.num_cpus, s, "must be >= 1 or null (all CPUs)")
+    need(r.num_cpus is None or r.address is None, f"{p}.num_cpus", r.num_cpus, s,
+         f"only applies to an embedded Ray; unset it or unset ray.address ({r.address!r})")
+    need(bool(r.namespace), f"{p}.namespace", r.namespace, s, "must be a non-empty name")
+
+
+def _check_controller(c: ControllerSection, p: str, s: Sources) -> None:
+    need(c.poll_interval_s > 0, f"{p}.poll_interval_s", c.poll_interval_s, s, "must be > 0 seconds")
+    need(c.start_timeout_s > 0, f"{p}.start_timeout_s", c.start_timeout_s, s, "must be > 0 seconds")
+
+
+def _check_duet(c: DuetConfig, p: str, s: Sources) -> None:
+    need(len(c.pools) == 1, "pools", [pool.name for pool in c.pools], s,
+         "must hold exactly one pool for now (one colocated pool; more pools come with disaggregation)")
+
+
+_CHECKS = {ModelSection: _check_model, EngineSection: _check_engine, PoolSection: _check_pool,
+           RouterSection: _check_router, RaySection: _check_ray, ControllerSection: _check_controller,
+           DuetConfig: _check_duet}

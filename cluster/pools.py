@@ -1,0 +1,143 @@
+"""Worker pools: a pool's Ray actors, placed with one placement group, restarted by Ray.
+
+Terms:
+    replica     one WorkerActor (workers/actor.py): one engine behind the internal gRPC service.
+    worker id   ``<pool>-<index>`` (``default-0``); also the actor's name in the Ray namespace
+                (``ray.namespace``, default "duet"), which is how ``duet status`` finds it. It stays
+                the same across Ray restarts; the endpoint does not.
+    bundle      the placement group reserves one bundle ``{"CPU": cpus_per_replica}`` per replica;
+                replica i always runs in bundle i, also after a restart.
+
+Placement: the pool's placement group uses ``placement_strategy`` (SPREAD by default: replicas
+on different nodes where possible, so a lost node costs one replica; PACK: fill a node first).
+Reserving all bundles up front makes the pool all-or-nothing: either every replica has its CPUs
+or ``create_pool`` fails (embedded Ray: at once, naming the shortfall; an existing cluster: after
+``placement_timeout_s``, since an autoscaler may still be adding nodes).
+
+Restarts: actors are created with ``max_restarts`` (default -1, forever). Ray restarts a dead
+replica in its bundle and re-runs ``__init__``, but not ``start()``: the controller
+(cluster/controller.py) notices and starts it again. The CPUs reserved per replica are also its
+torch thread count (WorkerActor reads them from Ray).
+
+Example::
+
+    pool = create_pool(config.pool, config.to_engine_config(), namespace="duet")
+    [r.worker_id for r in pool.replicas]         # ['default-0', 'default-1']
+    endpoints = ray.get([r.actor.start.remote() for r in pool.replicas])
+    pool.shutdown()                              # stop + kill the actors, remove the placement group
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.config import PoolSection
+
+logger = logging.getLogger(__name__)
+
+
+class PoolError(RuntimeError):
+    """A pool could not be placed or created; the message names the setting to change."""
+
+
+@dataclass(frozen=True)
+class Replica:
+    pool: str
+    index: int
+    worker_id: str
+    actor: Any  # ray.actor.ActorHandle of workers.actor.WorkerActor
+
+
+class WorkerPool:
+    """A created pool: its replicas and placement group. Build with ``create_pool``."""
+
+    def __init__(self, section: PoolSection, namespace: str, placement_group: Any, replicas: list[Replica]) -> None:
+        self.section = section
+        self.name = section.name
+        self.namespace = namespace
+        self.placement_group = placement_group
+        self.replicas = replicas
+        self._shut_down = False
+
+    def replica(self, worker_id: str) -> Replica:
+        return next(r for r in self.replicas if r.worker_id == worker_id)
+
+    def shutdown(self, grace: float = 5.0, timeout: float = 30.0) -> None:
+        """Stop each replica (drain for ``grace`` s, abort the rest), kill the actors without restart,
+        remove the placement group. Idempotent; dead or restarting actors are simply killed."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        refs = [r.actor.stop.remote(grace) for r in self.replicas]
+        _, not_done = ray.wait(refs, num_returns=len(refs), timeout=grace + timeout)
+        if not_done:
+            logger.warning("pool %s: %d replicas did not stop within %.0f s; killing them",
+                           self.name, len(not_done), grace + timeout)
+        for r in self.replicas:
+            try:
+                ray.kill(r.actor, no_restart=True)
+            except Exception as e:  # noqa: BLE001 - already gone is fine; anything else is worth a line
+                logger.debug("pool %s: kill %s: %r", self.name, r.worker_id, e)
+        remove_placement_group(self.placement_group)
+        logger.info("pool %s: %d replicas stopped, placement group removed", self.name, len(self.replicas))
+
+
+def create_pool(section: PoolSection, engine_config: Any, namespace: str, *, embedded: bool = True,
+                placement_timeout_s: float = 60.0, host: str | None = None) -> WorkerPool:
+    """Reserve the pool's placement group and create (not start) its replicas.
+
+    engine_config: the workers.config.EngineConfig every replica runs. host: address the workers
+    bind and advertise (default: each node's IP). embedded: the Ray cluster cannot grow, so a
+    shortfall of CPUs fails at once instead of after ``placement_timeout_s``.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from workers.actor import WorkerActor
+
+    cpus = section.cpus_per_replica
+    needed = section.replicas * cpus
+    have = ray.cluster_resources().get("CPU", 0)
+    if embedded and needed > have:
+        raise PoolError(
+            f"pool {section.name!r} needs {section.replicas} replicas x {cpus} CPUs = {needed} CPUs, but the "
+            f"embedded Ray has {have:g}; lower pools[0].replicas / cpus_per_replica or raise ray.num_cpus")
+    pg = placement_group([{"CPU": cpus} for _ in range(section.replicas)], strategy=section.placement_strategy,
+                         name=f"duet-{namespace}-{section.name}")
+    replicas: list[Replica] = []
+    try:
+        ready, _ = ray.wait([pg.ready()], timeout=placement_timeout_s)
+        if not ready:
+            raise PoolError(
+                f"pool {section.name!r}: could not reserve {section.replicas} bundles of {cpus} CPUs "
+                f"({section.placement_strategy}) within {placement_timeout_s:.0f} s; the cluster has "
+                f"{ray.available_resources().get('CPU', 0):g} CPUs free of {ray.cluster_resources().get('CPU', 0):g}. "
+                "Lower pools[0].replicas / cpus_per_replica, add nodes, or relax placement_strategy")
+        for i in range(section.replicas):
+            worker_id = f"{section.name}-{i}"
+            options = dict(
+                name=worker_id, namespace=namespace, num_cpus=cpus, max_restarts=section.max_restarts,
+                max_task_retries=0,  # a call lost with its process is reported, never silently re-run
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
+            try:
+                actor = WorkerActor.options(**options).remote(engine_config, worker_id, host)
+            except ValueError as e:  # the name is taken
+                raise PoolError(
+                    f"pool {section.name!r}: actor {worker_id!r} already exists in Ray namespace {namespace!r} "
+                    f"({e}); another `duet serve` is using this Ray cluster: stop it, or give this one "
+                    "another ray.namespace or pool name") from None
+            replicas.append(Replica(section.name, i, worker_id, actor))
+    except BaseException:
+        for r in replicas:
+            ray.kill(r.actor, no_restart=True)
+        remove_placement_group(pg)
+        raise
+    logger.info("pool %s: %d replicas x %d CPU (%s) created in namespace %r", section.name, section.replicas, cpus,
+                section.placement_strategy, namespace)
+    return WorkerPool(section, namespace, pg, replicas)

@@ -1,0 +1,197 @@
+"""``duet serve``: bring a whole deployment up in this process, and take it down again cleanly.
+
+The order, in ``start_deployment`` (each step undone, in reverse, if a later one fails):
+
+    1. resolve the model here (fail fast on a bad name; the router needs the tokenizer files)
+    2. Ray: start an embedded local Ray or join ``ray.address`` (cluster/ray_conn.py)
+    3. the pool: placement group + worker actors (cluster/pools.py)
+    4. the controller starts every worker and waits until they serve (cluster/controller.py)
+    5. the router, on a background thread, with the workers as its first members; the controller
+       then pushes every membership change to it (``RouterHandle.set_members``)
+
+``Deployment.stop()`` undoes it: router (NOT_SERVING, streams get ``router.shutdown_grace_s`` to
+finish) -> controller (no restarts any more) -> workers (drain, abort, kill) -> placement group ->
+Ray (shut down if embedded; otherwise only disconnected). Nothing Duet started is left running.
+
+The router's context limit is the workers' effective one: the smaller of ``model.max_model_len``
+(or the checkpoint's ``max_position_embeddings``) and what one worker's KV pool holds, read from a
+running worker's load report (``kv_blocks_total x kv_block_size``), so the router rejects an
+over-long prompt itself instead of forwarding it.
+
+Example (what tests do; the CLI wraps this in ``run_foreground``)::
+
+    config = load_config("duet.yaml")
+    with start_deployment(config) as d:
+        print(d.address)               # 127.0.0.1:50051
+        print(generate_text("Hello", target=d.address, max_tokens=8))
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster.config import DuetConfig
+from cluster.controller import Controller
+from cluster.pools import WorkerPool, create_pool
+from cluster.ray_conn import RayConnection, connect
+
+logger = logging.getLogger(__name__)
+
+
+class ServeError(RuntimeError):
+    """The deployment could not be brought up; the message says what failed and what to check."""
+
+
+@dataclass
+class Deployment:
+    """A running deployment. ``address`` is where clients connect (host:port)."""
+
+    config: DuetConfig
+    ray: RayConnection
+    pool: WorkerPool | None = None
+    controller: Controller | None = None
+    router: Any = None  # router.server.RouterHandle
+    model_path: Path | None = None
+    max_model_len: int | None = None
+    _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def address(self) -> str:
+        return self.router.address
+
+    def stop(self) -> None:
+        """Router, controller, workers, placement group, Ray (if embedded). Idempotent; each step
+        runs even if an earlier one failed."""
+        if self._stopped:
+            return
+        self._stopped = True
+        steps = [("router", lambda: self.router.stop()), ("controller", lambda: self.controller.stop()),
+                 ("pool", lambda: self.pool.shutdown()), ("ray", self.ray.close)]
+        for name, step in steps:
+            if name != "ray" and getattr(self, name) is None:
+                continue
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - keep tearing down; a leftover is worse than a log line
+                logger.exception("shutdown: stopping the %s failed", name)
+        logger.info("duet: stopped")
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_deployment(config: DuetConfig, *, router_overrides: dict[str, Any] | None = None,
+                     log_to_driver: bool = True) -> Deployment:
+    """Bring the deployment up (see the module docstring); returns once the router listens.
+
+    router_overrides: extra RouterConfig fields (tests shorten its poll intervals)."""
+    from workers.models.assets import resolve_model
+
+    model_path = resolve_model(config.model.name)
+    _check_port_free(config.router.host, config.router.port)  # before minutes of startup, not after
+    deployment = Deployment(config, connect(config.ray, log_to_driver=log_to_driver), model_path=model_path)
+    try:
+        _start(deployment, router_overrides or {})
+    except BaseException:
+        deployment.stop()
+        raise
+    return deployment
+
+
+def _start(d: Deployment, router_overrides: dict[str, Any]) -> None:
+    from router.server import serve_router
+
+    config = d.config
+    d.pool = create_pool(config.pool, config.to_engine_config(), config.ray.namespace,
+                         embedded=d.ray.kind == "embedded")
+    d.controller = Controller([d.pool], poll_interval_s=config.controller.poll_interval_s,
+                              start_timeout_s=config.controller.start_timeout_s)
+    d.controller.start()
+    replicas = len(d.pool.replicas)
+    logger.info("duet: waiting for %d workers to load %s", replicas, config.model.name)
+    if not d.controller.wait_ready(replicas, timeout=config.controller.start_timeout_s):
+        up = d.controller.members()
+        problems = "; ".join(f"{r['worker_id']}: {r['state']} {r['last_error']}".strip()
+                             for r in d.controller.describe() if r["state"] != "up")
+        if not up:
+            raise ServeError(f"no worker came up within controller.start_timeout_s="
+                             f"{config.controller.start_timeout_s:g} s ({problems})")
+        logger.warning("duet: %d of %d workers up; continuing without the rest (%s)", len(up), replicas, problems)
+    d.max_model_len = effective_max_model_len(d.model_path, config.model.max_model_len, d.controller.members()[0][1])
+    router_config = config.to_router_config(str(d.model_path), d.max_model_len, **router_overrides)
+    d.router = serve_router(router_config, d.controller.members())
+    d.controller.subscribe(d.router.set_members)
+    logger.info("duet: serving %s on %s (%d workers, policy %s, context %d tokens)", router_config.model_name,
+                d.router.address, len(d.controller.members()), router_config.policy, d.max_model_len)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail fast if something already listens on the router's port (the router binds it last)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT is no conflict
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError as e:
+            raise ServeError(f"router.port={port}: cannot listen on {host}:{port} ({e.strerror}); is another "
+                             "`duet serve` running? pick another --port (0 = any free port)") from None
+
+
+def effective_max_model_len(model_path: Path, configured: int | None, worker_endpoint: str) -> int:
+    """min(configured or the checkpoint's max_position_embeddings, the checkpoint's limit, what
+    one worker's KV pool holds) -- the rule the engine applies (workers/engine.py)."""
+    import grpc
+
+    from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
+
+    model_limit = int(json.loads((model_path / "config.json").read_text())["max_position_embeddings"])
+    with grpc.insecure_channel(worker_endpoint) as channel:
+        report = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+    return min(configured or model_limit, model_limit, report.kv_blocks_total * report.kv_block_size)
+
+
+def run_foreground(config: DuetConfig) -> int:
+    """``duet serve``: start, log where it listens, serve until SIGINT/SIGTERM, stop cleanly.
+
+    Both signals raise KeyboardInterrupt in the main thread, also while starting (a SIGTERM during
+    model loading must not leave Ray running); once shutdown begins further signals are ignored
+    (logged), so a second Ctrl-C cannot cut the cleanup short. Returns the exit code: 0 after a
+    clean shutdown."""
+    def interrupt(signum: int, frame: object) -> None:
+        logger.info("duet: %s received; shutting down", signal.Signals(signum).name)
+        raise KeyboardInterrupt
+
+    def ignore(signum: int, frame: object) -> None:
+        logger.warning("duet: %s received while shutting down; still shutting down", signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    deployment: Deployment | None = None
+    try:
+        try:
+            deployment = start_deployment(config)
+            logger.info("duet: ready. Try: duet generate --target %s \"Hello\"   (Ctrl-C stops)",
+                        deployment.address)
+            threading.Event().wait()  # until a signal raises KeyboardInterrupt here
+        except KeyboardInterrupt:
+            pass  # logged by the handler; the finally below shuts down
+        finally:
+            for s in old:
+                signal.signal(s, ignore)
+            if deployment is not None:
+                deployment.stop()
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    return 0

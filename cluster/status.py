@@ -1,0 +1,131 @@
+"""``duet status``: what a running deployment consists of, asked from the outside.
+
+How status reaches a running ``duet serve`` (no extra service, nothing to configure):
+    router    --target host:port: grpc health and ListModels on the public port.
+    workers   through Ray: join the deployment's Ray cluster as a short-lived driver
+              (``--ray-address``, default "auto" = the local Ray that ``duet serve`` started, or
+              ``RAY_ADDRESS``), list the named worker actors in the deployment's namespace
+              ("duet"), ask each for ``info()`` (endpoint, incarnation, pid), then ask each
+              worker's gRPC endpoint directly for health and ``GetLoad`` (running / waiting
+              requests, outstanding tokens, KV blocks used / total, prefix-cache hits).
+What it does not show: the router's own queue and in-flight counters (the public API has no RPC
+for them; the serve process logs them). A worker whose actor does not answer within the timeout
+is listed with its error rather than hiding it.
+
+Example output::
+
+    router 127.0.0.1:50051: SERVING, model SmolLM2-135M-Instruct (context 1456)
+    pool default: 2 workers
+      default-0  10.0.0.5:41231  SERVING  running 1 waiting 0  outstanding 40 tok  KV 3/91 blocks  pid 1234
+      default-1  10.0.0.5:40877  SERVING  running 0 waiting 0  outstanding 0 tok   KV 0/91 blocks  pid 1240
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_WORKER_NAME = re.compile(r"^(?P<pool>[a-z][a-z0-9_]*)-(?P<index>\d+)$")
+
+
+def router_status(target: str, timeout: float = 5.0) -> dict[str, Any]:
+    """Health and models of the router at ``target`` (an ``error`` key if unreachable)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from protos.duet.v1 import duet_pb2, duet_pb2_grpc
+
+    out: dict[str, Any] = {"target": target}
+    with grpc.insecure_channel(target) as channel:
+        try:
+            r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            out["health"] = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+            models = duet_pb2_grpc.DuetStub(channel).ListModels(duet_pb2.ListModelsRequest(), timeout=timeout)
+            out["models"] = [{"name": m.name, "max_model_len": m.max_model_len} for m in models.models]
+        except grpc.RpcError as e:
+            out["error"] = f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+    return out
+
+
+def worker_status(namespace: str, timeout: float = 5.0) -> list[dict[str, Any]]:
+    """Every Duet worker actor in ``namespace`` with its info, health and load. Ray must be
+    initialised in this process (``duet status`` connects first)."""
+    import ray
+
+    named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
+    workers = []
+    for name in sorted(named, key=_sort_key):
+        m = _WORKER_NAME.match(name)
+        if m is None:
+            continue
+        entry: dict[str, Any] = {"pool": m.group("pool"), "worker_id": name}
+        try:
+            info = ray.get(ray.get_actor(name, namespace=namespace).info.remote(), timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - dead, restarting or slow: report, don't hide
+            entry["error"] = f"actor: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+            workers.append(entry)
+            continue
+        entry.update(endpoint=info.get("endpoint"), incarnation=info.get("incarnation"), pid=info.get("pid"))
+        if entry["endpoint"] is None:
+            entry["error"] = "not serving (starting, or restarted by Ray and not started yet)"
+        else:
+            entry.update(_worker_load(entry["endpoint"], timeout))
+        workers.append(entry)
+    return workers
+
+
+def _sort_key(name: str) -> tuple[str, int]:
+    m = _WORKER_NAME.match(name)
+    return (m.group("pool"), int(m.group("index"))) if m else (name, -1)
+
+
+def _worker_load(endpoint: str, timeout: float) -> dict[str, Any]:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
+
+    with grpc.insecure_channel(endpoint) as channel:
+        try:
+            h = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="duet.worker.v1.Worker"), timeout=timeout)
+            r = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            return {"error": f"gRPC: {e.code().name}: {e.details()}"}  # type: ignore[attr-defined]
+    return {"health": health_pb2.HealthCheckResponse.ServingStatus.Name(h.status),
+            "load": {"num_running": r.num_running, "num_waiting": r.num_waiting,
+                     "outstanding_tokens": r.outstanding_tokens, "kv_blocks_used": r.kv_blocks_used,
+                     "kv_blocks_total": r.kv_blocks_total, "prefix_cache_queries": r.prefix_cache_queries,
+                     "prefix_cache_hits": r.prefix_cache_hits, "num_preemptions": r.num_preemptions}}
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """Human-readable text of ``{"router": ..., "workers": [...] | None, "ray_error": ...}``."""
+    lines = []
+    r = status.get("router")
+    if r is not None:
+        if "error" in r:
+            lines.append(f"router {r['target']}: unreachable ({r['error']})")
+        else:
+            models = ", ".join(f"{m['name']} (context {m['max_model_len']})" for m in r.get("models", []))
+            lines.append(f"router {r['target']}: {r['health']}, model {models or '(none)'}")
+    if status.get("ray_error"):
+        lines.append(f"workers: unknown ({status['ray_error']})")
+    workers = status.get("workers")
+    if workers is not None and not workers:
+        lines.append(f"workers: none in Ray namespace {status.get('namespace')!r} (is `duet serve` running there?)")
+    pools: dict[str, list[dict[str, Any]]] = {}
+    for w in workers or []:
+        pools.setdefault(w["pool"], []).append(w)
+    for pool, members in pools.items():
+        lines.append(f"pool {pool}: {len(members)} workers")
+        for w in members:
+            if "error" in w:
+                lines.append(f"  {w['worker_id']:<12} {w.get('endpoint') or '-':<22} {w['error']}")
+                continue
+            ld = w["load"]
+            hits = f"{ld['prefix_cache_hits']}/{ld['prefix_cache_queries']}"
+            lines.append(f"  {w['worker_id']:<12} {w['endpoint']:<22} {w['health']:<11} running {ld['num_running']} "
+                         f"waiting {ld['num_waiting']}  outstanding {ld['outstanding_tokens']} tok  KV "
+                         f"{ld['kv_blocks_used']}/{ld['kv_blocks_total']} blocks  prefix hits {hits}  pid {w['pid']}")
+    return "\n".join(lines)

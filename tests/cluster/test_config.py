@@ -1,0 +1,107 @@
+"""cluster.config: YAML < env < flags precedence, validation messages that name the key, the
+shipped example file, and the conversions to the engine's and the router's configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ClusterConfigError, DuetConfig, load_config
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "cluster" / "duet.example.yaml"
+
+
+def _yaml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "duet.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_example_file_loads_and_documents_the_defaults():
+    assert load_config(EXAMPLE, env={}) == DuetConfig()
+    text = EXAMPLE.read_text()
+    for key in ("model:", "pools:", "router:", "ray:", "controller:", "kv_cache_memory_bytes", "placement_strategy"):
+        assert key in text
+
+
+def test_defaults_without_file_or_env():
+    c = load_config(env={})
+    assert c.model.name == "SmolLM2-135M-Instruct" and c.router.port == 50051 and c.ray.address is None
+    assert c.pool.replicas == 1 and c.pool.cpus_per_replica == 1
+
+
+def test_yaml_then_env_then_flags(tmp_path):
+    path = _yaml(tmp_path, """
+model: {name: /models/a, max_model_len: 1024}
+pools:
+  - name: main
+    replicas: 3
+    engine: {kv_cache_memory_bytes: 256MiB, block_size: 32}
+router: {port: 6000, policy: least_loaded, policy_options: {}}
+ray: {num_cpus: 4}
+""")
+    c = load_config(path, env={})
+    assert (c.model.name, c.model.max_model_len, c.pool.name, c.pool.replicas) == ("/models/a", 1024, "main", 3)
+    assert c.pool.engine.kv_cache_memory_bytes == 256 << 20 and c.pool.engine.block_size == 32
+    assert (c.router.port, c.router.policy, c.ray.num_cpus) == (6000, "least_loaded", 4)
+
+    env = {"DUET_PORT": "7000", "DUET_REPLICAS": "2", "DUET_MODEL": "/models/b", "DUET_KV_CACHE_MEMORY": "1GiB"}
+    c = load_config(path, env=env)
+    assert (c.router.port, c.pool.replicas, c.model.name) == (7000, 2, "/models/b")
+    assert c.pool.engine.kv_cache_memory_bytes == 1 << 30 and c.pool.engine.block_size == 32  # untouched
+
+    c = load_config(path, env=env, overrides={"router.port": 8000, "pool.replicas": None, "router.policy": "round_robin"})
+    assert (c.router.port, c.pool.replicas, c.router.policy) == (8000, 2, "round_robin")  # None = flag not given
+
+
+def test_config_file_from_env_and_ray_address(tmp_path):
+    path = _yaml(tmp_path, "router: {port: 6001}\n")
+    c = load_config(env={"DUET_CONFIG": str(path), "RAY_ADDRESS": "10.0.0.1:6379"})
+    assert c.router.port == 6001 and c.ray.address == "10.0.0.1:6379"
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(env={"DUET_PORT": "70000"}), ["router.port=70000", "env DUET_PORT", "0..65535"]),
+    (dict(env={"DUET_PORT": "fifty"}), ["router.port='fifty'", "env DUET_PORT", "integer"]),
+    (dict(env={}, overrides={"pool.replicas": 0}, flag_names={"pool.replicas": "--replicas"}),
+     ["pools[0].replicas=0", "flag --replicas", ">= 1"]),
+    (dict(env={}, overrides={"pool.engine.kv_cache_memory_bytes": "lots"}),
+     ["pools[0].engine.kv_cache_memory_bytes", "64MiB"]),
+    (dict(env={}, overrides={"router.policy": "fastest"}), ["router.policy='fastest'", "round_robin"]),
+    (dict(env={}, overrides={"router.policy_options": {"nope": 1}}), ["router.policy_options", "valid options"]),
+    (dict(env={}, overrides={"model.dtype": "int3"}), ["model.dtype='int3'", "float32"]),
+    (dict(env={"RAY_ADDRESS": "auto", "DUET_RAY_NUM_CPUS": "2"}), ["ray.num_cpus=2", "embedded"]),
+])
+def test_bad_values_name_the_key_and_source(kwargs, words):
+    with pytest.raises(ClusterConfigError) as err:
+        load_config(**kwargs)
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_yaml_errors_name_the_file_and_key(tmp_path):
+    with pytest.raises(ClusterConfigError, match=r"router\.prot \(from .*duet.yaml\): unknown key in router; "
+                                                 r"known keys: host, port"):
+        load_config(_yaml(tmp_path, "router: {prot: 1}\n"), env={})
+    with pytest.raises(ClusterConfigError, match=r"pools\[0\]\.engine\.block_size=24 \(from .*duet.yaml\): "
+                                                 "must be a power of two"):
+        load_config(_yaml(tmp_path, "pools: [{engine: {block_size: 24}}]\n"), env={})
+    with pytest.raises(ClusterConfigError, match=r"pools=.*exactly one pool"):
+        load_config(_yaml(tmp_path, "pools: [{name: a}, {name: b}]\n"), env={})
+    with pytest.raises(ClusterConfigError, match="not valid YAML"):
+        load_config(_yaml(tmp_path, "model: [\n"), env={})
+    with pytest.raises(ClusterConfigError, match="cannot be read"):
+        load_config(tmp_path / "missing.yaml", env={})
+
+
+def test_to_engine_and_router_configs():
+    c = load_config(env={}, overrides={"pool.engine.kv_cache_memory_bytes": "64MiB", "pool.engine.max_num_seqs": 8,
+                                       "model.max_model_len": 512, "router.port": 0, "router.policy": "round_robin"})
+    e = c.to_engine_config()
+    assert e.model == "SmolLM2-135M-Instruct" and e.max_model_len == 512
+    assert e.cache.kv_cache_memory_bytes == 64 << 20 and e.scheduler.max_num_seqs == 8
+    r = c.to_router_config("/ckpt/SmolLM2-135M-Instruct", 300, load_poll_interval_s=0.1)
+    assert (r.tokenizer_path, r.model_name, r.max_model_len, r.port, r.policy) == (
+        "/ckpt/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct", 300, 0, "round_robin")
+    assert r.load_poll_interval_s == 0.1
