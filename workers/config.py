@@ -44,13 +44,15 @@ class SchedulerConfig:
     """Token-budget continuous batching.
 
     max_num_batched_tokens: tokens computed per step (decode tokens + prefill chunk tokens).
-    max_num_seqs: sequences running at once.
+    max_num_seqs: sequences running at once (default: 64, or the token budget if smaller).
     """
 
     max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_num_seqs is None:
+            object.__setattr__(self, "max_num_seqs", min(64, max(self.max_num_batched_tokens, 1)))
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"scheduler.max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1"
