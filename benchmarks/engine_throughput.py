@@ -141,11 +141,11 @@ def machine_info() -> dict[str, Any]:
 def code_version() -> dict[str, Any]:
     """The commit measured, and whether the working tree had uncommitted changes (the engine moves)."""
 
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+    def git(*args: str) -> list[str]:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.splitlines()
 
-    changed = [ln[3:] for ln in git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    return {"commit": git("rev-parse", "HEAD") or None, "uncommitted_changes": changed}
+    changed = [ln[3:] for ln in git("status", "--porcelain", "--untracked-files=no")]  # "XY path"
+    return {"commit": next(iter(git("rev-parse", "HEAD")), None), "uncommitted_changes": changed}
 
 
 class CpuLoadMeter:
@@ -480,10 +480,10 @@ def print_report(res: dict[str, Any]) -> None:
             (f"batch-1 decode tok/s (N={dec['new_tokens']})", f"{dec['duet']['median_tokens_per_s']:.1f}",
              f"{dec['hf']['median_tokens_per_s']:.1f}", f"{ratios['batch1_decode_vs_hf']:.2f}x",
              *target("batch1_decode_vs_hf", "x"), quiet(dec, "t_n_load")),
-            ("  fraction of roofline", f"{ratios['batch1_decode_vs_roofline']:.0%}",
-             f"{ratios['hf_batch1_decode_vs_roofline']:.0%}", "", *target("batch1_decode_vs_roofline", "%"), ""),
-            ("  fraction of model-shaped roofline", f"{ratios['batch1_decode_vs_model_shaped_roofline']:.0%}",
-             f"{ratios['hf_batch1_decode_vs_model_shaped_roofline']:.0%}", "", "", "", "")]
+            ("  fraction of roofline", f"{ratios['batch1_decode_vs_roofline']:.1%}",
+             f"{ratios['hf_batch1_decode_vs_roofline']:.1%}", "", *target("batch1_decode_vs_roofline", "%"), ""),
+            ("  fraction of model-shaped roofline", f"{ratios['batch1_decode_vs_model_shaped_roofline']:.1%}",
+             f"{ratios['hf_batch1_decode_vs_model_shaped_roofline']:.1%}", "", "", "", "")]
     for c, t in res["throughput"].items():
         key = f"c{c}_throughput_vs_hf"
         rows.append((f"C={c} total out tok/s (N={t['new_tokens_per_request']})",
