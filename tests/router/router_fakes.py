@@ -26,6 +26,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
+import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -208,3 +209,18 @@ def run_async(coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
     if _client_loop is None:
         _client_loop = LoopThread()
     return _client_loop.run(coro, timeout)
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_path):
+    return load_tokenizer(str(smollm2_path))
+
+
+@pytest.fixture(scope="module")
+def pool(tok):
+    lt = LoopThread()
+    servers = start_fake_pool(lt, tok, 2)
+    yield servers
+    for s in servers:
+        s.stop_sync()
+    lt.close()

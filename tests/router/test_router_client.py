@@ -8,28 +8,13 @@ import contextlib
 
 import grpc
 import pytest
-from router_fakes import SCRIPT, LoopThread, load_tokenizer, members, run_async, start_fake_pool
+from router_fakes import SCRIPT, members, pool, run_async, tok  # noqa: F401  (pool, tok: shared fixtures)
 
 from protos.duet.v1 import duet_pb2
 from router.client import Chunk, Completion, DuetClient, DuetError, ModelInfo, build_request, complete, \
     generate_text, stream
 from router.config import RouterConfig
 from router.server import serve_router
-
-
-@pytest.fixture(scope="module")
-def tok(smollm2_path):
-    return load_tokenizer(str(smollm2_path))
-
-
-@pytest.fixture(scope="module")
-def pool(tok):
-    lt = LoopThread()
-    servers = start_fake_pool(lt, tok, 2)
-    yield servers
-    for s in servers:
-        s.stop_sync()
-    lt.close()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from router_fakes import SCRIPT, LoopThread, load_tokenizer, members, run_async, start_fake_pool, wait_until
+from router_fakes import SCRIPT, members, pool, run_async, tok, wait_until  # noqa: F401  (pool, tok: shared fixtures)
 
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from router.config import RouterConfig, RouterConfigError
@@ -31,21 +31,6 @@ def _config(path, **overrides) -> RouterConfig:
                   stream_failure_cooldown_s=0.3)
     fields.update(overrides)
     return RouterConfig(**fields)
-
-
-@pytest.fixture(scope="module")
-def tok(smollm2_path):
-    return load_tokenizer(str(smollm2_path))
-
-
-@pytest.fixture(scope="module")
-def pool(tok):
-    lt = LoopThread()
-    servers = start_fake_pool(lt, tok, 2)
-    yield servers
-    for s in servers:
-        s.stop_sync()
-    lt.close()
 
 
 @pytest.fixture(scope="module")
