@@ -125,10 +125,14 @@ class RaySection:
 @dataclass(frozen=True)
 class ControllerSection:
     """poll_interval_s: how often each worker actor is probed. start_timeout_s: how long a worker
-    may take to load its engine and serve (serve fails if no worker is up by then)."""
+    may take to load its engine and serve (serve fails if no worker is up by then). host/port: where
+    the controller serves duet.control.v1.Membership, the member list routers follow (0 = any free
+    port; a router in another process or pod is started with ``--membership host:port``)."""
 
     poll_interval_s: float = 1.0
     start_timeout_s: float = 300.0
+    host: str = "127.0.0.1"
+    port: int = 50052
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,7 @@ ENV_KEYS: dict[str, str] = {
     "DUET_HOST": "router.host",
     "DUET_PORT": "router.port",
     "DUET_POLICY": "router.policy",
+    "DUET_CONTROLLER_PORT": "controller.port",
     "RAY_ADDRESS": "ray.address",
     "DUET_RAY_NUM_CPUS": "ray.num_cpus",
 }
@@ -285,6 +290,8 @@ def _check_ray(r: RaySection, p: str, s: Sources) -> None:
 def _check_controller(c: ControllerSection, p: str, s: Sources) -> None:
     need(c.poll_interval_s > 0, f"{p}.poll_interval_s", c.poll_interval_s, s, "must be > 0 seconds")
     need(c.start_timeout_s > 0, f"{p}.start_timeout_s", c.start_timeout_s, s, "must be > 0 seconds")
+    need(bool(c.host), f"{p}.host", c.host, s, "must be a host or address, e.g. 127.0.0.1 or 0.0.0.0")
+    need(0 <= c.port <= 65535, f"{p}.port", c.port, s, "must be in 0..65535 (0 picks a free port)")
 
 
 def _check_duet(c: DuetConfig, p: str, s: Sources) -> None:

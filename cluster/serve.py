@@ -6,12 +6,16 @@ The order, in ``start_deployment`` (each step undone, in reverse, if a later one
     2. Ray: start an embedded local Ray or join ``ray.address`` (cluster/ray_conn.py)
     3. the pool: placement group + worker actors (cluster/pools.py)
     4. the controller starts every worker and waits until they serve (cluster/controller.py)
-    5. the router, on a background thread, with the workers as its first members; the controller
-       then pushes every membership change to it (``RouterHandle.set_members``)
+    5. the controller's membership service (duet.control.v1.Membership on ``controller.port``,
+       cluster/membership_service.py)
+    6. the router, on a background thread, with the workers as its first members; it follows the
+       membership service over gRPC from then on (joins, leaves, restarts; no router restart), the
+       same way a router in its own process or pod does (``python -m router.server --membership``)
 
 ``Deployment.stop()`` undoes it: router (NOT_SERVING, streams get ``router.shutdown_grace_s`` to
-finish) -> controller (no restarts any more) -> workers (drain, abort, kill) -> placement group ->
-Ray (shut down if embedded; otherwise only disconnected). Nothing Duet started is left running.
+finish) -> membership service -> controller (no restarts any more) -> workers (drain, abort,
+kill) -> placement group -> Ray (shut down if embedded; otherwise only disconnected). Nothing Duet
+started is left running.
 
 The router's context limit is the workers' effective one: the smaller of ``model.max_model_len``
 (or the checkpoint's ``max_position_embeddings``) and what one worker's KV pool holds, read from a
@@ -39,6 +43,7 @@ from typing import Any
 
 from cluster.config import DuetConfig
 from cluster.controller import Controller
+from cluster.membership_service import MembershipService, serve_membership
 from cluster.pools import WorkerPool, create_pool
 from cluster.ray_conn import RayConnection, connect
 
@@ -57,6 +62,7 @@ class Deployment:
     ray: RayConnection
     pool: WorkerPool | None = None
     controller: Controller | None = None
+    membership: MembershipService | None = None
     router: Any = None  # router.server.RouterHandle
     model_path: Path | None = None
     max_model_len: int | None = None
@@ -72,7 +78,8 @@ class Deployment:
         if self._stopped:
             return
         self._stopped = True
-        steps = [("router", lambda: self.router.stop()), ("controller", lambda: self.controller.stop()),
+        steps = [("router", lambda: self.router.stop()), ("membership", lambda: self.membership.stop()),
+                 ("controller", lambda: self.controller.stop()),
                  ("pool", lambda: self.pool.shutdown()), ("ray", self.ray.close)]
         for name, step in steps:
             if name != "ray" and getattr(self, name) is None:
@@ -98,7 +105,8 @@ def start_deployment(config: DuetConfig, *, router_overrides: dict[str, Any] | N
     from workers.models.assets import resolve_model
 
     model_path = resolve_model(config.model.name)
-    _check_port_free(config.router.host, config.router.port)  # before minutes of startup, not after
+    _check_port_free(config.router.host, config.router.port, "router.port", "--port")  # before minutes of startup
+    _check_port_free(config.controller.host, config.controller.port, "controller.port", "--controller-port")
     deployment = Deployment(config, connect(config.ray, log_to_driver=log_to_driver), model_path=model_path)
     try:
         _start(deployment, router_overrides or {})
@@ -128,15 +136,17 @@ def _start(d: Deployment, router_overrides: dict[str, Any]) -> None:
                              f"{config.controller.start_timeout_s:g} s ({problems})")
         logger.warning("duet: %d of %d workers up; continuing without the rest (%s)", len(up), replicas, problems)
     d.max_model_len = effective_max_model_len(d.model_path, config.model.max_model_len, d.controller.members()[0][1])
-    router_config = config.to_router_config(str(d.model_path), d.max_model_len, **router_overrides)
+    d.membership = serve_membership(d.controller, config.controller.host, config.controller.port)
+    router_config = config.to_router_config(str(d.model_path), d.max_model_len,
+                                            membership_address=d.membership.address, **router_overrides)
     d.router = serve_router(router_config, d.controller.members())
-    d.controller.subscribe(d.router.set_members)
-    logger.info("duet: serving %s on %s (%d workers, policy %s, context %d tokens)", router_config.model_name,
-                d.router.address, len(d.controller.members()), router_config.policy, d.max_model_len)
+    logger.info("duet: serving %s on %s (%d workers, policy %s, context %d tokens; members from %s)",
+                router_config.model_name, d.router.address, len(d.controller.members()), router_config.policy,
+                d.max_model_len, d.membership.address)
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """Fail fast if something already listens on the router's port (the router binds it last)."""
+def _check_port_free(host: str, port: int, key: str, flag: str) -> None:
+    """Fail fast if something already listens on a port Duet binds only after workers loaded."""
     if port == 0:
         return
     family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
@@ -145,8 +155,8 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host.strip("[]"), port))
         except OSError as e:
-            raise ServeError(f"router.port={port}: cannot listen on {host}:{port} ({e.strerror}); is another "
-                             "`duet serve` running? pick another --port (0 = any free port)") from None
+            raise ServeError(f"{key}={port}: cannot listen on {host}:{port} ({e.strerror}); is another "
+                             f"`duet serve` running? pick another {flag} (0 = any free port)") from None
 
 
 def effective_max_model_len(model_path: Path, configured: int | None, worker_endpoint: str) -> int:

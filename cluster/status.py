@@ -1,20 +1,23 @@
 """``duet status``: what a running deployment consists of, asked from the outside.
 
 How status reaches a running ``duet serve`` (no extra service, nothing to configure):
-    router    --target host:port: grpc health and ListModels on the public port.
+    router    --target host:port: grpc health, ListModels and duet.control.v1.RouterAdmin
+              GetRouterStats (in flight / queued, request outcomes, its view of each worker) on
+              the public port.
     workers   through Ray: join the deployment's Ray cluster as a short-lived driver
               (``--ray-address``, default "auto" = the local Ray that ``duet serve`` started, or
               ``RAY_ADDRESS``), list the named worker actors in the deployment's namespace
               ("duet"), ask each for ``info()`` (endpoint, incarnation, pid), then ask each
               worker's gRPC endpoint directly for health and ``GetLoad`` (running / waiting
               requests, outstanding tokens, KV blocks used / total, prefix-cache hits).
-What it does not show: the router's own queue and in-flight counters (the public API has no RPC
-for them; the serve process logs them). A worker whose actor does not answer within the timeout
-is listed with its error rather than hiding it.
+A worker whose actor does not answer within the timeout is listed with its error rather than
+hiding it.
 
 Example output::
 
     router 127.0.0.1:50051: SERVING, model SmolLM2-135M-Instruct (context 1456)
+      policy prefix_aware, in flight 1/128, queued 0/512; requests 12 (rejected 0, cancelled 1),
+      2 workers healthy of 2, member list v3
     pool default: 2 workers
       default-0  10.0.0.5:41231  SERVING  running 1 waiting 0  outstanding 40 tok  KV 3/91 blocks  pid 1234
       default-1  10.0.0.5:40877  SERVING  running 0 waiting 0  outstanding 0 tok   KV 0/91 blocks  pid 1240
@@ -33,7 +36,9 @@ def router_status(target: str, timeout: float = 5.0) -> dict[str, Any]:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from protos.duet.control.v1 import control_pb2, control_pb2_grpc
     from protos.duet.v1 import duet_pb2, duet_pb2_grpc
+    from router.admin import stats_from_proto
 
     out: dict[str, Any] = {"target": target}
     with grpc.insecure_channel(target) as channel:
@@ -42,6 +47,9 @@ def router_status(target: str, timeout: float = 5.0) -> dict[str, Any]:
             out["health"] = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
             models = duet_pb2_grpc.DuetStub(channel).ListModels(duet_pb2.ListModelsRequest(), timeout=timeout)
             out["models"] = [{"name": m.name, "max_model_len": m.max_model_len} for m in models.models]
+            stats = control_pb2_grpc.RouterAdminStub(channel).GetRouterStats(control_pb2.GetRouterStatsRequest(),
+                                                                              timeout=timeout)
+            out["stats"] = stats_from_proto(stats)
         except grpc.RpcError as e:
             out["error"] = f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
     return out
@@ -109,6 +117,13 @@ def format_status(status: dict[str, Any]) -> str:
         else:
             models = ", ".join(f"{m['name']} (context {m['max_model_len']})" for m in r.get("models", []))
             lines.append(f"router {r['target']}: {r['health']}, model {models or '(none)'}")
+            st = r.get("stats")
+            if st is not None:
+                healthy = sum(w["healthy"] for w in st["workers"])
+                lines.append(f"  policy {st['policy']}, in flight {st['in_flight']}/{st['max_in_flight']}, queued "
+                             f"{st['queued']}/{st['max_queue']}; requests {st['requests']} (rejected {st['rejected']}, "
+                             f"cancelled {st['cancelled']}), {healthy} workers healthy of {len(st['workers'])}, "
+                             f"member list v{st['membership_version']}")
     if status.get("ray_error"):
         lines.append(f"workers: unknown ({status['ray_error']})")
     workers = status.get("workers")

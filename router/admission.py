@@ -83,5 +83,6 @@ class AdmissionController:
         assert self.in_flight >= 0
 
     def stats(self) -> dict[str, int]:
-        return {"in_flight": self.in_flight, "queued": self.queued, "admitted": self.num_admitted,
+        return {"in_flight": self.in_flight, "queued": self.queued, "max_in_flight": self.max_in_flight,
+                "max_queue": self.max_queue, "admitted": self.num_admitted,
                 "admitted_after_queueing": self.num_queued, "rejected": self.num_rejected}

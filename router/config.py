@@ -78,6 +78,11 @@ class RouterConfig:
     max_route_attempts: int = 2
     # Shutdown: seconds in-flight streams get to finish on stop().
     shutdown_grace_s: float = 5.0
+    # Membership: host:port of the controller's duet.control.v1.Membership service. Set, the router
+    # follows the controller's member list (router/membership.py); None, members are set directly.
+    membership_address: str | None = None
+    # How long start waits for the controller's first member list before serving without it.
+    membership_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy_options", MappingProxyType(dict(self.policy_options)))
@@ -112,6 +117,12 @@ class RouterConfig:
             value = getattr(self, name)
             if not _finite(value) or value < 0:
                 _fail(name, value, "must be a number of seconds >= 0")
+        if self.membership_address is not None and (not isinstance(self.membership_address, str)
+                                                    or not _is_host_port(self.membership_address)):
+            _fail("membership_address", self.membership_address, "must be the controller's host:port, "
+                  "e.g. 10.0.0.2:50052 (or None to set members directly)")
+        if not _finite(self.membership_wait_s) or self.membership_wait_s < 0:
+            _fail("membership_wait_s", self.membership_wait_s, "must be a number of seconds >= 0")
         _int_at_least("worker_failure_threshold", self.worker_failure_threshold, 1)
         _int_at_least("max_route_attempts", self.max_route_attempts, 1)
 
@@ -129,6 +140,11 @@ def _fail(name: str, value: object, what: str) -> None:
 def _int_at_least(name: str, value: object, low: int, hint: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         _fail(name, value, f"must be an integer >= {low}{hint}")
+
+
+def _is_host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host.strip("[]") and port.isdigit() and 0 < int(port) <= 65535)
 
 
 def _finite(value: object) -> bool:

@@ -201,7 +201,7 @@ class Pipeline:
 
     def stats(self) -> dict[str, object]:
         return {"requests": dict(self.counts), "admission": self.admission.stats(),
-                "policy": self.policy.counters(), "workers": self.directory.describe(),
+                "policy_name": self.policy.name, "policy": self.policy.counters(), "workers": self.directory.describe(),
                 "worker_stream_failures": self.directory.num_stream_failures}
 
 

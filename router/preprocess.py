@@ -67,7 +67,17 @@ class ServedModel:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(path)
+            _warm_up(tokenizer)
         return cls(config.model_name, tokenizer, _max_model_len(config, path, tokenizer), len(tokenizer))
+
+
+def _warm_up(tokenizer: Any) -> None:
+    """Compile the chat template and touch the encoder once, at load: the first call costs ~8 ms
+    (jinja compilation), which would otherwise land on the first request's TTFT."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                             tokenize=False)
+        tokenizer.decode(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _max_model_len(config: RouterConfig, path: Path, tokenizer: Any) -> int:

@@ -14,10 +14,17 @@ Two ways to run it:
 Health: the overall service ("") and "duet.v1.Duet" are SERVING while at least one worker is
 healthy, NOT_SERVING otherwise (and from the moment shutdown begins).
 
+Membership: either set directly (``members=`` and ``set_members``), or, with
+``config.membership_address``, followed from the controller's duet.control.v1.Membership stream
+(router/membership.py): the router then runs as its own process or Kubernetes Deployment and
+learns of joins and leaves without a restart. The router also serves duet.control.v1.RouterAdmin
+(its counters, for ``duet status``) on the same port.
+
 Run a standalone router against running workers (debugging, benchmarks)::
 
     python -m router.server --tokenizer ~/.cache/duet/models/SmolLM2-135M-Instruct \\
         --worker w0=127.0.0.1:50061 --worker w1=127.0.0.1:50062
+    python -m router.server --tokenizer ... --membership 10.0.0.2:50052   # follow a controller
 """
 
 from __future__ import annotations
@@ -36,9 +43,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from protos.duet.control.v1 import control_pb2, control_pb2_grpc
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
+from router.admin import RouterAdminServicer
 from router.admission import AdmissionController
 from router.config import RouterConfig, RouterConfigError
+from router.membership import MembershipWatcher
 from router.pipeline import Pipeline
 from router.policies import make_policy
 from router.preprocess import RequestError, ServedModel
@@ -47,6 +57,7 @@ from router.workers import WorkerDirectory
 logger = logging.getLogger(__name__)
 
 DUET_SERVICE = duet_pb2.DESCRIPTOR.services_by_name["Duet"].full_name  # "duet.v1.Duet"
+ADMIN_SERVICE = control_pb2.DESCRIPTOR.services_by_name["RouterAdmin"].full_name  # "duet.control.v1.RouterAdmin"
 Members = Iterable[tuple[str, str]]  # (worker_id, endpoint)
 
 
@@ -91,11 +102,15 @@ class RouterServer:
         self.port = 0
         self._stopped = False
         self._health_tasks: set[asyncio.Task[None]] = set()
+        self.membership: MembershipWatcher | None = None
+        self.membership_version = 0
 
     async def _start(self, members: Members) -> None:
         duet_pb2_grpc.add_DuetServicer_to_server(DuetServicer(self.pipeline), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection([DUET_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
+        control_pb2_grpc.add_RouterAdminServicer_to_server(RouterAdminServicer(self.stats), self._server)
+        reflection.enable_server_reflection([DUET_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                                            self._server)
         await self._set_health(False)
         try:
             self.port = self._server.add_insecure_port(self.config.address)
@@ -104,6 +119,14 @@ class RouterServer:
                                     "router running there? pick another port (0 = any free port)") from None
         await self._server.start()
         await self.directory.set_members(members)
+        if self.config.membership_address is not None:
+            self.membership = MembershipWatcher(self.config.membership_address, self._apply_members,
+                                                watcher_name=f"router {self.address}")
+            self.membership.start()
+            if not await self.membership.wait_first(self.config.membership_wait_s):
+                logger.warning("router: no member list from the controller at %s within %.0f s; serving "
+                               "what it has (%d workers) and still trying", self.config.membership_address,
+                               self.config.membership_wait_s, len(self.directory.snapshot()))
         logger.info("router serving %s on %s (policy %s, %d workers, %d healthy)", self.config.model_name,
                     self.address, self.config.policy, len(self.directory.snapshot()),
                     sum(w.healthy for w in self.directory.snapshot()))
@@ -119,8 +142,17 @@ class RouterServer:
         """Make the worker pool exactly ``members``; returns once newcomers have been polled."""
         await self.directory.set_members(members)
 
+    async def _apply_members(self, members: list[tuple[str, str]], version: int) -> None:
+        before = {w.worker_id for w in self.directory.snapshot()}
+        await self.directory.set_members(members)
+        self.membership_version = version
+        after = {wid for wid, _ in members}
+        if before != after:
+            logger.info("membership v%d: %d workers (joined: %s; left: %s)", version, len(after),
+                        ", ".join(sorted(after - before)) or "-", ", ".join(sorted(before - after)) or "-")
+
     def stats(self) -> dict[str, Any]:
-        return self.pipeline.stats()
+        return {**self.pipeline.stats(), "membership_version": self.membership_version}
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING at once, let in-flight streams finish for ``grace`` seconds
@@ -129,6 +161,8 @@ class RouterServer:
             return
         self._stopped = True
         await self.health.enter_graceful_shutdown()
+        if self.membership is not None:
+            await self.membership.stop()
         await self._server.stop(self.config.shutdown_grace_s if grace is None else grace)
         await self.directory.close()
         logger.info("router on %s stopped", self.address)
@@ -137,6 +171,8 @@ class RouterServer:
         await self._server.wait_for_termination()
 
     def _on_health_change(self, serving: bool) -> None:
+        if self._stopped:
+            return  # shutting down: NOT_SERVING already, and closing the directory is not "no healthy worker"
         logger.info("router health -> %s", "SERVING" if serving else "NOT_SERVING (no healthy worker)")
         task = asyncio.ensure_future(self._set_health(None))
         self._health_tasks.add(task)
@@ -243,6 +279,9 @@ def _parse_args(argv: list[str] | None) -> tuple[RouterConfig, list[tuple[str, s
     p.add_argument("--policy", default=RouterConfig.policy)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--worker", action="append", default=[], metavar="ID=HOST:PORT", help="repeat per worker")
+    p.add_argument("--membership", default=None, metavar="HOST:PORT",
+                   help="follow the member list of the controller's Membership service at HOST:PORT "
+                   "(`duet serve` prints it) instead of, or in addition to, fixed --worker entries")
     args = p.parse_args(argv)
     members = []
     for spec in args.worker:
@@ -252,7 +291,8 @@ def _parse_args(argv: list[str] | None) -> tuple[RouterConfig, list[tuple[str, s
         members.append((wid, endpoint))
     try:
         config = RouterConfig(tokenizer_path=args.tokenizer, model_name=args.model_name, host=args.host,
-                              port=args.port, policy=args.policy, max_model_len=args.max_model_len)
+                              port=args.port, policy=args.policy, max_model_len=args.max_model_len,
+                              membership_address=args.membership)
     except RouterConfigError as e:
         p.error(str(e))
     return config, members

@@ -72,11 +72,13 @@ class WorkerActor:
         return self._server.endpoint if self._server is not None else None
 
     def info(self) -> dict[str, object]:
-        """Identity for status pages: worker id, endpoint, incarnation, pid, torch threads."""
+        """Identity for status pages: worker id, endpoint, incarnation, context limit (None until
+        started), pid, torch threads."""
         return {
             "worker_id": self._worker_id,
             "endpoint": self.endpoint(),
             "incarnation": self._server.incarnation if self._server is not None else None,
+            "max_model_len": self._server.limits.max_model_len if self._server is not None else None,
             "pid": os.getpid(),
             "num_threads": self._num_threads,
         }

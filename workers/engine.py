@@ -115,6 +115,21 @@ class Engine:
         seq.finish_reason = FinishReason.ABORT
         return self._finish(seq, [], "")
 
+    def warm_up(self) -> None:
+        """Run one short greedy request (an 8-token prompt, 4 tokens out) through prefill, decode and
+        sampling, so the first real request does not pay first-call costs (kernel loading, allocator
+        growth, OpenMP thread start: tens of ms). Call it before serving, with nothing in flight.
+        The prompt is shorter than a KV block (up to 8 tokens), so it leaves nothing in the prefix
+        cache unless blocks are tiny."""
+        assert not self._seqs, "warm_up() with requests in flight"
+        n = max(1, min(8, self.max_model_len - 5, self.config.cache.block_size - 1))
+        rid = self.add_request("__warm_up__", [(i + 1) % self.spec.vocab_size for i in range(n)],
+                               SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        while rid in self._seqs:
+            self.step()
+        stats = self.block_manager.stats()
+        assert stats.num_free_blocks == stats.num_blocks, "warm-up leaked KV blocks"
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -221,7 +221,7 @@ async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.
     num_threads: torch intra-op threads for the engine thread (match the CPUs reserved for it).
     """
     loop = asyncio.get_running_loop()
-    engine = EngineLoop(lambda: Engine(engine_config), loop, num_threads=num_threads)
+    engine = EngineLoop(lambda: _warmed_up(Engine(engine_config)), loop, num_threads=num_threads)
     limits = await engine.start()
     worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
     servicer = WorkerServicer(engine, limits, worker_id, max_inflight)
@@ -242,6 +242,11 @@ async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.
     endpoint = _host_port(host, bound)
     logger.info("worker %s serving on %s (max_model_len %d)", worker_id, endpoint, limits.max_model_len)
     return WorkerServer(server, servicer, engine, health_servicer, endpoint)
+
+
+def _warmed_up(engine: Engine) -> Engine:
+    engine.warm_up()  # on the engine thread, before SERVING: the first request's TTFT is a steady-state one
+    return engine
 
 
 def _host_port(host: str, port: int) -> str:

@@ -108,3 +108,15 @@ def test_abort_returns_all_blocks(llm):
     while engine.has_unfinished():
         engine.step()
     assert engine.block_manager.num_free_blocks == free
+
+
+def test_warm_up_leaves_no_trace(llm):
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    ref = llm.generate("Hello there", greedy)[0].token_ids
+    before = engine.block_manager.stats()
+    engine.warm_up()
+    after = engine.block_manager.stats()
+    assert not engine.has_unfinished() and "__warm_up__" not in engine._seqs
+    assert after.num_free_blocks == after.num_blocks and after.num_cached_blocks == before.num_cached_blocks
+    assert llm.generate("Hello there", greedy)[0].token_ids == ref

@@ -27,6 +27,11 @@ async def greedy_over_grpc(endpoint: str, ids: list[int], max_tokens: int) -> tu
         return health.status, tokens
 
 
+async def get_load(endpoint: str) -> worker_pb2.LoadReport:
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        return await worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+
+
 async def health_check(endpoint: str) -> None:
     async with grpc.aio.insecure_channel(endpoint) as channel:
         await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
@@ -40,6 +45,8 @@ def test_worker_actor_serves_greedy_and_goes_away(ray_cluster, smollm2_path, llm
         info = ray.get(actor.info.remote())
         assert ray.get(actor.ready.remote()) and ray.get(actor.endpoint.remote()) == endpoint
         assert info["num_threads"] == 1 and info["worker_id"] == "w-actor"
+        load = asyncio.run(get_load(endpoint))  # the context limit the engine enforces: model's, capped by the KV pool
+        assert info["max_model_len"] == min(8192, load.kv_blocks_total * load.kv_block_size)
 
         ids = llm.tokenizer.encode("The capital of France is")
         status, tokens = asyncio.run(greedy_over_grpc(endpoint, ids, 12))

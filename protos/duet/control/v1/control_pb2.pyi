@@ -1,0 +1,86 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WatchRequest(_message.Message):
+    __slots__ = ("watcher",)
+    WATCHER_FIELD_NUMBER: _ClassVar[int]
+    watcher: str
+    def __init__(self, watcher: _Optional[str] = ...) -> None: ...
+
+class Member(_message.Message):
+    __slots__ = ("worker_id", "endpoint")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    endpoint: str
+    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ...) -> None: ...
+
+class MemberList(_message.Message):
+    __slots__ = ("version", "members")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    members: _containers.RepeatedCompositeFieldContainer[Member]
+    def __init__(self, version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ...) -> None: ...
+
+class GetRouterStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RouterStats(_message.Message):
+    __slots__ = ("policy", "in_flight", "queued", "max_in_flight", "max_queue", "requests", "admitted", "rejected", "cancelled", "worker_stream_failures", "counters", "workers", "membership_version")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    WORKER_STREAM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_VERSION_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    in_flight: int
+    queued: int
+    max_in_flight: int
+    max_queue: int
+    requests: int
+    admitted: int
+    rejected: int
+    cancelled: int
+    worker_stream_failures: int
+    counters: _containers.ScalarMap[str, int]
+    workers: _containers.RepeatedCompositeFieldContainer[RouterWorker]
+    membership_version: int
+    def __init__(self, policy: _Optional[str] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., max_in_flight: _Optional[int] = ..., max_queue: _Optional[int] = ..., requests: _Optional[int] = ..., admitted: _Optional[int] = ..., rejected: _Optional[int] = ..., cancelled: _Optional[int] = ..., worker_stream_failures: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., workers: _Optional[_Iterable[_Union[RouterWorker, _Mapping]]] = ..., membership_version: _Optional[int] = ...) -> None: ...
+
+class RouterWorker(_message.Message):
+    __slots__ = ("worker_id", "endpoint", "healthy", "in_flight", "load_tokens", "last_error")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    LOAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    endpoint: str
+    healthy: bool
+    in_flight: int
+    load_tokens: int
+    last_error: str
+    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., healthy: _Optional[bool] = ..., in_flight: _Optional[int] = ..., load_tokens: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,101 @@
+"""Membership from the controller over gRPC: keep the router's worker set equal to the controller's.
+
+The router opens ``duet.control.v1.Membership/Watch`` on the controller and applies every list it
+receives (full lists, see protos/duet/control/v1/control.proto) with ``apply(members, version)``.
+When the stream breaks (the controller restarts, the network blips) the router keeps routing over
+the last list it applied -- its own health polling still takes dead workers out -- and reconnects
+with exponential backoff (``min_backoff_s`` doubling to ``max_backoff_s``); the first list after a
+reconnect replaces the old one whole.
+
+Example::
+
+    watcher = MembershipWatcher("10.0.0.2:50052", directory_apply, watcher_name="router 10.0.0.3:50051")
+    watcher.start()           # on the router's event loop
+    await watcher.wait_first(timeout=10)
+    ...
+    await watcher.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from protos.duet.control.v1 import control_pb2, control_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+Members = list[tuple[str, str]]
+Apply = Callable[[Members, int], Awaitable[None]]
+
+
+class MembershipWatcher:
+    """One background task watching the controller at ``address`` (host:port)."""
+
+    def __init__(self, address: str, apply: Apply, *, watcher_name: str = "", min_backoff_s: float = 0.2,
+                 max_backoff_s: float = 5.0) -> None:
+        self.address = address
+        self._apply = apply
+        self._name = watcher_name
+        self._min_backoff = min_backoff_s
+        self._max_backoff = max_backoff_s
+        self._task: asyncio.Task[None] | None = None
+        self._first = asyncio.Event()
+        self.version = 0  # of the last list applied
+        self.num_lists = 0  # lists applied since start
+        self.num_reconnects = 0
+        self.connected = False
+
+    def start(self) -> None:
+        assert self._task is None, "MembershipWatcher.start() called twice"
+        self._task = asyncio.ensure_future(self._run())
+
+    async def wait_first(self, timeout: float) -> bool:
+        """True once a first list was applied, False if none came within ``timeout`` seconds."""
+        try:
+            await asyncio.wait_for(self._first.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        backoff = self._min_backoff
+        while True:
+            try:
+                async with grpc.aio.insecure_channel(self.address) as channel:
+                    stub = control_pb2_grpc.MembershipStub(channel)
+                    async for msg in stub.Watch(control_pb2.WatchRequest(watcher=self._name)):
+                        if not self.connected:
+                            self.connected = True
+                            logger.info("membership: watching the controller at %s", self.address)
+                        backoff = self._min_backoff
+                        await self._apply([(m.worker_id, m.endpoint) for m in msg.members], msg.version)
+                        self.version = msg.version
+                        self.num_lists += 1
+                        self._first.set()
+                    reason = "the controller ended the stream"
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as e:
+                reason = f"{e.code().name}: {e.details()}"
+            except Exception as e:  # a bug in apply(): keep watching, but say so loudly
+                logger.exception("membership: applying a member list failed")
+                reason = f"{type(e).__name__}: {e}"
+            if self.connected:
+                logger.warning("membership: lost the controller at %s (%s); routing over member list version %d meanwhile; "
+                               "reconnecting", self.address, reason, self.version)
+            else:
+                logger.debug("membership: controller at %s not reachable (%s); retrying in %.1f s",
+                             self.address, reason, backoff)
+            self.connected = False
+            self.num_reconnects += 1
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._max_backoff)

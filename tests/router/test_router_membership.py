@@ -1,0 +1,123 @@
+"""Membership over gRPC (the controller's duet.control.v1.Membership service, cluster/membership_service.py,
+followed by router/membership.py) and the router's RouterAdmin stats, against in-process fake workers."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+import grpc
+import pytest
+from router_fakes import members, pool, tok, wait_until  # noqa: F401  (pool, tok: shared fixtures)
+
+from cluster.membership_service import MembershipError, MembershipServicer, serve_membership
+from protos.duet.control.v1 import control_pb2, control_pb2_grpc
+from protos.duet.v1 import duet_pb2, duet_pb2_grpc
+from router.config import RouterConfig, RouterConfigError
+from router.server import serve_router
+
+
+class FakeController:
+    """What serve_membership needs of cluster.controller.Controller: subscribe(push)."""
+
+    def __init__(self, initial: list[tuple[str, str]]) -> None:
+        self.members = list(initial)
+        self.pushes: list[Callable[[list[tuple[str, str]]], None]] = []
+
+    def subscribe(self, push: Callable[[list[tuple[str, str]]], None]) -> None:
+        self.pushes.append(push)
+        push(self.members)
+
+    def change(self, new: list[tuple[str, str]]) -> None:
+        self.members = list(new)
+        for push in self.pushes:
+            push(self.members)
+
+
+def _config(path, membership: str, **kw) -> RouterConfig:
+    return RouterConfig(tokenizer_path=str(path), port=0, max_model_len=512, policy="round_robin",
+                        load_poll_interval_s=0.05, load_poll_timeout_s=0.5, membership_address=membership,
+                        membership_wait_s=5.0, **kw)
+
+
+def _worker_ids(router) -> list[str]:
+    return sorted(w["worker_id"] for w in router.stats()["workers"])
+
+
+def _router_stats(address: str) -> control_pb2.RouterStats:
+    with grpc.insecure_channel(address) as channel:
+        return control_pb2_grpc.RouterAdminStub(channel).GetRouterStats(control_pb2.GetRouterStatsRequest(), timeout=5)
+
+
+def test_router_follows_the_controller_and_survives_its_restart(smollm2_path, tok, pool):
+    controller = FakeController(members(pool))
+    service = serve_membership(controller, "127.0.0.1", 0)
+    port = service.port
+    router = serve_router(_config(smollm2_path, service.address), [], tokenizer=tok)
+    try:
+        # start waited for the first list: both workers known before the router said it was up
+        assert _worker_ids(router) == ["w0", "w1"] and router.stats()["membership_version"] == 1
+        controller.change(members(pool[:1]))  # w1 leaves
+        wait_until(lambda: _worker_ids(router) == ["w0"], what="w1 gone")
+        assert router.stats()["membership_version"] == 2
+        with grpc.insecure_channel(router.address) as channel:
+            stub = duet_pb2_grpc.DuetStub(channel)
+            for s in pool:
+                s.worker.reset()
+            for _ in range(3):
+                list(stub.Generate(duet_pb2.GenerateRequest(prompt="x", sampling=duet_pb2.SamplingParams(max_tokens=2)),
+                                   timeout=10))
+        assert [len(s.worker.submitted) for s in pool] == [3, 0]
+
+        service.stop()  # the controller goes away: the router keeps routing over its last list
+        wait_until(lambda: not router.server.membership.connected, what="watch broken")
+        assert _worker_ids(router) == ["w0"]
+        controller2 = FakeController(members(pool))  # a new controller process: versions start again
+        service = serve_membership(controller2, "127.0.0.1", port)
+        wait_until(lambda: _worker_ids(router) == ["w0", "w1"], timeout=15, what="list from the new controller")
+        assert router.server.membership.num_reconnects >= 1
+    finally:
+        router.stop(0)
+        service.stop()
+
+
+def test_router_admin_stats(smollm2_path, tok, pool):
+    for s in pool:
+        s.worker.reset()
+    controller = FakeController(members(pool))
+    service = serve_membership(controller, "127.0.0.1", 0)
+    try:
+        with serve_router(_config(smollm2_path, service.address), [], tokenizer=tok) as router:
+            with grpc.insecure_channel(router.address) as channel:
+                stub = duet_pb2_grpc.DuetStub(channel)
+                list(stub.Generate(duet_pb2.GenerateRequest(prompt="x", sampling=duet_pb2.SamplingParams(max_tokens=2)),
+                                   timeout=10))
+                with pytest.raises(grpc.RpcError):
+                    list(stub.Generate(duet_pb2.GenerateRequest(prompt=""), timeout=10))
+            st = _router_stats(router.address)
+            assert (st.policy, st.requests, st.in_flight, st.queued, st.max_in_flight) == ("round_robin", 2, 0, 0, 128)
+            assert st.counters["finish_length"] == 1 and st.counters["error_invalid_argument"] == 1
+            assert st.membership_version == 1 and sorted(w.worker_id for w in st.workers) == ["w0", "w1"]
+            assert all(w.healthy and w.endpoint for w in st.workers)
+    finally:
+        service.stop()
+
+
+def test_servicer_versions_only_real_changes():
+    s = MembershipServicer()
+    s.publish([("a", "h:1")])
+    s.publish([("a", "h:1")])  # the controller re-pushes an unchanged list: not a new version
+    s.publish([])
+    s.publish([("a", "h:2")])  # a restart's new endpoint is a change
+    assert s._message.version == 3 and [(m.worker_id, m.endpoint) for m in s._message.members] == [("a", "h:2")]
+
+
+def test_busy_controller_port_and_bad_address_are_clear_errors(smollm2_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(MembershipError, match=f"controller.port={port}: cannot listen"):
+            serve_membership(FakeController([]), "127.0.0.1", port)
+    with pytest.raises(RouterConfigError, match="^membership_address='controller'"):
+        RouterConfig(tokenizer_path=str(smollm2_path), membership_address="controller")
