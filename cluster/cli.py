@@ -5,6 +5,8 @@
                            Ctrl-C / SIGTERM shuts everything down
   duet generate "prompt"   stream one completion from a running router to the terminal
   duet status              the router's health and model, and every worker's health and load
+  duet bench               serving benchmark: Poisson load over gRPC, TTFT/TPOT/ITL/E2E percentiles,
+                           goodput and the router's own overhead (see `duet bench --help`)
   duet prepare-model       convert/locate the model and print its checkpoint path
 
 Configuration for `serve`: a YAML file (--config, or $DUET_CONFIG; see cluster/duet.example.yaml),
@@ -32,6 +34,8 @@ SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--host": ("router.host", str, "router bind address; 0.0.0.0 for all interfaces [DUET_HOST]"),
     "--port": ("router.port", int, "router port, 0 = any free port [DUET_PORT]"),
     "--policy": ("router.policy", str, "round_robin | least_loaded | prefix_aware [DUET_POLICY]"),
+    "--controller-port": ("controller.port", int, "port of the controller's membership service that routers "
+                          "follow, 0 = any free port [DUET_CONTROLLER_PORT]"),
     "--ray-address": ("ray.address", str, "join this Ray cluster ('auto', host:6379) instead of starting an "
                       "embedded one [RAY_ADDRESS]"),
     "--ray-num-cpus": ("ray.num_cpus", int, "CPUs of the embedded Ray (default: all) [DUET_RAY_NUM_CPUS]"),
@@ -91,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_generate(sub)
     _add_status(sub)
+    # `duet bench` owns its flags (benchmarks/serving_bench.py); everything after "bench" goes there.
+    sub.add_parser("bench", help="serving benchmark: Poisson load, latency percentiles, goodput, router overhead",
+                   add_help=False)
     prep = sub.add_parser("prepare-model", help="convert/locate the model and print its checkpoint path")
     prep.add_argument("--model", default="SmolLM2-135M-Instruct")
     return parser
@@ -168,6 +175,11 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from benchmarks.serving_bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -192,6 +204,7 @@ def _is_config_error(e: Exception) -> bool:
 def _is_user_error(e: Exception) -> bool:
     """Errors whose message already says what to do: print it, no traceback."""
     from cluster.config import ClusterConfigError
+    from cluster.membership_service import MembershipError
     from cluster.pools import PoolError
     from cluster.ray_conn import RayConnectionError
     from cluster.serve import ServeError
@@ -199,8 +212,8 @@ def _is_user_error(e: Exception) -> bool:
     from router.config import RouterConfigError
     from workers.errors import DuetError
 
-    return isinstance(e, (ClusterConfigError, PoolError, RayConnectionError, ServeError, ClientError,
-                          RouterConfigError, DuetError))
+    return isinstance(e, (ClusterConfigError, MembershipError, PoolError, RayConnectionError, ServeError,
+                          ClientError, RouterConfigError, DuetError))
 
 
 if __name__ == "__main__":

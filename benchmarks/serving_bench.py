@@ -1,0 +1,337 @@
+"""`duet bench`: Poisson load over gRPC, serving latency percentiles, goodput, and router overhead.
+
+Two ways to run it:
+
+    duet bench                               # self-hosted: start a 1-worker deployment (embedded Ray,
+                                             # SmolLM2), measure router vs direct-to-worker, stop it
+    duet bench --target HOST:PORT [--worker-endpoint HOST:PORT]
+                                             # an already running router (and optionally one of its
+                                             # workers' internal endpoints for the overhead columns)
+
+Phases (each phase sends the same requests on both paths; metrics in benchmarks/serving_metrics.py,
+workload and senders in benchmarks/load_gen.py):
+    overhead    closed loop, one request at a time, each request through the router and straight to
+                the worker back to back (order alternating): the router's added TTFT and time per
+                token, as medians of the per-request differences. Targets: < 1 ms TTFT, < 0.2 ms/token.
+    rates       open loop: ``--num-requests`` requests arriving as a Poisson process at each rate of
+                ``--rates`` (req/s; 'inf' = all at once), through the router and (if a worker endpoint
+                is known) straight to the worker: TTFT, TPOT, ITL, E2E p50/p90/p99, throughput, goodput.
+
+Writes JSON (every summary plus the raw per-request timings) to ``--out`` (default
+benchmarks/results/serving_bench.json) and a PNG plot next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from benchmarks.load_gen import (BenchRequest, RouterSender, Sender, WorkerSender, build_workload,
+                                 poisson_arrivals, run_alternating, run_open_loop)
+from benchmarks.serving_metrics import SLO, RequestRecord, summarize
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "serving_bench.json"
+TARGET_TTFT_OVERHEAD_MS = 1.0
+TARGET_PER_TOKEN_OVERHEAD_MS = 0.2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="duet bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="router host:port; unset = start a 1-worker deployment here")
+    p.add_argument("--worker-endpoint", default=None,
+                   help="one worker's internal host:port, for the direct (router overhead) columns; found "
+                   "automatically when self-hosted")
+    p.add_argument("--model", default="SmolLM2-135M-Instruct",
+                   help="model name or checkpoint dir (tokenizer for the workload; served when self-hosted)")
+    p.add_argument("--rates", default="1,2,4,inf", help="Poisson request rates in req/s, comma-separated; "
+                   "'inf' sends all at once (default 1,2,4,inf)")
+    p.add_argument("--num-requests", type=int, default=32, help="requests per rate and path (default 32)")
+    p.add_argument("--min-output", type=int, default=16, help="shortest output in tokens (default 16)")
+    p.add_argument("--max-output", type=int, default=64, help="longest output in tokens (default 64)")
+    p.add_argument("--overhead-requests", type=int, default=24,
+                   help="requests per path in the closed-loop overhead phase, 0 = skip (default 24)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput SLO on TTFT (default 1000)")
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput SLO on TPOT (default 100)")
+    p.add_argument("--slo-e2e-ms", type=float, default=None, help="goodput SLO on E2E (default: none)")
+    p.add_argument("--timeout", type=float, default=300.0, help="per-request deadline in seconds")
+    p.add_argument("--cpus-per-replica", type=int, default=None, help="self-hosted worker CPUs (default: config)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON path (default {DEFAULT_OUT.relative_to(REPO_ROOT)})")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--quick", action="store_true", help="smoke run: rates 2,inf, 8 requests, 6 overhead requests")
+    return p
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        try:
+            rate = float("inf") if part == "inf" else float(part)
+        except ValueError:
+            raise ValueError(f"--rates: {part!r} is not a number or 'inf'") from None
+        if not rate > 0:
+            raise ValueError(f"--rates: {part!r} must be > 0")
+        rates.append(rate)
+    return rates
+
+
+# ------------------------------------------------------------------ phases
+async def measure_overhead(senders: list[Sender], requests: list[BenchRequest]) -> dict[str, Any]:
+    """Closed-loop pairs: per-request router - direct differences of TTFT and TPOT (medians)."""
+    await run_alternating(senders, requests[:2])  # warm-up: channels, caches, first-call costs
+    runs = await run_alternating(senders, requests)
+    router, direct = runs["router"], runs["direct"]
+    pairs = [(r, d) for r, d in zip(router, direct) if r.ok and d.ok]
+    ttft = [(r.ttft - d.ttft) * 1e3 for r, d in pairs]
+    tpot = [(r.tpot - d.tpot) * 1e3 for r, d in pairs if r.tpot is not None and d.tpot is not None]
+    out = {
+        "pairs": len(pairs),
+        "ttft_overhead_p50_ms": statistics.median(ttft) if ttft else math.nan,
+        "per_token_overhead_p50_ms": statistics.median(tpot) if tpot else math.nan,
+        # Spread of the paired differences: when it is wide compared with the targets, the machine
+        # was too noisy for the medians to settle the targets (rerun on a quiet machine).
+        "ttft_overhead_p25_p75_ms": _quartiles(ttft),
+        "per_token_overhead_p25_p75_ms": _quartiles(tpot),
+        "router_ttft_p50_ms": statistics.median(r.ttft * 1e3 for r, _ in pairs) if pairs else math.nan,
+        "direct_ttft_p50_ms": statistics.median(d.ttft * 1e3 for _, d in pairs) if pairs else math.nan,
+        "router_tpot_p50_ms": statistics.median(r.tpot * 1e3 for r, _ in pairs if r.tpot) if pairs else math.nan,
+        "direct_tpot_p50_ms": statistics.median(d.tpot * 1e3 for _, d in pairs if d.tpot) if pairs else math.nan,
+        "raw": {name: [asdict(r) for r in recs] for name, recs in runs.items()},
+    }
+    out["ttft_target_met"] = out["ttft_overhead_p50_ms"] < TARGET_TTFT_OVERHEAD_MS
+    out["per_token_target_met"] = out["per_token_overhead_p50_ms"] < TARGET_PER_TOKEN_OVERHEAD_MS
+    return out
+
+
+async def measure_rates(senders: list[Sender], requests: list[BenchRequest], rates: list[float], seed: int,
+                        slo: SLO) -> list[dict[str, Any]]:
+    results = []
+    for i, rate in enumerate(rates):
+        arrivals = poisson_arrivals(len(requests), rate, seed + i)
+        order = senders if i % 2 == 0 else senders[::-1]
+        for sender in order:
+            records = await run_open_loop(sender, requests, arrivals)
+            summary = summarize(records, slo)
+            summary.update(path=sender.name, rate=_rate_json(rate), raw=[asdict(r) for r in records])
+            results.append(summary)
+            logger.info("rate %s %-6s: %d/%d ok, TTFT p50 %.1f ms, TPOT p50 %.2f ms, %.1f out tok/s, goodput %.2f req/s",
+                        _rate_json(rate), sender.name, summary["completed"], summary["num_requests"],
+                        summary["ttft"]["p50_ms"], summary["tpot"]["p50_ms"], summary["output_throughput_tps"],
+                        summary["goodput_rps"])
+    return results
+
+
+async def run_phases(args: argparse.Namespace, target: str, worker_endpoint: str | None,
+                     requests: list[BenchRequest], rates: list[float], slo: SLO) -> dict[str, Any]:
+    channels = [grpc.aio.insecure_channel(target)]
+    senders: list[Sender] = [RouterSender(channels[0], args.timeout)]
+    if worker_endpoint:
+        channels.append(grpc.aio.insecure_channel(worker_endpoint))
+        senders.append(WorkerSender(channels[1], args.timeout))
+    try:
+        out: dict[str, Any] = {}
+        if worker_endpoint and args.overhead_requests > 0:
+            logger.info("overhead phase: %d requests per path, one at a time", args.overhead_requests)
+            out["overhead"] = await measure_overhead(senders, requests[:args.overhead_requests])
+        out["rates"] = await measure_rates(senders, requests[:args.num_requests], rates, args.seed, slo)
+        return out
+    finally:
+        for ch in channels:
+            await ch.close()
+
+
+# ------------------------------------------------------------------ report
+def print_report(res: dict[str, Any]) -> None:
+    print(f"\nduet bench: {res['config']['num_requests']} requests per rate, outputs "
+          f"{res['config']['min_output']}-{res['config']['max_output']} tokens, SLO TTFT "
+          f"{res['config']['slo_ttft_ms']} ms / TPOT {res['config']['slo_tpot_ms']} ms")
+    head = (f"{'rate':>6} {'path':>7} {'ok':>5} {'TTFT p50/p90/p99 ms':>24} {'TPOT p50/p90/p99 ms':>22} "
+            f"{'ITL p50/p99':>13} {'E2E p50 ms':>10} {'req/s':>6} {'tok/s':>7} {'goodput':>7}")
+    print(head)
+    for r in res["rates"]:
+        t, p, i, e = r["ttft"], r["tpot"], r["itl"], r["e2e"]
+        print(f"{r['rate']!s:>6} {r['path']:>7} {r['completed']:>2}/{r['num_requests']:<2} "
+              f"{t['p50_ms']:>7.1f}/{t['p90_ms']:>7.1f}/{t['p99_ms']:>7.1f} "
+              f"{p['p50_ms']:>6.2f}/{p['p90_ms']:>6.2f}/{p['p99_ms']:>6.2f} {i['p50_ms']:>6.1f}/{i['p99_ms']:<6.1f} "
+              f"{e['p50_ms']:>10.1f} {r['request_throughput_rps']:>6.2f} {r['output_throughput_tps']:>7.1f} "
+              f"{r['goodput_rps']:>7.2f}")
+    o = res.get("overhead")
+    if o:
+        print(f"\nrouter overhead ({o['pairs']} closed-loop pairs, median of per-request differences):")
+        print(f"  TTFT      {o['ttft_overhead_p50_ms']:+.3f} ms  (router {o['router_ttft_p50_ms']:.2f} vs direct "
+              f"{o['direct_ttft_p50_ms']:.2f} ms; differences p25..p75 {o['ttft_overhead_p25_p75_ms'][0]:+.2f}.."
+              f"{o['ttft_overhead_p25_p75_ms'][1]:+.2f})  target < {TARGET_TTFT_OVERHEAD_MS} ms: "
+              f"{'yes' if o['ttft_target_met'] else 'NO'}")
+        print(f"  per token {o['per_token_overhead_p50_ms']:+.3f} ms  (router {o['router_tpot_p50_ms']:.2f} vs direct "
+              f"{o['direct_tpot_p50_ms']:.2f} ms; differences p25..p75 {o['per_token_overhead_p25_p75_ms'][0]:+.2f}.."
+              f"{o['per_token_overhead_p25_p75_ms'][1]:+.2f})  target < {TARGET_PER_TOKEN_OVERHEAD_MS} ms: "
+              f"{'yes' if o['per_token_target_met'] else 'NO'}")
+
+
+def plot(res: dict[str, Any], path: Path) -> None:
+    """TTFT p50/p99, TPOT p50/p99 and throughput/goodput against the request rate, per path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = res["rates"]
+    paths = sorted({r["path"] for r in rates})
+    finite = [r["rate"] for r in rates if r["rate"] != "inf"]
+    inf_x = (max(finite) * 2) if finite else 1.0  # 'inf' drawn right of the largest finite rate
+
+    def x(rate: Any) -> float:
+        return inf_x if rate == "inf" else float(rate)
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for path_name in paths:
+        rs = sorted((r for r in rates if r["path"] == path_name), key=lambda r: x(r["rate"]))
+        xs = [x(r["rate"]) for r in rs]
+        for q, style in (("p50", "-o"), ("p99", "--x")):
+            axes[0].plot(xs, [r["ttft"][f"{q}_ms"] for r in rs], style, label=f"{path_name} {q}")
+            axes[1].plot(xs, [r["tpot"][f"{q}_ms"] for r in rs], style, label=f"{path_name} {q}")
+        axes[2].plot(xs, [r["output_throughput_tps"] for r in rs], "-o", label=f"{path_name} output tok/s")
+        axes[2].plot(xs, [r["goodput_rps"] * 100 for r in rs], "--x", label=f"{path_name} goodput x100 req/s")
+    titles = ("TTFT (ms)", "TPOT (ms)", "throughput")
+    ticks = sorted({x(r["rate"]) for r in rates})
+    labels = ["inf" if t == inf_x and "inf" in [r["rate"] for r in rates] else f"{t:g}" for t in ticks]
+    for ax, title in zip(axes, titles):
+        ax.set_xticks(ticks, labels)
+        ax.set_title(title)
+        ax.set_xlabel("request rate (req/s; inf = all at once)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"duet bench - {res['config']['model']} - commit {str(res['code'].get('commit'))[:10]}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    from benchmarks.serving_metrics import percentile
+
+    return [percentile(values, 25), percentile(values, 75)]
+
+
+def _rate_json(rate: float) -> float | str:
+    return "inf" if rate == float("inf") else rate
+
+
+def _code_version() -> dict[str, Any]:
+    def git(*a: str) -> list[str]:
+        return subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True).stdout.splitlines()
+    return {"commit": next(iter(git("rev-parse", "HEAD")), None),
+            "uncommitted_changes": [ln[3:] for ln in git("status", "--porcelain", "--untracked-files=no")]}
+
+
+def _machine() -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu_model": cpu, "logical_cpus": os.cpu_count(), "python": platform.python_version(),
+            "load_avg_at_start": os.getloadavg()}
+
+
+# ------------------------------------------------------------------ main
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from workers.models.assets import resolve_model
+
+    if args.quick:
+        args.rates, args.num_requests, args.overhead_requests = "2,inf", 8, min(args.overhead_requests, 6)
+    rates = parse_rates(args.rates)
+    if args.num_requests < 1:
+        raise ValueError("--num-requests must be >= 1")
+    model_path = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    n = max(args.num_requests, args.overhead_requests)
+    requests = build_workload(tokenizer, n, seed=args.seed, min_output=args.min_output, max_output=args.max_output)
+    slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, None if args.slo_e2e_ms is None else args.slo_e2e_ms / 1e3)
+    res: dict[str, Any] = {
+        "config": {"model": args.model, "num_requests": args.num_requests, "rates": [_rate_json(r) for r in rates],
+                   "min_output": args.min_output, "max_output": args.max_output, "seed": args.seed,
+                   "overhead_requests": args.overhead_requests, "slo_ttft_ms": args.slo_ttft_ms,
+                   "slo_tpot_ms": args.slo_tpot_ms, "slo_e2e_ms": args.slo_e2e_ms,
+                   "self_hosted": args.target is None},
+        "machine": _machine(), "code": _code_version(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    if args.target is not None:
+        res.update(asyncio.run(run_phases(args, args.target, args.worker_endpoint, requests, rates, slo)))
+    else:
+        from cluster.config import load_config
+        from cluster.serve import start_deployment
+
+        overrides = {"model.name": args.model, "router.port": 0, "controller.port": 0, "pool.replicas": 1,
+                     "pool.cpus_per_replica": args.cpus_per_replica}
+        config = load_config(None, overrides=overrides, env={})
+        with start_deployment(config, log_to_driver=False) as d:
+            res["config"]["deployment"] = config.to_dict()
+            res.update(_load_from_subprocess(args, d.address, d.controller.members()[0][1]))
+    return res
+
+
+def _load_from_subprocess(args: argparse.Namespace, target: str, worker_endpoint: str) -> dict[str, Any]:
+    """Run the load phases in a child process: a client sharing the router's process (and its GIL)
+    would slow the router path it measures."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "phases.json"
+        cmd = [sys.executable, "-m", "benchmarks.serving_bench", "--target", target, "--worker-endpoint",
+               worker_endpoint, "--model", args.model, "--rates", args.rates, "--num-requests", str(args.num_requests),
+               "--min-output", str(args.min_output), "--max-output", str(args.max_output), "--overhead-requests",
+               str(args.overhead_requests), "--seed", str(args.seed), "--slo-ttft-ms", str(args.slo_ttft_ms),
+               "--slo-tpot-ms", str(args.slo_tpot_ms), "--timeout", str(args.timeout), "--out", str(out), "--no-plot"]
+        if args.slo_e2e_ms is not None:
+            cmd += ["--slo-e2e-ms", str(args.slo_e2e_ms)]
+        subprocess.run(cmd, check=True, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)  # its logs stay on stderr
+        child = json.loads(out.read_text())
+    return {k: child[k] for k in ("overhead", "rates") if k in child}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        res = run(args)
+    except ValueError as e:
+        print(f"duet bench: error: {e}", file=sys.stderr)
+        return 2
+    print_report(res)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1, default=str))
+    print(f"\nwrote {args.out}")
+    if not args.no_plot:
+        png = args.out.with_suffix(".png")
+        plot(res, png)
+        print(f"wrote {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""`duet bench` end to end against a real router in front of one in-process fake worker: every phase
+runs on both paths, the JSON holds consistent figures, and the PNG is written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from router_fakes import members, pool, tok  # noqa: F401  (shared fixtures)
+
+from benchmarks.serving_bench import main, parse_rates
+from router.config import RouterConfig
+from router.server import serve_router
+
+
+def test_bench_router_vs_direct_writes_json_and_png(smollm2_path, tok, pool, tmp_path):
+    for s in pool:
+        s.worker.reset()
+        s.worker.delay_s = 0.002
+    config = RouterConfig(tokenizer_path=str(smollm2_path), port=0, max_model_len=512, policy="round_robin",
+                          load_poll_interval_s=0.05)
+    out = tmp_path / "bench.json"
+    with serve_router(config, members(pool[:1]), tokenizer=tok) as router:
+        code = main(["--target", router.address, "--worker-endpoint", pool[0].endpoint, "--model", str(smollm2_path),
+                     "--rates", "40,inf", "--num-requests", "6", "--overhead-requests", "3", "--min-output", "3",
+                     "--max-output", "8", "--out", str(out)])
+    assert code == 0
+    res = json.loads(out.read_text())
+    assert [(r["rate"], r["path"]) for r in res["rates"]] == [(40.0, "router"), (40.0, "direct"),
+                                                             ("inf", "direct"), ("inf", "router")]
+    for r in res["rates"]:
+        assert r["completed"] == r["num_requests"] == 6 and not r["errors"]
+        # the same requests on both paths: the same total output (max_tokens, fake worker honours it)
+        assert r["output_tokens"] == res["rates"][0]["output_tokens"]
+        assert 0 < r["ttft"]["p50_ms"] <= r["ttft"]["p99_ms"] and r["tpot"]["p50_ms"] > 0
+        assert 0 < r["goodput_rps"] <= r["request_throughput_rps"]
+    o = res["overhead"]
+    assert o["pairs"] == 3 and len(o["raw"]["router"]) == len(o["raw"]["direct"]) == 3
+    assert isinstance(o["ttft_overhead_p50_ms"], float) and isinstance(o["ttft_target_met"], bool)
+    # 5 requests went through the router in the overhead phase (2 warm-up + 3) and 12 in the rate phase
+    assert len(pool[0].worker.submitted) == 2 * (5 + 12)
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_rates_are_rejected():
+    assert parse_rates("1, 2.5,inf") == [1.0, 2.5, float("inf")]
+    for bad in ("0", "-1", "fast"):
+        with pytest.raises(ValueError, match="--rates"):
+            parse_rates(bad)
