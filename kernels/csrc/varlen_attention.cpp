@@ -82,9 +82,9 @@ inline void for_each_run(const VarlenAttnArgs& a, int64_t b, int64_t t0, int64_t
 
 struct Scratch {
   std::vector<float> q, s, acc, m, l;
-  void fit(int64_t R, int64_t D) {
-    if (static_cast<int64_t>(m.size()) >= R) return;
-    q.resize(R * D), s.resize(R * kChunk), acc.resize(R * D), m.resize(R), l.resize(R);
+  void fit(int64_t R, int64_t D) {  // grow only (a later call may need more rows or a wider D)
+    if (static_cast<int64_t>(q.size()) < R * D) q.resize(R * D), acc.resize(R * D);
+    if (static_cast<int64_t>(m.size()) < R) s.resize(R * kChunk), m.resize(R), l.resize(R);
   }
 };
 
