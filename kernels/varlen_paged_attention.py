@@ -61,6 +61,14 @@ def tree_visibility(parents: list[int] | torch.Tensor) -> torch.Tensor:
     return vis
 
 
+def varlen_kernel_available(q: torch.Tensor) -> bool:
+    """True if `varlen_paged_attention` would run a kernel (C++ or Triton) on tensors like q rather
+    than its reference: callers with a faster plain path of their own (SDPA) pick by this."""
+    if q.is_cpu:
+        return q.dtype is _F32 and _build.ext() is not None
+    return q.is_cuda and _triton.triton_available()
+
+
 def varlen_paged_attention_ref(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [S, G, D]
