@@ -23,13 +23,14 @@ def _merge_kernel(o_ptr, l_ptr, out_ptr, lse_ptr, N, rows, D, BD: tl.constexpr):
     r = tl.program_id(0)
     d = tl.arange(0, BD)
     dmask = d < D
-    M = float("-inf")
-    for p in range(0, N):
+    # Loop-carried values start as tensors (partial 0), not Python floats, so their types never change.
+    M = tl.load(l_ptr + r)
+    for p in range(1, N):
         M = tl.maximum(M, tl.load(l_ptr + p * rows + r))
     M_safe = tl.where(M == float("-inf"), 0.0, M)
-    W = 0.0
-    acc = tl.zeros([BD], tl.float32)
-    for p in range(0, N):
+    W = tl.exp(tl.load(l_ptr + r) - M_safe)
+    acc = tl.where(W > 0, W * tl.load(o_ptr + r.to(tl.int64) * D + d, mask=dmask, other=0.0).to(tl.float32), 0.0)
+    for p in range(1, N):
         w = tl.exp(tl.load(l_ptr + p * rows + r) - M_safe)
         o = tl.load(o_ptr + (p * rows + r).to(tl.int64) * D + d, mask=dmask, other=0.0).to(tl.float32)
         acc += tl.where(w > 0, w * o, 0.0)

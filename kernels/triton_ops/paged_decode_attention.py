@@ -25,7 +25,7 @@ BLOCK_N = 32  # keys per tile
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cl_ptr, out_ptr, lse_ptr,
-    q_sb, q_sh, k_ss, k_sg, v_ss, v_sg, bt_sb, o_sb, o_sh,
+    q_sb, q_sh, k_ss, k_sg, v_ss, v_sg, bt_sb, o_sb, o_sh, lse_sb,
     block_size, scale, HPG, D,
     HP: tl.constexpr, BD: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
@@ -64,7 +64,7 @@ def _paged_decode_kernel(
              mask=hmask[:, None] & dmask[None, :])
     if WRITE_LSE:
         lse = tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf"))
-        tl.store(lse_ptr + b * (HPG * tl.num_programs(1)) + heads, lse, mask=hmask)
+        tl.store(lse_ptr + b * lse_sb + heads, lse, mask=hmask)
 
 
 def paged_decode_attention_triton(
@@ -92,7 +92,7 @@ def paged_decode_attention_triton(
         _paged_decode_kernel[(B, G)](
             q, k_cache, v_cache, block_tables, context_lens.contiguous(), out, lse,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            block_tables.stride(0), out.stride(0), out.stride(1),
+            block_tables.stride(0), out.stride(0), out.stride(1), lse.stride(0),
             block_size, float(scale), H // G, D,
             HP=next_pow2(H // G), BD=next_pow2(D), BLOCK_N=BLOCK_N, WRITE_LSE=return_lse,
         )
