@@ -283,10 +283,10 @@ def bench_prefill(model_path: Path, s: Settings, gate: QuietGate) -> dict[str, A
 # ------------------------------------------------------------------- report
 def print_report(res: dict[str, Any]) -> None:
     print(f"\nkernels vs references ({res['settings']['threads']} threads, median per call)")
-    print(f"{'case':<50} {'kernel':>10} {'ref':>10} {'x ref':>7} {'sdpa path':>10} {'x sdpa':>7}")
+    print(f"{'case':<50} {'kernel ms':>10} {'ref ms':>10} {'x ref':>7} {'sdpa ms':>10} {'x sdpa':>7}")
     for r in res["ops"]:
-        sd = f"{r['sdpa']['median_s'] * 1e3:9.3f}m {r['speedup_vs_sdpa_path']:7.2f}" if "sdpa" in r else ""
-        print(f"{r['case']:<50} {r['kernel']['median_s'] * 1e3:9.3f}m {r['ref']['median_s'] * 1e3:9.3f}m "
+        sd = f"{r['sdpa']['median_s'] * 1e3:10.3f} {r['speedup_vs_sdpa_path']:7.2f}" if "sdpa" in r else ""
+        print(f"{r['case']:<50} {r['kernel']['median_s'] * 1e3:10.3f} {r['ref']['median_s'] * 1e3:10.3f} "
               f"{r['speedup_vs_ref']:7.2f} {sd}")
     print("\nengine batch-1 decode tokens/s: paged-attention kernel vs gather path")
     for r in res["decode"]:
