@@ -55,10 +55,13 @@ def tri(name: str) -> ModuleType:
     "H,G,D,block_size,lens",
     [(9, 3, 64, 16, [1, 0, 17, 100]), (4, 4, 80, 5, [11, 23]), (8, 1, 24, 7, [50, 3]), (14, 2, 64, 16, [40])],
 )
-def test_paged_decode_attention(H, G, D, block_size, lens) -> None:
+@pytest.mark.parametrize("num_splits", [1, 3])  # 3: split-KV partials merged by the Triton merge kernel
+def test_paged_decode_attention(H, G, D, block_size, lens, num_splits) -> None:
     q, kc, vc, bt, _, cl, bs, scale, _ = make_case(H, G, D, block_size, [1] * len(lens), [max(n, 1) for n in lens], seed=1)
     cl = torch.tensor(lens, dtype=torch.int32)
-    out, lse = tri("paged_decode_attention").paged_decode_attention_triton(q, kc, vc, bt, cl, bs, scale, return_lse=True)
+    out, lse = tri("paged_decode_attention").paged_decode_attention_triton(
+        q, kc, vc, bt, cl, bs, scale, return_lse=True, num_splits=num_splits
+    )
     ref, ref_lse = kernels.paged_decode_attention_ref(q, kc, vc, bt, cl, bs, scale, return_lse=True)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
@@ -90,9 +93,12 @@ def test_attention_bf16_computes_in_fp32() -> None:
     ref = kernels.varlen_paged_attention_ref(qb.float(), kb.float(), vb.float(), bt, cu, cl, bs, scale)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.bfloat16().float(), rtol=1e-2, atol=1e-2)
-    dec = tri("paged_decode_attention").paged_decode_attention_triton(qb, kb, vb, bt.expand(4, -1), cl.expand(4), bs, scale)
-    dref = kernels.paged_decode_attention_ref(q, kb.float(), vb.float(), bt.expand(4, -1), cl.expand(4), bs, scale)
-    torch.testing.assert_close(dec.float(), dref.bfloat16().float(), rtol=1e-2, atol=1e-2)
+    dref = kernels.paged_decode_attention_ref(qb.float(), kb.float(), vb.float(), bt.expand(4, -1), cl.expand(4), bs, scale)
+    for splits in (1, 2):
+        dec = tri("paged_decode_attention").paged_decode_attention_triton(
+            qb, kb, vb, bt.expand(4, -1), cl.expand(4), bs, scale, num_splits=splits
+        )
+        torch.testing.assert_close(dec.float(), dref.bfloat16().float(), rtol=1e-2, atol=1e-2)
 
 
 def test_merge_attn_states() -> None:
