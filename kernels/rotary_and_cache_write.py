@@ -10,8 +10,8 @@ Worked example (D = 2, cos = 0, sin = 1, i.e. a quarter turn): x = [1, 2] -> [1*
 = [-2, 1].
 
 Dispatch: fp32 CPU tensors -> the C++ kernel (separate multiplies like the reference, so the results
-are bit-identical); anything else -> `rotary_and_cache_write_ref`, counted as a fallback. CUDA uses
-the reference for now (a Triton kernel comes with the GPU kernels issue).
+are bit-identical); anything else -> `rotary_and_cache_write_ref`, counted as a fallback. CUDA
+tensors -> the Triton kernel (kernels/triton_ops/rotary_and_cache_write.py) if triton is installed.
 
 Axes: T tokens, H query heads, G kv heads, D head dim, S cache slots.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import _build
+from kernels import _build, _triton
 
 _F32 = torch.float32
 
@@ -65,6 +65,11 @@ def rotary_and_cache_write(
             ext.rotary_and_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
             return
         _build.note_ref_path("rotary_and_cache_write")
+    elif q.is_cuda and _triton.triton_available():
+        _triton.ops("rotary_and_cache_write").rotary_and_cache_write_triton(
+            q, k, v, cos, sin, k_cache, v_cache, slot_mapping
+        )
+        return
     else:
-        _build.note_fallback("rotary_and_cache_write", f"no kernel for {q.device.type}/{q.dtype}")
+        _build.note_fallback("rotary_and_cache_write", _build.no_kernel_reason(q))
     rotary_and_cache_write_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)

@@ -5,7 +5,8 @@ x = [[2, 1]] -> 2 / (1 + e^-2) = 1.7616.
 
 Dispatch: fp32 CPU tensors -> the C++ kernel (one pass, vector exp accurate to a few ulp; torch needs
 a chunk, a silu and a mul, each a dispatch and a temporary); anything else -> `silu_and_mul_ref`,
-counted as a fallback. CUDA uses the reference for now (Triton kernels come with the GPU issue).
+counted as a fallback. CUDA tensors -> the Triton kernel (kernels/triton_ops/silu_and_mul.py) if
+triton is installed, else the reference (counted as a fallback).
 
 Axes: T tokens (any leading dims are accepted), I intermediate size.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import _build
+from kernels import _build, _triton
 
 _F32 = torch.float32
 
@@ -31,6 +32,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         if ext is not None:
             return ext.silu_and_mul(x)
         _build.note_ref_path("silu_and_mul")
+    elif x.is_cuda and _triton.triton_available():
+        return _triton.ops("silu_and_mul").silu_and_mul_triton(x)
     else:
-        _build.note_fallback("silu_and_mul", f"no kernel for {x.device.type}/{x.dtype}")
+        _build.note_fallback("silu_and_mul", _build.no_kernel_reason(x))
     return silu_and_mul_ref(x)

@@ -88,6 +88,27 @@ class ModelRunner:
         bt = torch.tensor(table[: -(-end // self.block_size)], dtype=torch.long)
         return (bt[:, None] * self.block_size + self._block_offsets).view(-1)[:end]
 
+    def _prefill_span(self, c: ScheduledChunk, row: int) -> PrefillSpan:
+        """The plain (SDPA) path's view of a prefill chunk at rows [row, row + n) of the step."""
+        n = len(c.token_ids)
+        if c.start_pos == 0:
+            return PrefillSpan(row, row + n, None, None)
+        end = c.start_pos + n
+        mask = torch.arange(end)[None, :] <= torch.arange(c.start_pos, end)[:, None]  # [n, L]
+        ctx = self._context_slots(c.block_table, end)
+        return PrefillSpan(row, row + n, ctx.to(self.device), mask.to(self.device))
+
+    def _tables(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Block tables padded with 0 to [N, max_blocks] int32 and context lengths [N] int32 (None if N = 0)."""
+        if not tables:
+            return None, None
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return (
+            torch.tensor(padded, dtype=torch.int32, device=self.device),
+            torch.tensor(lens, dtype=torch.int32, device=self.device),
+        )
+
     def _prepare(self, chunks: list[ScheduledChunk], num_singles: int):
         bs = self.block_size
         ids: list[int] = []
@@ -97,6 +118,9 @@ class ModelRunner:
         prefills: list[PrefillSpan] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
+        prefill_tables: list[list[int]] = []
+        prefill_lens: list[int] = []
+        prefill_cu: list[int] = [0]
         row = 0
         for i, c in enumerate(chunks):
             n = len(c.token_ids)
@@ -108,21 +132,16 @@ class ModelRunner:
             if i < num_singles:
                 decode_tables.append(table)
                 decode_lens.append(end)
-            elif c.start_pos == 0:
-                prefills.append(PrefillSpan(row, row + n, None, None))
             else:
-                mask = torch.arange(end)[None, :] <= torch.arange(c.start_pos, end)[:, None]  # [n, L]
-                ctx = self._context_slots(table, end)
-                prefills.append(PrefillSpan(row, row + n, ctx.to(self.device), mask.to(self.device)))
+                prefill_tables.append(table)
+                prefill_lens.append(end)
+                prefill_cu.append(prefill_cu[-1] + n)
+                prefills.append(self._prefill_span(c, row))
             row += n
             if c.sample:
                 sample_rows.append((row - 1, c.request_id))
-        block_tables = context_lens = None
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            block_tables = torch.tensor(padded, dtype=torch.int32, device=self.device)  # [B, max_blocks]
-            context_lens = torch.tensor(decode_lens, dtype=torch.int32, device=self.device)  # [B]
+        block_tables, context_lens = self._tables(decode_tables, decode_lens)  # [B, max_blocks], [B]
+        prefill_block_tables, prefill_context_lens = self._tables(prefill_tables, prefill_lens)  # [P, .], [P]
         meta = AttentionMetadata(
             block_size=bs,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
@@ -130,6 +149,9 @@ class ModelRunner:
             decode_block_tables=block_tables,
             decode_context_lens=context_lens,
             prefills=prefills,
+            prefill_block_tables=prefill_block_tables,
+            prefill_cu_seqlens=torch.tensor(prefill_cu, dtype=torch.int32, device=self.device) if prefills else None,
+            prefill_context_lens=prefill_context_lens,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)

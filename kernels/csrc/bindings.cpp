@@ -115,7 +115,8 @@ Tensor linear(const Tensor& x, const Tensor& w, const c10::optional<Tensor>& bia
 
 Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                               const Tensor& block_tables, const Tensor& context_lens, int64_t block_size,
-                              double scale, const c10::optional<Tensor>& out_opt) {
+                              double scale, const c10::optional<Tensor>& out_opt,
+                              const c10::optional<Tensor>& lse_opt) {
   check_f32(q, "q");
   check_f32(k_cache, "k_cache");
   check_f32(v_cache, "v_cache");
@@ -146,6 +147,13 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
                           context_lens.data_ptr(), context_lens.scalar_type() == at::kLong,
                           out.data_ptr<float>(), out.stride(0), out.stride(1),
                           B, H, G, D, S, block_size, static_cast<float>(scale)};
+  if (lse_opt.has_value()) {  // [B, H] log-sum-exp, written in place
+    check_f32(*lse_opt, "lse");
+    TORCH_CHECK(lse_opt->dim() == 2 && lse_opt->size(0) == B && lse_opt->size(1) == H && lse_opt->stride(1) == 1,
+                "lse must be [B, H] = [", B, ", ", H, "] with a contiguous last dim, got ", lse_opt->sizes());
+    a.lse = lse_opt->data_ptr<float>();
+    a.lse_sb = lse_opt->stride(0);
+  }
   const std::string err = duet::paged_decode_validate(a);
   TORCH_CHECK(err.empty(), "paged_decode_attention: ", err);
   {
@@ -153,6 +161,92 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
     duet::paged_decode_attention_f32(a, at::get_num_threads());
   }
   return out;
+}
+
+std::tuple<Tensor, c10::optional<Tensor>> varlen_paged_attention(
+    const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
+    const Tensor& cu_seqlens_q, const Tensor& context_lens, int64_t block_size, double scale,
+    const c10::optional<Tensor>& tree_parents, const c10::optional<Tensor>& out_opt, bool return_lse) {
+  check_f32(q, "q");
+  check_f32(k_cache, "k_cache");
+  check_f32(v_cache, "v_cache");
+  check_index(block_tables, "block_tables");
+  check_index(cu_seqlens_q, "cu_seqlens_q");
+  check_index(context_lens, "context_lens");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with a contiguous last dim, got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.stride(2) == 1, "k_cache must be [S, G, D], got ", k_cache.sizes());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.stride(2) == 1, "v_cache must match k_cache ",
+              k_cache.sizes(), ", got ", v_cache.sizes());
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), S = k_cache.size(0), G = k_cache.size(1);
+  const int64_t B = context_lens.numel();
+  TORCH_CHECK(k_cache.size(2) == D, "k_cache head dim ", k_cache.size(2), " != q head dim ", D);
+  TORCH_CHECK(G > 0 && H % G == 0, "query heads H = ", H, " must be a multiple of kv heads G = ", G);
+  TORCH_CHECK(block_size > 0, "block_size must be positive, got ", block_size);
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.is_contiguous(), "context_lens must be contiguous [B], got ",
+              context_lens.sizes());
+  TORCH_CHECK(cu_seqlens_q.dim() == 1 && cu_seqlens_q.size(0) == B + 1 && cu_seqlens_q.is_contiguous(),
+              "cu_seqlens_q must be contiguous [B + 1 = ", B + 1, "], got ", cu_seqlens_q.sizes());
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && block_tables.stride(1) == 1,
+              "block_tables must be [B = ", B, ", max_blocks] with a contiguous last dim, got ", block_tables.sizes());
+  if (tree_parents.has_value()) {
+    check_index(*tree_parents, "tree_parents");
+    TORCH_CHECK(tree_parents->dim() == 1 && tree_parents->size(0) == T && tree_parents->is_contiguous(),
+                "tree_parents must be contiguous [T = ", T, "], got ", tree_parents->sizes());
+  }
+  Tensor out = out_opt.has_value() ? *out_opt : new_f32({T, H, D});
+  if (out_opt.has_value()) {
+    check_f32(out, "out");
+    TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1, "out must be [T, H, D] like q, got ", out.sizes());
+  }
+  c10::optional<Tensor> lse;
+  if (return_lse) lse = new_f32({T, H});
+  duet::VarlenAttnArgs a{q.data_ptr<float>(), q.stride(0), q.stride(1),
+                         k_cache.data_ptr<float>(), k_cache.stride(0), k_cache.stride(1),
+                         v_cache.data_ptr<float>(), v_cache.stride(0), v_cache.stride(1),
+                         block_tables.data_ptr(), block_tables.scalar_type() == at::kLong,
+                         block_tables.stride(0), block_tables.size(1),
+                         cu_seqlens_q.data_ptr(), cu_seqlens_q.scalar_type() == at::kLong,
+                         context_lens.data_ptr(), context_lens.scalar_type() == at::kLong,
+                         tree_parents.has_value() ? tree_parents->data_ptr() : nullptr,
+                         tree_parents.has_value() && tree_parents->scalar_type() == at::kLong,
+                         out.data_ptr<float>(), out.stride(0), out.stride(1),
+                         lse.has_value() ? lse->data_ptr<float>() : nullptr, H,
+                         B, T, H, G, D, S, block_size, static_cast<float>(scale)};
+  const std::string err = duet::varlen_attention_validate(a);
+  TORCH_CHECK(err.empty(), "varlen_paged_attention: ", err);
+  {
+    pybind11::gil_scoped_release no_gil;
+    duet::varlen_paged_attention_f32(a, at::get_num_threads());
+  }
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor> merge_attn_states(const std::vector<Tensor>& outs_in, const std::vector<Tensor>& lses_in) {
+  const int64_t N = static_cast<int64_t>(outs_in.size());
+  TORCH_CHECK(N >= 1, "merge_attn_states needs at least one partial");
+  TORCH_CHECK(static_cast<int64_t>(lses_in.size()) == N, "got ", N, " outputs but ", lses_in.size(), " lses");
+  check_f32(outs_in[0], "outs[0]");
+  TORCH_CHECK(outs_in[0].dim() == 3, "outs[0] must be [T, H, D], got ", outs_in[0].sizes());
+  const int64_t T = outs_in[0].size(0), H = outs_in[0].size(1), D = outs_in[0].size(2);
+  std::vector<Tensor> outs, lses;  // contiguous (views when they already are)
+  std::vector<const float*> op, lp;
+  for (int64_t p = 0; p < N; ++p) {
+    const std::string po = "outs[" + std::to_string(p) + "]", pl = "lses[" + std::to_string(p) + "]";
+    check_f32(outs_in[p], po.c_str());
+    check_f32(lses_in[p], pl.c_str());
+    TORCH_CHECK(outs_in[p].sizes() == outs_in[0].sizes(), po, " must be [T, H, D] = ", outs_in[0].sizes(), ", got ",
+                outs_in[p].sizes());
+    TORCH_CHECK(lses_in[p].dim() == 2 && lses_in[p].size(0) == T && lses_in[p].size(1) == H, pl,
+                " must be [T, H] = [", T, ", ", H, "], got ", lses_in[p].sizes());
+    outs.push_back(outs_in[p].contiguous());
+    lses.push_back(lses_in[p].contiguous());
+    op.push_back(outs.back().data_ptr<float>());
+    lp.push_back(lses.back().data_ptr<float>());
+  }
+  Tensor out = new_f32({T, H, D}), lse = new_f32({T, H});
+  duet::merge_attn_states_f32(op.data(), lp.data(), N, out.data_ptr<float>(), lse.data_ptr<float>(), T, H, D,
+                              at::get_num_threads());
+  return {out, lse};
 }
 
 void rotary_and_cache_write(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cos, const Tensor& sin,
@@ -206,7 +300,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "(x [T, K], w [N, K], bias [N] | None) -> [T, N]");
   m.def("linear", &linear, "(x [..., K], w [N, K], bias [N] | None, max_gemv_tokens) -> [..., N]");
   m.def("paged_decode_attention", &paged_decode_attention,
-        "(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out | None) -> out [B, H, D]");
+        "(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out | None, lse | None) -> out [B, H, D]",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("context_lens"), pybind11::arg("block_size"), pybind11::arg("scale"), pybind11::arg("out"),
+        pybind11::arg("lse") = pybind11::none());
+  m.def("varlen_paged_attention", &varlen_paged_attention,
+        "(q [T, H, D], k_cache, v_cache, block_tables [B, nb], cu_seqlens_q [B + 1], context_lens [B], block_size, "
+        "scale, tree_parents [T] | None, out | None, return_lse) -> (out [T, H, D], lse [T, H] | None)");
+  m.def("merge_attn_states", &merge_attn_states,
+        "(outs: list of [T, H, D], lses: list of [T, H]) -> (out [T, H, D], lse [T, H])");
   m.def("rotary_and_cache_write", &rotary_and_cache_write,
         "(q, k, v, cos, sin, k_cache, v_cache, slot_mapping): RoPE on q, k in place; k, v into the cache");
   m.def("best_isa", [] { return std::string(duet::isa_name(duet::best_isa())); });

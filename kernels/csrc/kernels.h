@@ -40,6 +40,8 @@ struct PagedDecodeArgs {
   int64_t o_sb, o_sh;
   int64_t B, H, G, D, S, block_size;
   float scale;
+  float* lse = nullptr;  // [B, H] log-sum-exp of the scores (-inf for an empty context), row stride lse_sb; optional
+  int64_t lse_sb = 0;
 };
 
 // Empty string if every sequence's context fits its block table and every block it uses lies in
@@ -65,6 +67,40 @@ struct RotaryCacheArgs {
   bool slot_is64;
   int64_t T, H, G, D, S;
 };
+
+// Several new tokens per sequence over the paged cache (varlen_attention.cpp has the math).
+struct VarlenAttnArgs {
+  const float* q;  // [T, H, D], strides q_st, q_sh
+  int64_t q_st, q_sh;
+  const float* k_cache;  // [S, G, D], strides k_ss, k_sg
+  int64_t k_ss, k_sg;
+  const float* v_cache;  // [S, G, D], strides v_ss, v_sg
+  int64_t v_ss, v_sg;
+  const void* block_tables;  // [B, max_blocks] int32 or int64, row stride bt_sb
+  bool bt_is64;
+  int64_t bt_sb, max_blocks;
+  const void* cu_seqlens;  // [B + 1] int32 or int64: sequence b owns query rows [cu[b], cu[b + 1])
+  bool cu_is64;
+  const void* context_lens;  // [B] int32 or int64: cached tokens including the new ones
+  bool cl_is64;
+  const void* tree_parents;  // [T] int32 or int64 or null (causal): parent among the sequence's new tokens, -1 = none
+  bool tp_is64;
+  float* out;  // [T, H, D], strides o_st, o_sh
+  int64_t o_st, o_sh;
+  float* lse;  // [T, H] or null, row stride lse_st
+  int64_t lse_st;
+  int64_t B, T, H, G, D, S, block_size;
+  float scale;
+};
+
+std::string varlen_attention_validate(const VarlenAttnArgs& a);
+void varlen_paged_attention_f32(const VarlenAttnArgs& a, int max_threads);
+
+// out[t, h] = sum_p w_p o_p[t, h] / sum_p w_p, w_p = exp(lse_p[t, h] - max_p lse_p[t, h]);
+// lse_out[t, h] = log sum_p exp(lse_p[t, h]). Partials with lse = -inf count for nothing; if all are
+// -inf the row is zeros with lse -inf. outs[p] are contiguous [T, H, D], lses[p] contiguous [T, H].
+void merge_attn_states_f32(const float* const* outs, const float* const* lses, int64_t N, float* out, float* lse_out,
+                           int64_t T, int64_t H, int64_t D, int max_threads);
 
 std::string rotary_cache_validate(const RotaryCacheArgs& a);
 void rotary_and_cache_write_f32(const RotaryCacheArgs& a, int max_threads);

@@ -13,7 +13,8 @@
 // l = sum exp(s - m) and unnormalised acc = sum exp(s - m) V, and ranges merge exactly:
 //   M = max_p m_p;  out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p.
 // Within a range the softmax is two-pass (scores to a scratch row, then max, exp, sum), exact and
-// stable (every exponent is <= 0). A sequence with context length 0 gets zeros.
+// stable (every exponent is <= 0). A sequence with context length 0 gets zeros (and lse -inf). With
+// a.lse set, lse[b, h] = M + log L (natural log), for merging with other partial attentions.
 #include <omp.h>
 
 #include <algorithm>
@@ -113,6 +114,7 @@ void merge(const PagedDecodeArgs& a, const std::vector<Item>& items, const float
     }
     const float inv = 1.0f / L;
     for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    if (a.lse) a.lse[items[i].b * a.lse_sb + h] = M + std::log(L);
   }
 }
 
@@ -149,7 +151,10 @@ void paged_decode_attention_f32(const PagedDecodeArgs& a, int max_threads) {
   for (int64_t b = 0; b < a.B; ++b) {
     const int64_t ctx = index_at(a.context_lens, a.cl_is64, b);
     if (ctx == 0)
-      for (int64_t h = 0; h < a.H; ++h) std::fill_n(a.out + b * a.o_sb + h * a.o_sh, a.D, 0.f);
+      for (int64_t h = 0; h < a.H; ++h) {
+        std::fill_n(a.out + b * a.o_sb + h * a.o_sh, a.D, 0.f);
+        if (a.lse) a.lse[b * a.lse_sb + h] = -std::numeric_limits<float>::infinity();
+      }
     const int64_t parts = chunk > 0 ? (ctx + chunk - 1) / chunk : (ctx > 0);
     for (int64_t p = 0; p < parts; ++p) items.push_back({b, ctx * p / parts, ctx * (p + 1) / parts});
   }

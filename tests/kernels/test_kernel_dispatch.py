@@ -26,13 +26,18 @@ def _all_ops_once() -> None:
     kernels.paged_decode_attention(torch.randn(1, 4, 16), torch.randn(16, 2, 16), torch.randn(16, 2, 16), bt, cl, 16, 0.25)
     q, k, v = torch.randn(1, 4, 16), torch.randn(1, 2, 16), torch.randn(1, 2, 16)
     kernels.rotary_and_cache_write(q, k, v, torch.ones(1, 8), torch.zeros(1, 8), torch.zeros(4, 2, 16), torch.zeros(4, 2, 16), torch.tensor([1]))
+    kernels.varlen_paged_attention(torch.randn(2, 4, 16), torch.randn(16, 2, 16), torch.randn(16, 2, 16), bt, torch.tensor([0, 2]), cl, 16, 0.25)
+    kernels.merge_attn_states([torch.randn(1, 2, 8)] * 2, [torch.randn(1, 2)] * 2)
+
+
+OPS = ("rms_norm", "silu_and_mul", "linear", "paged_decode_attention", "rotary_and_cache_write", "varlen_paged_attention", "merge_attn_states")
 
 
 @pytest.fixture
 def spy_ext(ext, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Records which extension ops the wrappers call (the ops still run)."""
     calls: list[str] = []
-    for name in ("rms_norm", "silu_and_mul", "linear", "paged_decode_attention", "rotary_and_cache_write"):
+    for name in OPS:
         fn = getattr(ext, name)
         monkeypatch.setattr(ext, name, lambda *a, _fn=fn, _name=name: calls.append(_name) or _fn(*a))
     return calls
@@ -45,7 +50,7 @@ def test_cpu_kernels_available_here() -> None:
 def test_wrappers_use_kernels_by_default(spy_ext: list[str]) -> None:
     kernels.reset_fallback_counts()
     _all_ops_once()
-    assert spy_ext == ["rms_norm", "silu_and_mul", "linear", "paged_decode_attention", "rotary_and_cache_write"]
+    assert spy_ext == list(OPS)
     assert kernels.fallback_counts() == {}
 
 
@@ -118,3 +123,41 @@ def test_failed_build_in_subprocess_falls_back(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert "{'silu_and_mul:cpu kernels unavailable': 1}" in res.stdout
     assert "CPU kernels are unavailable" in res.stderr
+
+
+class FakeCudaTensor:
+    """Just enough of a CUDA tensor for the wrappers' dispatch (there is no GPU here)."""
+
+    is_cpu, is_cuda, dtype, device = False, True, torch.float32, torch.device("cuda")
+
+
+# op, module, wrapper arguments (first is the "CUDA tensor"), the module's reference name
+CUDA_OPS = [
+    ("rms_norm", "kernels.rms_norm", lambda x: (x, None, 1e-5), "rms_norm_ref"),
+    ("silu_and_mul", "kernels.silu_and_mul", lambda x: (x,), "silu_and_mul_ref"),
+    ("paged_decode_attention", "kernels.paged_decode_attention", lambda x: (x, None, None, None, None, 16, 1.0), "paged_decode_attention_ref"),
+    ("rotary_and_cache_write", "kernels.rotary_and_cache_write", lambda x: (x,) + (None,) * 7, "rotary_and_cache_write_ref"),
+    ("varlen_paged_attention", "kernels.varlen_paged_attention", lambda x: (x, None, None, None, None, None, 16, 1.0), "varlen_paged_attention_ref"),
+    ("merge_attn_states", "kernels.merge_attn_states", lambda x: ([x], [x]), "merge_attn_states_ref"),
+]
+
+
+@pytest.mark.parametrize("op,module,args,ref_name", CUDA_OPS)
+@pytest.mark.parametrize("has_triton", [True, False])
+def test_cuda_dispatch(monkeypatch: pytest.MonkeyPatch, op, module, args, ref_name, has_triton) -> None:
+    """CUDA tensors go to the op's Triton kernel; without triton, to the reference, counted."""
+    import importlib
+    import types
+
+    from kernels import _triton
+
+    mod = importlib.import_module(module)
+    calls: list[str] = []
+    monkeypatch.setattr(_triton, "triton_available", lambda: has_triton)
+    fake_triton = types.SimpleNamespace(**{f"{op}_triton": lambda *a, **k: calls.append("triton") or ("triton", None)})
+    monkeypatch.setattr(_triton, "ops", lambda name: fake_triton if name == op else pytest.fail(name))
+    monkeypatch.setattr(mod, ref_name, lambda *a, **k: calls.append("ref") or ("ref", None))
+    kernels.reset_fallback_counts()
+    getattr(kernels, op)(*args(FakeCudaTensor()))
+    assert calls == (["triton"] if has_triton else ["ref"])
+    assert kernels.fallback_counts() == ({} if has_triton else {f"{op}:triton unavailable": 1})

@@ -97,3 +97,13 @@ def test_bad_block_tables_raise(ext) -> None:
         ext.paged_decode_attention(q, kc, vc, bad, cl, 16, 0.125, None)
     with pytest.raises(RuntimeError, match="multiple of kv heads"):
         ext.paged_decode_attention(torch.randn(1, 8, 64), kc, vc, bt, cl, 16, 0.125, None)
+
+
+@pytest.mark.parametrize("lens", [[1, 0, 300], [1000]])
+def test_lse_matches_ref(isa: str, lens) -> None:
+    q, kc, vc, bt, cl = _case(len(lens), 9, 3, 64, 16, lens, torch.int32, seed=5)
+    out, lse = kernels.paged_decode_attention(q, kc, vc, bt, cl, 16, 0.125, return_lse=True)
+    ref, ref_lse = kernels.paged_decode_attention_ref(q, kc, vc, bt, cl, 16, 0.125, return_lse=True)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)  # -inf where the context is empty
+    assert lse.dtype == torch.float32 and lse.shape == (len(lens), 9)

@@ -5,9 +5,13 @@ A step's tokens are laid out as [single-token chunks (decodes), one per sequence
 call), then attends:
   - decodes: ``kernels.paged_decode_attention`` reads each sequence's K/V straight from its
     blocks (no gather copy);
-  - a prefill chunk starting at position 0 attends only to itself (causal SDPA, no gather);
-  - a chunk starting later (chunked prefill, prefix-cache hit, recompute) gathers its cached prefix
-    and uses a causal mask offset by the chunk's start.
+  - prefill chunks: ``kernels.varlen_paged_attention`` attends all of them in one call, each chunk
+    to its cached prefix and causally to itself, reading K/V straight from the blocks (no gather,
+    no mask tensor); used whenever a kernel exists for q (fp32 CPU with the C++ kernels, CUDA with
+    triton). Otherwise the plain path runs per chunk: a chunk starting at position 0 attends only
+    to itself (causal SDPA, no gather); a chunk starting later (chunked prefill, prefix-cache hit,
+    recompute) gathers its cached prefix and uses a causal mask offset by the chunk's start.
+    Both paths give the same tokens (tests/workers/test_prefill_attention_paths.py).
 The metadata is built once per step (AttentionMetadata) and shared by all layers.
 
 Axes: T tokens in the step, B decode sequences, L context length, S cache slots
@@ -24,6 +28,7 @@ from torch import nn
 
 from kernels.paged_decode_attention import paged_decode_attention
 from kernels.rotary_and_cache_write import rotary_and_cache_write
+from kernels.varlen_paged_attention import varlen_kernel_available, varlen_paged_attention
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,10 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [B, max_blocks] int32, padded with 0
     decode_context_lens: torch.Tensor | None  # [B] int32, including the new token
     prefills: list[PrefillSpan]
+    # The same prefill chunks as one varlen batch (rows num_decodes.. of the step), for the kernel:
+    prefill_block_tables: torch.Tensor | None = None  # [P, max_blocks] int32, padded with 0
+    prefill_cu_seqlens: torch.Tensor | None = None  # [P + 1] int32, rows relative to num_decodes
+    prefill_context_lens: torch.Tensor | None = None  # [P] int32: chunk start + chunk length
 
 
 class PagedAttention(nn.Module):
@@ -76,8 +85,14 @@ class PagedAttention(nn.Module):
                 q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.block_size,
                 self.scale, out=out[:nd],
             )
-        for span in meta.prefills:
-            out[span.q_start : span.q_end] = self._prefill(q, k, v, k_cache, v_cache, span)
+        if meta.prefill_cu_seqlens is not None and varlen_kernel_available(q):
+            varlen_paged_attention(
+                q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens,
+                meta.prefill_context_lens, meta.block_size, self.scale, out=out[nd:],
+            )
+        else:
+            for span in meta.prefills:
+                out[span.q_start : span.q_end] = self._prefill(q, k, v, k_cache, v_cache, span)
         return out.view(q.shape[0], -1)
 
     def _prefill(self, q, k, v, k_cache, v_cache, span: PrefillSpan) -> torch.Tensor:
