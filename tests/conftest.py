@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Triton kernels can only run in its interpreter here (no GPU), and `@triton.jit` reads this when a
+# kernel module is first imported -- which any test may trigger (e.g. dispatch tests with fake CUDA
+# tensors) -- so set it for the whole session, before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 
