@@ -52,6 +52,7 @@ from router.membership import MembershipWatcher
 from router.pipeline import Pipeline
 from router.policies import make_policy
 from router.preprocess import RequestError, ServedModel
+from router.security import BearerTokenInterceptor, SecurityConfigError, TokenStore, server_credentials
 from router.workers import WorkerDirectory
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,13 @@ class RouterServer:
             stream_failure_cooldown_s=config.stream_failure_cooldown_s, on_health_change=self._on_health_change)
         self.pipeline = Pipeline(config, model, self.directory, make_policy(config.policy, **config.policy_options),
                                  AdmissionController(config.max_in_flight, config.max_queue))
-        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a busy port is an error, not shared
+        self.auth = BearerTokenInterceptor(TokenStore.load(config.auth_tokens_file)) if config.auth_tokens_file else None
+        self._credentials = (server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
+                             if config.tls_cert_file and config.tls_key_file else None)
+        self._server = grpc.aio.server(
+            interceptors=[self.auth] if self.auth else None,
+            options=[("grpc.so_reuseport", 0),  # a busy port is an error, not shared
+                     ("grpc.max_receive_message_length", config.max_request_bytes)])
         self.port = 0
         self._stopped = False
         self._health_tasks: set[asyncio.Task[None]] = set()
@@ -113,7 +120,10 @@ class RouterServer:
                                             self._server)
         await self._set_health(False)
         try:
-            self.port = self._server.add_insecure_port(self.config.address)
+            if self._credentials is not None:
+                self.port = self._server.add_secure_port(self.config.address, self._credentials)
+            else:
+                self.port = self._server.add_insecure_port(self.config.address)
         except RuntimeError as e:
             raise RouterConfigError(f"port: cannot listen on {self.config.address} ({e}); is another "
                                     "router running there? pick another port (0 = any free port)") from None
@@ -127,9 +137,10 @@ class RouterServer:
                 logger.warning("router: no member list from the controller at %s within %.0f s; serving "
                                "what it has (%d workers) and still trying", self.config.membership_address,
                                self.config.membership_wait_s, len(self.directory.snapshot()))
-        logger.info("router serving %s on %s (policy %s, %d workers, %d healthy)", self.config.model_name,
-                    self.address, self.config.policy, len(self.directory.snapshot()),
-                    sum(w.healthy for w in self.directory.snapshot()))
+        security = ("mTLS" if self.config.tls_client_ca_file else "TLS") if self.config.tls else "plaintext"
+        logger.info("router serving %s on %s (%s%s; policy %s, %d workers, %d healthy)", self.config.model_name,
+                    self.address, security, ", bearer tokens" if self.auth else "", self.config.policy,
+                    len(self.directory.snapshot()), sum(w.healthy for w in self.directory.snapshot()))
 
     @property
     def address(self) -> str:
@@ -152,7 +163,10 @@ class RouterServer:
                         ", ".join(sorted(after - before)) or "-", ", ".join(sorted(before - after)) or "-")
 
     def stats(self) -> dict[str, Any]:
-        return {**self.pipeline.stats(), "membership_version": self.membership_version}
+        stats = {**self.pipeline.stats(), "membership_version": self.membership_version}
+        if self.auth is not None:  # shown among the request outcome counters (duet status)
+            stats["requests"] = {**stats["requests"], **{f"auth_{k}": v for k, v in self.auth.rejected.items()}}
+        return stats
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING at once, let in-flight streams finish for ``grace`` seconds
@@ -190,7 +204,10 @@ async def start_router(config: RouterConfig, members: Members = (), *, tokenizer
     """Start the router on the running loop: load the tokenizer (unless given; a thread, so the
     loop keeps running), listen on ``config.address``, poll ``members`` once, return."""
     model = await asyncio.to_thread(ServedModel.load, config, tokenizer)
-    server = RouterServer(config, model)
+    try:
+        server = RouterServer(config, model)
+    except SecurityConfigError as e:
+        raise RouterConfigError(str(e)) from None
     try:
         await server._start(members)
     except BaseException:
