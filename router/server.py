@@ -62,12 +62,51 @@ ADMIN_SERVICE = control_pb2.DESCRIPTOR.services_by_name["RouterAdmin"].full_name
 Members = Iterable[tuple[str, str]]  # (worker_id, endpoint)
 
 
+class MalformedRequest:
+    """Stands in for a request message whose bytes did not parse (corrupt wire format, invalid
+    UTF-8 in a string field): the handler answers INVALID_ARGUMENT instead of gRPC's own
+    deserialization failure (an error log with a traceback, and UNKNOWN for the client)."""
+
+    def __init__(self, message_type: str, error: Exception) -> None:
+        self.message_type = message_type
+        self.error = error
+
+    @property
+    def details(self) -> str:
+        return f"request: not a valid {self.message_type} message ({self.error})"
+
+
+def _tolerant(message_class: Any) -> Any:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except Exception as e:  # noqa: BLE001 - DecodeError, or a RuntimeError from the C parser
+            return MalformedRequest(message_class.DESCRIPTOR.full_name, e)
+    return deserialize
+
+
+def add_duet_service(servicer: DuetServicer, server: grpc.aio.Server) -> None:
+    """duet_pb2_grpc.add_DuetServicer_to_server, with request parsing that cannot raise."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_tolerant(duet_pb2.GenerateRequest),
+            response_serializer=duet_pb2.GenerateResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, request_deserializer=_tolerant(duet_pb2.ListModelsRequest),
+            response_serializer=duet_pb2.ListModelsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(DUET_SERVICE, handlers),))
+    server.add_registered_method_handlers(DUET_SERVICE, handlers)
+
+
 class DuetServicer(duet_pb2_grpc.DuetServicer):
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
 
-    async def Generate(self, request: duet_pb2.GenerateRequest,
+    async def Generate(self, request: duet_pb2.GenerateRequest | MalformedRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[duet_pb2.GenerateResponse]:
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
@@ -80,8 +119,10 @@ class DuetServicer(duet_pb2_grpc.DuetServicer):
             logger.exception("request %s: internal router error", request.request_id or "(unnamed)")
             await context.abort(grpc.StatusCode.INTERNAL, "internal router error (see the router's log)")
 
-    async def ListModels(self, request: duet_pb2.ListModelsRequest,
+    async def ListModels(self, request: duet_pb2.ListModelsRequest | MalformedRequest,
                          context: grpc.aio.ServicerContext) -> duet_pb2.ListModelsResponse:
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
         model = self.pipeline.model
         return duet_pb2.ListModelsResponse(models=[
             duet_pb2.ModelInfo(name=model.name, is_default=True, max_model_len=model.max_model_len)])
@@ -113,7 +154,7 @@ class RouterServer:
         self.membership_version = 0
 
     async def _start(self, members: Members) -> None:
-        duet_pb2_grpc.add_DuetServicer_to_server(DuetServicer(self.pipeline), self._server)
+        add_duet_service(DuetServicer(self.pipeline), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         control_pb2_grpc.add_RouterAdminServicer_to_server(RouterAdminServicer(self.stats), self._server)
         reflection.enable_server_reflection([DUET_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME],
