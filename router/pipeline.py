@@ -6,8 +6,15 @@
 Terms:
     delta        one worker SubmitResponse: the token ids generated since the previous one.
     first token  a failure before any token reached the client is retried on another worker
-                 (up to ``max_route_attempts`` workers, for UNAVAILABLE and a full worker queue);
-                 after it, the stream ends with the error (text already streamed cannot be undone).
+                 (up to ``max_route_attempts`` workers, for UNAVAILABLE and a full worker queue).
+    resume       a worker that dies after tokens reached the client: the request continues on
+                 another healthy worker from prompt + the tokens streamed so far, with the rest of
+                 its max_tokens (up to ``max_resumes`` times, waiting up to ``resume_wait_s`` for a
+                 healthy worker). The client sees one uninterrupted stream. Under greedy decoding
+                 the output is identical to an uninterrupted run; a sampled request continues with
+                 a fresh sampler state (valid samples, not the same ones). With
+                 ``resume_on_worker_failure`` off, or once resumes run out, the stream ends with
+                 UNAVAILABLE, retryable by the client.
 
 Error mapping (worker status -> client status):
     INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION  passed through (the message names the field)
@@ -33,7 +40,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -59,11 +66,30 @@ _OFFLOAD_CHARS = 16_384  # prompts longer than this are tokenized on a thread, o
 
 
 class _RetryElsewhere(Exception):
-    """The worker failed before the first token; another worker may serve the request."""
+    """The worker failed; another worker may serve the request (from the start when nothing was
+    streamed yet, else resuming after what was streamed)."""
 
     def __init__(self, error: RequestError) -> None:
         super().__init__(error.message)
         self.error = error
+
+
+@dataclass
+class _Progress:
+    """What reached the client so far; outlives the worker streams of one request (resumption)."""
+
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    resumes: int = 0
+
+    def submit_request(self, prep: PreparedRequest) -> worker_pb2.SubmitRequest:
+        """The worker request: the prepared one, or (resuming) prompt + streamed ids with the rest
+        of max_tokens. Context limits hold: prompt + max_tokens was clamped to the context."""
+        request = prep.submit_request()
+        if self.token_ids:
+            request.prompt_token_ids.extend(self.token_ids)
+            request.sampling.max_tokens = prep.sampling.max_tokens - len(self.token_ids)
+        return request
 
 
 class Pipeline:
@@ -100,50 +126,81 @@ class Pipeline:
 
     async def _route_and_stream(self, prep: PreparedRequest,
                                 deadline: float | None) -> AsyncIterator[duet_pb2.GenerateResponse]:
-        route = RouteRequest(prep.internal_id, prep.prompt_token_ids, prep.sampling.max_tokens)
-        tried: set[str] = set()
+        progress = _Progress(IncrementalDetokenizer(self.model.tokenizer, prep.prompt_token_ids, stop=prep.stop))
+        tried: set[str] = set()  # workers that failed this request before its first token
         last: RequestError | None = None
-        for _ in range(self.config.max_route_attempts):
+        attempts = 0
+        while True:
+            route = RouteRequest(prep.internal_id, prep.prompt_token_ids + progress.token_ids,
+                                 prep.sampling.max_tokens - len(progress.token_ids))
             try:
-                worker_id = self._select(route, tried)
+                worker_id = await self._select(route, tried, resuming=bool(progress.token_ids), deadline=deadline)
             except NoWorkersAvailable as e:
+                if progress.token_ids:
+                    self.counts["failed_mid_stream"] += 1
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{last.message if last else e}; no healthy worker "
+                                       f"to resume on within {self.config.resume_wait_s:g} s after "
+                                       f"{len(progress.token_ids)} generated tokens; the completion is incomplete, "
+                                       "retry the request") from None
                 if last is not None:
                     break
                 raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                    f"no healthy worker to serve the request: {e}") from None
-            tried.add(worker_id)
+            attempts += 1
             lease = self.directory.begin(worker_id, route)
             try:
-                async for response in self._stream(prep, lease, deadline):
+                async for response in self._stream(prep, lease, deadline, progress):
                     yield response
                 return
             except _RetryElsewhere as r:
                 last = r.error
-                logger.warning("request %s: %s; trying another worker", prep.request_id, r.error.message)
+                if not progress.token_ids:
+                    tried.add(worker_id)
+                    if attempts >= self.config.max_route_attempts:
+                        break
+                    self.counts["retried"] += 1
+                    logger.warning("request %s: %s; trying another worker", prep.request_id, r.error.message)
+                else:
+                    progress.resumes += 1
+                    self.counts["resumed"] += 1
+                    logger.warning("request %s: %s; resuming after %d streamed tokens on another worker (%d/%d)",
+                                   prep.request_id, r.error.message, len(progress.token_ids), progress.resumes,
+                                   self.config.max_resumes)
             finally:
                 self.directory.end(lease)
                 self.policy.on_request_complete(worker_id, prep.internal_id)
         assert last is not None
         raise RequestError(last.code, f"{last.message} (tried {len(tried)} worker(s): {', '.join(sorted(tried))})")
 
-    def _select(self, route: RouteRequest, tried: set[str]) -> str:
-        workers = self.directory.snapshot()
-        if tried:
-            workers = [replace(w, healthy=False) if w.worker_id in tried else w for w in workers]
-        return self.policy.select(route, workers)
+    async def _select(self, route: RouteRequest, tried: set[str], *, resuming: bool, deadline: float | None) -> str:
+        """The policy's pick among healthy workers not in ``tried``. Resuming, wait up to
+        ``resume_wait_s`` (and the deadline) for one: the only other worker may be restarting."""
+        wait_until = time.monotonic() + (self.config.resume_wait_s if resuming else 0.0)
+        if deadline is not None:
+            wait_until = min(wait_until, deadline)
+        while True:
+            workers = self.directory.snapshot()
+            if tried:
+                workers = [replace(w, healthy=False) if w.worker_id in tried else w for w in workers]
+            try:
+                return self.policy.select(route, workers)
+            except NoWorkersAvailable:
+                if time.monotonic() >= wait_until:
+                    raise
+            await asyncio.sleep(0.05)
 
-    async def _stream(self, prep: PreparedRequest, lease: WorkerLease,
-                      deadline: float | None) -> AsyncIterator[duet_pb2.GenerateResponse]:
+    async def _stream(self, prep: PreparedRequest, lease: WorkerLease, deadline: float | None,
+                      progress: _Progress) -> AsyncIterator[duet_pb2.GenerateResponse]:
         started = time.monotonic()
         timeout = None if deadline is None else max(deadline - started, 0.001)
-        call = lease.stub.Submit(prep.submit_request(), timeout=timeout)
+        call = lease.stub.Submit(progress.submit_request(prep), timeout=timeout)
         lease.call = call
-        detok = IncrementalDetokenizer(self.model.tokenizer, prep.prompt_token_ids, stop=prep.stop)
-        num_out = 0
+        detok = progress.detok
         try:
             async for delta in call:
                 ids, text, stopped = _detokenize(detok, delta.token_ids)
-                num_out += len(ids)
+                progress.token_ids.extend(ids)
+                num_out = len(progress.token_ids)
                 if not stopped and not delta.HasField("finish_reason"):
                     if ids:
                         yield duet_pb2.GenerateResponse(request_id=prep.request_id, text=text, token_ids=ids)
@@ -159,40 +216,46 @@ class Pipeline:
                 yield duet_pb2.GenerateResponse(request_id=prep.request_id, text=text + detok.flush(),
                                                 token_ids=ids, finish_reason=finish, usage=usage)
                 return
-            raise self._worker_failed(prep, lease, num_out, "its stream ended without a finish reason")
+            raise self._worker_failed(prep, lease, progress, "its stream ended without a finish reason")
         except grpc.aio.AioRpcError as e:
-            raise self._map_worker_error(prep, lease, num_out, e) from None
+            raise self._map_worker_error(prep, lease, progress, e) from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if lease.failure is not None and task is not None and not task.cancelling():
-                raise self._worker_failed(prep, lease, num_out, lease.failure) from None  # we cancelled the call
+                raise self._worker_failed(prep, lease, progress, lease.failure) from None  # we cancelled the call
             logger.info("request %s (internal %s) cancelled by the client after %d tokens; aborting it on %s",
-                        prep.request_id, prep.internal_id, num_out, lease.worker_id)
+                        prep.request_id, prep.internal_id, len(progress.token_ids), lease.worker_id)
             self.counts["cancelled"] += 1
             raise
         finally:
             if not call.done():
                 call.cancel()  # the worker aborts the request and frees its KV blocks
 
-    def _map_worker_error(self, prep: PreparedRequest, lease: WorkerLease, num_out: int,
+    def _map_worker_error(self, prep: PreparedRequest, lease: WorkerLease, progress: _Progress,
                           e: grpc.aio.AioRpcError) -> Exception:
-        code, details = e.code(), e.details() or ""
+        code, details, num_out = e.code(), e.details() or "", len(progress.token_ids)
         if code in _PASS_THROUGH:
             return RequestError(code, details)
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return RequestError(code, f"deadline exceeded after {num_out} generated tokens")
         if code in _WORKER_GONE:
-            return self._worker_failed(prep, lease, num_out, f"{code.name}: {details}")
+            return self._worker_failed(prep, lease, progress, f"{code.name}: {details}")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and num_out == 0:
             return _RetryElsewhere(RequestError(code, f"worker {lease.worker_id} is overloaded: {details}"))
         logger.warning("request %s: worker %s failed with %s: %s", prep.request_id, lease.worker_id, code.name, details)
         return RequestError(code, f"worker {lease.worker_id}: {details}")
 
-    def _worker_failed(self, prep: PreparedRequest, lease: WorkerLease, num_out: int, reason: str) -> Exception:
+    def _worker_failed(self, prep: PreparedRequest, lease: WorkerLease, progress: _Progress,
+                       reason: str) -> Exception:
         self.directory.report_stream_failure(lease, reason)
+        num_out = len(progress.token_ids)
         if num_out == 0:
             return _RetryElsewhere(RequestError(grpc.StatusCode.UNAVAILABLE,
                                                 f"worker {lease.worker_id} is unavailable ({reason})"))
+        if self.config.resume_on_worker_failure and progress.resumes < self.config.max_resumes:
+            return _RetryElsewhere(RequestError(grpc.StatusCode.UNAVAILABLE,
+                                                f"worker {lease.worker_id} failed mid-stream ({reason})"))
+        self.counts["failed_mid_stream"] += 1
         logger.warning("request %s (internal %s): worker %s failed mid-stream after %d tokens: %s",
                        prep.request_id, prep.internal_id, lease.worker_id, num_out, reason)
         return RequestError(grpc.StatusCode.UNAVAILABLE,

@@ -3,7 +3,9 @@ run it and the router on background event loops.
 
 FakeWorker replays a fixed token sequence: the real SmolLM2 tokenization of SCRIPT (which has
 multi-byte characters that span tokens) followed by EOS, ``tokens_per_message`` ids per message,
-``delay_s`` apart, capped by max_tokens. It ignores stop strings (so the router's own stop-string
+``delay_s`` apart, capped by max_tokens. Like a deterministic (greedy) model it continues the
+script where the prompt leaves off: a prompt ending with the script's first k ids gets ids k, k+1, ...
+(so a request the router resumes after a worker failure continues exactly). It ignores stop strings (so the router's own stop-string
 handling and the cancel it sends are exercised) and records what it saw: submitted requests,
 deadlines, cancellations. Knobs (set from the test thread, read on the worker loop):
 
@@ -33,6 +35,14 @@ from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 
 SCRIPT = "Héllo wörld! 日本語のテキスト 🙂 The quick brown fox jumps over the lazy dog. Ünïcödé ✓ done"  # noqa: E501
 WORKER_HEALTH = "duet.worker.v1.Worker"
+
+
+def _script_offset(prompt: list[int], script: list[int]) -> int:
+    """The largest k such that the prompt ends with script[:k] (0 if none)."""
+    for k in range(min(len(prompt), len(script)), 0, -1):
+        if prompt[-k:] == script[:k]:
+            return k
+    return 0
 
 
 class LoopThread:
@@ -78,12 +88,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.deadlines[rid] = context.time_remaining()
         if self.fail is not None:
             await context.abort(*self.fail)
-        n = min(request.sampling.max_tokens, len(self.script_ids))
+        start = _script_offset(list(request.prompt_token_ids), self.script_ids)
+        n = min(start + request.sampling.max_tokens, len(self.script_ids))
         self.active += 1
         try:
-            i = 0
+            i = start
             while i < n:
-                if self.die_after is not None and i >= self.die_after:
+                if self.die_after is not None and i - start >= self.die_after:
                     await self._die(context)
                 while self.hang:
                     await asyncio.sleep(0.01)
@@ -94,7 +105,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     eos = chunk[-1] == self.eos_id
                     response.finish_reason = worker_pb2.FINISH_REASON_STOP if eos else worker_pb2.FINISH_REASON_LENGTH
                     response.usage.prompt_tokens = len(request.prompt_token_ids)
-                    response.usage.completion_tokens = n
+                    response.usage.completion_tokens = n - start
                 yield response
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)

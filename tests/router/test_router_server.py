@@ -338,7 +338,55 @@ def test_deadline_propagates_to_the_worker(stub, pool):
 
 
 # ------------------------------------------------------------------ worker failures
-def test_worker_death_mid_stream_is_unavailable_and_avoided(router, stub, pool):
+def test_worker_death_mid_stream_resumes_on_another_worker(router, stub, pool, tok):
+    full = list(stub.Generate(duet_pb2.GenerateRequest(prompt="x", sampling=S(max_tokens=40)), timeout=10))
+    wait_until(lambda: _all_healthy(router), what="both workers healthy")
+    for s in pool:
+        s.worker.reset()
+    pool[0].worker.die_after, pool[0].worker.die_mode = 3, "abort"  # w0 dies after 3 tokens; w1 is fine
+    pool[0].worker.delay_s = pool[1].worker.delay_s = 0.005
+    resumed_before = router.stats()["requests"].get("resumed", 0)
+    for _ in range(2):  # round robin: one of the two requests starts on w0
+        out = list(stub.Generate(duet_pb2.GenerateRequest(prompt="x", sampling=S(max_tokens=40)), timeout=10))
+        # one uninterrupted stream for the client: the same ids, text, finish reason and usage
+        assert [t for r in out for t in r.token_ids] == [t for r in full for t in r.token_ids]
+        assert "".join(r.text for r in out) == "".join(r.text for r in full)
+        assert out[-1].finish_reason == full[-1].finish_reason and out[-1].usage.completion_tokens == 40
+    # every request that started on w0 (one, or both if w0's failure cooldown ended in between) was
+    # resumed on w1 from prompt + the 3 streamed ids, with the 37 tokens still to go
+    started_on_w0 = len(pool[0].worker.submitted)
+    assert started_on_w0 >= 1 and router.stats()["requests"]["resumed"] == resumed_before + started_on_w0
+    resumed = [r for r in pool[1].worker.submitted if r.sampling.max_tokens != 40]
+    assert len(resumed) == started_on_w0
+    assert all(r.sampling.max_tokens == 37 and len(r.prompt_token_ids) == len(tok.encode("x")) + 3 for r in resumed)
+    for s in pool:
+        s.worker.reset()
+    wait_until(lambda: _all_healthy(router), what="cooldown over")
+
+
+def test_worker_death_mid_stream_without_resumption_is_unavailable_and_avoided(smollm2_path, tok, pool):
+    with serve_router(_config(smollm2_path, resume_on_worker_failure=False), members(pool), tokenizer=tok) as r, \
+            grpc.insecure_channel(r.address) as channel:
+        _worker_death_unavailable_and_avoided(r, duet_pb2_grpc.DuetStub(channel), pool)
+
+
+def test_resumption_gives_up_when_no_worker_is_left(smollm2_path, tok, pool):
+    # a long cooldown keeps each failed worker out (their servers stay up: "abort" fails only the stream)
+    with serve_router(_config(smollm2_path, resume_wait_s=0.3, stream_failure_cooldown_s=30.0), members(pool),
+                      tokenizer=tok) as r, \
+            grpc.insecure_channel(r.address) as channel:
+        for s in pool:  # every worker dies after 3 tokens: resume once, then nobody is left
+            s.worker.die_after, s.worker.die_mode, s.worker.delay_s = 3, "abort", 0.005
+        t0 = time.monotonic()
+        err = _error(duet_pb2_grpc.DuetStub(channel), duet_pb2.GenerateRequest(prompt="x", sampling=S(max_tokens=40)))
+        assert time.monotonic() - t0 < 3
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "no healthy worker to resume on" in err.details()
+        assert "after 6 generated tokens" in err.details() and r.stats()["requests"]["failed_mid_stream"] == 1
+        for s in pool:
+            s.worker.reset()
+
+
+def _worker_death_unavailable_and_avoided(router, stub, pool):
     for s in pool:  # whichever worker gets the request dies (its whole server stops) after 3 tokens
         s.worker.die_after, s.worker.die_mode, s.worker.delay_s = 3, "stop", 0.01
     t0 = time.monotonic()
@@ -362,12 +410,16 @@ def test_worker_death_mid_stream_is_unavailable_and_avoided(router, stub, pool):
     assert len(dead.worker.submitted) >= 1
 
 
-def test_worker_abort_mid_stream_is_unavailable(stub, pool, router):
-    for s in pool:
-        s.worker.die_after, s.worker.die_mode = 2, "abort"
-    err = _error(stub, duet_pb2.GenerateRequest(prompt="x", sampling=S(max_tokens=40)))
-    assert err.code() == grpc.StatusCode.UNAVAILABLE and "mid-stream" in err.details()
-    assert router.stats()["worker_stream_failures"] >= 1
+def test_worker_abort_mid_stream_without_resumption_is_unavailable(smollm2_path, tok, pool):
+    with serve_router(_config(smollm2_path, resume_on_worker_failure=False), members(pool), tokenizer=tok) as r, \
+            grpc.insecure_channel(r.address) as channel:
+        for s in pool:
+            s.worker.die_after, s.worker.die_mode = 2, "abort"
+        err = _error(duet_pb2_grpc.DuetStub(channel), duet_pb2.GenerateRequest(prompt="x", sampling=S(max_tokens=40)))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "mid-stream" in err.details()
+        assert "retry the request" in err.details() and r.stats()["worker_stream_failures"] >= 1
+        for s in pool:
+            s.worker.reset()
 
 
 def test_failure_before_first_token_is_retried_on_another_worker(stub, pool, router):
@@ -385,25 +437,33 @@ def test_failure_before_first_token_is_retried_on_another_worker(stub, pool, rou
         assert responses[-1].finish_reason == duet_pb2.FINISH_REASON_LENGTH
 
 
-def test_unresponsive_worker_streams_fail_instead_of_hanging(router, pool):
+def test_unresponsive_worker_is_given_up_and_the_stream_resumes_elsewhere(router, pool):
     for s in pool:
         s.worker.delay_s = 0.01
+    resumed_before = router.stats()["requests"].get("resumed", 0)
 
     async def scenario():
         async with grpc.aio.insecure_channel(router.address) as channel:
             call = duet_pb2_grpc.DuetStub(channel).Generate(
                 duet_pb2.GenerateRequest(prompt="x", sampling=S(max_tokens=45)), timeout=20)
-            await call.read()
-            next(s for s in pool if s.worker.submitted).worker.hang = True  # polls and stream stall
+            first = await call.read()
+            hung = next(s for s in pool if s.worker.submitted)
+            hung.worker.hang = True  # polls and stream stall
             t0 = time.monotonic()
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                while await call.read() is not grpc.aio.EOF:
-                    pass
-            return info.value, time.monotonic() - t0
-    err, elapsed = run_async(scenario())
-    # 2 polls (threshold) x 0.5 s timeout: the router gives up on the worker and ends the stream.
-    assert err.code() == grpc.StatusCode.UNAVAILABLE and "stopped answering" in err.details()
-    assert elapsed < 4
+            rest = []
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                rest.append(msg)
+            return [first, *rest], time.monotonic() - t0, hung
+    out, elapsed, hung = run_async(scenario())
+    # 2 polls (threshold) x 0.5 s timeout: the router gives up on the worker, then resumes the stream
+    # on the other one: the client gets every token, in order, with no error.
+    assert elapsed < 4 and out[-1].finish_reason == duet_pb2.FINISH_REASON_LENGTH
+    assert sum(len(m.token_ids) for m in out) == 45 and out[-1].usage.completion_tokens == 45
+    assert router.stats()["requests"]["resumed"] == resumed_before + 1
+    hung.worker.hang = False
+    for s in pool:
+        s.worker.reset()
+    wait_until(lambda: _all_healthy(router), timeout=10, what="the hung worker healthy again")
 
 
 def test_draining_worker_gets_no_traffic(stub, pool, router):
