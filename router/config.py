@@ -48,10 +48,13 @@ class RouterConfig:
     policy / policy_options: a routing policy from router.policies and its keyword options.
     max_route_attempts: workers tried per request when a worker is unreachable or its own queue
         is full *before the first token*.
-    resume_on_worker_failure / max_resumes / resume_wait_s: a worker that dies *after* the first
-        token: the request resumes on another healthy worker from prompt + streamed tokens (greedy
-        output unchanged), at most max_resumes times, waiting up to resume_wait_s for a healthy
-        worker; off (or exhausted), the stream ends with a retryable UNAVAILABLE.
+    resume_on_worker_failure / max_resumes: a worker that dies *after* the first token: the
+        request resumes on another healthy worker from prompt + streamed tokens (greedy output
+        unchanged), at most max_resumes times; off (or exhausted), the stream ends with a
+        retryable UNAVAILABLE.
+    worker_wait_s: how long a request (new, retried or resuming) waits for a healthy worker when
+        none is, while some worker it has not failed on may come back (e.g. restarting); within
+        its deadline and holding its admission slot. 0 = fail at once with UNAVAILABLE.
     worker_failure_threshold: consecutive failed polls before a worker is marked unhealthy.
     stream_failure_cooldown_s: after a worker's stream fails, it is not re-admitted by a
         successful poll until this long has passed (stops a flapping worker taking traffic).
@@ -83,7 +86,7 @@ class RouterConfig:
     # A worker dying after tokens were streamed: continue on another worker (router/pipeline.py).
     resume_on_worker_failure: bool = True
     max_resumes: int = 2
-    resume_wait_s: float = 10.0
+    worker_wait_s: float = 10.0
     # Shutdown: seconds in-flight streams get to finish on stop().
     shutdown_grace_s: float = 5.0
     # Membership: host:port of the controller's duet.control.v1.Membership service. Set, the router
@@ -142,8 +145,8 @@ class RouterConfig:
         _int_at_least("worker_failure_threshold", self.worker_failure_threshold, 1)
         _int_at_least("max_route_attempts", self.max_route_attempts, 1)
         _int_at_least("max_resumes", self.max_resumes, 0)
-        if not _finite(self.resume_wait_s) or self.resume_wait_s < 0:
-            _fail("resume_wait_s", self.resume_wait_s, "must be a number of seconds >= 0")
+        if not _finite(self.worker_wait_s) or self.worker_wait_s < 0:
+            _fail("worker_wait_s", self.worker_wait_s, "must be a number of seconds >= 0")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             _fail("tls_cert_file" if self.tls_cert_file is None else "tls_key_file", None,
                   "TLS needs both tls_cert_file and tls_key_file (PEM); set both or neither")

@@ -9,12 +9,14 @@ Terms:
                  (up to ``max_route_attempts`` workers, for UNAVAILABLE and a full worker queue).
     resume       a worker that dies after tokens reached the client: the request continues on
                  another healthy worker from prompt + the tokens streamed so far, with the rest of
-                 its max_tokens (up to ``max_resumes`` times, waiting up to ``resume_wait_s`` for a
-                 healthy worker). The client sees one uninterrupted stream. Under greedy decoding
+                 its max_tokens (up to ``max_resumes`` times). The client sees one uninterrupted stream. Under greedy decoding
                  the output is identical to an uninterrupted run; a sampled request continues with
                  a fresh sampler state (valid samples, not the same ones). With
                  ``resume_on_worker_failure`` off, or once resumes run out, the stream ends with
                  UNAVAILABLE, retryable by the client.
+    waiting      with no healthy worker (all restarting, say), a request waits up to
+                 ``worker_wait_s`` (and its deadline) for one that it has not failed on, holding
+                 its admission slot, instead of failing at once.
 
 Error mapping (worker status -> client status):
     INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION  passed through (the message names the field)
@@ -62,6 +64,7 @@ _FINISH = {
 }
 _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION}
 _WORKER_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+_DEADLINE_MARGIN_S = 0.25  # a request waiting for a worker gives up this long before its deadline
 _OFFLOAD_CHARS = 16_384  # prompts longer than this are tokenized on a thread, off the event loop
 
 
@@ -134,18 +137,18 @@ class Pipeline:
             route = RouteRequest(prep.internal_id, prep.prompt_token_ids + progress.token_ids,
                                  prep.sampling.max_tokens - len(progress.token_ids))
             try:
-                worker_id = await self._select(route, tried, resuming=bool(progress.token_ids), deadline=deadline)
+                worker_id = await self._select(route, tried, deadline)
             except NoWorkersAvailable as e:
                 if progress.token_ids:
                     self.counts["failed_mid_stream"] += 1
                     raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{last.message if last else e}; no healthy worker "
-                                       f"to resume on within {self.config.resume_wait_s:g} s after "
+                                       f"to resume on within {self.config.worker_wait_s:g} s after "
                                        f"{len(progress.token_ids)} generated tokens; the completion is incomplete, "
                                        "retry the request") from None
                 if last is not None:
                     break
-                raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                                   f"no healthy worker to serve the request: {e}") from None
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"no healthy worker to serve the request (waited up "
+                                   f"to {self.config.worker_wait_s:g} s or the deadline): {e}") from None
             attempts += 1
             lease = self.directory.begin(worker_id, route)
             try:
@@ -172,21 +175,27 @@ class Pipeline:
         assert last is not None
         raise RequestError(last.code, f"{last.message} (tried {len(tried)} worker(s): {', '.join(sorted(tried))})")
 
-    async def _select(self, route: RouteRequest, tried: set[str], *, resuming: bool, deadline: float | None) -> str:
-        """The policy's pick among healthy workers not in ``tried``. Resuming, wait up to
-        ``resume_wait_s`` (and the deadline) for one: the only other worker may be restarting."""
-        wait_until = time.monotonic() + (self.config.resume_wait_s if resuming else 0.0)
-        if deadline is not None:
-            wait_until = min(wait_until, deadline)
+    async def _select(self, route: RouteRequest, tried: set[str], deadline: float | None) -> str:
+        """The policy's pick among healthy workers not in ``tried``; with none, wait up to
+        ``worker_wait_s`` (and the deadline) while a worker not in ``tried`` may come back or join."""
+        wait_until = time.monotonic() + self.config.worker_wait_s
+        if deadline is not None:  # stop in time to answer UNAVAILABLE (not DEADLINE_EXCEEDED)
+            wait_until = min(wait_until, deadline - _DEADLINE_MARGIN_S)
+        waited = False
         while True:
             workers = self.directory.snapshot()
             if tried:
                 workers = [replace(w, healthy=False) if w.worker_id in tried else w for w in workers]
             try:
-                return self.policy.select(route, workers)
+                worker_id = self.policy.select(route, workers)
+                if waited:
+                    self.counts["waited_for_worker"] += 1
+                return worker_id
             except NoWorkersAvailable:
-                if time.monotonic() >= wait_until:
+                # (no members at all: restarting workers rejoin, so wait for them too)
+                if time.monotonic() >= wait_until or (workers and all(w.worker_id in tried for w in workers)):
                     raise
+            waited = True
             await asyncio.sleep(0.05)
 
     async def _stream(self, prep: PreparedRequest, lease: WorkerLease, deadline: float | None,

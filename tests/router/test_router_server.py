@@ -372,7 +372,7 @@ def test_worker_death_mid_stream_without_resumption_is_unavailable_and_avoided(s
 
 def test_resumption_gives_up_when_no_worker_is_left(smollm2_path, tok, pool):
     # a long cooldown keeps each failed worker out (their servers stay up: "abort" fails only the stream)
-    with serve_router(_config(smollm2_path, resume_wait_s=0.3, stream_failure_cooldown_s=30.0), members(pool),
+    with serve_router(_config(smollm2_path, worker_wait_s=0.3, stream_failure_cooldown_s=30.0), members(pool),
                       tokenizer=tok) as r, \
             grpc.insecure_channel(r.address) as channel:
         for s in pool:  # every worker dies after 3 tokens: resume once, then nobody is left
@@ -490,7 +490,7 @@ def test_set_members_join_leave_and_health(router, stub, pool):
     assert _submitted(pool) == Counter({"w0": 3, "w1": 0})
     router.set_members([])  # everyone leaves
     wait_until(lambda: _health(router.address) == "NOT_SERVING", what="NOT_SERVING")
-    err = _error(stub, duet_pb2.GenerateRequest(prompt="x"))
+    err = _error(stub, duet_pb2.GenerateRequest(prompt="x"), timeout=1.5)  # waits for a worker to join, then:
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "no workers registered" in err.details()
     router.set_members(members(pool))  # both (re)join; set_members returns after their first poll
     assert _health(router.address) == "SERVING"
@@ -499,13 +499,27 @@ def test_set_members_join_leave_and_health(router, stub, pool):
     assert _submitted(pool)["w1"] >= 1
 
 
-def test_health_flips_when_all_workers_die(router, stub, pool):
+def test_health_flips_when_all_workers_die_and_requests_wait_for_one(router, stub, pool):
     for s in pool:
         s.stop_sync()
     wait_until(lambda: _health(router.address) == "NOT_SERVING", what="NOT_SERVING")
-    err = _error(stub, duet_pb2.GenerateRequest(prompt="x"))
+    # within its deadline a request waits for a worker; past it (minus a margin) it gets UNAVAILABLE
+    t0 = time.monotonic()
+    err = _error(stub, duet_pb2.GenerateRequest(prompt="x"), timeout=1.0)
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "no healthy worker" in err.details()
-    pool[1].start()
+    assert 0.6 < time.monotonic() - t0 < 1.0
+    waited_before = router.stats()["requests"].get("waited_for_worker", 0)
+
+    async def wait_through_the_outage():
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            call = duet_pb2_grpc.DuetStub(channel).Generate(
+                duet_pb2.GenerateRequest(prompt="x", sampling=S(max_tokens=3)), timeout=20)
+            await asyncio.sleep(0.5)
+            await asyncio.to_thread(pool[1].start)  # a worker comes back while the request waits
+            return [m async for m in call]
+    out = run_async(wait_through_the_outage())
+    assert out[-1].finish_reason == duet_pb2.FINISH_REASON_LENGTH
+    assert router.stats()["requests"]["waited_for_worker"] == waited_before + 1
     wait_until(lambda: _health(router.address) == "SERVING", what="SERVING again")
 
 
