@@ -278,13 +278,20 @@ def _trend(points: list[tuple[float, float]]) -> dict[str, float | None]:
             "slope_mb_per_min": round(slope * 60, 2)}
 
 
-def leftovers(namespace: str, placement_group: Any) -> dict[str, Any]:
-    """After a deployment stopped: its named actors, its placement group's state."""
+def leftovers(namespace: str, placement_group: Any, wait_s: float = 30.0) -> dict[str, Any]:
+    """After a deployment stopped: its named actors, its placement group's state, and whether
+    every CPU of the Ray cluster is free again (waits up to ``wait_s`` for the last to settle)."""
     import ray
 
-    return {"actors": [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                       if a["namespace"] == namespace],
-            "placement_group": ray.util.placement_group_table(placement_group).get("state")}
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = {"actors": [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                          if a["namespace"] == namespace],
+               "placement_group": ray.util.placement_group_table(placement_group).get("state"),
+               "cpus_free": ray.available_resources().get("CPU", 0) == ray.cluster_resources().get("CPU", 0)}
+        if (not out["actors"] and out["cpus_free"]) or time.monotonic() > deadline:
+            return out
+        time.sleep(0.5)
 
 
 # ------------------------------------------------------------------ main

@@ -16,6 +16,8 @@ Switches:
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -25,6 +27,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from collections.abc import Iterator
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
@@ -80,6 +83,31 @@ def _ensure_ninja_on_path() -> None:
     os.environ["PATH"] = os.pathsep.join(dirs + [os.environ.get("PATH", "")])
 
 
+TORCH_BATON = "lock"  # the file torch.utils.cpp_extension's FileBaton creates in the build directory
+
+
+@contextlib.contextmanager
+def _exclusive_build_dir(path: Path) -> Iterator[None]:
+    """Hold an OS lock (``fcntl.flock``) on the build directory for a whole load.
+
+    torch's JIT loader takes a baton *file* on every load, even when nothing needs building, and a
+    process killed while holding it (a worker actor killed while it starts, say) leaves the file
+    behind: every later load on the machine then waits on it forever. The OS releases a flock
+    when its holder dies, so while we hold ours no other Duet process is loading here and a baton
+    file left in the directory is stale: it is removed (with a warning)."""
+    with open(path / ".duet-build.flock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            baton = path / TORCH_BATON
+            if baton.exists():
+                logger.warning("removing the stale build lock %s (left by a process killed while it loaded the "
+                               "kernels)", baton)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
 def load(verbose: bool = False) -> ModuleType | None:
     """Build (if needed) and import the extension; None, after one WARNING, if that fails."""
     global _ext, _error
@@ -93,15 +121,16 @@ def load(verbose: bool = False) -> ModuleType | None:
             from torch.utils import cpp_extension
 
             _ensure_ninja_on_path()
-            _ext = cpp_extension.load(
-                name=EXTENSION_NAME,
-                sources=[str(p) for p in sources()],
-                extra_cflags=[*CFLAGS, f"-DDUET_HEADERS_DIGEST={_headers_digest()}"],
-                extra_ldflags=LDFLAGS,
-                extra_include_paths=[str(CSRC)],
-                build_directory=str(cache_dir()),
-                verbose=verbose,
-            )
+            with _exclusive_build_dir(cache_dir()):
+                _ext = cpp_extension.load(
+                    name=EXTENSION_NAME,
+                    sources=[str(p) for p in sources()],
+                    extra_cflags=[*CFLAGS, f"-DDUET_HEADERS_DIGEST={_headers_digest()}"],
+                    extra_ldflags=LDFLAGS,
+                    extra_include_paths=[str(CSRC)],
+                    build_directory=str(cache_dir()),
+                    verbose=verbose,
+                )
         except Exception as exc:  # compiler missing, build error, load error: all mean "use the refs"
             _error = f"{type(exc).__name__}: {exc}"
             logger.warning(
