@@ -212,6 +212,9 @@ def test_not_yet_used_values_are_reported_in_notes(helm):
         assert line in notes
     r = run_helm(helm, "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE)
     assert r.returncode == 0 and "NOT YET USED" not in r.stdout and "duet generate --target" in r.stdout
+    assert "request GPUs but image.variant" not in r.stdout
+    r = run_helm(helm, "install", RELEASE, str(CHART), "--dry-run=client", "--set", "poolDefaults.gpusPerReplica=1")
+    assert r.returncode == 0 and 'pools default request GPUs but image.variant is "cpu"' in r.stdout
 
 
 @pytest.mark.parametrize(("sets", "message"), [
