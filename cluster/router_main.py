@@ -53,6 +53,7 @@ def run_router_foreground(config: DuetConfig, membership: str, metrics_port: int
         finally:
             if metrics is not None:
                 metrics.shutdown()
+                metrics.server_close()
             handle.stop()
     finally:
         for s, handler in old.items():

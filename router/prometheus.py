@@ -14,7 +14,7 @@ nothing. Exposed names (all prefixed ``duet_router_``):
 Example::
 
     server = serve_metrics(9090, handle.stats)   # http://0.0.0.0:9090/metrics
-    server.shutdown()
+    server.shutdown(); server.server_close()
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ class RouterStatsCollector:
 
 def serve_metrics(port: int, snapshot: Callable[[], dict[str, Any]], host: str = "0.0.0.0") -> Any:
     """Serve /metrics on host:port from a private registry; returns the HTTP server
-    (``.shutdown()`` stops it; ``.server_port`` is the bound port, useful with port 0)."""
+    (``.shutdown()`` then ``.server_close()`` stop it; ``.server_port`` is the bound port, useful
+    with port 0)."""
     registry = CollectorRegistry()
     registry.register(RouterStatsCollector(snapshot))
     server, _thread = start_http_server(port, addr=host, registry=registry)
