@@ -16,6 +16,10 @@ workload and senders in benchmarks/load_gen.py):
     rates       open loop: ``--num-requests`` requests arriving as a Poisson process at each rate of
                 ``--rates`` (req/s; 'inf' = all at once), through the router and (if a worker endpoint
                 is known) straight to the worker: TTFT, TPOT, ITL, E2E p50/p90/p99, throughput, goodput.
+    echo        the overhead phase again, ``--echo-overhead-requests`` pairs, against a zero-compute
+                worker (benchmarks/echo_worker.py, its own process) behind a router in this process:
+                without the engine's ±10 ms step jitter the router's sub-millisecond cost is resolved
+                precisely. Runs in both modes (it starts its own router and echo worker).
 
 Writes JSON (every summary plus the raw per-request timings) to ``--out`` (default
 benchmarks/results/serving_bench.json) and a PNG plot next to it.
@@ -68,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-output", type=int, default=64, help="longest output in tokens (default 64)")
     p.add_argument("--overhead-requests", type=int, default=24,
                    help="requests per path in the closed-loop overhead phase, 0 = skip (default 24)")
+    p.add_argument("--echo-overhead-requests", type=int, default=200,
+                   help="pairs in the overhead phase against a zero-compute echo worker, 0 = skip (default 200)")
+    p.add_argument("--overhead-only", action="store_true", help=argparse.SUPPRESS)  # the echo phase's child run
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput SLO on TTFT (default 1000)")
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput SLO on TPOT (default 100)")
@@ -76,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpus-per-replica", type=int, default=None, help="self-hosted worker CPUs (default: config)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON path (default {DEFAULT_OUT.relative_to(REPO_ROOT)})")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--quick", action="store_true", help="smoke run: rates 2,inf, 8 requests, 6 overhead requests")
+    p.add_argument("--quick", action="store_true", help="smoke run: rates 2,inf, 8 requests, 6 overhead pairs, 40 echo pairs")
     return p
 
 
@@ -152,7 +159,8 @@ async def run_phases(args: argparse.Namespace, target: str, worker_endpoint: str
         if worker_endpoint and args.overhead_requests > 0:
             logger.info("overhead phase: %d requests per path, one at a time", args.overhead_requests)
             out["overhead"] = await measure_overhead(senders, requests[:args.overhead_requests])
-        out["rates"] = await measure_rates(senders, requests[:args.num_requests], rates, args.seed, slo)
+        if not args.overhead_only:
+            out["rates"] = await measure_rates(senders, requests[:args.num_requests], rates, args.seed, slo)
         return out
     finally:
         for ch in channels:
@@ -167,24 +175,29 @@ def print_report(res: dict[str, Any]) -> None:
     head = (f"{'rate':>6} {'path':>7} {'ok':>5} {'TTFT p50/p90/p99 ms':>24} {'TPOT p50/p90/p99 ms':>22} "
             f"{'ITL p50/p99':>13} {'E2E p50 ms':>10} {'req/s':>6} {'tok/s':>7} {'goodput':>7}")
     print(head)
-    for r in res["rates"]:
+    for r in res.get("rates", []):
         t, p, i, e = r["ttft"], r["tpot"], r["itl"], r["e2e"]
         print(f"{r['rate']!s:>6} {r['path']:>7} {r['completed']:>2}/{r['num_requests']:<2} "
               f"{t['p50_ms']:>7.1f}/{t['p90_ms']:>7.1f}/{t['p99_ms']:>7.1f} "
               f"{p['p50_ms']:>6.2f}/{p['p90_ms']:>6.2f}/{p['p99_ms']:>6.2f} {i['p50_ms']:>6.1f}/{i['p99_ms']:<6.1f} "
               f"{e['p50_ms']:>10.1f} {r['request_throughput_rps']:>6.2f} {r['output_throughput_tps']:>7.1f} "
               f"{r['goodput_rps']:>7.2f}")
-    o = res.get("overhead")
-    if o:
-        print(f"\nrouter overhead ({o['pairs']} closed-loop pairs, median of per-request differences):")
-        print(f"  TTFT      {o['ttft_overhead_p50_ms']:+.3f} ms  (router {o['router_ttft_p50_ms']:.2f} vs direct "
-              f"{o['direct_ttft_p50_ms']:.2f} ms; differences p25..p75 {o['ttft_overhead_p25_p75_ms'][0]:+.2f}.."
-              f"{o['ttft_overhead_p25_p75_ms'][1]:+.2f})  target < {TARGET_TTFT_OVERHEAD_MS} ms: "
-              f"{'yes' if o['ttft_target_met'] else 'NO'}")
-        print(f"  per token {o['per_token_overhead_p50_ms']:+.3f} ms  (router {o['router_tpot_p50_ms']:.2f} vs direct "
-              f"{o['direct_tpot_p50_ms']:.2f} ms; differences p25..p75 {o['per_token_overhead_p25_p75_ms'][0]:+.2f}.."
-              f"{o['per_token_overhead_p25_p75_ms'][1]:+.2f})  target < {TARGET_PER_TOKEN_OVERHEAD_MS} ms: "
-              f"{'yes' if o['per_token_target_met'] else 'NO'}")
+    for key, title in (("overhead", "router overhead vs the real worker"),
+                       ("overhead_echo", "router overhead vs a zero-compute echo worker")):
+        if res.get(key):
+            _print_overhead(title, res[key])
+
+
+def _print_overhead(title: str, o: dict[str, Any]) -> None:
+    print(f"\n{title} ({o['pairs']} closed-loop pairs, median of per-request differences):")
+    print(f"  TTFT      {o['ttft_overhead_p50_ms']:+.3f} ms  (router {o['router_ttft_p50_ms']:.2f} vs direct "
+          f"{o['direct_ttft_p50_ms']:.2f} ms; differences p25..p75 {o['ttft_overhead_p25_p75_ms'][0]:+.2f}.."
+          f"{o['ttft_overhead_p25_p75_ms'][1]:+.2f})  target < {TARGET_TTFT_OVERHEAD_MS} ms: "
+          f"{'yes' if o['ttft_target_met'] else 'NO'}")
+    print(f"  per token {o['per_token_overhead_p50_ms']:+.3f} ms  (router {o['router_tpot_p50_ms']:.2f} vs direct "
+          f"{o['direct_tpot_p50_ms']:.2f} ms; differences p25..p75 {o['per_token_overhead_p25_p75_ms'][0]:+.2f}.."
+          f"{o['per_token_overhead_p25_p75_ms'][1]:+.2f})  target < {TARGET_PER_TOKEN_OVERHEAD_MS} ms: "
+          f"{'yes' if o['per_token_target_met'] else 'NO'}")
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
@@ -194,7 +207,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = res["rates"]
+    rates = res.get("rates", [])
     paths = sorted({r["path"] for r in rates})
     finite = [r["rate"] for r in rates if r["rate"] != "inf"]
     inf_x = (max(finite) * 2) if finite else 1.0  # 'inf' drawn right of the largest finite rate
@@ -263,18 +276,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.quick:
         args.rates, args.num_requests, args.overhead_requests = "2,inf", 8, min(args.overhead_requests, 6)
+        args.echo_overhead_requests = min(args.echo_overhead_requests, 40)
     rates = parse_rates(args.rates)
     if args.num_requests < 1:
         raise ValueError("--num-requests must be >= 1")
+    if args.overhead_requests < 0 or args.echo_overhead_requests < 0:
+        raise ValueError("--overhead-requests and --echo-overhead-requests must be >= 0")
     model_path = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-    n = max(args.num_requests, args.overhead_requests)
+    n = max(args.num_requests, args.overhead_requests, args.echo_overhead_requests)
     requests = build_workload(tokenizer, n, seed=args.seed, min_output=args.min_output, max_output=args.max_output)
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, None if args.slo_e2e_ms is None else args.slo_e2e_ms / 1e3)
     res: dict[str, Any] = {
         "config": {"model": args.model, "num_requests": args.num_requests, "rates": [_rate_json(r) for r in rates],
                    "min_output": args.min_output, "max_output": args.max_output, "seed": args.seed,
-                   "overhead_requests": args.overhead_requests, "slo_ttft_ms": args.slo_ttft_ms,
+                   "overhead_requests": args.overhead_requests,
+                   "echo_overhead_requests": args.echo_overhead_requests, "slo_ttft_ms": args.slo_ttft_ms,
                    "slo_tpot_ms": args.slo_tpot_ms, "slo_e2e_ms": args.slo_e2e_ms,
                    "self_hosted": args.target is None},
         "machine": _machine(), "code": _code_version(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -291,26 +308,97 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with start_deployment(config, log_to_driver=False) as d:
             res["config"]["deployment"] = config.to_dict()
             res.update(_load_from_subprocess(args, d.address, d.controller.members()[0][1]))
+    if args.echo_overhead_requests > 0 and not args.overhead_only:
+        res["overhead_echo"] = measure_echo_overhead(args, model_path)
     return res
 
 
-def _load_from_subprocess(args: argparse.Namespace, target: str, worker_endpoint: str) -> dict[str, Any]:
+def _load_from_subprocess(args: argparse.Namespace, target: str, worker_endpoint: str, *,
+                          overhead_requests: int | None = None, overhead_only: bool = False) -> dict[str, Any]:
     """Run the load phases in a child process: a client sharing the router's process (and its GIL)
     would slow the router path it measures."""
     import tempfile
 
+    n_overhead = args.overhead_requests if overhead_requests is None else overhead_requests
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "phases.json"
         cmd = [sys.executable, "-m", "benchmarks.serving_bench", "--target", target, "--worker-endpoint",
                worker_endpoint, "--model", args.model, "--rates", args.rates, "--num-requests", str(args.num_requests),
                "--min-output", str(args.min_output), "--max-output", str(args.max_output), "--overhead-requests",
-               str(args.overhead_requests), "--seed", str(args.seed), "--slo-ttft-ms", str(args.slo_ttft_ms),
-               "--slo-tpot-ms", str(args.slo_tpot_ms), "--timeout", str(args.timeout), "--out", str(out), "--no-plot"]
+               str(n_overhead), "--echo-overhead-requests", "0", "--seed", str(args.seed),
+               "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms),
+               "--timeout", str(args.timeout), "--out", str(out), "--no-plot"]
         if args.slo_e2e_ms is not None:
             cmd += ["--slo-e2e-ms", str(args.slo_e2e_ms)]
+        if overhead_only:
+            cmd.append("--overhead-only")
         subprocess.run(cmd, check=True, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)  # its logs stay on stderr
         child = json.loads(out.read_text())
     return {k: child[k] for k in ("overhead", "rates") if k in child}
+
+
+ECHO_GAP_MS = 1.0  # the echo worker's pace between streamed ids
+
+
+def measure_echo_overhead(args: argparse.Namespace, model_path: Path) -> dict[str, Any]:
+    """The overhead phase against a zero-compute worker: the echo worker in its own process (as a
+    real worker is), a router on a thread of this process (as ``duet serve`` runs it), the load
+    generator in a child process. Returns the overhead summary plus the echo settings."""
+    from router.config import RouterConfig
+    from router.server import serve_router
+
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.echo_worker", "--port", "0",
+                             "--gap-ms", str(ECHO_GAP_MS)], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        endpoint = f"127.0.0.1:{_read_echo_port(proc)}"
+        config = RouterConfig(tokenizer_path=str(model_path), port=0)  # the default policy and limits
+        with serve_router(config, [("echo", endpoint)]) as router:
+            _wait_serving(router.address)
+            logger.info("echo phase: %d requests per path against a zero-compute worker at %s",
+                        args.echo_overhead_requests, endpoint)
+            res = _load_from_subprocess(args, router.address, endpoint,
+                                        overhead_requests=args.echo_overhead_requests, overhead_only=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return {**res["overhead"], "echo_gap_ms": ECHO_GAP_MS, "policy": config.policy}
+
+
+def _read_echo_port(proc: subprocess.Popen[str], timeout: float = 60.0) -> int:
+    import select
+
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if line.startswith("ECHO_WORKER_PORT="):
+                return int(line.split("=", 1)[1])
+            if not line and proc.poll() is not None:
+                break
+    raise RuntimeError(f"the echo worker did not start (exit code {proc.poll()}); see its log above")
+
+
+def _wait_serving(address: str, timeout: float = 30.0) -> None:
+    """Block until the router reports SERVING (it has polled the worker once)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    raise RuntimeError(f"the router at {address} did not become SERVING within {timeout:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,12 @@ SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--host": ("router.host", str, "router bind address; 0.0.0.0 for all interfaces [DUET_HOST]"),
     "--port": ("router.port", int, "router port, 0 = any free port [DUET_PORT]"),
     "--policy": ("router.policy", str, "round_robin | least_loaded | prefix_aware [DUET_POLICY]"),
+    "--tls-cert": ("router.tls_cert_file", str, "PEM certificate: serve TLS only (with --tls-key) [DUET_TLS_CERT_FILE]"),
+    "--tls-key": ("router.tls_key_file", str, "PEM private key of --tls-cert [DUET_TLS_KEY_FILE]"),
+    "--tls-client-ca": ("router.tls_client_ca_file", str, "PEM CA: require client certificates it signed (mTLS) "
+                        "[DUET_TLS_CLIENT_CA_FILE]"),
+    "--auth-tokens-file": ("router.auth_tokens_file", str, "require 'authorization: Bearer <token>' with a token "
+                           "from this file (see router/security.py) [DUET_AUTH_TOKENS_FILE]"),
     "--controller-port": ("controller.port", int, "port of the controller's membership service that routers "
                           "follow, 0 = any free port [DUET_CONTROLLER_PORT]"),
     "--ray-address": ("ray.address", str, "join this Ray cluster ('auto', host:6379) instead of starting an "
@@ -95,6 +101,27 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--timeout", type=float, default=120.0, help="request deadline in seconds (default 120)")
+    _add_client_security(p)
+
+
+def _add_client_security(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("router security (a router started with TLS or --auth-tokens-file)")
+    g.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
+    g.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA (implies --tls)")
+    g.add_argument("--tls-cert", metavar="PEM", help="client certificate, for a router that requires one (mTLS)")
+    g.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    g.add_argument("--tls-server-name", metavar="NAME", help="name to check the router's certificate against")
+    g.add_argument("--token", default=os.environ.get("DUET_TOKEN"),
+                   help="bearer token sent as 'authorization: Bearer <token>' (default $DUET_TOKEN)")
+
+
+def _client_security(args: argparse.Namespace):
+    """(ClientTLS | None, token | None) from the flags of _add_client_security."""
+    from router.client import ClientTLS
+
+    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name):
+        return None, args.token
+    return ClientTLS(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name), args.token
 
 
 def _add_status(sub: argparse._SubParsersAction) -> None:
@@ -110,6 +137,7 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--namespace", default="duet", help="Ray namespace of the workers (ray.namespace; default duet)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default 5)")
+    _add_client_security(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,7 +200,8 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         prompt = args.prompt
     last = None
-    for chunk in stream(prompt, target=args.target, timeout=args.timeout, **kwargs):
+    tls, token = _client_security(args)
+    for chunk in stream(prompt, target=args.target, timeout=args.timeout, tls=tls, token=token, **kwargs):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         last = chunk
@@ -188,7 +217,9 @@ def _status(args: argparse.Namespace) -> int:
 
     from cluster.status import format_status, router_status, worker_status
 
-    status: dict[str, object] = {"router": router_status(args.target, args.timeout), "namespace": args.namespace}
+    tls, token = _client_security(args)
+    status: dict[str, object] = {"router": router_status(args.target, args.timeout, tls=tls, token=token),
+                                 "namespace": args.namespace}
     try:
         import ray
 

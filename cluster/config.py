@@ -96,7 +96,10 @@ class PoolSection:
 class RouterSection:
     """The public gRPC server. policy: round_robin | least_loaded | prefix_aware, with its keyword
     options in policy_options. max_in_flight: requests streamed at once; max_queue: admitted
-    requests waiting for a slot (beyond both: RESOURCE_EXHAUSTED)."""
+    requests waiting for a slot (beyond both: RESOURCE_EXHAUSTED). Security (router/security.py):
+    tls_cert_file + tls_key_file (PEM) serve TLS only; tls_client_ca_file as well requires client
+    certificates (mTLS); auth_tokens_file requires 'authorization: Bearer <token>' on every call but
+    health checks; max_request_bytes bounds one request message (int or '4MiB')."""
 
     host: str = "127.0.0.1"
     port: int = 50051
@@ -105,6 +108,11 @@ class RouterSection:
     max_in_flight: int = 128
     max_queue: int = 512
     shutdown_grace_s: float = 5.0
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    auth_tokens_file: str | None = None
+    max_request_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy_options", types.MappingProxyType(dict(self.policy_options)))
@@ -171,7 +179,9 @@ class DuetConfig:
             tokenizer_path=tokenizer_path, model_name=Path(self.model.name).name,
             max_model_len=max_model_len if max_model_len is not None else self.model.max_model_len,
             host=r.host, port=r.port, policy=r.policy, policy_options=dict(r.policy_options),
-            max_in_flight=r.max_in_flight, max_queue=r.max_queue, shutdown_grace_s=r.shutdown_grace_s, **extra)
+            max_in_flight=r.max_in_flight, max_queue=r.max_queue, shutdown_grace_s=r.shutdown_grace_s,
+            tls_cert_file=r.tls_cert_file, tls_key_file=r.tls_key_file, tls_client_ca_file=r.tls_client_ca_file,
+            auth_tokens_file=r.auth_tokens_file, max_request_bytes=r.max_request_bytes, **extra)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what ``duet serve --dry-run`` prints as YAML)."""
@@ -198,6 +208,10 @@ ENV_KEYS: dict[str, str] = {
     "DUET_HOST": "router.host",
     "DUET_PORT": "router.port",
     "DUET_POLICY": "router.policy",
+    "DUET_TLS_CERT_FILE": "router.tls_cert_file",
+    "DUET_TLS_KEY_FILE": "router.tls_key_file",
+    "DUET_TLS_CLIENT_CA_FILE": "router.tls_client_ca_file",
+    "DUET_AUTH_TOKENS_FILE": "router.auth_tokens_file",
     "DUET_CONTROLLER_PORT": "controller.port",
     "RAY_ADDRESS": "ray.address",
     "DUET_RAY_NUM_CPUS": "ray.num_cpus",
@@ -276,6 +290,15 @@ def _check_router(r: RouterSection, p: str, s: Sources) -> None:
     need(r.max_in_flight >= 1, f"{p}.max_in_flight", r.max_in_flight, s, "must be >= 1")
     need(r.max_queue >= 0, f"{p}.max_queue", r.max_queue, s, "must be >= 0 (0 = reject when all slots are busy)")
     need(r.shutdown_grace_s >= 0, f"{p}.shutdown_grace_s", r.shutdown_grace_s, s, "must be >= 0 seconds")
+    for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file"):
+        path = getattr(r, name)
+        need(path is None or Path(path).expanduser().is_file(), f"{p}.{name}", path, s,
+             "must be a readable file (PEM for TLS; see router/security.py for the tokens file)")
+    need((r.tls_cert_file is None) == (r.tls_key_file is None), f"{p}.tls_key_file", r.tls_key_file, s,
+         "TLS needs both router.tls_cert_file and router.tls_key_file; set both or neither")
+    need(r.tls_client_ca_file is None or r.tls_cert_file is not None, f"{p}.tls_client_ca_file",
+         r.tls_client_ca_file, s, "client certificates (mTLS) need TLS: set router.tls_cert_file and tls_key_file")
+    need(r.max_request_bytes >= 1024, f"{p}.max_request_bytes", r.max_request_bytes, s, "must be at least 1024")
 
 
 def _check_ray(r: RaySection, p: str, s: Sources) -> None:

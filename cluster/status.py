@@ -31,24 +31,28 @@ from typing import Any
 _WORKER_NAME = re.compile(r"^(?P<pool>[a-z][a-z0-9_]*)-(?P<index>\d+)$")
 
 
-def router_status(target: str, timeout: float = 5.0) -> dict[str, Any]:
-    """Health and models of the router at ``target`` (an ``error`` key if unreachable)."""
+def router_status(target: str, timeout: float = 5.0, *, tls: Any = None, token: str | None = None) -> dict[str, Any]:
+    """Health and models of the router at ``target`` (an ``error`` key if unreachable). tls: a
+    router.client.ClientTLS; token: a bearer token with the admin scope (RouterAdmin needs it)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from protos.duet.control.v1 import control_pb2, control_pb2_grpc
     from protos.duet.v1 import duet_pb2, duet_pb2_grpc
     from router.admin import stats_from_proto
+    from router.client import auth_metadata, open_channel
 
     out: dict[str, Any] = {"target": target}
-    with grpc.insecure_channel(target) as channel:
+    md = auth_metadata(token)
+    with open_channel(target, tls=tls, aio=False) as channel:
         try:
             r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             out["health"] = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
-            models = duet_pb2_grpc.DuetStub(channel).ListModels(duet_pb2.ListModelsRequest(), timeout=timeout)
+            models = duet_pb2_grpc.DuetStub(channel).ListModels(duet_pb2.ListModelsRequest(), timeout=timeout,
+                                                                metadata=md)
             out["models"] = [{"name": m.name, "max_model_len": m.max_model_len} for m in models.models]
             stats = control_pb2_grpc.RouterAdminStub(channel).GetRouterStats(control_pb2.GetRouterStatsRequest(),
-                                                                              timeout=timeout)
+                                                                              timeout=timeout, metadata=md)
             out["stats"] = stats_from_proto(stats)
         except grpc.RpcError as e:
             out["error"] = f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]

@@ -18,12 +18,20 @@ The prompt is exactly one of ``prompt`` (text, no chat template), ``token_ids`` 
 ``max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos``; unset ones take
 the server's defaults. ``timeout`` (seconds) is the request's gRPC deadline. A failed request
 raises DuetError with the gRPC status code and the server's message (which names the bad field).
+
+A router with TLS, mTLS or bearer tokens (router/security.py)::
+
+    tls = ClientTLS(ca_file="ca.pem")                                   # TLS: trust this CA
+    tls = ClientTLS(ca_file="ca.pem", cert_file="me.pem", key_file="me.key")   # mTLS
+    async with DuetClient("duet.example.com:443", tls=tls, token="s3cr3t") as client: ...
+    generate_text("Hi", target="duet.example.com:443", tls=tls, token="s3cr3t")
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -132,17 +140,60 @@ def collect(chunks: Iterable[Chunk]) -> Completion:
                       last.finish_reason if last else None, last.usage if last else None)
 
 
-class DuetClient:
-    """Async client; one HTTP/2 channel, opened on first use (inside the running event loop)."""
+@dataclass(frozen=True)
+class ClientTLS:
+    """TLS settings for a channel to the router. ca_file: PEM CA bundle to trust (None = the
+    system's roots); cert_file + key_file: this client's certificate, for a router that requires
+    client certificates (mTLS); server_name: the name to check the router's certificate against
+    when it differs from the target's host (e.g. connecting by IP)."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, options: Sequence[tuple[str, Any]] = ()) -> None:
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("ClientTLS: a client certificate needs both cert_file and key_file")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(path: str | None) -> bytes | None:
+            return None if path is None else Path(path).expanduser().read_bytes()
+        return grpc.ssl_channel_credentials(read(self.ca_file), read(self.key_file), read(self.cert_file))
+
+    def options(self) -> list[tuple[str, Any]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata carrying a bearer token (None when there is no token)."""
+    return None if token is None else (("authorization", f"Bearer {token}"),)
+
+
+def open_channel(target: str, *, tls: ClientTLS | None = None, options: Sequence[tuple[str, Any]] = (),
+                 aio: bool = True) -> Any:
+    """A grpc(.aio) channel to ``target``: plaintext, or TLS with ``tls``."""
+    mod = grpc.aio if aio else grpc
+    if tls is None:
+        return mod.insecure_channel(target, options=list(options))
+    return mod.secure_channel(target, tls.credentials(), options=list(options) + tls.options())
+
+
+class DuetClient:
+    """Async client; one HTTP/2 channel, opened on first use (inside the running event loop).
+    tls: connect with TLS (see ClientTLS); token: sent as 'authorization: Bearer <token>'."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, options: Sequence[tuple[str, Any]] = (),
+                 tls: ClientTLS | None = None, token: str | None = None) -> None:
         self.target = target
         self._options = list(options)
+        self._tls = tls
+        self._metadata = auth_metadata(token)
         self._channel: grpc.aio.Channel | None = None
 
     def _stub(self) -> duet_pb2_grpc.DuetStub:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
+            self._channel = open_channel(self.target, tls=self._tls, options=self._options)
         return duet_pb2_grpc.DuetStub(self._channel)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
@@ -150,7 +201,7 @@ class DuetClient:
         """Stream chunks (see the module docstring for the arguments). Closing the iterator cancels
         the request on the server; to stop early, wrap it in ``contextlib.aclosing(...)`` and
         ``break`` (a bare ``break`` cancels only once the generator is garbage-collected)."""
-        call = self._stub().Generate(build_request(prompt, **kwargs), timeout=timeout)
+        call = self._stub().Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._metadata)
         try:
             async for response in call:
                 yield Chunk.from_proto(response)
@@ -164,7 +215,7 @@ class DuetClient:
 
     async def list_models(self, timeout: float | None = 10.0) -> list[ModelInfo]:
         try:
-            r = await self._stub().ListModels(duet_pb2.ListModelsRequest(), timeout=timeout)
+            r = await self._stub().ListModels(duet_pb2.ListModelsRequest(), timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
             raise DuetError.from_rpc(e) from None
         return [ModelInfo(m.name, m.is_default, m.max_model_len) for m in r.models]
@@ -193,12 +244,12 @@ class DuetClient:
 
 
 def stream(prompt: str | None = None, *, target: str = DEFAULT_TARGET, timeout: float | None = None,
-           **kwargs: Any) -> Iterator[Chunk]:
+           tls: ClientTLS | None = None, token: str | None = None, **kwargs: Any) -> Iterator[Chunk]:
     """Sync streaming (works inside a running event loop too: it uses the blocking gRPC API).
     Closing the iterator early cancels the request."""
     request = build_request(prompt, **kwargs)
-    with grpc.insecure_channel(target) as channel:
-        call = duet_pb2_grpc.DuetStub(channel).Generate(request, timeout=timeout)
+    with open_channel(target, tls=tls, aio=False) as channel:
+        call = duet_pb2_grpc.DuetStub(channel).Generate(request, timeout=timeout, metadata=auth_metadata(token))
         try:
             for response in call:
                 yield Chunk.from_proto(response)
@@ -209,12 +260,12 @@ def stream(prompt: str | None = None, *, target: str = DEFAULT_TARGET, timeout: 
 
 
 def complete(prompt: str | None = None, *, target: str = DEFAULT_TARGET, timeout: float | None = None,
-             **kwargs: Any) -> Completion:
+             tls: ClientTLS | None = None, token: str | None = None, **kwargs: Any) -> Completion:
     """Sync: the whole completion (text, token ids, finish reason, usage)."""
-    return collect(stream(prompt, target=target, timeout=timeout, **kwargs))
+    return collect(stream(prompt, target=target, timeout=timeout, tls=tls, token=token, **kwargs))
 
 
 def generate_text(prompt: str | None = None, *, target: str = DEFAULT_TARGET, timeout: float | None = None,
-                  **kwargs: Any) -> str:
+                  tls: ClientTLS | None = None, token: str | None = None, **kwargs: Any) -> str:
     """Sync: just the completion text."""
-    return complete(prompt, target=target, timeout=timeout, **kwargs).text
+    return complete(prompt, target=target, timeout=timeout, tls=tls, token=token, **kwargs).text

@@ -83,6 +83,14 @@ class RouterConfig:
     membership_address: str | None = None
     # How long start waits for the controller's first member list before serving without it.
     membership_wait_s: float = 10.0
+    # Security (router/security.py): TLS cert + key (PEM) turn TLS on; a client CA as well requires
+    # client certificates (mTLS); a tokens file requires 'authorization: Bearer <token>'.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    auth_tokens_file: str | None = None
+    # Largest request message accepted (bytes); larger ones end with RESOURCE_EXHAUSTED unread.
+    max_request_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy_options", MappingProxyType(dict(self.policy_options)))
@@ -125,6 +133,17 @@ class RouterConfig:
             _fail("membership_wait_s", self.membership_wait_s, "must be a number of seconds >= 0")
         _int_at_least("worker_failure_threshold", self.worker_failure_threshold, 1)
         _int_at_least("max_route_attempts", self.max_route_attempts, 1)
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            _fail("tls_cert_file" if self.tls_cert_file is None else "tls_key_file", None,
+                  "TLS needs both tls_cert_file and tls_key_file (PEM); set both or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            _fail("tls_client_ca_file", self.tls_client_ca_file,
+                  "client certificates (mTLS) need TLS: set tls_cert_file and tls_key_file too")
+        _int_at_least("max_request_bytes", self.max_request_bytes, 1024)
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
 
     @property
     def address(self) -> str:

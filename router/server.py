@@ -54,6 +54,7 @@ from router.membership import MembershipWatcher
 from router.pipeline import Pipeline
 from router.policies import make_policy
 from router.preprocess import RequestError, ServedModel
+from router.security import BearerTokenInterceptor, SecurityConfigError, TokenStore, server_credentials
 from router.workers import WorkerDirectory
 
 logger = logging.getLogger(__name__)
@@ -63,12 +64,51 @@ ADMIN_SERVICE = control_pb2.DESCRIPTOR.services_by_name["RouterAdmin"].full_name
 Members = Iterable[tuple[str, str]]  # (worker_id, endpoint)
 
 
+class MalformedRequest:
+    """Stands in for a request message whose bytes did not parse (corrupt wire format, invalid
+    UTF-8 in a string field): the handler answers INVALID_ARGUMENT instead of gRPC's own
+    deserialization failure (an error log with a traceback, and UNKNOWN for the client)."""
+
+    def __init__(self, message_type: str, error: Exception) -> None:
+        self.message_type = message_type
+        self.error = error
+
+    @property
+    def details(self) -> str:
+        return f"request: not a valid {self.message_type} message ({self.error})"
+
+
+def _tolerant(message_class: Any) -> Any:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except Exception as e:  # noqa: BLE001 - DecodeError, or a RuntimeError from the C parser
+            return MalformedRequest(message_class.DESCRIPTOR.full_name, e)
+    return deserialize
+
+
+def add_duet_service(servicer: DuetServicer, server: grpc.aio.Server) -> None:
+    """duet_pb2_grpc.add_DuetServicer_to_server, with request parsing that cannot raise."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_tolerant(duet_pb2.GenerateRequest),
+            response_serializer=duet_pb2.GenerateResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, request_deserializer=_tolerant(duet_pb2.ListModelsRequest),
+            response_serializer=duet_pb2.ListModelsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(DUET_SERVICE, handlers),))
+    server.add_registered_method_handlers(DUET_SERVICE, handlers)
+
+
 class DuetServicer(duet_pb2_grpc.DuetServicer):
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
 
-    async def Generate(self, request: duet_pb2.GenerateRequest,
+    async def Generate(self, request: duet_pb2.GenerateRequest | MalformedRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[duet_pb2.GenerateResponse]:
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
@@ -81,8 +121,10 @@ class DuetServicer(duet_pb2_grpc.DuetServicer):
             logger.exception("request %s: internal router error", request.request_id or "(unnamed)")
             await context.abort(grpc.StatusCode.INTERNAL, "internal router error (see the router's log)")
 
-    async def ListModels(self, request: duet_pb2.ListModelsRequest,
+    async def ListModels(self, request: duet_pb2.ListModelsRequest | MalformedRequest,
                          context: grpc.aio.ServicerContext) -> duet_pb2.ListModelsResponse:
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
         model = self.pipeline.model
         return duet_pb2.ListModelsResponse(models=[
             duet_pb2.ModelInfo(name=model.name, is_default=True, max_model_len=model.max_model_len)])
@@ -100,7 +142,13 @@ class RouterServer:
             stream_failure_cooldown_s=config.stream_failure_cooldown_s, on_health_change=self._on_health_change)
         self.pipeline = Pipeline(config, model, self.directory, make_policy(config.policy, **config.policy_options),
                                  AdmissionController(config.max_in_flight, config.max_queue))
-        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a busy port is an error, not shared
+        self.auth = BearerTokenInterceptor(TokenStore.load(config.auth_tokens_file)) if config.auth_tokens_file else None
+        self._credentials = (server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
+                             if config.tls_cert_file and config.tls_key_file else None)
+        self._server = grpc.aio.server(
+            interceptors=[self.auth] if self.auth else None,
+            options=[("grpc.so_reuseport", 0),  # a busy port is an error, not shared
+                     ("grpc.max_receive_message_length", config.max_request_bytes)])
         self.port = 0
         self._stopped = False
         self._health_tasks: set[asyncio.Task[None]] = set()
@@ -108,7 +156,7 @@ class RouterServer:
         self.membership_version = 0
 
     async def _start(self, members: Members) -> None:
-        duet_pb2_grpc.add_DuetServicer_to_server(DuetServicer(self.pipeline), self._server)
+        add_duet_service(DuetServicer(self.pipeline), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         control_pb2_grpc.add_RouterAdminServicer_to_server(RouterAdminServicer(self.stats), self._server)
         reflection.enable_server_reflection([DUET_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME],
@@ -116,7 +164,10 @@ class RouterServer:
         await self._set_health(False)
         await self.health.set(ADMIN_SERVICE, health_pb2.HealthCheckResponse.SERVING)  # liveness: the process is up
         try:
-            self.port = self._server.add_insecure_port(self.config.address)
+            if self._credentials is not None:
+                self.port = self._server.add_secure_port(self.config.address, self._credentials)
+            else:
+                self.port = self._server.add_insecure_port(self.config.address)
         except RuntimeError as e:
             raise RouterConfigError(f"port: cannot listen on {self.config.address} ({e}); is another "
                                     "router running there? pick another port (0 = any free port)") from None
@@ -130,9 +181,10 @@ class RouterServer:
                 logger.warning("router: no member list from the controller at %s within %.0f s; serving "
                                "what it has (%d workers) and still trying", self.config.membership_address,
                                self.config.membership_wait_s, len(self.directory.snapshot()))
-        logger.info("router serving %s on %s (policy %s, %d workers, %d healthy)", self.config.model_name,
-                    self.address, self.config.policy, len(self.directory.snapshot()),
-                    sum(w.healthy for w in self.directory.snapshot()))
+        security = ("mTLS" if self.config.tls_client_ca_file else "TLS") if self.config.tls else "plaintext"
+        logger.info("router serving %s on %s (%s%s; policy %s, %d workers, %d healthy)", self.config.model_name,
+                    self.address, security, ", bearer tokens" if self.auth else "", self.config.policy,
+                    len(self.directory.snapshot()), sum(w.healthy for w in self.directory.snapshot()))
 
     @property
     def address(self) -> str:
@@ -155,7 +207,10 @@ class RouterServer:
                         ", ".join(sorted(after - before)) or "-", ", ".join(sorted(before - after)) or "-")
 
     def stats(self) -> dict[str, Any]:
-        return {**self.pipeline.stats(), "membership_version": self.membership_version}
+        stats = {**self.pipeline.stats(), "membership_version": self.membership_version}
+        if self.auth is not None:  # shown among the request outcome counters (duet status)
+            stats["requests"] = {**stats["requests"], **{f"auth_{k}": v for k, v in self.auth.rejected.items()}}
+        return stats
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING at once, let in-flight streams finish for ``grace`` seconds
@@ -193,7 +248,10 @@ async def start_router(config: RouterConfig, members: Members = (), *, tokenizer
     """Start the router on the running loop: load the tokenizer (unless given; a thread, so the
     loop keeps running), listen on ``config.address``, poll ``members`` once, return."""
     model = await asyncio.to_thread(ServedModel.load, config, tokenizer)
-    server = RouterServer(config, model)
+    try:
+        server = RouterServer(config, model)
+    except SecurityConfigError as e:
+        raise RouterConfigError(str(e)) from None
     try:
         await server._start(members)
     except BaseException:

@@ -22,7 +22,8 @@ def test_bench_router_vs_direct_writes_json_and_png(smollm2_path, tok, pool, tmp
     out = tmp_path / "bench.json"
     with serve_router(config, members(pool[:1]), tokenizer=tok) as router:
         code = main(["--target", router.address, "--worker-endpoint", pool[0].endpoint, "--model", str(smollm2_path),
-                     "--rates", "40,inf", "--num-requests", "6", "--overhead-requests", "3", "--min-output", "3",
+                     "--rates", "40,inf", "--num-requests", "6", "--overhead-requests", "3", "--echo-overhead-requests", "4",
+                     "--min-output", "3",
                      "--max-output", "8", "--out", str(out)])
     assert code == 0
     res = json.loads(out.read_text())
@@ -39,6 +40,14 @@ def test_bench_router_vs_direct_writes_json_and_png(smollm2_path, tok, pool, tmp
     assert isinstance(o["ttft_overhead_p50_ms"], float) and isinstance(o["ttft_target_met"], bool)
     # 5 requests went through the router in the overhead phase (2 warm-up + 3) and 12 in the rate phase
     assert len(pool[0].worker.submitted) == 2 * (5 + 12)
+    # the echo phase ran against its own zero-compute worker and router, not the fake pool
+    e = res["overhead_echo"]
+    assert e["pairs"] == 4 and e["echo_gap_ms"] > 0 and e["policy"] == "prefix_aware"
+    router, direct = e["raw"]["router"], e["raw"]["direct"]
+    assert len(router) == len(direct) == 4 and all(r["error"] is None for r in router + direct)
+    # each pair is the same request: the same number of tokens through the router as straight from the worker
+    assert [sum(r["chunk_tokens"]) for r in router] == [sum(d["chunk_tokens"]) for d in direct]
+    assert 0 < e["direct_ttft_p50_ms"] and 0 < e["router_ttft_p50_ms"]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
