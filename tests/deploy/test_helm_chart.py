@@ -161,8 +161,15 @@ def test_configmap_loads_with_duets_loader_and_matches_the_objects(variant, tmp_
     assert int(membership.split(":")[1]) == config.controller.port == service["spec"]["ports"][0]["port"]
     ports = {p["name"]: p["containerPort"] for p in router["ports"]}
     assert ports["grpc"] == config.router.port
-    assert router["readinessProbe"]["grpc"] == {"port": config.router.port}
-    assert router["livenessProbe"]["grpc"]["service"] == "duet.control.v1.RouterAdmin"
+    if values["router"]["tls"]["secretName"]:  # kubelet's gRPC probes cannot do TLS: the healthcheck command
+        command = router["readinessProbe"]["exec"]["command"]
+        assert command[:3] == ["python", "-m", "router.healthcheck"]
+        assert command[command.index("--target") + 1] == f"127.0.0.1:{config.router.port}"
+        live = router["livenessProbe"]["exec"]["command"]
+        assert live[live.index("--service") + 1] == "duet.control.v1.RouterAdmin"
+    else:
+        assert router["readinessProbe"]["grpc"] == {"port": config.router.port}
+        assert router["livenessProbe"]["grpc"]["service"] == "duet.control.v1.RouterAdmin"
     router_service = _one(by_kind, "Service", f"{FULLNAME}-router")
     assert {p["targetPort"] for p in router_service["spec"]["ports"]} <= set(ports)
 
@@ -178,6 +185,20 @@ def test_variant_specifics(variant, tmp_path):
         assert config.pools[0].replicas == 4 and config.pools[0].engine.kv_cache_memory_bytes == 2 << 30
         assert config.router.policy == "least_loaded" and config.model.max_model_len == 4096
         assert (groups["serve"]["minReplicas"], groups["serve"]["maxReplicas"]) == (2, 8)
+        # TLS + tokens reach the router as DUET_* env (not the shared ConfigMap); the loader takes them
+        router = _one(by_kind, "Deployment")["spec"]["template"]["spec"]
+        env = {e["name"]: e["value"] for e in router["containers"][0]["env"] if e["name"].startswith(("DUET_TLS", "DUET_AUTH"))}
+        assert env == {"DUET_TLS_CERT_FILE": "/etc/duet/tls/tls.crt", "DUET_TLS_KEY_FILE": "/etc/duet/tls/tls.key",
+                       "DUET_AUTH_TOKENS_FILE": "/etc/duet/auth/tokens"}
+        mounts = {m["mountPath"]: m["name"] for m in router["containers"][0]["volumeMounts"]}
+        volumes = {v["name"]: v for v in router["volumes"]}
+        for path in env.values():  # each file lives in a mounted Secret
+            assert volumes[mounts[str(Path(path).parent)]]["secret"]["secretName"] in ("duet-router-tls", "duet-router-tokens")
+        for path in env.values():  # stand-ins for the mounted files: the loader checks they exist
+            (tmp_path / Path(path).name).write_text("x")
+        cm = tmp_path / "duet.yaml"
+        router_config = load_config(cm, env={k: str(tmp_path / Path(v).name) for k, v in env.items()})
+        assert router_config.router.tls_cert_file.endswith("tls.crt") and router_config.router.auth_tokens_file
         monitor = _one(by_kind, "ServiceMonitor")
         assert monitor["metadata"]["labels"]["release"] == "prometheus"
         assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
@@ -234,6 +255,9 @@ def test_not_yet_used_values_are_reported_in_notes(helm):
     (["pools[0].name=a", "pools[0].role=colocated", "pools[1].name=a", "pools[1].role=decode"],
      'pools[1].name="a": pool names must be unique'),
     (["serviceMonitor.enabled=true", "router.metrics.enabled=false"], "serviceMonitor.enabled=true needs"),
+    (["router.tls.secretName=tls"], "router.tls.serverName: required with router.tls.secretName"),
+    (["router.tls.requireClientCerts=true"], "router.tls.requireClientCerts=true needs router.tls.secretName"),
+    (["router.maxRequestBytes=lots"], "at '/router/maxRequestBytes'"),
 ])
 def test_bad_values_are_rejected_with_a_clear_message(helm, sets, message):
     args = ["template", RELEASE, str(CHART)]

@@ -41,6 +41,12 @@ colocated
 {{- if ne (len $wired) (int (include "duet.maxWiredPools" .)) }}
 {{- fail (printf "pools: this Duet version serves exactly %s pool(s) of role %s; found %d (add one with role: colocated, or remove extras)" (include "duet.maxWiredPools" .) (include "duet.wiredRoles" .) (len $wired)) }}
 {{- end }}
+{{- if and .Values.router.tls.secretName (not .Values.router.tls.serverName) }}
+{{- fail "router.tls.serverName: required with router.tls.secretName (a name in the certificate; the probes check it)" }}
+{{- end }}
+{{- if and .Values.router.tls.requireClientCerts (not .Values.router.tls.secretName) }}
+{{- fail "router.tls.requireClientCerts=true needs router.tls.secretName (mTLS is TLS with client certificates)" }}
+{{- end }}
 {{- if and .Values.serviceMonitor.enabled (not .Values.router.metrics.enabled) }}
 {{- fail "serviceMonitor.enabled=true needs router.metrics.enabled=true (there is nothing to scrape otherwise)" }}
 {{- end }}
@@ -65,6 +71,52 @@ colocated
 {{- end }}
 {{- end }}
 
+{{/* The router's security settings: environment of the router container only (cluster/config.py
+reads DUET_TLS_* and DUET_AUTH_TOKENS_FILE), so the shared ConfigMap names no file that exists only
+in router pods. */}}
+{{- define "duet.routerSecurityEnv" -}}
+{{- if .Values.router.tls.secretName }}
+- {name: DUET_TLS_CERT_FILE, value: /etc/duet/tls/tls.crt}
+- {name: DUET_TLS_KEY_FILE, value: /etc/duet/tls/tls.key}
+{{- if .Values.router.tls.requireClientCerts }}
+- {name: DUET_TLS_CLIENT_CA_FILE, value: /etc/duet/tls/ca.crt}
+{{- end }}
+{{- end }}
+{{- if .Values.router.auth.tokensSecret }}
+- {name: DUET_AUTH_TOKENS_FILE, value: /etc/duet/auth/tokens}
+{{- end }}
+{{- end }}
+
+{{/* A router probe on health service $service: kubelet's gRPC probe, or over TLS the healthcheck command. */}}
+{{- define "duet.routerProbe" -}}
+{{- $v := .root.Values }}
+{{- if $v.router.tls.secretName }}
+exec:
+  command:
+    - python
+    - -m
+    - router.healthcheck
+    - --target
+    - {{ printf "127.0.0.1:%d" (int $v.router.port) }}
+    - --service
+    - {{ .service | quote }}
+    - --tls-ca
+    - /etc/duet/tls/ca.crt
+    - --tls-server-name
+    - {{ $v.router.tls.serverName }}
+    {{- if $v.router.tls.requireClientCerts }}
+    - --tls-cert
+    - /etc/duet/tls/tls.crt
+    - --tls-key
+    - /etc/duet/tls/tls.key
+    {{- end }}
+{{- else if .service }}
+grpc: {port: {{ $v.router.port }}, service: {{ .service }}}
+{{- else }}
+grpc: {port: {{ $v.router.port }}}
+{{- end }}
+{{- end }}
+
 {{/* The Duet config file (YAML) held by the ConfigMap. */}}
 {{- define "duet.config" -}}
 {{- $v := .Values }}
@@ -82,7 +134,8 @@ colocated
   "pools" $pools
   "router" (dict "host" "0.0.0.0" "port" (int $v.router.port) "policy" $v.router.policy
       "policy_options" $v.router.policyOptions "max_in_flight" (int $v.router.maxInFlight)
-      "max_queue" (int $v.router.maxQueue) "shutdown_grace_s" (float64 $v.router.shutdownGraceSeconds))
+      "max_queue" (int $v.router.maxQueue) "shutdown_grace_s" (float64 $v.router.shutdownGraceSeconds)
+      "max_request_bytes" (toString $v.router.maxRequestBytes))
   "ray" (dict "address" "auto" "namespace" $v.rayNamespace)
   "controller" (dict "poll_interval_s" (float64 $v.head.controller.pollIntervalSeconds)
       "start_timeout_s" (float64 $v.head.controller.startTimeoutSeconds) "host" "0.0.0.0"
