@@ -21,7 +21,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import CHART, NAMESPACE, RELEASE, render, run_helm
+from helm_tools import CHART, NAMESPACE, RELEASE, render, run_helm
 
 from cluster.config import load_config
 
