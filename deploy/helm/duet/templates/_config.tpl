@@ -36,8 +36,16 @@ colocated
 {{- if or (lt (int $p.replicas) (int $p.minReplicas)) (gt (int $p.replicas) (int $p.maxReplicas)) }}
 {{- fail (printf "pools[%d] (%s): replicas=%v must be between minReplicas=%v and maxReplicas=%v" $i $p.name $p.replicas $p.minReplicas $p.maxReplicas) }}
 {{- end }}
+{{- if gt (int $p.engine.maxNumSeqs) (int $p.engine.maxNumBatchedTokens) }}
+{{- fail (printf "pools[%d] (%s): engine.maxNumSeqs=%v must be <= engine.maxNumBatchedTokens=%v" $i $p.name $p.engine.maxNumSeqs $p.engine.maxNumBatchedTokens) }}
+{{- end }}
 {{- end }}
 {{- $wired := include "duet.wiredPools" . | fromJsonArray }}
+{{- range $wired }}
+{{- if lt (int .replicas) 1 }}
+{{- fail (printf "pools (%s): replicas=%v: a %s pool serves with at least 1 worker (Duet's pool.replicas >= 1)" .name .replicas .role) }}
+{{- end }}
+{{- end }}
 {{- if ne (len $wired) (int (include "duet.maxWiredPools" .)) }}
 {{- fail (printf "pools: this Duet version serves exactly %s pool(s) of role %s; found %d (add one with role: colocated, or remove extras)" (include "duet.maxWiredPools" .) (include "duet.wiredRoles" .) (len $wired)) }}
 {{- end }}
