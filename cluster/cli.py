@@ -3,6 +3,8 @@
   duet serve               start a deployment in the foreground: Ray (embedded local by default),
                            a pool of worker actors, and the gRPC router (default 127.0.0.1:50051);
                            Ctrl-C / SIGTERM shuts everything down
+  duet router              a router alone, following a controller's member list (`duet serve --no-router`
+                           elsewhere; the Helm chart's router Deployment runs this)
   duet generate "prompt"   stream one completion from a running router to the terminal
   duet status              the router's health and model, and every worker's health and load
   duet bench               serving benchmark: Poisson load over gRPC, TTFT/TPOT/ITL/E2E percentiles,
@@ -59,6 +61,28 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     for flag, (key, tp, help_text) in SERVE_FLAGS.items():
         p.add_argument(flag, dest=key, type=tp, default=None, help=help_text)
     p.add_argument("--dry-run", action="store_true", help="print the merged, validated config as YAML and exit")
+    p.add_argument("--no-router", action="store_true", help="run Ray, the pools and the controller (its Membership "
+                   "service on controller.port) but no router: routers run elsewhere with `duet router "
+                   "--membership HOST:PORT` (the Helm chart's Ray head does this)")
+
+
+ROUTER_FLAGS = {flag: SERVE_FLAGS[flag] for flag in ("--model", "--host", "--port", "--policy")}
+
+
+def _add_router(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="run a router alone, following a controller's member list",
+                       description="Serve the public gRPC API (duet.v1.Duet, health, reflection) for workers that "
+                       "a controller elsewhere (`duet serve --no-router`) manages: the member list comes from its "
+                       "duet.control.v1.Membership service. Reads the same config as `duet serve` (router and model "
+                       "sections); the model is resolved here for its tokenizer. Runs until Ctrl-C or SIGTERM.")
+    p.add_argument("--config", metavar="FILE", help="YAML config (default: $DUET_CONFIG if set)")
+    p.add_argument("--membership", metavar="HOST:PORT", default=os.environ.get("DUET_MEMBERSHIP"),
+                   help="the controller's Membership service (default $DUET_MEMBERSHIP, else "
+                   "controller.host:controller.port of the config)")
+    for flag, (key, tp, help_text) in ROUTER_FLAGS.items():
+        p.add_argument(flag, dest=key, type=tp, default=None, help=help_text)
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port at /metrics "
+                   "(default 0 = off)")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -121,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    _add_router(sub)
     _add_generate(sub)
     _add_status(sub)
     # `duet bench` owns its flags (benchmarks/serving_bench.py); everything after "bench" goes there.
@@ -143,7 +168,25 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     from cluster.serve import run_foreground
 
-    return run_foreground(config)
+    return run_foreground(config, with_router=not args.no_router)
+
+
+def _router(args: argparse.Namespace) -> int:
+    from cluster.config import load_config
+    from cluster.router_main import run_router_foreground
+
+    keys = {key: flag for flag, (key, _, _) in ROUTER_FLAGS.items()}
+    config = load_config(args.config, overrides={k: getattr(args, k) for k in keys}, flag_names=keys)
+    if not 0 <= args.metrics_port <= 65535:
+        raise config_error(f"--metrics-port={args.metrics_port}: must be in 0..65535 (0 = no metrics server)")
+    membership = args.membership or f"{config.controller.host}:{config.controller.port}"
+    return run_router_foreground(config, membership, args.metrics_port)
+
+
+def config_error(message: str) -> Exception:
+    from cluster.config import ClusterConfigError
+
+    return ClusterConfigError(message)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -214,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handlers = {"serve": _serve, "generate": _generate, "status": _status, "prepare-model": _prepare}
+    handlers = {"serve": _serve, "router": _router, "generate": _generate, "status": _status, "prepare-model": _prepare}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:

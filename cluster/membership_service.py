@@ -6,6 +6,10 @@ change. A watch is one long-lived server stream parked on a condition variable, 
 the server's pool per watcher (``max_watchers``; routers are few). Stopping the service ends every
 stream (the routers then keep their last list and reconnect, see router/membership.py).
 
+The same server answers grpc.health.v1 (service "" and "duet.control.v1.Membership"): SERVING
+from the moment it listens -- which ``duet serve`` reaches only once its workers are up, so a
+Kubernetes startup probe on this port waits out model loading -- and NOT_SERVING once stopping.
+
 Example::
 
     service = serve_membership(controller, "127.0.0.1", 50052)
@@ -21,11 +25,14 @@ from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.controller import Controller, Members
 from protos.duet.control.v1 import control_pb2, control_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+MEMBERSHIP_SERVICE = control_pb2.DESCRIPTOR.services_by_name["Membership"].full_name  # "duet.control.v1.Membership"
 
 
 class MembershipError(RuntimeError):
@@ -88,15 +95,18 @@ class MembershipServicer(control_pb2_grpc.MembershipServicer):
 class MembershipService:
     """A started Membership server (``serve_membership``)."""
 
-    def __init__(self, server: grpc.Server, servicer: MembershipServicer, host: str, port: int) -> None:
+    def __init__(self, server: grpc.Server, servicer: MembershipServicer, health_servicer: health.HealthServicer,
+                 host: str, port: int) -> None:
         self._server = server
         self.servicer = servicer
+        self.health = health_servicer
         self.port = port
         connect_host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
         self.address = f"[{connect_host}]:{port}" if ":" in connect_host and not connect_host.startswith("[") \
             else f"{connect_host}:{port}"
 
     def stop(self, grace: float = 1.0) -> None:
+        self.health.enter_graceful_shutdown()
         self.servicer.close()
         self._server.stop(grace).wait(grace + 5)
 
@@ -107,6 +117,8 @@ def serve_membership(controller: Controller, host: str, port: int, *, max_watche
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_watchers, thread_name_prefix="duet-membership"),
                          options=[("grpc.so_reuseport", 0)])
     control_pb2_grpc.add_MembershipServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bind = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(bind)
@@ -115,6 +127,8 @@ def serve_membership(controller: Controller, host: str, port: int, *, max_watche
                               "running? pick another --controller-port (0 = any free port)") from None
     server.start()
     controller.subscribe(servicer.publish)
-    service = MembershipService(server, servicer, host, bound)
+    for name in ("", MEMBERSHIP_SERVICE):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    service = MembershipService(server, servicer, health_servicer, host, bound)
     logger.info("membership service on %s", service.address)
     return service

@@ -10,7 +10,9 @@ The order, in ``start_deployment`` (each step undone, in reverse, if a later one
        cluster/membership_service.py)
     6. the router, on a background thread, with the workers as its first members; it follows the
        membership service over gRPC from then on (joins, leaves, restarts; no router restart), the
-       same way a router in its own process or pod does (``python -m router.server --membership``)
+       same way a router in its own process or pod does (``duet router --membership``). With
+       ``with_router=False`` (``duet serve --no-router``, what the Helm chart's Ray head runs) this
+       step is skipped: routers run elsewhere (their own Kubernetes Deployment) and follow step 5.
 
 ``Deployment.stop()`` undoes it: router (NOT_SERVING, streams get ``router.shutdown_grace_s`` to
 finish) -> membership service -> controller (no restarts any more) -> workers (drain, abort,
@@ -70,7 +72,8 @@ class Deployment:
 
     @property
     def address(self) -> str:
-        return self.router.address
+        """The router's host:port; without a router, the membership service's."""
+        return self.router.address if self.router is not None else self.membership.address
 
     def stop(self) -> None:
         """Router, controller, workers, placement group, Ray (if embedded). Idempotent; each step
@@ -98,25 +101,27 @@ class Deployment:
 
 
 def start_deployment(config: DuetConfig, *, router_overrides: dict[str, Any] | None = None,
-                     log_to_driver: bool = True) -> Deployment:
-    """Bring the deployment up (see the module docstring); returns once the router listens.
+                     log_to_driver: bool = True, with_router: bool = True) -> Deployment:
+    """Bring the deployment up (see the module docstring); returns once the router listens (or,
+    with ``with_router=False``, once the membership service does).
 
     router_overrides: extra RouterConfig fields (tests shorten its poll intervals)."""
     from workers.models.assets import resolve_model
 
     model_path = resolve_model(config.model.name)
-    _check_port_free(config.router.host, config.router.port, "router.port", "--port")  # before minutes of startup
+    if with_router:  # before minutes of startup
+        _check_port_free(config.router.host, config.router.port, "router.port", "--port")
     _check_port_free(config.controller.host, config.controller.port, "controller.port", "--controller-port")
     deployment = Deployment(config, connect(config.ray, log_to_driver=log_to_driver), model_path=model_path)
     try:
-        _start(deployment, router_overrides or {})
+        _start(deployment, router_overrides or {}, with_router)
     except BaseException:
         deployment.stop()
         raise
     return deployment
 
 
-def _start(d: Deployment, router_overrides: dict[str, Any]) -> None:
+def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -> None:
     from router.server import serve_router
 
     config = d.config
@@ -137,6 +142,11 @@ def _start(d: Deployment, router_overrides: dict[str, Any]) -> None:
         logger.warning("duet: %d of %d workers up; continuing without the rest (%s)", len(up), replicas, problems)
     d.max_model_len = effective_max_model_len(d.model_path, config.model.max_model_len, d.controller.members()[0][1])
     d.membership = serve_membership(d.controller, config.controller.host, config.controller.port)
+    if not with_router:
+        logger.info("duet: controller serving %d workers of %s (context %d tokens), no router here; routers "
+                    "follow the member list at %s (`duet router --membership HOST:%d`)", len(d.controller.members()),
+                    config.model.name, d.max_model_len, d.membership.address, d.membership.port)
+        return
     router_config = config.to_router_config(str(d.model_path), d.max_model_len,
                                             membership_address=d.membership.address, **router_overrides)
     d.router = serve_router(router_config, d.controller.members())
@@ -172,7 +182,7 @@ def effective_max_model_len(model_path: Path, configured: int | None, worker_end
     return min(configured or model_limit, model_limit, report.kv_blocks_total * report.kv_block_size)
 
 
-def run_foreground(config: DuetConfig) -> int:
+def run_foreground(config: DuetConfig, *, with_router: bool = True) -> int:
     """``duet serve``: start, log where it listens, serve until SIGINT/SIGTERM, stop cleanly.
 
     Both signals raise KeyboardInterrupt in the main thread, also while starting (a SIGTERM during
@@ -190,9 +200,12 @@ def run_foreground(config: DuetConfig) -> int:
     deployment: Deployment | None = None
     try:
         try:
-            deployment = start_deployment(config)
-            logger.info("duet: ready. Try: duet generate --target %s \"Hello\"   (Ctrl-C stops)",
-                        deployment.address)
+            deployment = start_deployment(config, with_router=with_router)
+            if with_router:
+                logger.info("duet: ready. Try: duet generate --target %s \"Hello\"   (Ctrl-C stops)",
+                            deployment.address)
+            else:
+                logger.info("duet: ready (no router). Membership at %s   (Ctrl-C stops)", deployment.address)
             threading.Event().wait()  # until a signal raises KeyboardInterrupt here
         except KeyboardInterrupt:
             pass  # logged by the handler; the finally below shuts down

@@ -12,7 +12,9 @@ Two ways to run it:
     handle.set_members([...]); handle.stop()
 
 Health: the overall service ("") and "duet.v1.Duet" are SERVING while at least one worker is
-healthy, NOT_SERVING otherwise (and from the moment shutdown begins).
+healthy, NOT_SERVING otherwise (and from the moment shutdown begins): a readiness check.
+"duet.control.v1.RouterAdmin" is SERVING from start until shutdown whatever the workers do: a
+liveness check (a router without workers is alive, just not ready; restarting it would not help).
 
 Membership: either set directly (``members=`` and ``set_members``), or, with
 ``config.membership_address``, followed from the controller's duet.control.v1.Membership stream
@@ -160,6 +162,7 @@ class RouterServer:
         reflection.enable_server_reflection([DUET_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME],
                                             self._server)
         await self._set_health(False)
+        await self.health.set(ADMIN_SERVICE, health_pb2.HealthCheckResponse.SERVING)  # liveness: the process is up
         try:
             if self._credentials is not None:
                 self.port = self._server.add_secure_port(self.config.address, self._credentials)

@@ -35,7 +35,7 @@ def _run(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedPro
                           timeout=timeout)
 
 
-@pytest.mark.parametrize("args", [[], ["serve"], ["generate"], ["status"], ["bench"], ["prepare-model"]])
+@pytest.mark.parametrize("args", [[], ["serve"], ["router"], ["generate"], ["status"], ["bench"], ["prepare-model"]])
 def test_help_runs_and_is_fast(args):
     t0 = time.monotonic()
     r = _run(*args, "--help")
@@ -43,11 +43,14 @@ def test_help_runs_and_is_fast(args):
     assert "usage: duet" in r.stdout
     assert time.monotonic() - t0 < 10
     if not args:
-        for command in ("serve", "generate", "status", "bench", "prepare-model"):
+        for command in ("serve", "router", "generate", "status", "bench", "prepare-model"):
             assert command in r.stdout
         assert "sample prompts" not in r.stdout  # the pre-serving description is gone
     if args == ["serve"]:
         assert "--config" in r.stdout and "--ray-address" in r.stdout and "RAY_ADDRESS" in r.stdout
+        assert "--no-router" in r.stdout
+    if args == ["router"]:
+        assert "--membership" in r.stdout and "--metrics-port" in r.stdout and "DUET_MEMBERSHIP" in r.stdout
 
 
 def test_serve_dry_run_merges_and_validates(tmp_path):
@@ -60,6 +63,13 @@ def test_serve_dry_run_merges_and_validates(tmp_path):
     r = _run("serve", "--port", "99999", "--dry-run")
     assert r.returncode == 2
     assert "router.port=99999 (from flag --port)" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_router_bad_flags_are_one_line_errors():
+    r = _run("router", "--metrics-port", "70000")
+    assert r.returncode == 2 and "--metrics-port=70000: must be in 0..65535" in r.stderr and "Traceback" not in r.stderr
+    r = _run("router", "--port", "99999")
+    assert r.returncode == 2 and "router.port=99999 (from flag --port)" in r.stderr
 
 
 def test_busy_port_and_missing_router_fail_fast_with_one_line(smollm2_path):

@@ -561,7 +561,8 @@ def test_reflection_lists_services(router):
 def test_max_model_len_read_from_checkpoint(smollm2_path, tok):
     with serve_router(_config(smollm2_path, max_model_len=None), [], tokenizer=tok) as r:
         assert r.server.pipeline.model.max_model_len == 8192
-        assert _health(r.address) == "NOT_SERVING"  # no workers yet
+        assert _health(r.address) == "NOT_SERVING"  # no workers yet: not ready ...
+        assert _health(r.address, "duet.control.v1.RouterAdmin") == "SERVING"  # ... but alive (liveness probe)
 
 
 @pytest.mark.parametrize(("overrides", "field"), [

@@ -1,0 +1,83 @@
+"""The chart README's values reference against values.yaml and values.schema.json: every value has
+a row, no row is stale (key and default are what values.yaml says), and the values the code does
+not use yet say so. Regenerate the table with ``python tests/deploy/test_chart_readme.py`` and
+paste it between the README's ``<!-- values-table -->`` markers."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "duet"
+BEGIN, END = "<!-- values-table:begin -->", "<!-- values-table:end -->"
+NOT_YET_USED = ["pools[].role", "poolDefaults.epSize", "poolDefaults.slo", "poolDefaults.gpusPerReplica"]
+
+
+def _default(value: Any) -> str:
+    return "`" + json.dumps(value, separators=(", ", ": ")) + "`"
+
+
+def _rows(schema: dict, values: Any, prefix: str) -> list[tuple[str, str, str]]:
+    """(key, default, description) for each leaf: a schema node without properties, or whose
+    value in values.yaml is not a non-empty mapping (free-form maps and lists are one row)."""
+    rows = []
+    for name, node in schema["properties"].items():
+        key = f"{prefix}{name}"
+        value = values.get(name) if isinstance(values, dict) else None
+        if name == "pools" and not prefix:
+            rows.append((key, _default(value), node["description"]))
+            for sub in ("name", "role"):
+                rows.append((f"pools[].{sub}", "", node["items"]["properties"][sub]["description"]))
+            rows.append(("pools[].<key>", "", "any poolDefaults key, for this pool only"))
+        elif "properties" in node and isinstance(value, dict) and value:
+            rows += _rows(node, value, key + ".")
+        else:
+            rows.append((key, _default(value) if name in (values or {}) else "", node["description"]))
+    return rows
+
+
+def values_table() -> str:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    lines = ["| key | default | description |", "|---|---|---|"]
+    lines += [f"| `{key}` | {default} | {desc.replace('|', chr(92) + '|')} |" for key, default, desc in _rows(schema, values, "")]
+    return "\n".join(lines)
+
+
+def _readme_table() -> str:
+    text = (CHART / "README.md").read_text()
+    assert BEGIN in text and END in text, f"README.md needs the {BEGIN} ... {END} markers"
+    return text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip()
+
+
+def test_every_value_documented_and_no_stale_rows():
+    expected = {line.split(" | ")[0]: line for line in values_table().splitlines()[2:]}
+    actual = {line.split(" | ")[0]: line for line in _readme_table().splitlines()[2:]}
+    missing, stale = sorted(expected.keys() - actual.keys()), sorted(actual.keys() - expected.keys())
+    assert not missing and not stale, f"README values table: missing rows {missing}, stale rows {stale}; regenerate it"
+    for key, line in expected.items():
+        assert actual[key] == line, f"README row {key} is out of date:\n  README: {actual[key]}\n  now:    {line}"
+
+
+def test_values_the_code_does_not_use_yet_say_so():
+    rows = {line.split(" | ")[0].strip("| `"): line for line in _readme_table().splitlines()[2:]}
+    for key in NOT_YET_USED:
+        assert "not yet used" in rows[key], f"{key}: the README must say it is not yet used"
+    notes = (CHART / "templates" / "_config.tpl").read_text()
+    for word in ("role", "epSize", "slo", "gpusPerReplica"):  # ... and NOTES reports each of them when set
+        assert f"pools[{{{{ .name }}}}].{word}" in notes
+
+
+def test_every_schema_leaf_has_a_row_with_a_description():
+    for key, _default_value, description in _rows(json.loads((CHART / "values.schema.json").read_text()),
+                                                  yaml.safe_load((CHART / "values.yaml").read_text()), ""):
+        assert description.strip(), f"{key}: no description in values.schema.json"
+        assert re.fullmatch(r"[\w.\[\]<>-]+", key), key
+
+
+if __name__ == "__main__":
+    print(values_table())
