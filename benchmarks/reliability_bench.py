@@ -21,6 +21,9 @@ overload  ``--burst-factor`` x the router's admission capacity (max_in_flight + 
           at once: how many complete, how many are shed with RESOURCE_EXHAUSTED, how fast
           (p50/p99 time to the rejection), and the peak RSS of the router's process and of every
           worker process meanwhile (sampled every 20 ms).
+fuzz      ``--fuzz-cases`` hypothesis-generated requests and as many malformed payloads
+          (benchmarks/fuzz_requests.py) against the real stack: the statuses seen, any answer
+          outside the well-formed set (must be none), and whether the router still serves after.
 soak      Poisson arrivals at ``--soak-rate`` req/s for ``--soak-seconds``: RSS of the router and
           workers each second (first vs last minute's mean, and a least-squares slope in MB/min),
           every KV block free once idle, and after shutdown no actor, placement group or worker
@@ -312,6 +315,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with start(args.workers, max_in_flight=8, max_queue=16) as d:
                 res["overload"] = asyncio.run(overload(d, burst=args.burst_factor * 24))
                 res["overload"]["capacity"] = 24
+        if "fuzz" in args.phases:
+            from benchmarks.fuzz_requests import fuzz
+
+            with start(args.workers) as d:
+                t0 = time.monotonic()
+                res["fuzz"] = fuzz(d.address, cases=args.fuzz_cases, timeout=10.0)
+                res["fuzz"]["seconds"] = round(time.monotonic() - t0, 1)
         if "soak" in args.phases:
             d = start(args.workers)
             pids = worker_pids(d)
@@ -331,12 +341,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.reliability_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--phases", default="chaos,overload,soak", help="comma-separated subset of chaos,overload,soak")
+    p.add_argument("--phases", default="chaos,overload,fuzz,soak",
+                   help="comma-separated subset of chaos,overload,fuzz,soak")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--chaos-seconds", type=float, default=90.0)
     p.add_argument("--kill-every", type=float, default=10.0)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--burst-factor", type=int, default=10, help="burst = this x admission capacity (default 10)")
+    p.add_argument("--fuzz-cases", type=int, default=150, help="generated requests (and as many malformed payloads)")
     p.add_argument("--soak-seconds", type=float, default=120.0)
     p.add_argument("--soak-rate", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
@@ -344,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
-    if bad := set(args.phases) - {"chaos", "overload", "soak"}:
+    if bad := set(args.phases) - {"chaos", "overload", "fuzz", "soak"}:
         p.error(f"--phases: unknown {sorted(bad)}")
     if args.quick:
         args.chaos_seconds, args.soak_seconds = 30.0, 30.0
@@ -352,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1, default=str))
-    print(json.dumps({k: v for k, v in res.items() if k in ("chaos", "overload", "soak")}, indent=1, default=str))
+    print(json.dumps({k: v for k, v in res.items() if k in ("chaos", "overload", "fuzz", "soak")}, indent=1, default=str))
     print(f"wrote {args.out}")
     return 0
 
