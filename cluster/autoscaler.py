@@ -18,7 +18,8 @@ The algorithm, per pool (prefill, decode and colocated pools independently; draf
  1. Forecast the arrival rate ``h = horizon_s`` ahead with Holt's linear smoothing over the
     window (level alpha, trend beta; sigma = RMS of its one-step errors, the noise it sees). A rise
     counts only beyond the noise and a fall is never extrapolated (scale-down follows what
-    happened): forecast = level + max(0, trend * h/bucket_s - 2 sigma); upper = max(forecast, the
+    happened): forecast = level + rise, rise = max(0, trend * h/bucket_s - 2 sigma) capped at the
+    window's own range scaled to h (a step change is not extrapolated as a ramp); upper = max(forecast, the
     busiest bucket of the window) -- Kubernetes' scale-down stabilisation window, in load space.
     Use a window of 20+ buckets (e.g. 5 minutes of 10 s): fewer make sigma and the peak noisy.
  2. Predicted replicas: the pool's bottleneck work per second over one replica's capacity for it,
@@ -37,9 +38,10 @@ The algorithm, per pool (prefill, decode and colocated pools independently; draf
     current)): +-1 on small pools, proportionally more on large ones.
  4. Desired: up_target + offset above current -> scale up at once (subject to ``up_cooldown_s``);
     down_target + offset below current -> scale down, at most ``max_down_step_frac`` of the pool
-    per decision, only if no SLO is breached and ``down_cooldown_s`` has passed since the last
-    change in either direction; cancelling pending replicas only (the target still covers every
-    ready + starting replica) needs no cooldown. Clamp to [min_replicas, max_replicas].
+    per decision, only if no SLO is breached, ``down_cooldown_s`` has passed since the last
+    scale-up and ``down_interval_s`` since the last scale-down; cancelling pending replicas only
+    (the target still covers every ready + starting replica) needs no cooldown. Clamp to
+    [min_replicas, max_replicas]. (Level is also capped at the window's peak: Holt overshoots steps.)
  5. Drafter pools: ``ceil(ratio x`` their decode pool's desired``)``, clamped.
 
 Worked example (decode pool, capacity 1.6 req/s at 64 output tokens = 102.4 tok/s per replica,
@@ -99,9 +101,10 @@ class AutoscalerConfig:
     queue_breach_per_replica: float = 8.0
     min_latency_samples: int = 20
     reactive_step_frac: float = 0.05
-    max_down_step_frac: float = 0.1
+    max_down_step_frac: float = 0.2
     up_cooldown_s: float = 30.0
     down_cooldown_s: float = 300.0
+    down_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -116,7 +119,7 @@ def _validate(c: AutoscalerConfig) -> None:
             raise AutoscalerConfigError(f"autoscaler.{key}={value!r}: {fix}")
 
     need(len(c.pools) >= 1, "pools", c.pools, "list at least one pool to scale")
-    for key in ("horizon_s", "up_cooldown_s", "down_cooldown_s", "headroom", "down_band", "queue_breach_per_replica"):
+    for key in ("horizon_s", "up_cooldown_s", "down_cooldown_s", "down_interval_s", "headroom", "down_band", "queue_breach_per_replica"):
         need(getattr(c, key) >= 0, key, getattr(c, key), "must be >= 0")
     for key in ("holt_alpha", "holt_beta", "reactive_step_frac", "max_down_step_frac"):
         need(0 < getattr(c, key) <= 1, key, getattr(c, key), "must be in (0, 1]")
@@ -265,7 +268,11 @@ def _latency_ratio(c: AutoscalerConfig, p: PoolScaling, m: PoolMetrics) -> float
 def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics, st: PoolStatus,
                  mem: PoolMemory) -> tuple[Decision, PoolMemory]:
     level, trend, sigma = holt_forecast(m.arrivals_rps, c.holt_alpha, c.holt_beta)
-    rise = max(0.0, trend * (c.horizon_s / m.bucket_s if m.bucket_s > 0 else 0.0) - 2 * sigma)
+    steps = c.horizon_s / m.bucket_s if m.bucket_s > 0 else 0.0
+    rates = m.arrivals_rps
+    span = (max(rates) - min(rates)) * steps / len(rates) if rates else 0.0  # growth seen at this pace
+    rise = min(max(0.0, trend * steps - 2 * sigma), span)
+    level = min(level, max(rates, default=0.0))  # Holt overshoots a step; never past what was seen
     forecast = max(0.0, level + rise)  # scale up on this
     upper = max(forecast, max(m.arrivals_rps, default=0.0))  # scale down only when even this fits
     up_target = math.ceil(_work_replicas(p, m, forecast) * (1 + c.headroom) - 1e-9)
@@ -309,8 +316,8 @@ def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics
             notes.append(f"cancel {current - desired} pending")
         elif breach:
             notes.append("hold: SLO breached")
-        elif now - max(mem.last_up, mem.last_down) < c.down_cooldown_s:
-            notes.append(f"down cooldown ({c.down_cooldown_s - (now - max(mem.last_up, mem.last_down)):.0f} s left)")
+        elif (wait := max(mem.last_up + c.down_cooldown_s, mem.last_down + c.down_interval_s) - now) > 0:
+            notes.append(f"down cooldown ({wait:.0f} s left)")
         else:
             desired = max(want_down, current - max(1, math.ceil(c.max_down_step_frac * current)))
             mem = replace(mem, last_down=now)

@@ -142,8 +142,8 @@ def test_slack_scales_down_only_after_cooldown():
     d = sim.tick(300.0, low)
     assert d["decode"].desired == 4 and "scale down 5 -> 4" in d["decode"].reason
     assert d["draft"].desired == 2  # drafters follow decode (ratio 0.5)
-    assert sim.tick(400.0, low)["decode"].desired == 4  # next step down waits a cooldown again
-    assert sim.tick(600.0, low)["decode"].desired == 3
+    assert sim.tick(330.0, low)["decode"].desired == 4  # next step down waits down_interval_s (60 s)
+    assert sim.tick(360.0, low)["decode"].desired == 3
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
