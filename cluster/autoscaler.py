@@ -16,11 +16,13 @@ Terms (per pool):
 
 The algorithm, per pool (prefill, decode and colocated pools independently; drafters follow):
  1. Forecast the arrival rate ``h = horizon_s`` ahead with Holt's linear smoothing over the
-    window (level alpha, trend beta; sigma = RMS of its one-step errors, the noise it sees). A rise
+    window (level alpha, trend beta -- or, for a pool with ``smoothing_s``, a level time constant
+    of that many seconds; sigma = RMS of its one-step errors, the noise it sees). A rise
     counts only beyond the noise and a fall is never extrapolated (scale-down follows what
     happened): forecast = level + rise, rise = max(0, trend * h/bucket_s - 2 sigma) capped at the
     window's own range scaled to h (a step change is not extrapolated as a ramp); upper = max(forecast, the
-    busiest bucket of the window) -- Kubernetes' scale-down stabilisation window, in load space.
+    busiest point of the window: the busiest bucket, or the peak smoothed level for a pool with
+    ``smoothing_s``) -- Kubernetes' scale-down stabilisation window, in load space.
     Use a window of 20+ buckets (e.g. 5 minutes of 10 s): fewer make sigma and the peak noisy.
  2. Predicted replicas: the pool's bottleneck work per second over one replica's capacity for it,
     with headroom: prefill pools count prompt tokens, decode pools output tokens, colocated pools
@@ -74,7 +76,12 @@ class AutoscalerConfigError(ValueError):
 @dataclass(frozen=True)
 class PoolScaling:
     """How one pool scales. role: prefill (TTFT) | decode (TPOT) | colocated (both) | drafter
-    (follows ``follows``, a decode pool, at ``ratio`` drafters per decode replica)."""
+    (follows ``follows``, a decode pool, at ``ratio`` drafters per decode replica).
+
+    smoothing_s: the time constant of the arrival-rate level, ~ the time a request spends in the
+    pool (decode: output tokens x TPOT). A pool whose requests stay minutes needs capacity for
+    its concurrency -- the arrival rate averaged over that residence -- not for a 10-second spike;
+    0 = react per bucket with ``holt_alpha`` (prefill pools, whose requests stay sub-second)."""
 
     pool: str
     role: str
@@ -84,6 +91,7 @@ class PoolScaling:
     max_replicas: int = 16
     follows: str | None = None
     ratio: float = 1.0
+    smoothing_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,7 @@ def _validate(c: AutoscalerConfig) -> None:
     for i, p in enumerate(c.pools):
         k = f"pools[{i}]"
         need(p.role in ROLES, f"{k}.role", p.role, f"must be one of {', '.join(ROLES)}")
+        need(p.smoothing_s >= 0, f"{k}.smoothing_s", p.smoothing_s, "must be >= 0 seconds (0 = per bucket)")
         need(0 <= p.min_replicas <= p.max_replicas, f"{k}.min_replicas", p.min_replicas,
              f"must be between 0 and max_replicas ({p.max_replicas})")
         if p.role == "drafter":
@@ -198,19 +207,22 @@ class Decision:
         return self.desired != self.current
 
 
-def holt_forecast(series: Sequence[float], alpha: float, beta: float) -> tuple[float, float, float]:
-    """Holt's linear smoothing over ``series``: (level, trend per step, sigma) after the last value,
-    sigma = RMS of the one-step-ahead forecast errors (the series' noise as the model sees it).
-    Level starts at the first value, trend at 0."""
+def holt_forecast(series: Sequence[float], alpha: float, beta: float) -> tuple[float, float, float, float]:
+    """Holt's linear smoothing over ``series``: (level, trend per step, sigma, peak level) after the
+    last value. sigma = RMS of the one-step-ahead forecast errors (the noise as the model sees it);
+    peak level = the highest level along the way. The level starts at the first value (alpha >= 0.5)
+    or at the series mean (slower smoothing, which a single first value would bias); trend at 0."""
     if not series:
-        return 0.0, 0.0, 0.0
-    level, trend, sq = float(series[0]), 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
+    level = float(series[0]) if alpha >= 0.5 else sum(series) / len(series)
+    trend, sq, peak = 0.0, 0.0, level
     for x in series[1:]:
         prev = level
         sq += (x - (level + trend)) ** 2
         level = alpha * x + (1 - alpha) * (level + trend)
         trend = beta * (level - prev) + (1 - beta) * trend
-    return level, trend, math.sqrt(sq / max(len(series) - 1, 1))
+        peak = max(peak, level)
+    return level, trend, math.sqrt(sq / max(len(series) - 1, 1)), peak
 
 
 def decide(config: AutoscalerConfig, now: float, metrics: Mapping[str, PoolMetrics],
@@ -241,7 +253,7 @@ def _clamp(n: int, p: PoolScaling) -> int:
     return max(p.min_replicas, min(p.max_replicas, n))
 
 
-def _work_replicas(p: PoolScaling, m: PoolMetrics, rps: float) -> float:
+def work_replicas(p: PoolScaling, m: PoolMetrics, rps: float) -> float:
     """Replicas' worth of the pool's bottleneck work at ``rps`` requests/s (step 2)."""
     cap = p.capacity
     assert cap is not None
@@ -267,16 +279,23 @@ def _latency_ratio(c: AutoscalerConfig, p: PoolScaling, m: PoolMetrics) -> float
 
 def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics, st: PoolStatus,
                  mem: PoolMemory) -> tuple[Decision, PoolMemory]:
-    level, trend, sigma = holt_forecast(m.arrivals_rps, c.holt_alpha, c.holt_beta)
+    alpha, beta = c.holt_alpha, c.holt_beta
+    if p.smoothing_s > 0 and m.bucket_s > 0:  # level time constant = the pool's residence time
+        alpha = 1 - math.exp(-m.bucket_s / p.smoothing_s)
+        beta = c.holt_beta * alpha / c.holt_alpha
+    level, trend, sigma, peak = holt_forecast(m.arrivals_rps, alpha, beta)
+    if p.smoothing_s > 0:
+        sigma *= math.sqrt(alpha / (2 - alpha))  # the noise of the smoothed level, not of one bucket
     steps = c.horizon_s / m.bucket_s if m.bucket_s > 0 else 0.0
     rates = m.arrivals_rps
     span = (max(rates) - min(rates)) * steps / len(rates) if rates else 0.0  # growth seen at this pace
     rise = min(max(0.0, trend * steps - 2 * sigma), span)
     level = min(level, max(rates, default=0.0))  # Holt overshoots a step; never past what was seen
     forecast = max(0.0, level + rise)  # scale up on this
-    upper = max(forecast, max(m.arrivals_rps, default=0.0))  # scale down only when even this fits
-    up_target = math.ceil(_work_replicas(p, m, forecast) * (1 + c.headroom) - 1e-9)
-    down_target = math.ceil(_work_replicas(p, m, upper) * (1 + c.headroom + c.down_band) - 1e-9)
+    busiest = peak if p.smoothing_s > 0 else max(rates, default=0.0)
+    upper = max(forecast, busiest)  # scale down only when even this fits
+    up_target = math.ceil(work_replicas(p, m, forecast) * (1 + c.headroom) - 1e-9)
+    down_target = math.ceil(work_replicas(p, m, upper) * (1 + c.headroom + c.down_band) - 1e-9)
     current = st.desired
     step = max(1, round(c.reactive_step_frac * max(current, 1)))
     ratio = _latency_ratio(c, p, m)
