@@ -61,9 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-decode", type=int, default=1000, help="decode pool max replicas [1000]")
     p.add_argument("--max-prefill", type=int, default=64)
     p.add_argument("--startup-s", type=float, default=120.0)
-    p.add_argument("--route-candidates", type=int, default=4, help="replicas each routing decision sees [4]")
+    p.add_argument("--route-candidates", type=int, default=2,
+                   help="replicas each routing decision sees, sampled (power of two choices, as Ray Serve's router) [2]")
     p.add_argument("--policies", default="duet,queue,oracle")
     p.add_argument("--oracle-interval-s", type=float, default=300.0)
+    p.add_argument("--headroom", type=float, default=0.1, help="SLO autoscaler headroom [0.1]")
+    p.add_argument("--down-band", type=float, default=0.1, help="SLO autoscaler scale-down band [0.1]")
     p.add_argument("--capacity-quantile", type=float, default=99.0,
                    help="profile capacity where this percentile of TTFT/TPOT meets the SLO [99: the 99%% target]")
     p.add_argument("--seed", type=int, default=0)
@@ -93,7 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         PoolScaling("prefill", "prefill", SLOTargets(ttft_p90_s=SLO.ttft_p90_s), cap_p, 1, args.max_prefill),
         PoolScaling("decode", "decode", SLOTargets(tpot_p90_s=SLO.tpot_p90_s), cap_d, 1, args.max_decode,
                     smoothing_s=residence_d)),
-        horizon_s=args.startup_s)
+        horizon_s=args.startup_s, headroom=args.headroom, down_band=args.down_band)
     sizes, oracle_hours = oracle_schedule(trace, config, args.oracle_interval_s)
     res: dict[str, Any] = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -127,7 +130,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "replica_hours": r.replica_hours, "replica_hours_by_pool": {k: v / 3600 for k, v in r.replica_seconds.items()},
             "vs_oracle": r.replica_hours / oracle_hours,
             "peak_replicas": int(max(a + b for a, b in zip(r.timeline["prefill.alive"], r.timeline["decode.alive"]))),
-            "completed": int((~(r.ttft != r.ttft)).sum()), "events": r.events, "wall_s": r.wall_s}
+            "completed": int((~(r.ttft != r.ttft)).sum()), "events": r.events, "wall_s": r.wall_s,
+            "cpu_s": r.cpu_s}
         logging.getLogger(__name__).info("%s: %s", name, res["runs"][name])
     res["wall_s"] = time.perf_counter() - t0
     res["_results"] = results
@@ -144,10 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"trace {res['trace']['name']}: {res['trace']['requests']} requests over {res['trace']['duration_h']:.1f} h;"
           f" oracle {res['oracle']['replica_hours']:.0f} replica-hours, peak {res['oracle']['peak_replicas']} replicas")
     print(f"{'policy':8} {'SLO att.':>9} {'TTFT p90':>9} {'TPOT p90':>9} {'rep-hours':>10} {'vs oracle':>9} "
-          f"{'peak':>5} {'sim s':>6}")
+          f"{'peak':>5} {'cpu s':>6} {'wall s':>6}")
     for name, r in res["runs"].items():
         print(f"{name:8} {r['slo_attainment']:9.2%} {r['ttft_p90_s'] * 1e3:7.0f}ms {r['tpot_p90_s'] * 1e3:7.1f}ms "
-              f"{r['replica_hours']:10.0f} {r['vs_oracle']:8.3f}x {r['peak_replicas']:5d} {r['wall_s']:6.1f}")
+              f"{r['replica_hours']:10.0f} {r['vs_oracle']:8.3f}x {r['peak_replicas']:5d} {r['cpu_s']:6.1f} "
+              f"{r['wall_s']:6.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1, default=float))
     png = plot_timeline(results, args.out.with_suffix(".png"), oracle=sizes, oracle_interval_s=args.oracle_interval_s,

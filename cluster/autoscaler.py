@@ -33,8 +33,9 @@ The algorithm, per pool (prefill, decode and colocated pools independently; draf
  3. Reactive correction: if a p90 exceeds ``breach_ratio`` x its SLO (or the queue holds more than
     ``queue_breach_per_replica`` requests per ready replica), set the offset so that the target is
     current + ``step`` (offset = max(offset, current - up_target) + step) -- unless replicas are
-    starting (their capacity is on the way: wait for it) or the last reactive step is younger than
-    ``up_cooldown_s``. If every p90 is under ``slack_ratio`` x its SLO and the offset is positive,
+    starting (their capacity is on the way: wait for it), or arrived less than ``smoothing_s`` ago
+    (a decode pool's TPOT is observed at completion, so for one residence time it still describes
+    the pool before they came), or the last reactive step is younger than ``up_cooldown_s``. If every p90 is under ``slack_ratio`` x its SLO and the offset is positive,
     take ``step`` off it (same cadence); the offset never goes negative, because low latency at low
     load says nothing about the profile being wrong. step = max(1, round(reactive_step_frac x
     current)): +-1 on small pools, proportionally more on large ones.
@@ -179,6 +180,7 @@ class PoolMemory:
     last_up: float = NEVER  # time of the last scale-up (or down) this autoscaler asked for
     last_down: float = NEVER
     last_reactive: float = NEVER
+    last_starting: float = NEVER  # last decision that saw replicas starting
     offset: int = 0
 
 
@@ -307,6 +309,8 @@ def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics
         what = f"p90/SLO {ratio:.2f}" if ratio is not None and ratio > c.breach_ratio else f"queue {m.queue_depth:.0f}"
         if st.starting > 0:
             notes.append(f"breach ({what}), waiting for {st.starting} starting")
+        elif now - mem.last_starting < p.smoothing_s:
+            notes.append(f"breach ({what}), latency still from before the last replicas arrived")
         elif now - mem.last_reactive >= c.up_cooldown_s:
             # Re-anchor on what is asked now: a breach always means current + step, even when the
             # profile-based target sits below current (the profile over-estimates capacity).
@@ -345,7 +349,7 @@ def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics
         notes.append("hold")
     if st.pending:
         notes.append(f"{st.pending} pending (no room; not counted as capacity)")
-    mem = replace(mem, offset=offset)
+    mem = replace(mem, offset=offset, last_starting=now if st.starting else mem.last_starting)
     reason = f"forecast {forecast:.2f} req/s -> {up_target} replicas, offset {offset:+d}; " + "; ".join(notes)
     return Decision(p.pool, current, desired, reason, forecast, up_target, offset, st.capacity_replicas,
                     st.pending), mem

@@ -135,10 +135,15 @@ class SimReplica:
         self.sum_prompt += prompt
 
     def finish_decodes(self, now: float) -> list[int]:
-        """Every sequence done by ``now`` leaves (returned); waiting ones take the freed slots."""
+        """Every sequence done by ``now`` leaves (returned); waiting ones take the freed slots.
+        Called at the time ``next_decode_done`` gave (the version check makes sure it is still
+        current), so the first sequence is due by construction: it leaves even when float
+        rounding of ``now`` leaves V a hair short (which would otherwise re-schedule forever)."""
         self._advance(now)
         done = []
         eps = 1e-9 * max(1.0, self.v)
+        if self.batch:
+            self.v = max(self.v, self.batch[0][0])
         while self.batch and self.batch[0][0] <= self.v + eps:
             finish, req, prompt, join = heapq.heappop(self.batch)
             self.sum_finish -= finish
