@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--oracle-interval-s", type=float, default=300.0)
     p.add_argument("--headroom", type=float, default=0.1, help="SLO autoscaler headroom [0.1]")
     p.add_argument("--down-band", type=float, default=0.1, help="SLO autoscaler scale-down band [0.1]")
+    p.add_argument("--prefill-headroom", type=float, default=1.0,
+                   help="prefill pool headroom: ~1%% of the replica-hours here, so it holds a burst's worth [1.0]")
     p.add_argument("--capacity-quantile", type=float, default=99.0,
                    help="profile capacity where this percentile of TTFT/TPOT meets the SLO [99: the 99%% target]")
     p.add_argument("--seed", type=int, default=0)
@@ -93,7 +95,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cap_d, inflight_d = sim_capacity(SVC, "decode", SLO, mean_prompt=mp, mean_output=mo, seed=args.seed, quantile=q)
     residence_d = inflight_d / cap_d.requests_per_s  # Little: mean time a request spends decoding
     config = AutoscalerConfig(pools=(
-        PoolScaling("prefill", "prefill", SLOTargets(ttft_p90_s=SLO.ttft_p90_s), cap_p, 1, args.max_prefill),
+        PoolScaling("prefill", "prefill", SLOTargets(ttft_p90_s=SLO.ttft_p90_s), cap_p, 1, args.max_prefill,
+                    headroom=args.prefill_headroom),
         PoolScaling("decode", "decode", SLOTargets(tpot_p90_s=SLO.tpot_p90_s), cap_d, 1, args.max_decode,
                     smoothing_s=residence_d)),
         horizon_s=args.startup_s, headroom=args.headroom, down_band=args.down_band)

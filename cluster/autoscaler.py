@@ -20,7 +20,7 @@ The algorithm, per pool (prefill, decode and colocated pools independently; draf
     of that many seconds; sigma = RMS of its one-step errors, the noise it sees). A rise
     counts only beyond the noise and a fall is never extrapolated (scale-down follows what
     happened): forecast = level + rise, rise = max(0, trend * h/bucket_s - 2 sigma) capped at the
-    window's own range scaled to h (a step change is not extrapolated as a ramp); upper = max(forecast, the
+    window's own range (of the smoothed level, for a pool with ``smoothing_s``) scaled to h (a step change is not extrapolated as a ramp); upper = max(forecast, the
     busiest point of the window: the busiest bucket, or the peak smoothed level for a pool with
     ``smoothing_s``) -- Kubernetes' scale-down stabilisation window, in load space.
     Use a window of 20+ buckets (e.g. 5 minutes of 10 s): fewer make sigma and the peak noisy.
@@ -82,7 +82,10 @@ class PoolScaling:
     smoothing_s: the time constant of the arrival-rate level, ~ the time a request spends in the
     pool (decode: output tokens x TPOT). A pool whose requests stay minutes needs capacity for
     its concurrency -- the arrival rate averaged over that residence -- not for a 10-second spike;
-    0 = react per bucket with ``holt_alpha`` (prefill pools, whose requests stay sub-second)."""
+    0 = react per bucket with ``holt_alpha`` (prefill pools, whose requests stay sub-second).
+    headroom: this pool's headroom (None = the config's): a pool that is a small share of the
+    cost (prefill, next to long decodes) can cheaply hold enough spare to ride out a burst while
+    new replicas start."""
 
     pool: str
     role: str
@@ -93,6 +96,7 @@ class PoolScaling:
     follows: str | None = None
     ratio: float = 1.0
     smoothing_s: float = 0.0
+    headroom: float | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,7 @@ def _validate(c: AutoscalerConfig) -> None:
     for i, p in enumerate(c.pools):
         k = f"pools[{i}]"
         need(p.role in ROLES, f"{k}.role", p.role, f"must be one of {', '.join(ROLES)}")
+        need(p.headroom is None or p.headroom >= 0, f"{k}.headroom", p.headroom, "must be >= 0 or unset")
         need(p.smoothing_s >= 0, f"{k}.smoothing_s", p.smoothing_s, "must be >= 0 seconds (0 = per bucket)")
         need(0 <= p.min_replicas <= p.max_replicas, f"{k}.min_replicas", p.min_replicas,
              f"must be between 0 and max_replicas ({p.max_replicas})")
@@ -209,22 +214,22 @@ class Decision:
         return self.desired != self.current
 
 
-def holt_forecast(series: Sequence[float], alpha: float, beta: float) -> tuple[float, float, float, float]:
-    """Holt's linear smoothing over ``series``: (level, trend per step, sigma, peak level) after the
-    last value. sigma = RMS of the one-step-ahead forecast errors (the noise as the model sees it);
-    peak level = the highest level along the way. The level starts at the first value (alpha >= 0.5)
+def holt_forecast(series: Sequence[float], alpha: float, beta: float) -> tuple[float, float, float, float, float]:
+    """Holt's linear smoothing over ``series``: (level, trend per step, sigma, peak level, lowest
+    level) after the last value. sigma = RMS of the one-step-ahead forecast errors (the noise as
+    the model sees it); peak / lowest level = the extremes of the level along the way. The level starts at the first value (alpha >= 0.5)
     or at the series mean (slower smoothing, which a single first value would bias); trend at 0."""
     if not series:
-        return 0.0, 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0, 0.0
     level = float(series[0]) if alpha >= 0.5 else sum(series) / len(series)
-    trend, sq, peak = 0.0, 0.0, level
+    trend, sq, peak, low = 0.0, 0.0, level, level
     for x in series[1:]:
         prev = level
         sq += (x - (level + trend)) ** 2
         level = alpha * x + (1 - alpha) * (level + trend)
         trend = beta * (level - prev) + (1 - beta) * trend
-        peak = max(peak, level)
-    return level, trend, math.sqrt(sq / max(len(series) - 1, 1)), peak
+        peak, low = max(peak, level), min(low, level)
+    return level, trend, math.sqrt(sq / max(len(series) - 1, 1)), peak, low
 
 
 def decide(config: AutoscalerConfig, now: float, metrics: Mapping[str, PoolMetrics],
@@ -285,19 +290,21 @@ def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics
     if p.smoothing_s > 0 and m.bucket_s > 0:  # level time constant = the pool's residence time
         alpha = 1 - math.exp(-m.bucket_s / p.smoothing_s)
         beta = c.holt_beta * alpha / c.holt_alpha
-    level, trend, sigma, peak = holt_forecast(m.arrivals_rps, alpha, beta)
+    level, trend, sigma, peak, low = holt_forecast(m.arrivals_rps, alpha, beta)
     if p.smoothing_s > 0:
         sigma *= math.sqrt(alpha / (2 - alpha))  # the noise of the smoothed level, not of one bucket
     steps = c.horizon_s / m.bucket_s if m.bucket_s > 0 else 0.0
     rates = m.arrivals_rps
-    span = (max(rates) - min(rates)) * steps / len(rates) if rates else 0.0  # growth seen at this pace
+    lo_hi = (low, peak) if p.smoothing_s > 0 else (min(rates, default=0.0), max(rates, default=0.0))
+    span = (lo_hi[1] - lo_hi[0]) * steps / len(rates) if rates else 0.0  # growth seen, at this pace
     rise = min(max(0.0, trend * steps - 2 * sigma), span)
     level = min(level, max(rates, default=0.0))  # Holt overshoots a step; never past what was seen
     forecast = max(0.0, level + rise)  # scale up on this
     busiest = peak if p.smoothing_s > 0 else max(rates, default=0.0)
     upper = max(forecast, busiest)  # scale down only when even this fits
-    up_target = math.ceil(work_replicas(p, m, forecast) * (1 + c.headroom) - 1e-9)
-    down_target = math.ceil(work_replicas(p, m, upper) * (1 + c.headroom + c.down_band) - 1e-9)
+    headroom = c.headroom if p.headroom is None else p.headroom
+    up_target = math.ceil(work_replicas(p, m, forecast) * (1 + headroom) - 1e-9)
+    down_target = math.ceil(work_replicas(p, m, upper) * (1 + headroom + c.down_band) - 1e-9)
     current = st.desired
     step = max(1, round(c.reactive_step_frac * max(current, 1)))
     ratio = _latency_ratio(c, p, m)

@@ -55,9 +55,9 @@ class Sim:
 
 
 def test_holt_follows_a_ramp():
-    level, trend, sigma, peak = holt_forecast([1, 2, 3, 4, 5, 6, 7, 8], 0.5, 0.3)
+    level, trend, sigma, peak, low = holt_forecast([1, 2, 3, 4, 5, 6, 7, 8], 0.5, 0.3)
     assert 6.5 < level < 8.0 and 0.7 < trend < 1.1  # converging on level 8, trend 1 per step
-    assert holt_forecast([5.0] * 6, 0.5, 0.3) == (5.0, 0.0, 0.0, 5.0)
+    assert holt_forecast([5.0] * 6, 0.5, 0.3) == (5.0, 0.0, 0.0, 5.0, 5.0)
 
 
 def test_predictive_size_from_forecast_and_profile():
@@ -86,7 +86,7 @@ def test_rising_trend_scales_ahead_falling_trend_is_not_extrapolated():
     flat, _ = decide(cfg, 0.0, {"prefill": window(7.0), "decode": window(2.0)}, st, AutoscalerState())
     assert up["prefill"].forecast_rps > 7.0 and up["prefill"].desired > flat["prefill"].desired
     down, _ = decide(cfg, 0.0, {"prefill": window([7, 6, 5, 4, 3, 2]), "decode": window(2.0)}, st, AutoscalerState())
-    level, _, _, _ = holt_forecast([7, 6, 5, 4, 3, 2], cfg.holt_alpha, cfg.holt_beta)
+    level, *_ = holt_forecast([7, 6, 5, 4, 3, 2], cfg.holt_alpha, cfg.holt_beta)
     assert down["prefill"].forecast_rps == pytest.approx(level)
 
 
