@@ -65,8 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replicas each routing decision sees, sampled (power of two choices, as Ray Serve's router) [2]")
     p.add_argument("--policies", default="duet,queue,oracle")
     p.add_argument("--oracle-interval-s", type=float, default=300.0)
-    p.add_argument("--headroom", type=float, default=0.1, help="SLO autoscaler headroom [0.1]")
-    p.add_argument("--down-band", type=float, default=0.1, help="SLO autoscaler scale-down band [0.1]")
+    p.add_argument("--headroom", type=float, default=0.05, help="SLO autoscaler headroom [0.05]")
+    p.add_argument("--down-band", type=float, default=0.05, help="SLO autoscaler scale-down band [0.05]")
+    p.add_argument("--queue-target-scale", type=float, default=1.0,
+                   help="baseline's target_ongoing_requests = this x the in-flight count at capacity [1.0]")
     p.add_argument("--prefill-headroom", type=float, default=1.0,
                    help="prefill pool headroom: ~1%% of the replica-hours here, so it holds a burst's worth [1.0]")
     p.add_argument("--capacity-quantile", type=float, default=99.0,
@@ -117,8 +119,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     policies = {
         "duet": lambda: SLOAutoscaler(config),
         "queue": lambda: QueueLengthAutoscaler((
-            QueueScaling("prefill", inflight_p, 1, args.max_prefill),
-            QueueScaling("decode", inflight_d, 1, args.max_decode))),
+            QueueScaling("prefill", inflight_p * args.queue_target_scale, 1, args.max_prefill),
+            QueueScaling("decode", inflight_d * args.queue_target_scale, 1, args.max_decode))),
         "oracle": lambda: OracleScaling(sizes, args.oracle_interval_s, args.startup_s),
     }
     results = {}
