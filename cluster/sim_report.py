@@ -146,7 +146,7 @@ def plot_timeline(runs: Mapping[str, object], path: Path, *, oracle: Mapping[str
     if oracle is not None:
         total = np.sum(list(oracle.values()), axis=0)
         ax[1].step(np.arange(len(total)) * oracle_interval_s / 3600.0, total, where="post", lw=0.8, color="k",
-                   label="oracle")
+                   label="oracle sizes (hindsight)")
     ax[1].set_ylabel("replicas (all pools)")
     ax[2].set_ylabel("p90 TTFT per 10 s (ms)")
     ax[3].set_ylabel("p90 TPOT per 10 s (ms)")
