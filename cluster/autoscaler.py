@@ -284,8 +284,8 @@ def _latency_ratio(c: AutoscalerConfig, p: PoolScaling, m: PoolMetrics) -> float
     return max(ratios) if ratios else None
 
 
-def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics, st: PoolStatus,
-                 mem: PoolMemory) -> tuple[Decision, PoolMemory]:
+def _forecast(c: AutoscalerConfig, p: PoolScaling, m: PoolMetrics) -> tuple[float, float]:
+    """(forecast, upper) arrival rates of step 1 of the module docstring."""
     alpha, beta = c.holt_alpha, c.holt_beta
     if p.smoothing_s > 0 and m.bucket_s > 0:  # level time constant = the pool's residence time
         alpha = 1 - math.exp(-m.bucket_s / p.smoothing_s)
@@ -301,17 +301,17 @@ def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics
     level = min(level, max(rates, default=0.0))  # Holt overshoots a step; never past what was seen
     forecast = max(0.0, level + rise)  # scale up on this
     busiest = peak if p.smoothing_s > 0 else max(rates, default=0.0)
-    upper = max(forecast, busiest)  # scale down only when even this fits
-    headroom = c.headroom if p.headroom is None else p.headroom
-    up_target = math.ceil(work_replicas(p, m, forecast) * (1 + headroom) - 1e-9)
-    down_target = math.ceil(work_replicas(p, m, upper) * (1 + headroom + c.down_band) - 1e-9)
+    return forecast, max(forecast, busiest)  # scale down only when even the upper rate fits
+
+
+def _reactive(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics, st: PoolStatus, mem: PoolMemory,
+              up_target: int, notes: list[str]) -> tuple[bool, PoolMemory]:
+    """Step 3 of the module docstring: (SLO breached?, memory with the new offset)."""
     current = st.desired
     step = max(1, round(c.reactive_step_frac * max(current, 1)))
     ratio = _latency_ratio(c, p, m)
     queue_breach = st.ready > 0 and m.queue_depth > c.queue_breach_per_replica * st.ready
     breach = (ratio is not None and ratio > c.breach_ratio) or queue_breach
-    notes: list[str] = []
-    offset = mem.offset
     if breach:
         what = f"p90/SLO {ratio:.2f}" if ratio is not None and ratio > c.breach_ratio else f"queue {m.queue_depth:.0f}"
         if st.starting > 0:
@@ -321,15 +321,27 @@ def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics
         elif now - mem.last_reactive >= c.up_cooldown_s:
             # Re-anchor on what is asked now: a breach always means current + step, even when the
             # profile-based target sits below current (the profile over-estimates capacity).
-            offset = max(offset, current - up_target) + step
-            mem = replace(mem, last_reactive=now)
+            mem = replace(mem, offset=max(mem.offset, current - up_target) + step, last_reactive=now)
             notes.append(f"breach ({what}): +{step} over current")
         else:
             notes.append(f"breach ({what}), reactive cooldown")
-    elif ratio is not None and ratio < c.slack_ratio and offset > 0 and now - mem.last_reactive >= c.up_cooldown_s:
-        offset = max(0, offset - step)
-        mem = replace(mem, last_reactive=now)
+    elif (ratio is not None and ratio < c.slack_ratio and mem.offset > 0
+          and now - mem.last_reactive >= c.up_cooldown_s):
+        mem = replace(mem, offset=max(0, mem.offset - step), last_reactive=now)
         notes.append(f"slack (p90/SLO {ratio:.2f}): offset -{step}")
+    return breach, mem
+
+
+def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics, st: PoolStatus,
+                 mem: PoolMemory) -> tuple[Decision, PoolMemory]:
+    forecast, upper = _forecast(c, p, m)
+    headroom = c.headroom if p.headroom is None else p.headroom
+    up_target = math.ceil(work_replicas(p, m, forecast) * (1 + headroom) - 1e-9)
+    down_target = math.ceil(work_replicas(p, m, upper) * (1 + headroom + c.down_band) - 1e-9)
+    current = st.desired
+    notes: list[str] = []
+    breach, mem = _reactive(c, p, now, m, st, mem, up_target, notes)
+    offset = mem.offset
     want_up, want_down = _clamp(up_target + offset, p), _clamp(down_target + offset, p)
     desired = current
     if want_up > current:
@@ -340,8 +352,7 @@ def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics
         else:
             notes.append(f"up cooldown ({c.up_cooldown_s - (now - mem.last_up):.0f} s left)")
     elif want_down < current:
-        have = st.ready + st.starting
-        if want_down >= have:  # only pending replicas go: nothing serving is removed
+        if want_down >= st.ready + st.starting:  # only pending replicas go: nothing serving is removed
             desired = want_down
             notes.append(f"cancel {current - desired} pending")
         elif breach:
@@ -356,7 +367,7 @@ def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics
         notes.append("hold")
     if st.pending:
         notes.append(f"{st.pending} pending (no room; not counted as capacity)")
-    mem = replace(mem, offset=offset, last_starting=now if st.starting else mem.last_starting)
+    mem = replace(mem, last_starting=now if st.starting else mem.last_starting)
     reason = f"forecast {forecast:.2f} req/s -> {up_target} replicas, offset {offset:+d}; " + "; ".join(notes)
     return Decision(p.pool, current, desired, reason, forecast, up_target, offset, st.capacity_replicas,
                     st.pending), mem
