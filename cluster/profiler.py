@@ -7,7 +7,8 @@ p90 TTFT and p90 TPOT both meet the SLOs, and it is recorded as the throughput t
 achieved; the profile also carries the request mix and a fitted service model for the simulator:
 
     prefill   TTFT at the lowest rate (an idle replica: no queueing) ~ a + b * prompt tokens,
-              least squares over its requests
+              least squares over its requests; when that gives a negative term (prompts of too
+              similar lengths to separate them), a = the median TTFT and b = 0
     decode    TPOT per rate ~ c + d * B, B = the mean number of sequences decoding at that rate
               (Little's law: achieved throughput x mean decode time), least squares over rates
 
@@ -81,7 +82,9 @@ def fit_service(steps: list[dict[str, Any]], max_batch: int) -> ServiceModel:
     idle = [rec for rec in steps[0]["raw"] if rec["chunk_times"]]
     x = np.array([rec["prompt_tokens"] for rec in idle], dtype=float)
     y = np.array([rec["chunk_times"][0] - rec["send"] for rec in idle])
-    b, a = np.polyfit(x, y, 1) if len(set(x)) > 1 else (0.0, float(y.mean()))
+    b, a = np.polyfit(x, y, 1) if len(set(x)) > 1 else (0.0, float(np.median(y)))
+    if a < 0 or b < 0:  # prompts too alike (or too noisy a machine) to separate the two terms
+        a, b = float(np.median(y)), 0.0
     batch, tpot = [], []
     for r in steps:
         recs = [rec for rec in r["raw"] if len(rec["chunk_times"]) > 1]

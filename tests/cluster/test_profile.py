@@ -103,3 +103,15 @@ def test_cli_has_profile(capsys):
     with pytest.raises(SystemExit) as e:
         duet_main(["profile", "--help"])
     assert e.value.code == 0 and "--slo-tpot-ms" in capsys.readouterr().out
+
+
+def test_fit_service_falls_back_to_the_median_when_prompts_are_alike():
+    rng = np.random.default_rng(2)
+    step = _step(1, 100, 12, rng)
+    for i, rec in enumerate(step["raw"]):  # two prompt lengths, TTFT noise unrelated to them
+        rec["prompt_tokens"] = 40 + i % 2
+        shift = 0.05 if i % 2 == 0 else 0.0
+        rec["chunk_times"] = [t + shift for t in rec["chunk_times"]]
+    svc = fit_service([step], 8)
+    ttfts = [rec["chunk_times"][0] - rec["send"] for rec in step["raw"]]
+    assert svc.prefill_per_token_s == 0.0 and svc.prefill_base_s == pytest.approx(float(np.median(ttfts)))
