@@ -9,6 +9,8 @@
   duet status              the router's health and model, and every worker's health and load
   duet bench               serving benchmark: Poisson load over gRPC, TTFT/TPOT/ITL/E2E percentiles,
                            goodput and the router's own overhead (see `duet bench --help`)
+  duet profile             measure one replica's capacity at p90 TTFT/TPOT SLOs, save it as a
+                           profile for the autoscaler and simulator (see `duet profile --help`)
   duet prepare-model       convert/locate the model and print its checkpoint path
 
 Configuration for `serve`: a YAML file (--config, or $DUET_CONFIG; see cluster/duet.example.yaml),
@@ -151,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     # `duet bench` owns its flags (benchmarks/serving_bench.py); everything after "bench" goes there.
     sub.add_parser("bench", help="serving benchmark: Poisson load, latency percentiles, goodput, router overhead",
                    add_help=False)
+    # `duet profile` owns its flags too (cluster/profiler.py).
+    sub.add_parser("profile", help="measure one replica's capacity at the SLOs and save it for the autoscaler",
+                   add_help=False)
     prep = sub.add_parser("prepare-model", help="convert/locate the model and print its checkpoint path")
     prep.add_argument("--model", default="SmolLM2-135M-Instruct")
     return parser
@@ -254,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.serving_bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["profile"]:
+        from cluster.profiler import main as profile_main
+
+        return profile_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

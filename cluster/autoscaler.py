@@ -1,0 +1,373 @@
+"""The SLO autoscaler's decision: metrics window + SLOs + capacity profile -> desired replicas.
+
+``decide`` is a pure function: the same inputs give the same decisions, and it does no I/O. The
+control loop (cluster/autoscale_loop.py) feeds it live metrics and applies the result through a
+PoolActuator; the simulator (cluster/simulator.py) feeds it simulated metrics. Both call this code.
+
+Terms (per pool):
+    window      the last few buckets of ``bucket_s`` seconds: arrival rate per bucket, the p90 TTFT
+                and TPOT of requests observed in the window, queue depth, requests in flight
+    capacity    what one replica sustains within the SLOs (a ReplicaCapacity from the profile)
+    current     ``PoolStatus.desired``: what was last asked for (ready + starting + pending +
+                whatever is being drained away). Starting replicas are counted (coming capacity),
+                pending ones are not capacity but are already asked for: asking again would not
+                place them, so they are reported in the reason instead
+    offset      the reactive correction, in replicas, carried in the autoscaler's state
+
+The algorithm, per pool (prefill, decode and colocated pools independently; drafters follow):
+ 1. Forecast the arrival rate ``h = horizon_s`` ahead with Holt's linear smoothing over the
+    window (level alpha, trend beta -- or, for a pool with ``smoothing_s``, a level time constant
+    of that many seconds; sigma = RMS of its one-step errors, the noise it sees). A rise
+    counts only beyond the noise and a fall is never extrapolated (scale-down follows what
+    happened): forecast = level + rise, rise = max(0, trend * h/bucket_s - 2 sigma) capped at the
+    window's own range (of the smoothed level, for a pool with ``smoothing_s``) scaled to h (a step change is not extrapolated as a ramp); upper = max(forecast, the
+    busiest point of the window: the busiest bucket, or the peak smoothed level for a pool with
+    ``smoothing_s``) -- Kubernetes' scale-down stabilisation window, in load space.
+    Use a window of 20+ buckets (e.g. 5 minutes of 10 s): fewer make sigma and the peak noisy.
+ 2. Predicted replicas: the pool's bottleneck work per second over one replica's capacity for it,
+    with headroom: prefill pools count prompt tokens, decode pools output tokens, colocated pools
+    the larger of the two (each against the profile's token rate at the SLO); with unknown token
+    means, requests/s.  up_target = ceil(work(forecast) * (1 + headroom)),  down_target =
+    ceil(work(upper) * (1 + headroom + down_band)): the gap between them -- the band plus the
+    window's peak over its level -- is the hysteresis that keeps a noisy, steady load from flapping.
+ 3. Reactive correction: if a p90 exceeds ``breach_ratio`` x its SLO (or the queue holds more than
+    ``queue_breach_per_replica`` requests per ready replica), set the offset so that the target is
+    current + ``step`` (offset = max(offset, current - up_target) + step) -- unless replicas are
+    starting (their capacity is on the way: wait for it), or arrived less than ``smoothing_s`` ago
+    (a decode pool's TPOT is observed at completion, so for one residence time it still describes
+    the pool before they came), or the last reactive step is younger than ``up_cooldown_s``. If every p90 is under ``slack_ratio`` x its SLO and the offset is positive,
+    take ``step`` off it (same cadence); the offset never goes negative, because low latency at low
+    load says nothing about the profile being wrong. step = max(1, round(reactive_step_frac x
+    current)): +-1 on small pools, proportionally more on large ones.
+ 4. Desired: up_target + offset above current -> scale up at once (subject to ``up_cooldown_s``);
+    down_target + offset below current -> scale down, at most ``max_down_step_frac`` of the pool
+    per decision, only if no SLO is breached, ``down_cooldown_s`` has passed since the last
+    scale-up and ``down_interval_s`` since the last scale-down; cancelling pending replicas only
+    (the target still covers every ready + starting replica) needs no cooldown. Clamp to
+    [min_replicas, max_replicas]. (Level is also capped at the window's peak: Holt overshoots steps.)
+ 5. Drafter pools: ``ceil(ratio x`` their decode pool's desired``)``, clamped.
+
+Worked example (decode pool, capacity 1.6 req/s at 64 output tokens = 102.4 tok/s per replica,
+headroom 0.1, band 0.1, horizon 60 s, buckets of 10 s). Arrival rates [8, 8, 9, 10, 11, 12] req/s
+at 64 output tokens: Holt gives level 11.4, trend 0.72/bucket and sigma 1.08, so the forecast
+6 buckets ahead is 11.4 + 6 x 0.72 - 2 x 1.08 = 13.6 req/s -> work 13.6 x 64 / 102.4 = 8.5
+replicas -> up_target ceil(8.5 x 1.1) = 10. With current = 8 (6 ready, 2 starting) the decision
+is "scale up 8 -> 10". Had the p90 TPOT been 2x the SLO with those 2 replicas still starting,
+the reactive step would wait for them instead of adding more.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+
+from cluster.actuator import PoolStatus
+from cluster.profile import ReplicaCapacity, SLOTargets
+
+ROLES = ("prefill", "decode", "colocated", "drafter")
+NEVER = -math.inf
+
+
+class AutoscalerConfigError(ValueError):
+    """A bad autoscaler setting; the message names the key, the value and what to change."""
+
+
+@dataclass(frozen=True)
+class PoolScaling:
+    """How one pool scales. role: prefill (TTFT) | decode (TPOT) | colocated (both) | drafter
+    (follows ``follows``, a decode pool, at ``ratio`` drafters per decode replica).
+
+    smoothing_s: the time constant of the arrival-rate level, ~ the time a request spends in the
+    pool (decode: output tokens x TPOT). A pool whose requests stay minutes needs capacity for
+    its concurrency -- the arrival rate averaged over that residence -- not for a 10-second spike;
+    0 = react per bucket with ``holt_alpha`` (prefill pools, whose requests stay sub-second).
+    headroom: this pool's headroom (None = the config's): a pool that is a small share of the
+    cost (prefill, next to long decodes) can cheaply hold enough spare to ride out a burst while
+    new replicas start."""
+
+    pool: str
+    role: str
+    slo: SLOTargets = SLOTargets()
+    capacity: ReplicaCapacity | None = None
+    min_replicas: int = 1
+    max_replicas: int = 16
+    follows: str | None = None
+    ratio: float = 1.0
+    smoothing_s: float = 0.0
+    headroom: float | None = None
+
+
+@dataclass(frozen=True)
+class AutoscalerConfig:
+    """Global knobs (module docstring, steps 1-4) and the pools. Validated on construction."""
+
+    pools: tuple[PoolScaling, ...]
+    horizon_s: float = 60.0
+    holt_alpha: float = 0.5
+    holt_beta: float = 0.3
+    headroom: float = 0.1
+    down_band: float = 0.1
+    breach_ratio: float = 1.0
+    slack_ratio: float = 0.6
+    queue_breach_per_replica: float = 8.0
+    min_latency_samples: int = 20
+    reactive_step_frac: float = 0.05
+    max_down_step_frac: float = 0.2
+    up_cooldown_s: float = 30.0
+    down_cooldown_s: float = 300.0
+    down_interval_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    def pool(self, name: str) -> PoolScaling:
+        return next(p for p in self.pools if p.pool == name)
+
+
+def _validate(c: AutoscalerConfig) -> None:
+    def need(ok: bool, key: str, value: object, fix: str) -> None:
+        if not ok:
+            raise AutoscalerConfigError(f"autoscaler.{key}={value!r}: {fix}")
+
+    need(len(c.pools) >= 1, "pools", c.pools, "list at least one pool to scale")
+    for key in ("horizon_s", "up_cooldown_s", "down_cooldown_s", "down_interval_s", "headroom", "down_band", "queue_breach_per_replica"):
+        need(getattr(c, key) >= 0, key, getattr(c, key), "must be >= 0")
+    for key in ("holt_alpha", "holt_beta", "reactive_step_frac", "max_down_step_frac"):
+        need(0 < getattr(c, key) <= 1, key, getattr(c, key), "must be in (0, 1]")
+    need(c.breach_ratio > c.slack_ratio > 0, "slack_ratio", c.slack_ratio,
+         f"must be > 0 and below breach_ratio ({c.breach_ratio}); the gap is the reactive dead band")
+    need(c.min_latency_samples >= 1, "min_latency_samples", c.min_latency_samples, "must be >= 1")
+    names = [p.pool for p in c.pools]
+    need(len(set(names)) == len(names), "pools", names, "pool names must be unique")
+    for i, p in enumerate(c.pools):
+        k = f"pools[{i}]"
+        need(p.role in ROLES, f"{k}.role", p.role, f"must be one of {', '.join(ROLES)}")
+        need(p.headroom is None or p.headroom >= 0, f"{k}.headroom", p.headroom, "must be >= 0 or unset")
+        need(p.smoothing_s >= 0, f"{k}.smoothing_s", p.smoothing_s, "must be >= 0 seconds (0 = per bucket)")
+        need(0 <= p.min_replicas <= p.max_replicas, f"{k}.min_replicas", p.min_replicas,
+             f"must be between 0 and max_replicas ({p.max_replicas})")
+        if p.role == "drafter":
+            dec = next((q for q in c.pools if q.pool == p.follows), None)
+            need(dec is not None and dec.role == "decode", f"{k}.follows", p.follows,
+                 f"must name a decode pool of this config ({[q.pool for q in c.pools if q.role == 'decode']})")
+            need(p.ratio > 0, f"{k}.ratio", p.ratio, "must be > 0 (drafter replicas per decode replica)")
+            continue
+        need(p.capacity is not None, f"{k}.capacity", None, "needs a capacity profile (`duet profile`)")
+        if p.role in ("prefill", "colocated"):
+            need(p.slo.ttft_p90_s is not None, f"{k}.slo.ttft_p90_s", None, f"a {p.role} pool needs a TTFT target")
+        if p.role in ("decode", "colocated"):
+            need(p.slo.tpot_p90_s is not None, f"{k}.slo.tpot_p90_s", None, f"a {p.role} pool needs a TPOT target")
+
+
+@dataclass(frozen=True)
+class PoolMetrics:
+    """One pool's metrics window (see cluster/autoscale_loop.py MetricsProvider for the sources).
+
+    arrivals_rps: arrival rate per bucket, oldest first. ttft/tpot_p90_s: over requests observed in
+    the window (None = none observed); latency_samples: how many. queue_depth: requests admitted
+    and waiting for this pool; in_flight: requests running on it (both window means)."""
+
+    bucket_s: float
+    arrivals_rps: Sequence[float]
+    mean_prompt_tokens: float = 0.0
+    mean_output_tokens: float = 0.0
+    ttft_p90_s: float | None = None
+    tpot_p90_s: float | None = None
+    latency_samples: int = 0
+    queue_depth: float = 0.0
+    in_flight: float = 0.0
+
+
+@dataclass(frozen=True)
+class PoolMemory:
+    last_up: float = NEVER  # time of the last scale-up (or down) this autoscaler asked for
+    last_down: float = NEVER
+    last_reactive: float = NEVER
+    last_starting: float = NEVER  # last decision that saw replicas starting
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class AutoscalerState:
+    pools: Mapping[str, PoolMemory] = field(default_factory=lambda: MappingProxyType({}))
+
+    def of(self, pool: str) -> PoolMemory:
+        return self.pools.get(pool, PoolMemory())
+
+
+@dataclass(frozen=True)
+class Decision:
+    pool: str
+    current: int
+    desired: int
+    reason: str
+    forecast_rps: float = 0.0
+    predicted: int = 0  # up_target before the reactive offset and bounds
+    offset: int = 0
+    capacity_replicas: int = 0  # ready + starting: what serves now or soon
+    pending: int = 0  # asked for, not placed: not capacity
+
+    @property
+    def changed(self) -> bool:
+        return self.desired != self.current
+
+
+def holt_forecast(series: Sequence[float], alpha: float, beta: float) -> tuple[float, float, float, float, float]:
+    """Holt's linear smoothing over ``series``: (level, trend per step, sigma, peak level, lowest
+    level) after the last value. sigma = RMS of the one-step-ahead forecast errors (the noise as
+    the model sees it); peak / lowest level = the extremes of the level along the way. The level starts at the first value (alpha >= 0.5)
+    or at the series mean (slower smoothing, which a single first value would bias); trend at 0."""
+    if not series:
+        return 0.0, 0.0, 0.0, 0.0, 0.0
+    level = float(series[0]) if alpha >= 0.5 else sum(series) / len(series)
+    trend, sq, peak, low = 0.0, 0.0, level, level
+    for x in series[1:]:
+        prev = level
+        sq += (x - (level + trend)) ** 2
+        level = alpha * x + (1 - alpha) * (level + trend)
+        trend = beta * (level - prev) + (1 - beta) * trend
+        peak, low = max(peak, level), min(low, level)
+    return level, trend, math.sqrt(sq / max(len(series) - 1, 1)), peak, low
+
+
+def decide(config: AutoscalerConfig, now: float, metrics: Mapping[str, PoolMetrics],
+           status: Mapping[str, PoolStatus], state: AutoscalerState) -> tuple[dict[str, Decision], AutoscalerState]:
+    """Desired replicas for every pool of ``config`` (module docstring), and the next state.
+    Raises KeyError naming a pool that has no metrics or no status."""
+    decisions: dict[str, Decision] = {}
+    memory = dict(state.pools)
+    for p in config.pools:
+        if p.role == "drafter":
+            continue
+        if p.pool not in metrics or p.pool not in status:
+            raise KeyError(f"pool {p.pool!r}: no {'metrics' if p.pool not in metrics else 'status'} this tick")
+        decisions[p.pool], memory[p.pool] = _decide_pool(config, p, now, metrics[p.pool], status[p.pool],
+                                                         state.of(p.pool))
+    for p in config.pools:
+        if p.role == "drafter":
+            lead = decisions[p.follows]  # type: ignore[index]
+            st = status[p.pool]
+            want = _clamp(math.ceil(p.ratio * lead.desired - 1e-9), p)
+            decisions[p.pool] = Decision(p.pool, st.desired, want, f"follows {p.follows} x{p.ratio:g} "
+                                         f"({lead.desired} -> {want})", capacity_replicas=st.capacity_replicas,
+                                         pending=st.pending)
+    return decisions, AutoscalerState(MappingProxyType(memory))
+
+
+def _clamp(n: int, p: PoolScaling) -> int:
+    return max(p.min_replicas, min(p.max_replicas, n))
+
+
+def work_replicas(p: PoolScaling, m: PoolMetrics, rps: float) -> float:
+    """Replicas' worth of the pool's bottleneck work at ``rps`` requests/s (step 2)."""
+    cap = p.capacity
+    assert cap is not None
+    parts = []
+    if p.role in ("prefill", "colocated") and m.mean_prompt_tokens > 0 and cap.prompt_tokens_per_s > 0:
+        parts.append(rps * m.mean_prompt_tokens / cap.prompt_tokens_per_s)
+    if p.role in ("decode", "colocated") and m.mean_output_tokens > 0 and cap.output_tokens_per_s > 0:
+        parts.append(rps * m.mean_output_tokens / cap.output_tokens_per_s)
+    return max(parts) if parts else rps / cap.requests_per_s
+
+
+def _latency_ratio(c: AutoscalerConfig, p: PoolScaling, m: PoolMetrics) -> float | None:
+    """The worst observed p90 / SLO over the pool's targets (None: too few samples to judge)."""
+    if m.latency_samples < c.min_latency_samples:
+        return None
+    ratios = []
+    if p.role in ("prefill", "colocated") and m.ttft_p90_s is not None:
+        ratios.append(m.ttft_p90_s / p.slo.ttft_p90_s)  # type: ignore[operator]
+    if p.role in ("decode", "colocated") and m.tpot_p90_s is not None:
+        ratios.append(m.tpot_p90_s / p.slo.tpot_p90_s)  # type: ignore[operator]
+    return max(ratios) if ratios else None
+
+
+def _forecast(c: AutoscalerConfig, p: PoolScaling, m: PoolMetrics) -> tuple[float, float]:
+    """(forecast, upper) arrival rates of step 1 of the module docstring."""
+    alpha, beta = c.holt_alpha, c.holt_beta
+    if p.smoothing_s > 0 and m.bucket_s > 0:  # level time constant = the pool's residence time
+        alpha = 1 - math.exp(-m.bucket_s / p.smoothing_s)
+        beta = c.holt_beta * alpha / c.holt_alpha
+    level, trend, sigma, peak, low = holt_forecast(m.arrivals_rps, alpha, beta)
+    if p.smoothing_s > 0:
+        sigma *= math.sqrt(alpha / (2 - alpha))  # the noise of the smoothed level, not of one bucket
+    steps = c.horizon_s / m.bucket_s if m.bucket_s > 0 else 0.0
+    rates = m.arrivals_rps
+    lo_hi = (low, peak) if p.smoothing_s > 0 else (min(rates, default=0.0), max(rates, default=0.0))
+    span = (lo_hi[1] - lo_hi[0]) * steps / len(rates) if rates else 0.0  # growth seen, at this pace
+    rise = min(max(0.0, trend * steps - 2 * sigma), span)
+    level = min(level, max(rates, default=0.0))  # Holt overshoots a step; never past what was seen
+    forecast = max(0.0, level + rise)  # scale up on this
+    busiest = peak if p.smoothing_s > 0 else max(rates, default=0.0)
+    return forecast, max(forecast, busiest)  # scale down only when even the upper rate fits
+
+
+def _reactive(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics, st: PoolStatus, mem: PoolMemory,
+              up_target: int, notes: list[str]) -> tuple[bool, PoolMemory]:
+    """Step 3 of the module docstring: (SLO breached?, memory with the new offset)."""
+    current = st.desired
+    step = max(1, round(c.reactive_step_frac * max(current, 1)))
+    ratio = _latency_ratio(c, p, m)
+    queue_breach = st.ready > 0 and m.queue_depth > c.queue_breach_per_replica * st.ready
+    breach = (ratio is not None and ratio > c.breach_ratio) or queue_breach
+    if breach:
+        what = f"p90/SLO {ratio:.2f}" if ratio is not None and ratio > c.breach_ratio else f"queue {m.queue_depth:.0f}"
+        if st.starting > 0:
+            notes.append(f"breach ({what}), waiting for {st.starting} starting")
+        elif now - mem.last_starting < p.smoothing_s:
+            notes.append(f"breach ({what}), latency still from before the last replicas arrived")
+        elif now - mem.last_reactive >= c.up_cooldown_s:
+            # Re-anchor on what is asked now: a breach always means current + step, even when the
+            # profile-based target sits below current (the profile over-estimates capacity).
+            mem = replace(mem, offset=max(mem.offset, current - up_target) + step, last_reactive=now)
+            notes.append(f"breach ({what}): +{step} over current")
+        else:
+            notes.append(f"breach ({what}), reactive cooldown")
+    elif (ratio is not None and ratio < c.slack_ratio and mem.offset > 0
+          and now - mem.last_reactive >= c.up_cooldown_s):
+        mem = replace(mem, offset=max(0, mem.offset - step), last_reactive=now)
+        notes.append(f"slack (p90/SLO {ratio:.2f}): offset -{step}")
+    return breach, mem
+
+
+def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics, st: PoolStatus,
+                 mem: PoolMemory) -> tuple[Decision, PoolMemory]:
+    forecast, upper = _forecast(c, p, m)
+    headroom = c.headroom if p.headroom is None else p.headroom
+    up_target = math.ceil(work_replicas(p, m, forecast) * (1 + headroom) - 1e-9)
+    down_target = math.ceil(work_replicas(p, m, upper) * (1 + headroom + c.down_band) - 1e-9)
+    current = st.desired
+    notes: list[str] = []
+    breach, mem = _reactive(c, p, now, m, st, mem, up_target, notes)
+    offset = mem.offset
+    want_up, want_down = _clamp(up_target + offset, p), _clamp(down_target + offset, p)
+    desired = current
+    if want_up > current:
+        if now - mem.last_up >= c.up_cooldown_s:
+            desired = want_up
+            mem = replace(mem, last_up=now)
+            notes.append(f"scale up {current} -> {desired}")
+        else:
+            notes.append(f"up cooldown ({c.up_cooldown_s - (now - mem.last_up):.0f} s left)")
+    elif want_down < current:
+        if want_down >= st.ready + st.starting:  # only pending replicas go: nothing serving is removed
+            desired = want_down
+            notes.append(f"cancel {current - desired} pending")
+        elif breach:
+            notes.append("hold: SLO breached")
+        elif (wait := max(mem.last_up + c.down_cooldown_s, mem.last_down + c.down_interval_s) - now) > 0:
+            notes.append(f"down cooldown ({wait:.0f} s left)")
+        else:
+            desired = max(want_down, current - max(1, math.ceil(c.max_down_step_frac * current)))
+            mem = replace(mem, last_down=now)
+            notes.append(f"scale down {current} -> {desired}")
+    else:
+        notes.append("hold")
+    if st.pending:
+        notes.append(f"{st.pending} pending (no room; not counted as capacity)")
+    mem = replace(mem, last_starting=now if st.starting else mem.last_starting)
+    reason = f"forecast {forecast:.2f} req/s -> {up_target} replicas, offset {offset:+d}; " + "; ".join(notes)
+    return Decision(p.pool, current, desired, reason, forecast, up_target, offset, st.capacity_replicas,
+                    st.pending), mem

@@ -1,0 +1,217 @@
+"""The SLO autoscaler's pure decision function over synthetic metric series."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cluster.actuator import PoolStatus
+from cluster.autoscaler import (
+    AutoscalerConfig,
+    AutoscalerConfigError,
+    AutoscalerState,
+    PoolMetrics,
+    PoolScaling,
+    decide,
+    holt_forecast,
+)
+from cluster.profile import ReplicaCapacity, SLOTargets
+
+# One replica: 2 req/s at 100 prompt / 50 output tokens -> 200 prompt tok/s, 100 output tok/s.
+CAP = ReplicaCapacity(requests_per_s=2.0, mean_prompt_tokens=100, mean_output_tokens=50)
+
+
+def config(**kw) -> AutoscalerConfig:
+    pools = (PoolScaling("prefill", "prefill", SLOTargets(ttft_p90_s=0.5), CAP, min_replicas=1, max_replicas=20),
+             PoolScaling("decode", "decode", SLOTargets(tpot_p90_s=0.05), CAP, min_replicas=1, max_replicas=20),
+             PoolScaling("draft", "drafter", follows="decode", ratio=0.5, min_replicas=0, max_replicas=20))
+    return AutoscalerConfig(pools=kw.pop("pools", pools), **kw)
+
+
+def window(rate: float | list[float], *, ttft=None, tpot=None, samples=100, queue=0.0, prompt=100, output=50):
+    rates = rate if isinstance(rate, list) else [rate] * 6
+    return PoolMetrics(bucket_s=10.0, arrivals_rps=rates, mean_prompt_tokens=prompt, mean_output_tokens=output,
+                       ttft_p90_s=ttft, tpot_p90_s=tpot, latency_samples=samples, queue_depth=queue)
+
+
+def status(pool: str, desired: int, *, ready=None, starting=0, pending=0) -> PoolStatus:
+    ready = desired - starting - pending if ready is None else ready
+    return PoolStatus(pool, desired, ready, starting, pending)
+
+
+class Sim:
+    """Drives decide() like the loop does: applies each decision as instantly-ready replicas."""
+
+    def __init__(self, cfg: AutoscalerConfig, sizes: dict[str, int]) -> None:
+        self.cfg, self.sizes, self.state = cfg, dict(sizes), AutoscalerState()
+
+    def tick(self, now: float, metrics: dict[str, PoolMetrics], **status_kw) -> dict:
+        st = {p: status_kw.get(p) or status(p, n) for p, n in self.sizes.items()}
+        decisions, self.state = decide(self.cfg, now, metrics, st, self.state)
+        for p, d in decisions.items():
+            self.sizes[p] = d.desired
+        return decisions
+
+
+def test_holt_follows_a_ramp():
+    level, trend, sigma, peak, low = holt_forecast([1, 2, 3, 4, 5, 6, 7, 8], 0.5, 0.3)
+    assert 6.5 < level < 8.0 and 0.7 < trend < 1.1  # converging on level 8, trend 1 per step
+    assert holt_forecast([5.0] * 6, 0.5, 0.3) == (5.0, 0.0, 0.0, 5.0, 5.0)
+
+
+def test_predictive_size_from_forecast_and_profile():
+    # 9 req/s x 100 prompt tok = 900 tok/s / 200 per replica = 4.5 -> x1.1 headroom = 4.95 -> 5.
+    # Decode: 9 x 50 / 100 = 4.5 -> 5. Flat series: no trend.
+    d, _ = decide(config(), 0.0, {"prefill": window(9.0), "decode": window(9.0)},
+                  {"prefill": status("prefill", 1), "decode": status("decode", 1), "draft": status("draft", 0)},
+                  AutoscalerState())
+    assert (d["prefill"].desired, d["decode"].desired, d["draft"].desired) == (5, 5, 3)
+    assert "scale up 1 -> 5" in d["prefill"].reason
+
+
+def test_module_docstring_worked_example():
+    cap = ReplicaCapacity(requests_per_s=1.6, mean_output_tokens=64)
+    cfg = AutoscalerConfig(pools=(PoolScaling("d", "decode", SLOTargets(tpot_p90_s=0.05), cap, max_replicas=64),))
+    m = PoolMetrics(bucket_s=10.0, arrivals_rps=[8, 8, 9, 10, 11, 12], mean_output_tokens=64)
+    d, _ = decide(cfg, 0.0, {"d": m}, {"d": status("d", 8, starting=2)}, AutoscalerState())
+    assert d["d"].forecast_rps == pytest.approx(13.6, abs=0.05) and d["d"].desired == 10
+    assert "scale up 8 -> 10" in d["d"].reason
+
+
+def test_rising_trend_scales_ahead_falling_trend_is_not_extrapolated():
+    cfg = config()
+    st = {"prefill": status("prefill", 2), "decode": status("decode", 2), "draft": status("draft", 1)}
+    up, _ = decide(cfg, 0.0, {"prefill": window([2, 3, 4, 5, 6, 7]), "decode": window(2.0)}, st, AutoscalerState())
+    flat, _ = decide(cfg, 0.0, {"prefill": window(7.0), "decode": window(2.0)}, st, AutoscalerState())
+    assert up["prefill"].forecast_rps > 7.0 and up["prefill"].desired > flat["prefill"].desired
+    down, _ = decide(cfg, 0.0, {"prefill": window([7, 6, 5, 4, 3, 2]), "decode": window(2.0)}, st, AutoscalerState())
+    level, *_ = holt_forecast([7, 6, 5, 4, 3, 2], cfg.holt_alpha, cfg.holt_beta)
+    assert down["prefill"].forecast_rps == pytest.approx(level)
+
+
+def test_breach_scales_up_by_one_over_current():
+    # Load the profile thinks 3 replicas handle, but TPOT p90 is 2x the SLO: reactive +1 over current.
+    sim = Sim(config(), {"prefill": 3, "decode": 3, "draft": 2})
+    d = sim.tick(0.0, {"prefill": window(4.0, ttft=0.2), "decode": window(4.0, tpot=0.1)})
+    assert d["decode"].desired == 4 and "breach" in d["decode"].reason
+    assert d["prefill"].desired == 3  # prefill meets its SLO: P and D are independent
+    # Still breached 10 s later: the reactive cooldown (30 s) holds; at 40 s another +1.
+    assert sim.tick(10.0, {"prefill": window(4.0, ttft=0.2), "decode": window(4.0, tpot=0.1)})["decode"].desired == 4
+    assert sim.tick(40.0, {"prefill": window(4.0, ttft=0.2), "decode": window(4.0, tpot=0.1)})["decode"].desired == 5
+
+
+def test_queue_build_up_counts_as_breach_without_latency_samples():
+    sim = Sim(config(), {"prefill": 3, "decode": 3, "draft": 2})
+    d = sim.tick(0.0, {"prefill": window(4.0, samples=0, queue=100), "decode": window(4.0, samples=0)})
+    assert d["prefill"].desired == 4 and "queue" in d["prefill"].reason
+    assert d["decode"].desired == 3
+
+
+def test_starting_replicas_are_counted_not_asked_for_twice():
+    sim = Sim(config(), {"prefill": 5, "decode": 5, "draft": 3})
+    m = {"prefill": window(9.0, ttft=1.0), "decode": window(9.0, tpot=0.2)}
+    # 5 asked, 2 still starting, SLOs breached (the 3 ready ones are overloaded): wait, do not add.
+    d = sim.tick(0.0, m, decode=status("decode", 5, starting=2), prefill=status("prefill", 5, starting=2))
+    assert d["decode"].desired == 5 and "waiting for 2 starting" in d["decode"].reason
+    assert d["decode"].capacity_replicas == 5
+    # Once they are up and the breach persists, the reactive step applies.
+    assert sim.tick(1.0, m)["decode"].desired == 6
+
+
+def test_pending_reported_and_not_counted():
+    st = {"prefill": status("prefill", 5, ready=3, pending=2), "decode": status("decode", 5),
+          "draft": status("draft", 3)}
+    d, _ = decide(config(), 0.0, {"prefill": window(9.0), "decode": window(9.0)}, st, AutoscalerState())
+    assert d["prefill"].desired == 5  # already asked: asking again would not place them
+    assert d["prefill"].capacity_replicas == 3 and d["prefill"].pending == 2
+    assert "2 pending" in d["prefill"].reason
+    # Load falls to what the 3 placed replicas carry: cancelling the pending two needs no cooldown.
+    d, _ = decide(config(), 1.0, {"prefill": window(4.0), "decode": window(9.0)}, st,
+                  AutoscalerState())
+    assert d["prefill"].desired == 3 and "cancel 2 pending" in d["prefill"].reason
+
+
+def test_slack_scales_down_only_after_cooldown():
+    cfg = config(down_cooldown_s=300.0)
+    sim = Sim(cfg, {"prefill": 1, "decode": 1, "draft": 1})
+    assert sim.tick(0.0, {"prefill": window(9.0), "decode": window(9.0)})["decode"].desired == 5
+    low = {"prefill": window(2.0, ttft=0.05), "decode": window(2.0, tpot=0.005)}
+    for t in (30.0, 120.0, 299.0):
+        assert sim.tick(t, low)["decode"].desired == 5, t
+    d = sim.tick(300.0, low)
+    assert d["decode"].desired == 4 and "scale down 5 -> 4" in d["decode"].reason
+    assert d["draft"].desired == 2  # drafters follow decode (ratio 0.5)
+    assert sim.tick(330.0, low)["decode"].desired == 4  # next step down waits down_interval_s (60 s)
+    assert sim.tick(360.0, low)["decode"].desired == 3
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_no_flapping_on_noise(seed):
+    """Noise of +-25% (uniform; harsher than Poisson counts at 9 req/s in 10 s buckets, +-10%)
+    around a steady 9 req/s, a 5-minute window of 10 s buckets, two simulated hours of ticks: the
+    pools settle within a couple of upward moves and never move down (no up/down cycling)."""
+    rng = random.Random(seed)
+    sim = Sim(config(down_cooldown_s=120.0, up_cooldown_s=10.0), {"prefill": 1, "decode": 1, "draft": 1})
+    series: list[float] = []
+    changes = []
+    for i in range(720):
+        series = (series + [9.0 * rng.uniform(0.75, 1.25)])[-30:]
+        d = sim.tick(10.0 * i, {"prefill": window(list(series), ttft=0.3), "decode": window(list(series), tpot=0.03)})
+        changes += [(i, p, x.current, x.desired) for p, x in d.items() if x.changed and p != "draft"]
+    assert all(new > old for _, _, old, new in changes), changes
+    assert len(changes) <= 6, changes
+    assert {p: n for p, n in sim.sizes.items() if p != "draft"} == {"prefill": sim.sizes["decode"],
+                                                                    "decode": sim.sizes["prefill"]}
+    assert sim.sizes["decode"] <= 8  # 9 req/s needs 4.5 replicas: settled with bounded headroom
+
+
+def test_bounds_respected():
+    cfg = config(pools=(PoolScaling("decode", "decode", SLOTargets(tpot_p90_s=0.05), CAP, min_replicas=2,
+                                    max_replicas=6),))
+    d, _ = decide(cfg, 0.0, {"decode": window(100.0)}, {"decode": status("decode", 3)}, AutoscalerState())
+    assert d["decode"].desired == 6
+    d, _ = decide(cfg, 1e6, {"decode": window(0.0)}, {"decode": status("decode", 3)}, AutoscalerState())
+    assert d["decode"].desired == 2
+    # Breach at max: the offset grows but the pool stays at max.
+    d, _ = decide(cfg, 0.0, {"decode": window(1.0, tpot=1.0)}, {"decode": status("decode", 6)}, AutoscalerState())
+    assert d["decode"].desired == 6
+
+
+def test_prefill_and_decode_scale_independently():
+    sim = Sim(config(), {"prefill": 2, "decode": 2, "draft": 1})
+    # Long prompts, short outputs: prefill work grows, decode work does not.
+    d = sim.tick(0.0, {"prefill": window(4.0, prompt=500), "decode": window(4.0, output=50)})
+    assert d["prefill"].desired == 11 and d["decode"].desired == 3  # 4*500/200*1.1=11; 4*50/100*1.1=2.2->3
+
+
+def test_colocated_uses_the_larger_bottleneck_and_both_slos():
+    pools = (PoolScaling("main", "colocated", SLOTargets(0.5, 0.05), CAP, max_replicas=50),)
+    cfg = config(pools=pools)
+    d, _ = decide(cfg, 0.0, {"main": window(4.0, prompt=100, output=200)}, {"main": status("main", 1)},
+                  AutoscalerState())
+    assert d["main"].desired == 9  # output side: 4*200/100 = 8 -> x1.1 -> 9
+    d, _ = decide(cfg, 0.0, {"main": window(0.5, ttft=2.0, tpot=0.01)}, {"main": status("main", 2)},
+                  AutoscalerState())
+    assert d["main"].desired == 3  # TTFT breach alone is enough
+
+
+@pytest.mark.parametrize("kw, key", [
+    ({"slack_ratio": 1.5}, "slack_ratio"),
+    ({"holt_alpha": 0.0}, "holt_alpha"),
+    ({"up_cooldown_s": -1}, "up_cooldown_s"),
+    ({"pools": (PoolScaling("d", "decode", SLOTargets(ttft_p90_s=1.0), CAP),)}, "pools[0].slo.tpot_p90_s"),
+    ({"pools": (PoolScaling("d", "decode", SLOTargets(tpot_p90_s=1.0), None),)}, "pools[0].capacity"),
+    ({"pools": (PoolScaling("d", "decode", SLOTargets(tpot_p90_s=1.0), CAP, min_replicas=5, max_replicas=2),)},
+     "pools[0].min_replicas"),
+    ({"pools": (PoolScaling("x", "drafter", follows="nope"),)}, "pools[0].follows"),
+    ({"pools": (PoolScaling("x", "gpu", SLOTargets(1, 1), CAP),)}, "pools[0].role"),
+])
+def test_config_errors_name_the_key(kw, key):
+    with pytest.raises(AutoscalerConfigError, match=rf"autoscaler\.{key.replace('[', '.').replace(']', '.')}"):
+        config(**kw)
+
+
+def test_missing_metrics_is_a_key_error():
+    with pytest.raises(KeyError, match="decode"):
+        decide(config(), 0.0, {"prefill": window(1.0)}, {"prefill": status("prefill", 1)}, AutoscalerState())

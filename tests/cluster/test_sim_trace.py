@@ -1,0 +1,80 @@
+"""Arrival traces: the seeded synthetic generator and the BurstGPT / Azure CSV readers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cluster.sim_trace import TraceError, read_azure, read_burstgpt, synthetic_trace
+
+
+def test_synthetic_is_seeded_and_follows_the_diurnal_rate():
+    a = synthetic_trace(duration_s=86400, base_rps=1, peak_rps=9, bursts_per_hour=0, seed=3, mean_output=100)
+    b = synthetic_trace(duration_s=86400, base_rps=1, peak_rps=9, bursts_per_hour=0, seed=3, mean_output=100)
+    c = synthetic_trace(duration_s=86400, base_rps=1, peak_rps=9, bursts_per_hour=0, seed=4, mean_output=100)
+    assert np.array_equal(a.t, b.t) and np.array_equal(a.output, b.output) and not np.array_equal(a.t[:50], c.t[:50])
+    hourly = a.rate_series(3600.0)
+    # Peak at 14:00 (9/s), trough at 02:00 (1/s); mean rate = (1 + 9) / 2 = 5/s. Poisson counts over an
+    # hour at 9/s have sd sqrt(32400)/3600 = 0.05/s: 0.5/s tolerances are ~10 sd (+ the hour's curvature).
+    assert hourly[14] == pytest.approx(9.0, abs=0.5) and hourly[2] == pytest.approx(1.0, abs=0.5)
+    assert len(a) / 86400 == pytest.approx(5.0, rel=0.02)
+    assert a.output.mean() == pytest.approx(100, rel=0.05) and a.output.min() >= 1
+
+
+def test_bursts_raise_the_rate():
+    flat = synthetic_trace(duration_s=7200, base_rps=5, peak_rps=5, bursts_per_hour=0, seed=1)
+    bursty = synthetic_trace(duration_s=7200, base_rps=5, peak_rps=5, bursts_per_hour=6, burst_factor=3,
+                             burst_mean_s=120, seed=1)
+    assert len(bursty) > 1.1 * len(flat)
+    assert bursty.rate_series(60.0).max() >= 12  # some minute ran at ~3x
+    assert flat.rate_series(60.0).max() < 10
+
+
+def test_bad_generator_arguments():
+    with pytest.raises(ValueError, match="base_rps"):
+        synthetic_trace(duration_s=10, base_rps=5, peak_rps=1)
+
+
+def test_read_burstgpt(tmp_path):
+    f = tmp_path / "BurstGPT_sample.csv"
+    f.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                 "5,ChatGPT,472,18,490,Conversation log\n"
+                 "0,ChatGPT,1012,0,1012,Conversation log\n"
+                 "2.5,GPT-4,120,300,420,API log\n")
+    tr = read_burstgpt(f)
+    assert list(tr.t) == [0.0, 2.5] and list(tr.prompt) == [120, 472] and list(tr.output) == [300, 18]
+    assert tr.name == "BurstGPT_sample"
+
+
+def test_read_azure(tmp_path):
+    f = tmp_path / "AzureLLMInferenceTrace_conv.csv"
+    f.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                 "2023-11-16 18:15:46.6805900,374,44\n"
+                 "2023-11-16 18:15:50.9951690,396,109\n"
+                 "2023-11-16 18:15:46.1805900,879,20\n")
+    tr = read_azure(f)
+    assert tr.t == pytest.approx([0.0, 0.5, 4.814579])
+    assert list(tr.prompt) == [879, 374, 396] and list(tr.output) == [20, 44, 109]
+
+
+def test_reader_errors_name_file_row_and_column(tmp_path):
+    f = tmp_path / "bad.csv"
+    f.write_text("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46,1\n")
+    with pytest.raises(TraceError, match=r"missing column.*GeneratedTokens"):
+        read_azure(f)
+    f.write_text("Timestamp,Request tokens,Response tokens\n1,abc,3\n")
+    with pytest.raises(TraceError, match=r"bad.csv:2: Request tokens='abc'"):
+        read_burstgpt(f)
+    f.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,2\n")
+    with pytest.raises(TraceError, match="TIMESTAMP='yesterday'"):
+        read_azure(f)
+    with pytest.raises(TraceError, match="no such trace file"):
+        read_azure(tmp_path / "missing.csv")
+
+
+def test_slice_and_rate_series():
+    tr = synthetic_trace(duration_s=600, base_rps=2, peak_rps=2, bursts_per_hour=0, seed=0)
+    part = tr.slice(100, 200)
+    assert part.t.min() >= 0 and part.t.max() < 100
+    assert len(part) == int(((tr.t >= 100) & (tr.t < 200)).sum())
+    assert tr.rate_series(60.0).sum() * 60.0 == pytest.approx(len(tr))
