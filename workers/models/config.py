@@ -31,6 +31,8 @@ class ModelSpec:
     attention_bias: bool
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
+    num_experts: int = 0  # MoE models: routed experts per layer (0 = dense MLP)
+    num_experts_per_tok: int = 0  # MoE models: top-k
 
     @classmethod
     def from_pretrained(cls, path: Path) -> "ModelSpec":
@@ -64,6 +66,8 @@ class ModelSpec:
             attention_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             eos_token_ids=_eos_ids(path, cfg, GenerationConfig),
+            num_experts=int(getattr(cfg, "num_local_experts", 0) or 0),
+            num_experts_per_tok=int(getattr(cfg, "num_experts_per_tok", 0) or 0),
         )
 
 
