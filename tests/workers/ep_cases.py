@@ -51,9 +51,9 @@ def ep_rank(rank: int, path: str, prompts: list[list[int]], max_tokens: int, reb
     one = prefill_logits(llm.engine, [[7]])
     one_token_rows = (torch.stack([layer.rank_rows for layer in layers]) - before).tolist()  # [layers, W]
     if rank != 0:
-        follow(llm.engine.runner, group)
+        follow(llm.engine.runner, get_group("gang"))
         return None
-    leader = GangLeader(llm.engine, group)
+    leader = GangLeader(llm.engine, get_group("gang"))
 
     def on_step(i: int) -> None:
         if i == rebalance_at:

@@ -14,11 +14,11 @@ Worked example (every rank)::
     init_parallel_groups(ParallelConfig(ep_size=W), rank, init_method)
     engine = Engine(config)                       # every rank loads its experts
     if rank == 0:
-        leader = GangLeader(engine, get_group("ep"))
+        leader = GangLeader(engine, get_group("gang"))
         ... drive engine.step() as usual ...
         leader.stop()
     else:
-        follow(engine.runner, get_group("ep"))     # returns when the leader stops
+        follow(engine.runner, get_group("gang"))   # returns when the leader stops
 
 Failure: a dead rank makes the next collective raise on every other rank (gloo sees the closed
 connection; a stuck peer hits the process group's timeout), so a gang fails fast rather than hangs.

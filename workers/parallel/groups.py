@@ -71,7 +71,7 @@ class GroupCoordinator:
         return self.world_size == 1
 
 
-_TRIVIAL = {a: GroupCoordinator(a, 0, 1, (0,), None) for a in AXES}
+_TRIVIAL = {a: GroupCoordinator(a, 0, 1, (0,), None) for a in (*AXES, "gang")}
 _groups: dict[str, GroupCoordinator] = {}
 
 
@@ -85,6 +85,7 @@ def init_parallel_groups(
     init_method: str,
     backend: str | None = None,
     timeout: timedelta = timedelta(seconds=30),
+    control_timeout: timedelta = timedelta(days=1),
 ) -> None:
     """Join the gang's world (rank ``rank`` of ``config.world_size``) and create every axis group.
     Collective: every rank of the gang calls it with the same config and init_method."""
@@ -105,14 +106,20 @@ def init_parallel_groups(
             pg = dist.new_group(line, timeout=timeout) if size > 1 else None
             if rank in line:
                 _groups[axis] = GroupCoordinator(axis, line.index(rank), size, tuple(line), pg)
+    # The gang's control channel (the leader's per-step broadcast): the whole world, with a long
+    # timeout, because followers wait on it while the leader idles between requests. A dead peer
+    # still fails it at once (gloo sees the closed connection).
+    pg = dist.new_group(list(range(world)), timeout=control_timeout) if world > 1 else None
+    _groups["gang"] = GroupCoordinator("gang", rank, world, tuple(range(world)), pg)
     logger.info("rank %d/%d joined %s groups: %s", rank, world, dist.get_backend(),
                 {a: g.ranks for a, g in _groups.items()})
 
 
 def get_group(axis: str) -> GroupCoordinator:
-    """This rank's group along ``axis`` ('ep', 'sp' or 'tp'); a trivial group if none was created."""
-    if axis not in AXES:
-        raise ValueError(f"unknown parallel axis {axis!r}; known: {AXES}")
+    """This rank's group along ``axis`` ('ep', 'sp' or 'tp', or 'gang': the whole world, for the
+    leader's control messages); a trivial group if none was created."""
+    if axis not in _TRIVIAL:
+        raise ValueError(f"unknown parallel axis {axis!r}; known: {tuple(_TRIVIAL)}")
     return _groups.get(axis, _TRIVIAL[axis])
 
 
