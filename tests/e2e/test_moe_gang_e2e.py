@@ -17,6 +17,7 @@ import ray
 
 from cluster.config import load_config
 from cluster.serve import start_deployment
+from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import DuetClient, DuetError, complete
 
 PROMPT = [1, 504, 3575, 282, 4649, 314]
@@ -73,6 +74,11 @@ def test_gang_serves_as_one_worker_with_single_rank_tokens(deployment, reference
     assert len(deployment.controller.members()) == 1
     assert len(deployment.pool.replicas[0].followers) == 1
     assert _greedy(deployment.address) == reference
+    [(_, endpoint)] = deployment.controller.members()
+    with grpc.insecure_channel(endpoint) as channel:
+        load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+    assert len(load.expert_tokens) == 8 and len(load.ep_rank_tokens) == 2
+    assert sum(load.expert_tokens) == sum(load.ep_rank_tokens) > 0
 
 
 async def _stream_until_follower_killed(d) -> tuple[DuetError | None, float]:

@@ -50,6 +50,11 @@ def test_greedy_matches_hf(tiny_mixtral, hf_model):
         with torch.inference_mode():
             ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
         assert out.token_ids == ref[0, len(prompt):].tolist()
+    # every token computed routes to top-2 experts in each of the 2 layers: per-expert stats add up
+    computed = sum(len(p) + 10 - 1 for p in PROMPTS)
+    stats = llm.engine.stats()
+    assert len(stats.expert_tokens) == 8 and sum(stats.expert_tokens) == 2 * 2 * computed
+    assert stats.ep_rank_tokens == (2 * 2 * computed,)
 
 
 def test_fused_layout_loads_identically(tiny_mixtral, hf_model, tmp_path):

@@ -66,6 +66,9 @@ class SparseMoE(nn.Module):
         self._tables = self.placement.tables()
         self.register_buffer("expert_counts", torch.zeros(num_experts, dtype=torch.long), persistent=False)
         self.register_buffer("rank_rows", torch.zeros(ep.world_size, dtype=torch.long), persistent=False)
+        # rows this rank sent to other ranks in the dispatch (the combine sends as many back), and
+        # rows it received from other ranks in the all-gather (padded): traffic accounting
+        self.register_buffer("comm_rows", torch.zeros(2, dtype=torch.long), persistent=False)
 
     # ------------------------------------------------------------- loading
     def expected_shards(self) -> set[str]:
@@ -103,6 +106,10 @@ class SparseMoE(nn.Module):
         plan = build_dispatch_plan(experts, *self._tables, self.experts.gate_up_proj.shape[0], self.ep.rank,
                                    self.ep.world_size)
         self.rank_rows += torch.tensor(plan.rank_rows)
+        if self.ep.world_size > 1:
+            me = self.ep.rank
+            self.comm_rows[0] += sum(plan.send_counts) - plan.send_counts[me]
+            self.comm_rows[1] += (self.ep.world_size - 1) * max(plan.slice_counts)
         sent = x[plan.send_assign // self.top_k]  # [S, H]
         got = comm.all_to_all_rows(sent, plan.send_counts, plan.recv_counts, self.ep)  # [R, H], arrival order
         if plan.compute_order is not None:

@@ -64,6 +64,10 @@ class GangRunner:
         self.group = group
         self.rebalancer = rebalancer
 
+    @property
+    def model(self):
+        return self.inner.model
+
     def add_request(self, request_id: str, params: SamplingParams) -> None:
         self.inner.add_request(request_id, params)
 
