@@ -1,7 +1,9 @@
 """MoE benchmark on the upcycled SmolLM2 Mixtral (8 experts, top-2; workers/models/upcycle.py):
 
-  1. EP=1 vs EP=2 decode tokens/s at batch 1 and 16 (the same 2 cores in both: EP=1 is one rank
-     with 2 torch threads, EP=2 two ranks with 1 thread each, gloo over loopback);
+  1. EP=1 vs EP=2 decode tokens/s at batch 1 and 16: EP=1 with 1 and with 2 torch threads, EP=2 as
+     two ranks with 1 thread each (the same 2 cores as EP=1 x 2), gloo over loopback. On a machine
+     shared with other jobs, 2 OpenMP threads per process can be 10-50x slower than 1 (spin-waiting
+     threads descheduled), which is why EP=1 x 1 is measured too;
   2. all-to-all traffic per token: dispatch + combine rows that cross ranks, plus the all-gather of
      the replicated hidden states, in bytes (fp32);
   3. rebalancing on a skewed prompt set at EP=2: max/mean rank load (assignments computed per rank)
@@ -34,6 +36,8 @@ from workers.parallel.groups import ParallelConfig, get_group
 from workers.parallel.launch import spawn_gang
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# (ep ranks, torch threads per rank): EP=1 on one core, EP=1 on both cores, EP=2 with a core per rank
+CONFIGS = ((1, 1), (1, 2), (2, 1))
 HIDDEN_BYTES = 576 * 4  # SmolLM2 hidden size, fp32
 BALANCED = [
     "The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     max_tokens, repeats = (8, 1) if a.quick else (24, 3)
     result: dict[str, Any] = {"model": path, "machine": machine_info(), "code": code_version(),
                               "max_tokens": max_tokens, "repeats": repeats, "timestamp": time.time()}
-    for ep, threads in ((1, 2), (2, 1)):
+    for ep, threads in CONFIGS:
         runs, share = _others_share(lambda: spawn_gang(throughput_rank, ParallelConfig(ep_size=ep),
                                                        args=(path, [1, 16], max_tokens, repeats), num_threads=threads,
                                                        timeout=1800))
@@ -199,9 +203,10 @@ def main(argv: list[str] | None = None) -> None:
         r["a2a_bytes_per_token"] = 2 * rows[0] * HIDDEN_BYTES / r["tokens_computed"]
         r["allgather_bytes_per_token"] = rows[1] * HIDDEN_BYTES / r["tokens_computed"]
         r["others_cpu_share"] = share
-        result[f"ep{ep}"] = r
+        result[f"ep{ep}x{threads}"] = r
     for b in (1, 16):
-        result[f"ep2_over_ep1_b{b}"] = result["ep2"][f"b{b}_tok_s"] / result["ep1"][f"b{b}_tok_s"]
+        for base in ("ep1x1", "ep1x2"):
+            result[f"ep2x1_over_{base}_b{b}"] = result["ep2x1"][f"b{b}_tok_s"] / result[base][f"b{b}_tok_s"]
     reb, share = _others_share(lambda: spawn_gang(rebalance_rank, ParallelConfig(ep_size=2), args=(path, max_tokens),
                                                   timeout=1800))
     result["rebalance"] = {**reb[0], "others_cpu_share": share}
@@ -215,13 +220,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _print(r: dict[str, Any]) -> None:
-    print(f"{'':24}{'EP=1 (1x2 thr)':>16}{'EP=2 (2x1 thr)':>16}{'EP2/EP1':>9}")
+    keys = [f"ep{ep}x{t}" for ep, t in CONFIGS]
+    print(f"{'':24}" + "".join(f"{f'EP={k[2]} ({k[2]}x{k[4]} thr)':>16}" for k in keys)
+          + f"{'EP2/EP1x1':>11}{'EP2/EP1x2':>11}")
     for b in (1, 16):
-        print(f"{'decode tok/s, batch ' + str(b):24}{r['ep1'][f'b{b}_tok_s']:16.1f}{r['ep2'][f'b{b}_tok_s']:16.1f}"
-              f"{r[f'ep2_over_ep1_b{b}']:9.2f}")
-    print(f"{'all-to-all B/token':24}{r['ep1']['a2a_bytes_per_token']:16.0f}{r['ep2']['a2a_bytes_per_token']:16.0f}")
-    print(f"{'all-gather B/token':24}{r['ep1']['allgather_bytes_per_token']:16.0f}{r['ep2']['allgather_bytes_per_token']:16.0f}")
-    print(f"{'others CPU share':24}{r['ep1']['others_cpu_share']:16.2f}{r['ep2']['others_cpu_share']:16.2f}")
+        print(f"{'decode tok/s, batch ' + str(b):24}" + "".join(f"{r[k][f'b{b}_tok_s']:16.1f}" for k in keys)
+              + f"{r[f'ep2x1_over_ep1x1_b{b}']:11.2f}{r[f'ep2x1_over_ep1x2_b{b}']:11.2f}")
+    for label, field in (("all-to-all B/token", "a2a_bytes_per_token"), ("all-gather B/token", "allgather_bytes_per_token"),
+                         ("others CPU share", "others_cpu_share")):
+        print(f"{label:24}" + "".join(f"{r[k][field]:16.2f}" for k in keys))
     rb = r["rebalance"]
     print(f"rebalance (EP=2, skewed set): rank rows {rb['rank_rows_before']} -> {rb['rank_rows_after']}, max/mean "
           f"{rb['max_mean_before']:.2f} -> {rb['max_mean_after']:.2f} (target <= 1.25: "

@@ -34,6 +34,7 @@ import torch
 @dataclass(frozen=True)
 class DispatchPlan:
     send_assign: torch.Tensor  # [S] assignments this rank sends, in send order
+    combine_order: torch.Tensor  # [S] send-order row of each of this slice's assignments, token-major
     send_counts: list[int]  # [W] rows to each rank
     recv_counts: list[int]  # [W] rows from each rank
     compute_order: torch.Tensor | None  # [R] arrival row of each compute row; None = already grouped
@@ -86,8 +87,11 @@ def build_dispatch_plan(
     slot_counts = torch.bincount(arrival_slot, minlength=num_local_slots)  # [L]
     slot_offsets = torch.zeros(num_local_slots + 1, dtype=torch.long)
     slot_offsets[1:] = torch.cumsum(slot_counts.cpu(), 0)
+    combine_order = torch.empty_like(send_assign)
+    combine_order[send_assign - bounds[rank] * k] = torch.arange(send_assign.shape[0], device=dev)
     return DispatchPlan(
         send_assign=send_assign,
+        combine_order=combine_order,
         send_counts=torch.bincount(dest[send_assign], minlength=world_size).tolist(),
         recv_counts=torch.bincount(src[arrival], minlength=world_size).tolist(),
         compute_order=compute_order,
