@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help=f"default: <cache>/models/{UPCYCLED_NAME}-<E>x-top<k>")
     parser.add_argument("--experts", type=int, default=8, help="experts per layer (default 8)")
     parser.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
-    parser.add_argument("--noise", type=float, default=0.01, help="per-expert noise, x each matrix's std (default 0.01)")
+    parser.add_argument("--noise", type=float, default=0.01,
+                        help="per-expert noise, times each matrix's std (default 0.01)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="rebuild even if a copy with these arguments exists")
     a = parser.parse_args(argv)

@@ -22,7 +22,9 @@ import torch.distributed as dist
 from workers.parallel.groups import GroupCoordinator
 
 
-def all_to_all_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], g: GroupCoordinator) -> torch.Tensor:
+def all_to_all_rows(
+    x: torch.Tensor, send_counts: list[int], recv_counts: list[int], g: GroupCoordinator
+) -> torch.Tensor:
     """x [sum(send_counts), F]: rows [sum(send_counts[:j]), +send_counts[j]) go to group rank j.
     Returns [sum(recv_counts), F]: the rows from group rank 0, then 1, ... ."""
     if g.is_trivial:

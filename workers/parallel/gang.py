@@ -42,8 +42,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GangMessage:
-    """One control message from the leader: a step to run, new placements to apply, a keep-alive
-    (all fields empty), or stop."""
+    """One control message from the leader: a step to run, new placements to apply, or stop.
+    Followers wait for it on the "gang" group, whose timeout is long (the leader may idle for
+    hours between requests); a dead leader still fails the wait at once."""
 
     sched: SchedulerOutput | None = None
     placements: list[ExpertPlacement] | None = None
@@ -88,10 +89,6 @@ class GangRunner:
         logger.info("applied new expert placements (%d replicas in all)",
                     sum(len(r) - 1 for p in placements for r in p.replicas))
 
-    def keep_alive(self) -> None:
-        """Wake the followers while idle, so their wait never reaches the collective timeout."""
-        comm.broadcast_object(GangMessage(), 0, self.group)
-
     def stop(self) -> None:
         comm.broadcast_object(GangMessage(stop=True), 0, self.group)
 
@@ -106,9 +103,6 @@ class GangLeader:
 
     def rebalance(self, placements: list[ExpertPlacement]) -> None:
         self.runner.rebalance(placements)
-
-    def keep_alive(self) -> None:
-        self.runner.keep_alive()
 
     def stop(self) -> None:
         self.runner.stop()

@@ -39,6 +39,7 @@ import torch
 
 from workers.config import EngineConfig
 from workers.engine import Engine
+from workers.errors import ConfigError
 from workers.parallel.eplb import RebalanceConfig, Rebalancer
 from workers.parallel.gang import GangLeader, follow
 from workers.parallel.groups import ParallelConfig, destroy_parallel_groups, get_group, init_parallel_groups
@@ -108,6 +109,9 @@ class GangLeaderActor:
         init_parallel_groups(self._parallel, 0, init_method, timeout=COLLECTIVE_TIMEOUT)
         engine = Engine(self._config)
         moe = getattr(engine.runner.model, "moe_layers", None)
+        if moe is None and self._parallel.ep_size > 1:
+            raise ConfigError(f"ep_size={self._parallel.ep_size}: model_type {engine.spec.model_type!r} has no "
+                              "experts to shard; use ep_size 1 for dense models")
         rebalancer = Rebalancer(moe(), self._rebalance) if moe is not None and self._rebalance else None
         self._leader = GangLeader(engine, get_group("gang"), rebalancer)
         return engine
