@@ -93,7 +93,8 @@ def throughput_rank(rank: int, path: str, batches: list[int], max_tokens: int, r
         for _ in range(repeats):
             times, toks = _step_loop(llm.engine, BALANCED[:b], max_tokens)
             steps += times
-            out["tokens_computed"] += sum(len(llm.engine.tokenizer.encode(p)) for p in BALANCED[:b]) + b * (max_tokens - 1)
+            prompt_tokens = sum(len(llm.engine.tokenizer.encode(p)) for p in BALANCED[:b])
+            out["tokens_computed"] += prompt_tokens + b * (max_tokens - 1)
         out[f"b{b}_step_s"] = statistics.median(steps)
         out[f"b{b}_tok_s"] = b / statistics.median(steps)
     leader.stop()
@@ -150,7 +151,8 @@ def _others_share(fn) -> tuple[Any, float]:
         with open("/proc/stat") as f:
             v = list(map(int, f.readline().split()[1:9]))
         t = os.times()
-        return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK"), t.user + t.system + t.children_user + t.children_system, time.monotonic()
+        busy = (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+        return busy, t.user + t.system + t.children_user + t.children_system, time.monotonic()
 
     (b0, o0, w0) = sample()
     value = fn()
@@ -166,7 +168,8 @@ def grouped_gemm_bench(repeats: int, gate: QuietGate) -> dict[str, Any]:
     w = torch.randn(8, 3072, 576, generator=g) / 24  # the upcycled model's gate_up [E, 2I, H]
     res: dict[str, Any] = {}
     for name, rows in (("decode_b16", 32), ("prefill_512", 1024)):
-        counts = torch.distributions.Categorical(torch.tensor([8.0, 6, 5, 4, 3, 2, 1, 1])).sample((rows,)).bincount(minlength=8)
+        popularity = torch.tensor([8.0, 6, 5, 4, 3, 2, 1, 1])  # skewed, like the upcycled router
+        counts = torch.multinomial(popularity, rows, replacement=True, generator=g).bincount(minlength=8)
         off = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
         x = torch.randn(rows, 576, generator=g)
         torch.testing.assert_close(kernels.grouped_gemm(x, w, off), grouped_gemm_ref(x, w, off), rtol=1e-4, atol=1e-4)
@@ -226,13 +229,15 @@ def _print(r: dict[str, Any]) -> None:
     for b in (1, 16):
         print(f"{'decode tok/s, batch ' + str(b):24}" + "".join(f"{r[k][f'b{b}_tok_s']:16.1f}" for k in keys)
               + f"{r[f'ep2x1_over_ep1x1_b{b}']:11.2f}{r[f'ep2x1_over_ep1x2_b{b}']:11.2f}")
-    for label, field in (("all-to-all B/token", "a2a_bytes_per_token"), ("all-gather B/token", "allgather_bytes_per_token"),
-                         ("others CPU share", "others_cpu_share")):
+    rows = (("all-to-all B/token", "a2a_bytes_per_token"), ("all-gather B/token", "allgather_bytes_per_token"),
+            ("others CPU share", "others_cpu_share"))
+    for label, field in rows:
         print(f"{label:24}" + "".join(f"{r[k][field]:16.2f}" for k in keys))
     rb = r["rebalance"]
     print(f"rebalance (EP=2, skewed set): rank rows {rb['rank_rows_before']} -> {rb['rank_rows_after']}, max/mean "
           f"{rb['max_mean_before']:.2f} -> {rb['max_mean_after']:.2f} (target <= 1.25: "
-          f"{'yes' if rb['target_met'] else 'NO'}), step {rb['step_s_before'] * 1e3:.1f} -> {rb['step_s_after'] * 1e3:.1f} ms, "
+          f"{'yes' if rb['target_met'] else 'NO'}), "
+          f"step {rb['step_s_before'] * 1e3:.1f} -> {rb['step_s_after'] * 1e3:.1f} ms, "
           f"{rb['replicas_added']} replicas, tokens identical: {rb['tokens_identical']}")
     for name, d in r["grouped_gemm"].items():
         print(f"grouped_gemm {name}: kernel {d['kernel_ms']:.3f} ms, ref {d['ref_ms']:.3f} ms, {d['speedup']:.2f}x")
