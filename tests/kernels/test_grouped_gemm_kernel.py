@@ -71,3 +71,56 @@ def test_triton_kernel_matches_ref(groups, n, k) -> None:
 
     x, w, off = make(groups, n, k, seed=1)
     torch.testing.assert_close(grouped_gemm_triton(x, w, off), kernels.grouped_gemm_ref(x, w, off), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ dispatch
+
+
+def test_dispatch_cpu_kernel_toggle_and_fallbacks(ext, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    real = ext.grouped_gemm
+    monkeypatch.setattr(ext, "grouped_gemm", lambda *a: calls.append("ext") or real(*a))
+    x, w, off = make([2, 3], 8, 8)
+    kernels.reset_fallback_counts()
+    kernels.grouped_gemm(x, w, off)
+    old = kernels.set_cpu_kernels_enabled(False)
+    try:
+        kernels.grouped_gemm(x, w, off)  # deliberate: the reference, not counted
+    finally:
+        kernels.set_cpu_kernels_enabled(old)
+    assert calls == ["ext"] and kernels.fallback_counts() == {}
+    out = kernels.grouped_gemm(x.bfloat16(), w.bfloat16(), off)
+    assert out.dtype == torch.bfloat16 and calls == ["ext"]
+    assert kernels.fallback_counts() == {"grouped_gemm:no kernel for cpu/torch.bfloat16": 1}
+
+
+class _FakeCuda:
+    """Just enough of a CUDA tensor for the wrapper's shape checks and dispatch."""
+
+    is_cpu, is_cuda, dtype, device = False, True, torch.float32, torch.device("cuda")
+
+    def __init__(self, *shape: int) -> None:
+        self.shape = shape
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+@pytest.mark.parametrize("has_triton", [True, False])
+def test_dispatch_cuda(monkeypatch: pytest.MonkeyPatch, has_triton: bool) -> None:
+    import importlib
+    import types
+
+    from kernels import _triton
+
+    mod = importlib.import_module("kernels.grouped_gemm")  # the package re-exports a function of that name
+
+    calls: list[str] = []
+    monkeypatch.setattr(_triton, "triton_available", lambda: has_triton)
+    fake = types.SimpleNamespace(grouped_gemm_triton=lambda *a: calls.append("triton"))
+    monkeypatch.setattr(_triton, "ops", lambda name: fake if name == "grouped_gemm" else pytest.fail(name))
+    monkeypatch.setattr(mod, "grouped_gemm_ref", lambda *a: calls.append("ref"))
+    kernels.reset_fallback_counts()
+    mod.grouped_gemm(_FakeCuda(4, 8), _FakeCuda(2, 16, 8), _FakeCuda(3))
+    assert calls == (["triton"] if has_triton else ["ref"])
+    assert kernels.fallback_counts() == ({} if has_triton else {"grouped_gemm:triton unavailable": 1})
