@@ -37,11 +37,13 @@ from workers.parallel.expert_placement import ExpertPlacement
 from workers.parallel.groups import GroupCoordinator
 
 
-def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (weights [T, k] fp32 summing to 1 per token, experts [T, k] int64)."""
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, k] fp32, experts [T, k] int64). The weights are the
+    top-k softmax probabilities, renormalised to sum to 1 per token if ``renormalize`` (Mixtral;
+    Qwen2-MoE's norm_topk_prob)."""
     probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
     top_p, top_e = torch.topk(probs, top_k, dim=-1)  # [T, k] each
-    return top_p / top_p.sum(dim=-1, keepdim=True), top_e
+    return (top_p / top_p.sum(dim=-1, keepdim=True) if renormalize else top_p), top_e
 
 
 class ExpertWeights(nn.Module):
@@ -56,9 +58,11 @@ class ExpertWeights(nn.Module):
 class SparseMoE(nn.Module):
     """The MoE MLP of one decoder layer; parameter names follow transformers 5 (mlp.gate, mlp.experts.*)."""
 
-    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, ep: GroupCoordinator) -> None:
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, ep: GroupCoordinator,
+                 renormalize: bool = True) -> None:
         super().__init__()
         self.hidden, self.inter, self.num_experts, self.top_k, self.ep = hidden, inter, num_experts, top_k, ep
+        self.renormalize = renormalize
         self.gate = Linear(hidden, num_experts)  # router: [E, H]
         self.home = ExpertPlacement.contiguous(num_experts, ep.world_size)
         self.placement = self.home
@@ -80,7 +84,8 @@ class SparseMoE(nn.Module):
         """Copy a checkpoint tensor into the local slots; returns the shard ids it covered.
 
         kind 'gate_up' ([E, 2I, H], or [2I, H] for one expert), 'down' ([E, H, I] or [H, I]),
-        'gate' / 'up' ([I, H], one expert, the per-expert w1 / w3 of older checkpoints)."""
+        'gate' / 'up' ([I, H], one expert: the per-expert w1 / w3 or gate_proj / up_proj of
+        per-expert checkpoints)."""
         experts = range(self.num_experts) if expert is None else [expert]
         parts = {"gate_up": ("gate", "up"), "down": ("down",), "gate": ("gate",), "up": ("up",)}[kind]
         for i, e in enumerate(experts):
@@ -102,7 +107,7 @@ class SparseMoE(nn.Module):
         t = x.shape[0]
         if t == 0:
             return x
-        weights, experts = route(self.gate(x), self.top_k)  # [T, k], [T, k]
+        weights, experts = route(self.gate(x), self.top_k, self.renormalize)  # [T, k], [T, k]
         self.expert_counts += torch.bincount(experts.view(-1), minlength=self.num_experts)
         plan = build_dispatch_plan(experts, *self._tables, self.experts.gate_up_proj.shape[0], self.ep.rank,
                                    self.ep.world_size)
