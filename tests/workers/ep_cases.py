@@ -63,3 +63,21 @@ def ep_rank(rank: int, path: str, prompts: list[list[int]], max_tokens: int, reb
     leader.stop()
     return {"logits": logits.numpy(), "one": one.numpy(), "one_token_rows": one_token_rows, "tokens": tokens,
             "slots": [len(layer.placement.slots(0)) for layer in layers]}
+
+
+def ep_auto_rebalance_rank(rank: int, path: str, prompts: list[list[int]], max_tokens: int) -> dict | None:
+    """Greedy generation as a gang whose leader runs the Rebalancer every 2 steps (threshold 1.0:
+    any imbalance triggers it), as a serving gang does between steps."""
+    from workers.parallel.eplb import RebalanceConfig, Rebalancer
+
+    llm = make_llm(path)
+    if rank != 0:
+        follow(llm.engine.runner, get_group("gang"))
+        return None
+    layers = llm.engine.runner.model.moe_layers()
+    reb = Rebalancer(layers, RebalanceConfig(interval_steps=2, max_extra_per_rank=1, threshold=1.0))
+    leader = GangLeader(llm.engine, get_group("gang"), reb)
+    tokens = generate(llm.engine, prompts, max_tokens)
+    leader.stop()
+    return {"tokens": tokens, "rebalances": reb.num_rebalances,
+            "replicas": sum(len(r) - 1 for layer in layers for r in layer.placement.replicas)}

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from ep_cases import ep_rank, generate, make_llm
+from ep_cases import ep_auto_rebalance_rank, ep_rank, generate, make_llm
 from mixtral_tiny import prefill_logits, save_tiny_mixtral
 from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
@@ -53,3 +53,9 @@ def test_ep_matches_single_rank(tiny, single, ep_size, rebalance_at):
     assert all(sum(rows) == 2 and rows.count(0) >= ep_size - 2 for rows in out["one_token_rows"])
     per_rank = 8 // ep_size
     assert out["slots"] == [per_rank + (1 if rebalance_at is not None else 0)] * 2
+
+
+def test_leader_rebalances_between_steps_without_changing_tokens(tiny, single):
+    [out, _] = spawn_gang(ep_auto_rebalance_rank, ParallelConfig(ep_size=2), args=(str(tiny), PROMPTS, MAX_TOKENS))
+    assert out["rebalances"] >= 1 and out["replicas"] > 0
+    assert out["tokens"] == single["tokens"]
