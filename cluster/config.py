@@ -90,6 +90,9 @@ class PoolSection:
     placement_strategy: str = "SPREAD"
     max_restarts: int = -1
     engine: EngineSection = field(default_factory=EngineSection)
+    # MoE: each replica is a gang of ep_size ranks (Ray actors, one bundle each) holding a share of
+    # the experts, serving as one worker (workers/parallel/gang_actor.py). 1 = a plain worker.
+    ep_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -274,6 +277,8 @@ def _check_pool(pool: PoolSection, p: str, s: Sources) -> None:
     need(pool.placement_strategy in PLACEMENT_STRATEGIES, f"{p}.placement_strategy", pool.placement_strategy, s,
          f"must be one of {', '.join(PLACEMENT_STRATEGIES)}")
     need(pool.max_restarts >= -1, f"{p}.max_restarts", pool.max_restarts, s, "must be -1 (forever) or >= 0")
+    need(pool.ep_size >= 1, f"{p}.ep_size", pool.ep_size, s,
+         "must be >= 1 (ranks per expert-parallel gang; it must divide the model's experts)")
 
 
 def _check_router(r: RouterSection, p: str, s: Sources) -> None:

@@ -47,7 +47,8 @@ class Replica:
     pool: str
     index: int
     worker_id: str
-    actor: Any  # ray.actor.ActorHandle of workers.actor.WorkerActor
+    actor: Any  # ray.actor.ActorHandle of workers.actor.WorkerActor (or a gang's GangLeaderActor)
+    followers: tuple[Any, ...] = ()  # a gang's other ranks (GangFollowerActor handles), ep_size > 1
 
 
 class WorkerPool:
@@ -78,11 +79,11 @@ class WorkerPool:
         if not_done:
             logger.warning("pool %s: %d replicas did not stop within %.0f s; killing them",
                            self.name, len(not_done), grace + timeout)
-        for r in self.replicas:
+        for actor in [a for r in self.replicas for a in (r.actor, *r.followers)]:
             try:
-                ray.kill(r.actor, no_restart=True)
+                ray.kill(actor, no_restart=True)
             except Exception as e:  # noqa: BLE001 - already gone is fine; anything else is worth a line
-                logger.debug("pool %s: kill %s: %r", self.name, r.worker_id, e)
+                logger.debug("pool %s: kill %s: %r", self.name, actor, e)
         remove_placement_group(self.placement_group)
         logger.info("pool %s: %d replicas stopped, placement group removed", self.name, len(self.replicas))
 
@@ -102,13 +103,15 @@ def create_pool(section: PoolSection, engine_config: Any, namespace: str, *, emb
     from workers.actor import WorkerActor
 
     cpus = section.cpus_per_replica
-    needed = section.replicas * cpus
+    ranks = section.ep_size  # bundles per replica: one per rank of its gang
+    needed = section.replicas * ranks * cpus
     have = ray.cluster_resources().get("CPU", 0)
     if embedded and needed > have:
         raise PoolError(
-            f"pool {section.name!r} needs {section.replicas} replicas x {cpus} CPUs = {needed} CPUs, but the "
-            f"embedded Ray has {have:g}; lower pools[0].replicas / cpus_per_replica or raise ray.num_cpus")
-    pg = placement_group([{"CPU": cpus} for _ in range(section.replicas)], strategy=section.placement_strategy,
+            f"pool {section.name!r} needs {section.replicas} replicas x {ranks} ranks (ep_size) x {cpus} CPUs = "
+            f"{needed} CPUs, but the embedded Ray has {have:g}; lower pools[0].replicas / ep_size / "
+            "cpus_per_replica or raise ray.num_cpus")
+    pg = placement_group([{"CPU": cpus} for _ in range(section.replicas * ranks)], strategy=section.placement_strategy,
                          name=f"duet-{namespace}-{section.name}")
     replicas: list[Replica] = []
     try:
@@ -124,20 +127,54 @@ def create_pool(section: PoolSection, engine_config: Any, namespace: str, *, emb
             options = dict(
                 name=worker_id, namespace=namespace, num_cpus=cpus, max_restarts=section.max_restarts,
                 max_task_retries=0,  # a call lost with its process is reported, never silently re-run
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i))
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i * ranks))
+            followers: tuple[Any, ...] = ()
             try:
-                actor = WorkerActor.options(**options).remote(engine_config, worker_id, host)
+                if ranks == 1:
+                    actor = WorkerActor.options(**options).remote(engine_config, worker_id, host)
+                else:
+                    actor, followers = _create_gang(section, engine_config, host, pg, i, options)
             except ValueError as e:  # the name is taken
                 raise PoolError(
                     f"pool {section.name!r}: actor {worker_id!r} already exists in Ray namespace {namespace!r} "
                     f"({e}); another `duet serve` is using this Ray cluster: stop it, or give this one "
                     "another ray.namespace or pool name") from None
-            replicas.append(Replica(section.name, i, worker_id, actor))
+            replicas.append(Replica(section.name, i, worker_id, actor, followers))
     except BaseException:
-        for r in replicas:
-            ray.kill(r.actor, no_restart=True)
+        for actor in [a for r in replicas for a in (r.actor, *r.followers)]:
+            ray.kill(actor, no_restart=True)
         remove_placement_group(pg)
         raise
     logger.info("pool %s: %d replicas x %d CPU (%s) created in namespace %r", section.name, section.replicas, cpus,
                 section.placement_strategy, namespace)
     return WorkerPool(section, namespace, pg, replicas)
+
+
+def _create_gang(section: PoolSection, engine_config: Any, host: str | None, pg: Any, index: int,
+                 leader_options: dict) -> tuple[Any, tuple[Any, ...]]:
+    """Replica ``index`` as an expert-parallel gang: followers in bundles index*W+1.., the leader
+    (named like a plain worker) in bundle index*W. See workers/parallel/gang_actor.py."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from workers.parallel.eplb import RebalanceConfig
+    from workers.parallel.gang_actor import GangFollowerActor, GangLeaderActor
+    from workers.parallel.groups import ParallelConfig
+
+    ranks = section.ep_size
+    parallel = ParallelConfig(ep_size=ranks)
+    followers = tuple(
+        GangFollowerActor.options(
+            num_cpus=section.cpus_per_replica, max_restarts=section.max_restarts, max_task_retries=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index * ranks + r),
+        ).remote(engine_config, parallel, r)
+        for r in range(1, ranks)
+    )
+    try:
+        leader = GangLeaderActor.options(**leader_options).remote(
+            engine_config, leader_options["name"], host, parallel, list(followers), RebalanceConfig())
+    except BaseException:
+        for f in followers:
+            ray.kill(f, no_restart=True)
+        raise
+    return leader, followers

@@ -11,6 +11,7 @@ wrapper `<op>` that runs the C++ CPU kernel (kernels/csrc/) on fp32 CPU tensors,
     varlen_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, block_size,
                            scale, tree_parents=None, out=None, return_lse=False)  (prefill / spec verify)
     merge_attn_states(outs, lses) -> (out, lse)      (merge partial attentions: split-KV, ring attention)
+    grouped_gemm(x, w, offsets) -> y                 (MoE: per-expert x[rows of e] @ w[e]^T, rows sorted by expert)
 
 The C++ extension is built on first use (or by `python -m kernels.build`); see kernels/_build.py for
 the cache, `DUET_DISABLE_CPU_KERNELS=1`, and how a failed build falls back (with a warning and a count).
@@ -23,6 +24,7 @@ from kernels._build import (
     reset_fallback_counts,
     set_cpu_kernels_enabled,
 )
+from kernels.grouped_gemm import grouped_gemm, grouped_gemm_ref
 from kernels.linear import linear, linear_ref
 from kernels.merge_attn_states import merge_attn_states, merge_attn_states_ref
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
@@ -35,6 +37,8 @@ __all__ = [
     "cpu_kernels_available",
     "cpu_kernels_enabled",
     "fallback_counts",
+    "grouped_gemm",
+    "grouped_gemm_ref",
     "linear",
     "linear_ref",
     "merge_attn_states",

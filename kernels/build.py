@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  sources: {sources}")
     print(f"  isa:     {ext.active_isa()} (best this CPU supports: {ext.best_isa()})")
     print(
-        "  ops:     rms_norm, silu_and_mul, gemv (kernels.linear), paged_decode_attention, rotary_and_cache_write, "
+        "  ops:     rms_norm, silu_and_mul, gemv (kernels.linear), paged_decode_attention, rotary_and_cache_write, grouped_gemm, "
         "varlen_paged_attention, merge_attn_states"
     )
     return 0

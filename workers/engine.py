@@ -50,6 +50,8 @@ class EngineStats:
     num_waiting: int
     num_preemptions: int
     blocks: BlockStats
+    expert_tokens: tuple[int, ...] = ()  # MoE: assignments per expert, summed over layers
+    ep_rank_tokens: tuple[int, ...] = ()  # MoE: assignments computed per expert-parallel rank
 
 
 class Engine:
@@ -135,7 +137,14 @@ class Engine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, self.block_manager.stats())
+        moe = getattr(self.runner.model, "moe_layers", None)
+        experts = ranks = ()
+        if moe is not None:
+            layers = moe()
+            experts = tuple(sum(layer.expert_counts for layer in layers).tolist())
+            ranks = tuple(sum(layer.rank_rows for layer in layers).tolist())
+        return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, self.block_manager.stats(),
+                           experts, ranks)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:

@@ -54,6 +54,8 @@ class LoadSnapshot:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    expert_tokens: tuple[int, ...] = ()
+    ep_rank_tokens: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, engine: Engine) -> LoadSnapshot:
@@ -68,7 +70,8 @@ class LoadSnapshot:
         b = stats.blocks
         return cls(stats.num_running, stats.num_waiting, outstanding, engine.block_manager.block_size,
                    b.num_blocks, b.num_blocks - b.num_free_blocks, b.num_cached_blocks,
-                   b.prefix_cache_queries, b.prefix_cache_hits, stats.num_preemptions)
+                   b.prefix_cache_queries, b.prefix_cache_hits, stats.num_preemptions, stats.expert_tokens,
+                   stats.ep_rank_tokens)
 
 
 Item = RequestOutput | Exception  # what a request's sink receives: outputs, or one error

@@ -68,12 +68,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        # Single-token chunks (decodes) go first: they share one batched attention call.
-        singles = [c for c in sched.chunks if len(c.token_ids) == 1]
-        multis = [c for c in sched.chunks if len(c.token_ids) > 1]
-        chunks = singles + multis
-        input_ids, positions, meta, sample_rows = self._prepare(chunks, len(singles))
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, E]
+        hidden, sample_rows = self.forward(sched)  # [T, E]
         if not sample_rows:
             return RunnerOutput({})
         rows, ids = zip(*sample_rows)
@@ -82,6 +77,16 @@ class ModelRunner:
         gens = [self._generators.get(r, self._default_generator) for r in ids]
         tokens = self.sampler(logits, params, gens)
         return RunnerOutput(dict(zip(ids, tokens)))
+
+    @torch.inference_mode()
+    def forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[tuple[int, str]]]:
+        """Run the model over the step's tokens and write their KV: hidden [T, E] and the
+        (row, request id) pairs to sample. Ranks of a gang that do not sample call only this."""
+        # Single-token chunks (decodes) go first: they share one batched attention call.
+        singles = [c for c in sched.chunks if len(c.token_ids) == 1]
+        multis = [c for c in sched.chunks if len(c.token_ids) > 1]
+        input_ids, positions, meta, sample_rows = self._prepare(singles + multis, len(singles))
+        return self.model(input_ids, positions, self.kv_caches, meta), sample_rows
 
     def _context_slots(self, table: list[int], end: int) -> torch.Tensor:
         """Cache slots of token positions [0, end) of a sequence with this block table: [end]."""

@@ -37,7 +37,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -187,6 +187,11 @@ class WorkerServer:
     def incarnation(self) -> str:
         return self.servicer.incarnation
 
+    @property
+    def engine_done(self) -> asyncio.Future:
+        """Resolves when the engine thread exits, with the error that killed it (None on stop)."""
+        return self._engine.done
+
     def _on_engine_exit(self, done: asyncio.Future) -> None:
         if done.result() is not None:  # the engine died under us: stop taking work, say so
             self.servicer.accepting = False
@@ -215,13 +220,17 @@ class WorkerServer:
 
 async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
                               worker_id: str | None = None, *, num_threads: int | None = None,
-                              max_inflight: int = 1024) -> WorkerServer:
+                              max_inflight: int = 1024,
+                              make_engine: Callable[[], Engine] | None = None) -> WorkerServer:
     """Load the engine on its own thread, then serve on ``host:port`` (0 = any free port).
 
     num_threads: torch intra-op threads for the engine thread (match the CPUs reserved for it).
+    make_engine: builds the engine on the engine thread (default ``Engine(engine_config)``; a gang
+    leader also joins its process group there, see workers/parallel/gang_actor.py).
     """
     loop = asyncio.get_running_loop()
-    engine = EngineLoop(lambda: _warmed_up(Engine(engine_config)), loop, num_threads=num_threads)
+    build = make_engine or (lambda: Engine(engine_config))
+    engine = EngineLoop(lambda: _warmed_up(build()), loop, num_threads=num_threads)
     limits = await engine.start()
     worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
     servicer = WorkerServicer(engine, limits, worker_id, max_inflight)

@@ -10,6 +10,12 @@
 #include "common.h"
 #include "kernels.h"
 
+// ---- MoE (grouped_gemm.cpp): checks and dispatch live beside the kernel.
+namespace duet {
+at::Tensor grouped_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offsets, int64_t max_gemv_rows);
+}  // namespace duet
+// ---- end MoE
+
 namespace {
 
 using at::Tensor;
@@ -311,6 +317,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(outs: list of [T, H, D], lses: list of [T, H]) -> (out [T, H, D], lse [T, H])");
   m.def("rotary_and_cache_write", &rotary_and_cache_write,
         "(q, k, v, cos, sin, k_cache, v_cache, slot_mapping): RoPE on q, k in place; k, v into the cache");
+  m.def("grouped_gemm", &duet::grouped_gemm,
+        "(x [M, K] rows sorted by expert, w [E, N, K], offsets [E + 1], max_gemv_rows) -> y [M, N]");
   m.def("best_isa", [] { return std::string(duet::isa_name(duet::best_isa())); });
   m.def("active_isa", [] { return std::string(duet::isa_name(duet::active_isa())); });
   m.def("set_isa", [](const std::string& name) { return std::string(duet::isa_name(duet::set_isa(parse_isa(name)))); },

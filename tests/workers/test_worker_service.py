@@ -309,7 +309,7 @@ class ExplodingEngine:
 
     def stats(self):
         return SimpleNamespace(num_running=0, num_waiting=len(self.pending), num_preemptions=0,
-                               blocks=BlockStats(4, 4, 0, 0, 0))
+                               blocks=BlockStats(4, 4, 0, 0, 0), expert_tokens=(), ep_rank_tokens=())
 
     def add_request(self, request_id, prompt, params) -> None:
         self.pending.append(request_id)

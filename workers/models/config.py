@@ -31,6 +31,12 @@ class ModelSpec:
     attention_bias: bool
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
+    num_experts: int = 0  # MoE models: routed experts per layer (0 = dense MLP)
+    num_experts_per_tok: int = 0  # MoE models: top-k
+    moe_intermediate_size: int = 0  # MoE models: expert MLP width (Mixtral: intermediate_size)
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1 (Mixtral does)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: width of the always-on shared expert (0 = none)
+    dense_mlp_layers: tuple[int, ...] = ()  # MoE models: layers with a dense MLP instead of experts
 
     @classmethod
     def from_pretrained(cls, path: Path) -> "ModelSpec":
@@ -61,9 +67,11 @@ class ModelSpec:
             max_position_embeddings=cfg.max_position_embeddings,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases and no o_proj bias; Llama's flag covers q/k/v/o.
-            attention_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+            attention_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+            or bool(getattr(cfg, "qkv_bias", False)),
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             eos_token_ids=_eos_ids(path, cfg, GenerationConfig),
+            **_moe_fields(cfg),
         )
 
 
@@ -77,3 +85,20 @@ def _eos_ids(path: Path, cfg: Any, generation_config_cls: Any) -> tuple[int, ...
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def _moe_fields(cfg: Any) -> dict[str, Any]:
+    """MoE facts: Mixtral names its experts num_local_experts (width intermediate_size, always
+    renormalised); Qwen2-MoE num_experts (width moe_intermediate_size, norm_topk_prob, a shared
+    expert, and dense layers every decoder_sparse_step-th / in mlp_only_layers)."""
+    if cfg.model_type == "mixtral":
+        return {"num_experts": cfg.num_local_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+                "moe_intermediate_size": cfg.intermediate_size}
+    if cfg.model_type == "qwen2_moe":
+        step, only = cfg.decoder_sparse_step, set(cfg.mlp_only_layers or ())
+        dense = tuple(i for i in range(cfg.num_hidden_layers)
+                      if i in only or cfg.num_experts == 0 or (i + 1) % step != 0)
+        return {"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+                "moe_intermediate_size": cfg.moe_intermediate_size, "norm_topk_prob": bool(cfg.norm_topk_prob),
+                "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size, "dense_mlp_layers": dense}
+    return {}

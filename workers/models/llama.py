@@ -8,7 +8,7 @@ Axes: T tokens in the step, E hidden, H query heads, G kv heads, D head dim, V v
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ class LlamaAttention(nn.Module):
         h, g, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.h, self.g, self.d = h, g, d
         self.qkv_proj = MergedLinear(spec.hidden_size, {"q": h * d, "k": g * d, "v": g * d}, spec.attention_bias)
-        o_bias = spec.attention_bias and spec.model_type != "qwen2"
+        o_bias = spec.attention_bias and spec.model_type not in ("qwen2", "qwen2_moe")
         self.o_proj = Linear(h * d, spec.hidden_size, bias=o_bias)
         self.attn = PagedAttention(h, g, d)
 
@@ -42,9 +42,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, intermediate_size: int | None = None) -> None:
         super().__init__()
-        i = spec.intermediate_size
+        i = intermediate_size or spec.intermediate_size
         self.gate_up_proj = MergedLinear(spec.hidden_size, {"gate": i, "up": i}, spec.mlp_bias)
         self.down_proj = Linear(i, spec.hidden_size, spec.mlp_bias)
         self.act = SiluAndMul()
@@ -54,12 +54,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = LlamaAttention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = LlamaMLP(spec)
+        self.mlp = mlp  # LlamaMLP, or a sparse MoE (workers/models/mixtral.py)
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, cos, sin, kv: KVCache, meta: AttentionMetadata
@@ -77,11 +77,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, make_mlp: Callable[[ModelSpec, int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, make_mlp(spec, i)) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
 
@@ -99,8 +99,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
-        self.model = LlamaModel(spec)
+        self.model = LlamaModel(spec, self.make_mlp)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
+
+    def make_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
+        return LlamaMLP(spec)
 
     def forward(
         self,

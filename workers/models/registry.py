@@ -7,10 +7,14 @@ from torch import nn
 from workers.errors import CheckpointError
 from workers.models.config import ModelSpec
 from workers.models.llama import LlamaForCausalLM
+from workers.models.mixtral import MixtralForCausalLM
+from workers.models.qwen2_moe import Qwen2MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,  # q/k/v biases come from ModelSpec.attention_bias
+    "mixtral": MixtralForCausalLM,  # sparse MoE MLP, expert parallel over the "ep" group
+    "qwen2_moe": Qwen2MoeForCausalLM,  # + shared expert, dense layers, q/k/v biases
 }
 
 

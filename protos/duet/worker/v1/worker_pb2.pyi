@@ -85,7 +85,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "num_running", "num_waiting", "outstanding_tokens", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+    __slots__ = ("worker_id", "incarnation", "num_running", "num_waiting", "outstanding_tokens", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "expert_tokens", "ep_rank_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,8 @@ class LoadReport(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EP_RANK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     num_running: int
@@ -110,4 +112,6 @@ class LoadReport(_message.Message):
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    expert_tokens: _containers.RepeatedScalarFieldContainer[int]
+    ep_rank_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., ep_rank_tokens: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -1,0 +1,64 @@
+"""Collective wrappers over a GroupCoordinator: the identity on a one-rank group, so layers call
+them unconditionally.
+
+    all_to_all_rows(x, send_counts, recv_counts, g)   uneven all-to-all of rows (MoE dispatch/combine)
+    all_gather_rows(x, counts, g)                      rows of every rank, concatenated in rank order
+    broadcast_object(obj, src, g)                      a picklable control message (lists, not tensors)
+
+gloo implements all_to_all_single with per-rank split sizes (including zero-row splits), so the MoE
+dispatch sends each rank exactly the rows it needs. gloo's all_gather needs equal shapes, so
+all_gather_rows pads every rank's rows to the largest count and trims after.
+
+Axes: N rows, F features.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from workers.parallel.groups import GroupCoordinator
+
+
+def all_to_all_rows(
+    x: torch.Tensor, send_counts: list[int], recv_counts: list[int], g: GroupCoordinator
+) -> torch.Tensor:
+    """x [sum(send_counts), F]: rows [sum(send_counts[:j]), +send_counts[j]) go to group rank j.
+    Returns [sum(recv_counts), F]: the rows from group rank 0, then 1, ... ."""
+    if g.is_trivial:
+        return x
+    out = x.new_empty(sum(recv_counts), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=g.group)
+    return out
+
+
+def all_gather_rows(x: torch.Tensor, counts: list[int], g: GroupCoordinator) -> torch.Tensor:
+    """x [counts[g.rank], F] on each rank -> [sum(counts), F], every rank's rows in rank order."""
+    if g.is_trivial:
+        return x
+    width = max(counts)
+    padded = x.new_zeros(width, *x.shape[1:])
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in range(g.world_size)]
+    dist.all_gather(parts, padded, group=g.group)
+    return torch.cat([p[:n] for p, n in zip(parts, counts)])
+
+
+def broadcast_object(obj: Any, src: int, g: GroupCoordinator) -> Any:
+    """Group rank ``src``'s obj on every rank (pickled: keep it to lists and small dataclasses)."""
+    if g.is_trivial:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=g.ranks[src], group=g.group)
+    return box[0]
+
+
+def send_tensor(x: torch.Tensor, dst: int, g: GroupCoordinator) -> None:
+    dist.send(x.contiguous(), dst=g.ranks[dst], group=g.group)
+
+
+def recv_tensor(out: torch.Tensor, src: int, g: GroupCoordinator) -> torch.Tensor:
+    dist.recv(out, src=g.ranks[src], group=g.group)
+    return out

@@ -1,0 +1,134 @@
+"""Process groups of a gang of ranks, created once per process: expert (ep), sequence (sp) and
+tensor (tp) parallel groups over one torch.distributed world.
+
+Terms. A *gang* is the set of ranks that together act as one worker (one engine, one endpoint).
+Its world of ``ep_size * sp_size * tp_size`` ranks is laid out as a mesh [ep, sp, tp] with tp
+innermost: rank = (i_ep * sp_size + i_sp) * tp_size + i_tp. The group of an axis holds the ranks
+that differ only along that axis, e.g. with ep=2, tp=2 the tp groups are {0, 1}, {2, 3} and the ep
+groups {0, 2}, {1, 3}. An axis of size 1 gets a trivial one-rank group (no process group, every
+collective is the identity), so single-rank code runs the same layers unchanged.
+
+Worked example (two processes, EP=2 over gloo)::
+
+    init_parallel_groups(ParallelConfig(ep_size=2), rank=r, init_method="tcp://127.0.0.1:29500")
+    ep = get_group("ep")        # GroupCoordinator(rank=r, world_size=2, ...)
+    ...
+    destroy_parallel_groups()
+
+Backends: nccl when CUDA is present, gloo otherwise. Every collective of these groups fails after
+``timeout`` instead of hanging when a peer dies (gloo notices a closed connection at once; the
+timeout covers a peer that is alive but stuck).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from workers.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+AXES = ("ep", "sp", "tp")  # mesh order, outermost first
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Sizes of the gang's mesh axes; the gang has ep_size * sp_size * tp_size ranks."""
+
+    ep_size: int = 1
+    sp_size: int = 1
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            size = getattr(self, f"{axis}_size")
+            if not isinstance(size, int) or size < 1:
+                raise ConfigError(f"{axis}_size={size!r}: must be an integer >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.ep_size * self.sp_size * self.tp_size
+
+
+@dataclass(frozen=True)
+class GroupCoordinator:
+    """One axis group as seen by this rank: its rank within the group, the group size, the global
+    ranks in group order, and the torch process group (None for a one-rank group)."""
+
+    name: str
+    rank: int
+    world_size: int
+    ranks: tuple[int, ...]
+    group: dist.ProcessGroup | None
+
+    @property
+    def is_trivial(self) -> bool:
+        return self.world_size == 1
+
+
+_TRIVIAL = {a: GroupCoordinator(a, 0, 1, (0,), None) for a in (*AXES, "gang")}
+_groups: dict[str, GroupCoordinator] = {}
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_parallel_groups(
+    config: ParallelConfig,
+    rank: int,
+    init_method: str,
+    backend: str | None = None,
+    timeout: timedelta = timedelta(seconds=30),
+    control_timeout: timedelta = timedelta(days=1),
+) -> None:
+    """Join the gang's world (rank ``rank`` of ``config.world_size``) and create every axis group.
+    Collective: every rank of the gang calls it with the same config and init_method."""
+    if _groups:
+        raise RuntimeError("parallel groups are already initialised in this process")
+    world = config.world_size
+    if not 0 <= rank < world:
+        raise ConfigError(f"rank={rank}: must be in [0, {world}) for {config}")
+    dist.init_process_group(backend or default_backend(), init_method=init_method, rank=rank, world_size=world,
+                            timeout=timeout)
+    mesh = torch.arange(world).view(config.ep_size, config.sp_size, config.tp_size)
+    for dim, axis in enumerate(AXES):
+        size = mesh.shape[dim]
+        # Every way of fixing the other two coordinates gives one group along this axis.
+        lines = mesh.movedim(dim, -1).reshape(-1, size).tolist()  # [world / size, size]
+        for line in lines:
+            # new_group is collective over the whole world: every rank creates every group.
+            pg = dist.new_group(line, timeout=timeout) if size > 1 else None
+            if rank in line:
+                _groups[axis] = GroupCoordinator(axis, line.index(rank), size, tuple(line), pg)
+    # The gang's control channel (the leader's per-step broadcast): the whole world, with a long
+    # timeout, because followers wait on it while the leader idles between requests. A dead peer
+    # still fails it at once (gloo sees the closed connection).
+    pg = dist.new_group(list(range(world)), timeout=control_timeout) if world > 1 else None
+    _groups["gang"] = GroupCoordinator("gang", rank, world, tuple(range(world)), pg)
+    logger.info("rank %d/%d joined %s groups: %s", rank, world, dist.get_backend(),
+                {a: g.ranks for a, g in _groups.items()})
+
+
+def get_group(axis: str) -> GroupCoordinator:
+    """This rank's group along ``axis`` ('ep', 'sp' or 'tp', or 'gang': the whole world, for the
+    leader's control messages); a trivial group if none was created."""
+    if axis not in _TRIVIAL:
+        raise ValueError(f"unknown parallel axis {axis!r}; known: {tuple(_TRIVIAL)}")
+    return _groups.get(axis, _TRIVIAL[axis])
+
+
+def groups_initialised() -> bool:
+    return bool(_groups)
+
+
+def destroy_parallel_groups() -> None:
+    """Leave the world (idempotent); after this every axis is trivial again."""
+    _groups.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
