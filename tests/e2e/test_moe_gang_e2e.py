@@ -52,8 +52,12 @@ def deployment(ray_cluster, tiny, reference):
         "model.name": str(tiny), "pool.replicas": 1, "pool.cpus_per_replica": 1, "pool.ep_size": 2,
         "pool.engine.kv_cache_memory_bytes": KV_BYTES, "router.port": 0, "controller.port": 0,
         "ray.namespace": NAMESPACE, "controller.poll_interval_s": 0.2, "controller.start_timeout_s": 240})
+    # Router resumption off: these tests check the gang's own failure semantics (its streams end with
+    # UNAVAILABLE when a rank dies), which resumption would hide by continuing once the gang re-forms
+    # (that path is tested in test_serving_e2e and test_reliability_e2e).
     d = start_deployment(config, router_overrides=dict(load_poll_interval_s=0.1, load_poll_timeout_s=2.0,
-                                                       stream_failure_cooldown_s=0.5))
+                                                       stream_failure_cooldown_s=0.5,
+                                                       resume_on_worker_failure=False, worker_wait_s=0.0))
     yield d
     d.stop()
 
