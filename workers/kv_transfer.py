@@ -48,7 +48,7 @@ import datetime
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -152,6 +152,9 @@ class PairChannel:
         self.rank = rank
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.lock = threading.Lock()  # one transfer at a time on this pair
+        # The pair's own thread for blocking sends/receives: a shared pool could fill up with
+        # transfers waiting on each other (both halves in one process) and deadlock until timeout.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{key.prefill_id}-{key.decode_id}")
         pstore = PrefixStore(key.prefix, store)
         if backend == "nccl":
             from torch.distributed import ProcessGroupNCCL
@@ -160,6 +163,9 @@ class PairChannel:
         else:
             self.group = ProcessGroupGloo(pstore, rank, 2, self.timeout)
         self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False)
 
     def _wait(self, work) -> None:
         if not work.wait(self.timeout):
@@ -220,12 +226,13 @@ class KVSender:
     def channel(self, key: PairKey, store_address: str) -> Future[PairChannel]:
         """The pair's channel (built on a thread if new); a changed key drops the old one."""
         with self._lock:
-            fut = self._channels.get(key.decode_id)
-            if fut is not None and getattr(fut, "key", None) == key:
-                return fut
+            old = self._channels.get(key.decode_id)
+            if old is not None and getattr(old, "key", None) == key:
+                return old
             fut = Future()
             fut.key = key  # type: ignore[attr-defined]
             self._channels[key.decode_id] = fut
+        _close_channel(old)
         threading.Thread(target=self._build, args=(fut, key, store_address), daemon=True,
                          name=f"kv-pair-{key.decode_id}").start()
         return fut
@@ -255,6 +262,9 @@ class KVSender:
             fut = self._channels.get(key.decode_id)
             if fut is not None and getattr(fut, "key", None) == key:
                 del self._channels[key.decode_id]
+            else:
+                fut = None
+        _close_channel(fut)
 
     def send(self, channel: PairChannel, transfer_id: str, first_block: int, kv: torch.Tensor) -> int:
         """Blocking. Returns the bytes sent; raises KVTransferError (and drops the pair) on failure."""
@@ -272,6 +282,11 @@ class KVSender:
         logger.info("kv transfer %s sent: %d blocks, %.2f MB in %.1f ms (%.0f MB/s)", transfer_id, kv.shape[2],
                     n / 1e6, dt * 1e3, n / 1e6 / max(dt, 1e-9))
         return n
+
+
+def _close_channel(fut: Future | None) -> None:
+    if fut is not None and fut.done() and fut.exception() is None:
+        fut.result().close()
 
 
 @dataclass
@@ -387,7 +402,7 @@ class KVReceiver:
     def _drop(self, key: PairKey, why: str) -> None:
         """Forget the pair's group (next generation) and fail every transfer expected on it."""
         with self._lock:
-            self._channels.pop(key, None)
+            _close_channel(self._channels.pop(key, None))
             ident = (key.prefill_id, key.prefill_incarnation)
             if self._generations.get(ident) == key.generation:
                 self._generations[ident] = key.generation + 1
@@ -401,6 +416,8 @@ class KVReceiver:
 
     def close(self) -> None:
         with self._lock:
+            for fut in self._channels.values():
+                _close_channel(fut)
             self._channels.clear()
             expected, self._expected = list(self._expected.values()), {}
         for e in expected:
