@@ -76,6 +76,10 @@ class RouterConfig:
     worker_failure_threshold: int = 3
     stream_failure_cooldown_s: float = 1.0
     max_route_attempts: int = 2
+    # Disaggregation (router/policies/disagg.py; only with prefill-role workers in the membership):
+    # prompts shorter than this run colocated on the decode worker; the workers' KV block size.
+    disagg_min_prompt_tokens: int = 256
+    disagg_block_size: int = 16
     # Shutdown: seconds in-flight streams get to finish on stop().
     shutdown_grace_s: float = 5.0
     # Membership: host:port of the controller's duet.control.v1.Membership service. Set, the router
@@ -125,6 +129,8 @@ class RouterConfig:
             _fail("membership_wait_s", self.membership_wait_s, "must be a number of seconds >= 0")
         _int_at_least("worker_failure_threshold", self.worker_failure_threshold, 1)
         _int_at_least("max_route_attempts", self.max_route_attempts, 1)
+        _int_at_least("disagg_min_prompt_tokens", self.disagg_min_prompt_tokens, 0)
+        _int_at_least("disagg_block_size", self.disagg_block_size, 1)
 
     @property
     def address(self) -> str:

@@ -1,7 +1,14 @@
 """The request path through the router, in one method (``Pipeline.generate``):
 
-    prepare (tokenize, validate)  ->  admission slot  ->  policy picks a worker  ->  Submit stream
-    ->  incremental detokenization + stop strings  ->  GenerateResponse stream
+    prepare (tokenize, validate)  ->  admission slot  ->  route (policy picks a worker, or a
+    (prefill, decode) pair: router/policies/disagg.py)  ->  Submit stream  ->  incremental
+    detokenization + stop strings  ->  GenerateResponse stream
+
+Disaggregated routes: the Submit goes to the decode worker with ``remote_prefill`` naming the
+prefill worker; the decode worker has it prefill and send the KV directly (the router never sees
+KV). ABORTED before the first token means the prefill half failed (prefill worker down or
+restarted, transfer lost or rejected): the prefill worker is reported failed and the request is
+retried once with another prefill worker; with none left it ends with UNAVAILABLE.
 
 Terms:
     delta        one worker SubmitResponse: the token ids generated since the previous one.
@@ -42,6 +49,7 @@ from protos.duet.worker.v1 import worker_pb2
 from router.admission import AdmissionController, AdmissionRejected
 from router.config import RouterConfig
 from router.policies import NoWorkersAvailable, RouteRequest, RoutingPolicy
+from router.policies.disagg import DisaggRouter, Route
 from router.preprocess import PreparedRequest, RequestError, ServedModel, prepare_request
 from router.workers import WorkerDirectory, WorkerLease
 from workers.detokenizer import IncrementalDetokenizer  # the one sanctioned workers import (pure Python)
@@ -59,11 +67,13 @@ _OFFLOAD_CHARS = 16_384  # prompts longer than this are tokenized on a thread, o
 
 
 class _RetryElsewhere(Exception):
-    """The worker failed before the first token; another worker may serve the request."""
+    """The worker failed before the first token; another worker may serve the request.
+    prefill_failed: only the prefill half failed (retry with another prefill worker)."""
 
-    def __init__(self, error: RequestError) -> None:
+    def __init__(self, error: RequestError, prefill_failed: bool = False) -> None:
         super().__init__(error.message)
         self.error = error
+        self.prefill_failed = prefill_failed
 
 
 class Pipeline:
@@ -73,6 +83,8 @@ class Pipeline:
         self.model = model
         self.directory = directory
         self.policy = policy
+        self.router = DisaggRouter(policy, block_size=config.disagg_block_size,
+                                   min_prompt_tokens=config.disagg_min_prompt_tokens)
         self.admission = admission
         self.counts: Counter[str] = Counter()
 
@@ -101,42 +113,53 @@ class Pipeline:
     async def _route_and_stream(self, prep: PreparedRequest,
                                 deadline: float | None) -> AsyncIterator[duet_pb2.GenerateResponse]:
         route = RouteRequest(prep.internal_id, prep.prompt_token_ids, prep.sampling.max_tokens)
-        tried: set[str] = set()
+        tried: set[str] = set()  # workers that failed (either half)
         last: RequestError | None = None
+        retry_prefill = False
         for _ in range(self.config.max_route_attempts):
             try:
-                worker_id = self._select(route, tried)
+                chosen = self._select(route, tried, retry_prefill)
             except NoWorkersAvailable as e:
                 if last is not None:
                     break
                 raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                    f"no healthy worker to serve the request: {e}") from None
-            tried.add(worker_id)
-            lease = self.directory.begin(worker_id, route)
+            lease = self.directory.begin(chosen.decode_id, route)
+            prefill = self.directory.begin(chosen.prefill_id, route) if chosen.prefill_id else None
             try:
-                async for response in self._stream(prep, lease, deadline):
+                async for response in self._stream(prep, lease, deadline, prefill):
                     yield response
                 return
             except _RetryElsewhere as r:
-                last = r.error
+                last, retry_prefill = r.error, r.prefill_failed
+                tried.add(chosen.prefill_id if r.prefill_failed else chosen.decode_id)
                 logger.warning("request %s: %s; trying another worker", prep.request_id, r.error.message)
             finally:
                 self.directory.end(lease)
-                self.policy.on_request_complete(worker_id, prep.internal_id)
+                if prefill is not None:
+                    self.directory.end(prefill)
+                self.router.on_request_complete(chosen.decode_id, prep.internal_id)
         assert last is not None
+        if retry_prefill:
+            last = RequestError(grpc.StatusCode.UNAVAILABLE, last.message)
         raise RequestError(last.code, f"{last.message} (tried {len(tried)} worker(s): {', '.join(sorted(tried))})")
 
-    def _select(self, route: RouteRequest, tried: set[str]) -> str:
+    def _select(self, route: RouteRequest, tried: set[str], require_prefill: bool) -> Route:
         workers = self.directory.snapshot()
         if tried:
             workers = [replace(w, healthy=False) if w.worker_id in tried else w for w in workers]
-        return self.policy.select(route, workers)
+        return self.router.select(route, workers, require_prefill=require_prefill)
 
-    async def _stream(self, prep: PreparedRequest, lease: WorkerLease,
-                      deadline: float | None) -> AsyncIterator[duet_pb2.GenerateResponse]:
+    async def _stream(self, prep: PreparedRequest, lease: WorkerLease, deadline: float | None,
+                      prefill: WorkerLease | None = None) -> AsyncIterator[duet_pb2.GenerateResponse]:
         started = time.monotonic()
         timeout = None if deadline is None else max(deadline - started, 0.001)
-        call = lease.stub.Submit(prep.submit_request(), timeout=timeout)
+        request = prep.submit_request()
+        if prefill is not None:
+            state = prefill.state
+            request.remote_prefill.CopyFrom(worker_pb2.RemotePrefill(
+                worker_id=prefill.worker_id, endpoint=state.endpoint, incarnation=state.incarnation))
+        call = lease.stub.Submit(request, timeout=timeout)
         lease.call = call
         detok = IncrementalDetokenizer(self.model.tokenizer, prep.prompt_token_ids, stop=prep.stop)
         num_out = 0
@@ -161,6 +184,11 @@ class Pipeline:
                 return
             raise self._worker_failed(prep, lease, num_out, "its stream ended without a finish reason")
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.ABORTED and num_out == 0 and prefill is not None:
+                self.directory.report_stream_failure(prefill, e.details() or "")
+                self.counts["prefill_failures"] += 1
+                raise _RetryElsewhere(RequestError(grpc.StatusCode.UNAVAILABLE, e.details() or "remote prefill failed"),
+                                      prefill_failed=True) from None
             raise self._map_worker_error(prep, lease, num_out, e) from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -201,7 +229,7 @@ class Pipeline:
 
     def stats(self) -> dict[str, object]:
         return {"requests": dict(self.counts), "admission": self.admission.stats(),
-                "policy_name": self.policy.name, "policy": self.policy.counters(), "workers": self.directory.describe(),
+                "policy_name": self.policy.name, "policy": self.router.counters(), "workers": self.directory.describe(),
                 "worker_stream_failures": self.directory.num_stream_failures}
 
 
