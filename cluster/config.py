@@ -10,12 +10,15 @@ error names the key, the value, where the value came from, and what to change::
 
 Sections (see ``cluster/duet.example.yaml`` for a documented file):
     model       what every worker serves: name or checkpoint path, dtype, max_model_len
-    pools       worker pools; for now exactly one, colocated (each worker prefills and decodes)
+    pools       worker pools, each sized and placed on its own; role colocated (each worker prefills
+                and decodes), or a disaggregated pair of pools: prefill (computes prompts and sends
+                their KV) + decode (streams tokens); see router/policies/disagg.py
     router      the public gRPC server: host, port, routing policy + options, admission limits
     ray         where the workers run: an existing cluster (``address``) or an embedded local one
     controller  how often membership and health are polled, how long a worker may take to start
 
-"The pool" (``pool.*`` keys) is ``pools[0]``: env and flags address it by that alias.
+"The pool" (``pool.*`` keys) is ``pools[0]``: env and flags address it by that alias (so
+``--replicas`` sizes the first pool; size the others in the YAML file).
 
 This module imports neither torch nor ray (``duet --help`` stays fast); ``to_engine_config`` and
 ``to_router_config`` import the engine and router configs when called.
@@ -47,7 +50,7 @@ __all__ = ["ClusterConfigError", "DuetConfig", "load_config"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 PLACEMENT_STRATEGIES = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
-ROLES = ("colocated",)
+ROLES = ("colocated", "prefill", "decode")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -105,6 +108,8 @@ class RouterSection:
     max_in_flight: int = 128
     max_queue: int = 512
     shutdown_grace_s: float = 5.0
+    # With a prefill pool: prompts shorter than this many tokens run colocated on a decode worker.
+    disagg_min_prompt_tokens: int = 256
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy_options", types.MappingProxyType(dict(self.policy_options)))
@@ -145,7 +150,7 @@ class DuetConfig:
 
     @property
     def pool(self) -> PoolSection:
-        """The (for now only) pool."""
+        """The first pool (what ``pool.*`` env keys and flags set)."""
         return self.pools[0]
 
     def to_engine_config(self, pool: PoolSection | None = None):
@@ -171,7 +176,8 @@ class DuetConfig:
             tokenizer_path=tokenizer_path, model_name=Path(self.model.name).name,
             max_model_len=max_model_len if max_model_len is not None else self.model.max_model_len,
             host=r.host, port=r.port, policy=r.policy, policy_options=dict(r.policy_options),
-            max_in_flight=r.max_in_flight, max_queue=r.max_queue, shutdown_grace_s=r.shutdown_grace_s, **extra)
+            max_in_flight=r.max_in_flight, max_queue=r.max_queue, shutdown_grace_s=r.shutdown_grace_s,
+            disagg_min_prompt_tokens=r.disagg_min_prompt_tokens, disagg_block_size=self.pool.engine.block_size, **extra)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what ``duet serve --dry-run`` prints as YAML)."""
@@ -253,7 +259,7 @@ def _check_pool(pool: PoolSection, p: str, s: Sources) -> None:
     need(bool(_NAME_RE.match(pool.name)), f"{p}.name", pool.name, s,
          "must be lower-case letters, digits and '_', starting with a letter (it names the actors)")
     need(pool.role in ROLES, f"{p}.role", pool.role, s,
-         f"must be one of {', '.join(ROLES)} (disaggregated prefill/decode pools are not built yet)")
+         f"must be one of {', '.join(ROLES)} (prefill + decode pools make a disaggregated deployment)")
     need(pool.replicas >= 1, f"{p}.replicas", pool.replicas, s, "must be >= 1")
     need(pool.cpus_per_replica >= 1, f"{p}.cpus_per_replica", pool.cpus_per_replica, s,
          "must be >= 1 (it is also the worker's torch thread count)")
@@ -276,6 +282,8 @@ def _check_router(r: RouterSection, p: str, s: Sources) -> None:
     need(r.max_in_flight >= 1, f"{p}.max_in_flight", r.max_in_flight, s, "must be >= 1")
     need(r.max_queue >= 0, f"{p}.max_queue", r.max_queue, s, "must be >= 0 (0 = reject when all slots are busy)")
     need(r.shutdown_grace_s >= 0, f"{p}.shutdown_grace_s", r.shutdown_grace_s, s, "must be >= 0 seconds")
+    need(r.disagg_min_prompt_tokens >= 0, f"{p}.disagg_min_prompt_tokens", r.disagg_min_prompt_tokens, s,
+         "must be >= 0 (0 = disaggregate every request)")
 
 
 def _check_ray(r: RaySection, p: str, s: Sources) -> None:
@@ -295,8 +303,15 @@ def _check_controller(c: ControllerSection, p: str, s: Sources) -> None:
 
 
 def _check_duet(c: DuetConfig, p: str, s: Sources) -> None:
-    need(len(c.pools) == 1, "pools", [pool.name for pool in c.pools], s,
-         "must hold exactly one pool for now (one colocated pool; more pools come with disaggregation)")
+    names = [pool.name for pool in c.pools]
+    need(len(c.pools) >= 1, "pools", names, s, "must hold at least one pool")
+    need(len(set(names)) == len(names), "pools", names, s, "pool names must be unique (they name the actors)")
+    roles = {pool.role for pool in c.pools}
+    need(bool(roles & {"colocated", "decode"}), "pools", names, s,
+         "needs a colocated or decode pool to stream tokens (a prefill pool only computes prompts)")
+    sizes = {pool.engine.block_size for pool in c.pools}
+    need(len(sizes) == 1, "pools", names, s,
+         f"every pool must use the same engine.block_size (KV blocks move between them), got {sorted(sizes)}")
 
 
 _CHECKS = {ModelSection: _check_model, EngineSection: _check_engine, PoolSection: _check_pool,
