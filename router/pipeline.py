@@ -161,6 +161,8 @@ class Pipeline:
                 worker_id=prefill.worker_id, endpoint=state.endpoint, incarnation=state.incarnation))
         call = lease.stub.Submit(request, timeout=timeout)
         lease.call = call
+        if prefill is not None:  # a prefill worker declared dead cancels the call too (it may hang on it)
+            prefill.call = call
         detok = IncrementalDetokenizer(self.model.tokenizer, prep.prompt_token_ids, stop=prep.stop)
         num_out = 0
         try:
@@ -192,6 +194,11 @@ class Pipeline:
             raise self._map_worker_error(prep, lease, num_out, e) from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
+            if prefill is not None and prefill.failure is not None and lease.failure is None and num_out == 0 \
+                    and task is not None and not task.cancelling():
+                self.counts["prefill_failures"] += 1
+                raise _RetryElsewhere(RequestError(grpc.StatusCode.UNAVAILABLE, prefill.failure),
+                                      prefill_failed=True) from None
             if lease.failure is not None and task is not None and not task.cancelling():
                 raise self._worker_failed(prep, lease, num_out, lease.failure) from None  # we cancelled the call
             logger.info("request %s (internal %s) cancelled by the client after %d tokens; aborting it on %s",

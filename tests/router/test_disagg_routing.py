@@ -5,6 +5,9 @@ none left the client gets UNAVAILABLE."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+
 import grpc
 import pytest
 from router_fakes import FakeWorker, FakeWorkerServer, LoopThread, SCRIPT, run_async, tok, wait_until  # noqa: F401
@@ -73,8 +76,12 @@ class DecodeFake(FakeWorker):
     worker in ``bad_prefill`` (as a real decode worker does when the prefill half fails)."""
 
     bad_prefill: set[str] = set()
+    stall_on: set[str] = set()  # wait forever, as when the prefill worker vanished silently
 
     async def Submit(self, request, context):
+        if request.HasField("remote_prefill") and request.remote_prefill.worker_id in self.stall_on:
+            self.submitted.append(request)
+            await asyncio.sleep(3600)
         if request.HasField("remote_prefill") and request.remote_prefill.worker_id in self.bad_prefill:
             self.submitted.append(request)
             await context.abort(grpc.StatusCode.ABORTED, f"remote prefill failed: {request.remote_prefill.worker_id}")
@@ -92,7 +99,7 @@ def cluster(smollm2_path, tok):
         s.start()
     members = [("d0", decode.endpoint, "decode")] + [(s.worker.worker_id, s.endpoint, "prefill") for s in prefills]
     config = RouterConfig(tokenizer_path=str(smollm2_path), port=0, policy="least_loaded", load_poll_interval_s=0.05,
-                          disagg_min_prompt_tokens=32, stream_failure_cooldown_s=0.0)
+                          disagg_min_prompt_tokens=32, stream_failure_cooldown_s=0.0, load_poll_timeout_s=0.3)
     handle = serve_router(config, members)
     wait_until(lambda: all(w["healthy"] for w in handle.server.directory.describe()), what="workers healthy")
     yield handle, decode, prefills
@@ -138,3 +145,22 @@ def test_pipeline_names_the_prefill_worker_and_retries_a_failed_prefill_once(clu
         assert handle.server.pipeline.counts["prefill_failures"] >= 2
     finally:
         DecodeFake.bad_prefill = set()
+
+
+def test_a_silently_vanished_prefill_worker_cancels_the_wait_and_retries(cluster):
+    handle, decode, prefills = cluster
+    dw, p0 = decode.worker, prefills[0]
+    wait_until(lambda: all(w["healthy"] for w in handle.server.directory.describe()), what="workers healthy")
+    DecodeFake.stall_on = {"p0"}
+    try:
+        dw.submitted.clear()
+        pending: concurrent.futures.Future = concurrent.futures.ThreadPoolExecutor(1).submit(
+            run_async, generate(handle.address, "a prompt nobody sent before " * 8))
+        wait_until(lambda: any(r.remote_prefill.worker_id == "p0" for r in dw.submitted), what="routed via p0")
+        p0.worker.hang = True  # GetLoad stops answering: the router declares p0 dead after 3 polls
+        out = pending.result(timeout=30)
+        assert out[-1].finish_reason != duet_pb2.FINISH_REASON_UNSPECIFIED
+        assert dw.submitted[-1].remote_prefill.worker_id == "p1"
+    finally:
+        DecodeFake.stall_on = set()
+        p0.worker.hang = False
