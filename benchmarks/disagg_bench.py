@@ -7,8 +7,9 @@ Two deployments of SmolLM2 (embedded Ray, 2 CPUs), one after the other, the same
     disagg      a prefill pool of 1 worker x 1 CPU + a decode pool of 1 worker x 1 CPU; every
                 request (prompts are all above router.disagg_min_prompt_tokens) is prefilled on the
                 prefill worker and its KV sent to the decode worker over gloo
-Workload: prompts of ``--min-prompt``..``--max-prompt`` tokens (512-1024 by default: long enough
-for prefill to stall colocated decodes), built from benchmarks/data/serving_prompts.txt, with
+Workload: distinct prompts of ``--min-prompt``..``--max-prompt`` tokens (512-1024 by default: long
+enough for prefill to stall colocated decodes), built from benchmarks/data/serving_prompts.txt and
+new for every rate (so no rate is helped by the prefix cache of an earlier one), with
 ``--min-output``..``--max-output`` output tokens (64-128, ignore_eos), arriving as a Poisson
 process at each rate (benchmarks/load_gen.py), through the public router; the load runs in a child
 process so the client does not share the router's GIL. Metrics (benchmarks/serving_metrics.py):
@@ -95,13 +96,13 @@ def run_client(args: argparse.Namespace) -> int:
     from benchmarks.load_gen import BenchRequest, RouterSender, poisson_arrivals, run_open_loop
 
     spec = json.loads(args.workload.read_text())
-    requests = [BenchRequest(r["prompt"], tuple(r["ids"]), r["max_tokens"]) for r in spec["requests"]]
 
     async def go() -> dict[str, Any]:
         async with grpc.aio.insecure_channel(args.target) as channel:
             sender = RouterSender(channel, args.timeout)
             out = {}
             for i, rate in enumerate(spec["rates"]):
+                requests = [BenchRequest(r["prompt"], tuple(r["ids"]), r["max_tokens"]) for r in spec["requests"][i]]
                 records = await run_open_loop(sender, requests, poisson_arrivals(len(requests), rate, spec["seed"] + i))
                 out[str(rate)] = [asdict(r) for r in records]
                 logger.info("rate %g: %d/%d ok", rate, sum(r.ok for r in records), len(records))
@@ -274,18 +275,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.rates, args.num_requests = "0.5,1", 8
     rates = [float(r) for r in args.rates.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
-    texts = long_prompts(tokenizer, args.num_requests, args.min_prompt, args.max_prompt, args.seed)
-    requests = build_workload(tokenizer, args.num_requests, seed=args.seed, min_output=args.min_output,
-                              max_output=args.max_output, prompts=texts)
+    per_rate = []  # distinct requests for each rate: [rate index][request]
+    for i in range(len(rates)):
+        texts = long_prompts(tokenizer, args.num_requests, args.min_prompt, args.max_prompt, args.seed + 1000 * i)
+        per_rate.append([build_workload(tokenizer, 1, seed=args.seed + 1000 * i + j, min_output=args.min_output,
+                                        max_output=args.max_output, prompts=[text])[0] for j, text in enumerate(texts)])
     res: dict[str, Any] = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                                       if k not in ("target", "workload", "records")},
                            "machine": _machine(), "code": _code_version(), "results": {}, "runs": {}}
     res["config"]["rates"] = rates
-    res["config"]["prompt_tokens"] = [len(r.prompt_ids) for r in requests]
+    res["config"]["prompt_tokens"] = [[len(r.prompt_ids) for r in rs] for rs in per_rate]
     with tempfile.TemporaryDirectory() as tmp:
         workload = Path(tmp) / "workload.json"
         workload.write_text(json.dumps({"seed": args.seed, "rates": rates, "requests": [
-            {"prompt": r.prompt, "ids": list(r.prompt_ids), "max_tokens": r.max_tokens} for r in requests]}))
+            [{"prompt": r.prompt, "ids": list(r.prompt_ids), "max_tokens": r.max_tokens} for r in rs]
+            for rs in per_rate]}))
         for name, pools in configs(args.model).items():
             logger.info("configuration %s: starting", name)
             raw = run_configuration(name, pools, args, workload, rates)
