@@ -223,9 +223,9 @@ def print_report(res: dict[str, Any]) -> None:
             print(f"{rate:>6g} {name:>10} {r['completed']:>2}/{r['num_requests']:<2} {r['ttft']['p50_ms']:>9.0f} "
                   f"{r['ttft']['p90_ms']:>9.0f} {r['tpot']['p50_ms']:>9.1f} {r['tpot']['p90_ms']:>9.1f} "
                   f"{r['goodput_ttft_rps']:>9.3f} {r['goodput_tpot_rps']:>9.3f} {r['goodput_rps']:>9.3f}")
-        ratio = res["ratios"][str(rate)]
-        print(f"{'':>6} {'disagg/colo':>10} goodput at the tight TPOT SLO x{ratio['goodput_tpot']}, TTFT p90 "
-              f"x{ratio['ttft_p90']}, TPOT p90 x{ratio['tpot_p90']}")
+        ratio = {k: "n/a (colocated 0)" if v is None else f"x{v}" for k, v in res["ratios"][str(rate)].items()}
+        print(f"{'':>6} {'disagg/colo':>10} goodput at the tight TPOT SLO {ratio['goodput_tpot']}, TTFT p90 "
+              f"{ratio['ttft_p90']}, TPOT p90 {ratio['tpot_p90']}")
     t = res["kv_transfer"]
     if t.get("transfers"):
         print(f"\nKV transfer: {t['transfers']} transfers, mean {t['mean_transfer_mb']:.1f} MB, "
