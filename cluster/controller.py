@@ -148,9 +148,10 @@ class Controller:
         self._push(index, push)
 
     def describe(self) -> list[dict[str, object]]:
-        """One dict per replica: pool, worker id, state, endpoint, incarnation, starts, last error."""
+        """One dict per replica: pool, role, worker id, state, endpoint, incarnation, starts, last error."""
         with self._lock:
-            return [{"pool": r.replica.pool, "worker_id": r.replica.worker_id, "state": r.state,
+            return [{"pool": r.replica.pool, "role": self.role_of(r.replica.worker_id),
+                     "worker_id": r.replica.worker_id, "state": r.state,
                      "endpoint": r.endpoint, "incarnation": r.incarnation, "starts": r.starts,
                      "last_error": r.last_error} for r in self._replicas]
 
