@@ -4,14 +4,17 @@ Sequence for one request (D = decode worker, P = prefill worker; the router sent
 ``remote_prefill`` = P)::
 
     D  engine.reserve          prefix-cache hits + blocks for the rest -> KVTicket
-    D  receiver.channel(pair)  start (or reuse) the pair's gloo/nccl group rendezvous on D's store
+    D  receiver.expect(tid)    register the transfer this request waits for
+    D  receiver.channel(pair)  start (or reuse) the pair's gloo/nccl group rendezvous on D's store;
+                               once up, the pair's receive loop reads every announced transfer
     D -> P  Prefill(ticket, D's store address, pair key)          [gRPC, worker to worker]
     P  sender.channel(pair)    join the same rendezvous (first time for this pair key only)
     P  engine: compute the prompt (chunked, prefix cache), sample token 1, copy out blocks
        first_block.. and free everything (KVExport)
-    P -> D  PrefillResponse #1 (token 1, generator state)      "the transfer starts now"
-    P => D  header, per-block (seq, checksum), payload          [torch.distributed, never gRPC]
-    D  receiver.receive_one    read + verify (layout, id, range, sequence numbers, checksums)
+    P -> D  PrefillResponse #1 (token 1, generator state)
+    P => D  announce, header, per-block (seq, checksum), payload   [torch.distributed, never gRPC]
+    D  receive loop            read + verify (layout, id, range, sequence numbers, checksums) and
+                               settle the request's future
     P -> D  PrefillResponse #2 (bytes, seconds)                 "sent"
     D  engine.import_kv        write the blocks, restore the generator, append token 1, decode on
 
@@ -82,16 +85,14 @@ class Disaggregation:
         if isinstance(ticket, Exception):
             raise ticket
         key = self.receiver.pair_key(remote.worker_id, remote.incarnation)
-        self.receiver.channel(key)  # start the rendezvous now; P joins when the request reaches it
         expected = self.receiver.expect(key, ticket.transfer_id, ticket.first_block, ticket.num_blocks)
+        self.receiver.channel(key)  # start the rendezvous now; P joins when the request reaches it
         call = self._stub(remote.endpoint).Prefill(self._prefill_request(request_id, prompt, sampling, ticket, key,
                                                                          remote.incarnation))
         try:
             first = await call.read()
             if first is grpc.aio.EOF:
                 raise RemotePrefillError(f"prefill worker {remote.worker_id} ended the call without a result")
-            channel = await asyncio.wait_for(asyncio.wrap_future(self.receiver.channel(key)), self.timeout_s)
-            await asyncio.get_running_loop().run_in_executor(channel.executor, self.receiver.receive_one, key)
             received = await asyncio.wait_for(asyncio.wrap_future(expected), self.timeout_s)
             done = await asyncio.wait_for(call.read(), self.timeout_s)
             if done is grpc.aio.EOF or not done.transfer_done:

@@ -25,11 +25,14 @@ Terms:
                 K/V elements over all layers: one cheap pass that catches truncation, a flipped
                 element and blocks swapped in transit (block i's sum lands under index j).
 
-Ordering. Transfers on one pair are serialised: the sender holds the pair's lock from header to
-payload, and the receiver reads one whole transfer at a time under its own lock and dispatches it by
-transfer id, so concurrent requests on one pair may arrive in any order. The receiver only posts a
-receive once the sender has announced (over gRPC) that it is about to send, so no receive ever waits
-for a transfer that will not come; a peer that dies mid-transfer shows as an error at once (gloo
+Ordering. Transfers on one pair form one ordered stream: the sender holds the pair's lock from
+announcement to payload; before each transfer it *announces* it in the pair's store (key
+``announce/<n>`` = transfer id, n = 1, 2, ...). The decode side runs one receive loop per pair (on
+the pair's own thread) that waits for announcement n, reads that whole transfer, dispatches it by
+transfer id to whoever expects it (or discards it: the request ended meanwhile) and moves to n + 1.
+So concurrent requests on one pair may complete in any order, a request that gives up never
+desynchronises the stream (its transfer is still read, then dropped), and no receive is posted for
+a transfer that was never started. A peer that dies mid-transfer shows as an error at once (gloo
 sees the closed connection), a silent one as a timeout.
 
 Failure: any error on a pair (timeout, closed peer, bad header, checksum mismatch) fails the
@@ -146,16 +149,22 @@ def _decode_header(head: torch.Tensor, layout: KVLayout) -> tuple[str, int, int]
 class PairChannel:
     """One pair's 2-rank process group. Blocking methods: call them from a thread, not an event loop."""
 
-    def __init__(self, key: PairKey, store: TCPStore, rank: int, timeout_s: float, backend: str) -> None:
+    def __init__(self, key: PairKey, store: TCPStore, rank: int, timeout_s: float, backend: str,
+                 wait_store: TCPStore | None = None) -> None:
+        """wait_store (rank 1): a store client of its own for the receive loop's blocking waits (a
+        client serialises its calls: a wait on the shared one would block every other pair)."""
         assert rank in (0, 1)
         self.key = key
         self.rank = rank
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.lock = threading.Lock()  # one transfer at a time on this pair
+        self._announced = 0  # rank 0: transfers announced; rank 1: the next one the loop waits for
+        self._closed = threading.Event()
         # The pair's own thread for blocking sends/receives: a shared pool could fill up with
         # transfers waiting on each other (both halves in one process) and deadlock until timeout.
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{key.prefill_id}-{key.decode_id}")
-        pstore = PrefixStore(key.prefix, store)
+        pstore = self.store = PrefixStore(key.prefix, store)
+        self._wait_store = PrefixStore(key.prefix, wait_store) if wait_store is not None else pstore
         if backend == "nccl":
             from torch.distributed import ProcessGroupNCCL
 
@@ -165,7 +174,46 @@ class PairChannel:
         self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
 
     def close(self) -> None:
+        """Stop using the pair. On the receiving side this also wakes the receive loop (it waits for
+        the next announcement) with an empty announcement, on which it exits."""
+        self._closed.set()
+        if self.rank == 1:
+            try:
+                self.store.set(f"announce/{self._announced}", b"")
+            except Exception:  # noqa: BLE001 - the store is gone: the loop fails on its own
+                pass
         self.executor.shutdown(wait=False)
+
+    def announce(self, transfer_id: str) -> None:
+        """Rank 0, holding ``lock``: tell the receive loop that the next transfer on the stream is this one."""
+        self._announced += 1
+        self.store.set(f"announce/{self._announced}", transfer_id.encode())
+
+    def receive_loop(self, layout: KVLayout, deliver, fail) -> None:
+        """Rank 1, on ``executor``: for announcement 1, 2, ...: receive that transfer and call
+        ``deliver(transfer id, first block, checks, kv, bytes, seconds)``. On an error call
+        ``fail(error)`` and stop (the pair is unusable). Returns when closed."""
+        wait = datetime.timedelta(seconds=300)  # idle pairs just wait again (TCPStore logs each timeout)
+        while not self._closed.is_set():
+            self._announced += 1
+            while not self._closed.is_set():
+                try:
+                    self._wait_store.wait([f"announce/{self._announced}"], wait)
+                    break
+                except RuntimeError as e:
+                    if "timeout" not in str(e).lower():
+                        fail(e)
+                        return
+            if self._closed.is_set() or not self._wait_store.get(f"announce/{self._announced}"):
+                return
+            start = time.monotonic()
+            try:
+                with self.lock:
+                    tid, first, checks, kv, nbytes = self.receive(layout)
+            except BaseException as e:  # noqa: BLE001 - any failure poisons the pair
+                fail(e)
+                return
+            deliver(tid, first, checks, kv, nbytes, time.monotonic() - start)
 
     def _wait(self, work) -> None:
         if not work.wait(self.timeout):
@@ -177,6 +225,7 @@ class PairChannel:
         checks = torch.stack([torch.arange(first_block, first_block + n), block_checksums(kv)], dim=1)  # [n, 2]
         head = _encode_header(layout, transfer_id, first_block, n)
         payload = kv.contiguous().to(self.device)
+        self.announce(transfer_id)
         for tensor, tag in ((head.to(self.device), _TAG_HEADER), (checks.to(self.device), _TAG_CHECKS),
                             (payload, _TAG_PAYLOAD)):
             self._wait(self.group.send([tensor], 1, tag))
@@ -300,10 +349,10 @@ class _Expected:
 class KVReceiver:
     """Decode side: hosts the store, builds one PairChannel per prefill worker, verifies transfers.
 
-    Use (per request): ``key = pair_key(prefill id, incarnation)``; ``channel(key)`` (starts the
-    rendezvous); ``expect(key, tid, first_block, n)`` -> a Future; when the prefill side announces
-    its send, ``receive_one(key)`` on a thread; the Future then holds the verified ``ReceivedKV``
-    or a KVTransferError. ``cancel(tid)`` when the request ends first (a late arrival is discarded).
+    Use (per request): ``key = pair_key(prefill id, incarnation)``; ``expect(key, tid, first_block,
+    n)`` -> a Future; ``channel(key)`` (starts the rendezvous and, once the group is up, the pair's
+    receive loop). The Future then holds the verified ``ReceivedKV`` or a KVTransferError.
+    ``cancel(tid)`` when the request ends first (its transfer, if it comes, is read and discarded).
     """
 
     def __init__(self, layout: KVLayout, worker_id: str, incarnation: str, host: str = "127.0.0.1",
@@ -316,6 +365,7 @@ class KVReceiver:
         self.stats = TransferStats()
         self.store = TCPStore(host.strip("[]"), 0, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout_s))
+        self._host = host.strip("[]")
         self.address = f"[{host}]:{self.store.port}" if ":" in host else f"{host}:{self.store.port}"
         self._lock = threading.Lock()
         self._generations: dict[tuple[str, str], int] = {}
@@ -338,7 +388,12 @@ class KVReceiver:
 
     def _build(self, fut: Future, key: PairKey) -> None:
         try:
-            fut.set_result(PairChannel(key, self.store, 1, self.timeout_s, self.backend))
+            waiter = TCPStore(self._host, self.store.port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=self.timeout_s))
+            channel = PairChannel(key, self.store, 1, self.timeout_s, self.backend, wait_store=waiter)
+            channel.executor.submit(channel.receive_loop, self.layout, lambda *a: self._deliver(key, *a),
+                                    lambda e: self._drop(key, f"receive failed: {e}"))
+            fut.set_result(channel)
             logger.info("kv pair %s: group ready (decode side)", key.prefix)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
             self._drop(key, f"could not build the group: {e}")
@@ -356,18 +411,9 @@ class KVReceiver:
         with self._lock:
             self._expected.pop(transfer_id, None)
 
-    def receive_one(self, key: PairKey) -> None:
-        """Blocking: receive the next transfer on ``key``'s pair and settle its Future. Errors on
-        the pair fail every transfer expected on it and drop the pair (next generation)."""
-        start = time.monotonic()
-        try:
-            channel = self.channel(key).result(timeout=self.timeout_s)
-            with channel.lock:
-                tid, first, checks, kv, nbytes = channel.receive(self.layout)
-        except BaseException as e:  # noqa: BLE001 - any failure poisons the pair
-            self._drop(key, f"receive failed: {e}")
-            return
-        dt = time.monotonic() - start
+    def _deliver(self, key: PairKey, tid: str, first: int, checks: torch.Tensor, kv: torch.Tensor, nbytes: int,
+                 dt: float) -> None:
+        """The receive loop's hand-off: verify a transfer and settle its Future (or discard it)."""
         with self._lock:
             exp = self._expected.pop(tid, None)
         if exp is None:

@@ -3,7 +3,7 @@
 Commands (tuples on ``inbox``), answered on ``outbox``:
     ("send", key, store_address, transfer_id, first_block, num_blocks, seed, mode)
         mode "ok": send kv_of(seed, num_blocks); "corrupt": lie about block 1's checksum;
-        "stall": send header and checks, then stop forever (the test kills us or times out).
+        "stall": announce and send the header, then stop forever (the test kills us or times out).
     ("exit",)
 """
 
@@ -41,6 +41,7 @@ def run_peer(inbox, outbox, timeout_s: float = 10.0) -> None:
                 kv_transfer.block_checksums = lambda x: real(x) + torch.tensor([0, 1] + [0] * (x.shape[2] - 2))
             if mode == "stall":
                 header = kv_transfer._encode_header(sender.layout, tid, first, n)
+                channel.announce(tid)
                 work = channel.group.send([header], 1, 1)  # noqa: F841 - kept alive; never completes the rest
                 outbox.put(("stalled", 0))
                 time.sleep(3600)
