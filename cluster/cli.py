@@ -31,10 +31,10 @@ SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--model": ("model.name", str, "model name ('SmolLM2-135M-Instruct') or local HF checkpoint dir [DUET_MODEL]"),
     "--dtype": ("model.dtype", str, "float32 | bfloat16 | float16 [DUET_DTYPE]"),
     "--max-model-len": ("model.max_model_len", int, "context limit, prompt + output [DUET_MAX_MODEL_LEN]"),
-    "--replicas": ("pool.replicas", int, "worker actors in the pool [DUET_REPLICAS]"),
-    "--cpus-per-replica": ("pool.cpus_per_replica", int, "CPUs (= torch threads) per worker [DUET_CPUS_PER_REPLICA]"),
+    "--replicas": ("pool.replicas", int, "worker actors in the (first) pool [DUET_REPLICAS]"),
+    "--cpus-per-replica": ("pool.cpus_per_replica", int, "CPUs (= torch threads) per worker of the (first) pool [DUET_CPUS_PER_REPLICA]"),
     "--kv-cache-memory": ("pool.engine.kv_cache_memory_bytes", str,
-                          "KV cache budget per worker, e.g. 256MiB, 1GiB [DUET_KV_CACHE_MEMORY]"),
+                          "KV cache budget per worker of the (first) pool, e.g. 256MiB, 1GiB [DUET_KV_CACHE_MEMORY]"),
     "--host": ("router.host", str, "router bind address; 0.0.0.0 for all interfaces [DUET_HOST]"),
     "--port": ("router.port", int, "router port, 0 = any free port [DUET_PORT]"),
     "--policy": ("router.policy", str, "round_robin | least_loaded | prefix_aware [DUET_POLICY]"),
@@ -53,9 +53,9 @@ SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve the model over gRPC: Ray + worker pool + router (foreground)",
-                       description="Start Ray (embedded local unless --ray-address / RAY_ADDRESS), a pool of "
-                       "worker actors and the gRPC router; log where it listens; serve until Ctrl-C or "
+    p = sub.add_parser("serve", help="serve the model over gRPC: Ray + worker pools + router (foreground)",
+                       description="Start Ray (embedded local unless --ray-address / RAY_ADDRESS), the worker "
+                       "pools (one colocated pool, or prefill + decode pools: see the YAML) and the gRPC router; log where it listens; serve until Ctrl-C or "
                        "SIGTERM, then stop the router, the workers and (if embedded) Ray. Settings: "
                        "defaults < --config YAML < DUET_* env < flags.")
     p.add_argument("--config", metavar="FILE", help="YAML config (default: $DUET_CONFIG if set); "

@@ -10,12 +10,15 @@ error names the key, the value, where the value came from, and what to change::
 
 Sections (see ``cluster/duet.example.yaml`` for a documented file):
     model       what every worker serves: name or checkpoint path, dtype, max_model_len
-    pools       worker pools; for now exactly one, colocated (each worker prefills and decodes)
+    pools       worker pools, each sized and placed on its own; role colocated (each worker prefills
+                and decodes), or a disaggregated pair of pools: prefill (computes prompts and sends
+                their KV) + decode (streams tokens); see router/policies/disagg.py
     router      the public gRPC server: host, port, routing policy + options, admission limits
     ray         where the workers run: an existing cluster (``address``) or an embedded local one
     controller  how often membership and health are polled, how long a worker may take to start
 
-"The pool" (``pool.*`` keys) is ``pools[0]``: env and flags address it by that alias.
+"The pool" (``pool.*`` keys) is ``pools[0]``: env and flags address it by that alias (so
+``--replicas`` sizes the first pool; size the others in the YAML file).
 
 This module imports neither torch nor ray (``duet --help`` stays fast); ``to_engine_config`` and
 ``to_router_config`` import the engine and router configs when called.
@@ -47,7 +50,7 @@ __all__ = ["ClusterConfigError", "DuetConfig", "load_config"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 PLACEMENT_STRATEGIES = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
-ROLES = ("colocated",)
+ROLES = ("colocated", "prefill", "decode")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -116,6 +119,8 @@ class RouterSection:
     tls_client_ca_file: str | None = None
     auth_tokens_file: str | None = None
     max_request_bytes: int = 4 << 20
+    # With a prefill pool: prompts shorter than this many tokens run colocated on a decode worker.
+    disagg_min_prompt_tokens: int = 256
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy_options", types.MappingProxyType(dict(self.policy_options)))
@@ -156,7 +161,7 @@ class DuetConfig:
 
     @property
     def pool(self) -> PoolSection:
-        """The (for now only) pool."""
+        """The first pool (what ``pool.*`` env keys and flags set)."""
         return self.pools[0]
 
     def to_engine_config(self, pool: PoolSection | None = None):
@@ -184,7 +189,8 @@ class DuetConfig:
             host=r.host, port=r.port, policy=r.policy, policy_options=dict(r.policy_options),
             max_in_flight=r.max_in_flight, max_queue=r.max_queue, shutdown_grace_s=r.shutdown_grace_s,
             tls_cert_file=r.tls_cert_file, tls_key_file=r.tls_key_file, tls_client_ca_file=r.tls_client_ca_file,
-            auth_tokens_file=r.auth_tokens_file, max_request_bytes=r.max_request_bytes, **extra)
+            auth_tokens_file=r.auth_tokens_file, max_request_bytes=r.max_request_bytes,
+            disagg_min_prompt_tokens=r.disagg_min_prompt_tokens, disagg_block_size=self.pool.engine.block_size, **extra)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what ``duet serve --dry-run`` prints as YAML)."""
@@ -270,7 +276,7 @@ def _check_pool(pool: PoolSection, p: str, s: Sources) -> None:
     need(bool(_NAME_RE.match(pool.name)), f"{p}.name", pool.name, s,
          "must be lower-case letters, digits and '_', starting with a letter (it names the actors)")
     need(pool.role in ROLES, f"{p}.role", pool.role, s,
-         f"must be one of {', '.join(ROLES)} (disaggregated prefill/decode pools are not built yet)")
+         f"must be one of {', '.join(ROLES)} (prefill + decode pools make a disaggregated deployment)")
     need(pool.replicas >= 1, f"{p}.replicas", pool.replicas, s, "must be >= 1")
     need(pool.cpus_per_replica >= 1, f"{p}.cpus_per_replica", pool.cpus_per_replica, s,
          "must be >= 1 (it is also the worker's torch thread count)")
@@ -304,6 +310,8 @@ def _check_router(r: RouterSection, p: str, s: Sources) -> None:
     need(r.tls_client_ca_file is None or r.tls_cert_file is not None, f"{p}.tls_client_ca_file",
          r.tls_client_ca_file, s, "client certificates (mTLS) need TLS: set router.tls_cert_file and tls_key_file")
     need(r.max_request_bytes >= 1024, f"{p}.max_request_bytes", r.max_request_bytes, s, "must be at least 1024")
+    need(r.disagg_min_prompt_tokens >= 0, f"{p}.disagg_min_prompt_tokens", r.disagg_min_prompt_tokens, s,
+         "must be >= 0 (0 = disaggregate every request)")
 
 
 def _check_ray(r: RaySection, p: str, s: Sources) -> None:
@@ -323,8 +331,15 @@ def _check_controller(c: ControllerSection, p: str, s: Sources) -> None:
 
 
 def _check_duet(c: DuetConfig, p: str, s: Sources) -> None:
-    need(len(c.pools) == 1, "pools", [pool.name for pool in c.pools], s,
-         "must hold exactly one pool for now (one colocated pool; more pools come with disaggregation)")
+    names = [pool.name for pool in c.pools]
+    need(len(c.pools) >= 1, "pools", names, s, "must hold at least one pool")
+    need(len(set(names)) == len(names), "pools", names, s, "pool names must be unique (they name the actors)")
+    roles = {pool.role for pool in c.pools}
+    need(bool(roles & {"colocated", "decode"}), "pools", names, s,
+         "needs a colocated or decode pool to stream tokens (a prefill pool only computes prompts)")
+    sizes = {pool.engine.block_size for pool in c.pools}
+    need(len(sizes) == 1, "pools", names, s,
+         f"every pool must use the same engine.block_size (KV blocks move between them), got {sorted(sizes)}")
 
 
 _CHECKS = {ModelSection: _check_model, EngineSection: _check_engine, PoolSection: _check_pool,

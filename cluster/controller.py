@@ -81,6 +81,7 @@ class Controller:
         self.probe_timeout_s = probe_timeout_s
         self.start_timeout_s = start_timeout_s
         self._pools = {p.name: p for p in pools}
+        self._roles = {r.worker_id: p.section.role for p in pools for r in p.replicas}
         self._replicas = [_Replica(r) for p in pools for r in p.replicas]
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -103,6 +104,14 @@ class Controller:
     def members(self) -> Members:
         with self._lock:
             return self._members_locked()
+
+    def role_of(self, worker_id: str) -> str:
+        """The worker's pool role (colocated, prefill or decode)."""
+        return self._roles.get(worker_id, "colocated")
+
+    def members_with_roles(self) -> list[tuple[str, str, str]]:
+        """``members()`` with each worker's role: what routers are given."""
+        return [(w, e, self.role_of(w)) for w, e in self.members()]
 
     def wait_ready(self, count: int | None = None, timeout: float | None = None) -> bool:
         """Block until ``count`` replicas (default: all) are up; False on timeout, or as soon as
@@ -139,9 +148,10 @@ class Controller:
         self._push(index, push)
 
     def describe(self) -> list[dict[str, object]]:
-        """One dict per replica: pool, worker id, state, endpoint, incarnation, starts, last error."""
+        """One dict per replica: pool, role, worker id, state, endpoint, incarnation, starts, last error."""
         with self._lock:
-            return [{"pool": r.replica.pool, "worker_id": r.replica.worker_id, "state": r.state,
+            return [{"pool": r.replica.pool, "role": self.role_of(r.replica.worker_id),
+                     "worker_id": r.replica.worker_id, "state": r.state,
                      "endpoint": r.endpoint, "incarnation": r.incarnation, "starts": r.starts,
                      "last_error": r.last_error} for r in self._replicas]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 
 import grpc
@@ -42,7 +42,8 @@ class MembershipError(RuntimeError):
 class MembershipServicer(control_pb2_grpc.MembershipServicer):
     """Holds the latest list (and its version) and wakes every parked Watch when it changes."""
 
-    def __init__(self) -> None:
+    def __init__(self, role_of: Callable[[str], str] = lambda worker_id: "colocated") -> None:
+        self._role_of = role_of  # worker id -> pool role, sent with each member
         self._cond = threading.Condition()
         self._version = 0
         self._message = control_pb2.MemberList()
@@ -58,7 +59,8 @@ class MembershipServicer(control_pb2_grpc.MembershipServicer):
             self._members = list(members)
             self._version += 1
             self._message = control_pb2.MemberList(
-                version=self._version, members=[control_pb2.Member(worker_id=w, endpoint=e) for w, e in members])
+                version=self._version,
+                members=[control_pb2.Member(worker_id=w, endpoint=e, role=self._role_of(w)) for w, e in members])
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -113,7 +115,7 @@ class MembershipService:
 
 def serve_membership(controller: Controller, host: str, port: int, *, max_watchers: int = 16) -> MembershipService:
     """Listen on host:port (0 = any free port) and follow ``controller``'s member list."""
-    servicer = MembershipServicer()
+    servicer = MembershipServicer(controller.role_of)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_watchers, thread_name_prefix="duet-membership"),
                          options=[("grpc.so_reuseport", 0)])
     control_pb2_grpc.add_MembershipServicer_to_server(servicer, server)

@@ -109,7 +109,7 @@ def create_pool(section: PoolSection, engine_config: Any, namespace: str, *, emb
     if embedded and needed > have:
         raise PoolError(
             f"pool {section.name!r} needs {section.replicas} replicas x {ranks} ranks (ep_size) x {cpus} CPUs = "
-            f"{needed} CPUs, but the embedded Ray has {have:g}; lower pools[0].replicas / ep_size / "
+            f"{needed} CPUs, but the embedded Ray has {have:g}; lower the pool's replicas / ep_size / "
             "cpus_per_replica or raise ray.num_cpus")
     pg = placement_group([{"CPU": cpus} for _ in range(section.replicas * ranks)], strategy=section.placement_strategy,
                          name=f"duet-{namespace}-{section.name}")
@@ -121,7 +121,7 @@ def create_pool(section: PoolSection, engine_config: Any, namespace: str, *, emb
                 f"pool {section.name!r}: could not reserve {section.replicas} bundles of {cpus} CPUs "
                 f"({section.placement_strategy}) within {placement_timeout_s:.0f} s; the cluster has "
                 f"{ray.available_resources().get('CPU', 0):g} CPUs free of {ray.cluster_resources().get('CPU', 0):g}. "
-                "Lower pools[0].replicas / cpus_per_replica, add nodes, or relax placement_strategy")
+                "Lower the pool's replicas / cpus_per_replica, add nodes, or relax placement_strategy")
         for i in range(section.replicas):
             worker_id = f"{section.name}-{i}"
             options = dict(

@@ -4,7 +4,8 @@ The order, in ``start_deployment`` (each step undone, in reverse, if a later one
 
     1. resolve the model here (fail fast on a bad name; the router needs the tokenizer files)
     2. Ray: start an embedded local Ray or join ``ray.address`` (cluster/ray_conn.py)
-    3. the pool: placement group + worker actors (cluster/pools.py)
+    3. the pools, in config order: each its own placement group + worker actors (cluster/pools.py);
+       a disaggregated deployment has a prefill pool and a decode pool, sized and placed apart
     4. the controller starts every worker and waits until they serve (cluster/controller.py)
     5. the controller's membership service (duet.control.v1.Membership on ``controller.port``,
        cluster/membership_service.py)
@@ -62,7 +63,7 @@ class Deployment:
 
     config: DuetConfig
     ray: RayConnection
-    pool: WorkerPool | None = None
+    pools: list[WorkerPool] = field(default_factory=list)
     controller: Controller | None = None
     membership: MembershipService | None = None
     router: Any = None  # router.server.RouterHandle
@@ -75,6 +76,11 @@ class Deployment:
         """The router's host:port; without a router, the membership service's."""
         return self.router.address if self.router is not None else self.membership.address
 
+    @property
+    def pool(self) -> WorkerPool | None:
+        """The first pool (``pools[0]``), as ``pool.*`` config keys address it."""
+        return self.pools[0] if self.pools else None
+
     def stop(self) -> None:
         """Router, controller, workers, placement group, Ray (if embedded). Idempotent; each step
         runs even if an earlier one failed."""
@@ -83,9 +89,9 @@ class Deployment:
         self._stopped = True
         steps = [("router", lambda: self.router.stop()), ("membership", lambda: self.membership.stop()),
                  ("controller", lambda: self.controller.stop()),
-                 ("pool", lambda: self.pool.shutdown()), ("ray", self.ray.close)]
+                 ("pools", lambda: [p.shutdown() for p in self.pools]), ("ray", self.ray.close)]
         for name, step in steps:
-            if name != "ray" and getattr(self, name) is None:
+            if name != "ray" and not getattr(self, name):
                 continue
             try:
                 step()
@@ -125,12 +131,13 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
     from router.server import serve_router
 
     config = d.config
-    d.pool = create_pool(config.pool, config.to_engine_config(), config.ray.namespace,
-                         embedded=d.ray.kind == "embedded")
-    d.controller = Controller([d.pool], poll_interval_s=config.controller.poll_interval_s,
+    for section in config.pools:
+        d.pools.append(create_pool(section, config.to_engine_config(section), config.ray.namespace,
+                                   embedded=d.ray.kind == "embedded"))
+    d.controller = Controller(d.pools, poll_interval_s=config.controller.poll_interval_s,
                               start_timeout_s=config.controller.start_timeout_s)
     d.controller.start()
-    replicas = len(d.pool.replicas)
+    replicas = sum(len(p.replicas) for p in d.pools)
     logger.info("duet: waiting for %d workers to load %s", replicas, config.model.name)
     if not d.controller.wait_ready(replicas, timeout=config.controller.start_timeout_s):
         up = d.controller.members()
@@ -140,7 +147,8 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
             raise ServeError(f"no worker came up within controller.start_timeout_s="
                              f"{config.controller.start_timeout_s:g} s ({problems})")
         logger.warning("duet: %d of %d workers up; continuing without the rest (%s)", len(up), replicas, problems)
-    d.max_model_len = effective_max_model_len(d.model_path, config.model.max_model_len, d.controller.members()[0][1])
+    d.max_model_len = min(effective_max_model_len(d.model_path, config.model.max_model_len, endpoint)
+                          for _, endpoint in d.controller.members())  # a prompt must fit every pool's KV
     d.membership = serve_membership(d.controller, config.controller.host, config.controller.port)
     if not with_router:
         logger.info("duet: controller serving %d workers of %s (context %d tokens), no router here; routers "
@@ -149,7 +157,7 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
         return
     router_config = config.to_router_config(str(d.model_path), d.max_model_len,
                                             membership_address=d.membership.address, **router_overrides)
-    d.router = serve_router(router_config, d.controller.members())
+    d.router = serve_router(router_config, d.controller.members_with_roles())
     logger.info("duet: serving %s on %s (%d workers, policy %s, context %d tokens; members from %s)",
                 router_config.model_name, d.router.address, len(d.controller.members()), router_config.policy,
                 d.max_model_len, d.membership.address)

@@ -87,6 +87,10 @@ class RouterConfig:
     resume_on_worker_failure: bool = True
     max_resumes: int = 2
     worker_wait_s: float = 10.0
+    # Disaggregation (router/policies/disagg.py; only with prefill-role workers in the membership):
+    # prompts shorter than this run colocated on the decode worker; the workers' KV block size.
+    disagg_min_prompt_tokens: int = 256
+    disagg_block_size: int = 16
     # Shutdown: seconds in-flight streams get to finish on stop().
     shutdown_grace_s: float = 5.0
     # Membership: host:port of the controller's duet.control.v1.Membership service. Set, the router
@@ -154,6 +158,8 @@ class RouterConfig:
             _fail("tls_client_ca_file", self.tls_client_ca_file,
                   "client certificates (mTLS) need TLS: set tls_cert_file and tls_key_file too")
         _int_at_least("max_request_bytes", self.max_request_bytes, 1024)
+        _int_at_least("disagg_min_prompt_tokens", self.disagg_min_prompt_tokens, 0)
+        _int_at_least("disagg_block_size", self.disagg_block_size, 1)
 
     @property
     def tls(self) -> bool:

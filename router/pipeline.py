@@ -1,7 +1,14 @@
 """The request path through the router, in one method (``Pipeline.generate``):
 
-    prepare (tokenize, validate)  ->  admission slot  ->  policy picks a worker  ->  Submit stream
-    ->  incremental detokenization + stop strings  ->  GenerateResponse stream
+    prepare (tokenize, validate)  ->  admission slot  ->  route (policy picks a worker, or a
+    (prefill, decode) pair: router/policies/disagg.py)  ->  Submit stream  ->  incremental
+    detokenization + stop strings  ->  GenerateResponse stream
+
+Disaggregated routes: the Submit goes to the decode worker with ``remote_prefill`` naming the
+prefill worker; the decode worker has it prefill and send the KV directly (the router never sees
+KV). ABORTED before the first token means the prefill half failed (prefill worker down or
+restarted, transfer lost or rejected): the prefill worker is reported failed and the request is
+retried once with another prefill worker; with none left it ends with UNAVAILABLE.
 
 Terms:
     delta        one worker SubmitResponse: the token ids generated since the previous one.
@@ -51,6 +58,7 @@ from protos.duet.worker.v1 import worker_pb2
 from router.admission import AdmissionController, AdmissionRejected
 from router.config import RouterConfig
 from router.policies import NoWorkersAvailable, RouteRequest, RoutingPolicy
+from router.policies.disagg import DisaggRouter, Route
 from router.preprocess import PreparedRequest, RequestError, ServedModel, prepare_request
 from router.workers import WorkerDirectory, WorkerLease
 from workers.detokenizer import IncrementalDetokenizer  # the one sanctioned workers import (pure Python)
@@ -70,11 +78,13 @@ _OFFLOAD_CHARS = 16_384  # prompts longer than this are tokenized on a thread, o
 
 class _RetryElsewhere(Exception):
     """The worker failed; another worker may serve the request (from the start when nothing was
-    streamed yet, else resuming after what was streamed)."""
+    streamed yet, else resuming after what was streamed). prefill_failed: only the prefill half of
+    a disaggregated route failed (retry with another prefill worker)."""
 
-    def __init__(self, error: RequestError) -> None:
+    def __init__(self, error: RequestError, prefill_failed: bool = False) -> None:
         super().__init__(error.message)
         self.error = error
+        self.prefill_failed = prefill_failed
 
 
 @dataclass
@@ -102,6 +112,8 @@ class Pipeline:
         self.model = model
         self.directory = directory
         self.policy = policy
+        self.router = DisaggRouter(policy, block_size=config.disagg_block_size,
+                                   min_prompt_tokens=config.disagg_min_prompt_tokens)
         self.admission = admission
         self.counts: Counter[str] = Counter()
 
@@ -130,14 +142,15 @@ class Pipeline:
     async def _route_and_stream(self, prep: PreparedRequest,
                                 deadline: float | None) -> AsyncIterator[duet_pb2.GenerateResponse]:
         progress = _Progress(IncrementalDetokenizer(self.model.tokenizer, prep.prompt_token_ids, stop=prep.stop))
-        tried: set[str] = set()  # workers that failed this request before its first token
+        tried: set[str] = set()  # workers that failed this request before its first token (either half)
         last: RequestError | None = None
         attempts = 0
+        retry_prefill = False
         while True:
             route = RouteRequest(prep.internal_id, prep.prompt_token_ids + progress.token_ids,
                                  prep.sampling.max_tokens - len(progress.token_ids))
             try:
-                worker_id = await self._select(route, tried, deadline)
+                chosen = await self._select(route, tried, deadline, retry_prefill)
             except NoWorkersAvailable as e:
                 if progress.token_ids:
                     self.counts["failed_mid_stream"] += 1
@@ -150,20 +163,23 @@ class Pipeline:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, f"no healthy worker to serve the request (waited up "
                                    f"to {self.config.worker_wait_s:g} s or the deadline): {e}") from None
             attempts += 1
-            lease = self.directory.begin(worker_id, route)
+            lease = self.directory.begin(chosen.decode_id, route)
+            prefill = self.directory.begin(chosen.prefill_id, route) if chosen.prefill_id else None
             try:
-                async for response in self._stream(prep, lease, deadline, progress):
+                async for response in self._stream(prep, lease, deadline, progress, prefill):
                     yield response
                 return
             except _RetryElsewhere as r:
                 last = r.error
                 if not progress.token_ids:
-                    tried.add(worker_id)
+                    retry_prefill = r.prefill_failed
+                    tried.add(chosen.prefill_id if r.prefill_failed else chosen.decode_id)
                     if attempts >= self.config.max_route_attempts:
                         break
                     self.counts["retried"] += 1
                     logger.warning("request %s: %s; trying another worker", prep.request_id, r.error.message)
                 else:
+                    retry_prefill = False
                     progress.resumes += 1
                     self.counts["resumed"] += 1
                     logger.warning("request %s: %s; resuming after %d streamed tokens on another worker (%d/%d)",
@@ -171,13 +187,19 @@ class Pipeline:
                                    self.config.max_resumes)
             finally:
                 self.directory.end(lease)
-                self.policy.on_request_complete(worker_id, prep.internal_id)
+                if prefill is not None:
+                    self.directory.end(prefill)
+                self.router.on_request_complete(chosen.decode_id, prep.internal_id)
         assert last is not None
+        if retry_prefill:
+            last = RequestError(grpc.StatusCode.UNAVAILABLE, last.message)
         raise RequestError(last.code, f"{last.message} (tried {len(tried)} worker(s): {', '.join(sorted(tried))})")
 
-    async def _select(self, route: RouteRequest, tried: set[str], deadline: float | None) -> str:
-        """The policy's pick among healthy workers not in ``tried``; with none, wait up to
-        ``worker_wait_s`` (and the deadline) while a worker not in ``tried`` may come back or join."""
+    async def _select(self, route: RouteRequest, tried: set[str], deadline: float | None,
+                      require_prefill: bool) -> Route:
+        """The route among healthy workers not in ``tried`` (a prefill worker required after a
+        prefill failure); with none, wait up to ``worker_wait_s`` (and the deadline) while a worker
+        not in ``tried`` may come back or join."""
         wait_until = time.monotonic() + self.config.worker_wait_s
         if deadline is not None:  # stop in time to answer UNAVAILABLE (not DEADLINE_EXCEEDED)
             wait_until = min(wait_until, deadline - _DEADLINE_MARGIN_S)
@@ -187,24 +209,35 @@ class Pipeline:
             if tried:
                 workers = [replace(w, healthy=False) if w.worker_id in tried else w for w in workers]
             try:
-                worker_id = self.policy.select(route, workers)
+                chosen = self.router.select(route, workers, require_prefill=require_prefill)
                 if waited:
                     self.counts["waited_for_worker"] += 1
-                return worker_id
+                return chosen
             except NoWorkersAvailable:
+                needed = [w for w in workers if w.role == "prefill"] if require_prefill else workers
                 # (no members at all: restarting workers rejoin, so wait for them too)
-                if time.monotonic() >= wait_until or (workers and all(w.worker_id in tried for w in workers)):
+                hopeless = (not needed) if require_prefill else bool(needed)
+                if time.monotonic() >= wait_until or (hopeless and all(w.worker_id in tried for w in needed)):
                     raise
             waited = True
             await asyncio.sleep(0.05)
 
     async def _stream(self, prep: PreparedRequest, lease: WorkerLease, deadline: float | None,
-                      progress: _Progress) -> AsyncIterator[duet_pb2.GenerateResponse]:
+                      progress: _Progress, prefill: WorkerLease | None = None
+                      ) -> AsyncIterator[duet_pb2.GenerateResponse]:
         started = time.monotonic()
         timeout = None if deadline is None else max(deadline - started, 0.001)
-        call = lease.stub.Submit(progress.submit_request(prep), timeout=timeout)
+        request = progress.submit_request(prep)
+        if prefill is not None:
+            state = prefill.state
+            request.remote_prefill.CopyFrom(worker_pb2.RemotePrefill(
+                worker_id=prefill.worker_id, endpoint=state.endpoint, incarnation=state.incarnation))
+        call = lease.stub.Submit(request, timeout=timeout)
         lease.call = call
+        if prefill is not None:  # a prefill worker declared dead cancels the call too (it may hang on it)
+            prefill.call = call
         detok = progress.detok
+        num_out = len(progress.token_ids)
         try:
             async for delta in call:
                 ids, text, stopped = _detokenize(detok, delta.token_ids)
@@ -227,9 +260,19 @@ class Pipeline:
                 return
             raise self._worker_failed(prep, lease, progress, "its stream ended without a finish reason")
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.ABORTED and not progress.token_ids and prefill is not None:
+                self.directory.report_stream_failure(prefill, e.details() or "")
+                self.counts["prefill_failures"] += 1
+                raise _RetryElsewhere(RequestError(grpc.StatusCode.UNAVAILABLE, e.details() or "remote prefill failed"),
+                                      prefill_failed=True) from None
             raise self._map_worker_error(prep, lease, progress, e) from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
+            if prefill is not None and prefill.failure is not None and lease.failure is None and not progress.token_ids \
+                    and task is not None and not task.cancelling():
+                self.counts["prefill_failures"] += 1
+                raise _RetryElsewhere(RequestError(grpc.StatusCode.UNAVAILABLE, prefill.failure),
+                                      prefill_failed=True) from None
             if lease.failure is not None and task is not None and not task.cancelling():
                 raise self._worker_failed(prep, lease, progress, lease.failure) from None  # we cancelled the call
             logger.info("request %s (internal %s) cancelled by the client after %d tokens; aborting it on %s",
@@ -273,7 +316,7 @@ class Pipeline:
 
     def stats(self) -> dict[str, object]:
         return {"requests": dict(self.counts), "admission": self.admission.stats(),
-                "policy_name": self.policy.name, "policy": self.policy.counters(), "workers": self.directory.describe(),
+                "policy_name": self.policy.name, "policy": self.router.counters(), "workers": self.directory.describe(),
                 "worker_stream_failures": self.directory.num_stream_failures}
 
 

@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 DUET_SERVICE = duet_pb2.DESCRIPTOR.services_by_name["Duet"].full_name  # "duet.v1.Duet"
 ADMIN_SERVICE = control_pb2.DESCRIPTOR.services_by_name["RouterAdmin"].full_name  # "duet.control.v1.RouterAdmin"
-Members = Iterable[tuple[str, str]]  # (worker_id, endpoint)
+Members = Iterable[tuple[str, ...]]  # (worker_id, endpoint) or (worker_id, endpoint, role)
 
 
 class MalformedRequest:
@@ -197,11 +197,11 @@ class RouterServer:
         """Make the worker pool exactly ``members``; returns once newcomers have been polled."""
         await self.directory.set_members(members)
 
-    async def _apply_members(self, members: list[tuple[str, str]], version: int) -> None:
+    async def _apply_members(self, members: list[tuple[str, str, str]], version: int) -> None:
         before = {w.worker_id for w in self.directory.snapshot()}
         await self.directory.set_members(members)
         self.membership_version = version
-        after = {wid for wid, _ in members}
+        after = {m[0] for m in members}
         if before != after:
             logger.info("membership v%d: %d workers (joined: %s; left: %s)", version, len(after),
                         ", ".join(sorted(after - before)) or "-", ", ".join(sorted(before - after)) or "-")

@@ -44,6 +44,7 @@ from router.policies import RouteRequest, WorkerState
 
 logger = logging.getLogger(__name__)
 
+ROLES = ("colocated", "prefill", "decode")
 WORKER_HEALTH_SERVICE = "duet.worker.v1.Worker"
 # Reconnect quickly to a worker that comes back (gRPC's default backoff grows to 120 s).
 CHANNEL_OPTIONS = [
@@ -65,6 +66,12 @@ class WorkerLease:
     call: grpc.aio.Call | None = None
     failure: str | None = None
     _member: _Member | None = field(default=None, repr=False)
+
+    @property
+    def state(self) -> WorkerState:
+        """The worker's current state (endpoint, incarnation, load) as the directory sees it."""
+        assert self._member is not None
+        return self._member.state
 
 
 @dataclass(eq=False)
@@ -106,13 +113,19 @@ class WorkerDirectory:
         self.num_unhealthy_transitions = 0
 
     # ------------------------------------------------------------- membership
-    async def set_members(self, members: Iterable[tuple[str, str]], *, wait: bool = True) -> None:
-        """Make the pool exactly ``members`` ((worker_id, endpoint) pairs). Newcomers are polled at
+    async def set_members(self, members: Iterable[tuple[str, ...]], *, wait: bool = True) -> None:
+        """Make the pool exactly ``members``: (worker_id, endpoint) pairs, or (worker_id, endpoint,
+        role) triples (role: colocated, prefill or decode; default colocated). Newcomers are polled at
         once; with ``wait`` this returns after their first poll (bounded by the poll timeout), so
         a healthy newcomer is routable when it returns. A changed endpoint is a leave + join."""
         assert not self._closed, "set_members after close()"
         wanted: dict[str, str] = {}
-        for worker_id, endpoint in members:
+        roles: dict[str, str] = {}
+        for member in members:
+            worker_id, endpoint = member[0], member[1]
+            roles[worker_id] = member[2] if len(member) > 2 and member[2] else "colocated"
+            if roles[worker_id] not in ROLES:
+                raise ValueError(f"member {worker_id!r}: role {roles[worker_id]!r} must be one of {', '.join(ROLES)}")
             if not isinstance(worker_id, str) or not worker_id or not isinstance(endpoint, str) or not endpoint:
                 raise ValueError(f"member ({worker_id!r}, {endpoint!r}): worker id and endpoint must be "
                                  "non-empty strings")
@@ -122,7 +135,9 @@ class WorkerDirectory:
         for m in list(self._members.values()):
             if wanted.get(m.worker_id) != m.endpoint:
                 self._remove(m)
-        joined = [self._add(wid, ep) for wid, ep in wanted.items() if wid not in self._members]
+            elif m.state.role != roles[m.worker_id]:
+                m.state = replace(m.state, role=roles[m.worker_id])
+        joined = [self._add(wid, ep, roles[wid]) for wid, ep in wanted.items() if wid not in self._members]
         self._notify_health()
         if wait and joined:
             waits = [asyncio.ensure_future(m.first_poll.wait()) for m in joined]
@@ -130,9 +145,9 @@ class WorkerDirectory:
             for w in pending:
                 w.cancel()
 
-    def _add(self, worker_id: str, endpoint: str) -> _Member:
+    def _add(self, worker_id: str, endpoint: str, role: str = "colocated") -> _Member:
         channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
-        m = _Member(worker_id, endpoint, channel, WorkerState(worker_id, endpoint, healthy=False))
+        m = _Member(worker_id, endpoint, channel, WorkerState(worker_id, endpoint, healthy=False, role=role))
         self._members[worker_id] = m
         m.poll_task = asyncio.create_task(self._poll_loop(m), name=f"poll-{worker_id}")
         logger.info("worker %s joined at %s", worker_id, endpoint)
@@ -255,7 +270,7 @@ class WorkerDirectory:
                 report, endpoint=m.endpoint, healthy=s.healthy, in_flight_requests=s.in_flight_requests,
                 routed_requests_since_report=s.routed_requests_since_report - sent_requests,
                 routed_tokens_since_report=s.routed_tokens_since_report - sent_tokens),
-            worker_id=m.worker_id,
+            worker_id=m.worker_id, role=s.role,
         )
         if status.status != health_pb2.HealthCheckResponse.SERVING:
             name = health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
@@ -296,7 +311,7 @@ class WorkerDirectory:
     # ------------------------------------------------------------- introspection
     def describe(self) -> list[dict[str, object]]:
         """One dict per member (for status pages and tests)."""
-        return [{"worker_id": m.worker_id, "endpoint": m.endpoint, "healthy": m.state.healthy,
+        return [{"worker_id": m.worker_id, "endpoint": m.endpoint, "role": m.state.role, "healthy": m.state.healthy,
                  "in_flight": m.state.in_flight_requests, "load_tokens": m.state.load_tokens,
                  "consecutive_poll_failures": m.failures, "last_error": m.last_error}
                 for m in self._members.values()]

@@ -1,5 +1,19 @@
 """Engine: requests in, token deltas out. ``step()`` is schedule -> run -> postprocess.
 
+Disaggregated prefill/decode (see workers/kv_transfer.py for the wire side) adds three calls:
+  prefill side  ``add_request(..., export_from_block=k)``: compute the prompt as usual (chunked,
+                prefix cache), sample the first token with the request's own generator, then copy
+                out the K/V of prompt blocks k.. (the ones the decode side does not hold) onto the
+                final RequestOutput (``kv_export``) and free everything, like any finished request.
+  decode side   ``reserve(id, prompt, params)`` takes the prefix-cache hits and allocates blocks for
+                the rest of the prompt -> a KVTicket (which blocks to send); ``import_kv(id, ...)``
+                writes the received blocks, restores the sampling generator to where the prefill
+                side left it, appends the first token (stop checks as usual) and hands the sequence
+                to the scheduler already in decode. ``abort(id)`` returns a reservation's blocks.
+Sampling continues exactly: the first token is drawn on the prefill side from the request's
+seeded generator, whose state travels with it, so the decode side's next draw is the one the
+colocated engine would make (tests/workers/test_disagg_engine.py checks greedy and seeded).
+
 Worked example::
 
     engine = Engine(EngineConfig(model="SmolLM2-135M-Instruct"))
@@ -13,13 +27,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
 
 from workers.block_manager import BlockManager, BlockStats
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
 from workers.errors import InvalidRequestError
+from workers.kv_transfer import KVLayout
 from workers.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
 from workers.models.assets import resolve_model
 from workers.models.loader import load_model
@@ -42,6 +59,33 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    kv_export: KVExport | None = None  # prefill side of a disaggregated request, on its final output
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """A prefilled request's hand-over: the first token, the sampling generator's state after it
+    (None without a seed) and the K/V of prompt blocks first_block.. ([L, 2, n, bs, G, D])."""
+
+    first_token: int
+    first_block: int
+    kv: torch.Tensor
+    generator_state: bytes | None
+
+
+@dataclass(frozen=True)
+class KVTicket:
+    """A decode-side reservation: the first num_cached_blocks blocks of the prompt were prefix-cache
+    hits; blocks first_block..first_block+num_blocks-1 are allocated and wait for the transfer."""
+
+    transfer_id: str
+    first_block: int
+    num_blocks: int
+    num_cached_tokens: int
+
+
+class KVCapacityError(Exception):
+    """The decode worker has too few free KV blocks to reserve for this prompt right now."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +96,7 @@ class EngineStats:
     blocks: BlockStats
     expert_tokens: tuple[int, ...] = ()  # MoE: assignments per expert, summed over layers
     ep_rank_tokens: tuple[int, ...] = ()  # MoE: assignments computed per expert-parallel rank
+    num_reserved: int = 0  # decode side: reservations waiting for their KV transfer
 
 
 class Engine:
@@ -81,13 +126,62 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
+        self._exports: dict[str, int] = {}  # prefill side: request id -> first block to export
+        self._reserved: dict[str, Sequence] = {}  # decode side: reserved, waiting for their KV
         logger.info(
             "engine ready: %s, %d KV blocks x %d tokens, max_model_len %d", path, num_blocks, bs, self.max_model_len
         )
 
     # -------------------------------------------------------------- requests
-    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams) -> str:
-        """Queue a request; returns its id. Raises InvalidRequestError for bad input."""
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams, *,
+                    export_from_block: int | None = None) -> str:
+        """Queue a request; returns its id. Raises InvalidRequestError for bad input.
+
+        export_from_block: prefill only (disaggregated): produce just the first token, then put the
+        K/V of prompt blocks export_from_block.. on the final output (see the module docstring)."""
+        seq = self._new_sequence(request_id, prompt, params)
+        if export_from_block is not None:
+            if not 0 <= export_from_block < self.block_manager.blocks_needed(seq.num_prompt_tokens):
+                raise InvalidRequestError("num_cached_tokens", f"decode side holds {export_from_block} blocks of a "
+                                          f"{seq.num_prompt_tokens}-token prompt: nothing left to send")
+            seq.sampling_params = replace(params, max_tokens=1, stop=(), stop_token_ids=(), ignore_eos=True)
+            self._exports[seq.request_id] = export_from_block
+        self._register(seq)
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def reserve(self, request_id: str, prompt: list[int], params: SamplingParams) -> KVTicket:
+        """Decode side: take prefix-cache hits and allocate blocks for the rest of the prompt.
+        Raises InvalidRequestError for bad input, KVCapacityError if the blocks are not free."""
+        seq = self._new_sequence(request_id, prompt, params)
+        cached = self.block_manager.match_prefix(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.block_manager.block_size
+        if not self.block_manager.allocate(seq, seq.num_prompt_tokens - seq.num_computed_tokens, cached):
+            raise KVCapacityError(f"{self.block_manager.blocks_needed(seq.num_prompt_tokens) - len(cached)} KV blocks "
+                                  f"needed, {self.block_manager.num_free_blocks} free")
+        self._register(seq)
+        self._reserved[request_id] = seq
+        total = self.block_manager.blocks_needed(seq.num_prompt_tokens)
+        return KVTicket(f"{request_id}@{next(self._arrivals)}", len(cached), total - len(cached), seq.num_cached_tokens)
+
+    def import_kv(self, request_id: str, ticket: KVTicket, kv: torch.Tensor, first_token: int,
+                  generator_state: bytes | None) -> RequestOutput:
+        """Decode side: write a reservation's received blocks (kv [L, 2, n, bs, G, D], already
+        verified) and start decoding after ``first_token``. Returns the first token's output."""
+        seq = self._reserved.pop(request_id)
+        assert kv.shape[2] == ticket.num_blocks, "transfer size was verified against the ticket"
+        table = self.block_manager.block_table(request_id)
+        self.runner.write_blocks(table[ticket.first_block : ticket.first_block + ticket.num_blocks], kv)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.cache_computed_blocks(seq)  # later prompts with this prefix hit here
+        if generator_state is not None and seq.sampling_params.seed is not None:
+            self.runner.set_generator_state(request_id, generator_state)
+        out = self._accept(seq, first_token)
+        if not out.finished:
+            self.scheduler.add_running(seq)
+        return out
+
+    def _new_sequence(self, request_id: str | None, prompt: str | list[int], params: SamplingParams) -> Sequence:
         request_id = request_id if request_id is not None else f"req-{next(self._arrivals)}"
         if request_id in self._seqs:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
@@ -102,12 +196,13 @@ class Engine:
             )
         if any(not 0 <= t < self.spec.vocab_size for t in ids):
             raise InvalidRequestError("prompt_token_ids", f"every id must be in [0, {self.spec.vocab_size})")
-        seq = Sequence(request_id, ids, params, next(self._arrivals))
-        self._seqs[request_id] = seq
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-        self.runner.add_request(request_id, params)
-        self.scheduler.add(seq)
-        return request_id
+        return Sequence(request_id, ids, params, next(self._arrivals))
+
+    def _register(self, seq: Sequence) -> None:
+        self._seqs[seq.request_id] = seq
+        self._detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                                             seq.sampling_params.stop)
+        self.runner.add_request(seq.request_id, seq.sampling_params)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request and free its KV blocks. Returns its final output, or None if unknown."""
@@ -144,7 +239,16 @@ class Engine:
             experts = tuple(sum(layer.expert_counts for layer in layers).tolist())
             ranks = tuple(sum(layer.rank_rows for layer in layers).tolist())
         return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, self.block_manager.stats(),
-                           experts, ranks)
+                           expert_tokens=experts, ep_rank_tokens=ranks, num_reserved=len(self._reserved))
+
+    def reserved(self) -> list[Sequence]:
+        """Decode side: sequences holding reserved blocks while their KV is in transit."""
+        return list(self._reserved.values())
+
+    def kv_layout(self) -> KVLayout:
+        spec = self.spec
+        return KVLayout(spec.num_layers, self.block_manager.block_size, spec.num_kv_heads, spec.head_dim,
+                        self.config.torch_dtype)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -156,32 +260,39 @@ class Engine:
         return self._postprocess(sched, result)
 
     def _postprocess(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
-        outputs = []
-        for rid, token in result.sampled.items():
-            seq = self._seqs[rid]
-            seq.append_token(token)
-            p = seq.sampling_params
-            delta, stopped = self._detok[rid].add(token)
-            if stopped or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-                seq.finish_reason = FinishReason.STOP
-            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-                seq.finish_reason = FinishReason.LENGTH
-            if seq.finish_reason is not None:
-                outputs.append(self._finish(seq, [token], delta))
-            else:
-                outputs.append(self._output(seq, [token], delta))
-        return outputs
+        return [self._accept(self._seqs[rid], token) for rid, token in result.sampled.items()]
+
+    def _accept(self, seq: Sequence, token: int) -> RequestOutput:
+        """Append a sampled token, apply the stop rules, finish the request if it is done."""
+        seq.append_token(token)
+        p = seq.sampling_params
+        delta, stopped = self._detok[seq.request_id].add(token)
+        if stopped or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            seq.finish_reason = FinishReason.STOP
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = FinishReason.LENGTH
+        if seq.finish_reason is not None:
+            return self._finish(seq, [token], delta)
+        return self._output(seq, [token], delta)
 
     def _finish(self, seq: Sequence, new_ids: list[int], delta: str) -> RequestOutput:
+        export = None
+        first_block = self._exports.pop(seq.request_id, None)
+        if first_block is not None and seq.finish_reason is not FinishReason.ABORT:
+            table = self.block_manager.block_table(seq.request_id)
+            end = self.block_manager.blocks_needed(seq.num_prompt_tokens)
+            export = KVExport(new_ids[0], first_block, self.runner.read_blocks(table[first_block:end]),
+                              self.runner.generator_state(seq.request_id))
+        self._reserved.pop(seq.request_id, None)
         self.scheduler.remove(seq)
         self.runner.remove_request(seq.request_id)
         delta += self._detok.pop(seq.request_id).flush()
         del self._seqs[seq.request_id]
         seq.status = SequenceStatus.FINISHED
-        return self._output(seq, new_ids, delta)
+        return self._output(seq, new_ids, delta, export)
 
     @staticmethod
-    def _output(seq: Sequence, new_ids: list[int], delta: str) -> RequestOutput:
+    def _output(seq: Sequence, new_ids: list[int], delta: str, export: KVExport | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_ids,
@@ -191,4 +302,5 @@ class Engine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            kv_export=export,
         )

@@ -2,7 +2,8 @@
 
 torch never runs on the asyncio loop, and the engine needs no locks: the engine thread is the only
 one that touches it. The RPC side meets it in three places:
-  inbox     RPC side -> engine thread: a deque of commands (add, abort) under a Condition. The engine
+  inbox     RPC side -> engine thread: a deque of commands (add, abort; for disaggregation also
+            reserve and import, see workers/disagg.py) under a Condition. The engine
             thread drains it between steps and sleeps on the Condition when it has no work.
   sinks     engine thread -> RPC side: one ``asyncio.Queue`` per request, fed through
             ``loop.call_soon_threadsafe`` (one callback per step, carrying all of that step's outputs).
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine import Engine, RequestOutput
+from workers.engine import Engine, KVCapacityError, KVTicket, RequestOutput
+from workers.errors import InvalidRequestError
+from workers.kv_transfer import KVLayout
 from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -38,6 +41,8 @@ class EngineLimits:
 
     max_model_len: int
     vocab_size: int
+    kv_layout: KVLayout | None = None  # the KV cache geometry (for disaggregated transfers)
+    device: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class LoadSnapshot:
     num_preemptions: int = 0
     expert_tokens: tuple[int, ...] = ()
     ep_rank_tokens: tuple[int, ...] = ()
+    num_reserved: int = 0
 
     @classmethod
     def of(cls, engine: Engine) -> LoadSnapshot:
@@ -63,7 +69,7 @@ class LoadSnapshot:
         with M capped at the context limit (max_model_len - P): no request can run past it."""
         stats, sched = engine.stats(), engine.scheduler
         outstanding = 0
-        for seq in itertools.chain(sched.running, sched.waiting):
+        for seq in itertools.chain(sched.running, sched.waiting, engine.reserved()):
             p = seq.num_prompt_tokens
             m = min(seq.sampling_params.max_tokens, engine.max_model_len - p)
             outstanding += max(p + m - 1 - seq.num_computed_tokens, 0)
@@ -71,7 +77,7 @@ class LoadSnapshot:
         return cls(stats.num_running, stats.num_waiting, outstanding, engine.block_manager.block_size,
                    b.num_blocks, b.num_blocks - b.num_free_blocks, b.num_cached_blocks,
                    b.prefix_cache_queries, b.prefix_cache_hits, stats.num_preemptions, stats.expert_tokens,
-                   stats.ep_rank_tokens)
+                   stats.ep_rank_tokens, stats.num_reserved)
 
 
 Item = RequestOutput | Exception  # what a request's sink receives: outputs, or one error
@@ -85,12 +91,34 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     sink: Sink
+    export_from_block: int | None = None  # prefill side of a disaggregated request
 
 
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
     reply: asyncio.Future  # -> found: bool
+
+
+@dataclass(frozen=True)
+class _Reserve:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    reply: asyncio.Future  # -> KVTicket | Exception (InvalidRequestError, KVCapacityError)
+
+
+@dataclass(frozen=True)
+class _Import:
+    request_id: str
+    ticket: KVTicket
+    kv: torch.Tensor  # [L, 2, n, bs, G, D], verified
+    first_token: int
+    generator_state: bytes | None
+    sink: Sink
+
+
+Command = _Add | _Abort | _Reserve | _Import
 
 
 def _apply_deliveries(deliveries: list[Delivery]) -> None:
@@ -102,9 +130,11 @@ def _apply_deliveries(deliveries: list[Delivery]) -> None:
             target.set_result(value)
 
 
-def _rejection(cmd: _Add | _Abort, reason: Exception) -> Delivery:
+def _rejection(cmd: Command, reason: Exception) -> Delivery:
     """The answer to a command the engine thread will never run."""
-    return (cmd.sink, reason) if isinstance(cmd, _Add) else (cmd.reply, False)
+    if isinstance(cmd, (_Add, _Import)):
+        return cmd.sink, reason
+    return (cmd.reply, reason) if isinstance(cmd, _Reserve) else (cmd.reply, False)
 
 
 class EngineLoop:
@@ -116,7 +146,7 @@ class EngineLoop:
         self._loop = loop
         self._num_threads = num_threads
         self._cv = threading.Condition()
-        self._inbox: deque[_Add | _Abort] = deque()  # guarded by _cv
+        self._inbox: deque[Command] = deque()  # guarded by _cv
         self._stopping = False  # guarded by _cv
         self._closed = False  # guarded by _cv; True once the thread reads the inbox no more
         self._ready: asyncio.Future[EngineLimits | None] = loop.create_future()  # None: it failed
@@ -136,9 +166,22 @@ class EngineLoop:
             raise self._start_error
         return limits
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink) -> None:
-        """Queue a request; its outputs (or one exception) arrive on ``sink``."""
-        self._post(_Add(request_id, prompt_token_ids, params, sink))
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink, *,
+            export_from_block: int | None = None) -> None:
+        """Queue a request; its outputs (or one exception) arrive on ``sink``. export_from_block:
+        prefill only, see ``Engine.add_request``."""
+        self._post(_Add(request_id, prompt_token_ids, params, sink, export_from_block))
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Future:
+        """Decode side: reserve KV blocks (``Engine.reserve``); the future holds the KVTicket or the error."""
+        cmd = _Reserve(request_id, prompt_token_ids, params, self._loop.create_future())
+        self._post(cmd)
+        return cmd.reply
+
+    def import_kv(self, request_id: str, ticket: KVTicket, kv: torch.Tensor, first_token: int,
+                  generator_state: bytes | None, sink: Sink) -> None:
+        """Decode side: write a verified transfer and start decoding; outputs arrive on ``sink``."""
+        self._post(_Import(request_id, ticket, kv, first_token, generator_state, sink))
 
     def abort(self, request_id: str) -> asyncio.Future[bool]:
         """Abort a request (idempotent); the future says whether the engine still had it."""
@@ -158,7 +201,7 @@ class EngineLoop:
         self._thread.join()  # it has already finished: this does not block
         return error
 
-    def _post(self, cmd: _Add | _Abort) -> None:
+    def _post(self, cmd: Command) -> None:
         with self._cv:
             if not self._closed:
                 self._inbox.append(cmd)
@@ -186,8 +229,9 @@ class EngineLoop:
             self._close(None, None, deque())
             return
         self.snapshot = LoadSnapshot.of(engine)
-        self._deliver([(self._ready, EngineLimits(engine.max_model_len, engine.spec.vocab_size))])
-        commands: deque[_Add | _Abort] = deque()
+        self._deliver([(self._ready, EngineLimits(engine.max_model_len, engine.spec.vocab_size, engine.kv_layout(),
+                                                    engine.config.device))])
+        commands: deque[Command] = deque()
         out: list[Delivery] = []  # answers not yet handed to the event loop
         try:
             while True:
@@ -216,13 +260,29 @@ class EngineLoop:
         else:
             self._close(engine, None, commands)
 
-    def _apply(self, engine: Engine, cmd: _Add | _Abort, out: list[Delivery]) -> None:
+    def _apply(self, engine: Engine, cmd: Command, out: list[Delivery]) -> None:
         if isinstance(cmd, _Add):
             try:
-                engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+                engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                                   export_from_block=cmd.export_from_block)
             except InvalidRequestError as e:
                 out.append((cmd.sink, e))
             else:
+                self._sinks[cmd.request_id] = cmd.sink
+            return
+        if isinstance(cmd, _Reserve):
+            try:
+                out.append((cmd.reply, engine.reserve(cmd.request_id, cmd.prompt_token_ids, cmd.params)))
+            except (InvalidRequestError, KVCapacityError) as e:
+                out.append((cmd.reply, e))
+            return
+        if isinstance(cmd, _Import):
+            if cmd.request_id not in {s.request_id for s in engine.reserved()}:  # aborted while in transit
+                out.append((cmd.sink, WorkerUnavailableError(f"request {cmd.request_id} was aborted")))
+                return
+            first = engine.import_kv(cmd.request_id, cmd.ticket, cmd.kv, cmd.first_token, cmd.generator_state)
+            out.append((cmd.sink, first))
+            if not first.finished:
                 self._sinks[cmd.request_id] = cmd.sink
             return
         final = engine.abort(cmd.request_id)
@@ -249,6 +309,3 @@ class EngineLoop:
         out += [_rejection(cmd, reason) for cmd in unapplied]
         out.append((self.done, error))
         self._deliver(out)
-
-
-# ------------------------------------------------------------------ gRPC side

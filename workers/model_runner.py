@@ -65,6 +65,31 @@ class ModelRunner:
         self._params.pop(request_id, None)
         self._generators.pop(request_id, None)
 
+    def generator_state(self, request_id: str) -> bytes | None:
+        """The request's own sampling generator state (None without a seed), for hand-over."""
+        gen = self._generators.get(request_id)
+        return None if gen is None else bytes(gen.get_state().tolist())
+
+    def set_generator_state(self, request_id: str, state: bytes) -> None:
+        gen = self._generators.get(request_id)
+        assert gen is not None, f"{request_id} has no seeded generator"
+        gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+    # ------------------------------------------------------------- KV blocks
+    def _blocks_view(self) -> torch.Tensor:
+        L, _, S, G, D = self.kv_cache.shape
+        return self.kv_cache.view(L, 2, S // self.block_size, self.block_size, G, D)  # [L, 2, NB, bs, G, D]
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A contiguous copy of the given blocks' K/V: [L, 2, n, bs, G, D]."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return self._blocks_view().index_select(2, ids)
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Overwrite the given blocks with kv [L, 2, n, bs, G, D] (from ``read_blocks`` elsewhere)."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        self._blocks_view().index_copy_(2, ids, kv.to(device=self.device, dtype=self.kv_cache.dtype))
+
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:

@@ -65,6 +65,13 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Admit a sequence whose prompt KV is already in its blocks (imported from a prefill
+        worker): it joins the running set in decode, as if this scheduler had prefilled it."""
+        assert seq.in_decode, "add_running takes a sequence whose prompt is computed"
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -19,6 +19,10 @@ Ending a request early:
   engine failure            (a step raised) every stream ends with UNAVAILABLE, health goes
                             NOT_SERVING, and the worker refuses new work until it is restarted.
 
+Disaggregation (workers/disagg.py): a Submit with ``remote_prefill`` reserves KV blocks here and has
+the named worker prefill (the Prefill RPC, worker to worker) and send the blocks over a
+torch.distributed pair group; every worker can serve either half. GetLoad reports transfer counters.
+
 Worked example::
 
     server = await start_worker_server(EngineConfig(model="SmolLM2-135M-Instruct"), port=50061)
@@ -44,7 +48,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from workers.config import EngineConfig
-from workers.engine import Engine, RequestOutput
+from workers.disagg import Disaggregation, PrefillRejected, RemotePrefillError
+from workers.engine import Engine, KVCapacityError, RequestOutput
 from workers.engine_loop import EngineLimits, EngineLoop, LoadSnapshot, WorkerUnavailableError
 from workers.errors import InvalidRequestError
 from workers.sampling_params import SamplingParams
@@ -80,6 +85,12 @@ def _status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
         return code, str(error)
     if isinstance(error, WorkerUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(error)
+    if isinstance(error, KVCapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room to reserve KV blocks: {error}"
+    if isinstance(error, RemotePrefillError):
+        return grpc.StatusCode.ABORTED, f"remote prefill failed: {error}"
+    if isinstance(error, PrefillRejected):
+        return error.code, str(error)
     return grpc.StatusCode.INTERNAL, f"worker error: {error!r}"
 
 
@@ -97,12 +108,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.accepting = True  # False once draining (or the engine failed): Submit -> UNAVAILABLE
         self._engine = engine
         self._inflight: set[str] = set()  # request ids with a live Submit handler
+        self.disagg: Disaggregation | None = None  # set by start_worker_server
 
     @property
     def num_inflight(self) -> int:
         return len(self._inflight)
 
-    def _check(self, request: worker_pb2.SubmitRequest) -> tuple[grpc.StatusCode, str] | None:
+    def _check(self, request: worker_pb2.SubmitRequest | worker_pb2.PrefillRequest) -> tuple[grpc.StatusCode, str] | None:
         rid, ids, lim = request.request_id, request.prompt_token_ids, self.limits
         if not self.accepting:
             return grpc.StatusCode.UNAVAILABLE, "worker is draining or shutting down"
@@ -139,7 +151,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._inflight.add(rid)
         finished = False
         try:
-            self._engine.add(rid, list(request.prompt_token_ids), params, sink)
+            if request.HasField("remote_prefill"):
+                assert self.disagg is not None
+                await self.disagg.decode(rid, list(request.prompt_token_ids), params, request.sampling,
+                                         request.remote_prefill, sink)
+            else:
+                self._engine.add(rid, list(request.prompt_token_ids), params, sink)
             while not finished:
                 items = [await sink.get()]
                 while not sink.empty():  # a slow reader gets the backlog as one message
@@ -150,6 +167,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     await context.abort(*_status_of(error))
                 finished = items[-1].finished
                 yield _merge(items)
+        except (InvalidRequestError, KVCapacityError, RemotePrefillError) as e:  # from the disaggregated path
+            logger.warning("request %s: %s", rid, e)
+            await context.abort(*_status_of(e))
         finally:
             if not finished:  # cancelled, deadline, or the stream broke: free the KV blocks
                 self._engine.abort(rid)
@@ -163,8 +183,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def GetLoad(self, request: worker_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.LoadReport:
+        transfers = self.disagg.load_fields() if self.disagg is not None else {}
         return worker_pb2.LoadReport(worker_id=self.worker_id, incarnation=self.incarnation,
-                                     **dataclasses.asdict(self._engine.snapshot))
+                                     **dataclasses.asdict(self._engine.snapshot), **transfers)
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PrefillResponse]:
+        problem = self._check(request)
+        if problem is None and self.disagg is None:
+            problem = grpc.StatusCode.FAILED_PRECONDITION, "this worker has no KV transfer set up"
+        if problem is None:
+            try:
+                params = to_sampling_params(request.sampling)
+            except InvalidRequestError as e:
+                problem = grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{e}"
+        if problem is not None:
+            await context.abort(*problem)
+        try:
+            async for response in self.disagg.prefill(request, params):
+                yield response
+        except (InvalidRequestError, WorkerUnavailableError, PrefillRejected) as e:
+            logger.warning("prefill of %s: %s", request.request_id, e)
+            await context.abort(*_status_of(e))
 
 
 class WorkerServer:
@@ -214,17 +254,20 @@ class WorkerServer:
             logger.info("worker %s: aborting %d in-flight requests", self.worker_id, self.servicer.num_inflight)
         self._engine.stop()
         await self._engine.wait_closed()
+        if self.servicer.disagg is not None:
+            await self.servicer.disagg.close()
         await self._server.stop(grace=1.0)  # the aborted streams send their UNAVAILABLE status
         logger.info("worker %s stopped (%s)", self.worker_id, self.endpoint)
 
 
 async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
                               worker_id: str | None = None, *, num_threads: int | None = None,
-                              max_inflight: int = 1024,
+                              max_inflight: int = 1024, kv_transfer_timeout_s: float = 30.0,
                               make_engine: Callable[[], Engine] | None = None) -> WorkerServer:
     """Load the engine on its own thread, then serve on ``host:port`` (0 = any free port).
 
     num_threads: torch intra-op threads for the engine thread (match the CPUs reserved for it).
+    kv_transfer_timeout_s: bound on every wait on a disaggregation peer (rendezvous, each transfer).
     make_engine: builds the engine on the engine thread (default ``Engine(engine_config)``; a gang
     leader also joins its process group there, see workers/parallel/gang_actor.py).
     """
@@ -234,6 +277,10 @@ async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.
     limits = await engine.start()
     worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
     servicer = WorkerServicer(engine, limits, worker_id, max_inflight)
+    if limits.kv_layout is not None:
+        servicer.disagg = Disaggregation(engine, limits.kv_layout, worker_id, servicer.incarnation,
+                                         host=host if host not in ("0.0.0.0", "::", "") else "127.0.0.1",
+                                         device=limits.device, timeout_s=kv_transfer_timeout_s)
     health_servicer = health.aio.HealthServicer()
     # so_reuseport=0: a second worker on a taken port must fail, not silently share it.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])

@@ -76,6 +76,7 @@ class WorkerState:
     worker_id: str
     endpoint: str = ""
     healthy: bool = True
+    role: str = "colocated"  # pool role: colocated | prefill | decode (see router/policies/disagg.py)
     incarnation: str = ""  # LoadReport.incarnation; "" until the first report
     # From the latest LoadReport.
     num_running: int = 0

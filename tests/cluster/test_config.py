@@ -87,8 +87,26 @@ def test_yaml_errors_name_the_file_and_key(tmp_path):
     with pytest.raises(ClusterConfigError, match=r"pools\[0\]\.engine\.block_size=24 \(from .*duet.yaml\): "
                                                  "must be a power of two"):
         load_config(_yaml(tmp_path, "pools: [{engine: {block_size: 24}}]\n"), env={})
-    with pytest.raises(ClusterConfigError, match=r"pools=.*exactly one pool"):
-        load_config(_yaml(tmp_path, "pools: [{name: a}, {name: b}]\n"), env={})
+    with pytest.raises(ClusterConfigError, match=r"pools=.*unique"):
+        load_config(_yaml(tmp_path, "pools: [{name: a}, {name: a}]\n"), env={})
+    with pytest.raises(ClusterConfigError, match=r"pools=.*colocated or decode pool"):
+        load_config(_yaml(tmp_path, "pools: [{name: a, role: prefill}]\n"), env={})
+    with pytest.raises(ClusterConfigError, match=r"pools=.*same engine.block_size"):
+        load_config(_yaml(tmp_path, "pools: [{name: p, role: prefill, engine: {block_size: 32}}, "
+                                    "{name: d, role: decode}]\n"), env={})
+    with pytest.raises(ClusterConfigError, match=r"pools\[0\]\.role='mixed'.*colocated, prefill, decode"):
+        load_config(_yaml(tmp_path, "pools: [{role: mixed}]\n"), env={})
+
+
+def test_disaggregated_pools_sized_apart_and_pool_alias(tmp_path):
+    c = load_config(_yaml(tmp_path, "pools: [{name: p, role: prefill, replicas: 2}, "
+                                    "{name: d, role: decode, cpus_per_replica: 2}]\n"),
+                    overrides={"pool.replicas": "3", "router.disagg_min_prompt_tokens": "64"}, env={})
+    assert [(p.name, p.role, p.replicas, p.cpus_per_replica) for p in c.pools] == [("p", "prefill", 3, 1),
+                                                                                   ("d", "decode", 1, 2)]
+    assert c.pool is c.pools[0]
+    rc = c.to_router_config("/tok")
+    assert rc.disagg_min_prompt_tokens == 64 and rc.disagg_block_size == 16
     with pytest.raises(ClusterConfigError, match="not valid YAML"):
         load_config(_yaml(tmp_path, "model: [\n"), env={})
     with pytest.raises(ClusterConfigError, match="cannot be read"):

@@ -18,11 +18,14 @@ from router.server import serve_router
 
 
 class FakeController:
-    """What serve_membership needs of cluster.controller.Controller: subscribe(push)."""
+    """What serve_membership needs of cluster.controller.Controller: subscribe(push), role_of(id)."""
 
     def __init__(self, initial: list[tuple[str, str]]) -> None:
         self.members = list(initial)
         self.pushes: list[Callable[[list[tuple[str, str]]], None]] = []
+
+    def role_of(self, worker_id: str) -> str:
+        return "prefill" if worker_id.startswith("p") else "colocated"
 
     def subscribe(self, push: Callable[[list[tuple[str, str]]], None]) -> None:
         self.pushes.append(push)

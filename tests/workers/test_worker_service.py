@@ -303,15 +303,23 @@ class ExplodingEngine:
 
     max_model_len, spec = 64, SimpleNamespace(vocab_size=100)
     block_manager, scheduler = SimpleNamespace(block_size=16), SimpleNamespace(running=[], waiting=[])
+    config = SimpleNamespace(device="cpu")
 
     def __init__(self) -> None:
         self.pending: list[str] = []
 
     def stats(self):
         return SimpleNamespace(num_running=0, num_waiting=len(self.pending), num_preemptions=0,
-                               blocks=BlockStats(4, 4, 0, 0, 0), expert_tokens=(), ep_rank_tokens=())
+                               blocks=BlockStats(4, 4, 0, 0, 0), expert_tokens=(), ep_rank_tokens=(),
+                               num_reserved=0)
 
-    def add_request(self, request_id, prompt, params) -> None:
+    def kv_layout(self) -> None:
+        return None  # no KV transfer
+
+    def reserved(self) -> list:
+        return []
+
+    def add_request(self, request_id, prompt, params, export_from_block=None) -> None:
         self.pending.append(request_id)
 
     def has_unfinished(self) -> bool:

@@ -13,12 +13,14 @@ class WatchRequest(_message.Message):
     def __init__(self, watcher: _Optional[str] = ...) -> None: ...
 
 class Member(_message.Message):
-    __slots__ = ("worker_id", "endpoint")
+    __slots__ = ("worker_id", "endpoint", "role")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     endpoint: str
-    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ...) -> None: ...
+    role: str
+    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
 
 class MemberList(_message.Message):
     __slots__ = ("version", "members")

@@ -50,6 +50,11 @@ class WorkerStub:
                 request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.Prefill = channel.unary_stream(
+                '/duet.worker.v1.Worker/Prefill',
+                request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -84,6 +89,24 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefill(self, request, context):
+        """Prefill side of a disaggregated request; only decode workers call it (for a Submit that has
+        remote_prefill). Computes the prompt, samples the first token, then sends the KV blocks the
+        decode worker reserved straight to it over the pair's torch.distributed group (never through
+        this RPC). Streams exactly two messages: the first when the prompt is computed, right before
+        the transfer starts (the decode side posts its receive on it); the second when the transfer
+        has been sent. Cancelling the call aborts the request and frees its state.
+
+        Status codes:
+        INVALID_ARGUMENT     a bad field (the message names it)
+        FAILED_PRECONDITION  expected_incarnation is not this worker's (it restarted), or the KV
+        layout or backend differs from the decode worker's
+        UNAVAILABLE          the worker is draining, or the transfer failed (the pair was dropped)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -101,6 +124,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.LoadReport.SerializeToString,
+            ),
+            'Prefill': grpc.unary_stream_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -185,6 +213,33 @@ class Worker:
             '/duet.worker.v1.Worker/GetLoad',
             duet_dot_worker_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
             duet_dot_worker_dot_v1_dot_worker__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/duet.worker.v1.Worker/Prefill',
+            duet_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            duet_dot_worker_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,

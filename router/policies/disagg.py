@@ -1,0 +1,115 @@
+"""Disaggregated routing: a request's route is a (prefill worker, decode worker) pair, or one
+worker alone for prompts too short to be worth moving (after Dynamo's KV-aware router and
+llm-d's / xLLM's per-request P/D decision).
+
+Roles (the pool a worker belongs to, from the controller's membership): ``prefill`` workers only
+ever compute prompts for others; ``decode`` and ``colocated`` workers take the request's stream.
+With no prefill worker in the membership this is exactly the configured policy.
+
+Algorithm, per request (P = prompt token ids, bs = block_size, load = WorkerState.load_tokens):
+ 1. decode = the configured policy (round_robin / least_loaded / prefix_aware) over the healthy
+    decode and colocated workers. (prefix_aware here also steers a prompt to the decode worker
+    that holds its prefix, which shrinks the KV transfer: only blocks beyond its hits are sent.)
+ 2. |P| < min_prompt_tokens, or no healthy prefill worker -> colocated on ``decode``
+    (short prompts: the transfer and the extra hop cost more than the prefill they save). The
+    second case is a fallback: logged and counted; on a retry (``require_prefill``) it raises
+    NoWorkersAvailable instead (UNAVAILABLE: a transfer already failed once).
+ 3. prefill = argmin over healthy prefill workers of
+        cost(p) = (ceil(|P| / bs) - matched_blocks(p))   prompt blocks p still has to compute
+                + load(p) / bs                           work already queued on p, in blocks
+    where matched_blocks(p) comes from a PrefixTree of prompts recently prefilled on p (as in
+    prefix_aware). Ties: lower load, then id. The pair's total cost, Dynamo-style, is
+    cost(prefill) + load(decode) / bs; the two terms depend on disjoint choices, so each half is
+    minimised on its own.
+ 4. Record P's blocks under the chosen prefill worker.
+
+Example (bs=16, min_prompt_tokens=256): a 40-token chat turn runs colocated on the least-loaded
+decode worker; a 900-token document goes to the prefill worker that summarised the same document
+before (57 blocks, 50 matched -> cost 7 + its load) unless another one is idle enough to win.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from router.policies.base import (
+    NoWorkersAvailable,
+    PolicyConfigError,
+    RouteRequest,
+    RoutingPolicy,
+    WorkerState,
+    log_fallback,
+)
+from router.prefix_tree import PrefixTree, block_hashes
+
+logger = logging.getLogger(__name__)
+
+PREFILL = "prefill"
+MAX_TREE_BLOCKS_PER_WORKER = 4096
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a request goes: ``decode_id`` streams it; ``prefill_id`` (None = colocated) computes its prompt."""
+
+    decode_id: str
+    prefill_id: str | None = None
+
+
+@dataclass
+class DisaggRouter:
+    """Wraps the configured policy (which picks the decode side) with the prefill choice above."""
+
+    decode_policy: RoutingPolicy
+    block_size: int = 16
+    min_prompt_tokens: int = 256
+    tree: PrefixTree = field(default_factory=PrefixTree)
+    counts: dict[str, int] = field(default_factory=lambda: {"disagg_routes": 0, "colocated_short": 0,
+                                                             "no_prefill_fallbacks": 0})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise PolicyConfigError(f"disagg block_size={self.block_size!r}: must be an integer >= 1")
+        if not isinstance(self.min_prompt_tokens, int) or self.min_prompt_tokens < 0:
+            raise PolicyConfigError(f"disagg min_prompt_tokens={self.min_prompt_tokens!r}: must be an integer >= 0")
+
+    def select(self, request: RouteRequest, workers: Sequence[WorkerState], *, require_prefill: bool = False) -> Route:
+        decoders = [w for w in workers if w.role != PREFILL]
+        decode_id = self.decode_policy.select(request, decoders)
+        prefills = [w for w in workers if w.role == PREFILL]
+        self._forget_departed(prefills)
+        healthy = [w for w in prefills if w.healthy]
+        if not require_prefill and len(request.prompt_token_ids) < self.min_prompt_tokens:
+            if prefills:
+                self.counts["colocated_short"] += 1
+            return Route(decode_id)
+        if not healthy:
+            if require_prefill:
+                raise NoWorkersAvailable(f"no other healthy prefill worker ({len(prefills)} known)")
+            if prefills:
+                self.counts["no_prefill_fallbacks"] += 1
+                log_fallback(logger, self.counts["no_prefill_fallbacks"], "request %s: no healthy prefill worker "
+                             "(%d known); prefilling on decode worker %s", request.request_id, len(prefills), decode_id)
+            return Route(decode_id)
+        hashes = block_hashes(request.prompt_token_ids, self.block_size)
+        matched = self.tree.match(hashes)
+        total = -(-len(request.prompt_token_ids) // self.block_size)
+        best = min(healthy, key=lambda w: (total - matched.get(w.worker_id, 0) + w.load_tokens / self.block_size,
+                                          w.load_tokens, w.worker_id))
+        self.tree.insert(best.worker_id, hashes, MAX_TREE_BLOCKS_PER_WORKER)
+        self.counts["disagg_routes"] += 1
+        return Route(decode_id, best.worker_id)
+
+    def on_request_complete(self, worker_id: str, request_id: str) -> None:
+        self.decode_policy.on_request_complete(worker_id, request_id)
+
+    def counters(self) -> dict[str, int]:
+        return {**self.decode_policy.counters(), **self.counts}
+
+    def _forget_departed(self, prefills: Sequence[WorkerState]) -> None:
+        present = {w.worker_id for w in prefills}
+        for wid in self.tree.workers:
+            if wid not in present:
+                self.tree.remove_worker(wid)

@@ -1,0 +1,166 @@
+"""Disaggregated routing: the (prefill, decode) pair choice (router/policies/disagg.py), and the
+pipeline's handling of it against fake workers: the Submit names the prefill worker, short prompts
+stay colocated, a failed prefill half (ABORTED) is retried once on another prefill worker, and with
+none left the client gets UNAVAILABLE."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import grpc
+import pytest
+from router_fakes import FakeWorker, FakeWorkerServer, LoopThread, SCRIPT, run_async, tok, wait_until  # noqa: F401
+
+from protos.duet.v1 import duet_pb2, duet_pb2_grpc
+from router.config import RouterConfig
+from router.policies import NoWorkersAvailable, RouteRequest, WorkerState, make_policy
+from router.policies.disagg import DisaggRouter, Route
+from router.server import serve_router
+
+
+def ws(wid: str, role: str, load: int = 0, healthy: bool = True) -> WorkerState:
+    return WorkerState(wid, f"{wid}:1", healthy=healthy, role=role, outstanding_tokens=load, kv_block_size=16)
+
+
+def router(min_prompt_tokens: int = 64) -> DisaggRouter:
+    return DisaggRouter(make_policy("least_loaded"), block_size=16, min_prompt_tokens=min_prompt_tokens)
+
+
+def req(n: int, rid: str = "r", base: int = 0) -> RouteRequest:
+    return RouteRequest(rid, [base + i for i in range(n)], 8)
+
+
+def test_without_prefill_workers_it_is_the_plain_policy():
+    r = router()
+    workers = [ws("c0", "colocated", 500), ws("c1", "colocated", 100)]
+    assert r.select(req(1000), workers) == Route("c1")
+    assert r.counters()["disagg_routes"] == 0 and r.counters()["no_prefill_fallbacks"] == 0
+
+
+def test_short_prompts_stay_colocated_long_ones_get_a_pair():
+    r = router(min_prompt_tokens=64)
+    workers = [ws("d0", "decode", 100), ws("d1", "decode", 50), ws("p0", "prefill", 0)]
+    assert r.select(req(63), workers) == Route("d1")
+    assert r.select(req(64), workers) == Route("d1", "p0")
+    assert r.counters()["colocated_short"] == 1 and r.counters()["disagg_routes"] == 1
+
+
+def test_prefill_choice_weighs_prefix_overlap_against_load():
+    r = router(min_prompt_tokens=0)
+    workers = [ws("d0", "decode"), ws("p0", "prefill", 0), ws("p1", "prefill", 16 * 10)]
+    assert r.select(req(800, "a", base=1), workers).prefill_id == "p0"
+    # p0 now holds the 50-block prefix: a busier p0 (load 20 blocks < 50 matched) still wins ...
+    busy = [ws("d0", "decode"), ws("p0", "prefill", 16 * 20), ws("p1", "prefill", 0)]
+    assert r.select(req(800, "b", base=1), busy).prefill_id == "p0"
+    # ... until its queue outweighs what the prefix saves.
+    swamped = [ws("d0", "decode"), ws("p0", "prefill", 16 * 80), ws("p1", "prefill", 0)]
+    assert r.select(req(800, "c", base=1), swamped).prefill_id == "p1"
+    # a different prompt has no overlap anywhere: the idler prefill worker takes it
+    assert r.select(req(800, "d", base=10_000), busy).prefill_id == "p1"
+
+
+def test_unhealthy_prefill_falls_back_colocated_but_not_on_a_retry():
+    r = router(min_prompt_tokens=0)
+    workers = [ws("d0", "decode"), ws("p0", "prefill", healthy=False)]
+    assert r.select(req(100), workers) == Route("d0")
+    assert r.counters()["no_prefill_fallbacks"] == 1
+    with pytest.raises(NoWorkersAvailable, match="prefill"):
+        r.select(req(100), workers, require_prefill=True)
+    with pytest.raises(NoWorkersAvailable):
+        r.select(req(100), [ws("p0", "prefill")])  # nobody to decode
+
+
+class DecodeFake(FakeWorker):
+    """A decode worker double: fails the Submit with ABORTED when its remote_prefill names a
+    worker in ``bad_prefill`` (as a real decode worker does when the prefill half fails)."""
+
+    bad_prefill: set[str] = set()
+    stall_on: set[str] = set()  # wait forever, as when the prefill worker vanished silently
+
+    async def Submit(self, request, context):
+        if request.HasField("remote_prefill") and request.remote_prefill.worker_id in self.stall_on:
+            self.submitted.append(request)
+            await asyncio.sleep(3600)
+        if request.HasField("remote_prefill") and request.remote_prefill.worker_id in self.bad_prefill:
+            self.submitted.append(request)
+            await context.abort(grpc.StatusCode.ABORTED, f"remote prefill failed: {request.remote_prefill.worker_id}")
+        async for msg in super().Submit(request, context):
+            yield msg
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_path, tok):
+    lt = LoopThread()
+    ids = tok.encode(SCRIPT, add_special_tokens=False)
+    decode = FakeWorkerServer(lt, DecodeFake("d0", ids, tok.eos_token_id))
+    prefills = [FakeWorkerServer(lt, FakeWorker(f"p{i}", ids, tok.eos_token_id)) for i in range(2)]
+    for s in (decode, *prefills):
+        s.start()
+    members = [("d0", decode.endpoint, "decode")] + [(s.worker.worker_id, s.endpoint, "prefill") for s in prefills]
+    config = RouterConfig(tokenizer_path=str(smollm2_path), port=0, policy="least_loaded", load_poll_interval_s=0.05,
+                          disagg_min_prompt_tokens=32, stream_failure_cooldown_s=0.0, load_poll_timeout_s=0.3)
+    handle = serve_router(config, members)
+    wait_until(lambda: all(w["healthy"] for w in handle.server.directory.describe()), what="workers healthy")
+    yield handle, decode, prefills
+    handle.stop()
+    for s in (decode, *prefills):
+        s.stop_sync()
+    lt.close()
+
+
+async def generate(address: str, prompt: str):
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = duet_pb2_grpc.DuetStub(channel)
+        return [m async for m in stub.Generate(duet_pb2.GenerateRequest(prompt=prompt, sampling=duet_pb2.SamplingParams(
+            max_tokens=4)))]
+
+
+def test_pipeline_names_the_prefill_worker_and_retries_a_failed_prefill_once(cluster):
+    handle, decode, prefills = cluster
+    dw = decode.worker
+    dw.submitted.clear()
+    run_async(generate(handle.address, "short prompt"))
+    assert not dw.submitted[-1].HasField("remote_prefill")  # below disagg_min_prompt_tokens
+
+    long_prompt = "word " * 64
+    run_async(generate(handle.address, long_prompt))
+    rp = dw.submitted[-1].remote_prefill
+    chosen = next(s for s in prefills if s.worker.worker_id == rp.worker_id)
+    assert (rp.endpoint, rp.incarnation) == (chosen.endpoint, chosen.incarnation)
+
+    DecodeFake.bad_prefill = {"p0"}
+    try:
+        dw.submitted.clear()
+        for i in range(3):  # whichever prefill worker is picked first, the request succeeds
+            out = run_async(generate(handle.address, f"{i} " + long_prompt))
+            assert out[-1].finish_reason != duet_pb2.FINISH_REASON_UNSPECIFIED
+        assert all(r.remote_prefill.worker_id in ("p0", "p1") for r in dw.submitted)
+        assert dw.submitted[-1].remote_prefill.worker_id == "p1"
+
+        DecodeFake.bad_prefill = {"p0", "p1"}
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            run_async(generate(handle.address, "x " + long_prompt))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "remote prefill failed" in info.value.details()
+        assert handle.server.pipeline.counts["prefill_failures"] >= 2
+    finally:
+        DecodeFake.bad_prefill = set()
+
+
+def test_a_silently_vanished_prefill_worker_cancels_the_wait_and_retries(cluster):
+    handle, decode, prefills = cluster
+    dw, p0 = decode.worker, prefills[0]
+    wait_until(lambda: all(w["healthy"] for w in handle.server.directory.describe()), what="workers healthy")
+    DecodeFake.stall_on = {"p0"}
+    try:
+        dw.submitted.clear()
+        pending: concurrent.futures.Future = concurrent.futures.ThreadPoolExecutor(1).submit(
+            run_async, generate(handle.address, "a prompt nobody sent before " * 8))
+        wait_until(lambda: any(r.remote_prefill.worker_id == "p0" for r in dw.submitted), what="routed via p0")
+        p0.worker.hang = True  # GetLoad stops answering: the router declares p0 dead after 3 polls
+        out = pending.result(timeout=30)
+        assert out[-1].finish_reason != duet_pb2.FINISH_REASON_UNSPECIFIED
+        assert dw.submitted[-1].remote_prefill.worker_id == "p1"
+    finally:
+        DecodeFake.stall_on = set()
+        p0.worker.hang = False

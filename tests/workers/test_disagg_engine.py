@@ -1,0 +1,133 @@
+"""Disaggregated prefill/decode at the engine level: a prefill engine computes the prompt and exports
+its KV blocks, a decode engine reserves blocks, imports them and decodes. Output must equal the
+colocated engine's, token for token (greedy and seeded sampling), on every path: mixed prompt
+lengths, many requests in flight, prompts longer than one prefill chunk, and decode-side prefix
+hits (which shrink what is sent). Aborting a reservation returns its blocks.
+
+The hand-over here is in-process (the tensor moves directly); tests/workers/test_kv_transfer.py
+sends the same exports between two processes over a real gloo pair group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from workers.engine import Engine, KVCapacityError
+from workers.errors import InvalidRequestError
+from workers.llm import LLM
+from workers.sampling_params import SamplingParams
+
+from conftest import PROMPTS
+
+LONG = ("In the beginning of the project the team wrote down every requirement they could think of, "
+        "argued about each one, and then threw most of them away. ") * 6  # ~170 tokens: several chunks
+
+
+def make_llm(path: Path, **kw) -> LLM:
+    kw = {"kv_cache_memory_bytes": 32 << 20, "max_num_batched_tokens": 64, **kw}
+    return LLM(str(path), **kw)
+
+
+def disagg_run(prefill: Engine, decode: Engine, prompts: list[list[int]], params: list[SamplingParams]):
+    """Every request: reserve on decode, prefill + export on prefill (all in flight together), then
+    import and decode (all together). -> (token ids per request, blocks sent per request)."""
+    tickets = {}
+    for i, (ids, p) in enumerate(zip(prompts, params)):
+        rid = f"r{i}"
+        tickets[rid] = decode.reserve(rid, ids, p)
+        prefill.add_request(rid, ids, p, export_from_block=tickets[rid].first_block)
+    exports = {}
+    while prefill.has_unfinished():
+        for out in prefill.step():
+            assert out.finished and out.new_token_ids == [out.kv_export.first_token]
+            exports[out.request_id] = out.kv_export
+    stats = prefill.block_manager.stats()
+    assert stats.num_free_blocks == stats.num_blocks, "prefill side keeps no blocks after export"
+    tokens: dict[str, list[int]] = {}
+    for rid, ex in exports.items():
+        assert ex.first_block == tickets[rid].first_block and ex.kv.shape[2] == tickets[rid].num_blocks
+        out = decode.import_kv(rid, tickets[rid], ex.kv, ex.first_token, ex.generator_state)
+        tokens[rid] = list(out.new_token_ids)
+    while decode.has_unfinished():
+        for out in decode.step():
+            tokens[out.request_id] += out.new_token_ids
+    stats = decode.block_manager.stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    return [tokens[f"r{i}"] for i in range(len(prompts))], [tickets[f"r{i}"].num_blocks for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2_path: Path):
+    colocated, prefill, decode = make_llm(smollm2_path), make_llm(smollm2_path), make_llm(smollm2_path)
+    return colocated, prefill.engine, decode.engine
+
+
+def colocated_tokens(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    engine = llm.engine
+    for i, (ids, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"c{i}", ids, p)
+    tokens = {f"c{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    return [tokens[f"c{i}"] for i in range(len(prompts))]
+
+
+def test_greedy_equals_colocated_mixed_lengths_concurrent(engines, tokenizer):
+    colocated, prefill, decode = engines
+    prompts = [tokenizer.encode(p) for p in [*PROMPTS, LONG, LONG + " And then"]]
+    assert max(map(len, prompts)) > prefill.config.scheduler.max_num_batched_tokens  # multi-chunk prefill
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (24, 1, 8, 24, 16, 24, 5, 24, 24, 12)]
+    want = colocated_tokens(colocated, prompts, params)
+    got, _ = disagg_run(prefill, decode, prompts, params)
+    assert got == want
+
+
+def test_seeded_sampling_equals_colocated(engines, tokenizer):
+    colocated, prefill, decode = engines
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:4]]
+    params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=s, max_tokens=20) for s in (1, 2, 3, 4)]
+    want = colocated_tokens(colocated, prompts, params)
+    got, _ = disagg_run(prefill, decode, prompts, params)
+    assert got == want
+
+
+def test_decode_prefix_hits_send_fewer_blocks(engines, tokenizer):
+    colocated, prefill, decode = engines
+    decode.block_manager.reset_prefix_cache()
+    system = tokenizer.encode(LONG)
+    prompts = [system + tokenizer.encode(q) for q in (" Where is Peru?", " Who built the pyramids?")]
+    params = [SamplingParams(temperature=0, max_tokens=12)] * 2
+    want = colocated_tokens(colocated, prompts, params)
+    first, sent_first = disagg_run(prefill, decode, prompts[:1], params[:1])
+    second, sent_second = disagg_run(prefill, decode, prompts[1:], params[1:])
+    bs = decode.block_manager.block_size
+    assert [first[0], second[0]] == want
+    assert sent_first[0] == -(-len(prompts[0]) // bs)
+    assert sent_second[0] <= -(-len(prompts[1]) // bs) - len(system) // bs  # the shared blocks stayed home
+
+
+def test_abort_returns_reserved_blocks_and_bad_input_is_typed(engines, tokenizer):
+    _, prefill, decode = engines
+    free = decode.block_manager.num_free_blocks
+    ticket = decode.reserve("gone", tokenizer.encode(LONG), SamplingParams(temperature=0, max_tokens=4))
+    assert decode.block_manager.num_free_blocks < free and decode.stats().num_reserved == 1
+    assert decode.abort("gone").finish_reason.value == "abort"
+    assert decode.block_manager.num_free_blocks == free and decode.stats().num_reserved == 0
+    with pytest.raises(InvalidRequestError):
+        prefill.add_request("x", [1, 2, 3], SamplingParams(), export_from_block=ticket.num_blocks + 5)
+    with pytest.raises(InvalidRequestError):
+        decode.reserve("y", [], SamplingParams())
+    assert not prefill.has_unfinished() and decode.stats().num_reserved == 0
+
+
+def test_reserve_without_room_raises_and_keeps_nothing(smollm2_path: Path, tokenizer):
+    tiny = LLM(str(smollm2_path), num_blocks=4, block_size=16).engine
+    with pytest.raises(InvalidRequestError):  # over the context limit of a 4-block pool
+        tiny.reserve("big", tokenizer.encode(LONG), SamplingParams())
+    tiny.reserve("a", list(range(1, 40)), SamplingParams())  # 3 blocks
+    with pytest.raises(KVCapacityError):
+        tiny.reserve("b", list(range(1, 40)), SamplingParams())
+    tiny.abort("a")
+    assert tiny.block_manager.num_free_blocks == 4 and not tiny.reserved()

@@ -1,0 +1,185 @@
+"""Both halves of a disaggregated request, on the worker's event loop (the gRPC side of a worker).
+
+Sequence for one request (D = decode worker, P = prefill worker; the router sent D a Submit with
+``remote_prefill`` = P)::
+
+    D  engine.reserve          prefix-cache hits + blocks for the rest -> KVTicket
+    D  receiver.expect(tid)    register the transfer this request waits for
+    D  receiver.channel(pair)  start (or reuse) the pair's gloo/nccl group rendezvous on D's store;
+                               once up, the pair's receive loop reads every announced transfer
+    D -> P  Prefill(ticket, D's store address, pair key)          [gRPC, worker to worker]
+    P  sender.channel(pair)    join the same rendezvous (first time for this pair key only)
+    P  engine: compute the prompt (chunked, prefix cache), sample token 1, copy out blocks
+       first_block.. and free everything (KVExport)
+    P -> D  PrefillResponse #1 (token 1, generator state)
+    P => D  announce, header, per-block (seq, checksum), payload   [torch.distributed, never gRPC]
+    D  receive loop            read + verify (layout, id, range, sequence numbers, checksums) and
+                               settle the request's future
+    P -> D  PrefillResponse #2 (bytes, seconds)                 "sent"
+    D  engine.import_kv        write the blocks, restore the generator, append token 1, decode on
+
+Failure anywhere before import (P unreachable, P restarted, P's engine full or failing, the
+transfer timing out, a dead peer, a rejected check) raises ``RemotePrefillError``; the Submit
+handler ends the call with ABORTED and its ``finally`` aborts the reservation, so every reserved
+block returns. The router retries ABORTED once on another prefill worker. On P, a cancelled
+Prefill call (D died or gave up) aborts the request in P's engine; a send to a dead D fails and
+drops the pair. P holds no blocks while it sends: the export is a copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
+from workers.engine import KVTicket
+from workers.engine_loop import EngineLoop, Sink, WorkerUnavailableError
+from workers.kv_transfer import KVLayout, KVReceiver, KVSender, KVTransferError, PairKey
+from workers.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = [("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+class RemotePrefillError(Exception):
+    """The prefill half failed (worker, transfer or verification); no token was produced."""
+
+
+class PrefillRejected(Exception):
+    """A Prefill request this worker will not serve; ``code`` is the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Disaggregation:
+    """A worker's KV sender (prefill half) and receiver (decode half) plus the Prefill client.
+
+    timeout_s bounds every wait on a peer: rendezvous, each transfer message, the Prefill call's
+    second message. host: the address the decode-side store binds and advertises."""
+
+    def __init__(self, engine: EngineLoop, layout: KVLayout, worker_id: str, incarnation: str, *,
+                 host: str = "127.0.0.1", device: str = "cpu", timeout_s: float = 30.0) -> None:
+        self.backend = "nccl" if device.startswith("cuda") else "gloo"
+        self.worker_id = worker_id
+        self.incarnation = incarnation
+        self.timeout_s = timeout_s
+        self._engine = engine
+        self.sender = KVSender(layout, self.backend, timeout_s)
+        self.receiver = KVReceiver(layout, worker_id, incarnation, host, self.backend, timeout_s)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    # ------------------------------------------------------------- decode half
+    async def decode(self, request_id: str, prompt: list[int], params: SamplingParams,
+                     sampling: worker_pb2.SamplingParams, remote: worker_pb2.RemotePrefill, sink: Sink) -> None:
+        """Reserve, have ``remote`` prefill, receive and verify, import. Outputs then arrive on
+        ``sink`` (the first one carries token 1). Raises InvalidRequestError / KVCapacityError
+        (from reserve) or RemotePrefillError; the caller aborts the request on any error."""
+        ticket = await self._engine.reserve(request_id, prompt, params)
+        if isinstance(ticket, Exception):
+            raise ticket
+        key = self.receiver.pair_key(remote.worker_id, remote.incarnation)
+        expected = self.receiver.expect(key, ticket.transfer_id, ticket.first_block, ticket.num_blocks)
+        self.receiver.channel(key)  # start the rendezvous now; P joins when the request reaches it
+        call = self._stub(remote.endpoint).Prefill(self._prefill_request(request_id, prompt, sampling, ticket, key,
+                                                                         remote.incarnation))
+        try:
+            first = await call.read()
+            if first is grpc.aio.EOF:
+                raise RemotePrefillError(f"prefill worker {remote.worker_id} ended the call without a result")
+            received = await asyncio.wait_for(asyncio.wrap_future(expected), self.timeout_s)
+            done = await asyncio.wait_for(call.read(), self.timeout_s)
+            if done is grpc.aio.EOF or not done.transfer_done:
+                raise RemotePrefillError(f"prefill worker {remote.worker_id} did not confirm the transfer")
+        except grpc.aio.AioRpcError as e:
+            raise RemotePrefillError(f"prefill worker {remote.worker_id}: {e.code().name}: {e.details()}") from None
+        except (KVTransferError, TimeoutError) as e:
+            raise RemotePrefillError(f"KV transfer from {remote.worker_id} failed: {e or 'timed out'}") from None
+        finally:
+            self.receiver.cancel(ticket.transfer_id)
+            if not call.done():
+                call.cancel()
+        logger.info("request %s: %d prompt blocks from %s (%d cached here), %.2f MB in %.1f ms", request_id,
+                    ticket.num_blocks, remote.worker_id, ticket.first_block, received.num_bytes / 1e6,
+                    received.seconds * 1e3)
+        self._engine.import_kv(request_id, ticket, received.kv, first.first_token_id,
+                               first.generator_state or None, sink)
+
+    def _prefill_request(self, request_id: str, prompt: list[int], sampling: worker_pb2.SamplingParams,
+                         ticket: KVTicket, key: PairKey, incarnation: str) -> worker_pb2.PrefillRequest:
+        return worker_pb2.PrefillRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling, transfer_id=ticket.transfer_id,
+            first_block=ticket.first_block, num_blocks=ticket.num_blocks, kv_store_address=self.receiver.address,
+            decode_worker_id=self.worker_id, decode_incarnation=self.incarnation, pair_generation=key.generation,
+            expected_incarnation=incarnation, backend=self.backend)
+
+    def _stub(self, endpoint: str) -> worker_pb2_grpc.WorkerStub:
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+        return worker_pb2_grpc.WorkerStub(channel)
+
+    # ------------------------------------------------------------- prefill half
+    async def prefill(self, request: worker_pb2.PrefillRequest,
+                      params: SamplingParams) -> AsyncIterator[worker_pb2.PrefillResponse]:
+        """Serve one Prefill call (see the module docstring). Raises PrefillRejected."""
+        if request.expected_incarnation and request.expected_incarnation != self.incarnation:
+            raise PrefillRejected(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"expected_incarnation: this worker is {self.incarnation} (it restarted)")
+        if request.backend != self.backend:
+            raise PrefillRejected(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"backend: decode side uses {request.backend!r}, this worker {self.backend!r}")
+        if not request.transfer_id or request.num_blocks < 1 or not request.kv_store_address:
+            raise PrefillRejected(grpc.StatusCode.INVALID_ARGUMENT,
+                                  "transfer_id, num_blocks and kv_store_address: all required")
+        key = PairKey(self.worker_id, self.incarnation, request.decode_worker_id, request.decode_incarnation,
+                      request.pair_generation)
+        channel_future = self.sender.channel(key, request.kv_store_address)
+        rid, sink = f"prefill/{request.request_id}", asyncio.Queue()
+        self._engine.add(rid, list(request.prompt_token_ids), params, sink, export_from_block=request.first_block)
+        finished = False
+        try:
+            out = await sink.get()
+            finished = True
+            if isinstance(out, Exception):
+                raise out
+            export = out.kv_export
+            if export is None:
+                raise WorkerUnavailableError(f"prefill of {request.request_id} ended without a result")
+            if export.kv.shape[2] != request.num_blocks:
+                raise PrefillRejected(grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"num_blocks: {request.num_blocks} reserved, the prompt needs {export.kv.shape[2]}")
+            channel = await asyncio.wait_for(asyncio.wrap_future(channel_future), self.timeout_s)
+            yield worker_pb2.PrefillResponse(first_token_id=export.first_token,
+                                             generator_state=export.generator_state or b"",
+                                             cached_prompt_tokens=out.num_cached_tokens)
+            start = time.monotonic()
+            nbytes = await asyncio.get_running_loop().run_in_executor(
+                channel.executor, self.sender.send, channel, request.transfer_id, export.first_block, export.kv)
+            yield worker_pb2.PrefillResponse(transfer_done=True, kv_bytes=nbytes,
+                                             transfer_seconds=time.monotonic() - start)
+        except (KVTransferError, TimeoutError) as e:
+            raise WorkerUnavailableError(f"KV transfer to {request.decode_worker_id} failed: {e or 'timed out'}") \
+                from None
+        finally:
+            if not finished:
+                self._engine.abort(rid)  # the decode side gave up (or died): free the prefill state
+
+    # ------------------------------------------------------------- stats, lifecycle
+    def load_fields(self) -> dict[str, float | int]:
+        """KV-transfer counters for the LoadReport."""
+        s, r = self.sender.stats, self.receiver.stats
+        return dict(kv_transfers_sent=s.transfers_sent, kv_bytes_sent=s.bytes_sent,
+                    kv_transfers_received=r.transfers_received, kv_bytes_received=r.bytes_received,
+                    kv_transfer_failures=s.failures + r.failures, kv_transfer_seconds=s.seconds + r.seconds)
+
+    async def close(self) -> None:
+        self.receiver.close()
+        channels, self._channels = list(self._channels.values()), {}
+        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)

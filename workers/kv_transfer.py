@@ -1,0 +1,471 @@
+"""KV-cache transfer between a prefill worker and a decode worker over torch.distributed.
+
+Terms:
+    pair        one (prefill worker, decode worker) couple. It owns a 2-rank process group:
+                rank 0 = the prefill worker (it only sends), rank 1 = the decode worker (it only
+                receives). Built lazily on first use, straight from a store (no global
+                ``init_process_group``), so any number of pairs coexist in one process and a third
+                worker joining or leaving never touches an existing pair's group.
+    store       the decode worker hosts a ``TCPStore`` server (``KVReceiver.address``); the prefill
+                worker dials it when a request names it. Each pair rendezvouses under its own
+                ``PrefixStore(pair_key)``.
+    pair key    ``kv/<prefill id>/<prefill incarnation>/<decode id>/<decode incarnation>/<generation>``:
+                a restarted worker (new incarnation) or a pair dropped after a failure (generation
+                + 1, chosen by the decode side) always rendezvouses afresh, never reusing a stale group.
+    transfer    the KV of one request's blocks, identified by a transfer id the decode side chose
+                when it reserved the blocks. Sent as three messages on the pair group:
+                  header     int64[HEADER_WORDS]: magic, version, layout (layers, blocks, block size,
+                             kv heads, head dim, dtype code), first logical block, transfer id bytes
+                  checks     int64[n, 2]: per block its logical index (a sequence number) and a checksum
+                  payload    [L, 2, n, bs, G, D] in the cache dtype
+                The receiver checks the layout against its own cache and the transfer id, first
+                block and count against the reservation, then recomputes every checksum; only a
+                transfer that passes every check is handed to the engine (``ReceivedKV``).
+    checksum    per block, the int64 sum of the raw bit patterns (as int16/int32 words) of all its
+                K/V elements over all layers: one cheap pass that catches truncation, a flipped
+                element and blocks swapped in transit (block i's sum lands under index j).
+
+Ordering. Transfers on one pair form one ordered stream: the sender holds the pair's lock from
+announcement to payload; before each transfer it *announces* it in the pair's store (key
+``announce/<n>`` = transfer id, n = 1, 2, ...). The decode side runs one receive loop per pair (on
+the pair's own thread) that waits for announcement n, reads that whole transfer, dispatches it by
+transfer id to whoever expects it (or discards it: the request ended meanwhile) and moves to n + 1.
+So concurrent requests on one pair may complete in any order, a request that gives up never
+desynchronises the stream (its transfer is still read, then dropped), and no receive is posted for
+a transfer that was never started. A peer that dies mid-transfer shows as an error at once (gloo
+sees the closed connection), a silent one as a timeout.
+
+Failure: any error on a pair (timeout, closed peer, bad header, checksum mismatch) fails the
+transfer(s) involved with ``KVTransferError`` and drops the pair's group on that side; the decode
+side bumps the pair generation so the next request rendezvouses a new group.
+
+Backend: ``gloo`` for CPU caches, ``nccl`` when the cache lives on CUDA (both sides must agree;
+the decode side names its backend in the request and the prefill side refuses a mismatch).
+
+Axes: L layers, n blocks in the transfer, bs block size, G kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+logger = logging.getLogger(__name__)
+
+MAGIC = 0x4455_4554_4B56  # "DUETKV"
+VERSION = 1
+TID_BYTES = 64  # transfer ids are at most this long (utf-8)
+_FIXED = 10  # header words before the transfer id
+HEADER_WORDS = _FIXED + TID_BYTES // 8
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_WORD = {4: torch.int32, 2: torch.int16}
+_TAG_HEADER, _TAG_CHECKS, _TAG_PAYLOAD = 1, 2, 3
+
+
+class KVTransferError(Exception):
+    """A transfer failed or did not verify; its KV must not be used. The pair has been dropped."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The cache geometry both sides must share for a transfer to make sense."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def as_words(self) -> list[int]:
+        return [self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, _DTYPE_CODES[self.dtype]]
+
+
+@dataclass(frozen=True)
+class PairKey:
+    """Identity of one pair's process group (see the module docstring)."""
+
+    prefill_id: str
+    prefill_incarnation: str
+    decode_id: str
+    decode_incarnation: str
+    generation: int
+
+    @property
+    def prefix(self) -> str:
+        return (f"kv/{self.prefill_id}/{self.prefill_incarnation}/{self.decode_id}/"
+                f"{self.decode_incarnation}/{self.generation}")
+
+
+@dataclass(frozen=True)
+class ReceivedKV:
+    """A verified transfer: ``kv`` [L, 2, n, bs, G, D] for logical blocks first_block.. of the request."""
+
+    transfer_id: str
+    first_block: int
+    kv: torch.Tensor
+    num_bytes: int
+    seconds: float
+
+
+def block_checksums(kv: torch.Tensor) -> torch.Tensor:
+    """kv [L, 2, n, bs, G, D] -> [n] int64: per block, the sum of its elements' bit patterns."""
+    words = kv.contiguous().view(_WORD[kv.element_size()])
+    return words.sum(dim=(0, 1, 3, 4, 5), dtype=torch.int64)
+
+
+def _encode_header(layout: KVLayout, transfer_id: str, first_block: int, num_blocks: int) -> torch.Tensor:
+    tid = transfer_id.encode()
+    assert 0 < len(tid) <= TID_BYTES, f"transfer id {transfer_id!r} must be 1..{TID_BYTES} bytes"
+    head = torch.zeros(HEADER_WORDS, dtype=torch.int64)
+    head[:_FIXED] = torch.tensor([MAGIC, VERSION, *layout.as_words(), first_block, num_blocks, len(tid)])
+    raw = torch.zeros(TID_BYTES, dtype=torch.uint8)
+    raw[: len(tid)] = torch.frombuffer(bytearray(tid), dtype=torch.uint8)
+    head[_FIXED:] = raw.view(torch.int64)
+    return head
+
+
+def _decode_header(head: torch.Tensor, layout: KVLayout) -> tuple[str, int, int]:
+    """-> (transfer id, first block, num blocks); raises KVTransferError on a malformed header."""
+    words = head[:_FIXED].tolist()
+    if words[0] != MAGIC or words[1] != VERSION:
+        raise KVTransferError(f"bad transfer header (magic {words[0]:#x}, version {words[1]}): stream out of sync")
+    if words[2:7] != layout.as_words():
+        raise KVTransferError(f"KV layout mismatch: sender {words[2:7]}, receiver {layout.as_words()} "
+                              "(layers, block size, kv heads, head dim, dtype): the workers run different models")
+    first_block, num_blocks, tid_len = words[7:10]
+    if not 0 < tid_len <= TID_BYTES or num_blocks < 1 or first_block < 0:
+        raise KVTransferError(f"bad transfer header (id length {tid_len}, {num_blocks} blocks from {first_block})")
+    tid = bytes(head[_FIXED:].view(torch.uint8)[:tid_len].tolist()).decode(errors="replace")
+    return tid, first_block, num_blocks
+
+
+class PairChannel:
+    """One pair's 2-rank process group. Blocking methods: call them from a thread, not an event loop."""
+
+    def __init__(self, key: PairKey, store: TCPStore, rank: int, timeout_s: float, backend: str,
+                 wait_store: TCPStore | None = None) -> None:
+        """wait_store (rank 1): a store client of its own for the receive loop's blocking waits (a
+        client serialises its calls: a wait on the shared one would block every other pair)."""
+        assert rank in (0, 1)
+        self.key = key
+        self.rank = rank
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.lock = threading.Lock()  # one transfer at a time on this pair
+        self._announced = 0  # rank 0: transfers announced; rank 1: the next one the loop waits for
+        self._closed = threading.Event()
+        # The pair's own thread for blocking sends/receives: a shared pool could fill up with
+        # transfers waiting on each other (both halves in one process) and deadlock until timeout.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{key.prefill_id}-{key.decode_id}")
+        pstore = self.store = PrefixStore(key.prefix, store)
+        self._wait_store = PrefixStore(key.prefix, wait_store) if wait_store is not None else pstore
+        if backend == "nccl":
+            from torch.distributed import ProcessGroupNCCL
+
+            self.group = ProcessGroupNCCL(pstore, rank, 2)
+        else:
+            self.group = ProcessGroupGloo(pstore, rank, 2, self.timeout)
+        self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
+
+    def close(self) -> None:
+        """Stop using the pair. On the receiving side this also wakes the receive loop (it waits for
+        the next announcement) with an empty announcement, on which it exits."""
+        self._closed.set()
+        if self.rank == 1:
+            try:
+                self.store.set(f"announce/{self._announced}", b"")
+            except Exception:  # noqa: BLE001 - the store is gone: the loop fails on its own
+                pass
+        self.executor.shutdown(wait=False)
+
+    def announce(self, transfer_id: str) -> None:
+        """Rank 0, holding ``lock``: tell the receive loop that the next transfer on the stream is this one."""
+        self._announced += 1
+        self.store.set(f"announce/{self._announced}", transfer_id.encode())
+
+    def receive_loop(self, layout: KVLayout, deliver, fail) -> None:
+        """Rank 1, on ``executor``: for announcement 1, 2, ...: receive that transfer and call
+        ``deliver(transfer id, first block, checks, kv, bytes, seconds)``. On an error call
+        ``fail(error)`` and stop (the pair is unusable). Returns when closed."""
+        wait = datetime.timedelta(seconds=300)  # idle pairs just wait again (TCPStore logs each timeout)
+        while not self._closed.is_set():
+            self._announced += 1
+            while not self._closed.is_set():
+                try:
+                    self._wait_store.wait([f"announce/{self._announced}"], wait)
+                    break
+                except RuntimeError as e:
+                    if "timeout" not in str(e).lower():
+                        fail(e)
+                        return
+            if self._closed.is_set() or not self._wait_store.get(f"announce/{self._announced}"):
+                return
+            start = time.monotonic()
+            try:
+                with self.lock:
+                    tid, first, checks, kv, nbytes = self.receive(layout)
+            except BaseException as e:  # noqa: BLE001 - any failure poisons the pair
+                fail(e)
+                return
+            deliver(tid, first, checks, kv, nbytes, time.monotonic() - start)
+
+    def _wait(self, work) -> None:
+        if not work.wait(self.timeout):
+            raise KVTransferError(f"pair {self.key.prefix}: timed out after {self.timeout.total_seconds():g} s")
+
+    def send(self, layout: KVLayout, transfer_id: str, first_block: int, kv: torch.Tensor) -> int:
+        """Rank 0: send one transfer (caller holds ``lock``). kv [L, 2, n, bs, G, D]. Returns bytes sent."""
+        n = kv.shape[2]
+        checks = torch.stack([torch.arange(first_block, first_block + n), block_checksums(kv)], dim=1)  # [n, 2]
+        head = _encode_header(layout, transfer_id, first_block, n)
+        payload = kv.contiguous().to(self.device)
+        self.announce(transfer_id)
+        for tensor, tag in ((head.to(self.device), _TAG_HEADER), (checks.to(self.device), _TAG_CHECKS),
+                            (payload, _TAG_PAYLOAD)):
+            self._wait(self.group.send([tensor], 1, tag))
+        return head.nbytes + checks.nbytes + payload.nbytes
+
+    def receive(self, layout: KVLayout) -> tuple[str, int, torch.Tensor, torch.Tensor, int]:
+        """Rank 1: receive one whole transfer (caller holds ``lock``).
+        -> (transfer id, first block, checks [n, 2], kv [L, 2, n, bs, G, D], bytes)."""
+        head = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
+        self._wait(self.group.recv([head], 0, _TAG_HEADER))
+        tid, first_block, n = _decode_header(head.cpu(), layout)
+        checks = torch.empty(n, 2, dtype=torch.int64, device=self.device)
+        self._wait(self.group.recv([checks], 0, _TAG_CHECKS))
+        kv = torch.empty(layout.num_layers, 2, n, layout.block_size, layout.num_kv_heads, layout.head_dim,
+                         dtype=layout.dtype, device=self.device)
+        self._wait(self.group.recv([kv], 0, _TAG_PAYLOAD))
+        return tid, first_block, checks.cpu(), kv, head.nbytes + checks.nbytes + kv.nbytes
+
+
+@dataclass
+class TransferStats:
+    """Counters since the worker started (exported in LoadReport)."""
+
+    bytes_sent: int = 0
+    transfers_sent: int = 0
+    bytes_received: int = 0
+    transfers_received: int = 0
+    failures: int = 0
+    seconds: float = 0.0  # wall time spent sending or receiving payloads
+
+
+class KVSender:
+    """Prefill side: one PairChannel per decode worker, rebuilt when the pair key changes.
+
+    ``send`` is blocking (run it on a thread); it builds the pair's group on first use, which
+    waits for the decode side to join the rendezvous (bounded by ``timeout_s``)."""
+
+    def __init__(self, layout: KVLayout, backend: str = "gloo", timeout_s: float = 30.0) -> None:
+        self.layout = layout
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.stats = TransferStats()
+        self._lock = threading.Lock()
+        self._channels: dict[str, Future[PairChannel]] = {}  # decode id -> channel being built / built
+        self._stores: dict[str, TCPStore] = {}  # store address -> client
+
+    def channel(self, key: PairKey, store_address: str) -> Future[PairChannel]:
+        """The pair's channel (built on a thread if new); a changed key drops the old one."""
+        with self._lock:
+            old = self._channels.get(key.decode_id)
+            if old is not None and getattr(old, "key", None) == key:
+                return old
+            fut = Future()
+            fut.key = key  # type: ignore[attr-defined]
+            self._channels[key.decode_id] = fut
+        _close_channel(old)
+        threading.Thread(target=self._build, args=(fut, key, store_address), daemon=True,
+                         name=f"kv-pair-{key.decode_id}").start()
+        return fut
+
+    def _build(self, fut: Future, key: PairKey, address: str) -> None:
+        try:
+            store = self._store(address)
+            fut.set_result(PairChannel(key, store, 0, self.timeout_s, self.backend))
+            logger.info("kv pair %s: group ready (prefill side)", key.prefix)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            self.drop(key)
+            fut.set_exception(KVTransferError(f"pair {key.prefix}: could not join ({e})"))
+
+    def _store(self, address: str) -> TCPStore:
+        with self._lock:
+            store = self._stores.get(address)
+        if store is None:
+            host, port = address.rsplit(":", 1)
+            store = TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=self.timeout_s))
+            with self._lock:
+                store = self._stores.setdefault(address, store)
+        return store
+
+    def drop(self, key: PairKey) -> None:
+        with self._lock:
+            fut = self._channels.get(key.decode_id)
+            if fut is not None and getattr(fut, "key", None) == key:
+                del self._channels[key.decode_id]
+            else:
+                fut = None
+        _close_channel(fut)
+
+    def send(self, channel: PairChannel, transfer_id: str, first_block: int, kv: torch.Tensor) -> int:
+        """Blocking. Returns the bytes sent; raises KVTransferError (and drops the pair) on failure."""
+        start = time.monotonic()
+        try:
+            with channel.lock:
+                n = channel.send(self.layout, transfer_id, first_block, kv)
+        except BaseException as e:
+            self.stats.failures += 1
+            self.drop(channel.key)
+            raise KVTransferError(f"sending {transfer_id} on {channel.key.prefix} failed: {e}") from e
+        dt = time.monotonic() - start
+        s = self.stats
+        s.bytes_sent, s.transfers_sent, s.seconds = s.bytes_sent + n, s.transfers_sent + 1, s.seconds + dt
+        logger.info("kv transfer %s sent: %d blocks, %.2f MB in %.1f ms (%.0f MB/s)", transfer_id, kv.shape[2],
+                    n / 1e6, dt * 1e3, n / 1e6 / max(dt, 1e-9))
+        return n
+
+
+def _close_channel(fut: Future | None) -> None:
+    if fut is not None and fut.done() and fut.exception() is None:
+        fut.result().close()
+
+
+@dataclass
+class _Expected:
+    key: PairKey
+    first_block: int
+    num_blocks: int
+    future: Future  # Future[ReceivedKV]
+
+
+class KVReceiver:
+    """Decode side: hosts the store, builds one PairChannel per prefill worker, verifies transfers.
+
+    Use (per request): ``key = pair_key(prefill id, incarnation)``; ``expect(key, tid, first_block,
+    n)`` -> a Future; ``channel(key)`` (starts the rendezvous and, once the group is up, the pair's
+    receive loop). The Future then holds the verified ``ReceivedKV`` or a KVTransferError.
+    ``cancel(tid)`` when the request ends first (its transfer, if it comes, is read and discarded).
+    """
+
+    def __init__(self, layout: KVLayout, worker_id: str, incarnation: str, host: str = "127.0.0.1",
+                 backend: str = "gloo", timeout_s: float = 30.0) -> None:
+        self.layout = layout
+        self.worker_id = worker_id
+        self.incarnation = incarnation
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.stats = TransferStats()
+        self.store = TCPStore(host.strip("[]"), 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        self._host = host.strip("[]")
+        self.address = f"[{host}]:{self.store.port}" if ":" in host else f"{host}:{self.store.port}"
+        self._lock = threading.Lock()
+        self._generations: dict[tuple[str, str], int] = {}
+        self._channels: dict[PairKey, Future[PairChannel]] = {}
+        self._expected: dict[str, _Expected] = {}
+
+    def pair_key(self, prefill_id: str, prefill_incarnation: str) -> PairKey:
+        with self._lock:
+            gen = self._generations.setdefault((prefill_id, prefill_incarnation), 0)
+        return PairKey(prefill_id, prefill_incarnation, self.worker_id, self.incarnation, gen)
+
+    def channel(self, key: PairKey) -> Future[PairChannel]:
+        with self._lock:
+            fut = self._channels.get(key)
+            if fut is not None:
+                return fut
+            fut = self._channels[key] = Future()
+        threading.Thread(target=self._build, args=(fut, key), daemon=True, name=f"kv-pair-{key.prefill_id}").start()
+        return fut
+
+    def _build(self, fut: Future, key: PairKey) -> None:
+        try:
+            waiter = TCPStore(self._host, self.store.port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=self.timeout_s))
+            channel = PairChannel(key, self.store, 1, self.timeout_s, self.backend, wait_store=waiter)
+            channel.executor.submit(channel.receive_loop, self.layout, lambda *a: self._deliver(key, *a),
+                                    lambda e: self._drop(key, f"receive failed: {e}"))
+            fut.set_result(channel)
+            logger.info("kv pair %s: group ready (decode side)", key.prefix)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            self._drop(key, f"could not build the group: {e}")
+            if not fut.done():
+                fut.set_exception(KVTransferError(f"pair {key.prefix}: rendezvous failed ({e})"))
+
+    def expect(self, key: PairKey, transfer_id: str, first_block: int, num_blocks: int) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            assert transfer_id not in self._expected, f"transfer {transfer_id} expected twice"
+            self._expected[transfer_id] = _Expected(key, first_block, num_blocks, fut)
+        return fut
+
+    def cancel(self, transfer_id: str) -> None:
+        with self._lock:
+            self._expected.pop(transfer_id, None)
+
+    def _deliver(self, key: PairKey, tid: str, first: int, checks: torch.Tensor, kv: torch.Tensor, nbytes: int,
+                 dt: float) -> None:
+        """The receive loop's hand-off: verify a transfer and settle its Future (or discard it)."""
+        with self._lock:
+            exp = self._expected.pop(tid, None)
+        if exp is None:
+            logger.info("kv transfer %s arrived but is no longer expected (request ended); discarded", tid)
+            return
+        problem = self._verify(exp, key, first, checks, kv)
+        if problem is not None:
+            logger.warning("kv transfer %s rejected: %s", tid, problem)
+            exp.future.set_exception(KVTransferError(f"transfer {tid} rejected: {problem}"))
+            self._drop(key, f"transfer {tid} failed verification")
+            return
+        s = self.stats
+        s.bytes_received, s.transfers_received, s.seconds = s.bytes_received + nbytes, s.transfers_received + 1, \
+            s.seconds + dt
+        logger.info("kv transfer %s received: %d blocks, %.2f MB in %.1f ms", tid, kv.shape[2], nbytes / 1e6, dt * 1e3)
+        exp.future.set_result(ReceivedKV(tid, first, kv, nbytes, dt))
+
+    @staticmethod
+    def _verify(exp: _Expected, key: PairKey, first: int, checks: torch.Tensor, kv: torch.Tensor) -> str | None:
+        n = kv.shape[2]
+        if exp.key != key:
+            return f"arrived on pair {key.prefix}, expected on {exp.key.prefix}"
+        if first != exp.first_block or n != exp.num_blocks:
+            return f"blocks {first}..{first + n - 1} sent, {exp.first_block}..{exp.first_block + exp.num_blocks - 1} reserved"
+        if not torch.equal(checks[:, 0], torch.arange(first, first + n)):
+            return f"block sequence numbers {checks[:, 0].tolist()} out of order"
+        bad = (checks[:, 1] != block_checksums(kv.cpu())).nonzero().view(-1).tolist()
+        if bad:
+            return f"checksum mismatch in block(s) {[first + i for i in bad]}"
+        return None
+
+    def _drop(self, key: PairKey, why: str) -> None:
+        """Forget the pair's group (next generation) and fail every transfer expected on it."""
+        with self._lock:
+            _close_channel(self._channels.pop(key, None))
+            ident = (key.prefill_id, key.prefill_incarnation)
+            if self._generations.get(ident) == key.generation:
+                self._generations[ident] = key.generation + 1
+            failed = [tid for tid, e in self._expected.items() if e.key == key]
+            expected = [self._expected.pop(tid) for tid in failed]
+        self.stats.failures += 1
+        logger.warning("kv pair %s dropped (%s); %d transfer(s) failed", key.prefix, why, len(expected))
+        for e in expected:
+            if not e.future.done():
+                e.future.set_exception(KVTransferError(f"pair {key.prefix} dropped: {why}"))
+
+    def close(self) -> None:
+        with self._lock:
+            for fut in self._channels.values():
+                _close_channel(fut)
+            self._channels.clear()
+            expected, self._expected = list(self._expected.values()), {}
+        for e in expected:
+            if not e.future.done():
+                e.future.set_exception(KVTransferError("receiver closed"))
