@@ -240,8 +240,9 @@ class Simulation:
         if self.k is not None and len(cands) > self.k:
             cands = self.rng.sample(cands, self.k)
         now = self.now
-        states = [WorkerState(r.worker_id, "", True, "", r.num_running(), r.num_waiting(), r.outstanding_tokens(now),
-                              1, 0, r.held_tokens(now), r.in_flight) for r in cands]
+        states = [WorkerState(r.worker_id, healthy=True, num_running=r.num_running(), num_waiting=r.num_waiting(),
+                              outstanding_tokens=r.outstanding_tokens(now), kv_block_size=1, kv_blocks_total=0,
+                              kv_blocks_used=r.held_tokens(now), in_flight_requests=r.in_flight) for r in cands]
         wid = pool.policy.select(RouteRequest(str(i), range(i, i + self.prompt[i]), self.output[i]), states)
         return pool.replicas[wid]
 
