@@ -11,6 +11,8 @@ wrapper `<op>` that runs the C++ CPU kernel (kernels/csrc/) on fp32 CPU tensors,
     varlen_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, block_size,
                            scale, tree_parents=None, out=None, return_lse=False)  (prefill / spec verify)
     merge_attn_states(outs, lses) -> (out, lse)      (merge partial attentions: split-KV, ring attention)
+    int8_linear(x, qweight, scales, bias=None) / q4_linear(x, qweight, d, m, bias=None)
+                                                 (weight-only quantized linear; formats in quant_formats.py)
 
 The C++ extension is built on first use (or by `python -m kernels.build`); see kernels/_build.py for
 the cache, `DUET_DISABLE_CPU_KERNELS=1`, and how a failed build falls back (with a warning and a count).
@@ -25,6 +27,7 @@ from kernels._build import (
 )
 from kernels.linear import linear, linear_ref
 from kernels.merge_attn_states import merge_attn_states, merge_attn_states_ref
+from kernels.quant_linear import int8_linear, int8_linear_ref, q4_linear, q4_linear_ref
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.rotary_and_cache_write import rotary_and_cache_write, rotary_and_cache_write_ref
@@ -35,6 +38,10 @@ __all__ = [
     "cpu_kernels_available",
     "cpu_kernels_enabled",
     "fallback_counts",
+    "int8_linear",
+    "int8_linear_ref",
+    "q4_linear",
+    "q4_linear_ref",
     "linear",
     "linear_ref",
     "merge_attn_states",
