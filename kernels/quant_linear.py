@@ -82,30 +82,30 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     # x [..., K], qweight int8 [N, Kp], scales [N], bias [N] -> [..., N]
-    K, out_shape = x.shape[-1], (*x.shape[:-1], qweight.shape[0])
     if x.is_cpu and x.dtype is _F32:
         ext = _build.ext()
-        if ext is not None:
-            return ext.int8_linear(_rows(x), qweight, scales, bias, K).view(out_shape)
+        if ext is not None:  # the binding flattens leading dims
+            return ext.int8_linear(x, qweight, scales, bias, x.shape[-1])
+        K, out_shape = x.shape[-1], (*x.shape[:-1], qweight.shape[0])
         _build.note_ref_path("int8_linear")
         return int8_linear_ref(_rows(x), qweight, scales, bias).view(out_shape)
     _build.note_fallback("int8_linear", _build.no_kernel_reason(x))
-    return F.linear(x, dequantize_int8(qweight, scales, K).to(x.dtype), bias)
+    return F.linear(x, dequantize_int8(qweight, scales, x.shape[-1]).to(x.dtype), bias)
 
 
 def q4_linear(
     x: torch.Tensor, qweight: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     # x [..., K], qweight uint8 [N, Kp / 2], d / m int16 [N, B], bias [N] -> [..., N]
-    K, out_shape = x.shape[-1], (*x.shape[:-1], qweight.shape[0])
     if x.is_cpu and x.dtype is _F32:
         ext = _build.ext()
-        if ext is not None:
-            return ext.q4_linear(_rows(x), qweight, d, m, bias, K).view(out_shape)
+        if ext is not None:  # the binding flattens leading dims
+            return ext.q4_linear(x, qweight, d, m, bias, x.shape[-1])
+        K, out_shape = x.shape[-1], (*x.shape[:-1], qweight.shape[0])
         _build.note_ref_path("q4_linear")
         return q4_linear_ref(_rows(x), qweight, d, m, bias).view(out_shape)
     _build.note_fallback("q4_linear", _build.no_kernel_reason(x))
-    return F.linear(x, dequantize_q4(qweight, d, m, K).to(x.dtype), bias)
+    return F.linear(x, dequantize_q4(qweight, d, m, x.shape[-1]).to(x.dtype), bias)
 
 
 __all__ = [

@@ -290,6 +290,20 @@ void check_quant_x(const Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [T, K = ", K, "], got ", x.sizes());
 }
 
+// [..., K] -> [T, K] rows with a contiguous last dim (a view when possible); the output is viewed back.
+Tensor quant_rows(const Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1, "x must be [..., K]");
+  if (x.dim() == 2 && x.stride(1) == 1) return x;
+  return x.reshape({-1, x.size(-1)}).contiguous();
+}
+
+Tensor quant_out(const Tensor& x, const Tensor& y) {
+  if (x.dim() == 2) return y;
+  auto sizes = x.sizes().vec();
+  sizes.back() = y.size(1);
+  return y.view(sizes);
+}
+
 void check_bias(const c10::optional<Tensor>& bias, int64_t N) {
   if (!bias.has_value()) return;
   check_f32(*bias, "bias");
@@ -308,7 +322,7 @@ Tensor int8_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scal
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.is_contiguous(), "scales must be contiguous [", N,
               "], got ", scales.sizes());
   check_bias(bias, N);
-  const Tensor x = x_in.stride(-1) == 1 ? x_in : x_in.contiguous();
+  const Tensor x = quant_rows(x_in);
   check_quant_x(x, K);
   Tensor y = new_f32({x.size(0), N});
   {
@@ -317,7 +331,7 @@ Tensor int8_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scal
                           bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N, x.size(0), N,
                           K, Kp, at::get_num_threads());
   }
-  return y;
+  return quant_out(x_in, y);
 }
 
 Tensor q4_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scales, const Tensor& mins,
@@ -333,7 +347,7 @@ Tensor q4_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scales
                 name, " must be contiguous int16 (fp16 bits) [", N, ", ", nb, "], got ", t->scalar_type(), " ",
                 t->sizes());
   check_bias(bias, N);
-  const Tensor x = x_in.stride(-1) == 1 ? x_in : x_in.contiguous();
+  const Tensor x = quant_rows(x_in);
   check_quant_x(x, K);
   Tensor y = new_f32({x.size(0), N});
   {
@@ -344,7 +358,7 @@ Tensor q4_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scales
                         bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N, x.size(0), N, K,
                         Kp, at::get_num_threads());
   }
-  return y;
+  return quant_out(x_in, y);
 }
 
 std::tuple<Tensor, Tensor> quantize_activations(const Tensor& x_in, int64_t Kp) {
@@ -386,9 +400,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_and_cache_write", &rotary_and_cache_write,
         "(q, k, v, cos, sin, k_cache, v_cache, slot_mapping): RoPE on q, k in place; k, v into the cache");
   // [quant]
-  m.def("int8_linear", &int8_linear, "(x [T, K], qweight int8 [N, Kp], scales [N], bias [N] | None, K) -> [T, N]");
+  m.def("int8_linear", &int8_linear, "(x [..., K], qweight int8 [N, Kp], scales [N], bias [N] | None, K) -> [..., N]");
   m.def("q4_linear", &q4_linear,
-        "(x [T, K], qweight uint8 [N, Kp/2], scales, mins int16 fp16-bits [N, Kp/32], bias [N] | None, K) -> [T, N]");
+        "(x [..., K], qweight uint8 [N, Kp/2], scales, mins int16 fp16-bits [N, Kp/32], bias [N] | None, K) -> [..., N]");
   m.def("quantize_activations", &quantize_activations, "(x [T, K], Kp) -> (q int8 [T, Kp], sx [T, Kp/32])");
   m.def("quant_path", [] { return std::string(duet::quant_path_name()); });
   m.def("best_isa", [] { return std::string(duet::isa_name(duet::best_isa())); });

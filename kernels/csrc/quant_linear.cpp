@@ -206,26 +206,55 @@ DUET_AVX2_F16C void int8_avx2(const QProblem& p, const QActs& a, int64_t n0, int
   }
 }
 
+// Rows per VNNI block: enough independent accumulator chains to hide the FMA latency (one chain per
+// row x token), at most 8 accumulators so weights, activations and scales stay in registers.
+template <int TT>
+constexpr int vnni_rows() { return TT <= 2 ? 4 : TT <= 4 ? 2 : 1; }
+
+// Writes the 16 row sums of a tile (sums[t * 16 + r] = lane partials of row r0 + r, token t):
+// one transposed reduction per token, then scale (int8) and bias, masked to the tile's rows.
+DUET_VNNI DUET_INLINE void store_tile(const QProblem& p, int TT, const __m512* sums, int64_t r0, int64_t rows,
+                                      int64_t t0) {
+  const __mmask16 m = tail_mask512(static_cast<int>(rows));
+  const __m512 scale = p.wscale ? _mm512_maskz_loadu_ps(m, p.wscale + r0) : _mm512_set1_ps(1.f);
+  const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(m, p.bias + r0) : _mm512_setzero_ps();
+  for (int t = 0; t < TT; ++t)
+    _mm512_mask_storeu_ps(p.y + (t0 + t) * p.y_stride + r0, m, _mm512_fmadd_ps(hsum16x16(sums + t * 16), scale, bias));
+}
+
+template <int TT, int R>
+DUET_VNNI DUET_INLINE void int8_vnni_block(const QProblem& p, const QActs& a, int64_t n, int64_t t0, __m512* sums) {
+  const __m512i bias8 = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+  const int8_t* w = static_cast<const int8_t*>(p.w) + n * a.Kp;
+  for (int64_t c = 0; c < a.nc; ++c) {
+    __m512i wu[R];
+    for (int r = 0; r < R; ++r)  // w + 128 as u8
+      wu[r] = _mm512_xor_si512(_mm512_loadu_si512(w + r * a.Kp + c * kChunk), bias8);
+    for (int t = 0; t < TT; ++t) {
+      const int64_t tt = t0 + t;
+      const __m512i corr = _mm512_loadu_si512(a.negcorr.data() + tt * a.Kp / 4 + c * 16);
+      const __m512i xq = _mm512_loadu_si512(a.qt(tt) + c * kChunk);
+      const __m512 sx = _mm512_loadu_ps(a.sxexp.data() + (tt * a.nc + c) * 16);
+      for (int r = 0; r < R; ++r)
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, wu[r], xq)), sx, acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) sums[t * 16 + r] = acc[r][t];
+}
+
 template <int TT>
 DUET_VNNI void int8_vnni(const QProblem& p, const QActs& a, int64_t n0, int64_t n1, int64_t t0) {
-  const __m512i bias8 = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* w = static_cast<const int8_t*>(p.w) + n * a.Kp;
-    if (n + 1 < n1) _mm_prefetch(reinterpret_cast<const char*>(w + a.Kp), _MM_HINT_T0);
-    __m512 acc[TT];
-    for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < a.nc; ++c) {
-      const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(w + c * kChunk), bias8);  // w + 128 as u8
-      for (int t = 0; t < TT; ++t) {
-        const int64_t tt = t0 + t;
-        __m512i s = _mm512_loadu_si512(a.negcorr.data() + tt * a.Kp / 4 + c * 16);
-        s = _mm512_dpbusd_epi32(s, wu, _mm512_loadu_si512(a.qt(tt) + c * kChunk));
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(a.sxexp.data() + (tt * a.nc + c) * 16), acc[t]);
-      }
-    }
-    for (int t = 0; t < TT; ++t)
-      p.y[(t0 + t) * p.y_stride + n] = p.wscale[n] * _mm512_reduce_add_ps(acc[t]) + (p.bias ? p.bias[n] : 0.f);
-  }
+  constexpr int R = vnni_rows<TT>();
+  __m512 sums[TT * 16];
+  for (int i = 0; i < TT * 16; ++i) sums[i] = _mm512_setzero_ps();
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) int8_vnni_block<TT, R>(p, a, n, t0, sums + (n - n0));
+  for (; n < n1; ++n) int8_vnni_block<TT, 1>(p, a, n, t0, sums + (n - n0));
+  store_tile(p, TT, sums, n0, n1 - n0, t0);
 }
 
 // ---------------------------------------------------------------- q4, blocks of 32 with d and m
@@ -300,40 +329,59 @@ alignas(64) const int32_t kPairIdx[8][16] = {
     {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13},
     {14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
 
-template <int TT>
-DUET_VNNI void q4_vnni(const QProblem& p, const QActs& a, int64_t n0, int64_t n1, int64_t t0) {
+template <int TT, int R>
+DUET_VNNI DUET_INLINE void q4_vnni_block(const QProblem& p, const QActs& a, int64_t n, int64_t t0, __m512* sums) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* w = static_cast<const uint8_t*>(p.w) + n * a.Kp / 2;
-    const uint16_t* d = p.d + n * a.nb;
-    const uint16_t* m = p.m + n * a.nb;
-    if (n + 1 < n1) _mm_prefetch(reinterpret_cast<const char*>(w + a.Kp / 2), _MM_HINT_T0);
-    __m512 acc[TT];
-    for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t c0 = 0; c0 < a.nc; c0 += 8) {  // 8 chunks = 16 blocks share one load of d and m
-      const int64_t b0 = 2 * c0, nblk = a.nb - b0 < 16 ? a.nb - b0 : 16;
-      const __mmask16 bm = tail_mask512(static_cast<int>(nblk));
-      const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, d + b0));
-      const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, m + b0));
+  __m512 acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+  const uint8_t* w = static_cast<const uint8_t*>(p.w) + n * a.Kp / 2;
+  const uint16_t* d = p.d + n * a.nb;
+  const uint16_t* m = p.m + n * a.nb;
+  for (int64_t c0 = 0; c0 < a.nc; c0 += 8) {  // 8 chunks = 16 blocks share one load of d and m
+    const int64_t b0 = 2 * c0, nblk = a.nb - b0 < 16 ? a.nb - b0 : 16;
+    const __mmask16 bm = tail_mask512(static_cast<int>(nblk));
+    __m512 dv[R];
+    for (int r = 0; r < R; ++r) {
+      dv[r] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, d + r * a.nb + b0));
+      const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, m + r * a.nb + b0));
       for (int t = 0; t < TT; ++t)  // min term: m[b] * sx[b] * sum(xq_b), lane b
-        acc[t] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(bm, a.xs.data() + (t0 + t) * a.nb + b0), acc[t]);
-      const int64_t c1 = c0 + 8 < a.nc ? c0 + 8 : a.nc;
-      for (int64_t c = c0; c < c1; ++c) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
-        const __m512i q = _mm512_and_si512(
-            _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low4);
-        const __m512 dexp = _mm512_permutexvar_ps(_mm512_load_si512(kPairIdx[c - c0]), dv);
-        for (int t = 0; t < TT; ++t) {
-          const int64_t tt = t0 + t;
-          const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(a.qt(tt) + c * kChunk));
-          const __m512 sf = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(a.sxexp.data() + (tt * a.nc + c) * 16));
-          acc[t] = _mm512_fmadd_ps(sf, dexp, acc[t]);
+        acc[r][t] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(bm, a.xs.data() + (t0 + t) * a.nb + b0), acc[r][t]);
+    }
+    const int64_t c1 = c0 + 8 < a.nc ? c0 + 8 : a.nc;
+    for (int64_t c = c0; c < c1; ++c) {
+      const __m512i idx = _mm512_load_si512(kPairIdx[c - c0]);
+      __m512i q[R];
+      __m512 dexp[R];
+      for (int r = 0; r < R; ++r) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * a.Kp / 2 + c * 32));
+        q[r] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low4);
+        dexp[r] = _mm512_permutexvar_ps(idx, dv[r]);
+      }
+      for (int t = 0; t < TT; ++t) {
+        const int64_t tt = t0 + t;
+        const __m512i xq = _mm512_loadu_si512(a.qt(tt) + c * kChunk);
+        const __m512 sx = _mm512_loadu_ps(a.sxexp.data() + (tt * a.nc + c) * 16);
+        for (int r = 0; r < R; ++r) {
+          const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[r], xq);
+          acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), sx), dexp[r], acc[r][t]);
         }
       }
     }
-    for (int t = 0; t < TT; ++t)
-      p.y[(t0 + t) * p.y_stride + n] = _mm512_reduce_add_ps(acc[t]) + (p.bias ? p.bias[n] : 0.f);
   }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) sums[t * 16 + r] = acc[r][t];
+}
+
+template <int TT>
+DUET_VNNI void q4_vnni(const QProblem& p, const QActs& a, int64_t n0, int64_t n1, int64_t t0) {
+  constexpr int R = vnni_rows<TT>();
+  __m512 sums[TT * 16];
+  for (int i = 0; i < TT * 16; ++i) sums[i] = _mm512_setzero_ps();
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) q4_vnni_block<TT, R>(p, a, n, t0, sums + (n - n0));
+  for (; n < n1; ++n) q4_vnni_block<TT, 1>(p, a, n, t0, sums + (n - n0));
+  store_tile(p, TT, sums, n0, n1 - n0, t0);
 }
 
 // ---------------------------------------------------------------- driver
