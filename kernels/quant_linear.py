@@ -15,8 +15,9 @@ References:
     product (x not quantized); the kernel differs from it by the activation rounding alone.
 
 Dispatch: fp32 CPU x -> C++ kernel (AVX-512 VNNI, AVX2 or scalar path chosen at run time); CPU with
-the kernels disabled -> the reference; CUDA -> dequantize + F.linear (cuBLAS), counted as a fallback
-since there is no Triton quantized kernel yet.
+the kernels disabled -> the reference; CUDA -> the Triton kernel (kernels/triton_ops/quant_linear.py:
+weight-only, x stays in its dtype; its reference is dequantize + F.linear) when triton is installed,
+else dequantize + F.linear, counted as a fallback.
 
 Worked example: x = [[1, 2]], W = [[1, 0], [0, 1], [1, 1]] quantized to int8 (scales 1/127, exact)
 -> x's block scale is 2/127, xq = [64, 127] -> y ~= [[1.0079, 2.0, 3.0079]] (the 1 in x became 64/63.5).
@@ -29,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import _build
+from kernels import _build, _triton
 from kernels.quant_formats import BLOCK, dequantize_int8, dequantize_q4, from_fp16_bits, padded_k
 
 _F32 = torch.float32
@@ -89,6 +90,8 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
         K, out_shape = x.shape[-1], (*x.shape[:-1], qweight.shape[0])
         _build.note_ref_path("int8_linear")
         return int8_linear_ref(_rows(x), qweight, scales, bias).view(out_shape)
+    if x.is_cuda and _triton.triton_available():
+        return _triton.ops("quant_linear").int8_linear_triton(x, qweight, scales, bias)
     _build.note_fallback("int8_linear", _build.no_kernel_reason(x))
     return F.linear(x, dequantize_int8(qweight, scales, x.shape[-1]).to(x.dtype), bias)
 
@@ -104,6 +107,8 @@ def q4_linear(
         K, out_shape = x.shape[-1], (*x.shape[:-1], qweight.shape[0])
         _build.note_ref_path("q4_linear")
         return q4_linear_ref(_rows(x), qweight, d, m, bias).view(out_shape)
+    if x.is_cuda and _triton.triton_available():
+        return _triton.ops("quant_linear").q4_linear_triton(x, qweight, d, m, bias)
     _build.note_fallback("q4_linear", _build.no_kernel_reason(x))
     return F.linear(x, dequantize_q4(qweight, d, m, x.shape[-1]).to(x.dtype), bias)
 

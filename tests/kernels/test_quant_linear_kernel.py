@@ -124,3 +124,20 @@ def test_bad_input_raises(ext) -> None:
     packed, d, m = quantize_q4(torch.randn(4, 64))
     with pytest.raises(RuntimeError, match="mins"):
         ext.q4_linear(torch.randn(1, 64), packed, d, m.float(), None, 64)
+
+
+@pytest.mark.skipif(not kernels._triton.triton_available(), reason="the optional triton extra is not installed")
+@pytest.mark.parametrize("T,N,K", [(1, 40, 130), (17, 33, 64), (5, 64, 200)])
+def test_triton_kernels_vs_weight_only_ref(T: int, N: int, K: int) -> None:
+    # The Triton kernels (GPU) do not quantize x: their reference is x @ dequant(W)^T. Run on CPU
+    # tensors in Triton's interpreter (TRITON_INTERPRET=1 is set for the whole test session).
+    from test_triton_kernels import tri
+
+    ops = tri("quant_linear")
+    w, b, x = _problem(N, K, T, 11)
+    q, s = quantize_int8(w)
+    torch.testing.assert_close(ops.int8_linear_triton(x, q, s, b), F.linear(x, dequantize_int8(q, s, K), b),
+                               rtol=1e-5, atol=1e-5)
+    packed, d, m = quantize_q4(w)
+    torch.testing.assert_close(ops.q4_linear_triton(x.view(1, T, K), packed, d, m, b).view(T, N),
+                               F.linear(x, dequantize_q4(packed, d, m, K), b), rtol=1e-5, atol=1e-5)
