@@ -5,10 +5,12 @@ q/k/v and gate/up are fused at load time (one GEMM each). Qwen2 differs only by 
 
 Quantization ('int8' | 'q4', see workers/layers/quant_linear.py) swaps every projection of the
 decoder layers for its quantized layer. The LM head (tied to the embedding in SmolLM2) is int8 with
-per-row scales in both modes: it is the largest matrix (V x E), so leaving it fp32 would cost more
-bytes per token than all quantized layers together, while 4 bits on it cost the most quality
-(benchmarks/quant_decode.py reports the perplexities). The embedding lookup stays fp32 (one row per
-token).
+per-row scales in both modes: it is the largest matrix (V x E = 28M weights), so leaving it fp32
+would cost 113 MB per token, more than all q4 layers together (66 MB), while int8 costs 28 MB and
+little quality. Measured on SmolLM2 (tests/data/public_domain_sample.txt, greedy token equal to
+fp32's): q4 layers + int8 head ppl 12.155, 95.6%; q4 + fp32 head 12.167, 97.1%; int8 + int8 head
+12.182, 93.2%; int8 + fp32 head 12.196, 92.9% (fp32 model: 12.185). The embedding lookup stays
+fp32 (one row per token).
 
 Axes: T tokens in the step, E hidden, H query heads, G kv heads, D head dim, V vocab, I MLP width.
 """
