@@ -27,8 +27,8 @@ from kernels._build import (
 )
 from kernels.linear import linear, linear_ref
 from kernels.merge_attn_states import merge_attn_states, merge_attn_states_ref
-from kernels.quant_linear import int8_linear, int8_linear_ref, q4_linear, q4_linear_ref
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
+from kernels.quant_linear import int8_linear, int8_linear_ref, q4_linear, q4_linear_ref
 from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.rotary_and_cache_write import rotary_and_cache_write, rotary_and_cache_write_ref
 from kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _build, _triton
-from kernels.quant_formats import BLOCK, dequantize_int8, dequantize_q4, from_fp16_bits, padded_k
+from kernels.quant_formats import BLOCK, dequantize_int8, dequantize_q4, from_fp16_bits, padded_k, unpack_q4
 
 _F32 = torch.float32
 
@@ -67,8 +67,6 @@ def q4_linear_ref(
     x: torch.Tensor, qweight: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     # x [T, K], qweight uint8 [N, Kp / 2], d / m int16 fp16-bits [N, B] -> [T, N]
-    from kernels.quant_formats import unpack_q4
-
     xq, sx = quantize_activations_ref(x, 2 * qweight.shape[1])
     T = xq.shape[0]
     xs = sx.double() * xq.double().view(T, -1, BLOCK).sum(-1)  # [T, B]: sx * sum(xq) per block

@@ -25,7 +25,7 @@ from torch import nn
 from kernels.linear import linear
 from workers.layers.activation import SiluAndMul
 from workers.layers.attention import AttentionMetadata, PagedAttention
-from workers.layers.linear import Linear, MergedLinear
+from workers.layers.linear import MergedLinear
 from workers.layers.quant_linear import QuantLinear, QuantMergedLinear, make_linear, make_merged_linear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
