@@ -20,8 +20,9 @@ Sides (one at a time, never concurrently, 2 threads each):
 
 Figures (definitions as in benchmarks/engine_throughput.py):
     batch-1 decode tok/s   (N - 1) / (T_N - median T_1), one ~20-token prompt, N new tokens; median
-                           over repeats. llama.cpp's native build evaluates the prompt one token at a
-                           time (n_batch=1) since batches of 2+ tokens crashed it on this machine class.
+                           over repeats. Both llama.cpp builds run with n_batch=512 (the issue reports the
+                           native build crashing on batches of 2+ tokens; 0.3.36 did not here, and a
+                           crash would be recorded per figure).
     C=k total tok/s        k * N / wall time for k different prompts (10-60 tokens), prefill included.
                            Duet: all k at once (continuous batching). llama.cpp: llama-cpp-python's API
                            runs one sequence at a time, so the k requests go one after another (its
@@ -138,7 +139,6 @@ class _WithChildren(CpuLoadMeter):
 class LlamaCppSide:
     def __init__(self, variant: str, python: Path, gguf: Path) -> None:
         self.name, self.python, self.gguf = f"llamacpp-{variant}", python, gguf
-        self.n_batch_decode = 1 if variant == "native" else 512
 
     def _job(self, kind: str, prompts: list[list[int]], n: int, n_batch: int) -> dict[str, Any]:
         job = {"kind": kind, "model": str(self.gguf), "threads": THREADS, "n_batch": n_batch, "prompts": prompts, "n": n}
@@ -149,13 +149,13 @@ class LlamaCppSide:
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     def timed(self, prompts: list[list[int]], n: int, gate: QuietGate, kind: str = "generate",
-              n_batch: int | None = None) -> Timing | str:
+              n_batch: int = 512) -> Timing | str:
         """Like QuietGate.time, with llama.cpp's own timer; a crash returns its message."""
         discarded: list[float] = []
         while True:
             gate.wait()
             meter = _WithChildren()
-            out = self._job(kind, prompts, n, n_batch or self.n_batch_decode)
+            out = self._job(kind, prompts, n, n_batch)
             if "crashed" in out:
                 return out["crashed"]
             load = meter.read()

@@ -66,12 +66,19 @@ def test_tp_shards_of_quantized_weights() -> None:
             q.cols(32, 64)
 
 
-def test_loader_rejects_a_mismatched_weight() -> None:
+def test_loader_checks_shapes_and_converts_methods() -> None:
     layer = QuantLinear(64, 8, method="q4")
     with pytest.raises(ValueError, match="expecting \\[8, 64\\]"):
         layer.load_weight(torch.randn(8, 65))
-    with pytest.raises(ValueError, match="int8"):
-        layer.load_weight(quantize("int8", torch.randn(8, 64)))
+    other = quantize("int8", torch.randn(8, 64))  # another method: de-quantized, then re-quantized
+    layer.load_weight(other)
+    assert torch.equal(layer.qweight, quantize("q4", other.dequantize()).tensors["qweight"])
+
+
+def test_gguf_source(tmp_path: Path) -> None:
+    assert gguf_source(tmp_path) is None  # no marker, no GGUF: q4 quantizes the safetensors
+    (tmp_path / "model.Q4_0.gguf").write_bytes(b"")
+    assert gguf_source(tmp_path) == tmp_path / "model.Q4_0.gguf"
 
 
 def test_config_validation() -> None:

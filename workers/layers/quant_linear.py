@@ -8,8 +8,8 @@ Terms:
                   repacked into our q4 layout): loaded as is, never through fp32.
 
 A layer's ``load_weight(loaded, shard_id)`` takes either a float tensor (quantized here, row by
-row, so fused q/k/v and gate/up shards quantize independently) or a QuantizedWeight of the
-layer's method. Shards for tensor parallelism: ``QuantizedWeight.rows`` (column-parallel: a
+row, so fused q/k/v and gate/up shards quantize independently) or a QuantizedWeight (copied as is
+if it has the layer's method, else de-quantized and re-quantized). Shards for tensor parallelism: ``QuantizedWeight.rows`` (column-parallel: a
 slice of output rows) and ``.cols`` (row-parallel: a slice of input features on 64-column chunk
 boundaries, so blocks stay whole); a float shard is simply quantized as it comes.
 
@@ -124,10 +124,13 @@ class QuantLinear(nn.Module):
     def load_weight(self, loaded: torch.Tensor | QuantizedWeight, shard_id: str | None = None) -> None:
         """Fill this layer's rows for ``shard_id`` from a float [rows, in] tensor or a QuantizedWeight."""
         start, size = self._rows(shard_id)
+        shape = tuple(loaded.shape)
+        if shape != (size, self.in_features):
+            raise ValueError(f"{shard_id or 'weight'}: got a {list(shape)} weight for a layer expecting "
+                             f"[{size}, {self.in_features}]")
+        if isinstance(loaded, QuantizedWeight) and loaded.method != self.method:
+            loaded = loaded.dequantize()  # e.g. a GGUF's 4-bit output matrix for our int8 LM head
         q = loaded if isinstance(loaded, QuantizedWeight) else quantize(self.method, loaded)
-        if q.method != self.method or q.shape != (size, self.in_features):
-            raise ValueError(f"{shard_id or 'weight'}: got a {q.method} {list(q.shape)} weight for a {self.method} "
-                             f"layer expecting [{size}, {self.in_features}]")
         for name in _BUFFERS[self.method]:
             getattr(self, name).narrow(0, start, size).copy_(q.tensors[name])
 

@@ -178,7 +178,11 @@ def gguf_source(path: Path) -> Path | None:
     except (OSError, ValueError):
         marker = None
     if isinstance(marker, dict) and marker.get("source_sha256") == SMOLLM2_GGUF_SHA256:
-        return _find_smollm2_gguf()
+        try:
+            return _find_smollm2_gguf()
+        except (ModelNotFoundError, CheckpointError) as exc:
+            logger.warning("%s: its GGUF source is unavailable (%s); quantizing the safetensors instead", path, exc)
+            return None
     ggufs = sorted(path.glob("*.gguf"))
     return ggufs[0] if len(ggufs) == 1 else None
 
