@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.duet-setup.stamp
 ARGS   ?=
 
-.PHONY: setup model kernels helm test serve bench protos protos-check clean
+.PHONY: setup model kernels helm test serve bench bench-quant bench-llamacpp-env protos protos-check clean
 
 setup: model kernels helm
 
@@ -58,6 +58,15 @@ serve: setup
 
 bench: setup
 	$(PY) benchmarks/engine_throughput.py $(ARGS)
+
+# Quantized decode (Duet fp32 / int8 / q4 vs llama.cpp when .bench-envs/ has it).
+bench-quant: setup
+	$(PY) benchmarks/quant_decode.py $(ARGS)
+
+# Optional llama.cpp baseline: builds llama-cpp-python from PyPI into .bench-envs/llamacpp-{portable,native}
+# (ignored by git), niced; ~15-25 min of 2 cores. Never touches .venv.
+bench-llamacpp-env:
+	benchmarks/llamacpp_env.sh portable native
 
 # Regenerate the gRPC stubs from protos/**/*.proto (commit the result); protos-check fails on drift.
 protos: setup

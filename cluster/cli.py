@@ -31,6 +31,8 @@ SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--model": ("model.name", str, "model name ('SmolLM2-135M-Instruct') or local HF checkpoint dir [DUET_MODEL]"),
     "--dtype": ("model.dtype", str, "float32 | bfloat16 | float16 [DUET_DTYPE]"),
     "--max-model-len": ("model.max_model_len", int, "context limit, prompt + output [DUET_MAX_MODEL_LEN]"),
+    "--quantization": ("model.quantization", str, "weights of the linear layers: none | int8 | q4 "
+                       "[DUET_QUANTIZATION]"),
     "--replicas": ("pool.replicas", int, "worker actors in the (first) pool [DUET_REPLICAS]"),
     "--cpus-per-replica": ("pool.cpus_per_replica", int, "CPUs (= torch threads) per worker of the (first) pool [DUET_CPUS_PER_REPLICA]"),
     "--kv-cache-memory": ("pool.engine.kv_cache_memory_bytes", str,

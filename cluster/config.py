@@ -59,11 +59,13 @@ _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 class ModelSection:
     """name: 'SmolLM2-135M-Instruct' (embedded default) or a local HF checkpoint directory; each
     worker resolves it on its own node. dtype: float32 | bfloat16 | float16. max_model_len: context
-    limit (prompt + output); None = the model's, further capped by what one worker's KV pool holds."""
+    limit (prompt + output); None = the model's, further capped by what one worker's KV pool holds.
+    quantization: none | int8 | q4, weight-only quantization of the linear layers (needs float32)."""
 
     name: str = DEFAULT_MODEL
     dtype: str = "float32"
     max_model_len: int | None = None
+    quantization: str = "none"
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,7 @@ class DuetConfig:
         e = (pool or self.pool).engine
         return EngineConfig(
             model=self.model.name, dtype=self.model.dtype, max_model_len=self.model.max_model_len,
+            quantization=self.model.quantization,
             cache=CacheConfig(block_size=e.block_size, kv_cache_memory_bytes=e.kv_cache_memory_bytes,
                               enable_prefix_caching=e.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs),
@@ -211,6 +214,7 @@ ENV_KEYS: dict[str, str] = {
     "DUET_MODEL": "model.name",
     "DUET_DTYPE": "model.dtype",
     "DUET_MAX_MODEL_LEN": "model.max_model_len",
+    "DUET_QUANTIZATION": "model.quantization",
     "DUET_REPLICAS": "pool.replicas",
     "DUET_CPUS_PER_REPLICA": "pool.cpus_per_replica",
     "DUET_KV_CACHE_MEMORY": "pool.engine.kv_cache_memory_bytes",
@@ -260,6 +264,10 @@ def _check_model(m: ModelSection, p: str, s: Sources) -> None:
          "must be one of float32, bfloat16, float16")
     need(m.max_model_len is None or m.max_model_len >= 2, f"{p}.max_model_len", m.max_model_len, s,
          "must be >= 2, or null for the model's own limit")
+    need(m.quantization in ("none", "int8", "q4"), f"{p}.quantization", m.quantization, s,
+         "must be one of none, int8, q4")
+    need(m.quantization == "none" or m.dtype == "float32", f"{p}.quantization", m.quantization, s,
+         f"quantized weights run with float32 activations; set model.dtype to float32 (it is {m.dtype})")
 
 
 def _check_engine(e: EngineSection, p: str, s: Sources) -> None:

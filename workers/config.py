@@ -12,6 +12,7 @@ import torch
 
 from workers.errors import ConfigError
 
+QUANTIZATIONS = ("none", "int8", "q4")  # workers/layers/quant_linear.py
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -71,6 +72,10 @@ class EngineConfig:
     model: a local HF checkpoint directory or the alias of an embedded model
         ('SmolLM2-135M-Instruct').
     max_model_len: context limit (prompt + output); None = the model's own limit.
+    quantization: weights of the decoder's linear layers: 'none' (dtype), 'int8' (per-output-channel
+        scales) or 'q4' (4-bit blocks of 32, GGUF Q4_1 math; a GGUF-sourced model loads its 4-bit
+        tensors directly). Quantized layers need dtype float32 activations. See
+        workers/layers/quant_linear.py.
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -80,8 +85,14 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization={self.quantization!r}: must be one of {', '.join(QUANTIZATIONS)}")
+        if self.quantization != "none" and self.dtype != "float32":
+            raise ConfigError(f"quantization={self.quantization!r} with dtype={self.dtype!r}: quantized weights "
+                              "run with float32 activations; set dtype to float32 or quantization to none")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}: must be one of {sorted(_DTYPES)}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -103,7 +103,7 @@ class Engine:
     def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
         self.config = config
         path = resolve_model(config.model)
-        model, spec = load_model(path, config.torch_dtype, config.device)
+        model, spec = load_model(path, config.torch_dtype, config.device, config.quantization)
         self.spec = spec
         if tokenizer is None:
             from transformers import AutoTokenizer

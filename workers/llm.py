@@ -31,7 +31,8 @@ class Completion:
 
 
 class LLM:
-    """Keyword arguments are EngineConfig fields (model, dtype, device, max_model_len, seed) or
+    """Keyword arguments are EngineConfig fields (model, dtype, device, max_model_len, seed,
+    quantization: 'none' | 'int8' | 'q4') or
     CacheConfig / SchedulerConfig fields (block_size, num_blocks, kv_cache_memory_bytes,
     enable_prefix_caching, max_num_batched_tokens, max_num_seqs)."""
 

@@ -290,6 +290,94 @@ void rotary_and_cache_write(const Tensor& q, const Tensor& k, const Tensor& v, c
   duet::rotary_and_cache_write_f32(a, at::get_num_threads());
 }
 
+// ---- [quant] weight-only quantized linear ----------------------------------------------------------------
+void check_quant_x(const Tensor& x, int64_t K) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [T, K = ", K, "], got ", x.sizes());
+}
+
+// [..., K] -> [T, K] rows with a contiguous last dim (a view when possible); the output is viewed back.
+Tensor quant_rows(const Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1, "x must be [..., K]");
+  if (x.dim() == 2 && x.stride(1) == 1) return x;
+  return x.reshape({-1, x.size(-1)}).contiguous();
+}
+
+Tensor quant_out(const Tensor& x, const Tensor& y) {
+  if (x.dim() == 2) return y;
+  auto sizes = x.sizes().vec();
+  sizes.back() = y.size(1);
+  return y.view(sizes);
+}
+
+void check_bias(const c10::optional<Tensor>& bias, int64_t N) {
+  if (!bias.has_value()) return;
+  check_f32(*bias, "bias");
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->stride(0) == 1, "bias must be contiguous [", N,
+              "], got ", bias->sizes());
+}
+
+Tensor int8_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scales, const c10::optional<Tensor>& bias,
+                   int64_t K) {
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kChar && qweight.dim() == 2 &&
+                  qweight.is_contiguous(), "qweight must be contiguous int8 [N, Kp], got ", qweight.sizes());
+  const int64_t N = qweight.size(0), Kp = qweight.size(1);
+  TORCH_CHECK(Kp % 64 == 0 && K <= Kp && K > Kp - 64, "qweight has ", Kp, " columns; K = ", K,
+              " needs ceil(K / 64) * 64");
+  check_f32(scales, "scales");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.is_contiguous(), "scales must be contiguous [", N,
+              "], got ", scales.sizes());
+  check_bias(bias, N);
+  const Tensor x = quant_rows(x_in);
+  check_quant_x(x, K);
+  Tensor y = new_f32({x.size(0), N});
+  {
+    pybind11::gil_scoped_release no_gil;
+    duet::int8_linear_f32(x.data_ptr<float>(), x.stride(0), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                          bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N, x.size(0), N,
+                          K, Kp, at::get_num_threads());
+  }
+  return quant_out(x_in, y);
+}
+
+Tensor q4_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scales, const Tensor& mins,
+                 const c10::optional<Tensor>& bias, int64_t K) {
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kByte && qweight.dim() == 2 &&
+                  qweight.is_contiguous(), "qweight must be contiguous uint8 [N, Kp / 2], got ", qweight.sizes());
+  const int64_t N = qweight.size(0), Kp = 2 * qweight.size(1), nb = Kp / 32;
+  TORCH_CHECK(Kp % 64 == 0 && K <= Kp && K > Kp - 64, "qweight holds ", Kp, " columns; K = ", K,
+              " needs ceil(K / 64) * 64");
+  for (auto [t, name] : {std::pair{&scales, "scales"}, {&mins, "mins"}})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kShort && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == nb && t->is_contiguous(),
+                name, " must be contiguous int16 (fp16 bits) [", N, ", ", nb, "], got ", t->scalar_type(), " ",
+                t->sizes());
+  check_bias(bias, N);
+  const Tensor x = quant_rows(x_in);
+  check_quant_x(x, K);
+  Tensor y = new_f32({x.size(0), N});
+  {
+    pybind11::gil_scoped_release no_gil;
+    duet::q4_linear_f32(x.data_ptr<float>(), x.stride(0), qweight.data_ptr<uint8_t>(),
+                        reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()),
+                        reinterpret_cast<const uint16_t*>(mins.data_ptr<int16_t>()),
+                        bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N, x.size(0), N, K,
+                        Kp, at::get_num_threads());
+  }
+  return quant_out(x_in, y);
+}
+
+std::tuple<Tensor, Tensor> quantize_activations(const Tensor& x_in, int64_t Kp) {
+  const Tensor x = x_in.stride(-1) == 1 ? x_in : x_in.contiguous();
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && Kp % 64 == 0 && x.size(1) <= Kp, "x must be [T, K <= Kp], Kp a multiple of 64");
+  Tensor q = at::empty({x.size(0), Kp}, at::kChar), sx = new_f32({x.size(0), Kp / 32});
+  duet::quantize_activations_q8(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), Kp, q.data_ptr<int8_t>(),
+                                sx.data_ptr<float>());
+  return {q, sx};
+}
+// ---- end [quant] ------------------------------------------------------------------------------------------
+
 duet::Isa parse_isa(const std::string& name) {
   if (name == "avx512") return duet::Isa::kAvx512;
   if (name == "avx2") return duet::Isa::kAvx2;
@@ -319,6 +407,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(q, k, v, cos, sin, k_cache, v_cache, slot_mapping): RoPE on q, k in place; k, v into the cache");
   m.def("grouped_gemm", &duet::grouped_gemm,
         "(x [M, K] rows sorted by expert, w [E, N, K], offsets [E + 1], max_gemv_rows) -> y [M, N]");
+  // [quant]
+  m.def("int8_linear", &int8_linear, "(x [..., K], qweight int8 [N, Kp], scales [N], bias [N] | None, K) -> [..., N]");
+  m.def("q4_linear", &q4_linear,
+        "(x [..., K], qweight uint8 [N, Kp/2], scales, mins int16 fp16-bits [N, Kp/32], bias [N] | None, K) -> [..., N]");
+  m.def("quantize_activations", &quantize_activations, "(x [T, K], Kp) -> (q int8 [T, Kp], sx [T, Kp/32])");
+  m.def("quant_path", [] { return std::string(duet::quant_path_name()); });
   m.def("best_isa", [] { return std::string(duet::isa_name(duet::best_isa())); });
   m.def("active_isa", [] { return std::string(duet::isa_name(duet::active_isa())); });
   m.def("set_isa", [](const std::string& name) { return std::string(duet::isa_name(duet::set_isa(parse_isa(name)))); },

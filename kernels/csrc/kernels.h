@@ -105,4 +105,20 @@ void merge_attn_states_f32(const float* const* outs, const float* const* lses, i
 std::string rotary_cache_validate(const RotaryCacheArgs& a);
 void rotary_and_cache_write_f32(const RotaryCacheArgs& a, int max_threads);
 
+// ---- [quant] weight-only quantized linear (kernels/csrc/quant_linear.cpp, kernels/quant_linear.py) ----
+// x is fp32 [T, K] (row stride x_stride); weights are padded to Kp (a multiple of 64) columns.
+// int8: w [N, Kp] int8, wscale [N] fp32: y = wscale[n] * (xq . w). q4: w [N, Kp / 2] packed
+// nibbles, d and m [N, Kp / 32] fp16 bit patterns: w = d * q + m per block of 32. x is quantized
+// per block of 32 to int8 on the fly (sx = max|x| / 127, round half to even).
+void int8_linear_f32(const float* x, int64_t x_stride, const int8_t* w, const float* wscale, const float* bias,
+                     float* y, int64_t y_stride, int64_t T, int64_t N, int64_t K, int64_t Kp, int max_threads);
+void q4_linear_f32(const float* x, int64_t x_stride, const uint8_t* w, const uint16_t* d, const uint16_t* m,
+                   const float* bias, float* y, int64_t y_stride, int64_t T, int64_t N, int64_t K, int64_t Kp,
+                   int max_threads);
+// The activation quantization alone (tests compare it with the torch reference): q_out [T, Kp], sx_out [T, Kp / 32].
+void quantize_activations_q8(const float* x, int64_t x_stride, int64_t T, int64_t K, int64_t Kp, int8_t* q_out,
+                             float* sx_out);
+// "avx512_vnni", "avx2" or "scalar": the path the quantized kernels take under the active ISA.
+const char* quant_path_name();
+
 }  // namespace duet

@@ -71,6 +71,9 @@ def test_config_file_from_env_and_ray_address(tmp_path):
     (dict(env={}, overrides={"router.policy": "fastest"}), ["router.policy='fastest'", "round_robin"]),
     (dict(env={}, overrides={"router.policy_options": {"nope": 1}}), ["router.policy_options", "valid options"]),
     (dict(env={}, overrides={"model.dtype": "int3"}), ["model.dtype='int3'", "float32"]),
+    (dict(env={"DUET_QUANTIZATION": "int4"}), ["model.quantization='int4'", "env DUET_QUANTIZATION", "int8, q4"]),
+    (dict(env={}, overrides={"model.quantization": "q4", "model.dtype": "bfloat16"},
+          flag_names={"model.quantization": "--quantization"}), ["model.quantization='q4'", "float32"]),
     (dict(env={"RAY_ADDRESS": "auto", "DUET_RAY_NUM_CPUS": "2"}), ["ray.num_cpus=2", "embedded"]),
 ])
 def test_bad_values_name_the_key_and_source(kwargs, words):
@@ -111,6 +114,12 @@ def test_disaggregated_pools_sized_apart_and_pool_alias(tmp_path):
         load_config(_yaml(tmp_path, "model: [\n"), env={})
     with pytest.raises(ClusterConfigError, match="cannot be read"):
         load_config(tmp_path / "missing.yaml", env={})
+
+
+def test_quantization_reaches_the_engine_config():
+    c = load_config(env={"DUET_QUANTIZATION": "int8"})
+    assert c.model.quantization == "int8" and c.to_engine_config().quantization == "int8"
+    assert load_config(env={}, overrides={"model.quantization": "q4"}).to_engine_config().quantization == "q4"
 
 
 def test_to_engine_and_router_configs():

@@ -169,6 +169,24 @@ def prepare_smollm2(cache_dir: Path | None = None, force: bool = False) -> Path:
     return target
 
 
+def gguf_source(path: Path) -> Path | None:
+    """The GGUF a checkpoint directory was prepared from (the pinned SmolLM2 GGUF for the cached
+    default model), or the one ``*.gguf`` file inside it; None if there is none. Quantized engines
+    load 4-bit tensors from it directly instead of re-quantizing the de-quantized safetensors."""
+    try:
+        marker = json.loads((path / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        marker = None
+    if isinstance(marker, dict) and marker.get("source_sha256") == SMOLLM2_GGUF_SHA256:
+        try:
+            return _find_smollm2_gguf()
+        except (ModelNotFoundError, CheckpointError) as exc:
+            logger.warning("%s: its GGUF source is unavailable (%s); quantizing the safetensors instead", path, exc)
+            return None
+    ggufs = sorted(path.glob("*.gguf"))
+    return ggufs[0] if len(ggufs) == 1 else None
+
+
 def _find_smollm2_gguf() -> Path:
     """Locate the GGUF inside the installed package without importing it (its __init__ needs llama_cpp)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # top-level: finds, does not execute

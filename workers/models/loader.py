@@ -2,6 +2,11 @@
 
 Tensors are read lazily with safetensors (memory-mapped), cast to the engine dtype and copied into
 the model's own (fused) parameters through each parameter's weight loader.
+
+Quantization ('int8' | 'q4'): the quantized layers quantize the float tensors as they load. For
+'q4', a checkpoint prepared from a GGUF (the embedded SmolLM2) loads from that GGUF instead, its
+Q4_0/Q4_1 tensors repacked as they are (workers/models/gguf_weights.py): the model is then exactly
+the GGUF's, not a re-quantization of its de-quantized copy.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import torch
 from torch import nn
 
 from workers.errors import CheckpointError
+from workers.models.assets import gguf_source
 from workers.models.config import ModelSpec
+from workers.models.gguf_weights import iter_gguf
 from workers.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -38,20 +45,28 @@ def iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torc
             raise CheckpointError(f"{f}: unreadable safetensors file ({e}); re-prepare the checkpoint") from e
 
 
-def load_model(path: Path, dtype: torch.dtype, device: str = "cpu") -> tuple[nn.Module, ModelSpec]:
+def load_model(
+    path: Path, dtype: torch.dtype, device: str = "cpu", quantization: str = "none", use_gguf: bool = True
+) -> tuple[nn.Module, ModelSpec]:
+    """The model of checkpoint ``path``; ``use_gguf=False`` makes 'q4' quantize the safetensors even
+    when a GGUF source exists (tests compare the two)."""
     t0 = time.perf_counter()
     spec = ModelSpec.from_pretrained(path)
     cls = model_class(spec)
     with torch.device(device):
-        model = cls(spec).to(dtype)
+        model = cls(spec, quantization).to(dtype)
+    gguf = gguf_source(path) if quantization == "q4" and use_gguf else None
+    weights = iter_gguf(gguf, spec, keep_q4=True) if gguf is not None else iter_safetensors(path, dtype)
     try:
-        loaded = model.load_weights(iter_safetensors(path, dtype))
+        loaded = model.load_weights(weights)
     except KeyError as e:
         raise CheckpointError(f"{path}: unexpected tensor {e.args[0]!r} for model_type {spec.model_type!r}") from None
     missing = model.expected_weights() - loaded
     if missing:
         names = sorted(f"{n}[{s}]" if s else n for n, s in missing)[:5]
         raise CheckpointError(f"{path}: checkpoint is missing {len(missing)} tensors, e.g. {names}")
+    model.process_weights_after_loading()
     model.eval()
-    logger.info("loaded %s (%s, %d layers) in %.1fs", path, spec.model_type, spec.num_layers, time.perf_counter() - t0)
+    logger.info("loaded %s (%s, %d layers, quantization %s%s) in %.1fs", path, spec.model_type, spec.num_layers,
+                quantization, f" from {gguf.name}" if gguf else "", time.perf_counter() - t0)
     return model, spec

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from workers.errors import CheckpointError
 from workers.layers.moe import SparseMoE
 from workers.models.config import ModelSpec
 from workers.models.llama import LlamaForCausalLM
@@ -36,6 +37,12 @@ _KIND = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj":
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
+    def __init__(self, spec: ModelSpec, quantization: str = "none") -> None:
+        if quantization != "none":  # the experts run the grouped GEMM on float weights only
+            raise CheckpointError(f"quantization={quantization!r} is not supported for {spec.model_type} (MoE) "
+                                  "models yet; use quantization 'none'")
+        super().__init__(spec, quantization)
+
     def make_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
         assert spec.num_experts > 0 and spec.num_experts_per_tok > 0, "a MoE config names its experts"
         return SparseMoE(spec.hidden_size, spec.moe_intermediate_size, spec.num_experts, spec.num_experts_per_tok,

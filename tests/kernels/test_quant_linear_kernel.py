@@ -1,0 +1,143 @@
+"""int8_linear / q4_linear (C++, every ISA path) vs their references, and the formats' round trips.
+
+The references compute the kernel's own math (x quantized per block of 32, exact integer block dots,
+float64 scaling), so the only difference is fp32 accumulation order over K / 32 blocks: rtol 1e-4 /
+atol 1e-4 on outputs of order 1 leaves a wide margin over that (~1e-6) yet catches a wrong row,
+block, scale, nibble or tail (errors of order 1e-1). The activation rounding itself is checked
+bit for bit against the torch reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels.quant_formats import (
+    dequantize_int8,
+    dequantize_q4,
+    pack_q4,
+    padded_k,
+    quantize_int8,
+    quantize_q4,
+    unpack_q4,
+)
+from kernels.quant_linear import quantize_activations_ref
+
+# SmolLM2's matrices plus K not a multiple of 32 or 64 (partial and whole padded blocks), N not a
+# multiple of the 16-row tile, tiny cases.
+SHAPES = [(960, 576), (576, 1536), (3072, 576), (37, 577), (100, 33), (17, 96), (5, 15), (1, 1), (33, 130)]
+TOKENS = [1, 2, 3, 7, 8, 9, 17, 64]
+
+
+def _problem(N: int, K: int, T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) / K**0.5
+    return w, torch.randn(N, generator=g), torch.randn(T, K, generator=g)
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("T", TOKENS)
+def test_int8_matches_ref(isa: str, T: int, N: int, K: int) -> None:
+    w, b, x = _problem(N, K, T, N * K + T)
+    q, s = quantize_int8(w)
+    torch.testing.assert_close(kernels.int8_linear(x, q, s), kernels.int8_linear_ref(x, q, s), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kernels.int8_linear(x, q, s, b), kernels.int8_linear_ref(x, q, s, b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("T", TOKENS)
+def test_q4_matches_ref(isa: str, T: int, N: int, K: int) -> None:
+    w, b, x = _problem(N, K, T, N * K + T + 1)
+    q, d, m = quantize_q4(w)
+    torch.testing.assert_close(kernels.q4_linear(x, q, d, m), kernels.q4_linear_ref(x, q, d, m), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kernels.q4_linear(x, q, d, m, b), kernels.q4_linear_ref(x, q, d, m, b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("T,K", [(1, 576), (5, 577), (3, 15), (64, 1536)])
+def test_activation_quantization_is_bitwise(isa: str, ext, T: int, K: int) -> None:
+    x = torch.randn(T, K) * torch.rand(T, 1) * 10
+    x[0, :5] = torch.tensor([0.5, -0.5, 2.5, 0.0, 1e-30])  # rounding ties and tiny values
+    Kp = padded_k(K)
+    q, sx = ext.quantize_activations(x, Kp)
+    q_ref, sx_ref = quantize_activations_ref(x, Kp)
+    assert torch.equal(q, q_ref) and torch.equal(sx, sx_ref)
+
+
+def test_lm_head_shape(ext) -> None:
+    w, _, x = _problem(49152, 576, 1, 0)
+    q, s = quantize_int8(w)
+    torch.testing.assert_close(kernels.int8_linear(x, q, s), kernels.int8_linear_ref(x, q, s), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4"])
+def test_close_to_weight_only_product(ext, fmt: str) -> None:
+    # The kernel vs x @ dequant(W)^T in fp32: they differ only by x's rounding to 8 bits per block
+    # (relative error ~ 1/254 per element, averaging out over K): well under 2% of the output scale.
+    w, _, x = _problem(512, 1536, 4, 7)
+    if fmt == "int8":
+        q, s = quantize_int8(w)
+        y, wd = kernels.int8_linear(x, q, s), dequantize_int8(q, s, 1536)
+    else:
+        q, d, m = quantize_q4(w)
+        y, wd = kernels.q4_linear(x, q, d, m), dequantize_q4(q, d, m, 1536)
+    y_ref = F.linear(x, wd)
+    assert (y - y_ref).abs().max() < 0.02 * y_ref.abs().max()
+
+
+def test_strided_and_leading_dims(ext) -> None:
+    w, b, _ = _problem(40, 70, 1, 3)
+    q, d, m = quantize_q4(w)
+    x = torch.randn(3, 100)[:, 10:80]  # rows 100 floats apart
+    torch.testing.assert_close(kernels.q4_linear(x, q, d, m, b), kernels.q4_linear_ref(x, q, d, m, b), rtol=1e-4, atol=1e-4)
+    x3 = torch.randn(2, 3, 70)
+    y3 = kernels.q4_linear(x3, q, d, m, b)
+    assert y3.shape == (2, 3, 40)
+    torch.testing.assert_close(y3.view(6, 40), kernels.q4_linear_ref(x3.view(6, 70), q, d, m, b), rtol=1e-4, atol=1e-4)
+
+
+def test_formats_round_trip() -> None:
+    w = torch.randn(7, 100)
+    q, s = quantize_int8(w)
+    assert q.shape == (7, 128) and q.dtype == torch.int8 and (q[:, 100:] == 0).all()
+    assert (dequantize_int8(q, s, 100) - w).abs().max() <= s.max() / 2 + 1e-7  # half a step
+    packed, d, m = quantize_q4(w)
+    assert packed.shape == (7, 64) and d.shape == (7, 4)
+    codes = torch.randint(0, 16, (7, 128), dtype=torch.uint8)
+    assert torch.equal(unpack_q4(pack_q4(codes)), codes)
+    err = (dequantize_q4(packed, d, m, 100) - w).abs()  # per block: half a step of (max - min) / 15, + fp16
+    step = (w.max() - w.min()) / 15
+    assert err.max() <= step / 2 * 1.01 + 1e-3
+    # Padding-only blocks: 100 columns -> blocks 0..3 hold 32, 32, 32, 4 real columns; none empty here,
+    # but a K=15 row has one real block and three padded ones with d = m = 0.
+    _, d15, m15 = quantize_q4(torch.randn(2, 15))
+    assert (d15[:, 1:] == 0).all() and (m15[:, 1:] == 0).all()
+
+
+def test_bad_input_raises(ext) -> None:
+    q, s = quantize_int8(torch.randn(4, 64))
+    with pytest.raises(RuntimeError, match="K = 65"):
+        ext.int8_linear(torch.randn(1, 65), q, s, None, 65)
+    with pytest.raises(RuntimeError, match="scales"):
+        ext.int8_linear(torch.randn(1, 64), q, s[:3], None, 64)
+    packed, d, m = quantize_q4(torch.randn(4, 64))
+    with pytest.raises(RuntimeError, match="mins"):
+        ext.q4_linear(torch.randn(1, 64), packed, d, m.float(), None, 64)
+
+
+@pytest.mark.skipif(not kernels._triton.triton_available(), reason="the optional triton extra is not installed")
+@pytest.mark.parametrize("T,N,K", [(1, 40, 130), (17, 33, 64), (5, 64, 200)])
+def test_triton_kernels_vs_weight_only_ref(T: int, N: int, K: int) -> None:
+    # The Triton kernels (GPU) do not quantize x: their reference is x @ dequant(W)^T. Run on CPU
+    # tensors in Triton's interpreter (TRITON_INTERPRET=1 is set for the whole test session).
+    from test_triton_kernels import tri
+
+    ops = tri("quant_linear")
+    w, b, x = _problem(N, K, T, 11)
+    q, s = quantize_int8(w)
+    torch.testing.assert_close(ops.int8_linear_triton(x, q, s, b), F.linear(x, dequantize_int8(q, s, K), b),
+                               rtol=1e-5, atol=1e-5)
+    packed, d, m = quantize_q4(w)
+    torch.testing.assert_close(ops.q4_linear_triton(x.view(1, T, K), packed, d, m, b).view(T, N),
+                               F.linear(x, dequantize_q4(packed, d, m, K), b), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,193 @@
+"""Weight-only quantized linear layers that own their weight loading, like layers/linear.py.
+
+Terms:
+    quantization  the per-model choice, ``EngineConfig.quantization``: 'none' (fp weights),
+                  'int8' (per-output-channel scales) or 'q4' (4-bit blocks of 32 with an fp16 scale
+                  and min, GGUF Q4_1's math). Formats: kernels/quant_formats.py.
+    QuantizedWeight  a checkpoint tensor that arrives already quantized (a GGUF Q4_0/Q4_1 tensor
+                  repacked into our q4 layout): loaded as is, never through fp32.
+
+A layer's ``load_weight(loaded, shard_id)`` takes either a float tensor (quantized here, row by
+row, so fused q/k/v and gate/up shards quantize independently) or a QuantizedWeight (copied as is
+if it has the layer's method, else de-quantized and re-quantized). Shards for tensor parallelism: ``QuantizedWeight.rows`` (column-parallel: a
+slice of output rows) and ``.cols`` (row-parallel: a slice of input features on 64-column chunk
+boundaries, so blocks stay whole); a float shard is simply quantized as it comes.
+
+Example::
+
+    layer = QuantLinear(576, 960, method="q4")
+    layer.load_weight(torch.randn(960, 576))   # quantized at load time
+    y = layer(torch.randn(1, 576))             # [1, 960] through the C++ q4 kernel
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.quant_formats import (
+    CHUNK,
+    dequantize_int8,
+    dequantize_q4,
+    padded_k,
+    quantize_int8,
+    quantize_q4,
+)
+from kernels.quant_linear import int8_linear, q4_linear
+from workers.config import QUANTIZATIONS
+from workers.layers.linear import Linear, MergedLinear
+
+_BUFFERS = {"int8": ("qweight", "scales"), "q4": ("qweight", "scales", "mins")}
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """An already-quantized [N, K] weight in one of our formats; ``tensors`` maps buffer name ->
+    tensor (int8: qweight [N, Kp], scales [N]; q4: qweight [N, Kp / 2], scales, mins [N, Kp / 32])."""
+
+    method: str
+    shape: tuple[int, int]
+    tensors: dict[str, torch.Tensor]
+
+    def rows(self, start: int, size: int) -> QuantizedWeight:
+        """Output rows [start, start + size): a column-parallel shard or a fused projection."""
+        return QuantizedWeight(self.method, (size, self.shape[1]), {k: v.narrow(0, start, size) for k, v in self.tensors.items()})
+
+    def cols(self, start: int, size: int) -> QuantizedWeight:
+        """Input features [start, start + size), start on a 64-column chunk boundary and the slice
+        whole chunks or running to K: a row-parallel shard. int8 keeps its per-row scales."""
+        K = self.shape[1]
+        if start % CHUNK or (size % CHUNK and start + size != K):
+            raise ValueError(f"quantized column shard [{start}, {start + size}) of K={K} must start on a multiple "
+                             f"of {CHUNK} and span whole {CHUNK}-column chunks (or end at K)")
+        kp = padded_k(size)
+        per_col = {"qweight": 1 if self.method == "int8" else 0.5, "scales": 1 / 32, "mins": 1 / 32}
+        out = {}
+        for name, t in self.tensors.items():
+            if name == "scales" and self.method == "int8":
+                out[name] = t
+            else:
+                out[name] = t[:, int(start * per_col[name]) : int((start + kp) * per_col[name])]
+        return QuantizedWeight(self.method, (self.shape[0], size), out)
+
+    def dequantize(self) -> torch.Tensor:
+        t, K = self.tensors, self.shape[1]
+        if self.method == "int8":
+            return dequantize_int8(t["qweight"], t["scales"], K)
+        return dequantize_q4(t["qweight"], t["scales"], t["mins"], K)
+
+
+def quantize(method: str, w: torch.Tensor) -> QuantizedWeight:
+    """Quantize a float [N, K] weight with ``method`` ('int8' | 'q4')."""
+    if method == "int8":
+        tensors = dict(zip(_BUFFERS["int8"], quantize_int8(w)))
+    elif method == "q4":
+        tensors = dict(zip(_BUFFERS["q4"], quantize_q4(w)))
+    else:
+        raise ValueError(f"quantization {method!r}: must be one of {QUANTIZATIONS[1:]}")
+    return QuantizedWeight(method, tuple(w.shape), tensors)
+
+
+class QuantLinear(nn.Module):
+    """y = x dequant(W)^T (+ b), W [out, in] stored quantized (buffers), bias fp32."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, method: str = "int8") -> None:
+        super().__init__()
+        if method not in _BUFFERS:
+            raise ValueError(f"quantization {method!r}: must be one of {QUANTIZATIONS[1:]}")
+        self.in_features, self.out_features, self.method = in_features, out_features, method
+        self._int8 = method == "int8"
+        N, Kp = out_features, padded_k(in_features)
+        if method == "int8":
+            self.register_buffer("qweight", torch.zeros(N, Kp, dtype=torch.int8))
+            self.register_buffer("scales", torch.zeros(N, dtype=torch.float32))
+        else:
+            self.register_buffer("qweight", torch.zeros(N, Kp // 2, dtype=torch.uint8))
+            self.register_buffer("scales", torch.zeros(N, Kp // 32, dtype=torch.int16))
+            self.register_buffer("mins", torch.zeros(N, Kp // 32, dtype=torch.int16))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    # Shards: None = the whole layer (MergedLinear's subclass maps its shard ids).
+    def _rows(self, shard_id: str | None) -> tuple[int, int]:
+        assert shard_id is None, f"unexpected shard {shard_id!r}"
+        return 0, self.out_features
+
+    def shard_ids(self) -> tuple[str | None, ...]:
+        return (None,)
+
+    def load_weight(self, loaded: torch.Tensor | QuantizedWeight, shard_id: str | None = None) -> None:
+        """Fill this layer's rows for ``shard_id`` from a float [rows, in] tensor or a QuantizedWeight."""
+        start, size = self._rows(shard_id)
+        shape = tuple(loaded.shape)
+        if shape != (size, self.in_features):
+            raise ValueError(f"{shard_id or 'weight'}: got a {list(shape)} weight for a layer expecting "
+                             f"[{size}, {self.in_features}]")
+        if isinstance(loaded, QuantizedWeight) and loaded.method != self.method:
+            loaded = loaded.dequantize()  # e.g. a GGUF's 4-bit output matrix for our int8 LM head
+        q = loaded if isinstance(loaded, QuantizedWeight) else quantize(self.method, loaded)
+        for name in _BUFFERS[self.method]:
+            getattr(self, name).narrow(0, start, size).copy_(q.tensors[name])
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        """Loader of the fp bias (same contract as Linear.weight_loader)."""
+        start, size = self._rows(shard_id)
+        dst = param.data.narrow(0, start, size)
+        assert dst.shape == loaded.shape, (shard_id, dst.shape, loaded.shape)
+        dst.copy_(loaded)
+
+    def quantized_weight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.method, (self.out_features, self.in_features),
+                               {n: getattr(self, n) for n in _BUFFERS[self.method]})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] -> [T, out]. Reads _buffers / _parameters directly: nn.Module.__getattr__ costs
+        # ~0.5 us per lookup, and a decode step makes ~500 of them.
+        b, bias = self._buffers, self._parameters["bias"]
+        if self._int8:
+            return int8_linear(x, b["qweight"], b["scales"], bias)
+        return q4_linear(x, b["qweight"], b["scales"], b["mins"], bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, method={self.method}, bias={self.bias is not None}"
+
+
+class QuantMergedLinear(QuantLinear):
+    """Several projections of one input stacked along the output dim (q/k/v, gate/up), quantized.
+
+    ``shards`` maps shard id -> output size, in order (as MergedLinear). Rows quantize
+    independently, so loading a shard never touches another's codes or scales.
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False, method: str = "int8") -> None:
+        super().__init__(in_features, sum(shards.values()), bias, method)
+        self.offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in shards.items():
+            self.offsets[name] = (start, size)
+            start += size
+
+    def _rows(self, shard_id: str | None) -> tuple[int, int]:
+        assert shard_id in self.offsets, f"unknown shard {shard_id!r}"
+        return self.offsets[shard_id]
+
+    def shard_ids(self) -> tuple[str | None, ...]:
+        return tuple(self.offsets)
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, quantization: str) -> nn.Module:
+    """Linear for 'none', else QuantLinear with that method."""
+    if quantization == "none":
+        return Linear(in_features, out_features, bias)
+    return QuantLinear(in_features, out_features, bias, quantization)
+
+
+def make_merged_linear(in_features: int, shards: dict[str, int], bias: bool, quantization: str) -> nn.Module:
+    if quantization == "none":
+        return MergedLinear(in_features, shards, bias)
+    return QuantMergedLinear(in_features, shards, bias, quantization)
