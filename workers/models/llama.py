@@ -3,6 +3,12 @@
 Each layer: x += o_proj(attn(rope(qkv_proj(norm(x))))) ; x += down(silu(gate) * up)(norm(x)).
 q/k/v and gate/up are fused at load time (one GEMM each). Qwen2 differs only by q/k/v biases.
 
+Tensor parallel over the "tp" group (identity when it has one rank): each rank holds its query and
+kv heads (workers/parallel/sharding.py: GQA groups stay whole) in qkv_proj, o_proj, the attention
+and the KV cache; its slice of the MLP width in gate_up_proj / down_proj; its vocabulary rows of
+the embedding and the LM head. o_proj and down_proj all-reduce (RowParallelLinear); the embedding
+all-reduces; the LM head gathers the sampled rows' logits to tp rank 0.
+
 Axes: T tokens in the step, E hidden, H query heads, G kv heads, D head dim, V vocab, I MLP width.
 """
 
@@ -13,13 +19,15 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from kernels.linear import linear
 from workers.layers.activation import SiluAndMul
 from workers.layers.attention import AttentionMetadata, PagedAttention
-from workers.layers.linear import Linear, MergedLinear
+from workers.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
+from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from workers.models.config import ModelSpec
+from workers.parallel.groups import get_group
+from workers.parallel.sharding import attention_shard, even_shard
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V each [S, G, D]
 
@@ -27,11 +35,15 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V each [S, G, D]
 class LlamaAttention(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        h, g, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        tp = get_group("tp")
+        d = spec.head_dim
+        heads = attention_shard(spec.num_heads, spec.num_kv_heads, tp.world_size, tp.rank)
+        h, g = heads.q_heads.size, heads.kv_heads.size  # this rank's heads
         self.h, self.g, self.d = h, g, d
-        self.qkv_proj = MergedLinear(spec.hidden_size, {"q": h * d, "k": g * d, "v": g * d}, spec.attention_bias)
+        q, kv = heads.q_heads.scaled(d), heads.kv_heads.scaled(d)
+        self.qkv_proj = MergedColumnParallelLinear(spec.hidden_size, {"q": q, "k": kv, "v": kv}, spec.attention_bias)
         o_bias = spec.attention_bias and spec.model_type != "qwen2"
-        self.o_proj = Linear(h * d, spec.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, o_bias, tp, shard=q)
         self.attn = PagedAttention(h, g, d)
 
     def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -44,9 +56,10 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        i = spec.intermediate_size
-        self.gate_up_proj = MergedLinear(spec.hidden_size, {"gate": i, "up": i}, spec.mlp_bias)
-        self.down_proj = Linear(i, spec.hidden_size, spec.mlp_bias)
+        tp = get_group("tp")
+        i = even_shard(spec.intermediate_size, tp.world_size, tp.rank)  # this rank's slice of the MLP width
+        self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, {"gate": i, "up": i}, spec.mlp_bias)
+        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias, tp, shard=i)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,8 +92,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, spec: ModelSpec, make_mlp: Callable[[ModelSpec], nn.Module] = LlamaMLP) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, make_mlp(spec)) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
@@ -100,7 +112,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = LlamaModel(spec, self.make_mlp)
-        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size)
+        tied = self.model.embed_tokens if spec.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, tied)
+        self.num_local_kv_heads = self.model.layers[0].self_attn.g  # KV cache width of this rank
 
     def make_mlp(self, spec: ModelSpec) -> nn.Module:
         return LlamaMLP(spec)
@@ -119,10 +133,10 @@ class LlamaForCausalLM(nn.Module):
             h, residual = layer(h, residual, cos, sin, kv, meta)
         return self.model.norm(h, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, E] -> logits [N, V] (only rows that are sampled)."""
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, w)  # the largest matrix: GEMV kernel at decode batch sizes
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, E] -> logits [N, V] (only rows that are sampled); None on tp ranks > 0.
+        Collective over the tp group when it has several ranks."""
+        return self.lm_head(hidden)
 
     def expected_weights(self) -> set[tuple[str, str | None]]:
         """(parameter name, shard id) pairs a complete checkpoint fills."""
@@ -130,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         for mod_name, mod in self.named_modules():
             for p_name, _ in mod.named_parameters(recurse=False):
                 full = f"{mod_name}.{p_name}" if mod_name else p_name
-                shards = mod.offsets if isinstance(mod, MergedLinear) else {None: None}
+                shards = mod.offsets if isinstance(mod, MergedColumnParallelLinear) else {None: None}
                 keys.update((full, s) for s in shards)
         return keys
 
@@ -139,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[tuple[str, str | None]] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.spec.tie_word_embeddings):
                 continue
             shard = None
             for frag, (fused, shard_id) in self._fused.items():

@@ -121,5 +121,5 @@ def follow(runner: ModelRunner, group: GroupCoordinator) -> int:
         if msg.placements is not None:
             apply_placements(runner.model, msg.placements)
         if msg.sched is not None:
-            runner.forward(msg.sched)
+            runner.follow(msg.sched)  # the forward pass (+ the LM head's collective under TP)
             steps += 1
