@@ -107,11 +107,16 @@ class ModelRunner:
         # Single-token chunks (decodes) go first: they share one batched attention call.
         singles = [c for c in sched.chunks if len(c.token_ids) == 1]
         multis = [c for c in sched.chunks if len(c.token_ids) > 1]
-        w = get_group("sp").world_size  # sequence parallel: long chunks are split over the sp ranks
-        split = [c for c in multis if w > 1 and len(c.token_ids) >= SP_MIN_TOKENS_PER_RANK * w]
-        rest = [c for c in multis if not (w > 1 and len(c.token_ids) >= SP_MIN_TOKENS_PER_RANK * w)]
+        rest, split = self.sp_split(multis)
         input_ids, positions, meta, sample_rows = self._prepare(singles + rest, len(singles), split)
         return self.model(input_ids, positions, self.kv_caches, meta), sample_rows
+
+    @staticmethod
+    def sp_split(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
+        """(replicated, split over the sp ranks): prefill chunks long enough for sequence parallelism."""
+        w = get_group("sp").world_size
+        long = [w > 1 and len(c.token_ids) >= SP_MIN_TOKENS_PER_RANK * w for c in chunks]
+        return [c for c, x in zip(chunks, long) if not x], [c for c, x in zip(chunks, long) if x]
 
     def _context_slots(self, table: list[int], end: int) -> torch.Tensor:
         """Cache slots of token positions [0, end) of a sequence with this block table: [end]."""
