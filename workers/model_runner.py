@@ -5,6 +5,11 @@ the scheduler's lists (token ids, start positions, block tables) into tensors on
 flat input ids and positions, the cache slot of every new token, and the attention metadata that
 every layer shares. Logits are computed only for rows that are sampled.
 
+Parallel gangs: under TP the KV cache holds this rank's kv heads and ``compute_logits`` is a
+collective of the tp group (followers join it through ``follow``); under SP long prefill chunks
+are split (``sp_split``) and this rank builds inputs for its zigzag pieces only (``_ring_chunk``,
+see workers/layers/ring_attention.py), after every replicated row of the step.
+
 Axes: T tokens in the step, B single-token chunks, L context, S cache slots, G kv heads, D head dim.
 """
 
