@@ -17,9 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from sp_cases import single_rank_reference, sp_rank
 from tp_cases import save_tiny_qwen2
+from workers.layers import ring_attention
+from workers.layers.ring_attention import full_attention_lse, zigzag_pieces
 from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
 
@@ -59,3 +62,23 @@ def test_sp2_smollm2_matches_sp1(smollm2_path):
 
 def test_tp2_sp2_qwen2_matches_single_rank(qwen2):
     _check(qwen2, ParallelConfig(sp_size=2, tp_size=2))
+
+
+def test_zigzag_pieces_balance_causal_work():
+    assert zigzag_pieces(90, 2) == [23, 23, 22, 22] and sum(zigzag_pieces(8000, 2)) == 8000
+    sizes = zigzag_pieces(4000, 4)
+    ends = np.cumsum(sizes)
+    # causal work of piece i ~ its rows x the keys up to its end; rank r holds pieces r and 2W-1-r
+    work = [sizes[r] * ends[r] + sizes[7 - r] * ends[7 - r] for r in range(4)]
+    assert max(work) / min(work) < 1.01
+
+
+def test_full_attention_lse_matches_softmax(monkeypatch):
+    monkeypatch.setattr(ring_attention, "QUERY_BLOCK", 16)  # several query blocks, a partial last one
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(37, 6, 8, generator=g), torch.randn(50, 2, 8, generator=g), torch.randn(50, 2, 8, generator=g)
+    out, lse = full_attention_lse(q, k, v, 0.3)
+    kk, vv = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)  # [50, 6, 8]: GQA groups of 3
+    s = torch.einsum("nhd,mhd->hnm", q, kk) * 0.3
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1).T)
+    torch.testing.assert_close(out, torch.einsum("hnm,mhd->nhd", s.softmax(-1), vv))
