@@ -98,6 +98,15 @@ class PoolSection:
     # MoE: each replica is a gang of ep_size ranks (Ray actors, one bundle each) holding a share of
     # the experts, serving as one worker (workers/parallel/gang_actor.py). 1 = a plain worker.
     ep_size: int = 1
+    # Tensor / sequence parallelism: each replica is a gang of ep_size * sp_size * tp_size ranks.
+    # tp_size shards every layer (heads, MLP width, vocabulary); sp_size splits long prefill chunks
+    # over ranks (ring attention). 1 = off.
+    tp_size: int = 1
+    sp_size: int = 1
+
+    @property
+    def gang_size(self) -> int:
+        return self.ep_size * self.sp_size * self.tp_size
 
 
 @dataclass(frozen=True)
@@ -293,6 +302,11 @@ def _check_pool(pool: PoolSection, p: str, s: Sources) -> None:
     need(pool.max_restarts >= -1, f"{p}.max_restarts", pool.max_restarts, s, "must be -1 (forever) or >= 0")
     need(pool.ep_size >= 1, f"{p}.ep_size", pool.ep_size, s,
          "must be >= 1 (ranks per expert-parallel gang; it must divide the model's experts)")
+    need(pool.tp_size >= 1, f"{p}.tp_size", pool.tp_size, s,
+         "must be >= 1 (tensor-parallel ranks per replica; at most the model's kv heads, or a multiple of them "
+         "that divides the query heads)")
+    need(pool.sp_size >= 1, f"{p}.sp_size", pool.sp_size, s,
+         "must be >= 1 (sequence-parallel ranks per replica, splitting long prefill chunks)")
 
 
 def _check_router(r: RouterSection, p: str, s: Sources) -> None:

@@ -48,7 +48,7 @@ class Replica:
     index: int
     worker_id: str
     actor: Any  # ray.actor.ActorHandle of workers.actor.WorkerActor (or a gang's GangLeaderActor)
-    followers: tuple[Any, ...] = ()  # a gang's other ranks (GangFollowerActor handles), ep_size > 1
+    followers: tuple[Any, ...] = ()  # a gang's other ranks (GangFollowerActor handles), gang_size > 1
 
 
 class WorkerPool:
@@ -103,13 +103,13 @@ def create_pool(section: PoolSection, engine_config: Any, namespace: str, *, emb
     from workers.actor import WorkerActor
 
     cpus = section.cpus_per_replica
-    ranks = section.ep_size  # bundles per replica: one per rank of its gang
+    ranks = section.gang_size  # bundles per replica: one per rank of its gang
     needed = section.replicas * ranks * cpus
     have = ray.cluster_resources().get("CPU", 0)
     if embedded and needed > have:
         raise PoolError(
-            f"pool {section.name!r} needs {section.replicas} replicas x {ranks} ranks (ep_size) x {cpus} CPUs = "
-            f"{needed} CPUs, but the embedded Ray has {have:g}; lower the pool's replicas / ep_size / "
+            f"pool {section.name!r} needs {section.replicas} replicas x {ranks} ranks (ep_size x sp_size x tp_size) x {cpus} CPUs = "
+            f"{needed} CPUs, but the embedded Ray has {have:g}; lower the pool's replicas / ep_size / tp_size / sp_size / "
             "cpus_per_replica or raise ray.num_cpus")
     pg = placement_group([{"CPU": cpus} for _ in range(section.replicas * ranks)], strategy=section.placement_strategy,
                          name=f"duet-{namespace}-{section.name}")
@@ -152,7 +152,7 @@ def create_pool(section: PoolSection, engine_config: Any, namespace: str, *, emb
 
 def _create_gang(section: PoolSection, engine_config: Any, host: str | None, pg: Any, index: int,
                  leader_options: dict) -> tuple[Any, tuple[Any, ...]]:
-    """Replica ``index`` as an expert-parallel gang: followers in bundles index*W+1.., the leader
+    """Replica ``index`` as a gang (expert / sequence / tensor parallel): followers in bundles index*W+1.., the leader
     (named like a plain worker) in bundle index*W. See workers/parallel/gang_actor.py."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -161,8 +161,8 @@ def _create_gang(section: PoolSection, engine_config: Any, host: str | None, pg:
     from workers.parallel.gang_actor import GangFollowerActor, GangLeaderActor
     from workers.parallel.groups import ParallelConfig
 
-    ranks = section.ep_size
-    parallel = ParallelConfig(ep_size=ranks)
+    ranks = section.gang_size
+    parallel = ParallelConfig(ep_size=section.ep_size, sp_size=section.sp_size, tp_size=section.tp_size)
     followers = tuple(
         GangFollowerActor.options(
             num_cpus=section.cpus_per_replica, max_restarts=section.max_restarts, max_task_retries=0,

@@ -40,6 +40,8 @@ from workers.kv_transfer import KVLayout
 from workers.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
 from workers.models.assets import resolve_model
 from workers.models.loader import load_model
+from workers.parallel.groups import get_group
+from workers.parallel.sharding import attention_shard
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerOutput
 from workers.sequence import FinishReason, Sequence, SequenceStatus
@@ -111,8 +113,12 @@ class Engine:
             tokenizer = AutoTokenizer.from_pretrained(path)
         self.tokenizer = tokenizer
         bs = config.cache.block_size
+        # Tensor parallel: size the pool by the largest per-rank share of kv heads (rank 0's), so every
+        # rank of a gang gets the same block count as the leader's block manager.
+        tp = get_group("tp")
+        kv_heads = attention_shard(spec.num_heads, spec.num_kv_heads, tp.world_size, 0).kv_heads.size
         num_blocks = config.cache.num_blocks or config.cache.kv_cache_memory_bytes // kv_bytes_per_block(
-            spec, bs, config.torch_dtype
+            spec, bs, config.torch_dtype, kv_heads
         )
         # Context limit: the model's, the user's, and what the whole KV pool can hold (so one
         # request alone always fits and preemption can always make progress).

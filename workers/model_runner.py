@@ -5,6 +5,11 @@ the scheduler's lists (token ids, start positions, block tables) into tensors on
 flat input ids and positions, the cache slot of every new token, and the attention metadata that
 every layer shares. Logits are computed only for rows that are sampled.
 
+Parallel gangs: under TP the KV cache holds this rank's kv heads and ``compute_logits`` is a
+collective of the tp group (followers join it through ``follow``); under SP long prefill chunks
+are split (``sp_split``) and this rank builds inputs for its zigzag pieces only (``_ring_chunk``,
+see workers/layers/ring_attention.py), after every replicated row of the step.
+
 Axes: T tokens in the step, B single-token chunks, L context, S cache slots, G kv heads, D head dim.
 """
 
@@ -18,12 +23,18 @@ from torch import nn
 
 from workers.config import EngineConfig
 from workers.layers.attention import AttentionMetadata, PrefillSpan
+from workers.layers.ring_attention import RingChunk, zigzag_pieces
 from workers.layers.sampler import Sampler
 from workers.models.config import ModelSpec
+from workers.parallel.groups import get_group
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# Sequence parallel: a prefill chunk is split over the W sp ranks when it has at least this many
+# tokens per rank; shorter chunks run replicated (a ring hop costs more than it saves).
+SP_MIN_TOKENS_PER_RANK = 8
 
 
 @dataclass(frozen=True)
@@ -31,8 +42,10 @@ class RunnerOutput:
     sampled: dict[str, int]  # request id -> next token, for chunks with sample=True
 
 
-def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-    return spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """Bytes of one KV block over all layers; ``num_kv_heads``: this rank's heads (tensor parallel)."""
+    g = spec.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return spec.num_layers * 2 * block_size * g * spec.head_dim * dtype.itemsize
 
 
 class ModelRunner:
@@ -43,10 +56,11 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         slots = num_blocks * self.block_size
+        g = getattr(model, "num_local_kv_heads", spec.num_kv_heads)  # tensor parallel: this rank's kv heads
         # [layers, 2, S, G, D]; zeros, not empty: padded gathers read unused slots, which are masked
         # out, but NaN garbage would still poison the masked softmax.
         self.kv_cache = torch.zeros(
-            spec.num_layers, 2, slots, spec.num_kv_heads, spec.head_dim, dtype=config.torch_dtype, device=self.device
+            spec.num_layers, 2, slots, g, spec.head_dim, dtype=config.torch_dtype, device=self.device
         )
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler()
@@ -104,14 +118,35 @@ class ModelRunner:
         return RunnerOutput(dict(zip(ids, tokens)))
 
     @torch.inference_mode()
+    def follow(self, sched: SchedulerOutput) -> None:
+        """A follower rank's share of ``execute``: the forward pass, and the LM head's collective when
+        the vocabulary is sharded (tensor parallel); the leader alone samples."""
+        hidden, sample_rows = self.forward(sched)
+        if sample_rows and self.logits_collective and get_group("sp").rank == 0:
+            self.model.compute_logits(hidden[[r for r, _ in sample_rows]])
+
+    @property
+    def logits_collective(self) -> bool:
+        """compute_logits is a collective of this rank's tp group, which then owns rank 0's logits."""
+        return not get_group("tp").is_trivial
+
+    @torch.inference_mode()
     def forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[tuple[int, str]]]:
         """Run the model over the step's tokens and write their KV: hidden [T, E] and the
         (row, request id) pairs to sample. Ranks of a gang that do not sample call only this."""
         # Single-token chunks (decodes) go first: they share one batched attention call.
         singles = [c for c in sched.chunks if len(c.token_ids) == 1]
         multis = [c for c in sched.chunks if len(c.token_ids) > 1]
-        input_ids, positions, meta, sample_rows = self._prepare(singles + multis, len(singles))
+        rest, split = self.sp_split(multis)
+        input_ids, positions, meta, sample_rows = self._prepare(singles + rest, len(singles), split)
         return self.model(input_ids, positions, self.kv_caches, meta), sample_rows
+
+    @staticmethod
+    def sp_split(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
+        """(replicated, split over the sp ranks): prefill chunks long enough for sequence parallelism."""
+        w = get_group("sp").world_size
+        long = [w > 1 and len(c.token_ids) >= SP_MIN_TOKENS_PER_RANK * w for c in chunks]
+        return [c for c, x in zip(chunks, long) if not x], [c for c, x in zip(chunks, long) if x]
 
     def _context_slots(self, table: list[int], end: int) -> torch.Tensor:
         """Cache slots of token positions [0, end) of a sequence with this block table: [end]."""
@@ -139,7 +174,29 @@ class ModelRunner:
             torch.tensor(lens, dtype=torch.int32, device=self.device),
         )
 
-    def _prepare(self, chunks: list[ScheduledChunk], num_singles: int):
+    def _ring_chunk(self, c: ScheduledChunk, row: int) -> tuple[RingChunk, list[int], list[int], list[int]]:
+        """This rank's zigzag pieces of a sequence-parallel chunk: (metadata, ids, positions, slots)."""
+        sp = get_group("sp")
+        w, r, bs = sp.world_size, sp.rank, self.block_size
+        sizes = zigzag_pieces(len(c.token_ids), w)
+        offsets = [sum(sizes[:i]) for i in range(2 * w)]
+        table = c.block_table
+        piece_slots = [[table[p // bs] * bs + p % bs for p in range(c.start_pos + o, c.start_pos + o + n)]
+                       for o, n in zip(offsets, sizes)]
+        ids, pos, slots = [], [], []
+        for i in (r, 2 * w - 1 - r):
+            ids += c.token_ids[offsets[i] : offsets[i] + sizes[i]]
+            pos += range(c.start_pos + offsets[i], c.start_pos + offsets[i] + sizes[i])
+            slots += piece_slots[i]
+        prefix = self._context_slots(table, c.start_pos).to(self.device) if c.start_pos else None
+        rc = RingChunk(row, (r, 2 * w - 1 - r), tuple(sizes),
+                       tuple(torch.tensor(s, dtype=torch.long, device=self.device) for s in piece_slots), prefix)
+        return rc, ids, pos, slots
+
+    def _prepare(self, chunks: list[ScheduledChunk], num_singles: int, split: list[ScheduledChunk] = ()):
+        """Flat inputs and attention metadata: ``chunks`` (the first ``num_singles`` of them decodes),
+        then this rank's pieces of the sequence-parallel ``split`` chunks (sampled on sp rank 0,
+        which holds every chunk's last piece)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -170,6 +227,16 @@ class ModelRunner:
             row += n
             if c.sample:
                 sample_rows.append((row - 1, c.request_id))
+        ring = []
+        for c in split:
+            rc, c_ids, c_pos, c_slots = self._ring_chunk(c, row)
+            ids += c_ids
+            pos += c_pos
+            slots += c_slots
+            ring.append(rc)
+            row += rc.num_rows
+            if c.sample and rc.local[0] == 0:
+                sample_rows.append((row - 1, c.request_id))
         block_tables, context_lens = self._tables(decode_tables, decode_lens)  # [B, max_blocks], [B]
         prefill_block_tables, prefill_context_lens = self._tables(prefill_tables, prefill_lens)  # [P, .], [P]
         meta = AttentionMetadata(
@@ -182,6 +249,7 @@ class ModelRunner:
             prefill_block_tables=prefill_block_tables,
             prefill_cu_seqlens=torch.tensor(prefill_cu, dtype=torch.int32, device=self.device) if prefills else None,
             prefill_context_lens=prefill_context_lens,
+            ring=tuple(ring),
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)

@@ -12,6 +12,9 @@ call), then attends:
     to itself (causal SDPA, no gather); a chunk starting later (chunked prefill, prefix-cache hit,
     recompute) gathers its cached prefix and uses a causal mask offset by the chunk's start.
     Both paths give the same tokens (tests/workers/test_prefill_attention_paths.py).
+  - sequence-parallel prefill chunks (the last rows of the step, ``meta.ring``): each rank holds
+    its zigzag pieces of a long chunk and attends by ring attention over the sp group
+    (workers/layers/ring_attention.py), which also fills its cache with the other ranks' K/V.
 The metadata is built once per step (AttentionMetadata) and shared by all layers.
 
 Axes: T tokens in the step, B decode sequences, L context length, S cache slots
@@ -29,6 +32,8 @@ from torch import nn
 from kernels.paged_decode_attention import paged_decode_attention
 from kernels.rotary_and_cache_write import rotary_and_cache_write
 from kernels.varlen_paged_attention import varlen_kernel_available, varlen_paged_attention
+from workers.layers.ring_attention import RingChunk, ring_attention
+from workers.parallel.groups import get_group
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None = None  # [P, max_blocks] int32, padded with 0
     prefill_cu_seqlens: torch.Tensor | None = None  # [P + 1] int32, rows relative to num_decodes
     prefill_context_lens: torch.Tensor | None = None  # [P] int32: chunk start + chunk length
+    # Sequence parallel: chunks split over the sp ranks, after every other row of the step.
+    ring: tuple[RingChunk, ...] = ()
 
 
 class PagedAttention(nn.Module):
@@ -73,6 +80,12 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H * D]
         rotary_and_cache_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        if meta.ring:
+            return self._with_ring(q, k, v, k_cache, v_cache, meta)
+        return self._attend(q, k, v, k_cache, v_cache, meta)
+
+    def _attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Decodes and (replicated) prefill chunks, K/V already in the cache -> [T, H * D]."""
         nd = meta.num_decodes
         if nd == q.shape[0]:  # decode-only step: the kernel output is the whole result
             out = paged_decode_attention(
@@ -93,6 +106,22 @@ class PagedAttention(nn.Module):
         else:
             for span in meta.prefills:
                 out[span.q_start : span.q_end] = self._prefill(q, k, v, k_cache, v_cache, span)
+        return out.view(q.shape[0], -1)
+
+    def _with_ring(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Rows before the ring chunks as usual, then each ring chunk (rotation and local cache
+        writes are already done)."""
+        out = torch.empty_like(q)
+        n = meta.ring[0].row_start  # rows handled by the plain paths
+        if n:
+            plain = AttentionMetadata(meta.block_size, meta.slot_mapping[:n], meta.num_decodes,
+                                      meta.decode_block_tables, meta.decode_context_lens, meta.prefills,
+                                      meta.prefill_block_tables, meta.prefill_cu_seqlens, meta.prefill_context_lens)
+            out[:n] = self._attend(q[:n], k[:n], v[:n], k_cache, v_cache, plain).view(n, *q.shape[1:])
+        sp = get_group("sp")
+        for rc in meta.ring:
+            rows = slice(rc.row_start, rc.row_start + rc.num_rows)
+            out[rows] = ring_attention(q[rows], k[rows], v[rows], k_cache, v_cache, rc, sp, self.scale)
         return out.view(q.shape[0], -1)
 
     def _prefill(self, q, k, v, k_cache, v_cache, span: PrefillSpan) -> torch.Tensor:

@@ -3,8 +3,15 @@
 Each layer: x += o_proj(attn(rope(qkv_proj(norm(x))))) ; x += down(silu(gate) * up)(norm(x)).
 q/k/v and gate/up are fused at load time (one GEMM each). Qwen2 differs only by q/k/v biases.
 
+Tensor parallel over the "tp" group (identity when it has one rank): each rank holds its query and
+kv heads (workers/parallel/sharding.py: GQA groups stay whole) in qkv_proj, o_proj, the attention
+and the KV cache; its slice of the MLP width in gate_up_proj / down_proj; its vocabulary rows of
+the embedding and the LM head. o_proj and down_proj all-reduce (RowParallelLinear); the embedding
+all-reduces; the LM head gathers the sampled rows' logits to tp rank 0.
+
 Quantization ('int8' | 'q4', see workers/layers/quant_linear.py) swaps every projection of the
-decoder layers for its quantized layer. The LM head (tied to the embedding in SmolLM2) is int8 with
+decoder layers for its quantized layer (at tp_size 1 only, for now: a quantized model with
+tp_size > 1 is refused with a ConfigError). The LM head (tied to the embedding in SmolLM2) is int8 with
 per-row scales in both modes: it is the largest matrix (V x E = 28M weights), so leaving it fp32
 would cost 113 MB per token, more than all q4 layers together (66 MB), while int8 costs 28 MB and
 little quality. Measured on SmolLM2 (tests/data/public_domain_sample.txt, greedy token equal to
@@ -22,27 +29,46 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from kernels.linear import linear
 from workers.layers.activation import SiluAndMul
 from workers.layers.attention import AttentionMetadata, PagedAttention
-from workers.layers.linear import MergedLinear
+from workers.errors import ConfigError
+from workers.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from workers.layers.quant_linear import QuantLinear, QuantMergedLinear, make_linear, make_merged_linear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
+from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from workers.models.config import ModelSpec
+from workers.parallel.groups import get_group
+from workers.parallel.sharding import attention_shard, even_shard
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V each [S, G, D]
+
+
+def _require_single_rank(tp_size: int, quant: str) -> None:
+    if tp_size > 1:
+        raise ConfigError(f"quantization={quant!r} with tp_size={tp_size}: quantized layers are not tensor-parallel "
+                          "yet; use tp_size 1 or quantization 'none'")
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, spec: ModelSpec, quant: str) -> None:
         super().__init__()
-        h, g, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        tp = get_group("tp")
+        d = spec.head_dim
+        heads = attention_shard(spec.num_heads, spec.num_kv_heads, tp.world_size, tp.rank)
+        h, g = heads.q_heads.size, heads.kv_heads.size  # this rank's heads
         self.h, self.g, self.d = h, g, d
-        shards = {"q": h * d, "k": g * d, "v": g * d}
-        self.qkv_proj = make_merged_linear(spec.hidden_size, shards, spec.attention_bias, quant)
         o_bias = spec.attention_bias and spec.model_type not in ("qwen2", "qwen2_moe")
-        self.o_proj = make_linear(h * d, spec.hidden_size, o_bias, quant)
+        if quant != "none":
+            _require_single_rank(tp.world_size, quant)
+            shards = {"q": h * d, "k": g * d, "v": g * d}
+            self.qkv_proj = make_merged_linear(spec.hidden_size, shards, spec.attention_bias, quant)
+            self.o_proj = make_linear(h * d, spec.hidden_size, o_bias, quant)
+        else:
+            q, kv = heads.q_heads.scaled(d), heads.kv_heads.scaled(d)
+            self.qkv_proj = MergedColumnParallelLinear(spec.hidden_size, {"q": q, "k": kv, "v": kv},
+                                                       spec.attention_bias)
+            self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, o_bias, tp, shard=q)
         self.attn = PagedAttention(h, g, d)
 
     def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -55,9 +81,17 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, spec: ModelSpec, intermediate_size: int | None = None, quant: str = "none") -> None:
         super().__init__()
-        i = intermediate_size or spec.intermediate_size
-        self.gate_up_proj = make_merged_linear(spec.hidden_size, {"gate": i, "up": i}, spec.mlp_bias, quant)
-        self.down_proj = make_linear(i, spec.hidden_size, spec.mlp_bias, quant)
+        tp = get_group("tp")
+        width = intermediate_size or spec.intermediate_size
+        if quant != "none":
+            _require_single_rank(tp.world_size, quant)
+            self.gate_up_proj = make_merged_linear(spec.hidden_size, {"gate": width, "up": width}, spec.mlp_bias,
+                                                   quant)
+            self.down_proj = make_linear(width, spec.hidden_size, spec.mlp_bias, quant)
+        else:
+            i = even_shard(width, tp.world_size, tp.rank)  # this rank's slice of the MLP width
+            self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, {"gate": i, "up": i}, spec.mlp_bias)
+            self.down_proj = RowParallelLinear(width, spec.hidden_size, spec.mlp_bias, tp, shard=i)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,8 +124,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, spec: ModelSpec, make_mlp: Callable[[ModelSpec, int], nn.Module], quant: str = "none") -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec, make_mlp(spec, i), quant) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
@@ -112,11 +145,12 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.quantization = quantization
         self.model = LlamaModel(spec, self.make_mlp, quantization)
-        head_quant = "none" if quantization == "none" else "int8"
-        # Tied + quantized: a separate int8 copy of the embedding, built by process_weights_after_loading.
-        tied_copy = spec.tie_word_embeddings and head_quant != "none"
-        self.lm_head = None if spec.tie_word_embeddings and not tied_copy else make_linear(
-            spec.hidden_size, spec.vocab_size, False, head_quant)
+        if quantization == "none":
+            tied = self.model.embed_tokens if spec.tie_word_embeddings else None
+            self.lm_head: nn.Module = ParallelLMHead(spec.vocab_size, spec.hidden_size, tied)
+        else:  # int8 (module doc); tied: a separate int8 copy of the embedding, filled after loading
+            self.lm_head = make_linear(spec.hidden_size, spec.vocab_size, False, "int8")
+        self.num_local_kv_heads = self.model.layers[0].self_attn.g  # KV cache width of this rank
 
     def make_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
         return LlamaMLP(spec, quant=self.quantization)
@@ -135,10 +169,9 @@ class LlamaForCausalLM(nn.Module):
             h, residual = layer(h, residual, cos, sin, kv, meta)
         return self.model.norm(h, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, E] -> logits [N, V] (only rows that are sampled)."""
-        if self.lm_head is None:
-            return linear(hidden, self.model.embed_tokens.weight)  # the largest matrix: GEMV kernel at decode sizes
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, E] -> logits [N, V] (only rows that are sampled); None on tp ranks > 0.
+        Collective over the tp group when it has several ranks."""
         return self.lm_head(hidden)
 
     def process_weights_after_loading(self) -> None:
@@ -158,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         for mod_name, mod in self.named_modules():
             for p_name, _ in mod.named_parameters(recurse=False):
                 full = f"{mod_name}.{p_name}" if mod_name else p_name
-                shards = mod.offsets if isinstance(mod, (MergedLinear, QuantMergedLinear)) else {None: None}
+                shards = mod.offsets if isinstance(mod, (MergedColumnParallelLinear, QuantMergedLinear)) else {None: None}
                 keys.update((full, s) for s in shards)
         return keys
 

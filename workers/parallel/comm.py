@@ -62,3 +62,22 @@ def send_tensor(x: torch.Tensor, dst: int, g: GroupCoordinator) -> None:
 def recv_tensor(out: torch.Tensor, src: int, g: GroupCoordinator) -> torch.Tensor:
     dist.recv(out, src=g.ranks[src], group=g.group)
     return out
+
+
+# --- tensor parallelism (workers/layers/linear.py, workers/layers/vocab_parallel.py) ---------------
+
+def all_reduce(x: torch.Tensor, g: GroupCoordinator) -> torch.Tensor:
+    """Sum of x over the group, in place (x itself is returned)."""
+    if not g.is_trivial:
+        dist.all_reduce(x, group=g.group)
+    return x
+
+
+def gather_to_first(x: torch.Tensor, g: GroupCoordinator) -> list[torch.Tensor] | None:
+    """Every rank's x (same shape) on group rank 0, in rank order; None on the other ranks."""
+    if g.is_trivial:
+        return [x]
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(g.world_size)] if g.rank == 0 else None
+    dist.gather(x, parts, dst=g.ranks[0], group=g.group)
+    return parts

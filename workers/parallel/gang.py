@@ -1,13 +1,14 @@
-"""Gang execution of one engine over several ranks (expert parallelism today; tensor parallelism
-reuses it): rank 0 (the *leader*) owns the scheduler, sampling and detokenizing; every rank owns a
-full model runner (replicated attention and KV cache, its share of the experts) and runs the same
+"""Gang execution of one engine over several ranks (expert, tensor and sequence parallelism): rank 0
+(the *leader*) owns the scheduler, sampling and detokenizing; every rank owns a model runner (its
+share of the experts, of every layer under TP, of long prompt chunks under SP) and runs the same
 forward pass each step.
 
 Per step the leader broadcasts one ``GangMessage`` -- the step's SchedulerOutput (lists: token ids,
-positions, block tables), not tensors -- and then every rank runs ``runner.forward`` on it; the MoE
-layers' collectives keep the ranks in lock step. Only the leader samples (the followers' logits
-would be identical). Between steps the leader may broadcast new expert placements (rebalancing),
-which every rank applies before the next step, so no request is dropped or recomputed.
+positions, block tables), not tensors -- and then every rank runs it (``runner.follow``); the
+layers' collectives (MoE all-to-all, TP all-reduce, SP ring) keep the ranks in lock step. Only the
+leader samples (under TP the followers join the LM head's gather of the sampled rows' logits).
+Between steps the leader may broadcast new expert placements (rebalancing), which every rank
+applies before the next step, so no request is dropped or recomputed.
 
 Worked example (every rank)::
 
@@ -119,5 +120,5 @@ def follow(runner: ModelRunner, group: GroupCoordinator) -> int:
         if msg.placements is not None:
             apply_placements(runner.model, msg.placements)
         if msg.sched is not None:
-            runner.forward(msg.sched)
+            runner.follow(msg.sched)  # the forward pass (+ the LM head's collective under TP)
             steps += 1
