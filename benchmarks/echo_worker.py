@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
-import signal
 import sys
 import uuid
 
@@ -34,6 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
+from router.server import wait_for_stop_signal
 
 SERVICE_NAME = "duet.worker.v1.Worker"
 
@@ -94,12 +93,7 @@ async def _main(args: argparse.Namespace) -> None:
     server, port = await start_echo_worker(args.host, args.port, first_token_ms=args.first_token_ms,
                                            gap_ms=args.gap_ms)
     print(f"ECHO_WORKER_PORT={port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_stop_signal()
     await server.stop(0.5)
 
 

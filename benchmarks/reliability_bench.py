@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import random
 import statistics
 import sys
@@ -49,6 +50,7 @@ from typing import Any
 import grpc
 
 from benchmarks.load_gen import load_prompts
+from benchmarks.serving_metrics import percentile
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +195,7 @@ async def chaos(d: Any, *, seconds: float, kill_every: float, concurrency: int, 
 async def overload(d: Any, *, burst: int, timeout: float = 120.0) -> dict[str, Any]:
     from router.client import DuetClient
 
-    pids = {"router": [__import__("os").getpid()], "workers": worker_pids(d)}
+    pids = {"router": [os.getpid()], "workers": worker_pids(d)}
     peak = {k: sum(rss_mb(v).values()) for k, v in pids.items()}
     base = dict(peak)
     done = asyncio.Event()
@@ -222,17 +224,15 @@ async def overload(d: Any, *, burst: int, timeout: float = 120.0) -> dict[str, A
 
 
 def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, round(q / 100 * (len(v) - 1))))]
+    """serving_metrics.percentile, with None (valid JSON) instead of NaN when nothing was measured."""
+    return percentile(values, q) if values else None
 
 
 # ------------------------------------------------------------------ soak
 async def soak(d: Any, *, seconds: float, rate: float, seed: int, timeout: float = 120.0) -> dict[str, Any]:
     from router.client import DuetClient
 
-    pids = {"router": [__import__("os").getpid()], "workers": worker_pids(d)}
+    pids = {"router": [os.getpid()], "workers": worker_pids(d)}
     series: dict[str, list[tuple[float, float]]] = {k: [] for k in pids}
     rng = random.Random(seed)
     t0 = time.monotonic()

@@ -359,14 +359,19 @@ def _parse_args(argv: list[str] | None) -> tuple[RouterConfig, list[tuple[str, s
     return config, members
 
 
-async def _main(config: RouterConfig, members: list[tuple[str, str]]) -> None:
-    server = await start_router(config, members)
+async def wait_for_stop_signal() -> None:
+    """Return once the process gets SIGINT or SIGTERM (a foreground server's shutdown trigger)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+
+
+async def _main(config: RouterConfig, members: list[tuple[str, str]]) -> None:
+    server = await start_router(config, members)
+    await wait_for_stop_signal()
     await server.stop()
 
 
