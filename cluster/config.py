@@ -81,6 +81,29 @@ class EngineSection:
 
 
 @dataclass(frozen=True)
+class SpeculativeSection:
+    """Speculative decoding for a colocated or decode pool (see workers.config.SpeculativeConfig):
+    method none | ngram | draft_model; num_speculative_tokens (most drafts per step); adaptive
+    draft length; ngram_min/ngram_max; draft_model (checkpoint or model name sharing the target's
+    tokenizer) and draft_quantization; drafter_cpus and drafter_resources (Ray resources the
+    drafter actor requests, e.g. {drafter: 1} to land on CPU drafter nodes); draft_timeout_s
+    (a slower drafter is dropped for the request, which continues without speculation); overlap
+    (draft the next window while the target verifies)."""
+
+    method: str = "none"
+    num_speculative_tokens: int = 4
+    adaptive: bool = True
+    ngram_min: int = 1
+    ngram_max: int = 4
+    draft_model: str | None = None
+    draft_quantization: str = "none"
+    drafter_cpus: int = 1
+    drafter_resources: Mapping[str, float] = field(default_factory=dict, hash=False)
+    draft_timeout_s: float = 2.0
+    overlap: bool = True
+
+
+@dataclass(frozen=True)
 class PoolSection:
     """One worker pool: ``replicas`` Ray actors of ``cpus_per_replica`` CPUs each, one placement
     group bundle per replica. placement_strategy SPREAD (default) puts replicas on different nodes
@@ -103,6 +126,7 @@ class PoolSection:
     # over ranks (ring attention). 1 = off.
     tp_size: int = 1
     sp_size: int = 1
+    speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
 
     @property
     def gang_size(self) -> int:
@@ -177,15 +201,22 @@ class DuetConfig:
 
     def to_engine_config(self, pool: PoolSection | None = None):
         """The ``workers.config.EngineConfig`` every worker of ``pool`` (default: the pool) runs."""
-        from workers.config import CacheConfig, EngineConfig, SchedulerConfig
+        from workers.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 
-        e = (pool or self.pool).engine
+        pool = pool or self.pool
+        e, sp = pool.engine, pool.speculative
         return EngineConfig(
             model=self.model.name, dtype=self.model.dtype, max_model_len=self.model.max_model_len,
             quantization=self.model.quantization,
             cache=CacheConfig(block_size=e.block_size, kv_cache_memory_bytes=e.kv_cache_memory_bytes,
                               enable_prefix_caching=e.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs),
+            speculative=SpeculativeConfig(
+                method=sp.method, num_speculative_tokens=sp.num_speculative_tokens, adaptive=sp.adaptive,
+                ngram_min=sp.ngram_min, ngram_max=sp.ngram_max, draft_model=sp.draft_model,
+                draft_quantization=sp.draft_quantization, drafter_cpus=sp.drafter_cpus,
+                drafter_resources=dict(sp.drafter_resources), draft_timeout_s=sp.draft_timeout_s,
+                overlap=sp.overlap),
         )
 
     def to_router_config(self, tokenizer_path: str, max_model_len: int | None = None, **extra: Any):
@@ -294,6 +325,8 @@ def _check_pool(pool: PoolSection, p: str, s: Sources) -> None:
          "must be lower-case letters, digits and '_', starting with a letter (it names the actors)")
     need(pool.role in ROLES, f"{p}.role", pool.role, s,
          f"must be one of {', '.join(ROLES)} (prefill + decode pools make a disaggregated deployment)")
+    need(pool.speculative.method == "none" or pool.role != "prefill", f"{p}.speculative.method",
+         pool.speculative.method, s, "a prefill pool produces one token per request; speculate on the decode pool")
     need(pool.replicas >= 1, f"{p}.replicas", pool.replicas, s, "must be >= 1")
     need(pool.cpus_per_replica >= 1, f"{p}.cpus_per_replica", pool.cpus_per_replica, s,
          "must be >= 1 (it is also the worker's torch thread count)")
@@ -307,6 +340,24 @@ def _check_pool(pool: PoolSection, p: str, s: Sources) -> None:
          "that divides the query heads)")
     need(pool.sp_size >= 1, f"{p}.sp_size", pool.sp_size, s,
          "must be >= 1 (sequence-parallel ranks per replica, splitting long prefill chunks)")
+
+
+def _check_speculative(sp: SpeculativeSection, p: str, s: Sources) -> None:
+    need(sp.method in ("none", "ngram", "draft_model"), f"{p}.method", sp.method, s,
+         "must be one of none, ngram (prompt lookup, no model), draft_model (a small LM in its own actor)")
+    need(1 <= sp.num_speculative_tokens <= 16, f"{p}.num_speculative_tokens", sp.num_speculative_tokens, s,
+         "must be in 1..16 (the most tokens drafted per step; 4 is a good default)")
+    need(1 <= sp.ngram_min <= sp.ngram_max, f"{p}.ngram_min", sp.ngram_min, s,
+         f"need 1 <= ngram_min <= ngram_max ({sp.ngram_max})")
+    need(sp.method != "draft_model" or bool(sp.draft_model), f"{p}.draft_model", sp.draft_model, s,
+         "method draft_model needs a drafter: a checkpoint dir or model name with the target's tokenizer")
+    need(sp.draft_quantization in ("none", "int8", "q4"), f"{p}.draft_quantization", sp.draft_quantization, s,
+         "must be one of none, int8, q4")
+    need(sp.drafter_cpus >= 1, f"{p}.drafter_cpus", sp.drafter_cpus, s, "must be >= 1")
+    need(all(isinstance(v, (int, float)) and v > 0 for v in sp.drafter_resources.values()),
+         f"{p}.drafter_resources", dict(sp.drafter_resources), s,
+         "must map Ray resource names to amounts > 0, e.g. {drafter: 1}")
+    need(sp.draft_timeout_s > 0, f"{p}.draft_timeout_s", sp.draft_timeout_s, s, "must be > 0 seconds")
 
 
 def _check_router(r: RouterSection, p: str, s: Sources) -> None:
@@ -364,6 +415,6 @@ def _check_duet(c: DuetConfig, p: str, s: Sources) -> None:
          f"every pool must use the same engine.block_size (KV blocks move between them), got {sorted(sizes)}")
 
 
-_CHECKS = {ModelSection: _check_model, EngineSection: _check_engine, PoolSection: _check_pool,
+_CHECKS = {ModelSection: _check_model, SpeculativeSection: _check_speculative, EngineSection: _check_engine, PoolSection: _check_pool,
            RouterSection: _check_router, RaySection: _check_ray, ControllerSection: _check_controller,
            DuetConfig: _check_duet}

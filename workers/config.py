@@ -13,6 +13,7 @@ import torch
 from workers.errors import ConfigError
 
 QUANTIZATIONS = ("none", "int8", "q4")  # workers/layers/quant_linear.py
+SPEC_METHODS = ("none", "ngram", "draft_model")  # workers/spec_decode/
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -66,6 +67,64 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (workers/spec_decode/): a proposer drafts tokens, the target verifies
+    them all in one forward pass and keeps the longest correct prefix plus one token of its own.
+
+    method: 'none', 'ngram' (prompt lookup: copy what followed the last n tokens' earlier
+        occurrence; no model), or 'draft_model' (a small LM with the target's tokenizer in its own
+        Ray actor, which Ray may place on a CPU-only node).
+    num_speculative_tokens: the most tokens drafted per request per step (k).
+    adaptive: pick each request's draft length from its running acceptance rate and the measured
+        cost of a draft step vs a verify step (0 = plain decode when drafting does not pay).
+    ngram_min / ngram_max: n-gram sizes the prompt-lookup proposer tries, longest first.
+    draft_model / draft_quantization: the drafter's checkpoint and weight format.
+    drafter_cpus / drafter_resources: what the drafter actor asks Ray for (custom resources place it,
+        e.g. {'drafter': 1} on nodes started with that resource).
+    draft_timeout_s: a drafter slower than this is dropped for the request (it continues without
+        speculation and re-attaches when the drafter answers again).
+    overlap: the drafter drafts the next window while the target verifies this one.
+    """
+
+    method: str = "none"
+    num_speculative_tokens: int = 4
+    adaptive: bool = True
+    ngram_min: int = 1
+    ngram_max: int = 4
+    draft_model: str | None = None
+    draft_quantization: str = "none"
+    drafter_cpus: int = 1
+    drafter_resources: tuple[tuple[str, float], ...] = ()
+    draft_timeout_s: float = 2.0
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.drafter_resources, dict):
+            object.__setattr__(self, "drafter_resources", tuple(sorted(self.drafter_resources.items())))
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"speculative.method={self.method!r}: must be one of {', '.join(SPEC_METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(f"speculative.num_speculative_tokens={self.num_speculative_tokens}: must be in 1..16")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"speculative.ngram_min={self.ngram_min}, ngram_max={self.ngram_max}: "
+                              "need 1 <= ngram_min <= ngram_max")
+        if self.method == "draft_model" and not self.draft_model:
+            raise ConfigError("speculative.method='draft_model' needs speculative.draft_model (a checkpoint dir "
+                              "or model name with the target's tokenizer)")
+        if self.draft_quantization not in QUANTIZATIONS:
+            raise ConfigError(f"speculative.draft_quantization={self.draft_quantization!r}: must be one of "
+                              f"{', '.join(QUANTIZATIONS)}")
+        if self.drafter_cpus < 1:
+            raise ConfigError(f"speculative.drafter_cpus={self.drafter_cpus}: must be >= 1")
+        if not self.draft_timeout_s > 0:
+            raise ConfigError(f"speculative.draft_timeout_s={self.draft_timeout_s}: must be > 0 seconds")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs.
 
@@ -76,6 +135,7 @@ class EngineConfig:
         scales) or 'q4' (4-bit blocks of 32, GGUF Q4_1 math; a GGUF-sourced model loads its 4-bit
         tensors directly). Quantized layers need dtype float32 activations. See
         workers/layers/quant_linear.py.
+    speculative: speculative decoding (see SpeculativeConfig); off by default.
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -86,6 +146,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     quantization: str = "none"
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
