@@ -7,7 +7,9 @@ the kv heads to split evenly over the W ranks (SmolLM2 has 3 kv heads: no split 
 inside each tensor-parallel shard. A ring passes whole K/V blocks, so any head count works, composes
 with TP (each tp rank rings only its own heads), and the K/V every rank receives is exactly what its
 KV cache needs for decode. The price -- W - 1 hops of the chunk's K/V per layer -- overlaps with
-the attention math: each hop's transfer is posted before the previous block is computed.
+the attention math over gloo/NCCL: each hop's transfer is posted before the previous block is
+computed. On one host (shared memory, workers/parallel/comm.py ``ring_shift``) a hop is a copy in
+and a copy out, done before the block is computed: memory speed, nothing left to hide.
 
 Split (zigzag, for causal balance). The chunk's n tokens (positions P .. P + n - 1 after a cached
 prefix of P tokens) are cut into 2W near-equal pieces 0 .. 2W-1; rank r holds pieces r and 2W-1-r,
@@ -33,10 +35,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from kernels.merge_attn_states import merge_attn_states
 from kernels.varlen_paged_attention import varlen_paged_attention
+from workers.parallel import comm
 from workers.parallel.groups import GroupCoordinator
 
 QUERY_BLOCK = 512  # query rows per score matrix in full_attention_lse (bounds its memory)
@@ -116,8 +118,9 @@ def ring_attention(
     w, r = sp.world_size, sp.rank
     a, b = rc.local
     na = rc.sizes[a]
-    nxt, prv = sp.ranks[(r + 1) % w], sp.ranks[(r - 1) % w]
     cur = torch.stack([k, v])  # [2, n, G, D]: what travels
+    per_row = cur[:, :1].numel()  # elements per token row of cur
+    max_numel = per_row * max(rc.sizes[i] + rc.sizes[2 * w - 1 - i] for i in range(w))
     parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {a: [], b: []}
     for hop in range(1, w + 1):
         owner = (r - hop + 1) % w  # whose pieces ``cur`` holds
@@ -125,7 +128,7 @@ def ring_attention(
         if hop < w:  # post the next transfer first, then compute on cur while it flies
             src = (r - hop) % w
             incoming = cur.new_empty(2, rc.sizes[src] + rc.sizes[2 * w - 1 - src], *cur.shape[2:])
-            reqs = [dist.isend(cur, nxt, group=sp.group), dist.irecv(incoming, prv, group=sp.group)]
+            reqs = comm.ring_shift(cur, incoming, max_numel, sp)
         if owner == r:
             o, lse = _local_partial(q, k, v, k_cache, v_cache, rc, scale)
             parts[a].append((o[:na], lse[:na]))

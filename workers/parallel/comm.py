@@ -5,6 +5,10 @@ them unconditionally.
     all_gather_rows(x, counts, g)                      rows of every rank, concatenated in rank order
     broadcast_object(obj, src, g)                      a picklable control message (lists, not tensors)
 
+Transport: a group whose ranks share the host has a shared-memory communicator (``g.shm``,
+workers/parallel/shm_comm.py); all_reduce, gather_to_first, all_gather_rows and ring_shift use it
+for CPU tensors, everything else (and every CUDA tensor) goes through the torch process group.
+
 gloo implements all_to_all_single with per-rank split sizes (including zero-row splits), so the MoE
 dispatch sends each rank exactly the rows it needs. gloo's all_gather needs equal shapes, so
 all_gather_rows pads every rank's rows to the largest count and trims after.
@@ -20,6 +24,10 @@ import torch
 import torch.distributed as dist
 
 from workers.parallel.groups import GroupCoordinator
+
+
+def _shm(x: torch.Tensor, g: GroupCoordinator) -> bool:
+    return g.shm is not None and x.device.type == "cpu"
 
 
 def all_to_all_rows(
@@ -41,8 +49,11 @@ def all_gather_rows(x: torch.Tensor, counts: list[int], g: GroupCoordinator) -> 
     width = max(counts)
     padded = x.new_zeros(width, *x.shape[1:])
     padded[: x.shape[0]] = x
-    parts = [torch.empty_like(padded) for _ in range(g.world_size)]
-    dist.all_gather(parts, padded, group=g.group)
+    if _shm(x, g):
+        parts = g.shm.all_gather(padded)
+    else:
+        parts = [torch.empty_like(padded) for _ in range(g.world_size)]
+        dist.all_gather(parts, padded, group=g.group)
     return torch.cat([p[:n] for p, n in zip(parts, counts)])
 
 
@@ -53,6 +64,18 @@ def broadcast_object(obj: Any, src: int, g: GroupCoordinator) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=g.ranks[src], group=g.group)
     return box[0]
+
+
+def ring_shift(x: torch.Tensor, out: torch.Tensor, max_numel: int, g: GroupCoordinator) -> list:
+    """One ring step: x goes to the next group rank, ``out`` receives the previous rank's x (sizes
+    may differ per rank; ``max_numel`` is the largest any rank sends, the same on every rank).
+    Returns the requests to wait on (none on shared memory, where the step completes here)."""
+    w, r = g.world_size, g.rank
+    if _shm(x, g):
+        g.shm.shift(x, out, (r - 1) % w, max_numel * x.element_size())
+        return []
+    return [dist.isend(x.contiguous(), g.ranks[(r + 1) % w], group=g.group),
+            dist.irecv(out, g.ranks[(r - 1) % w], group=g.group)]
 
 
 def send_tensor(x: torch.Tensor, dst: int, g: GroupCoordinator) -> None:
@@ -68,8 +91,11 @@ def recv_tensor(out: torch.Tensor, src: int, g: GroupCoordinator) -> torch.Tenso
 
 def all_reduce(x: torch.Tensor, g: GroupCoordinator) -> torch.Tensor:
     """Sum of x over the group, in place (x itself is returned)."""
-    if not g.is_trivial:
-        dist.all_reduce(x, group=g.group)
+    if g.is_trivial:
+        return x
+    if _shm(x, g):
+        return g.shm.all_reduce(x)
+    dist.all_reduce(x, group=g.group)
     return x
 
 
@@ -78,6 +104,8 @@ def gather_to_first(x: torch.Tensor, g: GroupCoordinator) -> list[torch.Tensor] 
     if g.is_trivial:
         return [x]
     x = x.contiguous()
+    if _shm(x, g):
+        return g.shm.all_gather(x, root_only=True)
     parts = [torch.empty_like(x) for _ in range(g.world_size)] if g.rank == 0 else None
     dist.gather(x, parts, dst=g.ranks[0], group=g.group)
     return parts

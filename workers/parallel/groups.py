@@ -18,11 +18,19 @@ Worked example (two processes, EP=2 over gloo)::
 Backends: nccl when CUDA is present, gloo otherwise. Every collective of these groups fails after
 ``timeout`` instead of hanging when a peer dies (gloo notices a closed connection at once; the
 timeout covers a peer that is alive but stuck).
+
+Same-host groups on CPU: when every rank of an ep/sp/tp group runs on one host, the group also gets
+a shared-memory communicator (``GroupCoordinator.shm``, workers/parallel/shm_comm.py) and the
+collective wrappers in comm.py use it for CPU tensors: no TCP round trip per all-reduce. The choice
+is made once, at creation, by exchanging host ids over the group. ``DUET_COMM`` overrides it:
+``auto`` (default) as above, ``shm`` (refuse to start unless every group gets shared memory) or
+``gloo`` (the process group's own collectives only, for comparison).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -30,10 +38,12 @@ import torch
 import torch.distributed as dist
 
 from workers.errors import ConfigError
+from workers.parallel.shm_comm import ShmCommunicator, open_group
 
 logger = logging.getLogger(__name__)
 
 AXES = ("ep", "sp", "tp")  # mesh order, outermost first
+COMM_MODES = ("auto", "shm", "gloo")  # DUET_COMM values
 
 
 @dataclass(frozen=True)
@@ -65,10 +75,18 @@ class GroupCoordinator:
     world_size: int
     ranks: tuple[int, ...]
     group: dist.ProcessGroup | None
+    shm: ShmCommunicator | None = None  # same-host shared-memory collectives (CPU tensors)
 
     @property
     def is_trivial(self) -> bool:
         return self.world_size == 1
+
+    @property
+    def transport(self) -> str:
+        """What carries this group's CPU collectives: 'shm', the backend's name, or 'none'."""
+        if self.is_trivial:
+            return "none"
+        return "shm" if self.shm is not None else dist.get_backend(self.group)
 
 
 _TRIVIAL = {a: GroupCoordinator(a, 0, 1, (0,), None) for a in (*AXES, "gang")}
@@ -77,6 +95,14 @@ _groups: dict[str, GroupCoordinator] = {}
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def comm_mode() -> str:
+    """DUET_COMM: 'auto' (default), 'shm' or 'gloo' (see the module docstring)."""
+    mode = os.environ.get("DUET_COMM", "auto").strip().lower() or "auto"
+    if mode not in COMM_MODES:
+        raise ConfigError(f"DUET_COMM={mode!r}: must be one of {COMM_MODES}")
+    return mode
 
 
 def init_parallel_groups(
@@ -91,6 +117,7 @@ def init_parallel_groups(
     Collective: every rank of the gang calls it with the same config and init_method."""
     if _groups:
         raise RuntimeError("parallel groups are already initialised in this process")
+    mode = comm_mode()
     world = config.world_size
     if not 0 <= rank < world:
         raise ConfigError(f"rank={rank}: must be in [0, {world}) for {config}")
@@ -106,13 +133,29 @@ def init_parallel_groups(
             pg = dist.new_group(line, timeout=timeout) if size > 1 else None
             if rank in line:
                 _groups[axis] = GroupCoordinator(axis, line.index(rank), size, tuple(line), pg)
+    if mode != "gloo" and dist.get_backend() == "gloo":
+        _attach_shm(mode, timeout)
     # The gang's control channel (the leader's per-step broadcast): the whole world, with a long
     # timeout, because followers wait on it while the leader idles between requests. A dead peer
     # still fails it at once (gloo sees the closed connection).
     pg = dist.new_group(list(range(world)), timeout=control_timeout) if world > 1 else None
     _groups["gang"] = GroupCoordinator("gang", rank, world, tuple(range(world)), pg)
-    logger.info("rank %d/%d joined %s groups: %s", rank, world, dist.get_backend(),
-                {a: g.ranks for a, g in _groups.items()})
+    logger.info("rank %d/%d joined groups: %s", rank, world,
+                {a: (g.ranks, g.transport) for a, g in _groups.items()})
+
+
+def _attach_shm(mode: str, timeout: timedelta) -> None:
+    """Give each non-trivial axis group of this rank a shared-memory communicator when its ranks
+    share the host (collective over each group; the groups of one axis are disjoint)."""
+    for axis in AXES:
+        g = _groups[axis]
+        if g.is_trivial:
+            continue
+        shm = open_group(g.group, g.rank, g.world_size, f"{axis}{list(g.ranks)}", timeout.total_seconds())
+        if shm is None and mode == "shm":
+            raise ConfigError(f"DUET_COMM=shm: the {axis} group {list(g.ranks)} cannot use shared memory "
+                              "(see the warning above); use DUET_COMM=auto")
+        _groups[axis] = GroupCoordinator(axis, g.rank, g.world_size, g.ranks, g.group, shm)
 
 
 def get_group(axis: str) -> GroupCoordinator:
@@ -129,6 +172,9 @@ def groups_initialised() -> bool:
 
 def destroy_parallel_groups() -> None:
     """Leave the world (idempotent); after this every axis is trivial again."""
+    for g in _groups.values():
+        if g.shm is not None:
+            g.shm.close()
     _groups.clear()
     if dist.is_initialized():
         dist.destroy_process_group()

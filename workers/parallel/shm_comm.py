@@ -1,0 +1,363 @@
+"""Shared-memory collectives for the ranks of one group that share a host (CPU tensors).
+
+Why. A tensor-parallel decode step does two all-reduces per layer of a [B, E] tensor of a few KiB.
+Over gloo each one is a loopback TCP round trip through the kernel (~100s of us), far more than
+the GEMV it splits. Ranks on one host can instead meet in a shared memory segment: a copy in, a
+flag store, a spin on the peers' flags, and a sum read straight out of the peers' memory.
+
+Terms.
+  - *segment*: one POSIX shared-memory file per group, created by group rank 0 under /dev/shm,
+    mapped by every rank and **unlinked as soon as every rank has mapped it**, so nothing is left
+    in /dev/shm whatever happens to the processes later (the kernel frees the memory when the last
+    mapping goes). Files of creators that died before unlinking are swept by the next creator.
+  - *slot*: ``SLOT_BYTES`` of the segment owned by one rank, written only by it. There are two
+    slots per rank (*double buffering*): round s uses buffer s % 2.
+  - *round*: every rank writes at most one slot's worth into its slot of buffer s % 2, stores
+    s into its *sequence counter* (its own cache line in the header), then waits until every
+    counter is >= s and reads whatever it needs from the peers' slots. A tensor larger than a slot
+    takes several rounds, each one a chunk.
+Why two buffers suffice: a rank publishes round s only after it has finished reading round s - 1,
+so once a rank has seen every counter >= s (the end of round s), no peer still reads buffer
+(s - 1) % 2 = (s + 1) % 2, which round s + 1 is about to overwrite. One barrier per round.
+
+Collectives (every rank of the group calls them in the same order, with the same sizes):
+  all_reduce(x)                  sum over the ranks in place; every rank sums in rank order, so
+                                 all ranks get bit-identical results
+  gather_to_first(x)             every rank's x on rank 0
+  all_gather(x)                  every rank's x on every rank
+  shift(x, out, src, max_bytes)  out <- rank src's x (a ring step when src is the previous rank)
+
+Waiting: spin on the counters for ``SPIN_S``, then ``sched_yield`` (so a peer descheduled on a busy
+host gets the core), then sleep in growing steps up to 1 ms. Only the ep/sp/tp groups use this, and
+their ranks wait on each other only within a step; the gang's control channel, where followers idle
+between requests, stays on the process group (a blocking wait that burns no CPU). Every ``LIVENESS_S`` the waiter checks
+that the peers' processes still exist; a dead peer or ``timeout`` without progress raises
+``CollectiveError`` naming the peer, and the communicator refuses every later call.
+
+Memory order: the flag is a plain aligned 8-byte store issued after the data copy returned. That
+is a release/acquire pair on x86-64 (TSO: stores are seen in order, loads are not reordered with
+older loads) but not on weakly ordered CPUs, so ``supported()`` is x86-64 Linux only.
+
+Axes: n elements of a chunk, W ranks, B slot bytes.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import mmap
+import os
+import platform
+import secrets
+import time
+
+import numpy as np
+import torch
+
+from workers.errors import DuetError
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+PREFIX = "duet-shm-"
+SLOT_BYTES = 4 << 20  # per rank per buffer: a [8, V / 2] logits gather of a 150k vocabulary fits in one round
+HEADER_LINE = 64  # one cache line per counter: no false sharing between ranks' flags
+MAGIC = 0x4455455453484D31  # "DUETSHM1"
+# Spin this long before yielding the core: a yield costs a trip through the scheduler (~100 us on a
+# busy host, measured), more than a whole decode all-reduce, and ranks of one step arrive within
+# microseconds of each other unless one was descheduled.
+SPIN_S = 1e-3
+YIELD_S = 3e-3
+LIVENESS_S = 0.1
+
+
+class CollectiveError(DuetError, RuntimeError):
+    """A shared-memory collective could not complete (a peer died or stopped making progress)."""
+
+
+def supported() -> bool:
+    """Whether this host can run the shared-memory path (see the module's note on memory order)."""
+    return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and os.path.isdir(SHM_DIR)
+
+
+def node_key() -> str:
+    """Identifies the host (and its /dev/shm): hostname plus the kernel's boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{os.uname().nodename}/{boot}"
+
+
+def pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (an exited child not yet reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def sweep_stale() -> int:
+    """Unlink segments whose creator died before unlinking them; returns how many."""
+    n = 0
+    for path in glob.glob(os.path.join(SHM_DIR, PREFIX + "*")):
+        try:
+            pid = int(os.path.basename(path)[len(PREFIX):].split("-")[0])
+        except ValueError:
+            continue
+        if not _alive(pid):
+            try:
+                os.unlink(path)
+                n += 1
+            except FileNotFoundError:
+                pass
+    return n
+
+
+def segment_bytes(world: int) -> int:
+    return _data_offset(world) + 2 * world * SLOT_BYTES
+
+
+def _data_offset(world: int) -> int:
+    return -(-(HEADER_LINE * (1 + world)) // 4096) * 4096
+
+
+def create_segment(world: int) -> tuple[str, int]:
+    """Create and size a fresh segment file (rank 0); returns (path, nonce). The caller unlinks it."""
+    sweep_stale()
+    path = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
+    nonce = secrets.randbits(63)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, segment_bytes(world))
+        with mmap.mmap(fd, HEADER_LINE) as mm:
+            mm[:24] = np.array([MAGIC, nonce, world], dtype=np.int64).tobytes()
+    finally:
+        os.close(fd)
+    return path, nonce
+
+
+class ShmCommunicator:
+    """One rank's handle on a group's segment. Not thread-safe: one thread issues the collectives."""
+
+    def __init__(self, path: str, nonce: int, rank: int, world: int, peer_pids: list[int] | None,
+                 timeout_s: float, name: str = "") -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, segment_bytes(world))
+        finally:
+            os.close(fd)
+        head = np.frombuffer(self._mm, dtype=np.int64, count=3)
+        if head[0] != MAGIC or head[1] != nonce or head[2] != world:
+            self._mm.close()
+            raise CollectiveError(f"{path}: not the segment of this group (header {head.tolist()})")
+        del head
+        self.rank, self.world, self.name, self.timeout_s = rank, world, name, timeout_s
+        self._pids = peer_pids  # None: peers in another pid namespace, liveness by timeout only
+        # [W] sequence counters, one cache line apart
+        self._seqs = np.ndarray((world,), dtype=np.int64, buffer=self._mm, offset=HEADER_LINE,
+                                strides=(HEADER_LINE,))
+        data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=_data_offset(world), count=2 * world * SLOT_BYTES)
+        self._slots = data.view(2, world, SLOT_BYTES)  # [2, W, B]
+        self._typed: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._seq = 0
+        self._broken: str | None = None
+        self._peers = [r for r in range(world) if r != rank]
+
+    # ---------------------------------------------------------------- plumbing
+    def close(self) -> None:
+        """Drop the mapping (idempotent). The memory goes when the last rank's mapping does."""
+        if self._mm is None:
+            return
+        self._typed.clear()
+        self._slots = self._seqs = None
+        try:
+            self._mm.close()
+        except BufferError:  # a tensor returned to a caller still views the slots: leave it to the GC
+            pass
+        self._mm = None
+        self._broken = self._broken or "closed"
+
+    def _views(self, buf: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every rank's slot of buffer ``buf`` as a flat tensor of ``dtype``: W x [B / itemsize]."""
+        key = (buf, dtype)
+        if key not in self._typed:
+            self._typed[key] = [self._slots[buf, r].view(dtype) for r in range(self.world)]
+        return self._typed[key]
+
+    def _round(self, chunk: torch.Tensor | None, dtype: torch.dtype) -> list[torch.Tensor]:
+        """One round: write ``chunk`` (flat, at most a slot) into this rank's slot, publish, wait for
+        every rank; returns every rank's slot views (valid until the round after next)."""
+        if self._broken is not None:
+            raise CollectiveError(f"shm group {self.name!r} is unusable: {self._broken}")
+        seq = self._seq + 1
+        views = self._views(seq & 1, dtype)
+        if chunk is not None and chunk.numel():
+            views[self.rank][: chunk.numel()].copy_(chunk)
+        self._seqs[self.rank] = seq  # publish after the copy (x86-64 store order)
+        self._wait(seq)
+        self._seq = seq
+        return views
+
+    def _wait(self, seq: int) -> None:
+        seqs = self._seqs
+        pending = [r for r in self._peers if seqs[r] < seq]
+        if not pending:
+            return
+        t0 = time.monotonic()
+        nap, last_check = 1e-5, t0
+        while pending:
+            pending = [r for r in pending if seqs[r] < seq]
+            if not pending:
+                return
+            now = time.monotonic()
+            waited = now - t0
+            if waited < SPIN_S:
+                continue
+            if waited < YIELD_S:
+                os.sched_yield()
+                continue
+            time.sleep(nap)
+            nap = min(nap * 2, 1e-3)
+            if now - last_check >= LIVENESS_S:
+                last_check = now
+                self._check_peers(pending, seq, waited)
+
+    def _check_peers(self, pending: list[int], seq: int, waited: float) -> None:
+        dead = [r for r in pending if self._pids is not None and not _alive(self._pids[r])]
+        if dead:
+            self._broken = f"rank {dead[0]} (pid {self._pids[dead[0]]}) died during collective #{seq}"
+        elif waited > self.timeout_s:
+            self._broken = (f"rank {pending[0]} did not reach collective #{seq} within {self.timeout_s:.0f} s "
+                            "(stuck, or the ranks called different collectives)")
+        if self._broken is not None:
+            raise CollectiveError(f"shm group {self.name!r} (rank {self.rank}/{self.world}): {self._broken}")
+
+    def _chunks(self, n: int, itemsize: int) -> range:
+        return range(0, max(n, 1), SLOT_BYTES // itemsize)
+
+    # ---------------------------------------------------------------- collectives
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the ranks, in place (x is returned). Each rank adds the slots in rank order."""
+        flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
+        n, step = flat.numel(), SLOT_BYTES // x.element_size()
+        for s in self._chunks(n, x.element_size()):
+            part = flat[s : s + step]  # [n]
+            views = self._round(part, x.dtype)
+            self._sum_into(part, [v[: part.numel()] for v in views])
+        if flat.data_ptr() != x.data_ptr():
+            x.copy_(flat.view_as(x))
+        return x
+
+    @staticmethod
+    def _sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        """out = sum of parts in rank order. Two parts: one rounding, as in any backend. More parts of a
+        16-bit type are accumulated in fp32 and rounded once (gloo rounds after every addition)."""
+        if len(parts) == 2:
+            torch.add(parts[0], parts[1], out=out)
+            return
+        if out.element_size() < 4:
+            acc = parts[0].float()
+            for p in parts[1:]:
+                acc += p
+            out.copy_(acc)
+            return
+        torch.add(parts[0], parts[1], out=out)
+        for p in parts[2:]:
+            out.add_(p)
+
+    def all_gather(self, x: torch.Tensor, root_only: bool = False) -> list[torch.Tensor] | None:
+        """Every rank's x (same shape and dtype on every rank), in rank order; with ``root_only`` only
+        rank 0 gets them (None elsewhere)."""
+        x = x.contiguous()
+        flat = x.view(-1)
+        keep = not root_only or self.rank == 0
+        outs = [torch.empty_like(flat) for _ in range(self.world)] if keep else None
+        step = SLOT_BYTES // x.element_size()
+        for s in self._chunks(flat.numel(), x.element_size()):
+            part = flat[s : s + step]
+            views = self._round(part, x.dtype)
+            if outs is not None:
+                for r in range(self.world):
+                    outs[r][s : s + part.numel()].copy_(views[r][: part.numel()])
+        return [o.view_as(x) for o in outs] if outs is not None else None
+
+    def shift(self, x: torch.Tensor, out: torch.Tensor, src: int, max_bytes: int) -> torch.Tensor:
+        """Send x to whoever reads this rank, receive rank ``src``'s x into ``out``. Sizes may differ
+        per rank; ``max_bytes`` (the largest any rank sends, the same on every rank) fixes the rounds."""
+        assert x.dtype == out.dtype
+        flat_in = x.contiguous().view(-1)
+        flat_out = out.view(-1)
+        step = SLOT_BYTES // x.element_size()
+        for s in self._chunks(max_bytes // x.element_size(), x.element_size()):
+            views = self._round(flat_in[s : s + step], x.dtype)
+            dst = flat_out[s : s + step]
+            dst.copy_(views[src][: dst.numel()])
+        return out
+
+
+def open_group(pg, rank: int, world: int, name: str, timeout_s: float) -> ShmCommunicator | None:
+    """Collective over the torch process group ``pg`` (all ranks of the group call it): a
+    communicator if every rank is on this host and can map the segment, else None (every rank
+    agrees; the caller keeps the process group's own collectives). The segment file is unlinked
+    before this returns, on every path."""
+    import torch.distributed as dist
+
+    me = (node_key(), pid_namespace(), os.getpid(), supported())
+    peers: list = [None] * world
+    dist.all_gather_object(peers, me, group=pg)
+    hosts = {p[0] for p in peers}
+    if len(hosts) != 1 or not all(p[3] for p in peers):
+        why = f"ranks span hosts {sorted(h.split('/')[0] for h in hosts)}" if len(hosts) != 1 \
+            else "the host is not x86-64 Linux with /dev/shm"
+        log = logger.info if len(hosts) != 1 else logger.warning  # across hosts is the design, not a fallback
+        log("group %s: shared-memory collectives off (%s); using %s", name, why, dist.get_backend(pg))
+        return None
+    pids = [p[2] for p in peers] if len({p[1] for p in peers}) == 1 else None
+    path = nonce = None
+    comm: ShmCommunicator | None = None
+    error = ""
+    try:
+        if rank == 0:
+            try:
+                path, nonce = create_segment(world)
+            except OSError as e:
+                error = f"cannot create a segment in {SHM_DIR}: {e}"
+        box = [(path, nonce, error)]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+        path, nonce, error = box[0]
+        if not error:
+            try:
+                comm = ShmCommunicator(path, nonce, rank, world, pids, timeout_s, name)
+            except (OSError, CollectiveError) as e:
+                error = f"rank {rank} cannot map {path}: {e}"
+        errors: list = [None] * world
+        dist.all_gather_object(errors, error, group=pg)  # also the barrier after which rank 0 unlinks
+    finally:
+        if rank == 0 and path is not None:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    failed = [e for e in errors if e]
+    if failed:
+        if comm is not None:
+            comm.close()
+        logger.warning("group %s: shared-memory collectives off (%s); using %s", name, failed[0], dist.get_backend(pg))
+        return None
+    return comm
