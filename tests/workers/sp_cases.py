@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ep_cases import generate
-from tp_cases import make_llm, run_gang
+from tp_cases import make_llm, run_gang, transports
 from workers.scheduler import ScheduledChunk
 
 
@@ -34,7 +34,7 @@ def sp_rank(rank: int, path: str, prompt: list[int], cut: int, prompts: list[lis
     kv = runner.kv_cache[:, :, : len(prompt)].clone()  # [layers, 2, n, G, D]: blocks 0.. hold the prompt
     tokens = run_gang(llm, rank, prompts, max_tokens)
     return {"positions": positions, "logits": None if logits is None else logits.numpy(), "kv": kv.numpy(),
-            "tokens": tokens}
+            "tokens": tokens, "transport": transports()}
 
 
 def single_rank_reference(path: str, prompt: list[int], cut: int, prompts: list[list[int]], max_tokens: int) -> dict:

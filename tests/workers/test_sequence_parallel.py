@@ -9,7 +9,8 @@ through the KV cache), each split zigzag over the sp ranks and attended by ring 
   - greedy generation as a gang (rank 0 schedules; prompts of 50 and 90 tokens prefilled in
     32-token chunks split over the ranks, then replicated decode) gives SP=1's tokens.
 Cases: SmolLM2 (real weights) at SP=2, and TP=2 x SP=2 (4 ranks) on a tiny random Qwen2 with
-biases, where each tp rank rings only its own kv heads."""
+biases, where each tp rank rings only its own kv heads. The ranks share this host, so the ring and
+the all-reduces run on shared memory (required via DUET_COMM=shm); SmolLM2's case also on gloo."""
 
 from __future__ import annotations
 
@@ -37,10 +38,11 @@ def qwen2(tmp_path_factory, smollm2_path) -> Path:
     return save_tiny_qwen2(tmp_path_factory.mktemp("sp") / "qwen2", smollm2_path, seed=3)
 
 
-def _check(path: Path, config: ParallelConfig) -> None:
+def _check(path: Path, config: ParallelConfig, comm: str = "shm") -> None:
     ref = single_rank_reference(str(path), PROMPT, CUT, PROMPTS, MAX_TOKENS)
     assert ref["positions"] == list(range(len(PROMPT)))
-    results = spawn_gang(sp_rank, config, args=(str(path), PROMPT, CUT, PROMPTS, MAX_TOKENS))
+    results = spawn_gang(sp_rank, config, args=(str(path), PROMPT, CUT, PROMPTS, MAX_TOKENS), comm=comm)
+    assert all(r["transport"]["sp"] == comm for r in results)  # the ring ran on shared memory (or gloo)
     scale = np.abs(ref["logits"]).max()
     tp = config.tp_size
     by_position = np.full_like(ref["logits"], np.nan)
@@ -56,8 +58,9 @@ def _check(path: Path, config: ParallelConfig) -> None:
     assert results[0]["tokens"] == ref["tokens"]
 
 
-def test_sp2_smollm2_matches_sp1(smollm2_path):
-    _check(smollm2_path, ParallelConfig(sp_size=2))
+@pytest.mark.parametrize("comm", ["shm", "gloo"])
+def test_sp2_smollm2_matches_sp1(smollm2_path, comm):
+    _check(smollm2_path, ParallelConfig(sp_size=2), comm)
 
 
 def test_tp2_sp2_qwen2_matches_single_rank(qwen2):

@@ -9,7 +9,9 @@ gathering the sampled rows' logits to rank 0. Cases:
   - a tiny random Qwen2 (q/k/v biases, untied LM head) at TP=2 (even split) and TP=4 (4 query
     heads, 2 kv heads: each kv head replicated on two ranks).
 Tolerance: the row-parallel all-reduce sums partial products in another order than one GEMM, so
-logits agree to fp32 rounding (1e-4 relative to their scale), and greedy tokens must be identical."""
+logits agree to fp32 rounding (1e-4 relative to their scale), and greedy tokens must be identical.
+Transport: the ranks share this host, so the tp collectives run on shared memory (DUET_COMM=shm
+makes that a requirement, and each rank reports it); the Qwen2 TP=2 case also runs on gloo."""
 
 from __future__ import annotations
 
@@ -39,8 +41,9 @@ def _single(path: Path) -> dict:
             "kv_shape": list(llm.engine.runner.kv_cache.shape)}
 
 
-def _check(path: Path, tp: int, single: dict) -> list[dict]:
-    results = spawn_gang(tp_rank, ParallelConfig(tp_size=tp), args=(str(path), PROMPTS, MAX_TOKENS))
+def _check(path: Path, tp: int, single: dict, comm: str = "shm") -> list[dict]:
+    results = spawn_gang(tp_rank, ParallelConfig(tp_size=tp), args=(str(path), PROMPTS, MAX_TOKENS), comm=comm)
+    assert all(r["transport"]["tp"] == comm for r in results)
     out = results[0]
     scale = np.abs(single["logits"]).max()
     np.testing.assert_allclose(out["logits"], single["logits"], rtol=0, atol=1e-4 * scale)
@@ -57,7 +60,8 @@ def test_tp2_smollm2_uneven_heads_matches_tp1(smollm2_path):
     assert all(r["kv_shape"][2] == results[0]["kv_shape"][2] for r in results)  # same block count
 
 
-@pytest.mark.parametrize("tp", [2, 4], ids=["tp2", "tp4-replicated-kv"])
-def test_tp_qwen2_biases_matches_tp1(qwen2, tp):
-    results = _check(qwen2, tp, _single(qwen2))
+@pytest.mark.parametrize("tp, comm", [(2, "shm"), (2, "gloo"), (4, "shm")],
+                         ids=["tp2-shm", "tp2-gloo", "tp4-replicated-kv-shm"])
+def test_tp_qwen2_biases_matches_tp1(qwen2, tp, comm):
+    results = _check(qwen2, tp, _single(qwen2), comm)
     assert [r["kv_shape"][3] for r in results] == [1] * tp

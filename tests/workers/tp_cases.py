@@ -56,7 +56,13 @@ def tp_rank(rank: int, path: str, prompts: list[list[int]], max_tokens: int) -> 
     logits = prefill_logits(llm.engine, prompts)  # collective: every tp rank computes its vocab slice
     kv_shape = list(llm.engine.runner.kv_cache.shape)
     tokens = run_gang(llm, rank, prompts, max_tokens)
+    transport = transports()
     if rank != 0:
         assert logits is None
-        return {"kv_shape": kv_shape}
-    return {"logits": logits.numpy(), "tokens": tokens, "kv_shape": kv_shape}
+        return {"kv_shape": kv_shape, "transport": transport}
+    return {"logits": logits.numpy(), "tokens": tokens, "kv_shape": kv_shape, "transport": transport}
+
+
+def transports() -> dict[str, str]:
+    """What carried each axis's collectives on this rank ('shm', 'gloo' or 'none')."""
+    return {axis: get_group(axis).transport for axis in ("tp", "sp")}

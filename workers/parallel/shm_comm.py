@@ -178,6 +178,8 @@ class ShmCommunicator:
         self._seq = 0
         self._broken: str | None = None
         self._peers = [r for r in range(world) if r != rank]
+        # More ranks than cores: a spinning rank may hold the core its peer needs, so yield at once.
+        self._spin_s = SPIN_S if world <= len(os.sched_getaffinity(0)) else 0.0
 
     # ---------------------------------------------------------------- plumbing
     def close(self) -> None:
@@ -227,7 +229,7 @@ class ShmCommunicator:
                 return
             now = time.monotonic()
             waited = now - t0
-            if waited < SPIN_S:
+            if waited < self._spin_s:
                 continue
             if waited < YIELD_S:
                 os.sched_yield()
