@@ -3,7 +3,11 @@
     python benchmarks/parallel_bench.py [--quick] [--model SmolLM2-135M-Instruct | PATH] [--out FILE]
 
 What is measured (every configuration uses the same 2 cores: 1 rank x 2 torch threads against
-2 ranks x 1 thread, local processes joined over gloo by workers/parallel/launch.py):
+2 ranks x 1 thread, local processes joined by workers/parallel/launch.py). Each 2-rank
+configuration runs once per transport in ``--comm`` (default both): ``shm``, the same-host
+shared-memory collectives (workers/parallel/shm_comm.py), and ``gloo``, loopback TCP:
+    all-reduce    latency of one all-reduce of a [1, E] and [8, E] fp32 tensor (E = 576, SmolLM2's
+                  hidden size, and 1536, Qwen2.5-1.5B's) between 2 ranks, shm vs gloo, median us.
     TP decode     batch-1 and batch-8 greedy decode tokens/s of a gang of tp_size ranks (rank 0
                   schedules and broadcasts each step), TP=2 vs TP=1; the prompt is prefilled
                   before the clock starts.
@@ -143,24 +147,62 @@ def bench_rank(rank: int, model: str, mode: str, settings: dict[str, Any]) -> di
     return out
 
 
+def allreduce_rank(rank: int, shapes: list[list[int]], iters: int) -> dict[str, dict[str, float]]:
+    """Median latency (us) of one all-reduce per shape over shared memory and over the gloo group."""
+    import torch
+    import torch.distributed as dist
+
+    g = get_group("tp")
+    assert g.shm is not None, "the all-reduce micro-benchmark needs a same-host gang"
+    ways = {"shm": g.shm.all_reduce, "gloo": lambda t: dist.all_reduce(t, group=g.group)}
+    out: dict[str, dict[str, float]] = {}
+    for shape in shapes:
+        x0 = torch.randn(shape)
+        x = x0.clone()
+        row = {}
+        for name, fn in ways.items():
+            times = []
+            for _ in range(iters):
+                x.copy_(x0)  # fixed values: repeated sums would overflow
+                t0 = time.perf_counter()
+                fn(x)
+                times.append(time.perf_counter() - t0)
+            row[f"{name}_us"] = statistics.median(times) * 1e6
+        row["speedup"] = row["gloo_us"] / row["shm_us"]
+        out["x".join(map(str, shape))] = row
+    return out
+
+
 def quiet_median(runs: list[dict[str, float]], key: str) -> float:
     quiet = [r[key] for r in runs if r["load"] <= CONTENDED]
     return statistics.median(quiet or [r[key] for r in runs])
 
 
-def run_config(model: str, mode: str, size: int, settings: dict[str, Any]) -> dict:
+def run_config(model: str, mode: str, size: int, settings: dict[str, Any], comm: str = "auto") -> dict:
     config = ParallelConfig(tp_size=size) if mode == "tp" else ParallelConfig(sp_size=size)
     t0 = time.monotonic()
-    res = spawn_gang(bench_rank, config, args=(model, mode, settings), num_threads=CORES // size, timeout=3600)[0]
-    logger.info("%s=%d done in %.0f s", mode, size, time.monotonic() - t0)
+    res = spawn_gang(bench_rank, config, args=(model, mode, settings), num_threads=CORES // size, timeout=3600,
+                     comm=comm)[0]
+    logger.info("%s=%d (%s) done in %.0f s", mode, size, comm, time.monotonic() - t0)
     return res
+
+
+def run_configs(model: str, mode: str, settings: dict[str, Any], comms: list[str]) -> dict[str, dict]:
+    """{"tp1": ..., "tp2_shm": ..., "tp2_gloo": ...} (likewise sp): one rank, then two per transport."""
+    out = {f"{mode}1": run_config(model, mode, 1, settings)}
+    for comm in comms:
+        out[f"{mode}2_{comm}"] = run_config(model, mode, 2, settings, comm)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="SmolLM2-135M-Instruct", help="model alias or local HF checkpoint")
     ap.add_argument("--quick", action="store_true", help="fewer repeats and tokens, 2k/4k prefills (a smoke run)")
-    ap.add_argument("--skip", choices=["tp", "sp"], help="skip one part")
+    ap.add_argument("--skip", choices=["allreduce", "tp", "sp"], action="append", default=[],
+                    help="skip a part (repeatable)")
+    ap.add_argument("--comm", default="shm,gloo",
+                    help="transports to run the 2-rank gangs on, comma-separated (shm, gloo); default both")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "parallel_bench.json")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -173,24 +215,33 @@ def main(argv: list[str] | None = None) -> None:
                    "max_model_len": 8192}
     res: dict[str, Any] = {"model": args.model, "machine": machine_info(), "code": code_version(),
                            "date": datetime.now(timezone.utc).isoformat(), "quick": quick, "targets": TARGETS}
+    comms = [c.strip() for c in args.comm.split(",") if c.strip()]
+    if not comms or any(c not in ("shm", "gloo") for c in comms):
+        ap.error(f"--comm {args.comm!r}: a comma-separated subset of shm, gloo")
+    res["comm"] = comms
     summary: dict[str, Any] = {}
-    if args.skip != "tp":
-        tp = {size: run_config(args.model, "tp", size, tp_settings) for size in (1, 2)}
-        res["tp"] = {f"tp{k}": v for k, v in tp.items()}
+    if "allreduce" not in args.skip:
+        shapes = [[1, 576], [8, 576], [1, 1536], [8, 1536]]
+        res["allreduce"] = spawn_gang(allreduce_rank, ParallelConfig(tp_size=2), args=(shapes, 500 if quick else 3000),
+                                      comm="shm")[0]
+        summary["allreduce_us"] = res["allreduce"]
+    if "tp" not in args.skip:
+        res["tp"] = tp = run_configs(args.model, "tp", tp_settings, comms)
         for b in tp_settings["batches"]:
-            t1, t2 = (quiet_median(tp[s][f"decode_b{b}"], "tokens_per_s") for s in (1, 2))
-            summary[f"decode_b{b}"] = {"tp1_tokens_per_s": t1, "tp2_tokens_per_s": t2, "speedup": t2 / t1}
-    if args.skip != "sp":
-        sp = {size: run_config(args.model, "sp", size, sp_settings) for size in (1, 2)}
-        res["sp"] = {f"sp{k}": v for k, v in sp.items()}
+            rates = {k: quiet_median(v[f"decode_b{b}"], "tokens_per_s") for k, v in tp.items()}
+            summary[f"decode_b{b}"] = {**{f"{k}_tokens_per_s": r for k, r in rates.items()},
+                                       **{f"speedup_{k}": r / rates["tp1"] for k, r in rates.items() if k != "tp1"}}
+    if "sp" not in args.skip:
+        res["sp"] = sp = run_configs(args.model, "sp", sp_settings, comms)
         for n in lengths:
-            s1, s2 = (quiet_median(sp[s][f"prefill_{n}"], "seconds") for s in (1, 2))
-            summary[f"prefill_{n}"] = {"sp1_s": s1, "sp2_s": s2, "speedup": s1 / s2}
+            secs = {k: quiet_median(v[f"prefill_{n}"], "seconds") for k, v in sp.items()}
+            summary[f"prefill_{n}"] = {**{f"{k}_s": t for k, t in secs.items()},
+                                       **{f"speedup_{k}": secs["sp1"] / t for k, t in secs.items() if k != "sp1"}}
     res["summary"] = summary
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2))
     for k, v in summary.items():
-        logger.info("%s: %s", k, {a: round(b, 3) for a, b in v.items()})
+        logger.info("%s: %s", k, json.dumps(v, default=lambda x: round(x, 3)))
     logger.info("wrote %s", args.out)
 
 

@@ -27,10 +27,14 @@ Collectives (every rank of the group calls them in the same order, with the same
   all_gather(x)                  every rank's x on every rank
   shift(x, out, src, max_bytes)  out <- rank src's x (a ring step when src is the previous rank)
 
-Waiting: spin on the counters for ``SPIN_S``, then ``sched_yield`` (so a peer descheduled on a busy
-host gets the core), then sleep in growing steps up to 1 ms. Only the ep/sp/tp groups use this, and
-their ranks wait on each other only within a step; the gang's control channel, where followers idle
-between requests, stays on the process group (a blocking wait that burns no CPU). Every ``LIVENESS_S`` the waiter checks
+Waiting: spin on the counters for ``SPIN_S`` (ranks of one step normally arrive within
+microseconds), then sleep in the kernel on the late peer's counter with a futex (FUTEX_WAIT on the
+shared page: it sleeps only if the counter still holds the value seen, so no wake-up is lost);
+every publish is followed by a FUTEX_WAKE on the publisher's counter (~1.5 us). Sleeping matters
+on a busy host: a spinner uses up its CPU share and the scheduler then prefers other processes,
+while a sleeper is woken at once. Only the ep/sp/tp groups use this, and their ranks wait on each
+other only within a step; the gang's control channel, where followers idle between requests, stays
+on the process group. Every ``LIVENESS_S`` the waiter checks
 that the peers' processes still exist; a dead peer or ``timeout`` without progress raises
 ``CollectiveError`` naming the peer, and the communicator refuses every later call.
 
@@ -43,6 +47,7 @@ Axes: n elements of a chunk, W ranks, B slot bytes.
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import logging
 import mmap
@@ -63,12 +68,33 @@ PREFIX = "duet-shm-"
 SLOT_BYTES = 4 << 20  # per rank per buffer: a [8, V / 2] logits gather of a 150k vocabulary fits in one round
 HEADER_LINE = 64  # one cache line per counter: no false sharing between ranks' flags
 MAGIC = 0x4455455453484D31  # "DUETSHM1"
-# Spin this long before yielding the core: a yield costs a trip through the scheduler (~100 us on a
-# busy host, measured), more than a whole decode all-reduce, and ranks of one step arrive within
-# microseconds of each other unless one was descheduled.
-SPIN_S = 1e-3
-YIELD_S = 3e-3
-LIVENESS_S = 0.1
+SPIN_S = 1e-3  # spin before sleeping: waking a sleeper costs ~100 us on a VM (measured), 10x a decode all-reduce
+LIVENESS_S = 0.1  # longest sleep between checks that the late peer still exists
+
+_SYS_FUTEX = 202  # x86-64
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not FUTEX_PRIVATE): the waiters are other processes
+_INT_MAX = 2**31 - 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall  # ctypes releases the GIL around the call
+_syscall.restype = ctypes.c_long
+_syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
+                     ctypes.c_int]
+
+
+def _futex_wake(addr: int) -> None:
+    _syscall(_SYS_FUTEX, addr, _FUTEX_WAKE, _INT_MAX, None, None, 0)
+
+
+def _futex_wait(addr: int, seen: int, seconds: float) -> None:
+    """Sleep until woken or ``seconds`` pass, unless the 32-bit word at addr no longer equals seen."""
+    ts = _Timespec(int(seconds), int((seconds % 1) * 1e9))
+    _syscall(_SYS_FUTEX, addr, _FUTEX_WAIT, seen & 0xFFFFFFFF, ctypes.byref(ts), None, 0)
 
 
 class CollectiveError(DuetError, RuntimeError):
@@ -172,6 +198,7 @@ class ShmCommunicator:
         # [W] sequence counters, one cache line apart
         self._seqs = np.ndarray((world,), dtype=np.int64, buffer=self._mm, offset=HEADER_LINE,
                                 strides=(HEADER_LINE,))
+        self._addrs = [self._seqs.ctypes.data + HEADER_LINE * r for r in range(world)]  # low 32 bits: the futex word
         data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=_data_offset(world), count=2 * world * SLOT_BYTES)
         self._slots = data.view(2, world, SLOT_BYTES)  # [2, W, B]
         self._typed: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
@@ -212,6 +239,7 @@ class ShmCommunicator:
         if chunk is not None and chunk.numel():
             views[self.rank][: chunk.numel()].copy_(chunk)
         self._seqs[self.rank] = seq  # publish after the copy (x86-64 store order)
+        _futex_wake(self._addrs[self.rank])
         self._wait(seq)
         self._seq = seq
         return views
@@ -222,23 +250,19 @@ class ShmCommunicator:
         if not pending:
             return
         t0 = time.monotonic()
-        nap, last_check = 1e-5, t0
         while pending:
             pending = [r for r in pending if seqs[r] < seq]
             if not pending:
                 return
-            now = time.monotonic()
-            waited = now - t0
+            waited = time.monotonic() - t0
             if waited < self._spin_s:
                 continue
-            if waited < YIELD_S:
-                os.sched_yield()
-                continue
-            time.sleep(nap)
-            nap = min(nap * 2, 1e-3)
-            if now - last_check >= LIVENESS_S:
-                last_check = now
+            if waited >= LIVENESS_S:
                 self._check_peers(pending, seq, waited)
+            r = pending[0]
+            seen = int(seqs[r])
+            if seen < seq:
+                _futex_wait(self._addrs[r], seen, LIVENESS_S)
 
     def _check_peers(self, pending: list[int], seq: int, waited: float) -> None:
         dead = [r for r in pending if self._pids is not None and not _alive(self._pids[r])]
