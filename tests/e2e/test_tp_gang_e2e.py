@@ -1,5 +1,6 @@
 """A tensor-parallel gang end to end on the session's local Ray cluster: a pool of one replica with
-tp_size=2 (two Ray actors x 1 CPU in one placement group, one gloo group) serving SmolLM2 behind
+tp_size=2 (two Ray actors x 1 CPU in one placement group, one gloo group whose collectives run on
+shared memory, both ranks being on this host) serving SmolLM2 behind
 the controller and the router, driven over the public gRPC API. Each rank holds its share of every
 layer and caches only its kv heads; the gang answers as one worker with the single-process engine's
 greedy tokens (the same leader/follower path as the expert-parallel gang)."""
@@ -36,5 +37,7 @@ def test_tp_gang_serves_single_rank_tokens(ray_cluster, smollm2_path, reference)
         assert len(d.pool.replicas[0].followers) == 1
         out = complete(token_ids=PROMPT, target=d.address, max_tokens=16, temperature=0, ignore_eos=True, timeout=120)
         assert list(out.token_ids) == reference
+        info = ray_cluster.get(d.pool.replicas[0].actor.info.remote())
+        assert info["transports"]["tp"] == "shm"  # both ranks on this host: shared-memory collectives
     finally:
         d.stop()

@@ -42,7 +42,7 @@ from workers.engine import Engine
 from workers.errors import ConfigError
 from workers.parallel.eplb import RebalanceConfig, Rebalancer
 from workers.parallel.gang import GangLeader, follow
-from workers.parallel.groups import ParallelConfig, destroy_parallel_groups, get_group, init_parallel_groups
+from workers.parallel.groups import AXES, ParallelConfig, destroy_parallel_groups, get_group, init_parallel_groups
 from workers.parallel.launch import free_port
 from workers.service import WorkerServer, start_worker_server
 
@@ -160,6 +160,8 @@ class GangLeaderActor:
             "pid": os.getpid(),
             "num_threads": self._num_threads,
             "gang_size": self._parallel.world_size,
+            # what carries each axis's collectives: 'shm' (same host), 'gloo'/'nccl', or 'none'
+            "transports": {axis: get_group(axis).transport for axis in AXES},
         }
 
     async def stop(self, grace: float = 5.0) -> None:
