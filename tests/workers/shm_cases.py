@@ -98,3 +98,14 @@ def hold_segment(path: str, nonce: int, world: int, rank: int, seconds: float, m
     mapped.set()
     time.sleep(seconds)
     c.close()
+
+
+def broadcast_rank(rank: int) -> dict:
+    """broadcast_object on the gang's control channel (shared memory): small, empty and multi-round."""
+    from workers.parallel.comm import broadcast_object
+
+    gang = get_group("gang")
+    big = bytes(range(256)) * (shm_comm.SLOT_BYTES // 128 + 3)  # more than two slots
+    sent = [{"step": 1, "ids": [1, 2, 3]}, b"", big]
+    got = [broadcast_object(obj if rank == 0 else None, 0, gang) for obj in sent]
+    return {"transport": gang.transport, "ok": got == sent}

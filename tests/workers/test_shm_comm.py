@@ -3,7 +3,8 @@
 Equivalence: in a 2-rank gang (and a 3-rank one, which sums in another order than gloo) every
 shared-memory all-reduce equals gloo's all-reduce of the same inputs and the sum computed locally,
 fp32 and bf16, over sizes from 1 element to several slots (partial last round); gather, uneven
-all-gather and a ring step with per-rank sizes over a slot return exactly what each rank sent.
+all-gather, a ring step with per-rank sizes over a slot and the gang's object broadcast (small,
+empty, several slots) return exactly what was sent.
 Selection: same-host CPU groups get shared memory unless DUET_COMM=gloo; a bad DUET_COMM is a
 ConfigError. Cleanup and failure: no segment file outlives group creation, a dead creator's file is
 swept, a peer that dies mid-collective or never arrives fails the collective with CollectiveError
@@ -18,7 +19,7 @@ import time
 import pytest
 import torch
 
-from shm_cases import all_reduce_rank, gather_rank, hold_segment, transport_rank
+from shm_cases import all_reduce_rank, broadcast_rank, gather_rank, hold_segment, transport_rank
 from workers.errors import ConfigError
 from workers.parallel import shm_comm
 from workers.parallel.groups import ParallelConfig, comm_mode
@@ -40,6 +41,11 @@ def test_gather_all_gather_and_ring_shift():
     assert r0["gather"] is True and r1["gather"] is None
     assert r0["all_gather_rows"] and r1["all_gather_rows"]
     assert r0["ring_shift"] and r1["ring_shift"]
+
+
+def test_broadcast_object_on_the_gang_channel():
+    for res in spawn_gang(broadcast_rank, ParallelConfig(tp_size=2), comm="shm"):
+        assert res == {"transport": "shm", "ok": True}
 
 
 def test_selection_and_no_leaked_files():

@@ -7,7 +7,8 @@ them unconditionally.
 
 Transport: a group whose ranks share the host has a shared-memory communicator (``g.shm``,
 workers/parallel/shm_comm.py); all_reduce, gather_to_first, all_gather_rows and ring_shift use it
-for CPU tensors, everything else (and every CUDA tensor) goes through the torch process group.
+for CPU tensors, broadcast_object for its pickled bytes; everything else (and every CUDA tensor)
+goes through the torch process group.
 
 gloo implements all_to_all_single with per-rank split sizes (including zero-row splits), so the MoE
 dispatch sends each rank exactly the rows it needs. gloo's all_gather needs equal shapes, so
@@ -18,6 +19,7 @@ Axes: N rows, F features.
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import torch
@@ -61,6 +63,8 @@ def broadcast_object(obj: Any, src: int, g: GroupCoordinator) -> Any:
     """Group rank ``src``'s obj on every rank (pickled: keep it to lists and small dataclasses)."""
     if g.is_trivial:
         return obj
+    if g.shm is not None:
+        return pickle.loads(g.shm.broadcast_bytes(pickle.dumps(obj) if g.rank == src else None, src))
     box = [obj]
     dist.broadcast_object_list(box, src=g.ranks[src], group=g.group)
     return box[0]

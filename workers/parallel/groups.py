@@ -22,7 +22,8 @@ timeout covers a peer that is alive but stuck).
 Same-host groups on CPU: when every rank of an ep/sp/tp group runs on one host, the group also gets
 a shared-memory communicator (``GroupCoordinator.shm``, workers/parallel/shm_comm.py) and the
 collective wrappers in comm.py use it for CPU tensors: no TCP round trip per all-reduce. The choice
-is made once, at creation, by exchanging host ids over the group. ``DUET_COMM`` overrides it:
+is made once, at creation, by exchanging host ids over the group; the gang's control channel gets
+one too (its broadcast runs once per step). ``DUET_COMM`` overrides it:
 ``auto`` (default) as above, ``shm`` (refuse to start unless every group gets shared memory) or
 ``gloo`` (the process group's own collectives only, for comparison).
 """
@@ -133,21 +134,22 @@ def init_parallel_groups(
             pg = dist.new_group(line, timeout=timeout) if size > 1 else None
             if rank in line:
                 _groups[axis] = GroupCoordinator(axis, line.index(rank), size, tuple(line), pg)
-    if mode != "gloo" and dist.get_backend() == "gloo":
-        _attach_shm(mode, timeout)
     # The gang's control channel (the leader's per-step broadcast): the whole world, with a long
     # timeout, because followers wait on it while the leader idles between requests. A dead peer
     # still fails it at once (gloo sees the closed connection).
     pg = dist.new_group(list(range(world)), timeout=control_timeout) if world > 1 else None
     _groups["gang"] = GroupCoordinator("gang", rank, world, tuple(range(world)), pg)
+    if mode != "gloo" and dist.get_backend() == "gloo":
+        _attach_shm(mode, {**{a: timeout for a in AXES}, "gang": control_timeout})
     logger.info("rank %d/%d joined groups: %s", rank, world,
                 {a: (g.ranks, g.transport) for a, g in _groups.items()})
 
 
-def _attach_shm(mode: str, timeout: timedelta) -> None:
-    """Give each non-trivial axis group of this rank a shared-memory communicator when its ranks
-    share the host (collective over each group; the groups of one axis are disjoint)."""
-    for axis in AXES:
+def _attach_shm(mode: str, timeouts: dict[str, timedelta]) -> None:
+    """Give each non-trivial group of this rank (the axes', and the gang's control channel) a
+    shared-memory communicator when its ranks share the host (collective over each group; the
+    groups of one axis are disjoint)."""
+    for axis, timeout in timeouts.items():
         g = _groups[axis]
         if g.is_trivial:
             continue

@@ -26,15 +26,15 @@ Collectives (every rank of the group calls them in the same order, with the same
   gather_to_first(x)             every rank's x on rank 0
   all_gather(x)                  every rank's x on every rank
   shift(x, out, src, max_bytes)  out <- rank src's x (a ring step when src is the previous rank)
+  broadcast_bytes(data, src)     rank src's bytes on every rank (the gang's per-step control message)
 
 Waiting: spin on the counters for ``SPIN_S`` (ranks of one step normally arrive within
 microseconds), then sleep in the kernel on the late peer's counter with a futex (FUTEX_WAIT on the
 shared page: it sleeps only if the counter still holds the value seen, so no wake-up is lost);
 every publish is followed by a FUTEX_WAKE on the publisher's counter (~1.5 us). Sleeping matters
 on a busy host: a spinner uses up its CPU share and the scheduler then prefers other processes,
-while a sleeper is woken at once. Only the ep/sp/tp groups use this, and their ranks wait on each
-other only within a step; the gang's control channel, where followers idle between requests, stays
-on the process group. Every ``LIVENESS_S`` the waiter checks
+while a sleeper is woken at once. The gang's control channel uses this too: a follower idling
+between requests sleeps in the futex, waking every ``LIVENESS_S`` only to check its peers. Every ``LIVENESS_S`` the waiter checks
 that the peers' processes still exist; a dead peer or ``timeout`` without progress raises
 ``CollectiveError`` naming the peer, and the communicator refuses every later call.
 
@@ -322,6 +322,29 @@ class ShmCommunicator:
                 for r in range(self.world):
                     outs[r][s : s + part.numel()].copy_(views[r][: part.numel()])
         return [o.view_as(x) for o in outs] if outs is not None else None
+
+    def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
+        """Rank ``src``'s bytes on every rank (``data`` is ignored elsewhere). The first round carries
+        the length in its first 8 bytes, so every rank knows how many rounds follow."""
+        payload = SLOT_BYTES - 8
+        if self.rank == src:
+            assert data is not None
+            head = np.array([len(data)], dtype=np.int64).tobytes()
+            buf = torch.frombuffer(bytearray(head + data), dtype=torch.uint8)  # [8 + n]
+        else:
+            buf = None
+        views = self._round(buf[:SLOT_BYTES] if buf is not None else None, torch.uint8)
+        n = int(views[src][:8].view(torch.int64).item())
+        out = bytearray(n)
+        dst = torch.frombuffer(out, dtype=torch.uint8) if n else None  # [n]
+        first = min(n, payload)
+        if dst is not None:
+            dst[:first].copy_(views[src][8 : 8 + first])
+        for s in range(first, n, SLOT_BYTES):
+            views = self._round(buf[8 + s : 8 + s + SLOT_BYTES] if buf is not None else None, torch.uint8)
+            m = min(SLOT_BYTES, n - s)
+            dst[s : s + m].copy_(views[src][:m])
+        return bytes(out)
 
     def shift(self, x: torch.Tensor, out: torch.Tensor, src: int, max_bytes: int) -> torch.Tensor:
         """Send x to whoever reads this rank, receive rank ``src``'s x into ``out``. Sizes may differ
