@@ -201,13 +201,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repeats and tokens, 2k/4k prefills (a smoke run)")
     ap.add_argument("--skip", choices=["allreduce", "tp", "sp"], action="append", default=[],
                     help="skip a part (repeatable)")
+    ap.add_argument("--repeats", type=int, help="timed repeats per measurement (default 3, 2 with --quick)")
     ap.add_argument("--comm", default="shm,gloo",
                     help="transports to run the 2-rank gangs on, comma-separated (shm, gloo); default both")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "parallel_bench.json")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     quick = args.quick
-    base = {"repeats": 2 if quick else 3, "quiet_budget_s": 60.0 if quick else 180.0}
+    base = {"repeats": args.repeats or (2 if quick else 3), "quiet_budget_s": 60.0 if quick else 180.0}
     tp_settings = {**base, "batches": [1, 8], "decode_tokens": 16 if quick else 64, "kv_bytes": 64 << 20,
                    "max_batched": 512, "max_model_len": 2048}
     lengths = [2048, 4096] if quick else [4096, 8000]

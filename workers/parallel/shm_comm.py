@@ -28,12 +28,15 @@ Collectives (every rank of the group calls them in the same order, with the same
   shift(x, out, src, max_bytes)  out <- rank src's x (a ring step when src is the previous rank)
   broadcast_bytes(data, src)     rank src's bytes on every rank (the gang's per-step control message)
 
-Waiting: spin on the counters for ``SPIN_S`` (ranks of one step normally arrive within
-microseconds), then sleep in the kernel on the late peer's counter with a futex (FUTEX_WAIT on the
-shared page: it sleeps only if the counter still holds the value seen, so no wake-up is lost);
-every publish is followed by a FUTEX_WAKE on the publisher's counter (~1.5 us). Sleeping matters
-on a busy host: a spinner uses up its CPU share and the scheduler then prefers other processes,
-while a sleeper is woken at once. The gang's control channel uses this too: a follower idling
+Waiting: spin on the counters (ranks of one step normally arrive within microseconds), then sleep
+in the kernel on the late peer's counter with a futex (FUTEX_WAIT on the shared page: it sleeps
+only if the counter still holds the value seen, so no wake-up is lost); every publish is followed
+by a FUTEX_WAKE on the publisher's counter (~1.5 us). The spin budget adapts, as an adaptive mutex
+does: it doubles (up to ``SPIN_MAX_S``) when the peer arrived while spinning and halves (down to
+``SPIN_MIN_S``) when it did not. On a quiet host the ranks run side by side and every wait ends in
+the spin (waking a sleeper costs ~100 us on a VM, ten times a decode all-reduce); on a host busier
+than its cores a spinner burns the time slice its late peer needs, so there the waits go to sleep
+almost at once. The gang's control channel uses this too: a follower idling
 between requests sleeps in the futex, waking every ``LIVENESS_S`` only to check its peers. Every ``LIVENESS_S`` the waiter checks
 that the peers' processes still exist; a dead peer or ``timeout`` without progress raises
 ``CollectiveError`` naming the peer, and the communicator refuses every later call.
@@ -68,7 +71,8 @@ PREFIX = "duet-shm-"
 SLOT_BYTES = 4 << 20  # per rank per buffer: a [8, V / 2] logits gather of a 150k vocabulary fits in one round
 HEADER_LINE = 64  # one cache line per counter: no false sharing between ranks' flags
 MAGIC = 0x4455455453484D31  # "DUETSHM1"
-SPIN_S = 1e-3  # spin before sleeping: waking a sleeper costs ~100 us on a VM (measured), 10x a decode all-reduce
+SPIN_MAX_S = 1e-3  # spin budget bounds (see "Waiting" above)
+SPIN_MIN_S = 10e-6
 LIVENESS_S = 0.1  # longest sleep between checks that the late peer still exists
 
 _SYS_FUTEX = 202  # x86-64
@@ -206,7 +210,8 @@ class ShmCommunicator:
         self._broken: str | None = None
         self._peers = [r for r in range(world) if r != rank]
         # More ranks than cores: a spinning rank may hold the core its peer needs, so yield at once.
-        self._spin_s = SPIN_S if world <= len(os.sched_getaffinity(0)) else 0.0
+        self._spin_max = SPIN_MAX_S if world <= len(os.sched_getaffinity(0)) else SPIN_MIN_S
+        self._spin_s = self._spin_max
 
     # ---------------------------------------------------------------- plumbing
     def close(self) -> None:
@@ -250,13 +255,19 @@ class ShmCommunicator:
         if not pending:
             return
         t0 = time.monotonic()
+        slept = False
         while pending:
             pending = [r for r in pending if seqs[r] < seq]
             if not pending:
+                if not slept:  # caught while spinning: the peers run alongside, spinning pays
+                    self._spin_s = min(self._spin_max, self._spin_s * 2)
                 return
             waited = time.monotonic() - t0
             if waited < self._spin_s:
                 continue
+            if not slept:  # the spin did not catch the peer: spin less next time
+                slept = True
+                self._spin_s = max(SPIN_MIN_S, self._spin_s / 2)
             if waited >= LIVENESS_S:
                 self._check_peers(pending, seq, waited)
             r = pending[0]
