@@ -109,3 +109,23 @@ def broadcast_rank(rank: int) -> dict:
     sent = [{"step": 1, "ids": [1, 2, 3]}, b"", big]
     got = [broadcast_object(obj if rank == 0 else None, 0, gang) for obj in sent]
     return {"transport": gang.transport, "ok": got == sent}
+
+
+def all_to_all_rank(rank: int) -> dict:
+    """Uneven all-to-all (zero-row splits, a stream over two slots) on shm equals gloo's, bf16 rows."""
+    g = get_group("ep")
+    w = g.world_size
+    width = 64
+    big = shm_comm.SLOT_BYTES // (2 * width) + 7  # rows: with bf16 rows, over one slot from a single rank
+    # counts[i][j]: rows rank i sends rank j
+    counts = [[(3 * i + j) % 4 if (i + j) % 3 else 0 for j in range(w)] for i in range(w)]
+    counts[0][w - 1] = big
+    results = []
+    for case in (counts, [[0] * w for _ in range(w)]):
+        send, recv = case[rank], [case[i][rank] for i in range(w)]
+        x = _tensor(30 + rank, sum(send) * width, torch.bfloat16).view(-1, width)
+        via_shm = comm.all_to_all_rows(x, send, recv, g)
+        via_gloo = x.new_empty(sum(recv), width)
+        dist.all_to_all_single(via_gloo, x, recv, send, group=g.group)
+        results.append(g.transport == "shm" and via_shm.shape == via_gloo.shape and torch.equal(via_shm, via_gloo))
+    return {"ok": results}

@@ -3,8 +3,9 @@
 Equivalence: in a 2-rank gang (and a 3-rank one, which sums in another order than gloo) every
 shared-memory all-reduce equals gloo's all-reduce of the same inputs and the sum computed locally,
 fp32 and bf16, over sizes from 1 element to several slots (partial last round); gather, uneven
-all-gather, a ring step with per-rank sizes over a slot and the gang's object broadcast (small,
-empty, several slots) return exactly what was sent.
+all-gather, a ring step with per-rank sizes over a slot, the gang's object broadcast (small,
+empty, several slots) and uneven all-to-all (zero-row splits, over a slot; equal to gloo's)
+return exactly what was sent.
 Selection: same-host CPU groups get shared memory unless DUET_COMM=gloo; a bad DUET_COMM is a
 ConfigError. Cleanup and failure: no segment file outlives group creation, a dead creator's file is
 swept, a peer that dies mid-collective or never arrives fails the collective with CollectiveError
@@ -19,7 +20,7 @@ import time
 import pytest
 import torch
 
-from shm_cases import all_reduce_rank, broadcast_rank, gather_rank, hold_segment, transport_rank
+from shm_cases import all_reduce_rank, all_to_all_rank, broadcast_rank, gather_rank, hold_segment, transport_rank
 from workers.errors import ConfigError
 from workers.parallel import shm_comm
 from workers.parallel.groups import ParallelConfig, comm_mode
@@ -41,6 +42,12 @@ def test_gather_all_gather_and_ring_shift():
     assert r0["gather"] is True and r1["gather"] is None
     assert r0["all_gather_rows"] and r1["all_gather_rows"]
     assert r0["ring_shift"] and r1["ring_shift"]
+
+
+@pytest.mark.parametrize("ep", [2, 3])
+def test_all_to_all_equals_gloo(ep):
+    for res in spawn_gang(all_to_all_rank, ParallelConfig(ep_size=ep), comm="shm"):
+        assert res["ok"] == [True, True]
 
 
 def test_broadcast_object_on_the_gang_channel():

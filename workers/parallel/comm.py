@@ -6,9 +6,9 @@ them unconditionally.
     broadcast_object(obj, src, g)                      a picklable control message (lists, not tensors)
 
 Transport: a group whose ranks share the host has a shared-memory communicator (``g.shm``,
-workers/parallel/shm_comm.py); all_reduce, gather_to_first, all_gather_rows and ring_shift use it
-for CPU tensors, broadcast_object for its pickled bytes; everything else (and every CUDA tensor)
-goes through the torch process group.
+workers/parallel/shm_comm.py); all_reduce, gather_to_first, all_gather_rows, all_to_all_rows and
+ring_shift use it for CPU tensors, broadcast_object for its pickled bytes; everything else (and
+every CUDA tensor) goes through the torch process group.
 
 gloo implements all_to_all_single with per-rank split sizes (including zero-row splits), so the MoE
 dispatch sends each rank exactly the rows it needs. gloo's all_gather needs equal shapes, so
@@ -39,6 +39,8 @@ def all_to_all_rows(
     Returns [sum(recv_counts), F]: the rows from group rank 0, then 1, ... ."""
     if g.is_trivial:
         return x
+    if _shm(x, g):
+        return g.shm.all_to_all(x, send_counts, recv_counts)
     out = x.new_empty(sum(recv_counts), *x.shape[1:])
     dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=g.group)
     return out

@@ -26,6 +26,7 @@ Collectives (every rank of the group calls them in the same order, with the same
   gather_to_first(x)             every rank's x on rank 0
   all_gather(x)                  every rank's x on every rank
   shift(x, out, src, max_bytes)  out <- rank src's x (a ring step when src is the previous rank)
+  all_to_all(x, send, recv)      uneven all-to-all of rows (the MoE dispatch and combine)
   broadcast_bytes(data, src)     rank src's bytes on every rank (the gang's per-step control message)
 
 Waiting: spin on the counters (ranks of one step normally arrive within microseconds), then sleep
@@ -53,6 +54,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import logging
+import math
 import mmap
 import os
 import platform
@@ -356,6 +358,40 @@ class ShmCommunicator:
             m = min(SLOT_BYTES, n - s)
             dst[s : s + m].copy_(views[src][:m])
         return bytes(out)
+
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """x [sum(send_counts), F]: rows [sum(send_counts[:j]), +send_counts[j]) go to rank j; returns
+        [sum(recv_counts), F], rank 0's rows for this rank first. Each rank streams its whole x, after
+        a header of its send counts (the first round's first ``HEADER_LINE * ceil(W / 8)`` bytes);
+        every rank reads the headers and so knows how many rounds the longest stream takes and where
+        its rows sit in each peer's stream."""
+        w, me = self.world, self.rank
+        head = -(-8 * w // HEADER_LINE) * HEADER_LINE
+        row = math.prod(x.shape[1:]) * x.element_size()  # bytes per row
+        stream = torch.empty(head + x.numel() * x.element_size(), dtype=torch.uint8)  # [H + S row]
+        stream[: 8 * w].view(torch.int64).copy_(torch.tensor(send_counts, dtype=torch.int64))
+        stream[head:].copy_(x.contiguous().view(-1).view(torch.uint8))
+        out = x.new_empty(sum(recv_counts), *x.shape[1:])
+        dst = out.view(-1).view(torch.uint8)  # [R row]
+        views = self._round(stream[:SLOT_BYTES], torch.uint8)
+        counts = [views[i][: 8 * w].view(torch.int64).tolist() for i in range(w)]  # [W][W]
+        assert [c[me] for c in counts] == list(recv_counts), "recv_counts disagree with the peers' send_counts"
+        # rank i's rows for me: stream bytes [src[i], src[i] + n[i]); they land at dst [at[i], ...)
+        src = [head + sum(c[:me]) * row for c in counts]
+        n = [c[me] * row for c in counts]
+        at = [sum(n[:i]) for i in range(w)]
+        longest = max(head + sum(c) * row for c in counts)
+        lo = 0
+        while True:
+            hi = lo + SLOT_BYTES  # this round carries stream bytes [lo, hi)
+            for i in range(w):
+                a, b = max(lo, src[i]), min(hi, src[i] + n[i])
+                if a < b:
+                    dst[at[i] + a - src[i] : at[i] + b - src[i]].copy_(views[i][a - lo : b - lo])
+            lo = hi
+            if lo >= longest:
+                return out
+            views = self._round(stream[lo : lo + SLOT_BYTES], torch.uint8)
 
     def shift(self, x: torch.Tensor, out: torch.Tensor, src: int, max_bytes: int) -> torch.Tensor:
         """Send x to whoever reads this rank, receive rank ``src``'s x into ``out``. Sizes may differ
