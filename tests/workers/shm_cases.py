@@ -9,10 +9,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from workers.parallel import comm, shm_comm
+from workers.parallel import comm, shm_comm, shm_segment
 from workers.parallel.groups import get_group
 
-SLOT_ELEMS = shm_comm.SLOT_BYTES // 4  # fp32 elements per slot
+SLOT_ELEMS = shm_segment.SLOT_BYTES // 4  # fp32 elements per slot
 # 1 element, one decode all-reduce of SmolLM2 at batch 1 and 8, a size that fills no vector, one
 # slot exactly, and two sizes over a slot (several rounds; the last one partial)
 SIZES = [1, 576, 8 * 576, 1001, SLOT_ELEMS, SLOT_ELEMS + 17, 2 * (2 * SLOT_ELEMS) + 5]
@@ -88,7 +88,7 @@ def transport_rank(rank: int) -> dict:
     gang = get_group("gang")
     pids: list = [None] * gang.world_size
     dist.all_gather_object(pids, os.getpid(), group=gang.group)
-    left = [f for p in pids for f in glob.glob(os.path.join(shm_comm.SHM_DIR, f"{shm_comm.PREFIX}{p}-*"))]
+    left = [f for p in pids for f in glob.glob(os.path.join(shm_segment.SHM_DIR, f"{shm_segment.PREFIX}{p}-*"))]
     return {"tp": get_group("tp").transport, "sp": get_group("sp").transport, "files": left}
 
 
@@ -105,7 +105,7 @@ def broadcast_rank(rank: int) -> dict:
     from workers.parallel.comm import broadcast_object
 
     gang = get_group("gang")
-    big = bytes(range(256)) * (shm_comm.SLOT_BYTES // 128 + 3)  # more than two slots
+    big = bytes(range(256)) * (shm_segment.SLOT_BYTES // 128 + 3)  # more than two slots
     sent = [{"step": 1, "ids": [1, 2, 3]}, b"", big]
     got = [broadcast_object(obj if rank == 0 else None, 0, gang) for obj in sent]
     return {"transport": gang.transport, "ok": got == sent}
@@ -116,7 +116,7 @@ def all_to_all_rank(rank: int) -> dict:
     g = get_group("ep")
     w = g.world_size
     width = 64
-    big = shm_comm.SLOT_BYTES // (2 * width) + 7  # rows: with bf16 rows, over one slot from a single rank
+    big = shm_segment.SLOT_BYTES // (2 * width) + 7  # rows: with bf16 rows, over one slot from a single rank
     # counts[i][j]: rows rank i sends rank j
     counts = [[(3 * i + j) % 4 if (i + j) % 3 else 0 for j in range(w)] for i in range(w)]
     counts[0][w - 1] = big

@@ -22,11 +22,11 @@ import torch
 
 from shm_cases import all_reduce_rank, all_to_all_rank, broadcast_rank, gather_rank, hold_segment, transport_rank
 from workers.errors import ConfigError
-from workers.parallel import shm_comm
+from workers.parallel import shm_comm, shm_segment
 from workers.parallel.groups import ParallelConfig, comm_mode
 from workers.parallel.launch import spawn_gang
 
-pytestmark = pytest.mark.skipif(not shm_comm.supported(), reason="shared-memory collectives need x86-64 Linux")
+pytestmark = pytest.mark.skipif(not shm_segment.supported(), reason="shared-memory collectives need x86-64 Linux")
 
 
 @pytest.mark.parametrize("tp", [2, 3])
@@ -74,10 +74,10 @@ def test_stale_segment_of_a_dead_creator_is_swept():
     p = ctx.Process(target=time.sleep, args=(0,))
     p.start()
     p.join()  # a pid that no longer exists
-    path = os.path.join(shm_comm.SHM_DIR, f"{shm_comm.PREFIX}{p.pid}-deadbeef")
+    path = os.path.join(shm_segment.SHM_DIR, f"{shm_segment.PREFIX}{p.pid}-deadbeef")
     open(path, "wb").close()
     try:
-        assert shm_comm.sweep_stale() >= 1
+        assert shm_segment.sweep_stale() >= 1
         assert not os.path.exists(path)
     finally:
         if os.path.exists(path):
@@ -87,7 +87,7 @@ def test_stale_segment_of_a_dead_creator_is_swept():
 def _pair(seconds: float, timeout_s: float):
     """This process as rank 0 and a spawned peer (rank 1) that maps the segment but never joins."""
     ctx = mp.get_context("spawn")
-    path, nonce = shm_comm.create_segment(2)
+    path, nonce = shm_segment.create_segment(2)
     mapped = ctx.Event()
     peer = ctx.Process(target=hold_segment, args=(path, nonce, 2, 1, seconds, mapped), daemon=True)
     peer.start()

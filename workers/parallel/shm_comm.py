@@ -5,7 +5,7 @@ Over gloo each one is a loopback TCP round trip through the kernel (~100s of us)
 the GEMV it splits. Ranks on one host can instead meet in a shared memory segment: a copy in, a
 flag store, a spin on the peers' flags, and a sum read straight out of the peers' memory.
 
-Terms.
+Terms (the segment's layout and lifecycle: workers/parallel/shm_segment.py).
   - *segment*: one POSIX shared-memory file per group, created by group rank 0 under /dev/shm,
     mapped by every rank and **unlinked as soon as every rank has mapped it**, so nothing is left
     in /dev/shm whatever happens to the processes later (the kernel frees the memory when the last
@@ -52,27 +52,22 @@ Axes: n elements of a chunk, W ranks, B slot bytes.
 from __future__ import annotations
 
 import ctypes
-import glob
 import logging
 import math
 import mmap
 import os
-import platform
-import secrets
 import time
 
 import numpy as np
 import torch
 
 from workers.errors import DuetError
+from workers.parallel.shm_segment import (
+    HEADER_LINE, MAGIC, SHM_DIR, SLOT_BYTES, alive, create_segment, data_offset, node_key, pid_namespace, segment_bytes,
+    supported)
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
-PREFIX = "duet-shm-"
-SLOT_BYTES = 4 << 20  # per rank per buffer: a [8, V / 2] logits gather of a 150k vocabulary fits in one round
-HEADER_LINE = 64  # one cache line per counter: no false sharing between ranks' flags
-MAGIC = 0x4455455453484D31  # "DUETSHM1"
 SPIN_MAX_S = 1e-3  # spin budget bounds (see "Waiting" above)
 SPIN_MIN_S = 10e-6
 LIVENESS_S = 0.1  # longest sleep between checks that the late peer still exists
@@ -107,83 +102,6 @@ class CollectiveError(DuetError, RuntimeError):
     """A shared-memory collective could not complete (a peer died or stopped making progress)."""
 
 
-def supported() -> bool:
-    """Whether this host can run the shared-memory path (see the module's note on memory order)."""
-    return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64") and os.path.isdir(SHM_DIR)
-
-
-def node_key() -> str:
-    """Identifies the host (and its /dev/shm): hostname plus the kernel's boot id."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{os.uname().nodename}/{boot}"
-
-
-def pid_namespace() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie (an exited child not yet reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def sweep_stale() -> int:
-    """Unlink segments whose creator died before unlinking them; returns how many."""
-    n = 0
-    for path in glob.glob(os.path.join(SHM_DIR, PREFIX + "*")):
-        try:
-            pid = int(os.path.basename(path)[len(PREFIX):].split("-")[0])
-        except ValueError:
-            continue
-        if not _alive(pid):
-            try:
-                os.unlink(path)
-                n += 1
-            except FileNotFoundError:
-                pass
-    return n
-
-
-def segment_bytes(world: int) -> int:
-    return _data_offset(world) + 2 * world * SLOT_BYTES
-
-
-def _data_offset(world: int) -> int:
-    return -(-(HEADER_LINE * (1 + world)) // 4096) * 4096
-
-
-def create_segment(world: int) -> tuple[str, int]:
-    """Create and size a fresh segment file (rank 0); returns (path, nonce). The caller unlinks it."""
-    sweep_stale()
-    path = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
-    nonce = secrets.randbits(63)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, segment_bytes(world))
-        with mmap.mmap(fd, HEADER_LINE) as mm:
-            mm[:24] = np.array([MAGIC, nonce, world], dtype=np.int64).tobytes()
-    finally:
-        os.close(fd)
-    return path, nonce
-
-
 class ShmCommunicator:
     """One rank's handle on a group's segment. Not thread-safe: one thread issues the collectives."""
 
@@ -205,7 +123,7 @@ class ShmCommunicator:
         self._seqs = np.ndarray((world,), dtype=np.int64, buffer=self._mm, offset=HEADER_LINE,
                                 strides=(HEADER_LINE,))
         self._addrs = [self._seqs.ctypes.data + HEADER_LINE * r for r in range(world)]  # low 32 bits: the futex word
-        data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=_data_offset(world), count=2 * world * SLOT_BYTES)
+        data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=data_offset(world), count=2 * world * SLOT_BYTES)
         self._slots = data.view(2, world, SLOT_BYTES)  # [2, W, B]
         self._typed: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._seq = 0
@@ -278,7 +196,7 @@ class ShmCommunicator:
                 _futex_wait(self._addrs[r], seen, LIVENESS_S)
 
     def _check_peers(self, pending: list[int], seq: int, waited: float) -> None:
-        dead = [r for r in pending if self._pids is not None and not _alive(self._pids[r])]
+        dead = [r for r in pending if self._pids is not None and not alive(self._pids[r])]
         if dead:
             self._broken = f"rank {dead[0]} (pid {self._pids[dead[0]]}) died during collective #{seq}"
         elif waited > self.timeout_s:
