@@ -16,42 +16,47 @@ import pytest
 import yaml
 from helm_tools import CHART, RELEASE, by_kind, loaded_config, one, ray_node_types, render, run_helm
 
-# poolDefaults value (dotted, as for --set) -> (a value other than the default, the PoolSection
-# attribute it sets, what that attribute then holds). Every poolDefaults leaf is here, in POD_ONLY
-# or in NOT_YET_USED: a new value cannot be added without saying where it goes.
+# poolDefaults value (dotted) -> (a --set of it, relative to poolDefaults, other than the default;
+# the PoolSection attribute it sets; what that attribute then holds). Every poolDefaults leaf is
+# here, in POD_ONLY or in NOT_YET_USED: a new value cannot be added without saying where it goes.
 REACHES_CONFIG: dict[str, tuple[str, str, Any]] = {
-    "replicas": ("3", "replicas", 3),
-    "cpusPerRank": ("5", "cpus_per_replica", 5),
-    "epSize": ("2", "ep_size", 2),
-    "spSize": ("2", "sp_size", 2),
-    "tpSize": ("2", "tp_size", 2),
-    "placementStrategy": ("PACK", "placement_strategy", "PACK"),
-    "maxRestarts": ("3", "max_restarts", 3),
-    "engine.blockSize": ("32", "engine.block_size", 32),
-    "engine.kvCacheMemory": ("64MiB", "engine.kv_cache_memory_bytes", 64 << 20),
-    "engine.maxNumBatchedTokens": ("1024", "engine.max_num_batched_tokens", 1024),
-    "engine.maxNumSeqs": ("8", "engine.max_num_seqs", 8),
-    "engine.enablePrefixCaching": ("false", "engine.enable_prefix_caching", False),
-    "speculative.method": ("ngram", "speculative.method", "ngram"),
-    "speculative.numSpeculativeTokens": ("7", "speculative.num_speculative_tokens", 7),
-    "speculative.adaptive": ("false", "speculative.adaptive", False),
-    "speculative.ngramMin": ("2", "speculative.ngram_min", 2),
-    "speculative.ngramMax": ("6", "speculative.ngram_max", 6),
-    "speculative.draftModel": ("/models/draft", "speculative.draft_model", "/models/draft"),
-    "speculative.draftQuantization": ("int8", "speculative.draft_quantization", "int8"),
-    "speculative.drafterCpus": ("3", "speculative.drafter_cpus", 3),
-    "speculative.drafterResources.fast_cpu": ("2", "speculative.drafter_resources", {"fast_cpu": 2}),
-    "speculative.draftTimeoutSeconds": ("3", "speculative.draft_timeout_s", 3.0),  # --set parses no floats
-    "speculative.overlap": ("false", "speculative.overlap", False),
+    "replicas": ("replicas=3", "replicas", 3),
+    "cpusPerRank": ("cpusPerRank=5", "cpus_per_replica", 5),
+    "epSize": ("epSize=2", "ep_size", 2),
+    "spSize": ("spSize=2", "sp_size", 2),
+    "tpSize": ("tpSize=2", "tp_size", 2),
+    "placementStrategy": ("placementStrategy=PACK", "placement_strategy", "PACK"),
+    "maxRestarts": ("maxRestarts=3", "max_restarts", 3),
+    "engine.blockSize": ("engine.blockSize=32", "engine.block_size", 32),
+    "engine.kvCacheMemory": ("engine.kvCacheMemory=64MiB", "engine.kv_cache_memory_bytes", 64 << 20),
+    "engine.maxNumBatchedTokens": ("engine.maxNumBatchedTokens=1024", "engine.max_num_batched_tokens", 1024),
+    "engine.maxNumSeqs": ("engine.maxNumSeqs=8", "engine.max_num_seqs", 8),
+    "engine.enablePrefixCaching": ("engine.enablePrefixCaching=false", "engine.enable_prefix_caching", False),
+    "speculative.method": ("speculative.method=ngram", "speculative.method", "ngram"),
+    "speculative.numSpeculativeTokens": ("speculative.numSpeculativeTokens=7", "speculative.num_speculative_tokens", 7),
+    "speculative.adaptive": ("speculative.adaptive=false", "speculative.adaptive", False),
+    "speculative.ngramMin": ("speculative.ngramMin=2", "speculative.ngram_min", 2),
+    "speculative.ngramMax": ("speculative.ngramMax=6", "speculative.ngram_max", 6),
+    "speculative.draftModel": ("speculative.draftModel=/models/draft", "speculative.draft_model", "/models/draft"),
+    "speculative.draftQuantization": ("speculative.draftQuantization=int8", "speculative.draft_quantization", "int8"),
+    "speculative.drafterCpus": ("speculative.drafterCpus=3", "speculative.drafter_cpus", 3),
+    "speculative.drafterResources": ("speculative.drafterResources.fast_cpu=2", "speculative.drafter_resources",
+                                     {"fast_cpu": 2}),
+    # --set parses integers and booleans, not floats: 3 stands for any number of seconds
+    "speculative.draftTimeoutSeconds": ("speculative.draftTimeoutSeconds=3", "speculative.draft_timeout_s", 3.0),
+    "speculative.overlap": ("speculative.overlap=false", "speculative.overlap", False),
 }
+P0 = ["pools[0].name=p"]
+DRAFT = ["poolDefaults.speculative.method=draft_model", "poolDefaults.speculative.draftModel=/m/d"]
 POD_ONLY = {"minReplicas", "maxReplicas", "memoryPerRank", "gpusPerRank", "nodeSelector", "tolerations", "affinity"}
 NOT_YET_USED = {"slo", "gpusPerRank"}  # the README and NOTES say so (test_chart_readme.py)
+FREE_FORM = {"slo", "nodeSelector", "affinity", "drafterResources"}  # maps that are one value each
 
 
 def _leaves(values: dict, prefix: str = "") -> set[str]:
     out = set()
     for key, value in values.items():
-        if isinstance(value, dict) and value and key not in ("slo", "nodeSelector", "affinity"):
+        if isinstance(value, dict) and value and key not in FREE_FORM:
             out |= _leaves(value, f"{prefix}{key}.")
         else:
             out.add(f"{prefix}{key}")
@@ -73,8 +78,7 @@ def _groups(kinds) -> dict[str, dict]:
 
 
 def test_every_pool_value_is_accounted_for():
-    defaults = yaml.safe_load((CHART / "values.yaml").read_text())["poolDefaults"]
-    leaves = {k for k in _leaves(defaults) if k != "speculative.drafterResources"} | {"speculative.drafterResources.fast_cpu"}
+    leaves = _leaves(yaml.safe_load((CHART / "values.yaml").read_text())["poolDefaults"])
     unaccounted = leaves - set(REACHES_CONFIG) - POD_ONLY - NOT_YET_USED
     assert not unaccounted, f"poolDefaults values neither reaching the config nor pod-only: {sorted(unaccounted)}"
     assert not set(REACHES_CONFIG) - leaves, "REACHES_CONFIG names values that no longer exist"
@@ -82,8 +86,8 @@ def test_every_pool_value_is_accounted_for():
 
 @pytest.mark.parametrize("key", list(REACHES_CONFIG))
 def test_pool_value_reaches_its_config_key(helm, tmp_path, key):
-    value, attr, expected = REACHES_CONFIG[key]
-    sets = [f"poolDefaults.{key}={value}"]
+    assignment, attr, expected = REACHES_CONFIG[key]
+    sets = [f"poolDefaults.{assignment}"]
     if key.startswith("speculative.") and key != "speculative.method":
         sets.append("poolDefaults.speculative.method=ngram")  # options of a speculating pool
     config = loaded_config(_render(helm, *sets), tmp_path)
@@ -133,13 +137,12 @@ def test_drafters_group_and_drafter_resources_meet(helm, tmp_path):
 
 
 @pytest.mark.parametrize(("sets", "expected"), [
-    ([], {}),  # no drafters group: the drafter takes CPUs wherever Ray finds them
-    (["drafters.enabled=true", "poolDefaults.speculative.drafterResources.gpu_box=1"], {"gpu_box": 1}),  # the pool's own
-    (["drafters.enabled=true", "poolDefaults.speculative.method=ngram"], {}),  # no drafter actor at all
+    ([*DRAFT, "drafters.enabled=true"], {"drafter": 1}),  # the chart's default: drafterCpus units
+    (DRAFT, {}),  # no drafters group: the drafter takes CPUs wherever Ray finds them
+    ([*DRAFT, "drafters.enabled=true", "poolDefaults.speculative.drafterResources.gpu_box=1"], {"gpu_box": 1}),  # the pool's own
+    (["drafters.enabled=true", "poolDefaults.speculative.method=ngram"], {}),  # prompt lookup: no drafter actor
 ])
 def test_drafter_resources_default_only_where_drafters_serve_a_draft_model(helm, tmp_path, sets, expected):
-    if not any("method=" in s for s in sets):
-        sets = [*sets, "poolDefaults.speculative.method=draft_model", "poolDefaults.speculative.draftModel=/m/d"]
     spec = loaded_config(_render(helm, *sets), tmp_path).pool.speculative
     assert dict(spec.drafter_resources) == expected
 
@@ -162,10 +165,6 @@ def test_disaggregated_pools_keep_their_own_settings(helm, tmp_path):
     assert "tolerations" not in groups["pre"]["template"]["spec"]
     assert groups["dec"]["template"]["spec"]["tolerations"] == [{"key": "spot", "operator": "Exists"}]
     assert groups["dec"]["replicas"] == 3 and "num-gpus" not in groups["dec"]["rayStartParams"]
-
-
-P0 = ["pools[0].name=p"]
-DRAFT = ["poolDefaults.speculative.method=draft_model", "poolDefaults.speculative.draftModel=/m/d"]
 
 
 @pytest.mark.parametrize(("sets", "message"), [
@@ -209,6 +208,10 @@ DRAFT = ["poolDefaults.speculative.method=draft_model", "poolDefaults.speculativ
     (["drafters.enabled=true", "drafters.replicas=5", "drafters.maxReplicas=2"], "drafters: replicas=5 must be <= maxReplicas=2"),
     ([*P0, "pools[0].role=prefill", "pools[0].engine.blockSize=32", "pools[1].name=d", "pools[1].role=decode"],
      "pools: engine.blockSize differs between pools ([32 16])"),
+    (["poolDefaults.epSize=2", "poolDefaults.placementStrategy=STRICT_SPREAD"],
+     "pools[0] (default): placementStrategy=STRICT_SPREAD puts each of the pool's 1 x 2 rank bundles on its own node"),
+    (["poolDefaults.replicas=2", "poolDefaults.placementStrategy=STRICT_PACK"],
+     "placementStrategy=STRICT_PACK puts every bundle of the pool on one node, but each of its up to 2 replicas"),
     (["model.quantization=int8", "model.dtype=bfloat16"], "model.quantization=int8 needs model.dtype=float32"),
     (["pools[0].name=default", "pools[0].role=colocated", "pools[0].replicas=5", "pools[0].maxReplicas=2"],
      "pools[0] (default): replicas=5 must be between minReplicas=5 and maxReplicas=2"),

@@ -155,6 +155,7 @@ def test_configmap_loads_with_duets_loader_and_matches_the_objects(variant, tmp_
         assert group["rayStartParams"]["num-cpus"] == str(pool.gang_size * pool.cpus_per_replica)
         labels = group["template"]["metadata"]["labels"]
         assert (labels["duet.ai/pool"], labels["duet.ai/role"]) == (pool.name, pool.role)
+        config.to_engine_config(pool)  # what each worker of the pool runs: the engine config validates too
 
     router = one(by_kind, "Deployment", f"{FULLNAME}-router")["spec"]["template"]["spec"]["containers"][0]
     membership = router["command"][router["command"].index("--membership") + 1]
@@ -239,6 +240,7 @@ def test_variant_specifics(variant, tmp_path):
         assert cluster["spec"]["enableInTreeAutoscaling"] is False and "autoscalerOptions" not in cluster["spec"]
         moe = pools["moe"]
         assert (moe.ep_size, moe.tp_size, moe.sp_size, moe.gang_size, moe.cpus_per_replica) == (4, 1, 1, 4, 2)
+        assert moe.placement_strategy == "PACK"
         assert config.model.name == "/models/mixtral-upcycled"
         assert groups["moe"]["rayStartParams"] == {"num-cpus": "8", "num-gpus": "4"}
         assert pod["moe"] == {"memory": "64Gi", "nvidia.com/gpu": "4"}

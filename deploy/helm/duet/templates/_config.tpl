@@ -29,6 +29,12 @@ pools); each message names the value and the fix. The loader repeats the checks 
 {{- if gt (int $p.engine.maxNumSeqs) (int $p.engine.maxNumBatchedTokens) }}
 {{- fail (printf "%s: engine.maxNumSeqs=%v must be <= engine.maxNumBatchedTokens=%v" $at $p.engine.maxNumSeqs $p.engine.maxNumBatchedTokens) }}
 {{- end }}
+{{- if and (eq $p.placementStrategy "STRICT_SPREAD") (gt (int $p.gang) 1) }}
+{{- fail (printf "%s: placementStrategy=STRICT_SPREAD puts each of the pool's %d x %d rank bundles on its own node, but one pod holds a whole gang of %d ranks; use PACK (or SPREAD)" $at (int $p.replicas) (int $p.gang) (int $p.gang)) }}
+{{- end }}
+{{- if and (eq $p.placementStrategy "STRICT_PACK") (gt (int $p.maxReplicas) 1) }}
+{{- fail (printf "%s: placementStrategy=STRICT_PACK puts every bundle of the pool on one node, but each of its up to %d replicas has its own pod; use PACK" $at (int $p.maxReplicas)) }}
+{{- end }}
 {{- $sp := $p.speculative }}
 {{- if and (eq $p.role "prefill") (ne $sp.method "none") }}
 {{- fail (printf "%s: speculative.method=%s: a prefill pool produces one token per request; speculate on the decode pool (set this pool's speculative.method: none, or move it out of poolDefaults)" $at $sp.method) }}
