@@ -103,6 +103,7 @@ def test_raycluster_uses_only_documented_kuberay_fields(variant):
     assert head["rayStartParams"]["num-cpus"] == "0"  # no worker actors on the head
     for g in groups:
         assert set(g) <= KUBERAY_WORKER, set(g) - KUBERAY_WORKER
+        assert set(g["rayStartParams"]) <= {"num-cpus", "num-gpus", "resources"}  # `ray start` options KubeRay passes on
         assert DNS_LABEL.match(g["groupName"]), g["groupName"]
         assert 0 <= g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
         container = g["template"]["spec"]["containers"][0]

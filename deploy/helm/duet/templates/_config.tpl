@@ -4,7 +4,7 @@ on the Ray head and by `duet router`). Only keys the loader of this Duet version
 emitted; a value the code does not use yet is listed by "duet.notWired" (NOTES.txt prints it) and
 documented as "not yet used" in README.md. When the code grows a key, extend the dicts in
 "duet.config" below; tests/deploy/test_helm_chart.py loads every rendered config with the real
-loader and checks that each pool value reaches its config key.
+loader, tests/deploy/test_chart_pools.py checks that each pool value reaches its config key.
 */}}
 
 {{/* Cross-field checks the JSON schema cannot express (values merged from poolDefaults, sums over
@@ -23,34 +23,7 @@ pools); each message names the value and the fix. The loader repeats the checks 
 {{- $names = append $names $p.name }}
 {{- $roles = append $roles $p.role }}
 {{- $blockSizes = append $blockSizes (int $p.engine.blockSize) | uniq }}
-{{- if or (lt (int $p.replicas) (int $p.minReplicas)) (gt (int $p.replicas) (int $p.maxReplicas)) }}
-{{- fail (printf "%s: replicas=%v must be between minReplicas=%v and maxReplicas=%v" $at $p.replicas $p.minReplicas $p.maxReplicas) }}
-{{- end }}
-{{- if gt (int $p.engine.maxNumSeqs) (int $p.engine.maxNumBatchedTokens) }}
-{{- fail (printf "%s: engine.maxNumSeqs=%v must be <= engine.maxNumBatchedTokens=%v" $at $p.engine.maxNumSeqs $p.engine.maxNumBatchedTokens) }}
-{{- end }}
-{{- if and (eq $p.placementStrategy "STRICT_SPREAD") (gt (int $p.gang) 1) }}
-{{- fail (printf "%s: placementStrategy=STRICT_SPREAD puts each of the pool's %d x %d rank bundles on its own node, but one pod holds a whole gang of %d ranks; use PACK (or SPREAD)" $at (int $p.replicas) (int $p.gang) (int $p.gang)) }}
-{{- end }}
-{{- if and (eq $p.placementStrategy "STRICT_PACK") (gt (int $p.maxReplicas) 1) }}
-{{- fail (printf "%s: placementStrategy=STRICT_PACK puts every bundle of the pool on one node, but each of its up to %d replicas has its own pod; use PACK" $at (int $p.maxReplicas)) }}
-{{- end }}
-{{- $sp := $p.speculative }}
-{{- if and (eq $p.role "prefill") (ne $sp.method "none") }}
-{{- fail (printf "%s: speculative.method=%s: a prefill pool produces one token per request; speculate on the decode pool (set this pool's speculative.method: none, or move it out of poolDefaults)" $at $sp.method) }}
-{{- end }}
-{{- if gt (int $sp.ngramMin) (int $sp.ngramMax) }}
-{{- fail (printf "%s: speculative.ngramMin=%v must be <= speculative.ngramMax=%v" $at $sp.ngramMin $sp.ngramMax) }}
-{{- end }}
-{{- if and (eq $sp.method "draft_model") (not $sp.draftModel) }}
-{{- fail (printf "%s: speculative.method=draft_model needs speculative.draftModel (a checkpoint or model name with the target's tokenizer)" $at) }}
-{{- end }}
-{{- if and (eq $sp.method "draft_model") $drafterGroup (hasKey $p.drafterResourcesResolved $v.drafters.rayResource) (gt (int $sp.drafterCpus) (int $v.drafters.cpusPerPod)) }}
-{{- fail (printf "%s: speculative.drafterCpus=%v exceeds drafters.cpusPerPod=%v: no drafter pod could hold a drafter (lower drafterCpus or raise cpusPerPod)" $at $sp.drafterCpus $v.drafters.cpusPerPod) }}
-{{- end }}
-{{- if and $drafterGroup (eq (include "duet.groupName" $p.name) "drafters") }}
-{{- fail (printf "%s: the worker group name \"drafters\" belongs to drafters.enabled; rename the pool" $at) }}
-{{- end }}
+{{- include "duet.validatePool" (dict "root" $ "p" $p "at" $at "drafterGroup" $drafterGroup) }}
 {{- end }}
 {{- if not (or (has "colocated" $roles) (has "decode" $roles)) }}
 {{- fail (printf "pools: roles %v: needs a colocated or decode pool to stream tokens (a prefill pool only computes prompts)" $roles) }}
@@ -75,6 +48,40 @@ pools); each message names the value and the fix. The loader repeats the checks 
 {{- end }}
 {{- if and .Values.serviceMonitor.enabled (not .Values.router.metrics.enabled) }}
 {{- fail "serviceMonitor.enabled=true needs router.metrics.enabled=true (there is nothing to scrape otherwise)" }}
+{{- end }}
+{{- end }}
+
+{{/* The checks of one pool (dict "root" "p" "at" "drafterGroup"), merged with poolDefaults. */}}
+{{- define "duet.validatePool" -}}
+{{- $p := .p }}
+{{- $at := .at }}
+{{- if or (lt (int $p.replicas) (int $p.minReplicas)) (gt (int $p.replicas) (int $p.maxReplicas)) }}
+{{- fail (printf "%s: replicas=%v must be between minReplicas=%v and maxReplicas=%v" $at $p.replicas $p.minReplicas $p.maxReplicas) }}
+{{- end }}
+{{- if gt (int $p.engine.maxNumSeqs) (int $p.engine.maxNumBatchedTokens) }}
+{{- fail (printf "%s: engine.maxNumSeqs=%v must be <= engine.maxNumBatchedTokens=%v" $at $p.engine.maxNumSeqs $p.engine.maxNumBatchedTokens) }}
+{{- end }}
+{{- if and (eq $p.placementStrategy "STRICT_SPREAD") (gt (int $p.gang) 1) }}
+{{- fail (printf "%s: placementStrategy=STRICT_SPREAD puts each of the pool's %d x %d rank bundles on its own node, but one pod holds a whole gang of %d ranks; use PACK (or SPREAD)" $at (int $p.replicas) (int $p.gang) (int $p.gang)) }}
+{{- end }}
+{{- if and (eq $p.placementStrategy "STRICT_PACK") (gt (int $p.maxReplicas) 1) }}
+{{- fail (printf "%s: placementStrategy=STRICT_PACK puts every bundle of the pool on one node, but each of its up to %d replicas has its own pod; use PACK" $at (int $p.maxReplicas)) }}
+{{- end }}
+{{- $sp := $p.speculative }}
+{{- if and (eq $p.role "prefill") (ne $sp.method "none") }}
+{{- fail (printf "%s: speculative.method=%s: a prefill pool produces one token per request; speculate on the decode pool (set this pool's speculative.method: none, or move it out of poolDefaults)" $at $sp.method) }}
+{{- end }}
+{{- if gt (int $sp.ngramMin) (int $sp.ngramMax) }}
+{{- fail (printf "%s: speculative.ngramMin=%v must be <= speculative.ngramMax=%v" $at $sp.ngramMin $sp.ngramMax) }}
+{{- end }}
+{{- if and (eq $sp.method "draft_model") (not $sp.draftModel) }}
+{{- fail (printf "%s: speculative.method=draft_model needs speculative.draftModel (a checkpoint or model name with the target's tokenizer)" $at) }}
+{{- end }}
+{{- if and (eq $sp.method "draft_model") $.drafterGroup (hasKey $p.drafterResourcesResolved $.root.Values.drafters.rayResource) (gt (int $sp.drafterCpus) (int $.root.Values.drafters.cpusPerPod)) }}
+{{- fail (printf "%s: speculative.drafterCpus=%v exceeds drafters.cpusPerPod=%v: no drafter pod could hold a drafter (lower drafterCpus or raise cpusPerPod)" $at $sp.drafterCpus $.root.Values.drafters.cpusPerPod) }}
+{{- end }}
+{{- if and $.drafterGroup (eq (include "duet.groupName" $p.name) "drafters") }}
+{{- fail (printf "%s: the worker group name \"drafters\" belongs to drafters.enabled; rename the pool" $at) }}
 {{- end }}
 {{- end }}
 
