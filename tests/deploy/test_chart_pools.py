@@ -69,8 +69,8 @@ def _attr(obj: Any, dotted: str) -> Any:
     return dict(obj) if name == "drafter_resources" else obj
 
 
-def _render(helm, *sets: str, values_file=None) -> dict[str, list[dict]]:
-    return by_kind(render(helm, values_file, *sets))
+def _render(helm, *sets: str) -> dict[str, list[dict]]:
+    return by_kind(render(helm, None, *sets))
 
 
 def _groups(kinds) -> dict[str, dict]:
