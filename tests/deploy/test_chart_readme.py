@@ -14,7 +14,7 @@ import yaml
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "duet"
 BEGIN, END = "<!-- values-table:begin -->", "<!-- values-table:end -->"
-NOT_YET_USED = ["pools[].role", "poolDefaults.epSize", "poolDefaults.slo", "poolDefaults.gpusPerReplica"]
+NOT_YET_USED = ["poolDefaults.slo", "poolDefaults.gpusPerRank"]
 
 
 def _default(value: Any) -> str:
@@ -68,7 +68,7 @@ def test_values_the_code_does_not_use_yet_say_so():
     for key in NOT_YET_USED:
         assert "not yet used" in rows[key], f"{key}: the README must say it is not yet used"
     notes = (CHART / "templates" / "_config.tpl").read_text()
-    for word in ("role", "epSize", "slo", "gpusPerReplica"):  # ... and NOTES reports each of them when set
+    for word in ("slo", "gpusPerRank"):  # ... and NOTES reports each of them when set
         assert f"pools[{{{{ .name }}}}].{word}" in notes
 
 
@@ -81,3 +81,19 @@ def test_every_schema_leaf_has_a_row_with_a_description():
 
 if __name__ == "__main__":
     print(values_table())
+
+
+def test_a_pool_takes_exactly_the_poolDefaults_keys():
+    """The table documents pool settings once, under poolDefaults ("pools[].<key>: any poolDefaults
+    key"); that holds only while the schema's pool entry and poolDefaults agree key by key."""
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]
+    item, defaults = schema["pools"]["items"]["properties"], schema["poolDefaults"]["properties"]
+
+    def without_required(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: without_required(v) for k, v in node.items() if k != "required"}
+        return node
+
+    assert set(item) == set(defaults) | {"name", "role"}
+    for key, node in defaults.items():
+        assert without_required(item[key]) == without_required(node), f"pools[].{key} differs from poolDefaults.{key}"
