@@ -71,6 +71,7 @@ class DraftModelProposer:
         long construction waits for the drafter to load before starting without it."""
         self.connect = connect
         self.initial_wait_s = initial_wait_s
+        self.actor = None  # the drafter's Ray actor handle, when this proposer created one
         self.timeout_s = timeout_s
         self.overlap = overlap
         self._stats = ProposerStats(extra={"transport_seconds": 0.0, "overlap_hits": 0, "overlap_misses": 0})
@@ -106,7 +107,9 @@ class DraftModelProposer:
                 return ray.get(ready[0]) if ready else None
             return poll
 
-        return cls(connect, spec.draft_timeout_s, spec.overlap)
+        proposer = cls(connect, spec.draft_timeout_s, spec.overlap)
+        proposer.actor = actor
+        return proposer
 
     # ------------------------------------------------------------ connection
     def _attach(self, initial: bool = False) -> bool:
