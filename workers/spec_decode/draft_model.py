@@ -77,7 +77,8 @@ class DraftModelProposer:
         self._stats = ProposerStats(extra={"transport_seconds": 0.0, "overlap_hits": 0, "overlap_misses": 0})
         self._requests: dict[str, _Request] = {}
         self._ahead: dict[int, grpc.Future] = {}  # overlap batches in flight
-        self._releases: list[grpc.Future] = []  # Release calls not known to be done
+        # calls not waited for (a dropped grpc future cancels its call): releases and prefetches
+        self._background: list[grpc.Future] = []
         self._next_batch = 0
         self._channel: grpc.Channel | None = None
         self._stub: drafter_pb2_grpc.DrafterStub | None = None
@@ -272,27 +273,30 @@ class DraftModelProposer:
         st = self._requests.setdefault(request_id, _Request())
         item = drafter_pb2.DraftItem(request_id=request_id, keep=0, new_token_ids=token_ids, num_tokens=0,
                                      sampling=_sampling(params))
-        self._stub.Propose.future(drafter_pb2.ProposeRequest(items=[item]),
-                                  timeout=self.timeout_s * (1 + len(token_ids) / 256))
+        self._keep(self._stub.Propose.future(drafter_pb2.ProposeRequest(items=[item]),
+                                             timeout=self.timeout_s * (1 + len(token_ids) / 256)))
         st.held = list(token_ids)
 
     def release(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is not None and self._stub is not None:
-            self._releases = [f for f in self._releases if not f.done()]
-            self._releases.append(self._stub.Release.future(drafter_pb2.ReleaseRequest(request_ids=[request_id]),
-                                                            timeout=self.timeout_s))
+            self._keep(self._stub.Release.future(drafter_pb2.ReleaseRequest(request_ids=[request_id]),
+                                                 timeout=self.timeout_s))
+
+    def _keep(self, future: grpc.Future) -> None:
+        self._background = [f for f in self._background if not f.done()]
+        self._background.append(future)
 
     def stats(self) -> ProposerStats:
         return self._stats
 
     def close(self) -> None:
-        """Let the last Release calls land (briefly), then close the channel."""
-        for f in self._releases:
+        """Let the last background calls land (briefly), then close the channel."""
+        for f in self._background:
             try:
                 f.result(timeout=self.timeout_s)
             except (grpc.RpcError, grpc.FutureTimeoutError):
                 pass
-        self._releases.clear()
+        self._background.clear()
         if self._channel is not None:
             self._channel.close()
         self._channel = self._stub = None
