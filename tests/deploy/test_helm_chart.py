@@ -7,7 +7,8 @@ worked example (ci/colocated, ci/disaggregated with CPU drafters, ci/moe with EP
 * the RayCluster holds to the subset of KubeRay's ray.io/v1 CRD listed in KUBERAY_* below, and
   Ray's own KubeRay autoscaler reads from it the resources each group's pods offer;
 * the ConfigMap's duet.yaml loads with Duet's own loader (cluster.config.load_config), and what it
-  says matches the objects (ports, probes, the router's --membership target, worker groups);
+  says matches the objects (ports, probes, the router's --membership target, worker groups, each
+  pool's own Ray resource: Ray's autoscaler packs exactly one gang's rank bundles into a pod);
 * values the code does not use yet are listed in NOTES.
 
 Pools, gangs, speculative decoding and bad values: test_chart_pools.py.
@@ -127,6 +128,10 @@ def test_raycluster_uses_only_documented_kuberay_fields(variant):
 
 
 def test_configmap_loads_with_duets_loader_and_matches_the_objects(variant, tmp_path):
+    from ray.autoscaler._private.resource_demand_scheduler import get_bin_pack_residual
+
+    from cluster.pools import rank_bundle
+
     name, values_file, by_kind = variant
     config = loaded_config(by_kind, tmp_path)
     values = yaml.safe_load((CHART / "values.yaml").read_text())
@@ -160,6 +165,9 @@ def test_configmap_loads_with_duets_loader_and_matches_the_objects(variant, tmp_
         offered = node_types[group["groupName"]]["resources"]
         assert offered[f"duet_pool_{pool.name}"] == pool.gang_size
         assert offered.get("GPU", 0) == pool.gang_size * pool.gpus_per_rank
+        gang = [rank_bundle(pool) for _ in range(pool.gang_size)]  # Ray's autoscaler: one pod holds one gang
+        assert get_bin_pack_residual([dict(offered)], gang)[0] == []
+        assert get_bin_pack_residual([dict(offered)], [*gang, rank_bundle(pool)])[0] == [rank_bundle(pool)]
         labels = group["template"]["metadata"]["labels"]
         assert (labels["duet.ai/pool"], labels["duet.ai/role"]) == (pool.name, pool.role)
         config.to_engine_config(pool)  # what each worker of the pool runs: the engine config validates too
