@@ -105,8 +105,9 @@ class SpeculativeSection:
 
 @dataclass(frozen=True)
 class PoolSection:
-    """One worker pool: ``replicas`` Ray actors of ``cpus_per_replica`` CPUs each, one placement
-    group bundle per replica. placement_strategy SPREAD (default) puts replicas on different nodes
+    """One worker pool: ``replicas`` replicas, each a gang of ``gang_size`` ranks (Ray actors); each
+    rank reserves one placement group bundle of ``cpus_per_replica`` CPUs, ``gpus_per_rank`` GPUs
+    and ``resources_per_rank``. placement_strategy SPREAD (default) puts bundles on different nodes
     when it can, so losing a node loses one replica, not the pool; PACK fills one node first
     (fewer nodes to keep up); STRICT_* make that a hard requirement. max_restarts: how often Ray
     restarts a dead worker (-1 = forever)."""
@@ -127,6 +128,12 @@ class PoolSection:
     tp_size: int = 1
     sp_size: int = 1
     speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
+    # Placement (cluster/pools.py): what each rank's bundle and actor reserve besides its CPUs.
+    # gpus_per_rank: GPUs per rank (a fraction below 1 shares a GPU). resources_per_rank: custom Ray
+    # resources per rank, e.g. {duet_pool_decode: 1} where only the decode pool's nodes offer it,
+    # so no rank lands on another pool's (or the drafters') nodes and an autoscaler adds the right ones.
+    gpus_per_rank: float = 0.0
+    resources_per_rank: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     @property
     def gang_size(self) -> int:
@@ -340,6 +347,22 @@ def _check_pool(pool: PoolSection, p: str, s: Sources) -> None:
          "that divides the query heads)")
     need(pool.sp_size >= 1, f"{p}.sp_size", pool.sp_size, s,
          "must be >= 1 (sequence-parallel ranks per replica, splitting long prefill chunks)")
+    _check_placement_resources(pool, p, s)
+
+
+def _check_placement_resources(pool: PoolSection, p: str, s: Sources) -> None:
+    """gpus_per_rank and resources_per_rank in the shapes Ray accepts for a bundle and an actor."""
+    g = pool.gpus_per_rank
+    need(g >= 0 and (g <= 1 or g.is_integer()), f"{p}.gpus_per_rank", g, s,
+         "must be >= 0: a whole number of GPUs, or a fraction below 1 to share one GPU")
+    for name, amount in pool.resources_per_rank.items():
+        key = f"{p}.resources_per_rank"
+        need(isinstance(name, str) and bool(name.strip()), key, dict(pool.resources_per_rank), s,
+             "must map Ray resource names to amounts, e.g. {duet_pool_decode: 1}")
+        need(name not in ("CPU", "GPU"), key, dict(pool.resources_per_rank), s,
+             f"{name} has its own key: set cpus_per_replica / gpus_per_rank instead")
+        need(isinstance(amount, (int, float)) and not isinstance(amount, bool) and 0 < amount < float("inf"),
+             key, dict(pool.resources_per_rank), s, f"{name}: amounts must be numbers > 0")
 
 
 def _check_speculative(sp: SpeculativeSection, p: str, s: Sources) -> None:

@@ -5,12 +5,13 @@ Terms:
     worker id   ``<pool>-<index>`` (``default-0``); also the actor's name in the Ray namespace
                 (``ray.namespace``, default "duet"), which is how ``duet status`` finds it. It stays
                 the same across Ray restarts; the endpoint does not.
-    bundle      the placement group reserves one bundle ``{"CPU": cpus_per_replica}`` per replica;
-                replica i always runs in bundle i, also after a restart.
+    bundle      the placement group reserves one bundle per rank (``rank_bundle``: ``{"CPU":
+                cpus_per_replica}`` plus ``gpus_per_rank`` GPUs and ``resources_per_rank``); replica
+                i's ranks always run in bundles i*gang_size.., also after a restart.
 
 Placement: the pool's placement group uses ``placement_strategy`` (SPREAD by default: replicas
 on different nodes where possible, so a lost node costs one replica; PACK: fill a node first).
-Reserving all bundles up front makes the pool all-or-nothing: either every replica has its CPUs
+Reserving all bundles up front makes the pool all-or-nothing: either every replica has its resources
 or ``create_pool`` fails (embedded Ray: at once, naming the shortfall; an existing cluster: after
 ``placement_timeout_s``, since an autoscaler may still be adding nodes).
 
@@ -104,28 +105,26 @@ def create_pool(section: PoolSection, engine_config: Any, namespace: str, *, emb
 
     cpus = section.cpus_per_replica
     ranks = section.gang_size  # bundles per replica: one per rank of its gang
-    needed = section.replicas * ranks * cpus
-    have = ray.cluster_resources().get("CPU", 0)
-    if embedded and needed > have:
-        raise PoolError(
-            f"pool {section.name!r} needs {section.replicas} replicas x {ranks} ranks (ep_size x sp_size x tp_size) x {cpus} CPUs = "
-            f"{needed} CPUs, but the embedded Ray has {have:g}; lower the pool's replicas / ep_size / tp_size / sp_size / "
-            "cpus_per_replica or raise ray.num_cpus")
-    pg = placement_group([{"CPU": cpus} for _ in range(section.replicas * ranks)], strategy=section.placement_strategy,
+    bundle = rank_bundle(section)
+    if embedded:
+        _check_embedded_capacity(section, bundle, ray.cluster_resources())
+    pg = placement_group([dict(bundle) for _ in range(section.replicas * ranks)], strategy=section.placement_strategy,
                          name=f"duet-{namespace}-{section.name}")
     replicas: list[Replica] = []
     try:
         ready, _ = ray.wait([pg.ready()], timeout=placement_timeout_s)
         if not ready:
+            free, total = ray.available_resources(), ray.cluster_resources()
+            have = ", ".join(f"{free.get(k, 0):g} {k} free of {total.get(k, 0):g}" for k in bundle)
             raise PoolError(
-                f"pool {section.name!r}: could not reserve {section.replicas} bundles of {cpus} CPUs "
-                f"({section.placement_strategy}) within {placement_timeout_s:.0f} s; the cluster has "
-                f"{ray.available_resources().get('CPU', 0):g} CPUs free of {ray.cluster_resources().get('CPU', 0):g}. "
-                "Lower the pool's replicas / cpus_per_replica, add nodes, or relax placement_strategy")
+                f"pool {section.name!r}: could not reserve {section.replicas} replicas x {ranks} ranks = "
+                f"{section.replicas * ranks} bundles of {_shape(bundle)} ({section.placement_strategy}) within "
+                f"{placement_timeout_s:.0f} s; the cluster has {have}. Lower the pool's replicas / cpus_per_replica "
+                "/ gpus_per_rank, add nodes that offer these resources, or relax placement_strategy")
         for i in range(section.replicas):
             worker_id = f"{section.name}-{i}"
             options = dict(
-                name=worker_id, namespace=namespace, num_cpus=cpus, max_restarts=section.max_restarts,
+                name=worker_id, namespace=namespace, **rank_actor_options(section), max_restarts=section.max_restarts,
                 max_task_retries=0,  # a call lost with its process is reported, never silently re-run
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i * ranks))
             followers: tuple[Any, ...] = ()
@@ -165,7 +164,7 @@ def _create_gang(section: PoolSection, engine_config: Any, host: str | None, pg:
     parallel = ParallelConfig(ep_size=section.ep_size, sp_size=section.sp_size, tp_size=section.tp_size)
     followers = tuple(
         GangFollowerActor.options(
-            num_cpus=section.cpus_per_replica, max_restarts=section.max_restarts, max_task_retries=0,
+            **rank_actor_options(section), max_restarts=section.max_restarts, max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index * ranks + r),
         ).remote(engine_config, parallel, r)
         for r in range(1, ranks)
@@ -178,3 +177,48 @@ def _create_gang(section: PoolSection, engine_config: Any, host: str | None, pg:
             ray.kill(f, no_restart=True)
         raise
     return leader, followers
+
+
+# ---------------------------------------------------------------------------------- what a rank reserves
+def rank_bundle(section: PoolSection) -> dict[str, float]:
+    """One rank's placement-group bundle: ``cpus_per_replica`` CPUs, ``gpus_per_rank`` GPUs (when >
+    0) and the pool's ``resources_per_rank``. With a custom resource only the pool's own nodes
+    offer (the Helm chart's ``duet_pool_<name>``), Ray can place the pool's ranks nowhere else, and
+    an autoscaler reading the pending bundles adds nodes of that kind only. Example::
+
+        rank_bundle(PoolSection(name="decode", cpus_per_replica=2, gpus_per_rank=1,
+                                resources_per_rank={"duet_pool_decode": 1}))
+        # {'CPU': 2, 'GPU': 1, 'duet_pool_decode': 1}
+    """
+    bundle: dict[str, float] = {"CPU": section.cpus_per_replica}
+    if section.gpus_per_rank > 0:
+        bundle["GPU"] = section.gpus_per_rank
+    bundle.update(section.resources_per_rank)
+    return bundle
+
+
+def rank_actor_options(section: PoolSection) -> dict[str, Any]:
+    """The Ray actor options of one rank (a plain worker, a gang's leader or follower): exactly its
+    bundle, so GPUs are assigned to it (CUDA_VISIBLE_DEVICES) and the custom resources are held."""
+    return {"num_cpus": section.cpus_per_replica, "num_gpus": section.gpus_per_rank,
+            "resources": dict(section.resources_per_rank)}
+
+
+def _check_embedded_capacity(section: PoolSection, bundle: dict[str, float], cluster: dict[str, float]) -> None:
+    """An embedded Ray cannot grow: a pool needing more of any resource than it has fails at once."""
+    ranks = section.gang_size
+    for name, amount in bundle.items():
+        needed, have = section.replicas * ranks * amount, cluster.get(name, 0)
+        if needed <= have:
+            continue
+        fix = {"CPU": "cpus_per_replica or raise ray.num_cpus", "GPU": "gpus_per_rank"}.get(
+            name, "resources_per_rank (an embedded Ray offers no custom resources; join a cluster whose "
+                  "nodes do with ray.address)")
+        raise PoolError(
+            f"pool {section.name!r} needs {section.replicas} replicas x {ranks} ranks (ep_size x sp_size x tp_size) "
+            f"x {amount:g} {name} = {needed:g} {name}, but the embedded Ray has {have:g}; lower the pool's replicas / "
+            f"ep_size / tp_size / sp_size / {fix}")
+
+
+def _shape(bundle: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in bundle.items()) + "}"

@@ -3,9 +3,10 @@
 worker pod, the drafters group and the pools' drafter_resources meet in Ray's scheduler, and bad
 values are refused with a message naming the value.
 
-Terms: a *rank* is one Ray actor in its own placement-group bundle of cpus_per_replica CPUs; a
-*replica* (one endpoint) is a gang of ep_size * sp_size * tp_size ranks; the chart gives each
-replica one worker pod holding its whole gang.
+Terms: a *rank* is one Ray actor in its own placement-group bundle (cluster/pools.py rank_bundle:
+cpus_per_replica CPUs, gpus_per_rank GPUs, resources_per_rank); a *replica* (one endpoint) is a gang
+of ep_size * sp_size * tp_size ranks; the chart gives each replica one worker pod holding its whole
+gang, and each pool's group a custom Ray resource duet_pool_<name> that only the pool's ranks ask for.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 import pytest
 import yaml
 from helm_tools import CHART, RELEASE, by_kind, loaded_config, one, ray_node_types, render, run_helm
+
+from cluster.pools import rank_bundle
 
 # poolDefaults value (dotted) -> (a --set of it, relative to poolDefaults, other than the default;
 # the PoolSection attribute it sets; what that attribute then holds). Every poolDefaults leaf is
@@ -27,6 +30,7 @@ REACHES_CONFIG: dict[str, tuple[str, str, Any]] = {
     "tpSize": ("tpSize=2", "tp_size", 2),
     "placementStrategy": ("placementStrategy=PACK", "placement_strategy", "PACK"),
     "maxRestarts": ("maxRestarts=3", "max_restarts", 3),
+    "gpusPerRank": ("gpusPerRank=2", "gpus_per_rank", 2.0),  # also sizes the pod
     "engine.blockSize": ("engine.blockSize=32", "engine.block_size", 32),
     "engine.kvCacheMemory": ("engine.kvCacheMemory=64MiB", "engine.kv_cache_memory_bytes", 64 << 20),
     "engine.maxNumBatchedTokens": ("engine.maxNumBatchedTokens=1024", "engine.max_num_batched_tokens", 1024),
@@ -48,8 +52,8 @@ REACHES_CONFIG: dict[str, tuple[str, str, Any]] = {
 }
 P0 = ["pools[0].name=p"]
 DRAFT = ["poolDefaults.speculative.method=draft_model", "poolDefaults.speculative.draftModel=/m/d"]
-POD_ONLY = {"minReplicas", "maxReplicas", "memoryPerRank", "gpusPerRank", "nodeSelector", "tolerations", "affinity"}
-NOT_YET_USED = {"slo", "gpusPerRank"}  # the README and NOTES say so (test_chart_readme.py)
+POD_ONLY = {"minReplicas", "maxReplicas", "memoryPerRank", "nodeSelector", "tolerations", "affinity"}
+NOT_YET_USED = {"slo"}  # the README and NOTES say so (test_chart_readme.py)
 FREE_FORM = {"slo", "nodeSelector", "affinity", "drafterResources"}  # maps that are one value each
 
 
@@ -66,7 +70,7 @@ def _leaves(values: dict, prefix: str = "") -> set[str]:
 def _attr(obj: Any, dotted: str) -> Any:
     for name in dotted.split("."):
         obj = getattr(obj, name)
-    return dict(obj) if name == "drafter_resources" else obj
+    return dict(obj) if name in ("drafter_resources", "resources_per_rank") else obj
 
 
 def _render(helm, *sets: str) -> dict[str, list[dict]]:
@@ -95,8 +99,9 @@ def test_pool_value_reaches_its_config_key(helm, tmp_path, key):
 
 
 def test_a_replica_is_one_pod_holding_its_gang(helm, tmp_path):
-    """ep 2 x sp 1 x tp 3 = 6 ranks of 3 CPUs, 1 GPU and 5Gi each: one 18-CPU, 6-GPU, 30Gi pod per
-    replica, and Ray's autoscaler sees exactly the room for the pool's 2 x 6 bundles in 2 pods."""
+    """ep 2 x sp 1 x tp 3 = 6 ranks of 3 CPUs, 1 GPU and 5Gi each: one 18-CPU, 6-GPU, 30Gi pod with 6
+    duet_pool_default slots per replica, and Ray's autoscaler sees exactly the room for the pool's 2 x 6
+    bundles in 2 pods."""
     kinds = _render(helm, "image.variant=cuda", "poolDefaults.replicas=2", "poolDefaults.maxReplicas=3",
                     "poolDefaults.epSize=2", "poolDefaults.tpSize=3", "poolDefaults.cpusPerRank=3",
                     "poolDefaults.gpusPerRank=1", "poolDefaults.memoryPerRank=5Gi")
@@ -104,14 +109,16 @@ def test_a_replica_is_one_pod_holding_its_gang(helm, tmp_path):
     assert (pool.gang_size, pool.cpus_per_replica, pool.replicas) == (6, 3, 2)
     group = _groups(kinds)["default"]
     assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (2, 2, 3)
-    assert group["rayStartParams"] == {"num-cpus": "18", "num-gpus": "6"}
+    assert group["rayStartParams"] == {"num-cpus": "18", "num-gpus": "6", "resources": '"{\\"duet_pool_default\\": 6}"'}
     resources = group["template"]["spec"]["containers"][0]["resources"]
     assert resources["requests"] == {"cpu": "18", "memory": "30Gi", "nvidia.com/gpu": "6"}
     assert resources["limits"] == {"memory": "30Gi", "nvidia.com/gpu": "6"}
     offered = ray_node_types(kinds)["default"]["resources"]
-    bundles = pool.replicas * pool.gang_size  # cluster/pools.py: one {CPU: cpus_per_replica} bundle per rank
-    assert offered["CPU"] * group["replicas"] == bundles * pool.cpus_per_replica
-    assert offered["GPU"] == pool.gang_size and offered["memory"] == 30 << 30
+    bundle = rank_bundle(pool)  # what each of the pool's replicas x gang ranks reserves
+    assert bundle == {"CPU": 3, "GPU": 1.0, "duet_pool_default": 1}
+    for name, amount in bundle.items():  # a pod holds exactly one gang
+        assert offered[name] == pool.gang_size * amount
+    assert offered["memory"] == 30 << 30
 
 
 def test_drafters_group_and_drafter_resources_meet(helm, tmp_path):
@@ -134,6 +141,37 @@ def test_drafters_group_and_drafter_resources_meet(helm, tmp_path):
     assert group["template"]["spec"]["nodeSelector"] == {"pool": "cpu"}
     assert "duet.ai/pool" not in group["template"]["metadata"]["labels"]
     assert group["template"]["spec"]["containers"][0]["resources"]["limits"] == {"memory": "16Gi"}
+
+
+def test_each_pool_group_offers_only_its_own_resource(helm, tmp_path):
+    """Three pools (a GPU prefill gang, a CPU decode pool, a second decode pool) and the drafters: each
+    pool's ConfigMap entry asks for its own resource, exactly its own group offers it, and Ray's
+    autoscaler bin-packing (what KubeRay's autoscaler does with pending bundles) fits the pool's
+    bundles onto its own group's pods and onto no other group's -- while a CPU-only bundle, the
+    shape before per-pool resources, would have fitted onto another group's pods too."""
+    from ray.autoscaler._private.resource_demand_scheduler import get_bin_pack_residual
+
+    kinds = _render(helm, "image.variant=cuda", "drafters.enabled=true", "drafters.cpusPerPod=8",
+                    "pools[0].name=pre", "pools[0].role=prefill", "pools[0].tpSize=2", "pools[0].gpusPerRank=1",
+                    "pools[0].replicas=2", "pools[1].name=dec", "pools[1].role=decode", "pools[1].maxReplicas=3",
+                    "pools[2].name=dec_long", "pools[2].role=decode", "pools[2].cpusPerRank=4")
+    config = loaded_config(kinds, tmp_path)
+    node_types = ray_node_types(kinds)
+    standard = {"CPU", "GPU", "memory", "object_store_memory"}
+    custom = {group: {k: v for k, v in t["resources"].items() if k not in standard} for group, t in node_types.items()}
+    assert custom == {"headgroup": {}, "pre": {"duet_pool_pre": 2}, "dec": {"duet_pool_dec": 1},
+                      "dec-long": {"duet_pool_dec_long": 1}, "drafters": {"drafter": 8}}
+    for pool in config.pools:
+        own = pool.name.replace("_", "-")
+        assert dict(pool.resources_per_rank) == {f"duet_pool_{pool.name}": 1}
+        assert pool.gpus_per_rank == (1 if pool.name == "pre" else 0)
+        bundles = [rank_bundle(pool) for _ in range(pool.replicas * pool.gang_size)]
+        pods = [dict(node_types[own]["resources"]) for _ in range(node_types[own]["max_workers"])]  # one dict each
+        assert get_bin_pack_residual(pods, bundles)[0] == [], f"{pool.name}: its bundles do not fit its own pods"
+        others = [dict(t["resources"]) for g, t in node_types.items() if g != own for _ in range(8)]
+        assert get_bin_pack_residual(others, bundles)[0] == bundles, f"{pool.name}: bundles fit another group"
+        cpu_only = [{"CPU": pool.cpus_per_replica} for _ in bundles]
+        assert get_bin_pack_residual(others, cpu_only)[0] == [], "control: CPU-only bundles fit elsewhere"
 
 
 @pytest.mark.parametrize(("sets", "expected"), [
@@ -160,7 +198,7 @@ def test_disaggregated_pools_keep_their_own_settings(helm, tmp_path):
     assert (pre.role, pre.tp_size, pre.replicas, pre.speculative.method) == ("prefill", 2, 1, "none")
     assert (dec.role, dec.tp_size, dec.replicas, dec.speculative.method) == ("decode", 1, 3, "ngram")
     groups = _groups(kinds)
-    assert groups["pre"]["rayStartParams"] == {"num-cpus": "4", "num-gpus": "2"}
+    assert groups["pre"]["rayStartParams"] == {"num-cpus": "4", "num-gpus": "2", "resources": '"{\\"duet_pool_pre\\": 2}"'}
     assert groups["pre"]["template"]["spec"]["nodeSelector"] == {"gpu": "l4"}
     assert "tolerations" not in groups["pre"]["template"]["spec"]
     assert groups["dec"]["template"]["spec"]["tolerations"] == [{"key": "spot", "operator": "Exists"}]
@@ -187,6 +225,7 @@ def test_disaggregated_pools_keep_their_own_settings(helm, tmp_path):
     (["model.quantization=q8"], "at '/model/quantization': value must be one of 'none', 'int8', 'q4'"),
     (["drafters.rayResource=CPU"], "at '/drafters/rayResource'"),
     (["drafters.rayResource=has space"], "at '/drafters/rayResource'"),
+    (["drafters.rayResource=duet_pool_default"], "at '/drafters/rayResource'"),  # the pools' own
     (["poolDefaults.replicas=-1"], "at '/poolDefaults/replicas': minimum: got -1, want 1"),
     (["router.port=70000"], "at '/router/port': maximum: got 70,000, want 65,535"),
     (["router.policy=fastest"], "at '/router/policy': value must be one of"),

@@ -7,7 +7,8 @@ worked example (ci/colocated, ci/disaggregated with CPU drafters, ci/moe with EP
 * the RayCluster holds to the subset of KubeRay's ray.io/v1 CRD listed in KUBERAY_* below, and
   Ray's own KubeRay autoscaler reads from it the resources each group's pods offer;
 * the ConfigMap's duet.yaml loads with Duet's own loader (cluster.config.load_config), and what it
-  says matches the objects (ports, probes, the router's --membership target, worker groups);
+  says matches the objects (ports, probes, the router's --membership target, worker groups, each
+  pool's own Ray resource: Ray's autoscaler packs exactly one gang's rank bundles into a pod);
 * values the code does not use yet are listed in NOTES.
 
 Pools, gangs, speculative decoding and bad values: test_chart_pools.py.
@@ -127,6 +128,10 @@ def test_raycluster_uses_only_documented_kuberay_fields(variant):
 
 
 def test_configmap_loads_with_duets_loader_and_matches_the_objects(variant, tmp_path):
+    from ray.autoscaler._private.resource_demand_scheduler import get_bin_pack_residual
+
+    from cluster.pools import rank_bundle
+
     name, values_file, by_kind = variant
     config = loaded_config(by_kind, tmp_path)
     values = yaml.safe_load((CHART / "values.yaml").read_text())
@@ -149,11 +154,20 @@ def test_configmap_loads_with_duets_loader_and_matches_the_objects(variant, tmp_
     # Every pool is a worker group with one pod per replica, labelled with the pool and its role; a
     # pod holds the replica's whole gang: gang_size bundles of cpus_per_replica CPUs.
     groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    node_types = ray_node_types(by_kind)
     assert set(groups) - {"drafters"} == {pool.name.replace("_", "-") for pool in config.pools}
     for pool in config.pools:
         group = groups[pool.name.replace("_", "-")]
         assert group["replicas"] == pool.replicas
         assert group["rayStartParams"]["num-cpus"] == str(pool.gang_size * pool.cpus_per_replica)
+        # the pool's ranks ask for its own resource, and its pods offer one unit per rank slot
+        assert dict(pool.resources_per_rank) == {f"duet_pool_{pool.name}": 1}
+        offered = node_types[group["groupName"]]["resources"]
+        assert offered[f"duet_pool_{pool.name}"] == pool.gang_size
+        assert offered.get("GPU", 0) == pool.gang_size * pool.gpus_per_rank
+        gang = [rank_bundle(pool) for _ in range(pool.gang_size)]  # Ray's autoscaler: one pod holds one gang
+        assert get_bin_pack_residual([dict(offered)], gang)[0] == []
+        assert get_bin_pack_residual([dict(offered)], [*gang, rank_bundle(pool)])[0] == [rank_bundle(pool)]
         labels = group["template"]["metadata"]["labels"]
         assert (labels["duet.ai/pool"], labels["duet.ai/role"]) == (pool.name, pool.role)
         config.to_engine_config(pool)  # what each worker of the pool runs: the engine config validates too
@@ -243,7 +257,8 @@ def test_variant_specifics(variant, tmp_path):
         assert (moe.ep_size, moe.tp_size, moe.sp_size, moe.gang_size, moe.cpus_per_replica) == (4, 1, 1, 4, 2)
         assert moe.placement_strategy == "PACK"
         assert config.model.name == "/models/mixtral-upcycled"
-        assert groups["moe"]["rayStartParams"] == {"num-cpus": "8", "num-gpus": "4"}
+        assert groups["moe"]["rayStartParams"] == {"num-cpus": "8", "num-gpus": "4", "resources": '"{\\"duet_pool_moe\\": 4}"'}
+        assert (moe.gpus_per_rank, dict(moe.resources_per_rank)) == (1, {"duet_pool_moe": 1})
         assert pod["moe"] == {"memory": "64Gi", "nvidia.com/gpu": "4"}
         volumes = {v["name"]: v for v in groups["moe"]["template"]["spec"]["volumes"]}
         assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "moe-weights"
@@ -252,8 +267,9 @@ def test_variant_specifics(variant, tmp_path):
         assert [(p.name, p.tp_size, p.sp_size, p.ep_size) for p in config.pools] == [
             ("chat", 4, 1, 1), ("long_context", 2, 2, 1)]
         assert pools["long_context"].engine.max_num_batched_tokens == 2048
-        for group in ("chat", "long-context"):
-            assert groups[group]["rayStartParams"] == {"num-cpus": "8", "num-gpus": "4"}
+        for group, pool in (("chat", "chat"), ("long-context", "long_context")):
+            assert groups[group]["rayStartParams"] == {
+                "num-cpus": "8", "num-gpus": "4", "resources": f'"{{\\"duet_pool_{pool}\\": 4}}"'}
             assert pod[group] == {"memory": "48Gi", "nvidia.com/gpu": "4"}
         assert (groups["chat"]["replicas"], groups["chat"]["maxReplicas"]) == (2, 4)
     else:
@@ -266,10 +282,11 @@ def test_not_yet_used_values_are_reported_in_notes(helm):
     assert r.returncode == 0, r.stderr
     notes = r.stdout[r.stdout.index("NOTES:"):]
     assert "NOT YET USED" in notes
-    for line in ("pools[prefill].slo", "pools[decode].gpusPerRank=1", "Ray may place a pool's ranks on another group's pods",
-                 'decode (decode, 2 x 1-rank replica: 2 CPU + 1 GPU per pod; speculative draft_model)',
+    for line in ("pools[prefill].slo", 'decode (decode, 2 x 1-rank replica: 2 CPU + 1 GPU per pod; speculative draft_model)',
                  'drafters (2 x 16 CPU, Ray resource "drafter")'):
         assert line in notes, line
+    # GPUs and per-pool placement are wired (gpus_per_rank, resources_per_rank): no warning about them
+    assert "gpusPerRank" not in notes and "another group" not in notes and "reserve only CPUs" not in notes
     r = run_helm(helm, "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
                  "-f", str(VARIANTS["moe-values"]))
     assert "moe (colocated, 2 x 4-rank replica [ep 4 x sp 1 x tp 1]: 8 CPU + 4 GPU per pod)" in r.stdout
@@ -281,3 +298,9 @@ def test_not_yet_used_values_are_reported_in_notes(helm):
     assert r.returncode == 0 and 'pools default request GPUs but image.variant is "cpu"' in r.stdout
     r = run_helm(helm, "install", RELEASE, str(CHART), "--dry-run=client", "--set", "drafters.enabled=true")
     assert r.returncode == 0 and "no pool has speculative.method draft_model" in r.stdout
+    r = run_helm(helm, "install", RELEASE, str(CHART), "--dry-run=client", "--set", "poolDefaults.speculative.method=draft_model",
+                 "--set", "poolDefaults.speculative.draftModel=/m/d")  # no drafters group: drafters ask for CPUs only
+    assert r.returncode == 0 and "pools[default].speculative.drafterResources is {}: its drafter actors ask for CPUs only" in r.stdout
+    r = run_helm(helm, "install", RELEASE, str(CHART), "--dry-run=client", "--set", "poolDefaults.speculative.method=draft_model",
+                 "--set", "poolDefaults.speculative.draftModel=/m/d", "--set", "drafters.enabled=true")
+    assert r.returncode == 0 and "drafterResources is {}" not in r.stdout

@@ -95,13 +95,11 @@ but would not behave as the values suggest (one line each; NOTES.txt prints them
 {{- if .slo }}
 - pools[{{ .name }}].slo: the SLO autoscaler is not wired into `duet serve` yet; the pool keeps its size (KubeRay's autoscaler still applies)
 {{- end }}
-{{- if gt (int .gpusPerRank) 0 }}
-- pools[{{ .name }}].gpusPerRank={{ .gpusPerRank }}: the pods get the GPUs and Ray advertises them, but Duet's pool config has no GPU key yet (rank actors reserve CPUs only)
+{{- if eq .speculative.method "draft_model" }}{{ $drafting = append $drafting .name }}
+{{- if not .drafterResourcesResolved }}
+- pools[{{ .name }}].speculative.drafterResources is {}: its drafter actors ask for CPUs only, so Ray may put them on any pod with spare CPUs and KubeRay's autoscaler may add another group's pod for them; enable drafters (or name a resource)
 {{- end }}
-{{- if eq .speculative.method "draft_model" }}{{ $drafting = append $drafting .name }}{{ end }}
 {{- end }}
-{{- if or (gt (len $pools) 1) $drafterGroup }}
-- worker groups: Duet's placement groups reserve only CPUs ({CPU: cpusPerRank} per rank), so Ray may place a pool's ranks on another group's pods (another pool's or the drafters'); give groups disjoint nodeSelectors and sizes that leave no spare CPUs, or run one pool per RayCluster
 {{- end }}
 {{- if and $drafterGroup (not $drafting) }}
 - drafters.enabled: no pool has speculative.method draft_model, so nothing requests the drafter pods' "{{ .Values.drafters.rayResource }}" resource
@@ -171,6 +169,7 @@ grpc: {port: {{ $v.router.port }}}
 {{- $pools = append $pools (dict "name" .name "role" .role "replicas" (int .replicas)
       "cpus_per_replica" (int .cpusPerRank) "placement_strategy" .placementStrategy
       "max_restarts" (int .maxRestarts) "ep_size" (int .epSize) "sp_size" (int .spSize) "tp_size" (int .tpSize)
+      "gpus_per_rank" (int .gpusPerRank) "resources_per_rank" (dict .rayResource 1)
       "engine" $engine "speculative" $speculative) }}
 {{- end }}
 {{- $config := dict

@@ -93,6 +93,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 the derived keys the templates share:
   gang           ranks per replica = epSize * spSize * tpSize (a replica is one worker pod)
   podCpus/podGpus/podMemory   what that pod requests: gang x the per-rank amounts
+  rayResource    the pool's own custom Ray resource, duet_pool_<name>: each rank's bundle asks for one
+                 unit (resources_per_rank in the ConfigMap), and only the pool's worker group offers it
+  rayResources   what each of the group's pods offers of it: {duet_pool_<name>: gang}, one unit per rank slot
   drafterResourcesResolved    the Ray resources its drafter actors request (see "duet.drafterResources")
 Numbers come back as float64 from JSON: wrap them in int where an integer is needed. */}}
 {{- define "duet.pools" -}}
@@ -108,6 +111,8 @@ Numbers come back as float64 from JSON: wrap them in int where an integer is nee
 {{- $_ := set $pool "podCpus" (mul $gang (int $pool.cpusPerRank)) }}
 {{- $_ := set $pool "podGpus" (mul $gang (int $pool.gpusPerRank)) }}
 {{- $_ := set $pool "podMemory" (printf "%d%s" (mul $gang $memAmount) $memUnit) }}
+{{- $_ := set $pool "rayResource" (printf "duet_pool_%s" $pool.name) }}
+{{- $_ := set $pool "rayResources" (dict $pool.rayResource $gang) }}
 {{- $_ := set $pool "drafterResourcesResolved" (include "duet.drafterResources" (dict "root" $ "spec" $pool.speculative) | fromJson) }}
 {{- $out = append $out $pool }}
 {{- end }}
