@@ -108,6 +108,7 @@ def create_pool(section: PoolSection, engine_config: Any, namespace: str, *, emb
     bundle = rank_bundle(section)
     if embedded:
         _check_embedded_capacity(section, bundle, ray.cluster_resources())
+        _check_embedded_drafters(section, ray.cluster_resources())
     pg = placement_group([dict(bundle) for _ in range(section.replicas * ranks)], strategy=section.placement_strategy,
                          name=f"duet-{namespace}-{section.name}")
     replicas: list[Replica] = []
@@ -218,6 +219,22 @@ def _check_embedded_capacity(section: PoolSection, bundle: dict[str, float], clu
             f"pool {section.name!r} needs {section.replicas} replicas x {ranks} ranks (ep_size x sp_size x tp_size) "
             f"x {amount:g} {name} = {needed:g} {name}, but the embedded Ray has {have:g}; lower the pool's replicas / "
             f"ep_size / tp_size / sp_size / {fix}")
+
+
+def _check_embedded_drafters(section: PoolSection, cluster: dict[str, float]) -> None:
+    """Each replica of a draft_model pool starts a drafter actor outside the pool's bundles: an
+    embedded Ray must have room for those too, or every worker would wait for its drafter."""
+    sp = section.speculative
+    if sp.method != "draft_model":
+        return
+    need = {"CPU": section.replicas * (section.gang_size * section.cpus_per_replica + sp.drafter_cpus)}
+    need.update({k: section.replicas * v for k, v in sp.drafter_resources.items()})
+    for name, amount in need.items():
+        if amount > cluster.get(name, 0):
+            raise PoolError(
+                f"pool {section.name!r}: {section.replicas} workers plus their drafter actors need {amount:g} {name}, "
+                f"but the embedded Ray has {cluster.get(name, 0):g}; lower speculative.drafter_cpus or the replicas, "
+                "raise ray.num_cpus, or drop speculative.drafter_resources (an embedded Ray offers no custom ones)")
 
 
 def _shape(bundle: dict[str, float]) -> str:

@@ -33,18 +33,17 @@ EMA = 0.3  # weight of the newest observation
 
 
 class LinearCost:
-    """seconds ~ a + b * n, least squares over a window of recent (n, seconds) samples. Until two
+    """seconds ~ a + b * n, least squares over a window of recent (n, seconds) samples (a short
+    window, so warm-up and load spikes age out within a few dozen steps). Until two
     distinct sizes n have been seen, the split of the mean between a and b follows ``prior_ratio``
     (b = prior_ratio * a: what one more token costs relative to the fixed part)."""
 
-    def __init__(self, prior_ratio: float, window: int = 64) -> None:
+    def __init__(self, prior_ratio: float, window: int = 32) -> None:
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)
         self.prior_ratio = prior_ratio
         self.a = self.b = 0.0
 
     def add(self, n: float, seconds: float) -> None:
-        if len(self._samples) >= 8 and seconds > 3.0 * self(n):
-            return  # an outlier (warm-up, a GC pause, a noisy neighbour): keep the fit
         self._samples.append((n, seconds))
         m = len(self._samples)
         mean_x = sum(x for x, _ in self._samples) / m

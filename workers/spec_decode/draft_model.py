@@ -65,7 +65,7 @@ class DraftModelProposer:
     name = "draft_model"
 
     def __init__(self, connect: Connector, timeout_s: float = 2.0, overlap: bool = True,
-                 initial_wait_s: float = 300.0) -> None:
+                 initial_wait_s: float = 120.0) -> None:
         """connect: see ``Connector``; timeout_s: a call slower than this (plus 1x per 256 new
         context tokens, for first calls that compute a prompt) drops the drafter; initial_wait_s: how
         long construction waits for the drafter to load before starting without it."""
