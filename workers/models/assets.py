@@ -42,9 +42,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from workers.errors import CheckpointError, ModelNotFoundError
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -296,7 +299,7 @@ def _convert_gguf(gguf: Path, out: Path, source: GGUFSource) -> None:
     logger.info("converted %d tensors in %.1f s", len(tensors), time.perf_counter() - start)
 
 
-def _own_storage(t: Any) -> Any:
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself if it spans its whole storage, else a copy (safetensors refuses tensors that
     share or view a larger storage)."""
     return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
