@@ -320,7 +320,7 @@ def _write_marker(out: Path, source: GGUFSource) -> None:
     (out / MARKER).chmod(0o644)
 
 
-def _is_complete(target: Path, source: GGUFSource = SMOLLM2_SOURCE) -> bool:
+def _is_complete(target: Path, source: GGUFSource) -> bool:
     """True if ``target`` has a marker for ``source``'s GGUF and every recorded file at its size."""
     try:
         marker = json.loads((target / MARKER).read_text(encoding="utf-8"))
