@@ -95,8 +95,10 @@ def chat(tokenizer, prompt: str) -> list[int]:
                                          tokenize=True, return_dict=False)
 
 
-def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: int, speculate: bool = True
+               ) -> tuple[float, list[list[int]]]:
+    """Greedy; speculate False runs the same engine with speculation off for these requests."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, num_speculative_tokens=None if speculate else 0)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     return time.perf_counter() - t0, [o.token_ids for o in outs]
@@ -111,9 +113,10 @@ def spec_delta(llm: LLM, before) -> dict[str, Any]:
             "draft_tokens": drafted, "verifies": verifies, "fallbacks": s.num_fallbacks - before.num_fallbacks}
 
 
-def compare(plain: LLM, spec: LLM, batches: list[list[list[int]]], max_tokens: int, repeats: int,
+def compare(spec: LLM, batches: list[list[list[int]]], max_tokens: int, repeats: int,
             plain_threads: int, spec_threads: int) -> dict[str, Any]:
-    """Alternate plain / speculative over ``batches`` (each run as one generate call)."""
+    """Alternate plain / speculative over ``batches`` (each run as one generate call) on one engine:
+    plain = the same engine and weights with speculation off per request."""
     rows: dict[str, list] = {"plain_tok_s": [], "spec_tok_s": [], "load": []}
     agg = None
     mismatches = 0
@@ -121,7 +124,7 @@ def compare(plain: LLM, spec: LLM, batches: list[list[list[int]]], max_tokens: i
         meter = CpuLoadMeter()
         for batch in batches:
             torch.set_num_threads(plain_threads)
-            t_plain, out_plain = run_engine(plain, batch, max_tokens)
+            t_plain, out_plain = run_engine(spec, batch, max_tokens, speculate=False)
             torch.set_num_threads(spec_threads)
             before = spec.engine.stats().spec
             t_spec, out_spec = run_engine(spec, batch, max_tokens)
@@ -144,17 +147,16 @@ def compare(plain: LLM, spec: LLM, batches: list[list[list[int]]], max_tokens: i
 
 # ------------------------------------------------------------------- ngram
 def part_ngram(args) -> dict[str, Any]:
-    plain = LLM("SmolLM2-135M-Instruct", kv_cache_memory_bytes=256 << 20)
     spec = LLM("SmolLM2-135M-Instruct", kv_cache_memory_bytes=256 << 20,
                speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=args.k))
-    tok = plain.tokenizer
+    tok = spec.tokenizer
     out: dict[str, Any] = {}
     for name, prompts in (("repetitive", REPETITIVE), ("open", OPEN)):
         ids = [chat(tok, p) for p in prompts]
-        for w in (plain, spec):  # warm-up: kernel loading, allocator growth
-            run_engine(w, ids[:2], 8)
-        out[f"{name}_batch1"] = compare(plain, spec, [[x] for x in ids], args.max_tokens, args.repeats, 2, 2)
-        out[f"{name}_batch8"] = compare(plain, spec, [ids], args.max_tokens, args.repeats, 2, 2)
+        for speculate in (False, True):  # warm-up: kernel loading, allocator growth
+            run_engine(spec, ids[:2], 8, speculate)
+        out[f"{name}_batch1"] = compare(spec, [[x] for x in ids], args.max_tokens, args.repeats, 2, 2)
+        out[f"{name}_batch8"] = compare(spec, [ids], args.max_tokens, args.repeats, 2, 2)
         logger.info("%s: %s", name, {k: v["speedup"] for k, v in out.items()})
     return out
 
@@ -192,20 +194,29 @@ def _pair_engine(args, target_path: Path, draft_path: Path) -> dict[str, Any]:
     spec_cfg = SpeculativeConfig(method="draft_model", draft_model=str(draft_path), num_speculative_tokens=args.k,
                                  draft_quantization=args.quantization, drafter_cpus=1, draft_timeout_s=30.0)
     common = dict(kv_cache_memory_bytes=512 << 20, quantization=args.quantization)
-    plain = LLM(str(target_path), **common)
-    torch.set_num_threads(args.target_threads)
     spec = LLM(str(target_path), speculative=spec_cfg, **common)
-    ids = [chat(plain.tokenizer, p) for p in CODE_TASKS]
-    for w in (plain, spec):
-        run_engine(w, ids[:1], 4)
-    res = {"engine_batch1": compare(plain, spec, [[x] for x in ids[: args.pair_prompts]], args.max_tokens,
+    ids = [chat(spec.tokenizer, p) for p in CODE_TASKS]
+    for speculate in (False, True):
+        run_engine(spec, ids[:1], 4, speculate)
+    res = {"engine_batch1": compare(spec, [[x] for x in ids[: args.pair_prompts]], args.max_tokens,
                                     args.repeats, 2, args.target_threads),
-           "engine_batch8": compare(plain, spec, [ids], args.max_tokens, 1, 2, args.target_threads),
-           "drafter_transport_s": spec.engine.speculator.proposer.stats().extra, "_prompts": ids[: args.pair_prompts]}
+           "engine_batch8": compare(spec, [ids], args.max_tokens, 1, 2, args.target_threads),
+           "drafter": _drafter_stats(spec), "_prompts": ids[: args.pair_prompts]}
     spec.engine.speculator.close()
-    del plain, spec
+    del spec
     gc.collect()
     return res
+
+
+def _drafter_stats(llm: LLM) -> dict[str, Any]:
+    """The drafter link: calls, time waiting for drafts, and the transport share of it (wall time of
+    the gRPC calls minus the drafter's own compute), per call."""
+    st = llm.engine.speculator.proposer.stats()
+    calls = max(st.calls, 1)
+    return {"calls": st.calls, "wait_ms_per_call": round(1e3 * st.seconds / calls, 2),
+            "transport_ms_per_call": round(1e3 * st.extra["transport_seconds"] / calls, 3),
+            "overlap_hits": st.extra["overlap_hits"], "overlap_misses": st.extra["overlap_misses"],
+            "fallbacks": st.fallbacks}
 
 
 def _pair_hf(args, target_path: Path, draft_path: Path, prompts: list[list[int]], ours: dict) -> dict[str, Any]:
