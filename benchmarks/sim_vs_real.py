@@ -10,7 +10,9 @@ Side by side in one run:
     sim       cluster/simulator.py, one colocated replica with the profile's service model, replaying
               exactly those arrivals (same times, same prompt and output lengths)
 
-Both sides use one definition: TTFT = first token - send, TPOT = (last - first token) / (n - 1),
+The deployments run with the prefix cache off: the simulator does not model it, and the
+benchmark sends the same prompts on every path and rate, so with it on every pass after the
+first would be a cache hit. Both sides use one definition: TTFT = first token - send, TPOT = (last - first token) / (n - 1),
 p90 linear-interpolated (benchmarks/serving_metrics.percentile).
 
 Tolerance, and why. The simulator is a fitted model (prefill a + b P, decode step c + d B; no
@@ -147,7 +149,10 @@ def _bench(args: argparse.Namespace, rates: str, n: int, seed: int) -> dict[str,
     from benchmarks import serving_bench
 
     bench_argv = ["--model", args.model, "--rates", rates, "--num-requests", str(n), "--min-output",
-                  str(args.min_output), "--max-output", str(args.max_output), "--overhead-requests", "0",
+                  str(args.min_output), "--max-output", str(args.max_output),
+                  # a few closed-loop requests first (serving_bench's overhead phase, which warms up
+                  # channels and caches), so the first rate's requests are not cold ones
+                  "--overhead-requests", "4", "--no-prefix-caching",
                   "--echo-overhead-requests", "0", "--seed", str(seed), "--slo-ttft-ms", "60000",
                   "--slo-tpot-ms", "10000", "--timeout", str(args.timeout), "--no-plot"]
     return serving_bench.run(serving_bench.build_parser().parse_args(bench_argv))
