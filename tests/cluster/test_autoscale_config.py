@@ -68,3 +68,15 @@ def test_valid_section_becomes_the_autoscaler_config(files):
 def test_mistakes_name_the_key(files, section, message):
     with pytest.raises(ClusterConfigError, match=message):
         load_config(files(section), env={})
+
+
+def test_the_merged_config_loads_back(files, tmp_path):
+    """What `duet serve --dry-run` prints (to_dict as YAML) is itself a valid config: empty lists
+    (no metrics_urls, no pools to scale) included."""
+    import yaml
+
+    for config in (load_config(env={}), load_config(files(
+            "  pools:\n    - {pool: decode, slo_tpot_ms: 80, profile: PROFILE, max_replicas: 4}"), env={})):
+        path = tmp_path / "merged.yaml"
+        path.write_text(yaml.safe_dump(config.to_dict()))
+        assert load_config(path, env={}) == config
