@@ -321,6 +321,8 @@ class Controller:
 
     def _set(self, r: _Replica, state: str, endpoint: str | None, error: str) -> None:
         with self._changed:
+            if r.state == "draining" or r not in self._replicas:
+                return  # retired meanwhile (retire() ran between this call's check and here): draining is final
             before = (r.state, r.endpoint)
             r.state, r.endpoint = state, endpoint
             if error:
