@@ -123,6 +123,9 @@ def start_deployment(config: DuetConfig, *, router_overrides: dict[str, Any] | N
     from workers.models.assets import resolve_model
 
     model_path = resolve_model(config.model.name)
+    if config.autoscaling.enabled and not with_router and not config.autoscaling.metrics_urls:
+        raise ServeError("autoscaling.enabled with no router in this process (--no-router): set "
+                         "autoscaling.metrics_urls to the routers' /metrics (`duet router --metrics-port`)")
     if with_router:  # before minutes of startup
         _check_port_free(config.router.host, config.router.port, "router.port", "--port")
     _check_port_free(config.controller.host, config.controller.port, "controller.port", "--controller-port")
@@ -184,11 +187,8 @@ def _start_autoscaler(d: Deployment) -> None:
     if not a.enabled:
         return
     sources = [http_source(url) for url in a.metrics_urls]
-    if not sources and d.router is not None:
+    if not sources:  # checked in start_deployment: without metrics_urls, this process runs the router
         sources = [metrics_registry(d.router.stats, d.router.server.metrics.registry).collect]
-    if not sources:
-        raise ServeError("autoscaling.enabled with no router in this process (--no-router): set "
-                         "autoscaling.metrics_urls to the routers' /metrics (`duet router --metrics-port`)")
     d.actuator = RayActuator(d.pools, d.controller, drain_grace_s=a.drain_grace_s)
     d.autoscaler = AutoscaleLoop(SLOAutoscaler(d.config.to_autoscaler_config()),
                                  PrometheusWindows(sources, window_buckets=a.window_buckets,

@@ -80,3 +80,12 @@ def test_the_merged_config_loads_back(files, tmp_path):
         path = tmp_path / "merged.yaml"
         path.write_text(yaml.safe_dump(config.to_dict()))
         assert load_config(path, env={}) == config
+
+
+def test_no_router_here_needs_metrics_urls_before_anything_starts(files, smollm2_path):
+    from cluster.serve import ServeError, start_deployment
+
+    config = load_config(files("  enabled: true\n  pools:\n    - {pool: decode, slo_tpot_ms: 80, profile: PROFILE, "
+                               "max_replicas: 4}"), env={}, overrides={"model.name": str(smollm2_path)})
+    with pytest.raises(ServeError, match="autoscaling.metrics_urls"):
+        start_deployment(config, with_router=False)  # fails at once: no Ray, no pool was started
