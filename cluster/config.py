@@ -16,6 +16,8 @@ Sections (see ``cluster/duet.example.yaml`` for a documented file):
     router      the public gRPC server: host, port, routing policy + options, admission limits
     ray         where the workers run: an existing cluster (``address``) or an embedded local one
     controller  how often membership and health are polled, how long a worker may take to start
+    autoscaling the SLO autoscaler in ``duet serve``: per-pool SLOs, profiles, bounds, cadence
+                (cluster/autoscale_config.py)
 
 "The pool" (``pool.*`` keys) is ``pools[0]``: env and flags address it by that alias (so
 ``--replicas`` sizes the first pool; size the others in the YAML file).
@@ -35,6 +37,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# ---- autoscaling section (cluster/autoscale_config.py) ----
+from cluster.autoscale_config import (
+    AutoscalePoolSection,
+    AutoscalingSection,
+    check_against_pools,
+    check_autoscale_pool,
+    check_autoscaling,
+    to_autoscaler_config,
+)
 from cluster.config_sources import (
     ClusterConfigError,
     Sources,
@@ -200,6 +211,7 @@ class DuetConfig:
     router: RouterSection = field(default_factory=RouterSection)
     ray: RaySection = field(default_factory=RaySection)
     controller: ControllerSection = field(default_factory=ControllerSection)
+    autoscaling: AutoscalingSection = field(default_factory=AutoscalingSection)
 
     @property
     def pool(self) -> PoolSection:
@@ -241,6 +253,10 @@ class DuetConfig:
             tls_cert_file=r.tls_cert_file, tls_key_file=r.tls_key_file, tls_client_ca_file=r.tls_client_ca_file,
             auth_tokens_file=r.auth_tokens_file, max_request_bytes=r.max_request_bytes,
             disagg_min_prompt_tokens=r.disagg_min_prompt_tokens, disagg_block_size=self.pool.engine.block_size, **extra)
+
+    def to_autoscaler_config(self):
+        """The ``cluster.autoscaler.AutoscalerConfig`` of the ``autoscaling`` section."""
+        return to_autoscaler_config(self.autoscaling, {p.name: p.role for p in self.pools})
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what ``duet serve --dry-run`` prints as YAML)."""
@@ -436,8 +452,10 @@ def _check_duet(c: DuetConfig, p: str, s: Sources) -> None:
     sizes = {pool.engine.block_size for pool in c.pools}
     need(len(sizes) == 1, "pools", names, s,
          f"every pool must use the same engine.block_size (KV blocks move between them), got {sorted(sizes)}")
+    check_against_pools(c.autoscaling, {pool.name: pool.role for pool in c.pools},
+                        {pool.name: pool.replicas for pool in c.pools}, s)
 
 
 _CHECKS = {ModelSection: _check_model, SpeculativeSection: _check_speculative, EngineSection: _check_engine, PoolSection: _check_pool,
            RouterSection: _check_router, RaySection: _check_ray, ControllerSection: _check_controller,
-           DuetConfig: _check_duet}
+           DuetConfig: _check_duet, AutoscalingSection: check_autoscaling, AutoscalePoolSection: check_autoscale_pool}
