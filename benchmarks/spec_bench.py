@@ -211,12 +211,28 @@ def _pair_engine(args, target_path: Path, draft_path: Path) -> dict[str, Any]:
 def _drafter_stats(llm: LLM) -> dict[str, Any]:
     """The drafter link: calls, time waiting for drafts, and the transport share of it (wall time of
     the gRPC calls minus the drafter's own compute), per call."""
-    st = llm.engine.speculator.proposer.stats()
+    prop = llm.engine.speculator.proposer
+    st = prop.stats()
     calls = max(st.calls, 1)
     return {"calls": st.calls, "wait_ms_per_call": round(1e3 * st.seconds / calls, 2),
-            "transport_ms_per_call": round(1e3 * st.extra["transport_seconds"] / calls, 3),
+            # wall time of the calls beyond the drafter's compute: transport + queueing behind an
+            # overlapped call still running on the drafter
+            "beyond_compute_ms_per_call": round(1e3 * st.extra["transport_seconds"] / calls, 3),
+            "empty_call_rtt_ms_median": _rtt_ms(prop),
             "overlap_hits": st.extra["overlap_hits"], "overlap_misses": st.extra["overlap_misses"],
             "fallbacks": st.fallbacks}
+
+
+def _rtt_ms(prop, n: int = 200) -> float:
+    """The gRPC link's own per-call cost: median round trip of an empty Propose to the drafter actor."""
+    from protos.duet.drafter.v1 import drafter_pb2
+
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        prop._stub.Propose(drafter_pb2.ProposeRequest(), timeout=10)
+        times.append(time.perf_counter() - t0)
+    return round(1e3 * statistics.median(times), 3)
 
 
 def _pair_hf(args, target_path: Path, draft_path: Path, prompts: list[list[int]], ours: dict) -> dict[str, Any]:

@@ -107,12 +107,19 @@ WORKER_COUNTERS = (
     ("kv_transfer_failures", "kv_transfer_failures", "failed KV transfers"),
     ("kv_transfer_seconds", "kv_transfer_seconds", "wall time spent in KV transfers"),
 )
-# ---- speculative decoding (to be filled in with the engine's acceptance stats) -------------------
-# Once LoadReport carries the drafter counters, add one row per counter here, in the same
-# (LoadReport field, metric name, help) form, e.g. the drafted and the accepted tokens; they are
-# exported as duet_worker_<name>_total{pool,worker_id}, and the acceptance rate is their ratio
-# (rate(accepted) / rate(drafted) in PromQL).
-SPEC_DECODE_COUNTERS: tuple[tuple[str, str, str], ...] = ()
+# ---- speculative decoding (workers/spec_decode/speculator.py) -----------------------------------
+# acceptance rate = rate(duet_worker_spec_accepted_tokens_total) / rate(..._spec_draft_tokens_total);
+# tokens per verify = rate(..._spec_emitted_tokens_total) / rate(..._spec_verifies_total). All stay 0
+# on workers without speculation.
+SPEC_DECODE_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("spec_verifies", "spec_verifies", "requests' draft windows verified in one target pass"),
+    ("spec_draft_tokens", "spec_draft_tokens", "draft tokens proposed and verified"),
+    ("spec_accepted_tokens", "spec_accepted_tokens", "draft tokens the target accepted"),
+    ("spec_emitted_tokens", "spec_emitted_tokens", "tokens appended by verifies (accepted + the target's own)"),
+    ("spec_draft_seconds", "spec_draft_seconds", "seconds the worker waited for drafts"),
+    ("spec_verify_seconds", "spec_verify_seconds", "seconds of target steps that verified drafts"),
+    ("spec_fallbacks", "spec_fallbacks", "requests that went without drafts because the drafter failed"),
+)
 
 
 class WorkerLoadCollector:

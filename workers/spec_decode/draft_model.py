@@ -74,6 +74,8 @@ class DraftModelProposer:
         self.actor = None  # the drafter's Ray actor handle, when this proposer created one
         self.timeout_s = timeout_s
         self.overlap = overlap
+        # transport_seconds: wall time of synchronous calls beyond the drafter's own compute (the gRPC
+        # link, plus queueing behind an overlapped call the drafter is still running)
         self._stats = ProposerStats(extra={"transport_seconds": 0.0, "overlap_hits": 0, "overlap_misses": 0})
         self._requests: dict[str, _Request] = {}
         self._ahead: dict[int, grpc.Future] = {}  # overlap batches in flight
