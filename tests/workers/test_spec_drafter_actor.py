@@ -87,14 +87,15 @@ def test_killing_the_drafter_mid_generation_keeps_output_exact(spec_engine, refe
 
 
 class _StallingEngine:
-    """A DraftEngine stand-in whose first call stalls past the proposer's timeout."""
+    """A DraftEngine stand-in whose calls number ``stall`` (1-based) take 1.5 s."""
 
-    def __init__(self) -> None:
+    def __init__(self, stall: tuple[int, ...] = (1,)) -> None:
         self.calls = 0
+        self.stall = stall
 
     def propose(self, items):
         self.calls += 1
-        if self.calls == 1:
+        if self.calls in self.stall:
             time.sleep(1.5)
         return [DraftResult(i.request_id, [7] * i.num_tokens) for i in items]
 
@@ -117,3 +118,16 @@ def test_a_stalled_drafter_is_dropped_and_reattached():
         prop.close()
     finally:
         server.stop(grace=0)
+
+
+def test_drafter_lost_during_an_overlapped_call_falls_back_cleanly():
+    """The drafter goes away while the overlapped (next-window) call is in flight: the step gets no
+    drafts (no exception reaches the engine) and the failure counts as a fallback."""
+    server, endpoint = serve_drafter(_StallingEngine(stall=(2,)))  # call 2 = the overlapped one
+    prop = DraftModelProposer(endpoint_connector(endpoint), timeout_s=5.0, overlap=True)
+    first = prop.propose([DraftAsk("r", [1, 2, 3], 3, greedy(8))])
+    assert first["r"].token_ids == [7, 7, 7]  # and the next window is being drafted meanwhile
+    server.stop(grace=0)  # cancels the overlapped call mid-way
+    assert prop.propose([DraftAsk("r", [1, 2, 3, 7, 5], 3, greedy(8))]) == {}
+    assert prop.stats().fallbacks == 1
+    prop.close()

@@ -169,7 +169,9 @@ class DraftModelProposer:
                     out[a.request_id] = ready
                 else:
                     fresh.append(a)
-            if fresh:
+            if fresh and self._stub is None:  # an overlapped call found the drafter gone just now
+                self._stats.fallbacks += len(fresh)
+            elif fresh:
                 out.update(self._call(fresh))
             return out
         finally:
@@ -234,7 +236,7 @@ class DraftModelProposer:
                 out[a.request_id] = _draft(tokens, probs, a.num_tokens)
                 if extra and len(tokens) > a.num_tokens:
                     ahead.append((a, tokens, probs))
-        if resync and retry:
+        if resync and retry and self._stub is not None:
             out.update(self._call(resync, retry=False))
         if ahead:
             self._launch_ahead(ahead)
