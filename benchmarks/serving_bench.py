@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-e2e-ms", type=float, default=None, help="goodput SLO on E2E (default: none)")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request deadline in seconds")
     p.add_argument("--cpus-per-replica", type=int, default=None, help="self-hosted worker CPUs (default: config)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="self-hosted: turn the worker's prefix cache off (every path and rate sends the same "
+                        "prompts, so with it on, all but the first pass hit the cache)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON path (default {DEFAULT_OUT.relative_to(REPO_ROOT)})")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--quick", action="store_true", help="smoke run: rates 2,inf, 8 requests, 6 overhead pairs, 40 echo pairs")
@@ -303,7 +306,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from cluster.serve import start_deployment
 
         overrides = {"model.name": args.model, "router.port": 0, "controller.port": 0, "pool.replicas": 1,
-                     "pool.cpus_per_replica": args.cpus_per_replica}
+                     "pool.cpus_per_replica": args.cpus_per_replica,
+                     "pool.engine.enable_prefix_caching": False if args.no_prefix_caching else None}
         config = load_config(None, overrides=overrides, env={})
         with start_deployment(config, log_to_driver=False) as d:
             res["config"]["deployment"] = config.to_dict()

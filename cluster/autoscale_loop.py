@@ -6,18 +6,21 @@ queue-length baseline in cluster/queue_autoscaler.py) says what they should be, 
 ``PoolActuator`` (cluster/actuator.py) makes it so. The simulator drives the same loop with a
 simulated clock (``step(now)``); a deployment runs it on a thread (``start``/``stop``).
 
-Metrics a Prometheus-backed provider reads (names the router and workers are to export; labels
-``pool`` and, on workers, ``worker``). Arrivals are counted where requests enter a pool, latencies
-where they are observed (the router for TTFT, the streamed tokens for TPOT):
+Metrics the live provider (cluster/autoscale_metrics.py, PrometheusWindows) reads from the
+routers' exporter (router/request_metrics.py, router/prometheus.py; label ``pool``). Arrivals are
+counted where requests enter a pool, latencies where they are observed (the router streams them):
 
-    duet_requests_arrived_total{pool}            counter   rate() per bucket -> arrivals_rps
-    duet_prompt_tokens_total{pool}               counter   / arrivals          -> mean_prompt_tokens
-    duet_output_tokens_total{pool}               counter   / completions       -> mean_output_tokens
+    duet_requests_arrived_total{pool}            counter   increase per bucket  -> arrivals_rps
+    duet_request_prompt_tokens{pool}             histogram _sum / _count        -> mean_prompt_tokens
+    duet_request_output_tokens{pool}             histogram _sum / _count        -> mean_output_tokens
     duet_time_to_first_token_seconds{pool}       histogram histogram_quantile(0.9) -> ttft_p90_s
     duet_time_per_output_token_seconds{pool}     histogram histogram_quantile(0.9) -> tpot_p90_s
                                                            (_count increase -> latency_samples)
-    duet_requests_queued{pool}                   gauge     avg_over_time      -> queue_depth
-    duet_requests_running{pool}                  gauge     avg_over_time      -> in_flight
+    duet_requests_queued{pool}                   gauge     mean over readings -> queue_depth
+    duet_requests_running{pool}                  gauge     mean over readings -> in_flight
+
+A provider that has no window yet for some pool (the first round of a live provider) leaves that
+round out: every pool holds.
 
 Every loop iteration logs one line per pool whose size changes (INFO) or holds (DEBUG), with the
 decision's reason, and keeps the last decisions for ``duet status``-style inspection.
@@ -94,6 +97,10 @@ class AutoscaleLoop:
         pools = self.policy.pools
         status = {p: self.actuator.status(p) for p in pools}
         metrics = self.provider.windows(pools, now)
+        if missing := [p for p in pools if p not in metrics]:
+            logger.debug("autoscaler: no metrics window yet for %s; holding", ", ".join(missing))
+            self.num_steps += 1
+            return {}
         decisions = self.policy.decide(now, metrics, status)
         for pool, d in decisions.items():
             if d.changed:

@@ -37,7 +37,9 @@ The algorithm, per pool (prefill, decode and colocated pools independently; draf
     (a decode pool's TPOT is observed at completion, so for one residence time it still describes
     the pool before they came), or the last reactive step is younger than ``up_cooldown_s``. If every p90 is under ``slack_ratio`` x its SLO and the offset is positive,
     take ``step`` off it (same cadence); the offset never goes negative, because low latency at low
-    load says nothing about the profile being wrong. step = max(1, round(reactive_step_frac x
+    load says nothing about the profile being wrong. A window with no arrivals, nothing running
+    and nothing queued clears the offset: an idle pool gives no latency samples to show slack, and
+    an offset kept through it would hold the pool above its predicted size for ever. step = max(1, round(reactive_step_frac x
     current)): +-1 on small pools, proportionally more on large ones.
  4. Desired: up_target + offset above current -> scale up at once (subject to ``up_cooldown_s``);
     down_target + offset below current -> scale down, at most ``max_down_step_frac`` of the pool
@@ -329,6 +331,9 @@ def _reactive(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics, s
           and now - mem.last_reactive >= c.up_cooldown_s):
         mem = replace(mem, offset=max(0, mem.offset - step), last_reactive=now)
         notes.append(f"slack (p90/SLO {ratio:.2f}): offset -{step}")
+    elif mem.offset > 0 and not any(m.arrivals_rps) and m.in_flight == 0 and m.queue_depth == 0:
+        mem = replace(mem, offset=0)
+        notes.append("idle window: offset cleared")
     return breach, mem
 
 

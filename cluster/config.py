@@ -16,6 +16,8 @@ Sections (see ``cluster/duet.example.yaml`` for a documented file):
     router      the public gRPC server: host, port, routing policy + options, admission limits
     ray         where the workers run: an existing cluster (``address``) or an embedded local one
     controller  how often membership and health are polled, how long a worker may take to start
+    autoscaling the SLO autoscaler in ``duet serve``: per-pool SLOs, profiles, bounds, cadence
+                (cluster/autoscale_config.py)
 
 "The pool" (``pool.*`` keys) is ``pools[0]``: env and flags address it by that alias (so
 ``--replicas`` sizes the first pool; size the others in the YAML file).
@@ -35,6 +37,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# ---- autoscaling section (cluster/autoscale_config.py) ----
+from cluster.autoscale_config import (
+    AutoscalePoolSection,
+    AutoscalingSection,
+    check_against_pools,
+    check_autoscale_pool,
+    check_autoscaling,
+    to_autoscaler_config,
+)
 from cluster.config_sources import (
     ClusterConfigError,
     Sources,
@@ -105,8 +116,9 @@ class SpeculativeSection:
 
 @dataclass(frozen=True)
 class PoolSection:
-    """One worker pool: ``replicas`` Ray actors of ``cpus_per_replica`` CPUs each, one placement
-    group bundle per replica. placement_strategy SPREAD (default) puts replicas on different nodes
+    """One worker pool: ``replicas`` replicas, each a gang of ``gang_size`` ranks (Ray actors); each
+    rank reserves one placement group bundle of ``cpus_per_replica`` CPUs, ``gpus_per_rank`` GPUs
+    and ``resources_per_rank``. placement_strategy SPREAD (default) puts bundles on different nodes
     when it can, so losing a node loses one replica, not the pool; PACK fills one node first
     (fewer nodes to keep up); STRICT_* make that a hard requirement. max_restarts: how often Ray
     restarts a dead worker (-1 = forever)."""
@@ -127,6 +139,12 @@ class PoolSection:
     tp_size: int = 1
     sp_size: int = 1
     speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
+    # Placement (cluster/pools.py): what each rank's bundle and actor reserve besides its CPUs.
+    # gpus_per_rank: GPUs per rank (a fraction below 1 shares a GPU). resources_per_rank: custom Ray
+    # resources per rank, e.g. {duet_pool_decode: 1} where only the decode pool's nodes offer it,
+    # so no rank lands on another pool's (or the drafters') nodes and an autoscaler adds the right ones.
+    gpus_per_rank: float = 0.0
+    resources_per_rank: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     @property
     def gang_size(self) -> int:
@@ -193,6 +211,7 @@ class DuetConfig:
     router: RouterSection = field(default_factory=RouterSection)
     ray: RaySection = field(default_factory=RaySection)
     controller: ControllerSection = field(default_factory=ControllerSection)
+    autoscaling: AutoscalingSection = field(default_factory=AutoscalingSection)
 
     @property
     def pool(self) -> PoolSection:
@@ -234,6 +253,10 @@ class DuetConfig:
             tls_cert_file=r.tls_cert_file, tls_key_file=r.tls_key_file, tls_client_ca_file=r.tls_client_ca_file,
             auth_tokens_file=r.auth_tokens_file, max_request_bytes=r.max_request_bytes,
             disagg_min_prompt_tokens=r.disagg_min_prompt_tokens, disagg_block_size=self.pool.engine.block_size, **extra)
+
+    def to_autoscaler_config(self):
+        """The ``cluster.autoscaler.AutoscalerConfig`` of the ``autoscaling`` section."""
+        return to_autoscaler_config(self.autoscaling, {p.name: p.role for p in self.pools})
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what ``duet serve --dry-run`` prints as YAML)."""
@@ -340,6 +363,22 @@ def _check_pool(pool: PoolSection, p: str, s: Sources) -> None:
          "that divides the query heads)")
     need(pool.sp_size >= 1, f"{p}.sp_size", pool.sp_size, s,
          "must be >= 1 (sequence-parallel ranks per replica, splitting long prefill chunks)")
+    _check_placement_resources(pool, p, s)
+
+
+def _check_placement_resources(pool: PoolSection, p: str, s: Sources) -> None:
+    """gpus_per_rank and resources_per_rank in the shapes Ray accepts for a bundle and an actor."""
+    g = pool.gpus_per_rank
+    need(g >= 0 and (g <= 1 or g.is_integer()), f"{p}.gpus_per_rank", g, s,
+         "must be >= 0: a whole number of GPUs, or a fraction below 1 to share one GPU")
+    for name, amount in pool.resources_per_rank.items():
+        key = f"{p}.resources_per_rank"
+        need(isinstance(name, str) and bool(name.strip()), key, dict(pool.resources_per_rank), s,
+             "must map Ray resource names to amounts, e.g. {duet_pool_decode: 1}")
+        need(name not in ("CPU", "GPU"), key, dict(pool.resources_per_rank), s,
+             f"{name} has its own key: set cpus_per_replica / gpus_per_rank instead")
+        need(isinstance(amount, (int, float)) and not isinstance(amount, bool) and 0 < amount < float("inf"),
+             key, dict(pool.resources_per_rank), s, f"{name}: amounts must be numbers > 0")
 
 
 def _check_speculative(sp: SpeculativeSection, p: str, s: Sources) -> None:
@@ -413,8 +452,10 @@ def _check_duet(c: DuetConfig, p: str, s: Sources) -> None:
     sizes = {pool.engine.block_size for pool in c.pools}
     need(len(sizes) == 1, "pools", names, s,
          f"every pool must use the same engine.block_size (KV blocks move between them), got {sorted(sizes)}")
+    check_against_pools(c.autoscaling, {pool.name: pool.role for pool in c.pools},
+                        {pool.name: pool.replicas for pool in c.pools}, s)
 
 
 _CHECKS = {ModelSection: _check_model, SpeculativeSection: _check_speculative, EngineSection: _check_engine, PoolSection: _check_pool,
            RouterSection: _check_router, RaySection: _check_ray, ControllerSection: _check_controller,
-           DuetConfig: _check_duet}
+           DuetConfig: _check_duet, AutoscalingSection: check_autoscaling, AutoscalePoolSection: check_autoscale_pool}

@@ -134,9 +134,9 @@ def _convert(tp: Any, value: Any, key: str, sources: Sources, checks: Checks) ->
         return _convert(inner, value, key, sources, checks)
     if dataclasses.is_dataclass(tp):
         return build(tp, value, key, sources, checks)
-    if origin is tuple:  # tuple[PoolSection, ...]
-        if not isinstance(value, list) or not value:
-            raise error(key, value, sources, "must be a non-empty list")
+    if origin is tuple:  # tuple[PoolSection, ...]; an empty list is () (class checks require entries)
+        if not isinstance(value, list):
+            raise error(key, value, sources, "must be a list")
         return tuple(_convert(args[0], v, f"{key}[{i}]", sources, checks) for i, v in enumerate(value))
     if tp is Mapping[str, Any] or origin is Mapping:
         if value is None:

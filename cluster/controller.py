@@ -16,6 +16,21 @@ Replica states and what moves them:
         |  +---- probe: endpoint is None ----+                         start() did not)
         +--start() raised--> failed   (a bad model, a taken port: not retried; see last_error)
 
+Resizing (the autoscaler's Ray actuator, cluster/ray_actuator.py): ``add(replica)`` tracks and
+starts a replica created at runtime. ``retire(worker_id)`` takes one away without dropping a
+request: a replica that is not ``up`` (pending, starting, down, failed) has nothing to drain and is
+released at once; an ``up`` one goes
+
+    up --retire--> draining --after drain_settle_s: stop(grace)--> (stop returned) --> released
+
+While ``draining`` it is no member (``members()``), but detailed subscribers (the membership
+service) still list it, flagged ``draining``, so routers stop routing to it while its streams
+finish; ``drain_settle_s`` gives them a moment to hear that before the worker itself refuses new
+work (anything routed meanwhile gets UNAVAILABLE before its first token, which the router retries
+elsewhere). ``stop(grace)`` waits up to ``grace`` for in-flight requests, aborting only what
+outlives it (the router resumes those on another worker); then the pool kills the actors and
+frees the placement (``WorkerPool.release``).
+
 A replica is a member exactly while it is ``up``. Every change of the member list (a join, a
 leave, a restart's new endpoint) is pushed, as the *full* list, to every subscriber; the router
 subscribes with ``RouterHandle.set_members`` and so learns of joins and leaves without a restart.
@@ -56,12 +71,14 @@ from cluster.pools import Replica, WorkerPool
 logger = logging.getLogger(__name__)
 
 Members = list[tuple[str, str]]  # (worker_id, endpoint), sorted by worker id
+# (worker_id, endpoint, role, pool, draining): members plus draining replicas, for detailed subscribers
+MemberDetails = list[tuple[str, str, str, str, bool]]
 
 
 @dataclass(eq=False)
 class _Replica:
     replica: Replica
-    state: str = "starting"  # starting | up | down | failed
+    state: str = "starting"  # starting | up | down | failed | draining
     endpoint: str | None = None
     incarnation: str | None = None
     call: Any = None  # the one outstanding ObjectRef (start() or info())
@@ -70,6 +87,8 @@ class _Replica:
     starts: int = 0  # start() calls issued (1 + restarts handled)
     last_error: str = ""
     slow_warned: bool = False
+    drain_at: float = 0.0  # draining: when to call stop(drain_grace_s)
+    drain_grace_s: float = 0.0
 
 
 class Controller:
@@ -82,15 +101,16 @@ class Controller:
         self.start_timeout_s = start_timeout_s
         self._pools = {p.name: p for p in pools}
         self._roles = {r.worker_id: p.section.role for p in pools for r in p.replicas}
-        self._replicas = [_Replica(r) for p in pools for r in p.replicas]
+        self._replicas = [_Replica(r) for p in pools for r in list(p.replicas)]
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._subscribers: list[Callable[[Members], None]] = []
-        self._pushed: dict[int, Members] = {}  # subscriber index -> the list it last accepted
+        self._subscribers: list[tuple[Callable[[Any], None], bool]] = []  # (push, detailed)
+        self._pushed: dict[int, Any] = {}  # subscriber index -> the list it last accepted
         self._push_lock = threading.Lock()  # one push at a time, in order
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.num_restarts = 0  # replicas found restarted by Ray and started again
+        self.num_drained = 0  # replicas retired after draining
 
     # ---------------------------------------------------------------- public
     def start(self) -> None:
@@ -112,6 +132,36 @@ class Controller:
     def members_with_roles(self) -> list[tuple[str, str, str]]:
         """``members()`` with each worker's role: what routers are given."""
         return [(w, e, self.role_of(w)) for w, e in self.members()]
+
+    def member_details(self) -> MemberDetails:
+        """Members and draining replicas: (worker_id, endpoint, role, pool, draining), by worker id."""
+        with self._lock:
+            return self._details_locked()
+
+    def add(self, replica: Replica) -> None:
+        """Track ``replica`` (created at runtime by ``WorkerPool.add_replica``) and start it."""
+        r = _Replica(replica)
+        with self._lock:
+            self._roles[replica.worker_id] = self._pools[replica.pool].section.role
+            self._replicas.append(r)
+            self._issue_start(r)
+
+    def retire(self, worker_id: str, *, drain_grace_s: float = 300.0, drain_settle_s: float = 1.0) -> None:
+        """Take a replica away without dropping a request (module docstring). Returns at once."""
+        with self._changed:
+            r = next((x for x in self._replicas if x.replica.worker_id == worker_id), None)
+            if r is None or r.state == "draining":
+                return
+            if r.state == "up":
+                logger.info("controller: %s draining (stop in %.1f s, up to %.0f s for its requests)",
+                            worker_id, drain_settle_s, drain_grace_s)
+                r.state, r.drain_at, r.drain_grace_s = "draining", time.monotonic() + drain_settle_s, drain_grace_s
+                self._changed.notify_all()
+                return
+            self._replicas.remove(r)
+            self._changed.notify_all()
+        logger.info("controller: %s retired while %s (nothing to drain)", worker_id, r.state)
+        self._pools[r.replica.pool].release(r.replica)
 
     def wait_ready(self, count: int | None = None, timeout: float | None = None) -> bool:
         """Block until ``count`` replicas (default: all) are up; False on timeout, or as soon as
@@ -139,18 +189,19 @@ class Controller:
                 self._changed.wait(left)
         return True
 
-    def subscribe(self, push: Callable[[Members], None]) -> None:
+    def subscribe(self, push: Callable[[Any], None], *, detailed: bool = False) -> None:
         """Call ``push(full member list)`` now and after every change, on the controller thread
-        (the first call on the caller's thread). A push that raises is retried next poll."""
+        (the first call on the caller's thread). A push that raises is retried next poll.
+        detailed: push ``member_details()`` (draining replicas included) instead of ``members()``."""
         with self._lock:
-            self._subscribers.append(push)
+            self._subscribers.append((push, detailed))
             index = len(self._subscribers) - 1
-        self._push(index, push)
+        self._push(index, push, detailed)
 
     def describe(self) -> list[dict[str, object]]:
         """One dict per replica: pool, role, worker id, state, endpoint, incarnation, starts, last error."""
         with self._lock:
-            return [{"pool": r.replica.pool, "role": self.role_of(r.replica.worker_id),
+            return [{"pool": r.replica.pool, "role": self.role_of(r.replica.worker_id), "index": r.replica.index,
                      "worker_id": r.replica.worker_id, "state": r.state,
                      "endpoint": r.endpoint, "incarnation": r.incarnation, "starts": r.starts,
                      "last_error": r.last_error} for r in self._replicas]
@@ -172,7 +223,9 @@ class Controller:
     def _tick(self) -> None:
         import ray
 
-        pending = [r for r in self._replicas if r.call is not None]
+        with self._lock:
+            replicas = list(self._replicas)
+        pending = [r for r in replicas if r.call is not None]
         done, _ = ray.wait([r.call for r in pending], num_returns=len(pending), timeout=0) if pending else ([], [])
         done_ids = {ref.hex() for ref in done}
         now = time.monotonic()
@@ -181,11 +234,15 @@ class Controller:
                 self._finish(r)
             else:
                 self._check_slow(r, now)
-        for r in self._replicas:
-            if r.call is None and r.state != "failed":
+        for r in replicas:
+            if r.call is not None or r.state == "failed" or r not in self._replicas:
+                continue
+            if r.state != "draining":
                 self._issue_probe(r)
-        for index, push in enumerate(list(self._subscribers)):
-            self._push(index, push)
+            elif now >= r.drain_at:
+                r.call, r.call_kind, r.call_since = r.replica.actor.stop.remote(r.drain_grace_s), "drain", now
+        for index, (push, detailed) in enumerate(list(self._subscribers)):
+            self._push(index, push, detailed)
 
     def _finish(self, r: _Replica) -> None:
         import ray
@@ -193,6 +250,9 @@ class Controller:
         kind, call = r.call_kind, r.call
         r.call = None
         wid = r.replica.worker_id
+        if r.state == "draining":
+            self._finish_draining(r, kind, call)
+            return
         try:
             result = ray.get(call)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
@@ -217,7 +277,35 @@ class Controller:
         with self._lock:
             r.incarnation = incarnation
 
+    def _finish_draining(self, r: _Replica, kind: str, call: Any) -> None:
+        """A draining replica's call returned: its stop() (drained: release it), or a probe issued
+        before the drain began (ignored, unless the actor died: nothing left to drain)."""
+        import ray
+
+        try:
+            ray.get(call)
+            error = ""
+        except Exception as e:  # noqa: BLE001 - a dead actor has nothing left to drain
+            error = _first_line(e)
+        if kind == "drain" or error:
+            self._release(r, f"drained{f' ({error})' if error else ''}")
+
+    def _release(self, r: _Replica, why: str) -> None:
+        with self._changed:
+            if r not in self._replicas:
+                return
+            self._replicas.remove(r)
+            self.num_drained += 1
+            self._changed.notify_all()
+        logger.info("controller: %s %s; releasing it", r.replica.worker_id, why)
+        self._pools[r.replica.pool].release(r.replica)
+
     def _check_slow(self, r: _Replica, now: float) -> None:
+        if r.call_kind == "drain":
+            if now - r.call_since > r.drain_grace_s + self.probe_timeout_s:  # stop() hangs: the actor is stuck
+                r.call = None
+                self._release(r, f"did not finish draining within {now - r.call_since:.0f} s")
+            return
         limit = self.start_timeout_s if r.call_kind == "start" else self.probe_timeout_s
         if now - r.call_since > limit and not r.slow_warned:
             r.slow_warned = True
@@ -233,6 +321,8 @@ class Controller:
 
     def _set(self, r: _Replica, state: str, endpoint: str | None, error: str) -> None:
         with self._changed:
+            if r.state == "draining" or r not in self._replicas:
+                return  # retired meanwhile (retire() ran between this call's check and here): draining is final
             before = (r.state, r.endpoint)
             r.state, r.endpoint = state, endpoint
             if error:
@@ -245,9 +335,14 @@ class Controller:
     def _members_locked(self) -> Members:
         return sorted((r.replica.worker_id, r.endpoint) for r in self._replicas if r.state == "up" and r.endpoint)
 
-    def _push(self, index: int, push: Callable[[Members], None]) -> None:
+    def _details_locked(self) -> MemberDetails:
+        return sorted((r.replica.worker_id, r.endpoint, self._roles.get(r.replica.worker_id, "colocated"),
+                       r.replica.pool, r.state == "draining")
+                      for r in self._replicas if r.state in ("up", "draining") and r.endpoint)
+
+    def _push(self, index: int, push: Callable[[Any], None], detailed: bool = False) -> None:
         with self._push_lock:
-            members = self.members()
+            members = self.member_details() if detailed else self.members()
             if self._pushed.get(index) == members:
                 return
             try:
@@ -256,7 +351,8 @@ class Controller:
                 logger.exception("controller: pushing %d members failed; retrying", len(members))
                 return
             self._pushed[index] = members
-        logger.info("controller: membership -> %s", ", ".join(f"{w}@{e}" for w, e in members) or "(none)")
+        logger.info("controller: membership -> %s", ", ".join(
+            f"{m[0]}@{m[1]}{' (draining)' if detailed and m[4] else ''}" for m in members) or "(none)")
 
 
 def _first_line(e: BaseException) -> str:

@@ -2,7 +2,8 @@
 
 ``serve_membership(controller, host, port)`` subscribes to the controller (cluster/controller.py)
 and serves ``Watch``: each watcher gets the current list at once, then the full list after every
-change. A watch is one long-lived server stream parked on a condition variable, so a thread of
+change. Each member carries its role and pool; a replica the autoscaler is draining stays listed
+with ``draining`` set (routers send it nothing new and let its streams finish) until it is gone. A watch is one long-lived server stream parked on a condition variable, so a thread of
 the server's pool per watcher (``max_watchers``; routers are few). Stopping the service ends every
 stream (the routers then keep their last list and reconnect, see router/membership.py).
 
@@ -27,7 +28,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cluster.controller import Controller, Members
+from cluster.controller import Controller, MemberDetails, Members
 from protos.duet.control.v1 import control_pb2, control_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -51,17 +52,22 @@ class MembershipServicer(control_pb2_grpc.MembershipServicer):
         self._closed = False
         self.num_watchers = 0
 
-    def publish(self, members: Members) -> None:
-        """The controller's subscriber: called with the full list after every change."""
+    def publish(self, members: Members | MemberDetails) -> None:
+        """The controller's subscriber: called with the full list after every change, as
+        (worker_id, endpoint) pairs or ``Controller.member_details()`` entries (role, pool, draining)."""
         with self._cond:
             if members == self._members:
                 return
             self._members = list(members)
             self._version += 1
-            self._message = control_pb2.MemberList(
-                version=self._version,
-                members=[control_pb2.Member(worker_id=w, endpoint=e, role=self._role_of(w)) for w, e in members])
+            self._message = control_pb2.MemberList(version=self._version, members=[self._member(m) for m in members])
             self._cond.notify_all()
+
+    def _member(self, m: tuple) -> control_pb2.Member:
+        if len(m) == 2:
+            return control_pb2.Member(worker_id=m[0], endpoint=m[1], role=self._role_of(m[0]))
+        worker_id, endpoint, role, pool, draining = m
+        return control_pb2.Member(worker_id=worker_id, endpoint=endpoint, role=role, pool=pool, draining=draining)
 
     def close(self) -> None:
         with self._cond:
@@ -128,7 +134,7 @@ def serve_membership(controller: Controller, host: str, port: int, *, max_watche
         raise MembershipError(f"controller.port={port}: cannot listen on {bind} ({e}); is another `duet serve` "
                               "running? pick another --controller-port (0 = any free port)") from None
     server.start()
-    controller.subscribe(servicer.publish)
+    controller.subscribe(servicer.publish, detailed=True)
     for name in ("", MEMBERSHIP_SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     service = MembershipService(server, servicer, health_servicer, host, bound)

@@ -9,8 +9,13 @@ achieved; the profile also carries the request mix and a fitted service model fo
     prefill   TTFT at the lowest rate (an idle replica: no queueing) ~ a + b * prompt tokens,
               least squares over its requests; when that gives a negative term (prompts of too
               similar lengths to separate them), a = the median TTFT and b = 0
-    decode    TPOT per rate ~ c + d * B, B = the mean number of sequences decoding at that rate
-              (Little's law: achieved throughput x mean decode time), least squares over rates
+    decode    TPOT per rate ~ (c + d * B) / (1 - rho), B = the mean number of sequences decoding at
+              that rate (Little's law: achieved throughput x mean decode time), least squares over
+              rates of TPOT x (1 - rho) against B. rho = throughput x prefill time of the mean
+              prompt: the share of the engine's time spent prefilling, during which (in the
+              simulator's colocated replica, cluster/sim_replica.py) decoding stalls. The measured
+              TPOT already contains those stalls; fitting c + d B to it directly and simulating the
+              stalls again would count them twice.
 
 Only ``colocated`` profiles can be measured today (disaggregated prefill/decode pools are not
 wired yet); the file format (cluster/profile.py) already holds all three pool types.
@@ -92,7 +97,9 @@ def fit_service(steps: list[dict[str, Any]], max_batch: int) -> ServiceModel:
             continue
         decode_s = np.mean([rec["chunk_times"][-1] - rec["chunk_times"][0] for rec in recs])
         batch.append(r["request_throughput_rps"] * decode_s)
-        tpot.append(r["tpot"]["p50_ms"] / 1e3)
+        prefill_s = a + b * float(np.mean([rec["prompt_tokens"] for rec in recs]))
+        rho = min(0.9, r["request_throughput_rps"] * prefill_s)  # share of time prefilling (decode stalled)
+        tpot.append(r["tpot"]["p50_ms"] / 1e3 * (1 - rho))
     d, c = np.polyfit(batch, tpot, 1) if len(batch) > 1 and np.ptp(batch) > 0 else (0.0, float(np.mean(tpot)))
     return ServiceModel(max(float(a), 0.0), max(float(b), 0.0), max(float(c), 1e-6), max(float(d), 0.0), max_batch)
 

@@ -45,7 +45,7 @@ def run_router_foreground(config: DuetConfig, membership: str, metrics_port: int
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         handle = serve_router(router_config)
-        metrics = serve_metrics(metrics_port, handle.stats) if metrics_port else None
+        metrics = serve_metrics(metrics_port, handle.stats, handle.server.metrics.registry) if metrics_port else None
         logger.info("duet router: serving %s on %s, members from %s%s", router_config.model_name, handle.address,
                     membership, f", metrics on :{metrics.server_port}/metrics" if metrics else "")
         try:

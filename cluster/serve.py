@@ -14,8 +14,13 @@ The order, in ``start_deployment`` (each step undone, in reverse, if a later one
        same way a router in its own process or pod does (``duet router --membership``). With
        ``with_router=False`` (``duet serve --no-router``, what the Helm chart's Ray head runs) this
        step is skipped: routers run elsewhere (their own Kubernetes Deployment) and follow step 5.
+    7. with ``autoscaling.enabled``: the SLO autoscaler's loop on a background thread
+       (cluster/autoscale_loop.py): metrics from this process's router, or from
+       ``autoscaling.metrics_urls`` (cluster/autoscale_metrics.py), decisions by
+       cluster/autoscaler.py, applied by the Ray actuator (cluster/ray_actuator.py: new replicas
+       start and join; removed ones drain first).
 
-``Deployment.stop()`` undoes it: router (NOT_SERVING, streams get ``router.shutdown_grace_s`` to
+``Deployment.stop()`` undoes it: autoscaler (no more resizing) -> router (NOT_SERVING, streams get ``router.shutdown_grace_s`` to
 finish) -> membership service -> controller (no restarts any more) -> workers (drain, abort,
 kill) -> placement group -> Ray (shut down if embedded; otherwise only disconnected). Nothing Duet
 started is left running.
@@ -67,6 +72,8 @@ class Deployment:
     controller: Controller | None = None
     membership: MembershipService | None = None
     router: Any = None  # router.server.RouterHandle
+    autoscaler: Any = None  # cluster.autoscale_loop.AutoscaleLoop, with autoscaling enabled
+    actuator: Any = None  # cluster.ray_actuator.RayActuator, with autoscaling enabled
     model_path: Path | None = None
     max_model_len: int | None = None
     _stopped: bool = field(default=False, repr=False)
@@ -87,7 +94,8 @@ class Deployment:
         if self._stopped:
             return
         self._stopped = True
-        steps = [("router", lambda: self.router.stop()), ("membership", lambda: self.membership.stop()),
+        steps = [("autoscaler", lambda: self.autoscaler.stop()),
+                 ("router", lambda: self.router.stop()), ("membership", lambda: self.membership.stop()),
                  ("controller", lambda: self.controller.stop()),
                  ("pools", lambda: [p.shutdown() for p in self.pools]), ("ray", self.ray.close)]
         for name, step in steps:
@@ -115,6 +123,9 @@ def start_deployment(config: DuetConfig, *, router_overrides: dict[str, Any] | N
     from workers.models.assets import resolve_model
 
     model_path = resolve_model(config.model.name)
+    if config.autoscaling.enabled and not with_router and not config.autoscaling.metrics_urls:
+        raise ServeError("autoscaling.enabled with no router in this process (--no-router): set "
+                         "autoscaling.metrics_urls to the routers' /metrics (`duet router --metrics-port`)")
     if with_router:  # before minutes of startup
         _check_port_free(config.router.host, config.router.port, "router.port", "--port")
     _check_port_free(config.controller.host, config.controller.port, "controller.port", "--controller-port")
@@ -151,16 +162,41 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
                           for _, endpoint in d.controller.members())  # a prompt must fit every pool's KV
     d.membership = serve_membership(d.controller, config.controller.host, config.controller.port)
     if not with_router:
+        _start_autoscaler(d)
         logger.info("duet: controller serving %d workers of %s (context %d tokens), no router here; routers "
                     "follow the member list at %s (`duet router --membership HOST:%d`)", len(d.controller.members()),
                     config.model.name, d.max_model_len, d.membership.address, d.membership.port)
         return
     router_config = config.to_router_config(str(d.model_path), d.max_model_len,
                                             membership_address=d.membership.address, **router_overrides)
-    d.router = serve_router(router_config, d.controller.members_with_roles())
+    d.router = serve_router(router_config, d.controller.member_details())
+    _start_autoscaler(d)
     logger.info("duet: serving %s on %s (%d workers, policy %s, context %d tokens; members from %s)",
                 router_config.model_name, d.router.address, len(d.controller.members()), router_config.policy,
                 d.max_model_len, d.membership.address)
+
+
+def _start_autoscaler(d: Deployment) -> None:
+    """Step 7 of the module docstring (nothing when autoscaling is off)."""
+    from cluster.autoscale_loop import AutoscaleLoop, SLOAutoscaler
+    from cluster.autoscale_metrics import PrometheusWindows, http_source
+    from cluster.ray_actuator import RayActuator
+    from router.prometheus import metrics_registry
+
+    a = d.config.autoscaling
+    if not a.enabled:
+        return
+    sources = [http_source(url) for url in a.metrics_urls]
+    if not sources:  # checked in start_deployment: without metrics_urls, this process runs the router
+        sources = [metrics_registry(d.router.stats, d.router.server.metrics.registry).collect]
+    d.actuator = RayActuator(d.pools, d.controller, drain_grace_s=a.drain_grace_s)
+    d.autoscaler = AutoscaleLoop(SLOAutoscaler(d.config.to_autoscaler_config()),
+                                 PrometheusWindows(sources, window_buckets=a.window_buckets,
+                                                   latency_buckets=a.latency_buckets),
+                                 d.actuator, interval_s=a.interval_s)
+    d.autoscaler.start()
+    logger.info("duet: autoscaling %s every %g s (metrics from %s)", ", ".join(p.pool for p in a.pools), a.interval_s,
+                ", ".join(a.metrics_urls) or "this router")
 
 
 def _check_port_free(host: str, port: int, key: str, flag: str) -> None:

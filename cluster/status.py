@@ -108,7 +108,10 @@ def _worker_load(endpoint: str, timeout: float) -> dict[str, Any]:
             "load": {"num_running": r.num_running, "num_waiting": r.num_waiting,
                      "outstanding_tokens": r.outstanding_tokens, "kv_blocks_used": r.kv_blocks_used,
                      "kv_blocks_total": r.kv_blocks_total, "prefix_cache_queries": r.prefix_cache_queries,
-                     "prefix_cache_hits": r.prefix_cache_hits, "num_preemptions": r.num_preemptions}}
+                     "prefix_cache_hits": r.prefix_cache_hits, "num_preemptions": r.num_preemptions,
+                     "spec_method": r.spec_method or "none", "spec_draft_tokens": r.spec_draft_tokens,
+                     "spec_accepted_tokens": r.spec_accepted_tokens, "spec_verifies": r.spec_verifies,
+                     "spec_emitted_tokens": r.spec_emitted_tokens, "spec_fallbacks": r.spec_fallbacks}}
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -147,4 +150,9 @@ def format_status(status: dict[str, Any]) -> str:
             lines.append(f"  {w['worker_id']:<12} {w['endpoint']:<22} {w['health']:<11} running {ld['num_running']} "
                          f"waiting {ld['num_waiting']}  outstanding {ld['outstanding_tokens']} tok  KV "
                          f"{ld['kv_blocks_used']}/{ld['kv_blocks_total']} blocks  prefix hits {hits}  pid {w['pid']}")
+            if ld.get("spec_method", "none") != "none":
+                rate = ld["spec_accepted_tokens"] / max(ld["spec_draft_tokens"], 1)
+                length = ld["spec_emitted_tokens"] / max(ld["spec_verifies"], 1)
+                lines.append(f"  {'':<12} speculative {ld['spec_method']}: acceptance {rate:.0%}, {length:.2f} tokens "
+                             f"per verify, {ld['spec_fallbacks']} fallbacks")
     return "\n".join(lines)

@@ -15,7 +15,8 @@ Sync::
 
 The prompt is exactly one of ``prompt`` (text, no chat template), ``token_ids`` or ``messages``
 (the router applies the model's chat template). Sampling keywords mirror duet.v1.SamplingParams:
-``max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos``; unset ones take
+``max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
+num_speculative_tokens``; unset ones take
 the server's defaults. ``timeout`` (seconds) is the request's gRPC deadline. A failed request
 raises DuetError with the gRPC status code and the server's message (which names the bad field).
 
@@ -106,7 +107,8 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
                   messages: Iterable[Message] | None = None, model: str = "", request_id: str = "",
                   max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                   top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] = (),
-                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> duet_pb2.GenerateRequest:
+                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                  num_speculative_tokens: int | None = None) -> duet_pb2.GenerateRequest:
     """The GenerateRequest for these arguments (ValueError if not exactly one prompt form)."""
     given = [name for name, v in (("prompt", prompt), ("token_ids", token_ids), ("messages", messages))
              if v is not None]
@@ -115,7 +117,7 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
     sampling = duet_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         stop=[stop] if isinstance(stop, str) else list(stop), stop_token_ids=list(stop_token_ids),
-        ignore_eos=ignore_eos)
+        ignore_eos=ignore_eos, num_speculative_tokens=num_speculative_tokens)
     request = duet_pb2.GenerateRequest(sampling=sampling, model=model, request_id=request_id)
     if prompt is not None:
         request.prompt = prompt

@@ -28,7 +28,7 @@ from protos.duet.control.v1 import control_pb2, control_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-Members = list[tuple[str, str, str]]  # (worker_id, endpoint, role)
+Members = list[tuple[str, str, str, str, bool]]  # (worker_id, endpoint, role, pool, draining): router.workers.MemberInfo
 Apply = Callable[[Members, int], Awaitable[None]]
 
 
@@ -77,8 +77,8 @@ class MembershipWatcher:
                             self.connected = True
                             logger.info("membership: watching the controller at %s", self.address)
                         backoff = self._min_backoff
-                        await self._apply([(m.worker_id, m.endpoint, m.role or "colocated") for m in msg.members],
-                                          msg.version)
+                        await self._apply([(m.worker_id, m.endpoint, m.role or "colocated", m.pool or m.role or "colocated",
+                                            m.draining) for m in msg.members], msg.version)
                         self.version = msg.version
                         self.num_lists += 1
                         self._first.set()

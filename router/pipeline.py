@@ -60,6 +60,7 @@ from router.config import RouterConfig
 from router.policies import NoWorkersAvailable, RouteRequest, RoutingPolicy
 from router.policies.disagg import DisaggRouter, Route
 from router.preprocess import PreparedRequest, RequestError, ServedModel, prepare_request
+from router.request_metrics import RequestClock, RequestMetrics
 from router.workers import WorkerDirectory, WorkerLease
 from workers.detokenizer import IncrementalDetokenizer  # the one sanctioned workers import (pure Python)
 
@@ -92,6 +93,7 @@ class _Progress:
     """What reached the client so far; outlives the worker streams of one request (resumption)."""
 
     detok: IncrementalDetokenizer
+    clock: RequestClock
     token_ids: list[int] = field(default_factory=list)
     resumes: int = 0
 
@@ -107,7 +109,7 @@ class _Progress:
 
 class Pipeline:
     def __init__(self, config: RouterConfig, model: ServedModel, directory: WorkerDirectory,
-                 policy: RoutingPolicy, admission: AdmissionController) -> None:
+                 policy: RoutingPolicy, admission: AdmissionController, metrics: RequestMetrics | None = None) -> None:
         self.config = config
         self.model = model
         self.directory = directory
@@ -116,16 +118,18 @@ class Pipeline:
                                    min_prompt_tokens=config.disagg_min_prompt_tokens)
         self.admission = admission
         self.counts: Counter[str] = Counter()
+        self.metrics = metrics or RequestMetrics()  # per-pool latency histograms (router/request_metrics.py)
 
     async def generate(self, request: duet_pb2.GenerateRequest, *,
                        deadline: float | None = None) -> AsyncIterator[duet_pb2.GenerateResponse]:
         """Stream the completion of ``request``; ``deadline`` is a time.monotonic() instant.
         Raises RequestError (status code + message) for anything the client should see."""
         self.counts["requests"] += 1
+        received = time.monotonic()
         try:
             prep = await self._prepare(request)
             async with self.admission.slot():
-                async for response in self._route_and_stream(prep, deadline):
+                async for response in self._route_and_stream(prep, deadline, received):
                     yield response
         except AdmissionRejected as e:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
@@ -139,9 +143,10 @@ class Pipeline:
             return await asyncio.to_thread(prepare_request, request, self.model, self.config)
         return prepare_request(request, self.model, self.config)
 
-    async def _route_and_stream(self, prep: PreparedRequest,
-                                deadline: float | None) -> AsyncIterator[duet_pb2.GenerateResponse]:
-        progress = _Progress(IncrementalDetokenizer(self.model.tokenizer, prep.prompt_token_ids, stop=prep.stop))
+    async def _route_and_stream(self, prep: PreparedRequest, deadline: float | None,
+                                received: float) -> AsyncIterator[duet_pb2.GenerateResponse]:
+        progress = _Progress(IncrementalDetokenizer(self.model.tokenizer, prep.prompt_token_ids, stop=prep.stop),
+                             RequestClock(received))
         tried: set[str] = set()  # workers that failed this request before its first token (either half)
         last: RequestError | None = None
         attempts = 0
@@ -236,6 +241,8 @@ class Pipeline:
         lease.call = call
         if prefill is not None:  # a prefill worker declared dead cancels the call too (it may hang on it)
             prefill.call = call
+        self.metrics.routed(progress.clock, prefill.pool if prefill is not None else lease.pool, lease.pool,
+                            len(prep.prompt_token_ids))
         detok = progress.detok
         num_out = len(progress.token_ids)
         try:
@@ -243,6 +250,8 @@ class Pipeline:
                 ids, text, stopped = _detokenize(detok, delta.token_ids)
                 progress.token_ids.extend(ids)
                 num_out = len(progress.token_ids)
+                if ids:
+                    self.metrics.chunk(progress.clock, lease.pool)
                 if not stopped and not delta.HasField("finish_reason"):
                     if ids:
                         yield duet_pb2.GenerateResponse(request_id=prep.request_id, text=text, token_ids=ids)
@@ -251,7 +260,9 @@ class Pipeline:
                                                                                  duet_pb2.FINISH_REASON_ABORT)
                 usage = duet_pb2.Usage(prompt_tokens=len(prep.prompt_token_ids), completion_tokens=num_out,
                                        cached_prompt_tokens=delta.usage.cached_prompt_tokens)
-                self.counts[f"finish_{duet_pb2.FinishReason.Name(finish)[14:].lower()}"] += 1
+                reason = duet_pb2.FinishReason.Name(finish)[14:].lower()
+                self.counts[f"finish_{reason}"] += 1
+                self.metrics.finished_request(progress.clock, lease.pool, num_out, reason)
                 logger.info("request %s (internal %s) on %s: %d prompt + %d completion tokens, %s, %.1f ms",
                             prep.request_id, prep.internal_id, lease.worker_id, usage.prompt_tokens, num_out,
                             duet_pb2.FinishReason.Name(finish), 1e3 * (time.monotonic() - started))

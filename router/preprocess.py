@@ -194,10 +194,13 @@ def _sampling(p: duet_pb2.SamplingParams, model: ServedModel, config: RouterConf
             raise invalid(f"sampling.stop[{i}]", f"each stop string must be 1..{config.max_stop_string_len} "
                                                  f"characters, got {len(s)}")
     _check_vocab("sampling.stop_token_ids", list(p.stop_token_ids), model.vocab_size)
+    if p.HasField("num_speculative_tokens") and p.num_speculative_tokens > 64:
+        raise invalid("sampling.num_speculative_tokens", f"must be in 0..64 (0 = off), got {p.num_speculative_tokens}")
     # Past the context limit the worker ends with LENGTH anyway; clamping keeps load estimates honest.
     max_tokens = min(max_tokens, model.max_model_len - prompt_len)
     sampling = worker_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=p.top_k,
         seed=p.seed if p.HasField("seed") else None, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos)
+        ignore_eos=p.ignore_eos,
+        num_speculative_tokens=p.num_speculative_tokens if p.HasField("num_speculative_tokens") else None)
     return sampling, tuple(p.stop)

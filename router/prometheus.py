@@ -11,9 +11,23 @@ nothing. Exposed names (all prefixed ``duet_router_``):
     outcomes_total{outcome}                                         counter per request outcome / policy event
     worker_stream_failures_total, membership_version
 
+Per pool (label ``pool``), observed on the request path by router/request_metrics.py (TTFT, TPOT,
+ITL and E2E histograms, arrivals, prompt/output lengths; see there) and, from the workers' latest
+load reports (the router polls every worker's GetLoad anyway, so the workers need no HTTP server of
+their own and a scrape costs them nothing), ``WorkerLoadCollector``:
+
+    duet_requests_queued{pool}, duet_requests_running{pool}     gauges: sums over the pool's workers
+    duet_kv_block_usage_ratio{pool}                             gauge: KV blocks held / total
+    duet_worker_<gauge>{pool,worker_id}                         requests_running, requests_waiting,
+                                                                outstanding_tokens, kv_blocks_{used,total,cached}
+    duet_worker_<counter>_total{pool,worker_id}                 prefix cache queries/hits, preemptions,
+                                                                KV transfers, bytes, failures, seconds
+    duet_worker_expert_tokens_total{pool,worker_id,expert}      MoE: token-expert assignments per expert
+    duet_worker_ep_rank_tokens_total{pool,worker_id,rank}       MoE: tokens computed per expert-parallel rank
+
 Example::
 
-    server = serve_metrics(9090, handle.stats)   # http://0.0.0.0:9090/metrics
+    server = serve_metrics(9090, handle.stats, handle.server.metrics.registry)   # http://0.0.0.0:9090/metrics
     server.shutdown(); server.server_close()
 """
 
@@ -73,12 +87,114 @@ class RouterStatsCollector:
                                 value=s.get("membership_version", 0))
 
 
-def serve_metrics(port: int, snapshot: Callable[[], dict[str, Any]], host: str = "0.0.0.0") -> Any:
-    """Serve /metrics on host:port from a private registry; returns the HTTP server
-    (``.shutdown()`` then ``.server_close()`` stop it; ``.server_port`` is the bound port, useful
-    with port 0)."""
+# LoadReport gauges and counters exported per worker: (LoadReport field, metric name, help).
+WORKER_GAUGES = (
+    ("num_running", "requests_running", "requests the worker is running"),
+    ("num_waiting", "requests_waiting", "requests queued on the worker, not yet scheduled"),
+    ("outstanding_tokens", "outstanding_tokens", "token positions still to compute for its requests"),
+    ("kv_blocks_used", "kv_blocks_used", "KV blocks held by requests"),
+    ("kv_blocks_total", "kv_blocks_total", "KV blocks of the worker's cache"),
+    ("kv_blocks_cached", "kv_blocks_cached", "KV blocks holding a prefix-cache entry"),
+)
+WORKER_COUNTERS = (
+    ("prefix_cache_queries", "prefix_cache_queries", "prompt blocks looked up in the prefix cache"),
+    ("prefix_cache_hits", "prefix_cache_hits", "prompt blocks found in the prefix cache"),
+    ("num_preemptions", "preemptions", "requests preempted (KV freed, recomputed later)"),
+    ("kv_transfers_sent", "kv_transfers_sent", "KV transfers sent (prefill side)"),
+    ("kv_transfers_received", "kv_transfers_received", "KV transfers received and verified (decode side)"),
+    ("kv_bytes_sent", "kv_sent_bytes", "KV bytes sent"),
+    ("kv_bytes_received", "kv_received_bytes", "KV bytes received"),
+    ("kv_transfer_failures", "kv_transfer_failures", "failed KV transfers"),
+    ("kv_transfer_seconds", "kv_transfer_seconds", "wall time spent in KV transfers"),
+)
+# ---- speculative decoding (workers/spec_decode/speculator.py) -----------------------------------
+# acceptance rate = rate(duet_worker_spec_accepted_tokens_total) / rate(..._spec_draft_tokens_total);
+# tokens per verify = rate(..._spec_emitted_tokens_total) / rate(..._spec_verifies_total). All stay 0
+# on workers without speculation.
+SPEC_DECODE_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("spec_verifies", "spec_verifies", "requests' draft windows verified in one target pass"),
+    ("spec_draft_tokens", "spec_draft_tokens", "draft tokens proposed and verified"),
+    ("spec_accepted_tokens", "spec_accepted_tokens", "draft tokens the target accepted"),
+    ("spec_emitted_tokens", "spec_emitted_tokens", "tokens appended by verifies (accepted + the target's own)"),
+    ("spec_draft_seconds", "spec_draft_seconds", "seconds the worker waited for drafts"),
+    ("spec_verify_seconds", "spec_verify_seconds", "seconds of target steps that verified drafts"),
+    ("spec_fallbacks", "spec_fallbacks", "requests that went without drafts because the drafter failed"),
+)
+
+
+class WorkerLoadCollector:
+    """The workers' latest load reports, per worker and summed per pool. ``reports`` returns
+    (worker_id, pool, LoadReport) triples (WorkerDirectory.load_reports, read on the router's loop)."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        reports = self._snapshot().get("load_reports", [])
+        yield from self._per_pool(reports)
+        labels = ["pool", "worker_id"]
+        for field, name, help_ in WORKER_GAUGES:
+            family = GaugeMetricFamily(f"duet_worker_{name}", help_, labels=labels)
+            for worker_id, pool, r in reports:
+                family.add_metric([pool, worker_id], getattr(r, field))
+            yield family
+        for field, name, help_ in WORKER_COUNTERS + SPEC_DECODE_COUNTERS:
+            family = CounterMetricFamily(f"duet_worker_{name}", help_, labels=labels)
+            for worker_id, pool, r in reports:
+                family.add_metric([pool, worker_id], getattr(r, field))
+            yield family
+        for field, label in (("expert_tokens", "expert"), ("ep_rank_tokens", "rank")):
+            family = CounterMetricFamily(f"duet_worker_{field}", f"MoE: {field.replace('_', ' ')} per {label}",
+                                         labels=[*labels, label])
+            for worker_id, pool, r in reports:
+                for i, value in enumerate(getattr(r, field)):
+                    family.add_metric([pool, worker_id, str(i)], value)
+            yield family
+
+    @staticmethod
+    def _per_pool(reports: list[tuple[str, str, Any]]) -> Iterator[Metric]:
+        pools: dict[str, list[Any]] = {}
+        for _, pool, r in reports:
+            pools.setdefault(pool, []).append(r)
+        queued = GaugeMetricFamily("duet_requests_queued", "requests queued on the pool's workers", labels=["pool"])
+        running = GaugeMetricFamily("duet_requests_running", "requests running on the pool's workers", labels=["pool"])
+        kv = GaugeMetricFamily("duet_kv_block_usage_ratio", "KV blocks held / total over the pool", labels=["pool"])
+        for pool, rs in sorted(pools.items()):
+            queued.add_metric([pool], sum(r.num_waiting for r in rs))
+            running.add_metric([pool], sum(r.num_running for r in rs))
+            total = sum(r.kv_blocks_total for r in rs)
+            kv.add_metric([pool], sum(r.kv_blocks_used for r in rs) / total if total else 0.0)
+        yield from (queued, running, kv)
+
+
+class _RegistryCollector:
+    """Re-exports another registry's metrics (the router's request histograms) from this one."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._registry.collect()
+
+
+def metrics_registry(snapshot: Callable[[], dict[str, Any]], request_metrics: CollectorRegistry | None = None
+                     ) -> CollectorRegistry:
+    """A registry with everything a router exports: its counters, the workers' load, and (given
+    the router's ``RequestMetrics.registry``) the per-pool request histograms."""
     registry = CollectorRegistry()
     registry.register(RouterStatsCollector(snapshot))
+    registry.register(WorkerLoadCollector(snapshot))
+    if request_metrics is not None:
+        registry.register(_RegistryCollector(request_metrics))
+    return registry
+
+
+def serve_metrics(port: int, snapshot: Callable[[], dict[str, Any]], request_metrics: CollectorRegistry | None = None,
+                  host: str = "0.0.0.0") -> Any:
+    """Serve /metrics on host:port (see ``metrics_registry``); returns the HTTP server
+    (``.shutdown()`` then ``.server_close()`` stop it; ``.server_port`` is the bound port, useful
+    with port 0)."""
+    registry = metrics_registry(snapshot, request_metrics)
     server, _thread = start_http_server(port, addr=host, registry=registry)
     logger.info("router metrics on http://%s:%d/metrics", host, server.server_port)
     return server

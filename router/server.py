@@ -54,6 +54,7 @@ from router.membership import MembershipWatcher
 from router.pipeline import Pipeline
 from router.policies import make_policy
 from router.preprocess import RequestError, ServedModel
+from router.request_metrics import RequestMetrics
 from router.security import BearerTokenInterceptor, SecurityConfigError, TokenStore, server_credentials
 from router.workers import WorkerDirectory
 
@@ -140,8 +141,9 @@ class RouterServer:
             poll_interval_s=config.load_poll_interval_s, poll_timeout_s=config.load_poll_timeout_s,
             failure_threshold=config.worker_failure_threshold,
             stream_failure_cooldown_s=config.stream_failure_cooldown_s, on_health_change=self._on_health_change)
+        self.metrics = RequestMetrics()  # per-pool histograms; router/prometheus.py exports them
         self.pipeline = Pipeline(config, model, self.directory, make_policy(config.policy, **config.policy_options),
-                                 AdmissionController(config.max_in_flight, config.max_queue))
+                                 AdmissionController(config.max_in_flight, config.max_queue), self.metrics)
         self.auth = BearerTokenInterceptor(TokenStore.load(config.auth_tokens_file)) if config.auth_tokens_file else None
         self._credentials = (server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
                              if config.tls_cert_file and config.tls_key_file else None)
@@ -207,7 +209,8 @@ class RouterServer:
                         ", ".join(sorted(after - before)) or "-", ", ".join(sorted(before - after)) or "-")
 
     def stats(self) -> dict[str, Any]:
-        stats = {**self.pipeline.stats(), "membership_version": self.membership_version}
+        stats = {**self.pipeline.stats(), "membership_version": self.membership_version,
+                 "load_reports": self.directory.load_reports()}
         if self.auth is not None:  # shown among the request outcome counters (duet status)
             stats["requests"] = {**stats["requests"], **{f"auth_{k}": v for k, v in self.auth.rejected.items()}}
         return stats

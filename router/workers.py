@@ -1,8 +1,12 @@
 """WorkerDirectory: the router's view of its worker pool (membership, channels, load, health).
 
 Terms:
-    member      a (worker_id, endpoint) pair pushed by whoever knows the pool: a static list, or
-                the cluster controller on every join/leave (``set_members``; no router restart).
+    member      a (worker_id, endpoint[, role[, pool[, draining]]]) entry (``MemberInfo``) pushed by
+                whoever knows the pool: a static list, or the cluster controller on every join,
+                leave or drain (``set_members``; no router restart).
+    pool        the worker's pool name (``decode``), the label of its metrics; default its role.
+    draining    the autoscaler is removing the worker: it stays a member (its streams finish, its
+                polling goes on, status shows it) but is never routable; then it leaves the list.
     poll        GetLoad + grpc.health.v1 Check("duet.worker.v1.Worker"), sent together right after
                 a worker joins and then every ``poll_interval_s``.
     lease       one request's use of one worker, from ``begin`` (after the policy chose it) to
@@ -34,7 +38,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -52,6 +56,16 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
+
+
+class MemberInfo(NamedTuple):
+    """One member as pushed to the directory; plain (worker_id, endpoint[, role]) tuples also work."""
+
+    worker_id: str
+    endpoint: str
+    role: str = "colocated"
+    pool: str = ""  # "" = the role
+    draining: bool = False
 
 
 @dataclass(eq=False)
@@ -73,6 +87,12 @@ class WorkerLease:
         assert self._member is not None
         return self._member.state
 
+    @property
+    def pool(self) -> str:
+        """The worker's pool (the label of its metrics)."""
+        assert self._member is not None
+        return self._member.pool
+
 
 @dataclass(eq=False)
 class _Member:
@@ -90,6 +110,9 @@ class _Member:
     first_poll: asyncio.Event = field(default_factory=asyncio.Event)
     removed: bool = False
     warned: set[str] = field(default_factory=set)
+    pool: str = ""
+    draining: bool = False
+    report: worker_pb2.LoadReport | None = None  # the latest, for the metrics exporter
 
     def __post_init__(self) -> None:
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
@@ -113,17 +136,21 @@ class WorkerDirectory:
         self.num_unhealthy_transitions = 0
 
     # ------------------------------------------------------------- membership
-    async def set_members(self, members: Iterable[tuple[str, ...]], *, wait: bool = True) -> None:
-        """Make the pool exactly ``members``: (worker_id, endpoint) pairs, or (worker_id, endpoint,
-        role) triples (role: colocated, prefill or decode; default colocated). Newcomers are polled at
-        once; with ``wait`` this returns after their first poll (bounded by the poll timeout), so
-        a healthy newcomer is routable when it returns. A changed endpoint is a leave + join."""
+    async def set_members(self, members: Iterable[tuple[Any, ...]], *, wait: bool = True) -> None:
+        """Make the pool exactly ``members``: ``MemberInfo`` entries or plain (worker_id, endpoint)
+        pairs / (worker_id, endpoint, role) triples (role: colocated, prefill or decode; default
+        colocated). Newcomers are polled at once; with ``wait`` this returns after their first poll
+        (bounded by the poll timeout), so a healthy newcomer is routable when it returns. A changed
+        endpoint is a leave + join; a member marked draining stops being routable at once."""
         assert not self._closed, "set_members after close()"
         wanted: dict[str, str] = {}
         roles: dict[str, str] = {}
+        infos: dict[str, MemberInfo] = {}
         for member in members:
-            worker_id, endpoint = member[0], member[1]
-            roles[worker_id] = member[2] if len(member) > 2 and member[2] else "colocated"
+            info = MemberInfo(*member)
+            worker_id, endpoint = info.worker_id, info.endpoint
+            roles[worker_id] = info.role or "colocated"
+            infos[worker_id] = info._replace(role=roles[worker_id], pool=info.pool or roles[worker_id])
             if roles[worker_id] not in ROLES:
                 raise ValueError(f"member {worker_id!r}: role {roles[worker_id]!r} must be one of {', '.join(ROLES)}")
             if not isinstance(worker_id, str) or not worker_id or not isinstance(endpoint, str) or not endpoint:
@@ -138,6 +165,13 @@ class WorkerDirectory:
             elif m.state.role != roles[m.worker_id]:
                 m.state = replace(m.state, role=roles[m.worker_id])
         joined = [self._add(wid, ep, roles[wid]) for wid, ep in wanted.items() if wid not in self._members]
+        for m in self._members.values():
+            m.pool = infos[m.worker_id].pool
+            if infos[m.worker_id].draining and not m.draining:
+                m.draining = True
+                logger.info("worker %s (%s) is draining: no new requests; %d still streaming",
+                            m.worker_id, m.endpoint, len(m.leases))
+                self._set_healthy(m, False, "draining")
         self._notify_health()
         if wait and joined:
             waits = [asyncio.ensure_future(m.first_poll.wait()) for m in joined]
@@ -248,6 +282,8 @@ class WorkerDirectory:
             status = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
         if m.removed:
             return
+        if not isinstance(report, BaseException):
+            m.report = report
         error = next((r for r in (report, status) if isinstance(r, BaseException)), None)
         if error is not None:
             if not isinstance(error, grpc.aio.AioRpcError):
@@ -286,6 +322,8 @@ class WorkerDirectory:
                     lease.call.cancel()
 
     def _set_healthy(self, m: _Member, healthy: bool, why: str) -> None:
+        if healthy and m.draining:
+            return  # draining is final: the member only leaves
         if m.state.healthy == healthy:
             return
         m.state = replace(m.state, healthy=healthy)
@@ -311,7 +349,13 @@ class WorkerDirectory:
     # ------------------------------------------------------------- introspection
     def describe(self) -> list[dict[str, object]]:
         """One dict per member (for status pages and tests)."""
-        return [{"worker_id": m.worker_id, "endpoint": m.endpoint, "role": m.state.role, "healthy": m.state.healthy,
+        return [{"worker_id": m.worker_id, "endpoint": m.endpoint, "role": m.state.role, "pool": m.pool,
+                 "healthy": m.state.healthy, "draining": m.draining,
                  "in_flight": m.state.in_flight_requests, "load_tokens": m.state.load_tokens,
                  "consecutive_poll_failures": m.failures, "last_error": m.last_error}
                 for m in self._members.values()]
+
+    def load_reports(self) -> list[tuple[str, str, worker_pb2.LoadReport]]:
+        """(worker_id, pool, latest LoadReport) of every member polled at least once (the
+        metrics exporter's source: queue depth, KV use, expert load, ...)."""
+        return [(m.worker_id, m.pool, m.report) for m in self._members.values() if m.report is not None]

@@ -23,10 +23,12 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray cluster per test session (2 CPUs, no dashboard), always shut down."""
+    """One local Ray cluster per test session (2 CPUs, no dashboard), always shut down. It offers
+    two units of the custom resource ``duet_test_slot`` (what a node of one pool offers in a
+    multi-pool cluster; tests/cluster/test_pool_placement.py)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, resources={"duet_test_slot": 2}, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:

@@ -150,7 +150,9 @@ class BlockManager:
             return
         bs = self.block_size
         done = self._num_hashed.get(seq.request_id, 0)
-        full = min(seq.num_computed_tokens // bs, len(table))
+        # min with num_tokens: verified draft tokens count as computed one commit before they are
+        # appended (workers/scheduler.py commit), and a key needs the block's tokens.
+        full = min(min(seq.num_computed_tokens, seq.num_tokens) // bs, len(table))
         if full <= done:
             return
         parent = self._blocks[table[done - 1]].key if done else None
@@ -164,6 +166,27 @@ class BlockManager:
                 self._cached.setdefault(key, block.block_id)
             parent = key
         self._num_hashed[seq.request_id] = full
+
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Roll a table back to the blocks that ``num_tokens`` tokens need (speculative decoding:
+        blocks allocated for draft tokens that were rejected). Returns the blocks freed.
+
+        Only whole trailing blocks go back; slots of rejected tokens inside a kept block are simply
+        overwritten by the next tokens. Trailing blocks hold positions >= num_tokens, which are not
+        computed, so they never carry a prefix-cache key."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return 0
+        keep = self.blocks_needed(num_tokens)
+        assert keep >= self._num_hashed.get(request_id, 0), "trim below the keyed (computed) prefix"
+        freed = 0
+        while len(table) > keep:
+            block = self._blocks[table.pop()]
+            assert block.ref_count == 1 and block.key is None, "a draft block is private and unkeyed"
+            block.ref_count = 0
+            self._free[block.block_id] = None
+            freed += 1
+        return freed
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks. Tail blocks enter the free queue first, so they are evicted

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -45,6 +46,8 @@ from workers.parallel.sharding import attention_shard
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerOutput
 from workers.sequence import FinishReason, Sequence, SequenceStatus
+from workers.spec_decode.proposer import Proposer
+from workers.spec_decode.speculator import Speculator, SpecStats
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +102,13 @@ class EngineStats:
     expert_tokens: tuple[int, ...] = ()  # MoE: assignments per expert, summed over layers
     ep_rank_tokens: tuple[int, ...] = ()  # MoE: assignments computed per expert-parallel rank
     num_reserved: int = 0  # decode side: reservations waiting for their KV transfer
+    spec: SpecStats = SpecStats()  # speculative decoding counters (method "none" when off)
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, tokenizer: Any | None = None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any | None = None, proposer: Proposer | None = None) -> None:
+        """proposer: the speculative-decoding drafter; default: built from ``config.speculative``
+        (workers/spec_decode/factory.py), none when speculation is off."""
         self.config = config
         path = resolve_model(config.model)
         model, spec = load_model(path, config.torch_dtype, config.device, config.quantization)
@@ -134,6 +140,11 @@ class Engine:
         self._arrivals = itertools.count()
         self._exports: dict[str, int] = {}  # prefill side: request id -> first block to export
         self._reserved: dict[str, Sequence] = {}  # decode side: reserved, waiting for their KV
+        if proposer is None and config.speculative.enabled:
+            from workers.spec_decode.factory import make_proposer
+
+            proposer = make_proposer(config.speculative, config, spec.vocab_size)
+        self.speculator = Speculator(proposer, config.speculative) if proposer is not None else None
         logger.info(
             "engine ready: %s, %d KV blocks x %d tokens, max_model_len %d", path, num_blocks, bs, self.max_model_len
         )
@@ -167,6 +178,8 @@ class Engine:
                                   f"needed, {self.block_manager.num_free_blocks} free")
         self._register(seq)
         self._reserved[request_id] = seq
+        if self.speculator is not None:  # the drafter computes its prompt KV while ours is in transit
+            self.speculator.prefetch(seq)
         total = self.block_manager.blocks_needed(seq.num_prompt_tokens)
         return KVTicket(f"{request_id}@{next(self._arrivals)}", len(cached), total - len(cached), seq.num_cached_tokens)
 
@@ -182,7 +195,7 @@ class Engine:
         self.block_manager.cache_computed_blocks(seq)  # later prompts with this prefix hit here
         if generator_state is not None and seq.sampling_params.seed is not None:
             self.runner.set_generator_state(request_id, generator_state)
-        out = self._accept(seq, first_token)
+        out = self._accept(seq, [first_token])
         if not out.finished:
             self.scheduler.add_running(seq)
         return out
@@ -245,7 +258,8 @@ class Engine:
             experts = tuple(sum(layer.expert_counts for layer in layers).tolist())
             ranks = tuple(sum(layer.rank_rows for layer in layers).tolist())
         return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, self.block_manager.stats(),
-                           expert_tokens=experts, ep_rank_tokens=ranks, num_reserved=len(self._reserved))
+                           expert_tokens=experts, ep_rank_tokens=ranks, num_reserved=len(self._reserved),
+                           spec=self.speculator.stats() if self.speculator is not None else SpecStats())
 
     def reserved(self) -> list[Sequence]:
         """Decode side: sequences holding reserved blocks while their KV is in transit."""
@@ -258,28 +272,40 @@ class Engine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        spec = self.speculator
+        drafts = spec.draft(self.scheduler.running, self.max_model_len) if spec is not None else {}
+        sched = self.scheduler.schedule({rid: d.token_ids for rid, d in drafts.items()})
         if sched.is_empty:
             return []
-        result = self.runner.execute(sched)
-        self.scheduler.commit(sched)
+        t0 = time.perf_counter()
+        result = self.runner.execute(sched, drafts)
+        self.scheduler.commit(sched, result.sampled)
+        if spec is not None:
+            spec.record(sched, result.sampled, time.perf_counter() - t0)
         return self._postprocess(sched, result)
 
     def _postprocess(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
-        return [self._accept(self._seqs[rid], token) for rid, token in result.sampled.items()]
+        return [self._accept(self._seqs[rid], tokens) for rid, tokens in result.sampled.items()]
 
-    def _accept(self, seq: Sequence, token: int) -> RequestOutput:
-        """Append a sampled token, apply the stop rules, finish the request if it is done."""
-        seq.append_token(token)
+    def _accept(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+        """Append sampled tokens (several after a verify) one by one with the stop rules; finish the
+        request at the first that ends it (tokens after it are dropped)."""
         p = seq.sampling_params
-        delta, stopped = self._detok[seq.request_id].add(token)
-        if stopped or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-            seq.finish_reason = FinishReason.STOP
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = FinishReason.LENGTH
-        if seq.finish_reason is not None:
-            return self._finish(seq, [token], delta)
-        return self._output(seq, [token], delta)
+        detok = self._detok[seq.request_id]
+        new_ids: list[int] = []
+        delta = ""
+        for token in tokens:
+            seq.append_token(token)
+            new_ids.append(token)
+            text, stopped = detok.add(token)
+            delta += text
+            if stopped or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+                seq.finish_reason = FinishReason.STOP
+            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = FinishReason.LENGTH
+            if seq.finish_reason is not None:
+                return self._finish(seq, new_ids, delta)
+        return self._output(seq, new_ids, delta)
 
     def _finish(self, seq: Sequence, new_ids: list[int], delta: str) -> RequestOutput:
         export = None
@@ -290,6 +316,8 @@ class Engine:
             export = KVExport(new_ids[0], first_block, self.runner.read_blocks(table[first_block:end]),
                               self.runner.generator_state(seq.request_id))
         self._reserved.pop(seq.request_id, None)
+        if self.speculator is not None:
+            self.speculator.release(seq.request_id)
         self.scheduler.remove(seq)
         self.runner.remove_request(seq.request_id)
         delta += self._detok.pop(seq.request_id).flush()

@@ -62,12 +62,21 @@ class LoadSnapshot:
     expert_tokens: tuple[int, ...] = ()
     ep_rank_tokens: tuple[int, ...] = ()
     num_reserved: int = 0
+    spec_method: str = "none"
+    spec_verifies: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
+    spec_draft_seconds: float = 0.0
+    spec_verify_seconds: float = 0.0
+    spec_fallbacks: int = 0
 
     @classmethod
     def of(cls, engine: Engine) -> LoadSnapshot:
         """Engine thread only. outstanding_tokens = sum over unfinished requests of P + M - 1 - C,
         with M capped at the context limit (max_model_len - P): no request can run past it."""
         stats, sched = engine.stats(), engine.scheduler
+        sp = stats.spec
         outstanding = 0
         for seq in itertools.chain(sched.running, sched.waiting, engine.reserved()):
             p = seq.num_prompt_tokens
@@ -77,7 +86,9 @@ class LoadSnapshot:
         return cls(stats.num_running, stats.num_waiting, outstanding, engine.block_manager.block_size,
                    b.num_blocks, b.num_blocks - b.num_free_blocks, b.num_cached_blocks,
                    b.prefix_cache_queries, b.prefix_cache_hits, stats.num_preemptions, stats.expert_tokens,
-                   stats.ep_rank_tokens, stats.num_reserved)
+                   stats.ep_rank_tokens, stats.num_reserved, sp.method, sp.num_verifies, sp.num_draft_tokens,
+                   sp.num_accepted_tokens, sp.num_emitted_tokens, sp.draft_seconds, sp.verify_seconds,
+                   sp.num_fallbacks)
 
 
 Item = RequestOutput | Exception  # what a request's sink receives: outputs, or one error

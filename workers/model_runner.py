@@ -1,5 +1,9 @@
 """ModelRunner: SchedulerOutput -> one forward pass -> sampled tokens (RunnerOutput).
 
+Speculative decoding: a chunk with ``num_draft`` drafts needs logits on its last num_draft + 1
+rows; ``execute`` verifies them (workers/spec_decode/rejection_sampler.py) with the request's own
+generator and returns the accepted drafts plus the target's next token.
+
 Owns the model, the KV cache tensors and per-request sampling state (params, generator). It turns
 the scheduler's lists (token ids, start positions, block tables) into tensors once per step:
 flat input ids and positions, the cache slot of every new token, and the attention metadata that
@@ -16,6 +20,7 @@ Axes: T tokens in the step, B single-token chunks, L context, S cache slots, G k
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +34,8 @@ from workers.models.config import ModelSpec
 from workers.parallel.groups import get_group
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledChunk, SchedulerOutput
+from workers.spec_decode.proposer import Draft
+from workers.spec_decode.rejection_sampler import accept_greedy, accept_sampled, target_probs
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +46,9 @@ SP_MIN_TOKENS_PER_RANK = 8
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    sampled: dict[str, int]  # request id -> next token, for chunks with sample=True
+    # request id -> tokens to append, for chunks with sample=True: one sampled token, or with drafts
+    # the accepted drafts followed by the target's own token (1..num_draft + 1)
+    sampled: dict[str, list[int]]
 
 
 def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
@@ -106,16 +115,52 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, drafts: Mapping[str, Draft] | None = None) -> RunnerOutput:
+        """Run the step and sample. drafts: the proposer's drafts by request id (their distributions
+        q, for sampled requests; the draft ids themselves are the chunks' last num_draft tokens)."""
         hidden, sample_rows = self.forward(sched)  # [T, E]
         if not sample_rows:
             return RunnerOutput({})
-        rows, ids = zip(*sample_rows)
-        logits = self.model.compute_logits(hidden[list(rows)])  # [N, V]
-        params = [self._params[r] for r in ids]
-        gens = [self._generators.get(r, self._default_generator) for r in ids]
-        tokens = self.sampler(logits, params, gens)
-        return RunnerOutput(dict(zip(ids, tokens)))
+        logits = self.model.compute_logits(hidden[[r for r, _ in sample_rows]])  # [N, V]
+        verify = {c.request_id: c for c in sched.chunks if c.num_draft}
+        plain: list[int] = []  # logits rows sampled one token each
+        spans: list[tuple[int, ScheduledChunk]] = []  # (first logits row, chunk) of verified chunks
+        i = 0
+        while i < len(sample_rows):
+            chunk = verify.get(sample_rows[i][1])
+            if chunk is None:
+                plain.append(i)
+                i += 1
+            else:
+                spans.append((i, chunk))
+                i += chunk.num_draft + 1
+        out: dict[str, list[int]] = {}
+        if plain:
+            ids = [sample_rows[i][1] for i in plain]
+            tokens = self.sampler(logits[plain], [self._params[r] for r in ids],
+                                  [self._generators.get(r, self._default_generator) for r in ids])
+            out.update((r, [t]) for r, t in zip(ids, tokens))
+        if spans:
+            out.update(self._verify(logits, spans, drafts or {}))
+        return RunnerOutput(out)
+
+    def _verify(self, logits: torch.Tensor, spans: list[tuple[int, ScheduledChunk]],
+                drafts: Mapping[str, Draft]) -> dict[str, list[int]]:
+        """Accept or reject each verified chunk's drafts (logits [N, V], rows i..i+k per chunk)."""
+        argmax = logits.argmax(-1).tolist() if any(self._params[c.request_id].greedy for _, c in spans) else []
+        out = {}
+        for i, c in spans:
+            k, rid = c.num_draft, c.request_id
+            draft_ids = c.token_ids[-k:]
+            params = self._params[rid]
+            if params.greedy:
+                out[rid] = accept_greedy(argmax[i : i + k + 1], draft_ids)
+                continue
+            d = drafts.get(rid)
+            q = None if d is None or d.probs is None else d.probs[:k]  # [k, V]
+            p = target_probs(logits[i : i + k + 1], params)  # [k + 1, V]
+            out[rid] = accept_sampled(p, draft_ids, q, self._generators.get(rid, self._default_generator))
+        return out
 
     @torch.inference_mode()
     def follow(self, sched: SchedulerOutput) -> None:
@@ -145,7 +190,7 @@ class ModelRunner:
     def sp_split(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
         """(replicated, split over the sp ranks): prefill chunks long enough for sequence parallelism."""
         w = get_group("sp").world_size
-        long = [w > 1 and len(c.token_ids) >= SP_MIN_TOKENS_PER_RANK * w for c in chunks]
+        long = [w > 1 and not c.num_draft and len(c.token_ids) >= SP_MIN_TOKENS_PER_RANK * w for c in chunks]
         return [c for c, x in zip(chunks, long) if not x], [c for c, x in zip(chunks, long) if x]
 
     def _context_slots(self, table: list[int], end: int) -> torch.Tensor:
@@ -225,8 +270,8 @@ class ModelRunner:
                 prefill_cu.append(prefill_cu[-1] + n)
                 prefills.append(self._prefill_span(c, row))
             row += n
-            if c.sample:
-                sample_rows.append((row - 1, c.request_id))
+            if c.sample:  # with drafts: the last token's row and every draft's row
+                sample_rows.extend((r, c.request_id) for r in range(row - 1 - c.num_draft, row))
         ring = []
         for c in split:
             rc, c_ids, c_pos, c_slots = self._ring_chunk(c, row)

@@ -23,6 +23,8 @@ class SamplingParams:
     stop: strings that end generation; the returned text stops just before them.
     stop_token_ids: token ids that end generation (kept in the output ids, like EOS).
     ignore_eos: keep generating past the model's EOS tokens (benchmarks).
+    num_speculative_tokens: speculative decoding for this request: None = the deployment's setting,
+        0 = off, n = draft at most n tokens per step (capped by the deployment's maximum).
     """
 
     max_tokens: int = 16
@@ -33,6 +35,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so params stay hashable and immutable.
@@ -55,6 +58,10 @@ class SamplingParams:
                 raise InvalidRequestError(
                     "stop", f"each stop string must be a non-empty str of at most {_MAX_STOP_STRING_LEN} chars"
                 )
+        if self.num_speculative_tokens is not None and not (
+                isinstance(self.num_speculative_tokens, int) and 0 <= self.num_speculative_tokens <= 64):
+            raise InvalidRequestError("num_speculative_tokens",
+                                      f"must be an integer in [0, 64] (0 = off), got {self.num_speculative_tokens!r}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise InvalidRequestError("stop_token_ids", f"must be integers >= 0, got {t!r}")

@@ -10,12 +10,19 @@ So a long prompt is chunked around the decodes and never stalls them. When the b
 dry, the newest running sequence is preempted: its blocks are freed and it waits to be recomputed
 (usually cheaply, from the prefix cache). Admission is FIFO and only the newest is ever preempted,
 so no request starves. No new request is admitted in a step that had to preempt.
+
+Speculative decoding: ``schedule(drafts)`` takes draft tokens per decoding request (from
+workers/spec_decode/); such a request's chunk is its last token followed by the drafts, computed
+in one pass (``num_draft`` rows more to verify). ``commit`` then counts as computed only the last
+token and the drafts the runner accepted, and returns the blocks of rejected drafts to the pool.
+Drafts are cut to fit the step's token budget, and a preempted request's drafts are dropped.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from workers.block_manager import BlockManager
@@ -30,6 +37,8 @@ class ScheduledChunk:
     """One sequence's work in a step: compute ``token_ids`` at positions ``start_pos...``.
 
     sample: the chunk reaches the end of the sequence's tokens, so a next token is sampled.
+    num_draft: speculative decoding: the last num_draft token ids are drafts to verify (logits are
+        needed for the last num_draft + 1 rows); 0 for a plain chunk.
     """
 
     request_id: str
@@ -37,6 +46,7 @@ class ScheduledChunk:
     start_pos: int
     block_table: list[int]
     sample: bool
+    num_draft: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,7 +107,10 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens to recompute)", seq.request_id, seq.num_tokens)
 
     # -------------------------------------------------------------- schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[str, list[int]] | None = None) -> SchedulerOutput:
+        """The step's chunks. drafts: request id -> draft tokens to verify after its last token
+        (decoding requests only; cut to the budget)."""
+        drafts = drafts or {}
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # request id -> new tokens, insertion = batch order
         preempted: list[str] = []
@@ -120,6 +133,18 @@ class Scheduler:
             else:
                 scheduled[seq.request_id] = n
                 budget -= n
+
+        # Drafts only after every running request has its token(s), and never at the price of a
+        # preemption: they are an optional extension of a decode.
+        bm = self.block_manager
+        for seq in decoding:
+            if seq.request_id not in scheduled or seq.status is not SequenceStatus.RUNNING:
+                continue
+            room = (len(bm.block_table(seq.request_id)) + bm.num_free_blocks) * bm.block_size - seq.num_tokens
+            extra = min(len(drafts.get(seq.request_id, ())), budget, room)
+            if extra > 0 and bm.allocate(seq, 1 + extra):
+                scheduled[seq.request_id] += extra
+                budget -= extra
 
         while (
             self.waiting
@@ -147,23 +172,34 @@ class Scheduler:
         for rid, n in scheduled.items():
             seq = by_id[rid]
             start = seq.num_computed_tokens
+            num_draft = max(start + n - seq.num_tokens, 0)  # > 0 only for a decode with drafts
             chunks.append(
                 ScheduledChunk(
                     request_id=rid,
-                    token_ids=seq.token_ids[start : start + n],
+                    token_ids=seq.token_ids[start : start + n - num_draft] + drafts.get(rid, [])[:num_draft],
                     start_pos=start,
                     block_table=list(self.block_manager.block_table(rid)),
-                    sample=start + n == seq.num_tokens,
+                    sample=start + n >= seq.num_tokens,
+                    num_draft=num_draft,
                 )
             )
         return SchedulerOutput(chunks=chunks, preempted_ids=preempted)
 
-    def commit(self, output: SchedulerOutput) -> None:
-        """Advance ``num_computed_tokens`` after the runner has written the chunks' KV."""
+    def commit(self, output: SchedulerOutput, sampled: Mapping[str, list[int]] | None = None) -> None:
+        """Advance ``num_computed_tokens`` after the runner has written the chunks' KV.
+
+        sampled: the runner's tokens per request; a chunk with drafts computed its last token plus
+        the accepted drafts (len(sampled) - 1 of them: the final token is the target's own and not
+        computed yet), and its blocks beyond those tokens go back to the pool (rollback)."""
         by_id = {s.request_id: s for s in self.running}
         for chunk in output.chunks:
             seq = by_id.get(chunk.request_id)
             if seq is None:  # aborted while the step ran
                 continue
-            seq.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
+            if chunk.num_draft:
+                assert sampled is not None and chunk.request_id in sampled, "a verified chunk has its tokens"
+                seq.num_computed_tokens = chunk.start_pos + len(sampled[chunk.request_id])
+                self.block_manager.trim(seq.request_id, seq.num_computed_tokens)
+            else:
+                seq.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
             self.block_manager.cache_computed_blocks(seq)

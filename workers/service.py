@@ -64,7 +64,9 @@ def to_sampling_params(p: worker_pb2.SamplingParams) -> SamplingParams:
     """Proto -> engine params (every field literal; see the proto). Raises InvalidRequestError."""
     return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                           seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
-                          stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
+                          stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
+                          num_speculative_tokens=(p.num_speculative_tokens if p.HasField("num_speculative_tokens")
+                                                  else None))
 
 
 def _merge(outputs: list[RequestOutput]) -> worker_pb2.SubmitResponse:

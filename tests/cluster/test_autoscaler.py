@@ -215,3 +215,19 @@ def test_config_errors_name_the_key(kw, key):
 def test_missing_metrics_is_a_key_error():
     with pytest.raises(KeyError, match="decode"):
         decide(config(), 0.0, {"prefill": window(1.0)}, {"prefill": status("prefill", 1)}, AutoscalerState())
+
+
+def test_idle_window_clears_the_reactive_offset_so_the_pool_scales_down():
+    # A breach adds a replica the profile did not predict (offset +1); then the load stops. An idle
+    # pool shows no latency, so no slack either: the idle window itself clears the offset.
+    cfg = config(down_cooldown_s=60.0)
+    sim = Sim(cfg, {"prefill": 1, "decode": 1, "draft": 1})
+    d = sim.tick(0.0, {"prefill": window(1.0, ttft=0.1), "decode": window(1.0, tpot=0.2)})
+    assert d["decode"].desired == 2 and d["decode"].offset == 1
+    idle = {"prefill": window(0.0, samples=0), "decode": window(0.0, samples=0)}
+    d = sim.tick(100.0, idle)
+    assert "idle window: offset cleared" in d["decode"].reason and d["decode"].desired == 1
+    busy_no_samples = {"prefill": window(1.0, samples=0), "decode": window([0.0] * 5 + [1.0], samples=0)}
+    sim2 = Sim(cfg, {"prefill": 1, "decode": 1, "draft": 1})
+    sim2.tick(0.0, {"prefill": window(1.0, ttft=0.1), "decode": window(1.0, tpot=0.2)})
+    assert sim2.tick(100.0, busy_no_samples)["decode"].offset == 1  # not idle: the offset stays

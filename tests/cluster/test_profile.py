@@ -61,14 +61,17 @@ def test_missing_and_corrupt_files(tmp_path):
 
 def _step(rate, ttft_p90_ms, tpot_p90_ms, rng, *, batch=1.0, a=0.02, b=0.001, c=0.01, d=0.002):
     """A serving_bench rate result whose raw records follow prefill a + b P and decode c + d B, with
-    the throughput that makes B the mean decode batch (Little: B = throughput x decode time)."""
-    step, n = c + d * batch, 16
-    raw = []
-    for _ in range(20):
-        p = int(rng.integers(20, 80))
-        first = a + b * p
-        raw.append({"send": 0.0, "prompt_tokens": p, "chunk_tokens": [1] * n,
-                    "chunk_times": [first + k * step for k in range(n)], "error": None})
+    the throughput that makes B the mean decode batch (Little: B = throughput x decode time) and the
+    TPOT a colocated replica shows: the step stretched by the prefills it stalls for, step / (1 - rho),
+    rho = throughput x prefill time of the mean prompt (solved together with the throughput)."""
+    n = 16
+    prompts = [int(rng.integers(20, 80)) for _ in range(20)]
+    prefill = a + b * float(np.mean(prompts))
+    k = batch * prefill / ((n - 1) * (c + d * batch))
+    rho = k / (1 + k)  # rho = rps x prefill with rps = batch (1 - rho) / ((n - 1) step)
+    step = (c + d * batch) / (1 - rho)
+    raw = [{"send": 0.0, "prompt_tokens": p, "chunk_tokens": [1] * n,
+            "chunk_times": [a + b * p + j * step for j in range(n)], "error": None} for p in prompts]
     rps = batch / ((n - 1) * step)
     return {"path": "router", "rate": rate, "completed": 20, "num_requests": 20, "request_throughput_rps": rps,
             "output_throughput_tps": rps * n, "ttft": {"p90_ms": ttft_p90_ms},

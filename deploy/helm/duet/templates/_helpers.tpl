@@ -85,11 +85,18 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/* Names of pools that request GPUs, comma-separated (empty if none). */}}
 {{- define "duet.gpuPools" -}}
 {{- $out := list }}
-{{- range (include "duet.pools" . | fromJsonArray) }}{{ if gt (int .gpusPerReplica) 0 }}{{ $out = append $out .name }}{{ end }}{{ end }}
+{{- range (include "duet.pools" . | fromJsonArray) }}{{ if gt (int .gpusPerRank) 0 }}{{ $out = append $out .name }}{{ end }}{{ end }}
 {{- join ", " $out }}
 {{- end }}
 
-{{/* .Values.pools with poolDefaults filled in (deep merge; the pool wins), as a JSON list.
+{{/* .Values.pools with poolDefaults filled in (deep merge; the pool wins), as a JSON list, each with
+the derived keys the templates share:
+  gang           ranks per replica = epSize * spSize * tpSize (a replica is one worker pod)
+  podCpus/podGpus/podMemory   what that pod requests: gang x the per-rank amounts
+  rayResource    the pool's own custom Ray resource, duet_pool_<name>: each rank's bundle asks for one
+                 unit (resources_per_rank in the ConfigMap), and only the pool's worker group offers it
+  rayResources   what each of the group's pods offers of it: {duet_pool_<name>: gang}, one unit per rank slot
+  drafterResourcesResolved    the Ray resources its drafter actors request (see "duet.drafterResources")
 Numbers come back as float64 from JSON: wrap them in int where an integer is needed. */}}
 {{- define "duet.pools" -}}
 {{- $out := list }}
@@ -97,7 +104,126 @@ Numbers come back as float64 from JSON: wrap them in int where an integer is nee
 {{- $pool := mustMergeOverwrite (deepCopy $.Values.poolDefaults) (deepCopy .) }}
 {{- if kindIs "invalid" $pool.minReplicas }}{{ $_ := set $pool "minReplicas" $pool.replicas }}{{ end }}
 {{- if kindIs "invalid" $pool.maxReplicas }}{{ $_ := set $pool "maxReplicas" $pool.replicas }}{{ end }}
+{{- $gang := mul (int $pool.epSize) (int $pool.spSize) (int $pool.tpSize) }}
+{{- $memAmount := regexFind "^[0-9]+" (toString $pool.memoryPerRank) | atoi }}
+{{- $memUnit := regexFind "(Mi|Gi)$" (toString $pool.memoryPerRank) }}
+{{- $_ := set $pool "gang" $gang }}
+{{- $_ := set $pool "podCpus" (mul $gang (int $pool.cpusPerRank)) }}
+{{- $_ := set $pool "podGpus" (mul $gang (int $pool.gpusPerRank)) }}
+{{- $_ := set $pool "podMemory" (printf "%d%s" (mul $gang $memAmount) $memUnit) }}
+{{- $_ := set $pool "rayResource" (printf "duet_pool_%s" $pool.name) }}
+{{- $_ := set $pool "rayResources" (dict $pool.rayResource $gang) }}
+{{- $_ := set $pool "drafterResourcesResolved" (include "duet.drafterResources" (dict "root" $ "spec" $pool.speculative) | fromJson) }}
 {{- $out = append $out $pool }}
 {{- end }}
 {{- toJson $out }}
+{{- end }}
+
+{{/* The Ray resources a pool's drafter actors request (pools[].speculative.drafterResources): the
+pool's own mapping if set; null = {<drafters.rayResource>: drafterCpus} when the pool drafts with a
+model and the chart runs drafter pods (only they advertise that resource, so drafters land there),
+else {} (drafters take CPUs wherever Ray finds them). Called with dict "root" "spec". */}}
+{{- define "duet.drafterResources" -}}
+{{- $d := .root.Values.drafters }}
+{{- if not (kindIs "invalid" .spec.drafterResources) }}
+{{- toJson .spec.drafterResources }}
+{{- else if and $d.enabled (eq .spec.method "draft_model") }}
+{{- toJson (dict $d.rayResource (int .spec.drafterCpus)) }}
+{{- else }}
+{{- toJson dict }}
+{{- end }}
+{{- end }}
+
+{{/* The drafters worker group as a pool-like dict (what "duet.workerGroup" needs), or {} when off. */}}
+{{- define "duet.drafterGroup" -}}
+{{- $d := .Values.drafters }}
+{{- if $d.enabled }}
+{{- $g := dict "groupName" "drafters" "role" "drafter" "replicas" (int $d.replicas)
+      "podCpus" (int $d.cpusPerPod) "podGpus" 0 "podMemory" $d.memoryPerPod
+      "rayResources" (dict $d.rayResource (int $d.cpusPerPod))
+      "nodeSelector" $d.nodeSelector "tolerations" $d.tolerations "affinity" $d.affinity }}
+{{- $_ := set $g "minReplicas" (ternary $d.replicas $d.minReplicas (kindIs "invalid" $d.minReplicas) | int) }}
+{{- $_ := set $g "maxReplicas" (ternary $d.replicas $d.maxReplicas (kindIs "invalid" $d.maxReplicas) | int) }}
+{{- toJson $g }}
+{{- else }}
+{{- toJson dict }}
+{{- end }}
+{{- end }}
+
+{{/* One entry of the RayCluster's workerGroupSpecs. Called with dict "root" $ "g" <group>, where the
+group (from "duet.pools" or "duet.drafterGroup") gives groupName, role, pool (optional), replicas,
+minReplicas, maxReplicas, podCpus, podGpus, podMemory, rayResources (custom Ray resources of each
+pod, optional), nodeSelector, tolerations, affinity. rayStartParams values are strings; custom
+resources use the form KubeRay documents: resources: '"{\"drafter\": 8}"'. */}}
+{{- define "duet.workerGroup" -}}
+{{- $v := .root.Values }}
+{{- $g := .g -}}
+- groupName: {{ $g.groupName }}
+  replicas: {{ int $g.replicas }}
+  minReplicas: {{ int $g.minReplicas }}
+  maxReplicas: {{ int $g.maxReplicas }}
+  rayStartParams:
+    num-cpus: {{ int $g.podCpus | quote }}
+    {{- if gt (int $g.podGpus) 0 }}
+    num-gpus: {{ int $g.podGpus | quote }}
+    {{- end }}
+    {{- with $g.rayResources }}
+    {{- $items := list }}
+    {{- range $name, $amount := . }}{{ $items = append $items (printf "\\\"%s\\\": %d" $name (int $amount)) }}{{ end }}
+    resources: {{ printf "\"{%s}\"" (join ", " $items) | squote }}
+    {{- end }}
+  template:
+    metadata:
+      labels:
+        {{- include "duet.selectorLabels" .root | nindent 8 }}
+        app.kubernetes.io/component: ray-worker
+        {{- with $g.pool }}
+        duet.ai/pool: {{ . | quote }}
+        {{- end }}
+        duet.ai/role: {{ $g.role }}
+    spec:
+      securityContext:
+        {{- toYaml $v.podSecurityContext | nindent 8 }}
+      {{- with $v.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $g.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $g.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $g.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: ray-worker
+          image: {{ include "duet.image" .root }}
+          imagePullPolicy: {{ $v.image.pullPolicy }}
+          securityContext:
+            {{- toYaml $v.securityContext | nindent 12 }}
+          env:
+            {{- include "duet.env" .root | nindent 12 }}
+          resources:
+            requests:
+              cpu: {{ int $g.podCpus | quote }}
+              memory: {{ $g.podMemory }}
+              {{- if gt (int $g.podGpus) 0 }}
+              nvidia.com/gpu: {{ int $g.podGpus | quote }}
+              {{- end }}
+            limits:
+              memory: {{ $g.podMemory }}
+              {{- if gt (int $g.podGpus) 0 }}
+              nvidia.com/gpu: {{ int $g.podGpus | quote }}
+              {{- end }}
+          volumeMounts:
+            {{- include "duet.volumeMounts" .root | nindent 12 }}
+            - {name: shared-mem, mountPath: /dev/shm}
+      volumes:
+        {{- include "duet.volumes" .root | nindent 8 }}
+        {{- include "duet.rayVolumes" .root | nindent 8 }}
 {{- end }}

@@ -41,7 +41,7 @@ class RemotePrefill(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "num_speculative_tokens")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -58,7 +59,8 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    num_speculative_tokens: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -141,7 +143,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "num_running", "num_waiting", "outstanding_tokens", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers_sent", "kv_bytes_sent", "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfer_seconds", "num_reserved", "expert_tokens", "ep_rank_tokens")
+    __slots__ = ("worker_id", "incarnation", "num_running", "num_waiting", "outstanding_tokens", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers_sent", "kv_bytes_sent", "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfer_seconds", "num_reserved", "expert_tokens", "ep_rank_tokens", "spec_method", "spec_verifies", "spec_draft_tokens", "spec_accepted_tokens", "spec_emitted_tokens", "spec_draft_seconds", "spec_verify_seconds", "spec_fallbacks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +165,14 @@ class LoadReport(_message.Message):
     NUM_RESERVED_FIELD_NUMBER: _ClassVar[int]
     EXPERT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EP_RANK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_METHOD_FIELD_NUMBER: _ClassVar[int]
+    SPEC_VERIFIES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_EMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     num_running: int
@@ -184,4 +194,12 @@ class LoadReport(_message.Message):
     num_reserved: int
     expert_tokens: _containers.RepeatedScalarFieldContainer[int]
     ep_rank_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_transfers_received: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_reserved: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., ep_rank_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    spec_method: str
+    spec_verifies: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_emitted_tokens: int
+    spec_draft_seconds: float
+    spec_verify_seconds: float
+    spec_fallbacks: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_transfers_received: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_reserved: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., ep_rank_tokens: _Optional[_Iterable[int]] = ..., spec_method: _Optional[str] = ..., spec_verifies: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_emitted_tokens: _Optional[int] = ..., spec_draft_seconds: _Optional[float] = ..., spec_verify_seconds: _Optional[float] = ..., spec_fallbacks: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,295 @@
+"""Speculative decoding benchmark: the same prompts with and without speculation, in one run.
+
+Part ``ngram`` (SmolLM2-135M, prompt lookup): two prompt classes -- *repetitive* (the answer quotes
+the prompt: copy, edit and reformat tasks) and *open* (free text, where prompt lookup finds little)
+-- at batch 1 (each prompt alone) and batch 8 (all at once). Targets: >= 1.5x tokens/s on
+repetitive prompts, >= 0.95x on open ones (the adaptive draft length must not lose time there).
+
+Part ``pair`` (Qwen2.5-Coder-1.5B target, 0.5B drafter; optional assets, `make qwen-coder`): our
+engine with the drafter in its own Ray actor (a CPU drafter) vs the same engine without
+speculation vs HF ``generate(assistant_model=...)`` vs HF plain, at batch 1 (and batch 8 for our
+engine; HF assisted generation supports batch 1 only). Target: >= 1.8x over our own plain decode at
+batch 1, ahead of HF assisted generation.
+
+Threads: this machine has 2 cores. Plain engine and HF runs use both; the speculative engine's
+target uses ``--target-threads`` (default 1) and the drafter actor 1 core, so the pair never
+oversubscribes the cores (OpenMP spin-waits make oversubscription 10x slower). Runs alternate
+plain / speculative per repeat; medians are reported with the CPU load others caused (see
+engine_throughput.CpuLoadMeter). Every speculative output is checked against the plain one
+(greedy: they must be identical).
+
+    python benchmarks/spec_bench.py --part ngram            # ~3 min
+    python benchmarks/spec_bench.py --part pair             # ~15 min, needs the Qwen assets
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.engine_throughput import CpuLoadMeter, code_version, machine_info  # noqa: E402
+from workers.config import SpeculativeConfig  # noqa: E402
+from workers.llm import LLM  # noqa: E402
+from workers.sampling_params import SamplingParams  # noqa: E402
+
+logger = logging.getLogger("spec_bench")
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+
+_CODE = '''def load_users(path):
+    users = []
+    with open(path) as f:
+        for line in f:
+            name, age, email = line.strip().split(",")
+            users.append({"name": name, "age": int(age), "email": email})
+    return users
+'''
+REPETITIVE = [
+    f"Add a docstring to this function and return the whole function:\n\n{_CODE}",
+    f"Rename the variable `users` to `people` in this code and print the full code:\n\n{_CODE}",
+    "Copy this list exactly, one item per line: apples, pears, plums, cherries, grapes, lemons, limes, "
+    "oranges, peaches, melons",
+    "Repeat the sentence three times: The quick brown fox jumps over the lazy dog.",
+    f"Convert this function to use a list comprehension where possible; show the full result:\n\n{_CODE}",
+    "Write the word 'hello' in a numbered list ten times.",
+    "Fix the typo and rewrite the paragraph unchanged otherwise: The comittee met on Tuesday to "
+    "discuss the budget. The comittee agreed to meet again next week to finalize the budget.",
+    "Format as a markdown table with columns name and price: apple 1.20, pear 0.80, plum 0.50, "
+    "cherry 3.00, grape 2.10",
+]
+OPEN = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain why the sky is blue.",
+    "What are three tips for learning a new language?",
+    "Describe the taste of coffee to someone who has never had it.",
+    "Give me a recipe idea for dinner tonight.",
+    "What is the difference between weather and climate?",
+    "Suggest a name for a new bakery and explain it.",
+    "Why do cats purr?",
+]
+CODE_TASKS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    f"Add type hints to this function and return the full code:\n\n{_CODE}",
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Write a Python class Stack with push, pop and peek methods.",
+    f"Rewrite this function to use the csv module; show the full code:\n\n{_CODE}",
+    "Write a Python function that merges two sorted lists.",
+    "Write a function that counts word frequencies in a text and returns the top 5.",
+    f"Add error handling for malformed lines to this function; show the full code:\n\n{_CODE}",
+]
+
+
+def chat(tokenizer, prompt: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+
+
+def run_engine(llm: LLM, prompts: list[list[int]], max_tokens: int, speculate: bool = True
+               ) -> tuple[float, list[list[int]]]:
+    """Greedy; speculate False runs the same engine with speculation off for these requests."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, num_speculative_tokens=None if speculate else 0)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return time.perf_counter() - t0, [o.token_ids for o in outs]
+
+
+def spec_delta(llm: LLM, before) -> dict[str, Any]:
+    s = llm.engine.stats().spec
+    drafted = s.num_draft_tokens - before.num_draft_tokens
+    verifies = s.num_verifies - before.num_verifies
+    return {"acceptance_rate": (s.num_accepted_tokens - before.num_accepted_tokens) / drafted if drafted else 0.0,
+            "mean_accepted_length": (s.num_emitted_tokens - before.num_emitted_tokens) / verifies if verifies else 0.0,
+            "draft_tokens": drafted, "verifies": verifies, "fallbacks": s.num_fallbacks - before.num_fallbacks}
+
+
+def compare(spec: LLM, batches: list[list[list[int]]], max_tokens: int, repeats: int,
+            plain_threads: int, spec_threads: int) -> dict[str, Any]:
+    """Alternate plain / speculative over ``batches`` (each run as one generate call) on one engine:
+    plain = the same engine and weights with speculation off per request."""
+    rows: dict[str, list] = {"plain_tok_s": [], "spec_tok_s": [], "load": []}
+    agg = None
+    mismatches = 0
+    for _ in range(repeats):
+        meter = CpuLoadMeter()
+        for batch in batches:
+            torch.set_num_threads(plain_threads)
+            t_plain, out_plain = run_engine(spec, batch, max_tokens, speculate=False)
+            torch.set_num_threads(spec_threads)
+            before = spec.engine.stats().spec
+            t_spec, out_spec = run_engine(spec, batch, max_tokens)
+            d = spec_delta(spec, before)
+            agg = {k: (agg or {}).get(k, 0) + v for k, v in d.items() if k in ("draft_tokens", "verifies", "fallbacks")} | {
+                "acc": (agg or {}).get("acc", 0) + d["acceptance_rate"] * d["draft_tokens"],
+                "emit": (agg or {}).get("emit", 0) + d["mean_accepted_length"] * d["verifies"]}
+            n = sum(map(len, out_plain))
+            mismatches += sum(a != b for a, b in zip(out_plain, out_spec))
+            rows["plain_tok_s"].append(n / t_plain)
+            rows["spec_tok_s"].append(sum(map(len, out_spec)) / t_spec)
+        rows["load"].append(meter.read())
+    p, s = statistics.median(rows["plain_tok_s"]), statistics.median(rows["spec_tok_s"])
+    return {"plain_tokens_per_s": round(p, 2), "spec_tokens_per_s": round(s, 2), "speedup": round(s / p, 3),
+            "acceptance_rate": round(agg["acc"] / agg["draft_tokens"], 3) if agg["draft_tokens"] else 0.0,
+            "mean_accepted_length": round(agg["emit"] / agg["verifies"], 3) if agg["verifies"] else 0.0,
+            "fallbacks": agg["fallbacks"], "greedy_mismatches": mismatches,
+            "others_cpu_load": [round(x, 2) for x in rows["load"]], "runs": rows}
+
+
+# ------------------------------------------------------------------- ngram
+def part_ngram(args) -> dict[str, Any]:
+    spec = LLM("SmolLM2-135M-Instruct", kv_cache_memory_bytes=256 << 20,
+               speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=args.k))
+    tok = spec.tokenizer
+    out: dict[str, Any] = {}
+    for name, prompts in (("repetitive", REPETITIVE), ("open", OPEN)):
+        ids = [chat(tok, p) for p in prompts]
+        for speculate in (False, True):  # warm-up: kernel loading, allocator growth
+            run_engine(spec, ids[:2], 8, speculate)
+        out[f"{name}_batch1"] = compare(spec, [[x] for x in ids], args.max_tokens, args.repeats, 2, 2)
+        out[f"{name}_batch8"] = compare(spec, [ids], args.max_tokens, args.repeats, 2, 2)
+        logger.info("%s: %s", name, {k: v["speedup"] for k, v in out.items()})
+    return out
+
+
+# -------------------------------------------------------------------- pair
+def _hf_generate(model, ids: list[int], max_tokens: int, assistant=None) -> tuple[float, list[int]]:
+    x = torch.tensor([ids])
+    kw = {"assistant_model": assistant} if assistant is not None else {}
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        y = model.generate(x, max_new_tokens=max_tokens, do_sample=False, **kw)
+    return time.perf_counter() - t0, y[0, len(ids):].tolist()
+
+
+def part_pair(args) -> dict[str, Any]:
+    import ray
+
+    from workers.models.assets import resolve_model
+
+    try:
+        target_path, draft_path = resolve_model(args.target), resolve_model(args.draft)
+    except Exception as e:  # noqa: BLE001 - report and skip the part
+        return {"skipped": f"{e} (run `make qwen-coder` to prepare the Qwen2.5-Coder pair)"}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        res = _pair_engine(args, target_path, draft_path)
+    finally:
+        ray.shutdown()
+    gc.collect()
+    res["hf"] = _pair_hf(args, target_path, draft_path, res.pop("_prompts"), res["engine_batch1"])
+    return res
+
+
+def _pair_engine(args, target_path: Path, draft_path: Path) -> dict[str, Any]:
+    spec_cfg = SpeculativeConfig(method="draft_model", draft_model=str(draft_path), num_speculative_tokens=args.k,
+                                 draft_quantization=args.quantization, drafter_cpus=1, draft_timeout_s=30.0)
+    common = dict(kv_cache_memory_bytes=512 << 20, quantization=args.quantization)
+    spec = LLM(str(target_path), speculative=spec_cfg, **common)
+    ids = [chat(spec.tokenizer, p) for p in CODE_TASKS]
+    for speculate in (False, True):
+        run_engine(spec, ids[:1], 4, speculate)
+    res = {"engine_batch1": compare(spec, [[x] for x in ids[: args.pair_prompts]], args.max_tokens,
+                                    args.repeats, 2, args.target_threads),
+           "engine_batch8": compare(spec, [ids], args.max_tokens, 1, 2, args.target_threads),
+           "drafter": _drafter_stats(spec), "_prompts": ids[: args.pair_prompts]}
+    spec.engine.speculator.close()
+    del spec
+    gc.collect()
+    return res
+
+
+def _drafter_stats(llm: LLM) -> dict[str, Any]:
+    """The drafter link: calls, time waiting for drafts, and the transport share of it (wall time of
+    the gRPC calls minus the drafter's own compute), per call."""
+    prop = llm.engine.speculator.proposer
+    st = prop.stats()
+    calls = max(st.calls, 1)
+    return {"calls": st.calls, "wait_ms_per_call": round(1e3 * st.seconds / calls, 2),
+            # wall time of the calls beyond the drafter's compute: transport + queueing behind an
+            # overlapped call still running on the drafter
+            "beyond_compute_ms_per_call": round(1e3 * st.extra["transport_seconds"] / calls, 3),
+            "empty_call_rtt_ms_median": _rtt_ms(prop),
+            "overlap_hits": st.extra["overlap_hits"], "overlap_misses": st.extra["overlap_misses"],
+            "fallbacks": st.fallbacks}
+
+
+def _rtt_ms(prop, n: int = 200) -> float:
+    """The gRPC link's own per-call cost: median round trip of an empty Propose to the drafter actor."""
+    from protos.duet.drafter.v1 import drafter_pb2
+
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        prop._stub.Propose(drafter_pb2.ProposeRequest(), timeout=10)
+        times.append(time.perf_counter() - t0)
+    return round(1e3 * statistics.median(times), 3)
+
+
+def _pair_hf(args, target_path: Path, draft_path: Path, prompts: list[list[int]], ours: dict) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=torch.float32).eval()
+    _hf_generate(target, prompts[0], 4)
+    plain_rates, assisted_rates, mism = [], [], 0
+    for ids in prompts:
+        t, a = _hf_generate(target, ids, args.max_tokens)
+        plain_rates.append(len(a) / t)
+        t, b = _hf_generate(target, ids, args.max_tokens, assistant=draft)
+        assisted_rates.append(len(b) / t)
+        mism += a != b
+    p, s = statistics.median(plain_rates), statistics.median(assisted_rates)
+    return {"hf_plain_tokens_per_s": round(p, 2), "hf_assisted_tokens_per_s": round(s, 2),
+            "hf_assisted_speedup": round(s / p, 3), "hf_assisted_mismatches": mism,
+            "duet_spec_vs_hf_assisted": round(ours["spec_tokens_per_s"] / s, 3),
+            "duet_plain_vs_hf_plain": round(ours["plain_tokens_per_s"] / p, 3),
+            "note": "HF runs the float32 checkpoints (no quantization)"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", choices=("ngram", "pair", "all"), default="all")
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (most drafts per step)")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--target", default="Qwen2.5-Coder-1.5B-Instruct")
+    ap.add_argument("--draft", default="Qwen2.5-Coder-0.5B-Instruct")
+    ap.add_argument("--quantization", default="none", choices=("none", "int8", "q4"),
+                    help="pair part: weights of the target and the drafter in our engine")
+    ap.add_argument("--target-threads", type=int, default=1, help="pair part: the speculative target's threads")
+    ap.add_argument("--pair-prompts", type=int, default=4, help="pair part: prompts run at batch 1")
+    ap.add_argument("--out", type=Path, default=RESULTS / "spec_bench.json")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    res: dict[str, Any] = {"machine": machine_info(), "code": code_version(), "settings": vars(args) | {"out": str(args.out)}}
+    if args.part in ("ngram", "all"):
+        res["ngram"] = part_ngram(args)
+    if args.part in ("pair", "all"):
+        res["pair"] = part_pair(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=2, default=str))
+    for part in ("ngram", "pair"):
+        for name, row in (res.get(part) or {}).items():
+            if isinstance(row, dict) and "speedup" in row:
+                print(f"{part:5} {name:18} plain {row['plain_tokens_per_s']:7.2f} tok/s  spec "
+                      f"{row['spec_tokens_per_s']:7.2f} tok/s  x{row['speedup']:.2f}  acceptance "
+                      f"{row['acceptance_rate']:.2f}  tokens/verify {row['mean_accepted_length']:.2f}  "
+                      f"mismatches {row['greedy_mismatches']}  load {row['others_cpu_load']}")
+    if "hf" in (res.get("pair") or {}):
+        print("pair  hf", res["pair"]["hf"])
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The ``autoscaling`` section of the Duet config: turns the SLO autoscaler on in ``duet serve``.
+
+Built and checked with the rest of the config (cluster/config.py; every error names the key, its
+source and the fix), then turned into the decision function's ``AutoscalerConfig``
+(cluster/autoscaler.py) by ``to_autoscaler_config``. Terms are the autoscaler's; per pool:
+
+    slo_ttft_ms / slo_tpot_ms   p90 targets: prefill pools scale on TTFT, decode pools on TPOT,
+                                colocated pools on both (each role needs its targets)
+    profile                     a capacity profile of one replica (``duet profile --out FILE``)
+    min_replicas / max_replicas bounds (min >= 1: a pool at zero would serve nothing)
+
+Example (YAML)::
+
+    autoscaling:
+      enabled: true
+      interval_s: 10
+      pools:
+        - {pool: decode, slo_tpot_ms: 100, profile: profiles/smollm2.json, min_replicas: 1, max_replicas: 4}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cluster.config_sources import ClusterConfigError, Sources, need, source_of
+
+
+@dataclass(frozen=True)
+class AutoscalePoolSection:
+    """How one pool of ``pools`` scales (module docstring). smoothing_s / headroom: see
+    cluster/autoscaler.py PoolScaling (0 / null = the defaults)."""
+
+    pool: str = ""
+    min_replicas: int = 1
+    max_replicas: int = 8
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    profile: str | None = None
+    smoothing_s: float = 0.0
+    headroom: float | None = None
+
+
+@dataclass(frozen=True)
+class AutoscalingSection:
+    """enabled: run the loop in ``duet serve``. interval_s: one decision round per interval (also
+    the metrics bucket). window_buckets: buckets of arrival history (forecast, scale-down window);
+    latency_buckets: the most recent buckets the p90s are taken over. horizon_s: how far ahead the
+    arrival rate is forecast. up/down_cooldown_s: between reactive steps / from a scale-up to the
+    next scale-down; down_interval_s between scale-downs. drain_grace_s: how long a removed
+    replica's in-flight requests may take to finish (the rest are resumed elsewhere).
+    metrics_urls: the routers' /metrics (``duet router --metrics-port``); omit it when ``duet
+    serve`` runs the router itself (it reads that router directly)."""
+
+    enabled: bool = False
+    interval_s: float = 10.0
+    window_buckets: int = 30
+    latency_buckets: int = 3
+    horizon_s: float = 60.0
+    up_cooldown_s: float = 30.0
+    down_cooldown_s: float = 300.0
+    down_interval_s: float = 60.0
+    drain_grace_s: float = 300.0
+    metrics_urls: tuple[str, ...] = ()
+    pools: tuple[AutoscalePoolSection, ...] = ()
+
+
+def check_autoscale_pool(p: AutoscalePoolSection, key: str, s: Sources) -> None:
+    need(bool(p.pool), f"{key}.pool", p.pool, s, "must name a pool of `pools` to scale")
+    need(1 <= p.min_replicas <= p.max_replicas, f"{key}.min_replicas", p.min_replicas, s,
+         f"must be >= 1 and <= max_replicas ({p.max_replicas})")
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        v = getattr(p, name)
+        need(v is None or v > 0, f"{key}.{name}", v, s, "must be a number of milliseconds > 0, or null")
+    need(p.smoothing_s >= 0, f"{key}.smoothing_s", p.smoothing_s, s, "must be >= 0 seconds (0 = per bucket)")
+    need(p.headroom is None or p.headroom >= 0, f"{key}.headroom", p.headroom, s, "must be >= 0, or null")
+    need(p.profile is not None and Path(p.profile).expanduser().is_file(), f"{key}.profile", p.profile, s,
+         "must be a capacity profile file; measure one with `duet profile --out FILE`")
+    _load(p, key, s)
+
+
+def check_autoscaling(a: AutoscalingSection, key: str, s: Sources) -> None:
+    for name in ("interval_s", "horizon_s"):
+        need(getattr(a, name) > 0, f"{key}.{name}", getattr(a, name), s, "must be > 0 seconds")
+    for name in ("up_cooldown_s", "down_cooldown_s", "down_interval_s", "drain_grace_s"):
+        need(getattr(a, name) >= 0, f"{key}.{name}", getattr(a, name), s, "must be >= 0 seconds")
+    need(a.window_buckets >= 2, f"{key}.window_buckets", a.window_buckets, s, "must be >= 2 (20+ is better)")
+    need(1 <= a.latency_buckets <= a.window_buckets, f"{key}.latency_buckets", a.latency_buckets, s,
+         f"must be between 1 and window_buckets ({a.window_buckets})")
+    for i, url in enumerate(a.metrics_urls):
+        need(url.startswith(("http://", "https://")), f"{key}.metrics_urls[{i}]", url, s,
+             "must be a router's metrics URL, e.g. http://router:9090/metrics")
+    names = [p.pool for p in a.pools]
+    need(len(set(names)) == len(names), f"{key}.pools", names, s, "each pool may be listed once")
+    need(not a.enabled or bool(a.pools), f"{key}.pools", names, s,
+         "autoscaling is enabled but lists no pool to scale; add one (pool, SLO, profile, bounds)")
+
+
+def check_against_pools(a: AutoscalingSection, roles: dict[str, str], sizes: dict[str, int], s: Sources) -> None:
+    """Each scaled pool exists, starts within its bounds and has the SLOs its role scales on (the
+    rest of DuetConfig's checks)."""
+    for i, p in enumerate(a.pools):
+        key = f"autoscaling.pools[{i}]"
+        need(p.pool in roles, f"{key}.pool", p.pool, s, f"must be one of the configured pools ({', '.join(roles)})")
+        need(p.min_replicas <= sizes[p.pool] <= p.max_replicas, f"{key}.min_replicas", p.min_replicas, s,
+             f"pool {p.pool!r} starts with {sizes[p.pool]} replicas (its `replicas`), outside "
+             f"[min_replicas, max_replicas] = [{p.min_replicas}, {p.max_replicas}]; make them agree")
+        role = roles[p.pool]
+        need(role == "decode" or p.slo_ttft_ms is not None, f"{key}.slo_ttft_ms", None, s,
+             f"pool {p.pool!r} is a {role} pool: it scales on TTFT; set a p90 target in ms")
+        need(role == "prefill" or p.slo_tpot_ms is not None, f"{key}.slo_tpot_ms", None, s,
+             f"pool {p.pool!r} is a {role} pool: it scales on time per output token; set a p90 target in ms")
+
+
+def to_autoscaler_config(a: AutoscalingSection, roles: dict[str, str]) -> Any:
+    """The decision function's ``cluster.autoscaler.AutoscalerConfig`` for this section."""
+    from cluster.autoscaler import AutoscalerConfig, AutoscalerConfigError, PoolScaling
+    from cluster.profile import SLOTargets
+
+    pools = tuple(
+        PoolScaling(p.pool, roles[p.pool], SLOTargets(_seconds(p.slo_ttft_ms) if roles[p.pool] != "decode" else None,
+                                                      _seconds(p.slo_tpot_ms) if roles[p.pool] != "prefill" else None),
+                    _load(p, f"autoscaling.pools[{i}]", {}).capacity, p.min_replicas, p.max_replicas,
+                    smoothing_s=p.smoothing_s, headroom=p.headroom)
+        for i, p in enumerate(a.pools))
+    try:
+        return AutoscalerConfig(pools, horizon_s=a.horizon_s, up_cooldown_s=a.up_cooldown_s,
+                                down_cooldown_s=a.down_cooldown_s, down_interval_s=a.down_interval_s)
+    except AutoscalerConfigError as e:
+        raise ClusterConfigError(str(e).replace("autoscaler.", "autoscaling.", 1)) from None
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1e3
+
+
+def _load(p: AutoscalePoolSection, key: str, s: Sources) -> Any:
+    from cluster.profile import ProfileError, load_profile
+
+    try:
+        return load_profile(Path(p.profile).expanduser())  # type: ignore[arg-type]
+    except ProfileError as e:
+        raise ClusterConfigError(f"{key}.profile={p.profile!r} ({source_of(f'{key}.profile', s)}): {e}") from None
