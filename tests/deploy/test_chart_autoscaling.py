@@ -6,6 +6,7 @@ kubernetes-validate --strict) is the ``slo-values`` variant of test_helm_chart.p
 from __future__ import annotations
 
 import pytest
+import yaml
 from helm_tools import CHART, NAMESPACE, RELEASE, by_kind, loaded_config, render, run_helm
 
 SLO_VALUES = CHART / "ci" / "slo-values.yaml"
@@ -54,3 +55,16 @@ def test_a_pool_without_slo_or_profile_keeps_its_size_and_notes_say_so(helm, tmp
                  "-f", str(SLO_VALUES), "--set", "pools[0].profile=null")
     assert r.returncode == 0, r.stderr
     assert "pools[prefill].slo/profile: Duet's SLO autoscaler scales a pool only with slo, profile" in r.stdout
+
+
+def test_runbook_profile_from_a_file_reaches_the_configmap(helm, tmp_path):
+    """The README runbook's --set-json of a `duet profile` file into one pool of a values list."""
+    profile = ('{"format": "duet-profile/1", "model": "m", "pool_type": "decode", "slo": {"tpot_p90_s": 0.1}, '
+               '"capacity": {"requests_per_s": 3.0, "mean_output_tokens": 40.0}}')
+    r = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", str(SLO_VALUES),
+                 "--set-json", f"pools[1].profile={profile}")
+    assert r.returncode == 0, r.stderr
+    kinds = by_kind([doc for doc in yaml.safe_load_all(r.stdout) if doc])
+    config = loaded_config(kinds, tmp_path)
+    assert config.to_autoscaler_config().pool("decode").capacity.output_tokens_per_s == 120.0
+    assert [p.pool for p in config.autoscaling.pools] == ["prefill", "decode"]  # the other pool untouched
