@@ -35,10 +35,10 @@ being deleted -> draining; any other Pending or not-yet-Ready Running pod -> sta
 pods (Succeeded/Failed) are not counted (KubeRay replaces them). "Ready" is Kubernetes' view: the
 Ray node is up; the Duet worker on it may still be loading its model.
 
-Scaling down: KubeRay deletes pods of its own choosing. ``duet serve`` never uses this class alone:
-with ``autoscaling.actuator: kubernetes`` it wraps it in cluster/kuberay_pool_actuator.py, which
-drains the Duet replicas first and shrinks the group after; what that does and does not drain is
-documented there.
+Scaling down: ``scale_to`` lets KubeRay delete pods of its own choosing; ``resize`` names them.
+``duet serve`` never uses this class alone: with ``autoscaling.actuator: kubernetes`` it wraps it in
+cluster/kuberay_pool_actuator.py, which drains the Duet replicas first and then shrinks the group
+naming the pods left idle; what that does and does not guarantee is documented there.
 
 Permissions (a Role in the cluster's namespace): ``get`` and ``patch`` on ``rayclusters.ray.io``,
 ``list`` on ``pods``.

@@ -23,13 +23,15 @@ capacity from a serving replica on purpose (the chart gives each replica one pod
             scale-up while a shrink waits cancels it; the group never has fewer pods than the
             pool has live plus draining replicas.
 
-What is NOT drained: KubeRay, not Duet, picks which pod of the group to delete (this module sends no
-``scaleStrategy.workersToDelete``). After the drain one pod of the group is idle, but KubeRay may
-delete another one, which hosts a serving replica. That replica's requests then end as a worker
-failure does: Ray re-places the pool's bundle on the idle pod, the controller restarts the actor
-there, and the router resumes the interrupted streams on other workers. Naming the drained pod in
-``workersToDelete`` (matching the freed bundle's node IP to a pod IP) would close that gap; it is
-not built.
+Which pods go: the shrink patch names, in the group's ``scaleStrategy.workersToDelete``, pods that
+host no replica of the pool (a pod's IP is its Ray node's IP, the host of the endpoints of the
+replicas on it; unschedulable pods first, then starting, then ready ones), and KubeRay deletes those
+first. The shrink also waits while a replica of the pool is *starting* (its endpoint, so its pod,
+is not known yet). What is still NOT guaranteed: only a replica's leader rank has an endpoint, so a
+gang straddling two pods (possible without ``placementStrategy: PACK``, see the chart README) may
+have a rank on a pod that looks idle; and if fewer pods look idle than must go, KubeRay picks the
+rest (logged). A replica on a deleted pod ends like a failed worker: Ray re-places its bundle, the
+controller restarts it, and the router resumes its interrupted streams on other workers.
 
 ``status(pool)`` is the RayActuator's (replica states as the controller sees them: a replica whose
 pod is Pending/Unschedulable shows as *pending* because its placement group is not placed).
@@ -55,8 +57,10 @@ class KubeRayPoolActuator:
     """Actors through ``ray`` (a RayActuator), pods through ``kube`` (a KubeRayActuator); see the
     module docstring for the order of the two on the way up and down."""
 
-    def __init__(self, ray: PoolActuator, kube: Any) -> None:
-        self._ray, self._kube = ray, kube
+    def __init__(self, ray: PoolActuator, kube: Any, hosts: Callable[[str], set[str]] | None = None) -> None:
+        """hosts(pool): the IPs of the pods hosting the pool's replicas (their endpoints' hosts);
+        None = do not name pods to delete (KubeRay picks them all)."""
+        self._ray, self._kube, self._hosts = ray, kube, hosts
         self._pods: dict[str, int] = {}  # pool -> group size last set (initially the configured size)
         self._shrink: dict[str, int] = {}  # pool -> group size to apply once its drains are done
         self._lock = threading.Lock()
@@ -83,14 +87,31 @@ class KubeRayPoolActuator:
                 self._shrink.pop(pool, None)  # a scale-up superseded a shrink still waiting for drains
 
     def _settle(self, pool: str, status: PoolStatus) -> None:
-        """Shrink the pool's group once none of its replicas is draining any more."""
+        """Shrink the pool's group once none of its replicas drains or starts (a starting replica's
+        pod is not known yet), naming the pods that host no replica of the pool."""
         target = self._shrink.get(pool)
-        if target is None or status.draining:
+        if target is None or status.draining or status.starting:
             return
-        self._kube.scale_to(pool, target)
+        victims = self._idle_pods(pool, self._pods[pool] - target)
+        self._kube.resize(pool, target, victims)
         self._pods[pool] = target
         del self._shrink[pool]
-        logger.info("kuberay actuator: pool %s drained; worker group resized to %d pods", pool, target)
+        logger.info("kuberay actuator: pool %s drained; worker group resized to %d pods (deleting %s)", pool, target,
+                    ", ".join(victims) or "pods KubeRay picks")
+
+    def _idle_pods(self, pool: str, n: int) -> list[str]:
+        """Up to n pods of the group hosting no replica of the pool: unschedulable first, then
+        starting, then ready ones."""
+        if self._hosts is None or n <= 0:
+            return []
+        used = self._hosts(pool)
+        rank = {"pending": 0, "starting": 1, "ready": 2}
+        idle = sorted(((rank[state], name) for name, ip, state in self._kube.pods(pool)
+                       if state in rank and ip not in used), key=lambda x: x[0])
+        if len(idle) < n:
+            logger.warning("kuberay actuator: pool %s: only %d of the %d pods to remove host no replica; KubeRay "
+                           "picks the rest (a replica there restarts elsewhere)", pool, len(idle), n)
+        return [name for _, name in idle[:n]]
 
 
 def make_actuator(a: AutoscalingSection, pools: Sequence[Any], controller: Any, *,
@@ -109,7 +130,14 @@ def make_actuator(a: AutoscalingSection, pools: Sequence[Any], controller: Any, 
         kube_factory = KubeRayActuator.from_environment
     namespace = a.kubernetes.namespace or _own_namespace()
     logger.info("duet: autoscaling resizes RayCluster %s/%s worker groups", namespace, a.kubernetes.raycluster)
-    return KubeRayPoolActuator(ray, kube_factory(cluster=a.kubernetes.raycluster, namespace=namespace))
+    return KubeRayPoolActuator(ray, kube_factory(cluster=a.kubernetes.raycluster, namespace=namespace),
+                               hosts=lambda pool: replica_hosts(controller, pool))
+
+
+def replica_hosts(controller: Any, pool: str) -> set[str]:
+    """The hosts (node IPs; on Kubernetes the pods' IPs) of the pool's replicas' endpoints."""
+    return {str(row["endpoint"]).rsplit(":", 1)[0].strip("[]") for row in controller.describe()
+            if row["pool"] == pool and row["endpoint"]}
 
 
 def _own_namespace(path: Path = SERVICE_ACCOUNT_NAMESPACE) -> str:

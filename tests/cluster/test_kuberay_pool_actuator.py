@@ -12,7 +12,7 @@ import pytest
 
 from cluster.actuator import PoolStatus
 from cluster.config import ClusterConfigError, load_config
-from cluster.kuberay_pool_actuator import KubeRayPoolActuator, _own_namespace, make_actuator
+from cluster.kuberay_pool_actuator import KubeRayPoolActuator, _own_namespace, make_actuator, replica_hosts
 from cluster.ray_actuator import RayActuator
 
 PROFILE = {"format": "duet-profile/1", "model": "SmolLM2-135M-Instruct", "pool_type": "decode",
@@ -23,10 +23,10 @@ class FakeRay:
     """A RayActuator stand-in: ``draining`` replicas stay until the test clears them."""
 
     def __init__(self, log: list, size: int) -> None:
-        self.log, self.desired, self.draining = log, size, 0
+        self.log, self.desired, self.draining, self.starting = log, size, 0, 0
 
     def status(self, pool: str) -> PoolStatus:
-        return PoolStatus(pool, self.desired, self.desired, 0, 0, self.draining)
+        return PoolStatus(pool, self.desired, self.desired - self.starting, self.starting, 0, self.draining)
 
     def scale_to(self, pool: str, n: int) -> None:
         self.draining += max(0, self.desired - n)
@@ -35,11 +35,21 @@ class FakeRay:
 
 
 class FakeKube:
-    def __init__(self, log: list) -> None:
-        self.log = log
+    """A KubeRayActuator stand-in: ``group`` is its pods as (name, IP, state); ``deleted`` the
+    workersToDelete of each resize."""
+
+    def __init__(self, log: list, group: list | None = None) -> None:
+        self.log, self.group, self.deleted = log, group or [], []
 
     def scale_to(self, pool: str, n: int) -> None:
+        self.resize(pool, n)
+
+    def resize(self, pool: str, n: int, workers_to_delete=()) -> None:
         self.log.append(("pods", n))
+        self.deleted.append(list(workers_to_delete))
+
+    def pods(self, pool: str) -> list:
+        return self.group
 
 
 def test_up_adds_pods_before_actors_and_down_shrinks_the_group_only_after_the_drain():
@@ -79,6 +89,37 @@ def test_a_scale_up_during_a_drain_cancels_the_shrink_and_never_removes_pods():
     assert log[-2:] == [("pods", 5), ("ray", 5)]
     with pytest.raises(ValueError, match="replicas must be >= 0"):
         a.scale_to("decode", -1)
+
+
+def test_the_shrink_names_pods_hosting_no_replica_and_waits_for_starting_replicas():
+    log: list = []
+    ray = FakeRay(log, size=4)
+    kube = FakeKube(log, [("p-a", "10.0.0.1", "ready"), ("p-b", "10.0.0.2", "ready"), ("p-c", "10.0.0.3", "ready"),
+                          ("p-d", None, "pending"), ("p-e", "10.0.0.5", "draining")])
+    hosts = {"10.0.0.1", "10.0.0.3"}  # the replicas left after the drain
+    a = KubeRayPoolActuator(ray, kube, hosts=lambda pool: hosts)
+    a.scale_to("decode", 2)
+    ray.draining, ray.starting = 0, 1
+    a.status("decode")
+    assert kube.deleted == []  # a replica still starting: its pod is not known yet
+    ray.starting = 0
+    a.status("decode")
+    assert log[-1] == ("pods", 2) and kube.deleted == [["p-d", "p-b"]]  # unschedulable first, then idle ready
+    kube.deleted.clear()
+    hosts = {"10.0.0.1", "10.0.0.2"}
+    kube.group = [("p-a", "10.0.0.1", "ready"), ("p-b", "10.0.0.2", "ready")]
+    a.scale_to("decode", 1)
+    ray.draining = 0
+    a.status("decode")
+    assert kube.deleted == [[]]  # no pod is idle: KubeRay picks (logged)
+
+
+def test_replica_hosts_are_the_endpoints_hosts():
+    class Controller:
+        def describe(self):
+            return [{"pool": "decode", "endpoint": "10.0.0.7:5001"}, {"pool": "decode", "endpoint": None},
+                    {"pool": "decode", "endpoint": "[fd00::1]:5002"}, {"pool": "prefill", "endpoint": "10.0.0.9:1"}]
+    assert replica_hosts(Controller(), "decode") == {"10.0.0.7", "fd00::1"}
 
 
 @pytest.fixture
