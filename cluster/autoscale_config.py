@@ -16,11 +16,23 @@ Example (YAML)::
       interval_s: 10
       pools:
         - {pool: decode, slo_tpot_ms: 100, profile: profiles/smollm2.json, min_replicas: 1, max_replicas: 4}
+      # on Kubernetes without KubeRay's in-tree autoscaler (the Helm chart renders this):
+      actuator: kubernetes
+      kubernetes: {raycluster: duet-duet, namespace: serving}
+
+actuator: who applies the decisions (cluster/kuberay_pool_actuator.py ``make_actuator``):
+    ray         this process's Ray cluster: worker actors are added (placement groups wait for
+                room) and drained; the capacity itself is someone else's (KubeRay's in-tree
+                autoscaler, or a fixed cluster)
+    kubernetes  the same, plus the pool's KubeRay worker group is resized to match (one pod per
+                replica, as the chart lays pools out): pods first on the way up, pods last (after
+                the drain) on the way down
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +54,22 @@ class AutoscalePoolSection:
     headroom: float | None = None
 
 
+ACTUATORS = ("ray", "kubernetes")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class KubernetesActuatorSection:
+    """Where the ``kubernetes`` actuator finds its RayCluster. raycluster: the RayCluster's name
+    (the chart's ``<release>-duet``). namespace: its namespace; empty = this pod's own (read from
+    the service account, ``/var/run/secrets/kubernetes.io/serviceaccount/namespace``). Credentials:
+    the pod's service account (in-cluster config), else the current kubeconfig context."""
+
+    raycluster: str = ""
+    namespace: str = ""
+
+
 @dataclass(frozen=True)
 class AutoscalingSection:
     """enabled: run the loop in ``duet serve``. interval_s: one decision round per interval (also
@@ -51,7 +79,8 @@ class AutoscalingSection:
     next scale-down; down_interval_s between scale-downs. drain_grace_s: how long a removed
     replica's in-flight requests may take to finish (the rest are resumed elsewhere).
     metrics_urls: the routers' /metrics (``duet router --metrics-port``); omit it when ``duet
-    serve`` runs the router itself (it reads that router directly)."""
+    serve`` runs the router itself (it reads that router directly). actuator / kubernetes: see the
+    module docstring and KubernetesActuatorSection."""
 
     enabled: bool = False
     interval_s: float = 10.0
@@ -64,6 +93,8 @@ class AutoscalingSection:
     drain_grace_s: float = 300.0
     metrics_urls: tuple[str, ...] = ()
     pools: tuple[AutoscalePoolSection, ...] = ()
+    actuator: str = "ray"
+    kubernetes: KubernetesActuatorSection = field(default_factory=KubernetesActuatorSection)
 
 
 def check_autoscale_pool(p: AutoscalePoolSection, key: str, s: Sources) -> None:
@@ -91,10 +122,24 @@ def check_autoscaling(a: AutoscalingSection, key: str, s: Sources) -> None:
     for i, url in enumerate(a.metrics_urls):
         need(url.startswith(("http://", "https://")), f"{key}.metrics_urls[{i}]", url, s,
              "must be a router's metrics URL, e.g. http://router:9090/metrics")
+    _check_actuator(a, key, s)
     names = [p.pool for p in a.pools]
     need(len(set(names)) == len(names), f"{key}.pools", names, s, "each pool may be listed once")
     need(not a.enabled or bool(a.pools), f"{key}.pools", names, s,
          "autoscaling is enabled but lists no pool to scale; add one (pool, SLO, profile, bounds)")
+
+
+def _check_actuator(a: AutoscalingSection, key: str, s: Sources) -> None:
+    need(a.actuator in ACTUATORS, f"{key}.actuator", a.actuator, s, f"must be one of {', '.join(ACTUATORS)}")
+    k = a.kubernetes
+    if a.actuator != "kubernetes":
+        need(k == KubernetesActuatorSection(), f"{key}.kubernetes.raycluster", k.raycluster, s,
+             "is only read with actuator: kubernetes; set autoscaling.actuator=kubernetes or remove it")
+        return
+    need(bool(_DNS_SUBDOMAIN.match(k.raycluster)), f"{key}.kubernetes.raycluster", k.raycluster, s,
+         "must name the RayCluster whose worker groups host the pools (the Helm chart's <release>-duet)")
+    need(k.namespace == "" or bool(_DNS_LABEL.match(k.namespace)), f"{key}.kubernetes.namespace", k.namespace, s,
+         "must be a Kubernetes namespace name, or empty for this pod's own namespace")
 
 
 def check_against_pools(a: AutoscalingSection, roles: dict[str, str], sizes: dict[str, int], s: Sources) -> None:

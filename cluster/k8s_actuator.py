@@ -16,6 +16,11 @@ Terms:
      {"op": "replace", "path": "/metadata/resourceVersion",          "value": "<as read>"},
      {"op": "replace", "path": "/spec/workerGroupSpecs/1/replicas",  "value": 3}]
 
+``resize(pool, n, workers_to_delete=[pod, ...])`` adds
+``{"op": "replace", "path": "/spec/workerGroupSpecs/1/scaleStrategy", "value": {"workersToDelete": [...]}}``
+(what Ray's own autoscaler sends): KubeRay deletes the named pods first. ``pods(pool)`` lists the
+group's pods as (name, IP, state).
+
 The ``test`` guards the index; carrying the resourceVersion read makes the API server refuse the
 write with 409 Conflict if anyone (KubeRay, kubectl, another autoscaler) changed the object in
 between, and the actuator then reads again and retries -- it never overwrites a change it did not see.
@@ -30,9 +35,10 @@ being deleted -> draining; any other Pending or not-yet-Ready Running pod -> sta
 pods (Succeeded/Failed) are not counted (KubeRay replaces them). "Ready" is Kubernetes' view: the
 Ray node is up; the Duet worker on it may still be loading its model.
 
-Scaling down: KubeRay deletes pods of its own choosing (there is no drain hook into Duet's
-controller yet), so streams on a removed worker end with UNAVAILABLE. Until that hook exists,
-prefer scaling down at low load.
+Scaling down: ``scale_to`` lets KubeRay delete pods of its own choosing; ``resize`` names them.
+``duet serve`` never uses this class alone: with ``autoscaling.actuator: kubernetes`` it wraps it in
+cluster/kuberay_pool_actuator.py, which drains the Duet replicas first and then shrinks the group
+naming the pods left idle; what that does and does not guarantee is documented there.
 
 Permissions (a Role in the cluster's namespace): ``get`` and ``patch`` on ``rayclusters.ray.io``,
 ``list`` on ``pods``.
@@ -51,7 +57,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kubernetes import client as k8s
@@ -98,6 +104,12 @@ class KubeRayActuator:
 
     # ------------------------------------------------------------------------------ PoolActuator
     def scale_to(self, pool: str, replicas: int) -> None:
+        self.resize(pool, replicas)
+
+    def resize(self, pool: str, replicas: int, workers_to_delete: Sequence[str] = ()) -> None:
+        """``scale_to``, and with ``workers_to_delete`` (pod names of the group) also sets the group's
+        ``scaleStrategy.workersToDelete``: KubeRay deletes those pods first, then others of its
+        choosing only if the group still has more pods than ``replicas``."""
         if replicas < 0:
             raise ValueError(f"scale_to({pool!r}, {replicas}): replicas must be >= 0")
         for attempt in range(1, self.max_attempts + 1):
@@ -110,6 +122,9 @@ class KubeRayActuator:
             patch = [{"op": "test", "path": f"{base}/groupName", "value": group["groupName"]},
                      {"op": "replace", "path": "/metadata/resourceVersion", "value": version},
                      {"op": "replace" if "replicas" in group else "add", "path": f"{base}/replicas", "value": replicas}]
+            if workers_to_delete:
+                patch.append({"op": "replace" if "scaleStrategy" in group else "add", "path": f"{base}/scaleStrategy",
+                              "value": {"workersToDelete": list(workers_to_delete)}})
             try:
                 self._custom.patch_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.cluster, patch,
                                                             _content_type="application/json-patch+json")
@@ -117,18 +132,25 @@ class KubeRayActuator:
                 self._raise_unless_retryable(e, f"patch RayCluster {self._where}", attempt)
                 self._backoff(attempt, e)
                 continue
-            logger.info("k8s: %s worker group %s: replicas %s -> %d", self._where, group["groupName"],
-                        group.get("replicas"), replicas)
+            logger.info("k8s: %s worker group %s: replicas %s -> %d%s", self._where, group["groupName"],
+                        group.get("replicas"), replicas, f" (deleting {', '.join(workers_to_delete)})"
+                        if workers_to_delete else "")
             return
+
+    def pods(self, pool: str) -> list[tuple[str, str | None, str | None]]:
+        """(name, pod IP, state as ``status`` counts it) of each pod of the pool's group."""
+        return self._pods(self._find_group(pool)[1])
+
+    def _pods(self, group: dict[str, Any]) -> list[tuple[str, str | None, str | None]]:
+        selector = f"ray.io/cluster={self.cluster},ray.io/group={group['groupName']}"
+        items = self._call(lambda: self._core.list_namespaced_pod(self.namespace, label_selector=selector),
+                           f"list pods ({selector}) in namespace {self.namespace}").items
+        return [(pod.metadata.name, pod.status.pod_ip if pod.status else None, classify_pod(pod)) for pod in items]
 
     def status(self, pool: str) -> PoolStatus:
         _, group, _ = self._find_group(pool)
-        selector = f"ray.io/cluster={self.cluster},ray.io/group={group['groupName']}"
-        pods = self._call(lambda: self._core.list_namespaced_pod(self.namespace, label_selector=selector),
-                          f"list pods ({selector}) in namespace {self.namespace}").items
         counts = {"ready": 0, "starting": 0, "pending": 0, "draining": 0}
-        for pod in pods:
-            state = classify_pod(pod)
+        for _, _, state in self._pods(group):
             if state is not None:
                 counts[state] += 1
         return PoolStatus(pool=pool, desired=int(group.get("replicas", 0)), **counts)

@@ -17,8 +17,10 @@ The order, in ``start_deployment`` (each step undone, in reverse, if a later one
     7. with ``autoscaling.enabled``: the SLO autoscaler's loop on a background thread
        (cluster/autoscale_loop.py): metrics from this process's router, or from
        ``autoscaling.metrics_urls`` (cluster/autoscale_metrics.py), decisions by
-       cluster/autoscaler.py, applied by the Ray actuator (cluster/ray_actuator.py: new replicas
-       start and join; removed ones drain first).
+       cluster/autoscaler.py, applied by the actuator ``autoscaling.actuator`` names
+       (cluster/kuberay_pool_actuator.py): ``ray`` (cluster/ray_actuator.py: new replicas start and
+       join; removed ones drain first) or ``kubernetes`` (the same, plus the pool's KubeRay worker
+       group resized: pods added before the actors, removed after the drain).
 
 ``Deployment.stop()`` undoes it: autoscaler (no more resizing) -> router (NOT_SERVING, streams get ``router.shutdown_grace_s`` to
 finish) -> membership service -> controller (no restarts any more) -> workers (drain, abort,
@@ -73,7 +75,7 @@ class Deployment:
     membership: MembershipService | None = None
     router: Any = None  # router.server.RouterHandle
     autoscaler: Any = None  # cluster.autoscale_loop.AutoscaleLoop, with autoscaling enabled
-    actuator: Any = None  # cluster.ray_actuator.RayActuator, with autoscaling enabled
+    actuator: Any = None  # cluster.kuberay_pool_actuator.make_actuator's, with autoscaling enabled
     model_path: Path | None = None
     max_model_len: int | None = None
     _stopped: bool = field(default=False, repr=False)
@@ -180,7 +182,7 @@ def _start_autoscaler(d: Deployment) -> None:
     """Step 7 of the module docstring (nothing when autoscaling is off)."""
     from cluster.autoscale_loop import AutoscaleLoop, SLOAutoscaler
     from cluster.autoscale_metrics import PrometheusWindows, http_source
-    from cluster.ray_actuator import RayActuator
+    from cluster.kuberay_pool_actuator import make_actuator
     from router.prometheus import metrics_registry
 
     a = d.config.autoscaling
@@ -189,7 +191,7 @@ def _start_autoscaler(d: Deployment) -> None:
     sources = [http_source(url) for url in a.metrics_urls]
     if not sources:  # checked in start_deployment: without metrics_urls, this process runs the router
         sources = [metrics_registry(d.router.stats, d.router.server.metrics.registry).collect]
-    d.actuator = RayActuator(d.pools, d.controller, drain_grace_s=a.drain_grace_s)
+    d.actuator = make_actuator(a, d.pools, d.controller)
     d.autoscaler = AutoscaleLoop(SLOAutoscaler(d.config.to_autoscaler_config()),
                                  PrometheusWindows(sources, window_buckets=a.window_buckets,
                                                    latency_buckets=a.latency_buckets),

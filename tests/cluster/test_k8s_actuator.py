@@ -32,11 +32,12 @@ def _raycluster() -> dict:
             "spec": {"workerGroupSpecs": groups}}
 
 
-def _pod(name: str, group: str, phase: str, conditions: list[dict] | None = None, deleting: bool = False) -> dict:
+def _pod(name: str, group: str, phase: str, conditions: list[dict] | None = None, deleting: bool = False,
+         ip: str | None = None) -> dict:
     meta = {"name": name, "namespace": NS, "labels": {"ray.io/cluster": CLUSTER, "ray.io/group": group}}
     if deleting:
         meta["deletionTimestamp"] = "2026-11-22T20:00:00Z"
-    return {"metadata": meta, "status": {"phase": phase, "conditions": conditions or []}}
+    return {"metadata": meta, "status": {"phase": phase, "conditions": conditions or [], **({"podIP": ip} if ip else {})}}
 
 
 class FakeApiServer:
@@ -234,3 +235,24 @@ def test_status_counts_pods_by_state(api, actuator):
     assert pods_call["path"] == PODS_PATH
     assert pods_call["query"]["labelSelector"] == ["ray.io/cluster=prod-duet,ray.io/group=serve"]
 
+
+
+def test_resize_names_the_pods_to_delete_and_pods_lists_names_and_ips(api, actuator):
+    """What KubeRayPoolActuator uses to remove the drained pod, not one KubeRay picks: the group's
+    scaleStrategy.workersToDelete in the same resourceVersion-guarded patch as the replicas."""
+    ready = [{"type": "Ready", "status": "True"}]
+    api.pods = [_pod("serve-a", "serve", "Running", ready, ip="10.0.0.1"), _pod("serve-b", "serve", "Running", ready, ip="10.0.0.2"),
+                _pod("serve-c", "serve", "Pending")]
+    assert actuator.pods("serve") == [("serve-a", "10.0.0.1", "ready"), ("serve-b", "10.0.0.2", "ready"),
+                                      ("serve-c", None, "starting")]
+    api.raycluster["spec"]["workerGroupSpecs"][0]["replicas"] = 3
+    actuator.resize("serve", 2, ["serve-b"])
+    [patch] = api.calls("PATCH")
+    assert patch["body"][2:] == [
+        {"op": "replace", "path": "/spec/workerGroupSpecs/0/replicas", "value": 2},
+        {"op": "add", "path": "/spec/workerGroupSpecs/0/scaleStrategy", "value": {"workersToDelete": ["serve-b"]}}]
+    group = api.raycluster["spec"]["workerGroupSpecs"][0]
+    assert (group["replicas"], group["scaleStrategy"]) == (2, {"workersToDelete": ["serve-b"]})
+    actuator.resize("serve", 1, ["serve-a"])  # a second shrink replaces the list
+    assert api.calls("PATCH")[1]["body"][3]["op"] == "replace"
+    assert api.raycluster["spec"]["workerGroupSpecs"][0]["scaleStrategy"] == {"workersToDelete": ["serve-a"]}

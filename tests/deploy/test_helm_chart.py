@@ -29,7 +29,8 @@ from helm_tools import CHART, NAMESPACE, RELEASE, VARIANTS, by_kind, loaded_conf
 from cluster.config import load_config
 
 K8S_VERSION = "1.35.0"  # helm 4.1.4's client version; kubernetes-validate 1.37.0 ships its schemas
-CORE_KINDS = {"ConfigMap", "Deployment", "Service", "NetworkPolicy", "PodDisruptionBudget"}
+CORE_KINDS = {"ConfigMap", "Deployment", "Service", "NetworkPolicy", "PodDisruptionBudget", "ServiceAccount", "Role",
+              "RoleBinding"}
 FULLNAME = f"{RELEASE}-duet"
 
 # The subset of KubeRay's RayCluster CRD (ray.io/v1) this chart relies on; keys outside these sets
@@ -272,8 +273,42 @@ def test_variant_specifics(variant, tmp_path):
                 "num-cpus": "8", "num-gpus": "4", "resources": f'"{{\\"duet_pool_{pool}\\": 4}}"'}
             assert pod[group] == {"memory": "48Gi", "nvidia.com/gpu": "4"}
         assert (groups["chat"]["replicas"], groups["chat"]["maxReplicas"]) == (2, 4)
+    elif name == "slo-values":
+        _check_slo_variant(config, by_kind, groups)
     else:
         raise AssertionError(f"new variant {name}: add its checks here")
+    if name != "slo-values":  # Duet's autoscaler off: no RBAC, the head keeps the default identity
+        assert not {"ServiceAccount", "Role", "RoleBinding"} & set(by_kind) and not config.autoscaling.enabled
+
+
+def _check_slo_variant(config, by_kind, groups) -> None:
+    """Duet's SLO autoscaler with the Kubernetes actuator: the config names the RayCluster and the
+    router's metrics; the head runs as a ServiceAccount allowed exactly the actuator's calls."""
+    a = config.autoscaling
+    assert (a.enabled, a.actuator, a.kubernetes.raycluster, a.kubernetes.namespace) == (
+        True, "kubernetes", FULLNAME, NAMESPACE)
+    assert a.metrics_urls == (f"http://{FULLNAME}-router:9090/metrics",)
+    assert one(by_kind, "Service", f"{FULLNAME}-router")["spec"]["ports"][1] == {
+        "name": "metrics", "port": 9090, "targetPort": "metrics"}
+    assert (a.interval_s, a.drain_grace_s, a.down_cooldown_s) == (10.0, 120.0, 300.0)
+    scaled = {p.pool: (p.min_replicas, p.max_replicas, p.slo_ttft_ms, p.slo_tpot_ms) for p in a.pools}
+    assert scaled == {"prefill": (1, 3, 1000.0, None), "decode": (1, 6, None, 100.0)}
+    auto = config.to_autoscaler_config()  # the profiles in the ConfigMap load
+    assert auto.pool("decode").capacity.output_tokens_per_s == 100.0
+    cluster = one(by_kind, "RayCluster")["spec"]
+    assert cluster["enableInTreeAutoscaling"] is False and "autoscalerOptions" not in cluster
+    assert {g: (groups[g]["minReplicas"], groups[g]["maxReplicas"]) for g in groups} == {"prefill": (1, 3), "decode": (1, 6)}
+    name = f"{FULLNAME}-autoscaler"
+    assert cluster["headGroupSpec"]["template"]["spec"]["serviceAccountName"] == name
+    assert one(by_kind, "ServiceAccount", name)
+    assert one(by_kind, "Role", name)["rules"] == [
+        {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "resourceNames": [FULLNAME], "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+    binding = one(by_kind, "RoleBinding", name)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": NAMESPACE}]
+    policy = one(by_kind, "NetworkPolicy", f"{FULLNAME}-router")["spec"]["ingress"][1]
+    assert {"podSelector": {"matchLabels": {"ray.io/cluster": FULLNAME, "ray.io/node-type": "head"}}} in policy["from"]
 
 
 def test_not_yet_used_values_are_reported_in_notes(helm):

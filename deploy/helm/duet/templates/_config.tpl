@@ -46,9 +46,42 @@ pools); each message names the value and the fix. The loader repeats the checks 
 {{- if and .Values.router.tls.requireClientCerts (not .Values.router.tls.secretName) }}
 {{- fail "router.tls.requireClientCerts=true needs router.tls.secretName (mTLS is TLS with client certificates)" }}
 {{- end }}
+{{- include "duet.validateAutoscaling" . }}
 {{- if and .Values.serviceMonitor.enabled (not .Values.router.metrics.enabled) }}
 {{- fail "serviceMonitor.enabled=true needs router.metrics.enabled=true (there is nothing to scrape otherwise)" }}
 {{- end }}
+{{- end }}
+
+{{/* Duet's SLO autoscaler (autoscaling.duet): who owns the pods, and where its metrics come from. */}}
+{{- define "duet.validateAutoscaling" -}}
+{{- $v := .Values }}
+{{- $a := $v.autoscaling }}
+{{- if $a.duet.enabled }}
+{{- if and (eq $a.duet.actuator "kubernetes") $a.enableInTreeAutoscaling }}
+{{- fail "autoscaling.duet.actuator=kubernetes with autoscaling.enableInTreeAutoscaling=true: both would resize the same worker groups; set enableInTreeAutoscaling: false (Duet then owns the pools' groups; size the drafters group with its replicas) or use actuator: ray (Duet adds/drains actors, KubeRay adds/removes pods)" }}
+{{- end }}
+{{- if and (eq $a.duet.actuator "ray") (not $a.enableInTreeAutoscaling) }}
+{{- fail "autoscaling.duet.actuator=ray needs autoscaling.enableInTreeAutoscaling=true: the ray actuator only adds worker actors, and without KubeRay's autoscaler no pod would be added for them; or use actuator: kubernetes" }}
+{{- end }}
+{{- if not $v.router.metrics.enabled }}
+{{- fail "autoscaling.duet.enabled=true needs router.metrics.enabled=true: the controller reads the router's /metrics" }}
+{{- end }}
+{{- if gt (int $v.router.replicas) 1 }}
+{{- fail (printf "autoscaling.duet.enabled=true needs router.replicas=1 (it is %v): the autoscaler sums every router's counters, but the router Service reaches one router per scrape; this chart cannot list each router's /metrics yet" $v.router.replicas) }}
+{{- end }}
+{{- if not (include "duet.autoscaledPools" . | fromJsonArray) }}
+{{- fail "autoscaling.duet.enabled=true but no pool has both `slo` and `profile`; give the pools to scale a p90 target and a capacity profile (`duet profile --out FILE`)" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The pools Duet's SLO autoscaler scales (JSON list of merged pools): those with slo and profile. */}}
+{{- define "duet.autoscaledPools" -}}
+{{- $out := list }}
+{{- if .Values.autoscaling.duet.enabled }}
+{{- range (include "duet.pools" . | fromJsonArray) }}{{ if and .slo .profile }}{{ $out = append $out . }}{{ end }}{{ end }}
+{{- end }}
+{{- toJson $out }}
 {{- end }}
 
 {{/* The checks of one pool (dict "root" "p" "at" "drafterGroup"), merged with poolDefaults. */}}
@@ -92,8 +125,8 @@ but would not behave as the values suggest (one line each; NOTES.txt prints them
 {{- $drafterGroup := include "duet.drafterGroup" . | fromJson }}
 {{- $drafting := list }}
 {{- range $pools }}
-{{- if .slo }}
-- pools[{{ .name }}].slo: the SLO autoscaler is not wired into `duet serve` yet; the pool keeps its size (KubeRay's autoscaler still applies)
+{{- if and (or .slo .profile) (not (and .slo .profile $.Values.autoscaling.duet.enabled)) }}
+- pools[{{ .name }}].slo/profile: Duet's SLO autoscaler scales a pool only with slo, profile and autoscaling.duet.enabled all set; this pool keeps its size (KubeRay's in-tree autoscaler, if on, still adds pods for pending placements)
 {{- end }}
 {{- if eq .speculative.method "draft_model" }}{{ $drafting = append $drafting .name }}
 {{- if not .drafterResourcesResolved }}
@@ -184,5 +217,23 @@ grpc: {port: {{ $v.router.port }}}
   "controller" (dict "poll_interval_s" (float64 $v.head.controller.pollIntervalSeconds)
       "start_timeout_s" (float64 $v.head.controller.startTimeoutSeconds) "host" "0.0.0.0"
       "port" (int $v.head.controller.port)) }}
+{{- with (include "duet.autoscaledPools" . | fromJsonArray) }}
+{{- $scaled := list }}
+{{- range . }}
+{{- $p := dict "pool" .name "min_replicas" (int .minReplicas) "max_replicas" (int .maxReplicas)
+      "profile" (printf "/etc/duet/profile-%s.json" .name) }}
+{{- if .slo.ttftMs }}{{ $_ := set $p "slo_ttft_ms" (float64 .slo.ttftMs) }}{{ end }}
+{{- if .slo.tpotMs }}{{ $_ := set $p "slo_tpot_ms" (float64 .slo.tpotMs) }}{{ end }}
+{{- $scaled = append $scaled $p }}
+{{- end }}
+{{- $d := $v.autoscaling.duet }}
+{{- $auto := dict "enabled" true "interval_s" (float64 $d.intervalSeconds) "drain_grace_s" (float64 $d.drainGraceSeconds)
+      "down_cooldown_s" (float64 $d.downCooldownSeconds) "actuator" $d.actuator "pools" $scaled
+      "metrics_urls" (list (printf "http://%s-router:%d/metrics" (include "duet.fullname" $) (int $v.router.metrics.port))) }}
+{{- if eq $d.actuator "kubernetes" }}
+{{- $_ := set $auto "kubernetes" (dict "raycluster" (include "duet.fullname" $) "namespace" $.Release.Namespace) }}
+{{- end }}
+{{- $_ := set $config "autoscaling" $auto }}
+{{- end }}
 {{- toYaml $config }}
 {{- end }}

@@ -1,0 +1,70 @@
+"""Duet's SLO autoscaler in the chart (``autoscaling.duet``): values the schema or the chart's
+checks refuse, each with a message naming the value and the fix, and who owns which pods. The
+rendering that works (ConfigMap loaded by Duet's loader, RBAC objects validated by
+kubernetes-validate --strict) is the ``slo-values`` variant of test_helm_chart.py."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from helm_tools import CHART, NAMESPACE, RELEASE, by_kind, loaded_config, render, run_helm
+
+SLO_VALUES = CHART / "ci" / "slo-values.yaml"
+
+
+@pytest.mark.parametrize("sets, message", [
+    # the schema
+    (["autoscaling.duet.actuator=kubectl"], "at '/autoscaling/duet/actuator': value must be one of 'kubernetes', 'ray'"),
+    (["autoscaling.duet.intervalSeconds=0"], "at '/autoscaling/duet/intervalSeconds'"),
+    (["autoscaling.duet.drainGraceSeconds=-1"], "at '/autoscaling/duet/drainGraceSeconds'"),
+    (["autoscaling.duet.speed=fast"], "additional properties 'speed' not allowed"),
+    (["poolDefaults.profile.format=duet-profile/1"], "at '/poolDefaults/profile': missing property 'capacity'"),
+    # the chart's checks: KubeRay's in-tree autoscaler and Duet's actuator never drive the same groups
+    (["autoscaling.enableInTreeAutoscaling=true"],
+     "autoscaling.duet.actuator=kubernetes with autoscaling.enableInTreeAutoscaling=true: both would resize the same worker groups"),
+    (["autoscaling.duet.actuator=ray"],
+     "autoscaling.duet.actuator=ray needs autoscaling.enableInTreeAutoscaling=true"),
+    (["router.metrics.enabled=false"], "autoscaling.duet.enabled=true needs router.metrics.enabled=true"),
+    (["router.replicas=2"], "autoscaling.duet.enabled=true needs router.replicas=1 (it is 2)"),
+    (["pools[0].profile=null", "pools[1].profile=null"], "no pool has both `slo` and `profile`"),
+])
+def test_bad_autoscaling_values_are_rejected_with_a_clear_message(helm, sets, message):
+    args = ["template", RELEASE, str(CHART), "-f", str(SLO_VALUES)]
+    for s in sets:
+        args += ["--set", s]
+    r = run_helm(helm, *args)
+    assert r.returncode != 0, f"rendered: {sets}"
+    assert message in r.stderr, r.stderr
+
+
+def test_ray_actuator_leaves_the_pods_to_kuberay_and_creates_no_rbac(helm, tmp_path):
+    kinds = by_kind(render(helm, SLO_VALUES, "autoscaling.duet.actuator=ray", "autoscaling.enableInTreeAutoscaling=true"))
+    config = loaded_config(kinds, tmp_path)
+    assert config.autoscaling.actuator == "ray" and config.autoscaling.kubernetes.raycluster == ""
+    assert not {"ServiceAccount", "Role", "RoleBinding"} & set(kinds)
+    head = kinds["RayCluster"][0]["spec"]["headGroupSpec"]["template"]["spec"]
+    assert "serviceAccountName" not in head
+    assert kinds["RayCluster"][0]["spec"]["enableInTreeAutoscaling"] is True
+
+
+def test_a_pool_without_slo_or_profile_keeps_its_size_and_notes_say_so(helm, tmp_path):
+    kinds = by_kind(render(helm, SLO_VALUES, "pools[0].profile=null"))
+    assert [p.pool for p in loaded_config(kinds, tmp_path).autoscaling.pools] == ["decode"]
+    assert "profile-prefill.json" not in kinds["ConfigMap"][0]["data"]
+    r = run_helm(helm, "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
+                 "-f", str(SLO_VALUES), "--set", "pools[0].profile=null")
+    assert r.returncode == 0, r.stderr
+    assert "pools[prefill].slo/profile: Duet's SLO autoscaler scales a pool only with slo, profile" in r.stdout
+
+
+def test_runbook_profile_from_a_file_reaches_the_configmap(helm, tmp_path):
+    """The README runbook's --set-json of a `duet profile` file into one pool of a values list."""
+    profile = ('{"format": "duet-profile/1", "model": "m", "pool_type": "decode", "slo": {"tpot_p90_s": 0.1}, '
+               '"capacity": {"requests_per_s": 3.0, "mean_output_tokens": 40.0}}')
+    r = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", str(SLO_VALUES),
+                 "--set-json", f"pools[1].profile={profile}")
+    assert r.returncode == 0, r.stderr
+    kinds = by_kind([doc for doc in yaml.safe_load_all(r.stdout) if doc])
+    config = loaded_config(kinds, tmp_path)
+    assert config.to_autoscaler_config().pool("decode").capacity.output_tokens_per_s == 120.0
+    assert [p.pool for p in config.autoscaling.pools] == ["prefill", "decode"]  # the other pool untouched
