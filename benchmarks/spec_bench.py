@@ -186,7 +186,9 @@ def part_pair(args) -> dict[str, Any]:
     finally:
         ray.shutdown()
     gc.collect()
-    res["hf"] = _pair_hf(args, target_path, draft_path, res.pop("_prompts"), res["engine_batch1"])
+    prompts = res.pop("_prompts")
+    if not args.skip_hf:
+        res["hf"] = _pair_hf(args, target_path, draft_path, prompts, res["engine_batch1"])
     return res
 
 
@@ -269,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="pair part: weights of the target and the drafter in our engine")
     ap.add_argument("--target-threads", type=int, default=1, help="pair part: the speculative target's threads")
     ap.add_argument("--pair-prompts", type=int, default=4, help="pair part: prompts run at batch 1")
+    ap.add_argument("--skip-hf", action="store_true", help="pair part: skip the HF transformers columns")
     ap.add_argument("--out", type=Path, default=RESULTS / "spec_bench.json")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

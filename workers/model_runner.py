@@ -57,6 +57,14 @@ def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype, num
     return spec.num_layers * 2 * block_size * g * spec.head_dim * dtype.itemsize
 
 
+def _decode_rows(c: ScheduledChunk) -> list[ScheduledChunk]:
+    """A chunk as single-token rows (a decode is already one); every row of a verify chunk samples."""
+    if len(c.token_ids) == 1:
+        return [c]
+    return [ScheduledChunk(c.request_id, [t], c.start_pos + i, c.block_table, sample=True)
+            for i, t in enumerate(c.token_ids)]
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, spec: ModelSpec, config: EngineConfig, num_blocks: int) -> None:
         self.model = model
@@ -179,9 +187,13 @@ class ModelRunner:
     def forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[tuple[int, str]]]:
         """Run the model over the step's tokens and write their KV: hidden [T, E] and the
         (row, request id) pairs to sample. Ranks of a gang that do not sample call only this."""
-        # Single-token chunks (decodes) go first: they share one batched attention call.
-        singles = [c for c in sched.chunks if len(c.token_ids) == 1]
-        multis = [c for c in sched.chunks if len(c.token_ids) > 1]
+        # Single-token chunks (decodes) go first: they share one batched attention call. A verify
+        # chunk (last token + drafts) runs as one decode row per token, each attending to the
+        # context up to itself: the same kernel, per-row arithmetic and rounding as plain decoding,
+        # so greedy verification reproduces plain greedy output exactly wherever the linear layers
+        # are row-invariant (the quantized kernels are; see tests/workers/test_spec_decode_engine.py).
+        singles = [r for c in sched.chunks if len(c.token_ids) == 1 or c.num_draft for r in _decode_rows(c)]
+        multis = [c for c in sched.chunks if len(c.token_ids) > 1 and not c.num_draft]
         rest, split = self.sp_split(multis)
         input_ids, positions, meta, sample_rows = self._prepare(singles + rest, len(singles), split)
         return self.model(input_ids, positions, self.kv_caches, meta), sample_rows
