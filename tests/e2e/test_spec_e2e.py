@@ -40,6 +40,7 @@ def deployment(ray_cluster, smollm2_path, reference):
         "pool.engine.kv_cache_memory_bytes": KV_BYTES, "router.port": 0, "controller.port": 0,
         "pool.speculative.method": "draft_model", "pool.speculative.draft_model": str(smollm2_path),
         "pool.speculative.draft_quantization": "int8", "pool.speculative.num_speculative_tokens": 4,
+        "pool.speculative.adaptive": False,  # always draft (a same-size drafter rarely pays; this tests the path)
         "ray.namespace": NAMESPACE, "controller.poll_interval_s": 0.2, "controller.start_timeout_s": 240})
     d = start_deployment(config, router_overrides=dict(load_poll_interval_s=0.1, load_poll_timeout_s=2.0))
     yield d

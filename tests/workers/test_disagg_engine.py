@@ -154,7 +154,7 @@ def test_speculative_decode_side_equals_colocated(engines, smollm2_path: Path, t
                                        cache=CacheConfig(kv_cache_memory_bytes=16 << 20)))
     server, endpoint = serve_drafter(drafter)
     try:
-        spec = SpeculativeConfig(method="draft_model", draft_model=str(smollm2_path))
+        spec = SpeculativeConfig(method="draft_model", draft_model=str(smollm2_path), adaptive=False)
         decode = make_llm(smollm2_path, speculative=spec,
                           proposer=DraftModelProposer(endpoint_connector(endpoint))).engine
         calls = []
