@@ -230,12 +230,7 @@ class DuetConfig:
             cache=CacheConfig(block_size=e.block_size, kv_cache_memory_bytes=e.kv_cache_memory_bytes,
                               enable_prefix_caching=e.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs),
-            speculative=SpeculativeConfig(
-                method=sp.method, num_speculative_tokens=sp.num_speculative_tokens, adaptive=sp.adaptive,
-                ngram_min=sp.ngram_min, ngram_max=sp.ngram_max, draft_model=sp.draft_model,
-                draft_quantization=sp.draft_quantization, drafter_cpus=sp.drafter_cpus,
-                drafter_resources=dict(sp.drafter_resources), draft_timeout_s=sp.draft_timeout_s,
-                overlap=sp.overlap),
+            speculative=SpeculativeConfig(**dataclasses.asdict(sp)),  # the same fields, one per layer
         )
 
     def to_router_config(self, tokenizer_path: str, max_model_len: int | None = None, **extra: Any):

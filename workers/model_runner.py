@@ -202,7 +202,7 @@ class ModelRunner:
     def sp_split(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
         """(replicated, split over the sp ranks): prefill chunks long enough for sequence parallelism."""
         w = get_group("sp").world_size
-        long = [w > 1 and not c.num_draft and len(c.token_ids) >= SP_MIN_TOKENS_PER_RANK * w for c in chunks]
+        long = [w > 1 and len(c.token_ids) >= SP_MIN_TOKENS_PER_RANK * w for c in chunks]
         return [c for c, x in zip(chunks, long) if not x], [c for c, x in zip(chunks, long) if x]
 
     def _context_slots(self, table: list[int], end: int) -> torch.Tensor:
@@ -282,8 +282,8 @@ class ModelRunner:
                 prefill_cu.append(prefill_cu[-1] + n)
                 prefills.append(self._prefill_span(c, row))
             row += n
-            if c.sample:  # with drafts: the last token's row and every draft's row
-                sample_rows.extend((r, c.request_id) for r in range(row - 1 - c.num_draft, row))
+            if c.sample:
+                sample_rows.append((row - 1, c.request_id))
         ring = []
         for c in split:
             rc, c_ids, c_pos, c_slots = self._ring_chunk(c, row)

@@ -138,16 +138,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: every id must be < {lim.vocab_size}"
         return None
 
-    async def Submit(self, request: worker_pb2.SubmitRequest,
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.SubmitResponse]:
-        problem = self._check(request)
+    async def _admit(self, request, context: grpc.aio.ServicerContext,
+                     problem: tuple[grpc.StatusCode, str] | None = None) -> SamplingParams:
+        """The request's engine params; or the call is aborted with the first problem: the common
+        checks, then ``problem`` (a precondition of the RPC), then bad sampling fields."""
+        problem = self._check(request) or problem
         if problem is None:
             try:
-                params = to_sampling_params(request.sampling)
+                return to_sampling_params(request.sampling)
             except InvalidRequestError as e:
                 problem = grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{e}"
-        if problem is not None:
-            await context.abort(*problem)
+        await context.abort(*problem)
+        raise AssertionError("context.abort raises")  # pragma: no cover
+
+    async def Submit(self, request: worker_pb2.SubmitRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.SubmitResponse]:
+        params = await self._admit(request, context)
         rid = request.request_id
         sink: Sink = asyncio.Queue()
         self._inflight.add(rid)
@@ -191,16 +197,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PrefillResponse]:
-        problem = self._check(request)
-        if problem is None and self.disagg is None:
-            problem = grpc.StatusCode.FAILED_PRECONDITION, "this worker has no KV transfer set up"
-        if problem is None:
-            try:
-                params = to_sampling_params(request.sampling)
-            except InvalidRequestError as e:
-                problem = grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{e}"
-        if problem is not None:
-            await context.abort(*problem)
+        no_transfer = (grpc.StatusCode.FAILED_PRECONDITION, "this worker has no KV transfer set up")
+        params = await self._admit(request, context, no_transfer if self.disagg is None else None)
         try:
             async for response in self.disagg.prefill(request, params):
                 yield response

@@ -180,7 +180,4 @@ class DraftEngine:
         hidden, rows = self.runner.forward(SchedulerOutput(chunks))
         if not rows:
             return torch.empty(0)
-        return self.model_logits(hidden[[r for r, _ in rows]])
-
-    def model_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.runner.model.compute_logits(hidden)  # [N, V]
+        return self.runner.model.compute_logits(hidden[[r for r, _ in rows]])  # [N, V]
