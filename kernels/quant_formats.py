@@ -37,10 +37,12 @@ def _pad_cols(w: torch.Tensor, Kp: int, value: float = 0.0) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------- int8
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (q int8 [N, Kp], scales fp32 [N])."""
+def quantize_int8(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (q int8 [N, Kp], scales fp32 [N]). ``amax`` [N]: max |w| of each row of a
+    wider matrix that w is a column slice of (a tensor-parallel shard keeps the full row's scale);
+    default w's own."""
     w = w.detach().float()
-    amax = w.abs().amax(dim=1)  # [N]
+    amax = w.abs().amax(dim=1) if amax is None else amax.float()  # [N]
     scales = amax / 127
     inv = torch.where(amax > 0, 1 / scales, torch.zeros_like(scales))
     q = torch.round(w * inv[:, None]).clamp_(-127, 127).to(torch.int8)  # [N, K]

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.quant_formats import dequantize_q4
+from kernels.quant_formats import dequantize_q4, quantize_int8
 from workers.config import EngineConfig
 from workers.errors import ConfigError
 from workers.layers.quant_linear import QuantizedWeight, QuantLinear, QuantMergedLinear, quantize
@@ -62,8 +62,18 @@ def test_tp_shards_of_quantized_weights() -> None:
         layer = QuantLinear(72, 64, method=method)
         layer.load_weight(q.cols(128, 72))  # a row-parallel rank's shard loads as is
         torch.testing.assert_close(layer.quantized_weight().dequantize(), full[:, 128:])
-        with pytest.raises(ValueError, match="multiple of 64"):
-            q.cols(32, 64)
+        for start, size in ((32, 64), (96, 104), (0, 200)):  # mid-chunk starts are re-packed
+            part = q.cols(start, size)
+            assert part.shape == (64, size)
+            for name, t in quantize(method, w[:, start : start + size]).tensors.items():
+                if name == "scales" and method == "int8":  # the full rows' scales, not the slice's
+                    assert torch.equal(part.tensors[name], q.tensors[name])
+                else:  # q4 blocks and int8 codes of the columns, exactly as quantizing them
+                    assert torch.equal(part.tensors[name], t if method == "q4" else quantize_int8(
+                        w[:, start : start + size], amax=w.abs().amax(1))[0]), (method, name, start)
+        for start, size in ((16, 64), (32, 48), (192, 16)):
+            with pytest.raises(ValueError, match="multiple of 32"):
+                q.cols(start, size)
 
 
 def test_loader_checks_shapes_and_converts_methods() -> None:

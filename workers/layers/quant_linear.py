@@ -9,9 +9,10 @@ Terms:
 
 A layer's ``load_weight(loaded, shard_id)`` takes either a float tensor (quantized here, row by
 row, so fused q/k/v and gate/up shards quantize independently) or a QuantizedWeight (copied as is
-if it has the layer's method, else de-quantized and re-quantized). Shards for tensor parallelism: ``QuantizedWeight.rows`` (column-parallel: a
-slice of output rows) and ``.cols`` (row-parallel: a slice of input features on 64-column chunk
-boundaries, so blocks stay whole); a float shard is simply quantized as it comes.
+if it has the layer's method, else de-quantized and re-quantized). Shards for tensor parallelism
+(the layers in workers/layers/quant_parallel.py): ``QuantizedWeight.rows`` (column-parallel: a
+slice of output rows) and ``.cols`` (row-parallel: a slice of input features on 32-column block
+boundaries, so blocks stay whole).
 
 Example::
 
@@ -25,15 +26,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels.quant_formats import (
-    CHUNK,
+    BLOCK,
     dequantize_int8,
     dequantize_q4,
+    pack_q4,
     padded_k,
     quantize_int8,
     quantize_q4,
+    unpack_q4,
 )
 from kernels.quant_linear import int8_linear, q4_linear
 from workers.config import QUANTIZATIONS
@@ -56,20 +60,22 @@ class QuantizedWeight:
         return QuantizedWeight(self.method, (size, self.shape[1]), {k: v.narrow(0, start, size) for k, v in self.tensors.items()})
 
     def cols(self, start: int, size: int) -> QuantizedWeight:
-        """Input features [start, start + size), start on a 64-column chunk boundary and the slice
-        whole chunks or running to K: a row-parallel shard. int8 keeps its per-row scales."""
+        """Input features [start, start + size) of every row: a row-parallel shard. It must be whole
+        32-weight blocks (start a multiple of 32, and size too unless the slice runs to K), so q4
+        blocks stay whole; the codes are re-packed into whole 64-column chunks, exactly the layout
+        ``quantize`` gives the same columns. int8 keeps its per-row scales (the full row's)."""
         K = self.shape[1]
-        if start % CHUNK or (size % CHUNK and start + size != K):
+        if start % BLOCK or (size % BLOCK and start + size != K) or start + size > K:
             raise ValueError(f"quantized column shard [{start}, {start + size}) of K={K} must start on a multiple "
-                             f"of {CHUNK} and span whole {CHUNK}-column chunks (or end at K)")
-        kp = padded_k(size)
-        per_col = {"qweight": 1 if self.method == "int8" else 0.5, "scales": 1 / 32, "mins": 1 / 32}
-        out = {}
-        for name, t in self.tensors.items():
-            if name == "scales" and self.method == "int8":
-                out[name] = t
-            else:
-                out[name] = t[:, int(start * per_col[name]) : int((start + kp) * per_col[name])]
+                             f"of {BLOCK} and span whole {BLOCK}-column blocks (or end at K)")
+        t, pad = self.tensors, padded_k(size) - size
+        if self.method == "int8":
+            out = {"qweight": F.pad(t["qweight"][:, start : start + size], (0, pad)), "scales": t["scales"]}
+        else:
+            codes = unpack_q4(t["qweight"].contiguous())[:, start : start + size]  # [N, size]
+            first, n = start // BLOCK, -(-size // BLOCK)  # this slice's blocks
+            out = {"qweight": pack_q4(F.pad(codes, (0, pad)))}
+            out |= {k: F.pad(t[k][:, first : first + n], (0, padded_k(size) // BLOCK - n)) for k in ("scales", "mins")}
         return QuantizedWeight(self.method, (self.shape[0], size), out)
 
     def dequantize(self) -> torch.Tensor:
@@ -178,16 +184,3 @@ class QuantMergedLinear(QuantLinear):
 
     def shard_ids(self) -> tuple[str | None, ...]:
         return tuple(self.offsets)
-
-
-def make_linear(in_features: int, out_features: int, bias: bool, quantization: str) -> nn.Module:
-    """Linear for 'none', else QuantLinear with that method."""
-    if quantization == "none":
-        return Linear(in_features, out_features, bias)
-    return QuantLinear(in_features, out_features, bias, quantization)
-
-
-def make_merged_linear(in_features: int, shards: dict[str, int], bias: bool, quantization: str) -> nn.Module:
-    if quantization == "none":
-        return MergedLinear(in_features, shards, bias)
-    return QuantMergedLinear(in_features, shards, bias, quantization)

@@ -10,9 +10,12 @@ the embedding and the LM head. o_proj and down_proj all-reduce (RowParallelLinea
 all-reduces; the LM head gathers the sampled rows' logits to tp rank 0.
 
 Quantization ('int8' | 'q4', see workers/layers/quant_linear.py) swaps every projection of the
-decoder layers for its quantized layer (at tp_size 1 only, for now: a quantized model with
-tp_size > 1 is refused with a ConfigError). The LM head (tied to the embedding in SmolLM2) is int8 with
-per-row scales in both modes: it is the largest matrix (V x E = 28M weights), so leaving it fp32
+decoder layers for its quantized layer, with the same tensor-parallel shards and collectives
+(workers/layers/quant_parallel.py: each rank quantizes or slices only its shard, int8 row-parallel
+shards keep their full rows' scales, row-parallel splits must fall on 32-feature blocks, else a
+ConfigError), so a TP gang computes what one rank computes up to float summation order. The LM
+head (tied to the embedding in SmolLM2) is int8 with per-row scales in both modes, split over the
+vocabulary like the float head: it is the largest matrix (V x E = 28M weights), so leaving it fp32
 would cost 113 MB per token, more than all q4 layers together (66 MB), while int8 costs 28 MB and
 little quality. Measured on SmolLM2 (tests/data/public_domain_sample.txt, greedy token equal to
 fp32's): q4 layers + int8 head ppl 12.155, 95.6%; q4 + fp32 head 12.167, 97.1%; int8 + int8 head
@@ -31,9 +34,9 @@ from torch import nn
 
 from workers.layers.activation import SiluAndMul
 from workers.layers.attention import AttentionMetadata, PagedAttention
-from workers.errors import ConfigError
-from workers.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from workers.layers.quant_linear import QuantLinear, QuantMergedLinear, make_linear, make_merged_linear
+from workers.layers.linear import MergedColumnParallelLinear
+from workers.layers.quant_linear import QuantLinear, QuantMergedLinear
+from workers.layers.quant_parallel import QuantParallelLMHead, column_parallel, row_parallel
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
 from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -42,12 +45,6 @@ from workers.parallel.groups import get_group
 from workers.parallel.sharding import attention_shard, even_shard
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V each [S, G, D]
-
-
-def _require_single_rank(tp_size: int, quant: str) -> None:
-    if tp_size > 1:
-        raise ConfigError(f"quantization={quant!r} with tp_size={tp_size}: quantized layers are not tensor-parallel "
-                          "yet; use tp_size 1 or quantization 'none'")
 
 
 class LlamaAttention(nn.Module):
@@ -59,16 +56,9 @@ class LlamaAttention(nn.Module):
         h, g = heads.q_heads.size, heads.kv_heads.size  # this rank's heads
         self.h, self.g, self.d = h, g, d
         o_bias = spec.attention_bias and spec.model_type not in ("qwen2", "qwen2_moe")
-        if quant != "none":
-            _require_single_rank(tp.world_size, quant)
-            shards = {"q": h * d, "k": g * d, "v": g * d}
-            self.qkv_proj = make_merged_linear(spec.hidden_size, shards, spec.attention_bias, quant)
-            self.o_proj = make_linear(h * d, spec.hidden_size, o_bias, quant)
-        else:
-            q, kv = heads.q_heads.scaled(d), heads.kv_heads.scaled(d)
-            self.qkv_proj = MergedColumnParallelLinear(spec.hidden_size, {"q": q, "k": kv, "v": kv},
-                                                       spec.attention_bias)
-            self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, o_bias, tp, shard=q)
+        q, kv = heads.q_heads.scaled(d), heads.kv_heads.scaled(d)  # this rank's rows of q_proj, of k/v_proj
+        self.qkv_proj = column_parallel(spec.hidden_size, {"q": q, "k": kv, "v": kv}, spec.attention_bias, quant)
+        self.o_proj = row_parallel(spec.num_heads * d, spec.hidden_size, o_bias, quant, shard=q)
         self.attn = PagedAttention(h, g, d)
 
     def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -83,15 +73,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         tp = get_group("tp")
         width = intermediate_size or spec.intermediate_size
-        if quant != "none":
-            _require_single_rank(tp.world_size, quant)
-            self.gate_up_proj = make_merged_linear(spec.hidden_size, {"gate": width, "up": width}, spec.mlp_bias,
-                                                   quant)
-            self.down_proj = make_linear(width, spec.hidden_size, spec.mlp_bias, quant)
-        else:
-            i = even_shard(width, tp.world_size, tp.rank)  # this rank's slice of the MLP width
-            self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, {"gate": i, "up": i}, spec.mlp_bias)
-            self.down_proj = RowParallelLinear(width, spec.hidden_size, spec.mlp_bias, tp, shard=i)
+        i = even_shard(width, tp.world_size, tp.rank)  # this rank's slice of the MLP width
+        self.gate_up_proj = column_parallel(spec.hidden_size, {"gate": i, "up": i}, spec.mlp_bias, quant)
+        self.down_proj = row_parallel(width, spec.hidden_size, spec.mlp_bias, quant, shard=i)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,8 +132,8 @@ class LlamaForCausalLM(nn.Module):
         if quantization == "none":
             tied = self.model.embed_tokens if spec.tie_word_embeddings else None
             self.lm_head: nn.Module = ParallelLMHead(spec.vocab_size, spec.hidden_size, tied)
-        else:  # int8 (module doc); tied: a separate int8 copy of the embedding, filled after loading
-            self.lm_head = make_linear(spec.hidden_size, spec.vocab_size, False, "int8")
+        else:  # int8 (module doc); tied: a separate int8 copy of the embedding's rows, filled after loading
+            self.lm_head = QuantParallelLMHead(spec.vocab_size, spec.hidden_size)
         self.num_local_kv_heads = self.model.layers[0].self_attn.g  # KV cache width of this rank
 
     def make_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
@@ -176,8 +160,8 @@ class LlamaForCausalLM(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Quantize the tied LM head from the loaded embedding (a no-op without quantization)."""
-        if self.spec.tie_word_embeddings and isinstance(self.lm_head, QuantLinear):
-            self.lm_head.load_weight(self.model.embed_tokens.weight.data)
+        if self.spec.tie_word_embeddings and isinstance(self.lm_head, QuantParallelLMHead):
+            self.lm_head.load_tied(self.model.embed_tokens)
 
     def _quant_layers(self) -> dict[str, QuantLinear]:
         """checkpoint weight name -> quantized layer that loads it (the tied head loads from the embedding)."""
