@@ -17,12 +17,13 @@ TINY_QWEN2 = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num
                   num_key_value_heads=2, max_position_embeddings=512, vocab_size=49152, tie_word_embeddings=False)
 
 
-def save_tiny_qwen2(out: Path, smollm2_path: Path, seed: int = 0) -> Path:
-    """A random Qwen2 (q/k/v biases, untied head) with SmolLM2's tokenizer; biases random too."""
+def save_tiny_qwen2(out: Path, smollm2_path: Path, seed: int = 0, **overrides) -> Path:
+    """A random Qwen2 (q/k/v biases, untied head) with SmolLM2's tokenizer; biases random too.
+    ``overrides``: config fields to change in TINY_QWEN2."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **TINY_QWEN2)).eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **{**TINY_QWEN2, **overrides})).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
