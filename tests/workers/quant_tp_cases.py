@@ -8,13 +8,13 @@ of a 64-column chunk: the GGUF-shaped shard is re-packed); an 11-row vocabulary 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ep_cases import generate
+from kernels.linear import linear
 from mixtral_tiny import prefill_logits
 from tp_cases import make_llm, run_gang
 from workers.errors import ConfigError
@@ -102,6 +102,8 @@ def _refusals(path: str) -> list[str]:
             build()
         except ConfigError as e:
             messages.append(str(e))
+        else:
+            messages.append("accepted")
     return messages
 
 
@@ -117,7 +119,7 @@ def _weight_only_forward(self: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     w = self.__dict__.get("_dequantized")
     if w is None:
         w = self.__dict__["_dequantized"] = self.quantized_weight().dequantize()  # [out, in] fp32, cached
-    return F.linear(x, w, self._parameters["bias"])
+    return linear(x, w, self._parameters["bias"])  # the fp32 GEMV/GEMM the float layers use
 
 
 @contextmanager
@@ -140,20 +142,23 @@ def layer_probe(model) -> dict:
 
 
 def run_model(llm, prompts: list[list[int]], max_tokens: int, rank: int | None = None) -> dict:
-    """Prefill logits (all positions) and greedy tokens, with the kernels, then with weight-only math.
-    rank None: a single-rank engine; else this gang rank (logits and tokens on rank 0 only)."""
-    out = {"probe": layer_probe(llm.engine.runner.model)}
-    for math in ("kernels", "weight_only"):
-        with weight_only_math() if math == "weight_only" else nullcontext():
-            logits = prefill_logits(llm.engine, prompts)  # collective under TP
-            if rank is None:
-                tokens = generate(llm.engine, prompts, max_tokens)
-            else:
-                runner = llm.engine.runner
-                tokens = run_gang(llm, rank, prompts, max_tokens)
-                llm.engine.runner = runner  # the leader swapped in its GangRunner
-        out[math] = {"logits": None if logits is None else logits.numpy(), "tokens": tokens}
+    """Prefill logits (all positions) with the kernels; prefill logits and greedy tokens with
+    weight-only math. rank None: a single-rank engine; else this gang rank (logits and tokens on
+    rank 0 only)."""
+    out = {"probe": layer_probe(llm.engine.runner.model),
+           "kernels": {"logits": _numpy(prefill_logits(llm.engine, prompts))}}  # collective under TP
+    with weight_only_math():
+        logits = _numpy(prefill_logits(llm.engine, prompts))
+        if rank is None:
+            tokens = generate(llm.engine, prompts, max_tokens)
+        else:
+            tokens = run_gang(llm, rank, prompts, max_tokens)
+    out["weight_only"] = {"logits": logits, "tokens": tokens}
     return out
+
+
+def _numpy(t: torch.Tensor | None):
+    return None if t is None else t.numpy()
 
 
 def quant_model_rank(rank: int, runs: list[tuple[str, str]], prompts: list[list[int]], max_tokens: int) -> dict:
@@ -164,3 +169,10 @@ def quant_model_rank(rank: int, runs: list[tuple[str, str]], prompts: list[list[
         out[(path, quantization)] = run_model(llm, prompts, max_tokens, rank)
         del llm
     return out
+
+
+def quant_tp_rank(rank: int, bad_model_path: str, runs: list[tuple[str, str]], prompts: list[list[int]],
+                  max_tokens: int) -> dict:
+    """Both cases in one gang (one start-up of the ranks): the layers, then the models."""
+    return {"layers": quant_layers_rank(rank, bad_model_path),
+            "models": quant_model_rank(rank, runs, prompts, max_tokens)}
