@@ -1,6 +1,7 @@
 """Tensor- and sequence-parallel speedups on CPU, side by side in one run, as JSON.
 
-    python benchmarks/parallel_bench.py [--quick] [--model SmolLM2-135M-Instruct | PATH] [--out FILE]
+    python benchmarks/parallel_bench.py [--quick] [--model SmolLM2-135M-Instruct | PATH]
+        [--quantization none | int8 | q4] [--out FILE]
 
 What is measured (every configuration uses the same 2 cores: 1 rank x 2 torch threads against
 2 ranks x 1 thread, local processes joined by workers/parallel/launch.py). Each 2-rank
@@ -15,6 +16,9 @@ shared-memory collectives (workers/parallel/shm_comm.py), and ``gloo``, loopback
                   the prompt split over sp_size ranks by ring attention, SP=2 vs SP=1. ("8k" is
                   8000 tokens: SmolLM2's context is 8192.)
 Targets (issue [parallel]): TP=2 >= 1.4x TP=1 decode for a 1.5B model; SP=2 >= 1.5x at 8k.
+``--quantization`` loads every configuration's model with that weight format (int8 / q4 layers
+sharded over the tp ranks, workers/layers/quant_parallel.py), so TP=2 vs TP=1 compares like
+with like.
 
 Noise: the machine is shared. Before each timed repeat rank 0 waits (within a budget) until
 processes outside the gang use < 5% of the CPU, and records the share they took during the run:
@@ -114,7 +118,8 @@ def bench_rank(rank: int, model: str, mode: str, settings: dict[str, Any]) -> di
         pids = [None] * gang.world_size
         torch.distributed.all_gather_object(pids, os.getpid(), group=gang.group)
     llm = LLM(model, kv_cache_memory_bytes=settings["kv_bytes"], enable_prefix_caching=False,
-              max_num_batched_tokens=settings["max_batched"], max_model_len=settings["max_model_len"])
+              max_num_batched_tokens=settings["max_batched"], max_model_len=settings["max_model_len"],
+              quantization=settings["quantization"])
     engine = llm.engine
     if rank != 0:
         follow(engine.runner, gang)
@@ -204,18 +209,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, help="timed repeats per measurement (default 3, 2 with --quick)")
     ap.add_argument("--comm", default="shm,gloo",
                     help="transports to run the 2-rank gangs on, comma-separated (shm, gloo); default both")
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "q4"],
+                    help="weights of the linear layers in every configuration (default none: float32)")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "parallel_bench.json")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     quick = args.quick
-    base = {"repeats": args.repeats or (2 if quick else 3), "quiet_budget_s": 60.0 if quick else 180.0}
+    base = {"repeats": args.repeats or (2 if quick else 3), "quiet_budget_s": 60.0 if quick else 180.0,
+            "quantization": args.quantization}
     tp_settings = {**base, "batches": [1, 8], "decode_tokens": 16 if quick else 64, "kv_bytes": 64 << 20,
                    "max_batched": 512, "max_model_len": 2048}
     lengths = [2048, 4096] if quick else [4096, 8000]
     sp_settings = {**base, "prefill_lengths": lengths, "kv_bytes": 512 << 20, "max_batched": 8192,
                    "max_model_len": 8192}
-    res: dict[str, Any] = {"model": args.model, "machine": machine_info(), "code": code_version(),
-                           "date": datetime.now(timezone.utc).isoformat(), "quick": quick, "targets": TARGETS}
+    res: dict[str, Any] = {"model": args.model, "quantization": args.quantization, "machine": machine_info(),
+                           "code": code_version(), "date": datetime.now(timezone.utc).isoformat(), "quick": quick,
+                           "targets": TARGETS}
     comms = [c.strip() for c in args.comm.split(",") if c.strip()]
     if not comms or any(c not in ("shm", "gloo") for c in comms):
         ap.error(f"--comm {args.comm!r}: a comma-separated subset of shm, gloo")
