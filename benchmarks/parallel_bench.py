@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import statistics
 import sys
@@ -137,8 +138,9 @@ def bench_rank(rank: int, model: str, mode: str, settings: dict[str, Any]) -> di
                 for _ in range(settings["repeats"]):
                     prefill = _timed(lambda: _run_to_end(engine, prompts, 1), pids, budget)
                     full = _timed(lambda: _run_to_end(engine, prompts, n + 1), pids, budget)
-                    decode_s = max(1e-9, full["seconds"] - prefill["seconds"])
-                    runs.append({"tokens_per_s": batch * n / decode_s, "load": max(prefill["load"], full["load"]),
+                    decode_s = full["seconds"] - prefill["seconds"]  # <= 0: noise exceeded the decode time
+                    rate = batch * n / decode_s if decode_s > 0 else math.nan  # nan: no figure from this repeat
+                    runs.append({"tokens_per_s": rate, "load": max(prefill["load"], full["load"]),
                                  "prefill_s": prefill["seconds"], "total_s": full["seconds"]})
                 out[f"decode_b{batch}"] = runs
         else:
@@ -179,8 +181,10 @@ def allreduce_rank(rank: int, shapes: list[list[int]], iters: int) -> dict[str, 
 
 
 def quiet_median(runs: list[dict[str, float]], key: str) -> float:
-    quiet = [r[key] for r in runs if r["load"] <= CONTENDED]
-    return statistics.median(quiet or [r[key] for r in runs])
+    """Median over the uncontended repeats (all, if none was); repeats without a figure (nan) skipped."""
+    valid = [r for r in runs if not math.isnan(r[key])]
+    quiet = [r[key] for r in valid if r["load"] <= CONTENDED]
+    return statistics.median(quiet or [r[key] for r in valid] or [math.nan])
 
 
 def run_config(model: str, mode: str, size: int, settings: dict[str, Any], comm: str = "auto") -> dict:
