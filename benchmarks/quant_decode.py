@@ -11,6 +11,8 @@ Sides (one at a time, never concurrently, 2 threads each):
     duet-fp32   Duet on the float32 checkpoint (the GGUF de-quantized once, workers/models/assets.py)
     duet-int8   the same with ``quantization='int8'`` (per-channel int8 weights, int8 LM head)
     duet-q4     ``quantization='q4'``: the GGUF's own Q4_1 codes repacked (int8 LM head)
+    duet-q4-modules  duet-q4 with DUET_FUSED_DECODE=0: decode steps through the per-layer modules
+                instead of the fused C++ decoder stack (the A/B of that optimisation)
     llamacpp-portable / llamacpp-native
                 llama-cpp-python 0.3.36 from PyPI, built by benchmarks/llamacpp_env.sh into
                 .bench-envs/ (portable: -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX2=ON -DGGML_FMA=ON
@@ -99,8 +101,11 @@ QUICK = Settings(decode_tokens=32, decode_repeats=3, throughput_tokens=16, throu
 
 # ------------------------------------------------------------------------------ sides
 class DuetSide:
-    def __init__(self, quantization: str) -> None:
-        self.name = f"duet-{'fp32' if quantization == 'none' else quantization}"
+    def __init__(self, quantization: str, fused: bool = True) -> None:
+        self.name = f"duet-{'fp32' if quantization == 'none' else quantization}{'' if fused else '-modules'}"
+        # The decode path is chosen at the first decode step, from DUET_FUSED_DECODE (restored in close).
+        self._env = os.environ.get("DUET_FUSED_DECODE")
+        os.environ["DUET_FUSED_DECODE"] = "1" if fused else "0"
         # Prefix caching off: repeats reuse prompts, and llama.cpp recomputes distinct prompts too.
         self.llm = LLM(SMOLLM2_NAME, quantization=quantization, enable_prefix_caching=False,
                        kv_cache_memory_bytes=512 << 20)
@@ -124,6 +129,10 @@ class DuetSide:
     def close(self) -> None:
         del self.llm
         gc.collect()
+        if self._env is None:
+            os.environ.pop("DUET_FUSED_DECODE", None)
+        else:
+            os.environ["DUET_FUSED_DECODE"] = self._env
 
 
 class _WithChildren(CpuLoadMeter):
@@ -243,6 +252,9 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 ratios[f"{q}_{key}_vs_fp32"] = get(f"duet-{q}", key) / base
             if best(key) and get(f"duet-{q}", key):
                 ratios[f"{q}_{key}_vs_llamacpp"] = get(f"duet-{q}", key) / best(key)
+    for key in ("batch1_decode", "c8", "c32"):
+        if get("duet-q4", key) and get("duet-q4-modules", key):
+            ratios[f"q4_{key}_fused_vs_modules"] = get("duet-q4", key) / get("duet-q4-modules", key)
     targets = {"q4_batch1_vs_llamacpp": ratios.get("q4_batch1_decode_vs_llamacpp"),
                "q4_c32_vs_llamacpp": ratios.get("q4_c32_vs_llamacpp")}
     met = {k: (v is not None and v >= TARGETS[k]) if v is not None else None for k, v in targets.items()}
@@ -294,8 +306,8 @@ def run(settings: Settings) -> dict[str, Any]:
                            "gguf": str(gguf), "settings": asdict(settings), "machine": machine_info(),
                            "code": code_version(), "results": {}, "weight_bytes_per_token": {}}
     llama, res["skipped"] = llamacpp_sides(gguf)
-    for q in ("none", "int8", "q4"):
-        side = DuetSide(q)
+    for q, fused in (("none", True), ("int8", True), ("q4", True), ("q4", False)):
+        side = DuetSide(q, fused)
         logger.info("measuring %s", side.name)
         res["weight_bytes_per_token"][side.name] = side.weight_bytes()
         side.timed([decode_ids], 4, gate)  # warm-up

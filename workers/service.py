@@ -57,6 +57,9 @@ from workers.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "duet.worker.v1.Worker"
+# A failed disaggregated request frees its reserved KV blocks before its caller hears of the failure
+# (so a load report read right after the error already shows them free); this bounds that wait.
+RELEASE_WAIT_S = 5.0
 
 
 
@@ -177,6 +180,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield _merge(items)
         except (InvalidRequestError, KVCapacityError, RemotePrefillError) as e:  # from the disaggregated path
             logger.warning("request %s: %s", rid, e)
+            finished = True
+            try:  # free its blocks first, then answer
+                await asyncio.wait_for(asyncio.shield(self._engine.abort(rid)), RELEASE_WAIT_S)
+            except asyncio.TimeoutError:
+                logger.warning("request %s: the engine did not confirm the abort within %.0f s", rid, RELEASE_WAIT_S)
             await context.abort(*_status_of(e))
         finally:
             if not finished:  # cancelled, deadline, or the stream broke: free the KV blocks

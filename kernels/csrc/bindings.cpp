@@ -16,6 +16,12 @@ at::Tensor grouped_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tens
 }  // namespace duet
 // ---- end MoE
 
+// ---- fused decoder stack (decoder_stack.cpp): its classes are bound beside the kernel.
+namespace duet {
+void bind_decoder_stack(pybind11::module& m);
+}  // namespace duet
+// ---- end decoder stack
+
 namespace {
 
 using at::Tensor;
@@ -407,6 +413,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(q, k, v, cos, sin, k_cache, v_cache, slot_mapping): RoPE on q, k in place; k, v into the cache");
   m.def("grouped_gemm", &duet::grouped_gemm,
         "(x [M, K] rows sorted by expert, w [E, N, K], offsets [E + 1], max_gemv_rows) -> y [M, N]");
+  duet::bind_decoder_stack(m);
   // [quant]
   m.def("int8_linear", &int8_linear, "(x [..., K], qweight int8 [N, Kp], scales [N], bias [N] | None, K) -> [..., N]");
   m.def("q4_linear", &q4_linear,

@@ -41,6 +41,7 @@ from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
 from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from workers.models.config import ModelSpec
+from workers.models.decode_stack import fused_stack
 from workers.parallel.groups import get_group
 from workers.parallel.sharding import attention_shard, even_shard
 
@@ -135,6 +136,7 @@ class LlamaForCausalLM(nn.Module):
         else:  # int8 (module doc); tied: a separate int8 copy of the embedding's rows, filled after loading
             self.lm_head = QuantParallelLMHead(spec.vocab_size, spec.hidden_size)
         self.num_local_kv_heads = self.model.layers[0].self_attn.g  # KV cache width of this rank
+        self._stack: object | None = None  # fused decode stack (workers/models/decode_stack.py), built on first use
 
     def make_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
         return LlamaMLP(spec, quant=self.quantization)
@@ -148,6 +150,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, E]
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary.lookup(positions, h.dtype)  # [T, D/2] each
+        if meta.num_decodes == h.shape[0] > 0 and not meta.ring:  # decode-only step: the fused stack if eligible
+            if self._stack is None:
+                self._stack = fused_stack(self) or False
+            if self._stack:
+                return self._stack.forward(h, cos, sin, kv_caches, meta.slot_mapping, meta.decode_block_tables,
+                                           meta.decode_context_lens, meta.block_size)
         residual = None
         for layer, kv in zip(self.model.layers, kv_caches):
             h, residual = layer(h, residual, cos, sin, kv, meta)

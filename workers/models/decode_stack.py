@@ -1,0 +1,77 @@
+"""Decode steps of a Llama-family model through the fused C++ decoder stack (kernels/decoder_stack.py).
+
+``fused_stack(model)`` decides once per model whether its layers can run fused and, if so, builds
+the stack over the model's own weight tensors (referenced, not copied, so in-place reloads are
+seen). Eligible: CPU fp32 activations, one tensor-parallel rank, every layer a dense ``LlamaMLP``
+with fp32, int8 or q4 projections, and the C++ kernels loaded. ``LlamaForCausalLM.forward`` then
+uses it for decode-only steps (one new token per sequence, no ring chunk): plain decoding,
+continuous batching of decodes and speculative verification rows (which run as decode rows). The
+result is bit-identical to the module path (tests/workers/test_decode_stack.py); prefill and mixed
+steps keep the module path, where the kernel time dwarfs the Python overhead.
+
+``DUET_FUSED_DECODE=0`` turns it off (A/B measurements, debugging); any value other than 0 or 1 is
+a ConfigError.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernels.decoder_stack import StackLayerWeights, StackLinearWeights, build_decoder_stack
+from workers.errors import ConfigError
+from workers.layers.linear import Linear
+from workers.layers.quant_linear import QuantLinear
+from workers.parallel.groups import get_group
+
+logger = logging.getLogger(__name__)
+
+
+def fused_decode_enabled() -> bool:
+    """DUET_FUSED_DECODE: '1' (default) or '0'."""
+    value = os.environ.get("DUET_FUSED_DECODE", "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ConfigError(f"DUET_FUSED_DECODE={value!r}: must be 0 or 1")
+    return value == "1"
+
+
+def _linear(m: nn.Module) -> StackLinearWeights | None:
+    if isinstance(m, QuantLinear):
+        tensors = (m.qweight, m.scales) if m.method == "int8" else (m.qweight, m.scales, m.mins)
+        return StackLinearWeights(m.method, tensors, m.bias, m.in_features)
+    if isinstance(m, Linear) and m.weight.dtype is torch.float32:
+        return StackLinearWeights("fp32", (m.weight,), m.bias, m.weight.shape[1])
+    return None
+
+
+def fused_stack(model: nn.Module) -> Any | None:
+    """The C++ decoder stack for ``model`` (a LlamaForCausalLM), or None when it is not eligible."""
+    from workers.models.llama import LlamaMLP  # the model module imports this one
+
+    if not fused_decode_enabled() or get_group("tp").world_size != 1:
+        return None
+    inner = model.model
+    emb = inner.embed_tokens.weight
+    if emb.device.type != "cpu" or emb.dtype is not torch.float32:
+        return None
+    layers = []
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(mlp) is not LlamaMLP:
+            return None
+        lins = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(x is None for x in lins):
+            return None
+        layers.append(StackLayerWeights(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *lins))
+    a0 = inner.layers[0].self_attn
+    stack = build_decoder_stack(layers, inner.norm.weight, inner.norm.eps, a0.h, a0.g, a0.d)
+    if stack is not None:
+        logger.debug("decode steps run through the fused decoder stack (%d layers)", len(layers))
+    return stack
+
+
+__all__ = ["fused_decode_enabled", "fused_stack"]
