@@ -7,6 +7,7 @@ of a 64-column chunk: the GGUF-shaped shard is re-packed); an 11-row vocabulary 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -123,15 +124,24 @@ def _weight_only_forward(self: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def weight_only_math() -> Iterator[None]:
+def weight_only_math(model) -> Iterator[None]:
     """Every quantized layer (row-parallel ones keep their all-reduce, the head its gather) computes
-    with its de-quantized weights and unquantized activations while inside."""
-    kernel_forward = QuantLinear.forward
+    with its de-quantized weights and unquantized activations while inside, and ``model``'s decode
+    steps take the module path, not the fused decoder stack (workers/models/decode_stack.py, which
+    calls the kernels itself; it runs at one tp rank only)."""
+    kernel_forward, fused = QuantLinear.forward, os.environ.get("DUET_FUSED_DECODE")
     QuantLinear.forward = _weight_only_forward
+    os.environ["DUET_FUSED_DECODE"] = "0"
+    model._stack = None  # decided again under the setting
     try:
         yield
     finally:
         QuantLinear.forward = kernel_forward
+        if fused is None:
+            os.environ.pop("DUET_FUSED_DECODE")
+        else:
+            os.environ["DUET_FUSED_DECODE"] = fused
+        model._stack = None
 
 
 def layer_probe(model) -> dict:
@@ -145,9 +155,9 @@ def run_model(llm, prompts: list[list[int]], max_tokens: int, rank: int | None =
     """Prefill logits (all positions) with the kernels; prefill logits and greedy tokens with
     weight-only math. rank None: a single-rank engine; else this gang rank (logits and tokens on
     rank 0 only)."""
-    out = {"probe": layer_probe(llm.engine.runner.model),
-           "kernels": {"logits": _numpy(prefill_logits(llm.engine, prompts))}}  # collective under TP
-    with weight_only_math():
+    model = llm.engine.runner.model
+    out = {"probe": layer_probe(model), "kernels": {"logits": _numpy(prefill_logits(llm.engine, prompts))}}  # collective
+    with weight_only_math(model):
         logits = _numpy(prefill_logits(llm.engine, prompts))
         if rank is None:
             tokens = generate(llm.engine, prompts, max_tokens)
