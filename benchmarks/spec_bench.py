@@ -11,9 +11,11 @@ speculation vs HF ``generate(assistant_model=...)`` vs HF plain, at batch 1 (and
 engine; HF assisted generation supports batch 1 only). Target: >= 1.8x over our own plain decode at
 batch 1, ahead of HF assisted generation.
 
-Threads: this machine has 2 cores. Plain engine and HF runs use both; the speculative engine's
-target uses ``--target-threads`` (default 1) and the drafter actor 1 core, so the pair never
-oversubscribes the cores (OpenMP spin-waits make oversubscription 10x slower). Runs alternate
+Threads: this machine has 2 cores. Plain engine and HF runs use both. The pair either splits the
+cores (``--target-threads 1 --drafter-threads 1``, overlap on: drafter and target run at the same
+time, one core each) or time-shares them (``--target-threads 2 --drafter-threads 2 --no-overlap``:
+they take turns, each with both cores). Never both at once with overlap on: OpenMP spin-waits make
+oversubscription 10x slower. ``--draft-vocab`` prunes the drafter's LM head (draft_vocab.py). Runs alternate
 plain / speculative per repeat; medians are reported with the CPU load others caused (see
 engine_throughput.CpuLoadMeter). Every speculative output is checked against the plain one
 (greedy: they must be identical).
@@ -114,12 +116,13 @@ def spec_delta(llm: LLM, before) -> dict[str, Any]:
 
 
 def compare(spec: LLM, batches: list[list[list[int]]], max_tokens: int, repeats: int,
-            plain_threads: int, spec_threads: int) -> dict[str, Any]:
+            plain_threads: int, spec_threads: int, kept: set[int] | None = None) -> dict[str, Any]:
     """Alternate plain / speculative over ``batches`` (each run as one generate call) on one engine:
-    plain = the same engine and weights with speculation off per request."""
+    plain = the same engine and weights with speculation off per request. kept: a pruned drafter's
+    vocabulary (draft_vocab_coverage = the share of plain output tokens inside it)."""
     rows: dict[str, list] = {"plain_tok_s": [], "spec_tok_s": [], "load": []}
     agg = None
-    mismatches = 0
+    mismatches = covered = outputs = 0
     for _ in range(repeats):
         meter = CpuLoadMeter()
         for batch in batches:
@@ -133,6 +136,8 @@ def compare(spec: LLM, batches: list[list[list[int]]], max_tokens: int, repeats:
                 "acc": (agg or {}).get("acc", 0) + d["acceptance_rate"] * d["draft_tokens"],
                 "emit": (agg or {}).get("emit", 0) + d["mean_accepted_length"] * d["verifies"]}
             n = sum(map(len, out_plain))
+            covered += sum(t in kept for out in out_plain for t in out) if kept else 0
+            outputs += n
             mismatches += sum(a != b for a, b in zip(out_plain, out_spec))
             rows["plain_tok_s"].append(n / t_plain)
             rows["spec_tok_s"].append(sum(map(len, out_spec)) / t_spec)
@@ -142,7 +147,9 @@ def compare(spec: LLM, batches: list[list[list[int]]], max_tokens: int, repeats:
             "acceptance_rate": round(agg["acc"] / agg["draft_tokens"], 3) if agg["draft_tokens"] else 0.0,
             "mean_accepted_length": round(agg["emit"] / agg["verifies"], 3) if agg["verifies"] else 0.0,
             "fallbacks": agg["fallbacks"], "greedy_mismatches": mismatches,
-            "others_cpu_load": [round(x, 2) for x in rows["load"]], "runs": rows}
+            "mean_draft_length": round(agg["draft_tokens"] / agg["verifies"], 3) if agg["verifies"] else 0.0,
+            "others_cpu_load": [round(x, 2) for x in rows["load"]], "runs": rows,
+            "draft_vocab_coverage": round(covered / outputs, 4) if kept and outputs else None}
 
 
 # ------------------------------------------------------------------- ngram
@@ -194,15 +201,22 @@ def part_pair(args) -> dict[str, Any]:
 
 def _pair_engine(args, target_path: Path, draft_path: Path) -> dict[str, Any]:
     spec_cfg = SpeculativeConfig(method="draft_model", draft_model=str(draft_path), num_speculative_tokens=args.k,
-                                 draft_quantization=args.quantization, drafter_cpus=1, draft_timeout_s=30.0)
+                                 draft_quantization=args.quantization, drafter_cpus=1, draft_timeout_s=30.0,
+                                 overlap=args.overlap, draft_vocab_size=args.draft_vocab,
+                                 drafter_threads=args.drafter_threads)
     common = dict(kv_cache_memory_bytes=512 << 20, quantization=args.quantization)
     spec = LLM(str(target_path), speculative=spec_cfg, **common)
     ids = [chat(spec.tokenizer, p) for p in CODE_TASKS]
     for speculate in (False, True):
         run_engine(spec, ids[:1], 4, speculate)
+    kept = None
+    if args.draft_vocab:
+        from workers.spec_decode.draft_vocab import draft_token_ids
+
+        kept = set(draft_token_ids(draft_path, spec.engine.spec.vocab_size, args.draft_vocab).tolist())
     res = {"engine_batch1": compare(spec, [[x] for x in ids[: args.pair_prompts]], args.max_tokens,
-                                    args.repeats, 2, args.target_threads),
-           "engine_batch8": compare(spec, [ids], args.max_tokens, 1, 2, args.target_threads),
+                                    args.repeats, 2, args.target_threads, kept),
+           "engine_batch8": compare(spec, [ids], args.max_tokens, 1, 2, args.target_threads, kept),
            "drafter": _drafter_stats(spec), "_prompts": ids[: args.pair_prompts]}
     spec.engine.speculator.close()
     del spec
@@ -222,7 +236,14 @@ def _drafter_stats(llm: LLM) -> dict[str, Any]:
             "beyond_compute_ms_per_call": round(1e3 * st.extra["transport_seconds"] / calls, 3),
             "empty_call_rtt_ms_median": _rtt_ms(prop),
             "overlap_hits": st.extra["overlap_hits"], "overlap_misses": st.extra["overlap_misses"],
-            "fallbacks": st.fallbacks}
+            "fallbacks": st.fallbacks, "policy_fit": _policy_fit(llm)}
+
+
+def _policy_fit(llm: LLM) -> dict[str, float]:
+    """The adaptive policy's cost model at the end: step(n) = s0 + s1 n, wait(k) = d0 + d1 k (ms)."""
+    pol = llm.engine.speculator.policy
+    return {"step_s0_ms": round(1e3 * pol.step.a, 2), "step_s1_ms": round(1e3 * pol.step.b, 2),
+            "draft_wait_d0_ms": round(1e3 * pol.draft.a, 2), "draft_wait_d1_ms": round(1e3 * pol.draft.b, 2)}
 
 
 def _rtt_ms(prop, n: int = 200) -> float:
@@ -270,6 +291,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quantization", default="none", choices=("none", "int8", "q4"),
                     help="pair part: weights of the target and the drafter in our engine")
     ap.add_argument("--target-threads", type=int, default=1, help="pair part: the speculative target's threads")
+    ap.add_argument("--drafter-threads", type=int, default=1, help="pair part: the drafter actor's threads")
+    ap.add_argument("--no-overlap", dest="overlap", action="store_false",
+                    help="pair part: the drafter does not draft ahead while the target verifies (time sharing)")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="pair part: the drafter scores only this many most frequent tokens (0 = all)")
     ap.add_argument("--pair-prompts", type=int, default=4, help="pair part: prompts run at batch 1")
     ap.add_argument("--skip-hf", action="store_true", help="pair part: skip the HF transformers columns")
     ap.add_argument("--out", type=Path, default=RESULTS / "spec_bench.json")
@@ -286,9 +312,11 @@ def main(argv: list[str] | None = None) -> None:
         for name, row in (res.get(part) or {}).items():
             if isinstance(row, dict) and "speedup" in row:
                 print(f"{part:5} {name:18} plain {row['plain_tokens_per_s']:7.2f} tok/s  spec "
-                      f"{row['spec_tokens_per_s']:7.2f} tok/s  x{row['speedup']:.2f}  acceptance "
+                      f"{row['spec_tokens_per_s']:7.2f} tok/s  x{row['speedup']:.2f}  drafts/verify {row['mean_draft_length']:.2f}  acceptance "
                       f"{row['acceptance_rate']:.2f}  tokens/verify {row['mean_accepted_length']:.2f}  "
                       f"mismatches {row['greedy_mismatches']}  load {row['others_cpu_load']}")
+    if "drafter" in (res.get("pair") or {}):
+        print("pair  drafter", {k: v for k, v in res["pair"]["drafter"].items()})
     if "hf" in (res.get("pair") or {}):
         print("pair  hf", res["pair"]["hf"])
     print(f"wrote {args.out}")
