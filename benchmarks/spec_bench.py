@@ -187,7 +187,10 @@ def part_pair(args) -> dict[str, Any]:
         target_path, draft_path = resolve_model(args.target), resolve_model(args.draft)
     except Exception as e:  # noqa: BLE001 - report and skip the part
         return {"skipped": f"{e} (run `make qwen-coder` to prepare the Qwen2.5-Coder pair)"}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Ray runs worker processes at niceness 15 by default; the target runs in this process at 0. On a
+    # busy machine the drafter actor would then yield to every other process and the target would
+    # not: both run at 0 here (in `duet serve` both are Ray workers, at the same niceness).
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config={"worker_niceness": 0})
     try:
         res = _pair_engine(args, target_path, draft_path)
     finally:
