@@ -14,7 +14,7 @@ from workers.config import CacheConfig, EngineConfig, SpeculativeConfig
 from workers.errors import ConfigError
 from workers.sampling_params import SamplingParams
 from workers.spec_decode.draft_model import DraftModelProposer
-from workers.spec_decode.draft_vocab import PrunedHead, draft_token_ids, frequency_order
+from workers.spec_decode.draft_vocab import ContextVocab, PrunedHead, draft_token_ids, expand, frequency_order
 from workers.spec_decode.drafter import DraftEngine, DraftItem
 from workers.spec_decode.drafter_service import endpoint_connector, serve_drafter
 
@@ -52,9 +52,8 @@ def test_pruned_head_scores_its_tokens_like_the_full_head(smollm2_path, quantiza
     with torch.inference_mode():
         full, pruned = model.compute_logits(hidden), head(hidden)  # [N, V], [N, P]
     torch.testing.assert_close(pruned, full[:, ids], rtol=1e-4, atol=1e-4)
-    expanded = head.full_logits(pruned, engine.vocab_size)  # [N, V]
-    assert torch.isinf(expanded).sum() == 3 * (engine.vocab_size - KEEP)
-    assert torch.equal(expanded[:, ids], pruned)
+    expanded = expand(ids, pruned[0], engine.vocab_size)  # [V]
+    assert torch.isinf(expanded).sum() == engine.vocab_size - KEEP and torch.equal(expanded[ids], pruned[0])
 
 
 @pytest.fixture(scope="module")
@@ -66,18 +65,42 @@ def pruned_drafter(smollm2_path):
     server.stop(grace=0)
 
 
-def test_pruned_drafts_stay_in_the_kept_set(pruned_drafter, smollm2_path):
+def test_context_vocab_adds_the_requests_rare_tokens(smollm2_path):
+    engine = DraftEngine(EngineConfig(model=str(smollm2_path), quantization="none",
+                                      cache=CacheConfig(kv_cache_memory_bytes=8 << 20)))
+    head = PrunedHead(engine.runner.model, draft_token_ids(smollm2_path, engine.vocab_size, KEEP), "none")
+    kept = set(head.ids.tolist())
+    rare = [t for t in range(40000, 40010) if t not in kept]
+    ctx = ContextVocab(head)
+    ctx.update([5, rare[0], 6, rare[1], rare[0]])
+    assert ctx.ids == rare[:2]
+    ctx.rewind(2)  # a rollback to [5, rare0]; then the target's own rare token
+    ctx.update([5, rare[0], rare[2]])
+    assert ctx.ids == rare[:3]
+    emb = engine.runner.model.model.embed_tokens.weight  # SmolLM2 ties its head to the embedding
+    assert torch.equal(ctx.weight, emb[rare[:3]])
+    hidden = torch.randn(2, engine.spec.hidden_size)
+    with torch.inference_mode():
+        (ids0, lg0), (ids1, lg1) = head.score(hidden, [ctx, ContextVocab(head)])
+    assert ids0.tolist() == head.ids.tolist() + rare[:3] and torch.equal(ids1, head.ids)
+    torch.testing.assert_close(lg0, engine.runner.model.compute_logits(hidden[:1])[0, ids0], rtol=1e-4, atol=1e-4)
+
+
+def test_pruned_drafts_stay_in_the_kept_set_and_the_context(pruned_drafter):
     engine, _ = pruned_drafter
     kept = set(engine.head.ids.tolist())
-    items = [DraftItem(f"v{i}", 0, list(range(100 + 50 * i, 130 + 50 * i)), 6, p)
+    prompts = [list(range(100 + 50 * i, 130 + 50 * i)) + [40001 + i] for i in range(2)]  # one rare token each
+    items = [DraftItem(f"v{i}", 0, prompts[i], 6, p)
              for i, p in enumerate([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=5)])]
     greedy_res, sampled_res = engine.propose(items)
-    for res in (greedy_res, sampled_res):
-        assert len(res.token_ids) == 6 and set(res.token_ids) <= kept
+    for res, prompt in zip((greedy_res, sampled_res), prompts):
+        assert len(res.token_ids) == 6 and set(res.token_ids) <= kept | set(prompt)
         engine.release(res.request_id)
-    q = torch.stack(sampled_res.probs)  # [K, V]: no mass outside the kept ids
-    assert q.shape[1] == engine.vocab_size and q[:, sorted(kept)].sum(-1).sub(1).abs().max() < 1e-5
+    q = torch.stack(sampled_res.probs)  # [K, V]: no mass outside the kept ids and the context's
+    assert q.shape[1] == engine.vocab_size
+    assert q[:, sorted(kept | set(prompts[1]))].sum(-1).sub(1).abs().max() < 1e-5
     assert engine.num_requests == 0 and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine._vocabs
 
 
 def _with_pruned(path, endpoint, overlap=True):

@@ -15,11 +15,14 @@ Which tokens: the tokenizer's own order of frequency, read from its ``tokenizer.
 - Unigram (SentencePiece): the piece's log-probability score, highest first.
 - Otherwise, the lowest ids.
 Added tokens (chat markers, end of text) are always kept: the drafter must be able to propose the
-end of an answer. Coverage measured on the Qwen2.5 tokenizer: the 32768 earliest merges cover 93%
+end of an answer. Per request, the tokens of its own context outside the set are scored too
+(``ContextVocab``): code repeats its identifiers, so a rare token the prompt or the target used
+once can be drafted from then on. Coverage measured on the Qwen2.5 tokenizer: the 32768 earliest merges cover 93%
 of the tokens of this repository's Python code and 91% of its README; the benchmark reports the
 share of the target's own output tokens in the set (benchmarks/spec_bench.py).
 
-Axes: N rows to score, E hidden size, V full vocabulary, P pruned vocabulary (kept ids).
+Axes: N rows to score, E hidden size, V full vocabulary, P pruned vocabulary (kept ids), X a
+request's context ids outside the kept ones.
 """
 
 from __future__ import annotations
@@ -96,7 +99,10 @@ class PrunedHead(nn.Module):
     def __init__(self, model: nn.Module, ids: torch.Tensor, quantization: str) -> None:
         super().__init__()
         rows = _head_rows(model, ids)  # [P, E]
+        self._model = (model,)  # a tuple: not registered as a child
         self.register_buffer("ids", ids)
+        self.kept = torch.zeros(int(ids.max()) + 1, dtype=torch.bool)
+        self.kept[ids] = True
         self.linear = make_linear(rows.shape[1], rows.shape[0], False, quantization)
         if isinstance(self.linear, QuantLinear):
             self.linear.load_weight(rows)
@@ -106,8 +112,54 @@ class PrunedHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, E] -> [N, P]
         return self.linear(hidden)
 
-    def full_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """[N, P] -> [N, vocab_size] with -inf outside the kept ids (probability 0 after softmax)."""
-        full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
-        full[:, self.ids] = logits
-        return full
+    def is_kept(self, token: int) -> bool:
+        return token < len(self.kept) and bool(self.kept[token])
+
+    def rows(self, ids: list[int]) -> torch.Tensor:
+        """Float head rows [X, E] of any ids (for a request's context vocabulary)."""
+        return _head_rows(self._model[0], torch.tensor(ids, dtype=torch.long))
+
+    def score(self, hidden: torch.Tensor, contexts: list[ContextVocab]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per row of hidden [N, E]: (token ids, logits), both [P + X], over the kept ids and that
+        row's request's context ids."""
+        base = self(hidden)  # [N, P]
+        out = []
+        for r, ctx in enumerate(contexts):
+            if ctx.ids:
+                extra = ctx.weight @ hidden[r]  # [X]
+                out.append((torch.cat([self.ids, torch.tensor(ctx.ids)]), torch.cat([base[r], extra])))
+            else:
+                out.append((self.ids, base[r]))
+        return out
+
+
+class ContextVocab:
+    """One request's context tokens outside a PrunedHead's kept ids, with their head rows: ``ids``
+    (X), ``weight`` [X, E]. ``update`` scans the tokens added since the last call; ``rewind``
+    follows a rollback of the context (ids already added stay: they cost only their row)."""
+
+    def __init__(self, head: PrunedHead) -> None:
+        self.head = head
+        self.ids: list[int] = []
+        self.weight = torch.empty(0)
+        self._known: set[int] = set()
+        self._scanned = 0
+
+    def rewind(self, num_tokens: int) -> None:
+        self._scanned = min(self._scanned, num_tokens)
+
+    def update(self, token_ids: list[int]) -> None:
+        new = [t for t in dict.fromkeys(token_ids[self._scanned :]) if t not in self._known and not self.head.is_kept(t)]
+        self._scanned = len(token_ids)
+        if new:
+            self._known.update(new)
+            rows = self.head.rows(new)  # [len(new), E]
+            self.weight = torch.cat([self.weight, rows]) if self.ids else rows
+            self.ids.extend(new)
+
+
+def expand(ids: torch.Tensor, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits [S] over ``ids`` [S] -> [vocab_size] with -inf elsewhere (probability 0 after softmax)."""
+    full = logits.new_full((vocab_size,), float("-inf"))
+    full[ids] = logits
+    return full

@@ -8,8 +8,8 @@ its KV (a whole prompt on the first call, usually 1-2 tokens later) and samples 
 further position is one batched single-token decode over the requests still drafting. Rolled-back
 tokens' blocks go back to the pool (``BlockManager.trim``); rejected drafts cost nothing more.
 
-With ``draft_vocab_size`` the drafter scores only the most frequent tokens (draft_vocab.py's
-PrunedHead): drafts stay inside that set and verification keeps the output exact.
+With ``draft_vocab_size`` the drafter scores only the most frequent tokens and each request's own
+context tokens (draft_vocab.py): drafts stay inside that set and verification keeps the output exact.
 
 Sampling follows the target's rule per request (workers/spec_decode/rejection_sampler.py's
 ``target_probs``): greedy requests get argmax drafts, others draw from q with the request's draft
@@ -36,7 +36,7 @@ from workers.models.loader import load_model
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 from workers.sequence import Sequence
-from workers.spec_decode.draft_vocab import PrunedHead, draft_token_ids
+from workers.spec_decode.draft_vocab import ContextVocab, PrunedHead, draft_token_ids, expand
 from workers.spec_decode.rejection_sampler import target_probs
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ class DraftEngine:
             self.head = PrunedHead(model, ids, config.quantization)
             logger.info("drafter head pruned to %d of %d tokens (%s)", len(ids), self.vocab_size, config.quantization)
         self._seqs: dict[str, Sequence] = {}
+        self._vocabs: dict[str, ContextVocab] = {}  # pruned head: each request's own context tokens
         self._gens: dict[str, torch.Generator] = {}
         self._default_gen = torch.Generator().manual_seed(config.seed)
         logger.info("drafter ready: %s, %d KV blocks x %d tokens", path, num_blocks, bs)
@@ -120,6 +121,7 @@ class DraftEngine:
     def release(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
         self._gens.pop(request_id, None)
+        self._vocabs.pop(request_id, None)
         self.block_manager.free(request_id)
 
     @property
@@ -145,6 +147,8 @@ class DraftEngine:
             self.release(item.request_id)
             return None
         del seq.token_ids[item.keep :]
+        if item.request_id in self._vocabs:
+            self._vocabs[item.request_id].rewind(item.keep)
         seq.token_ids.extend(item.new_token_ids)
         seq.sampling_params = item.params
         seq.num_computed_tokens = min(seq.num_computed_tokens, item.keep, seq.num_tokens - 1)
@@ -166,6 +170,7 @@ class DraftEngine:
                                   sample=False)])
         seq.num_computed_tokens = seq.num_tokens - 1
 
+    @torch.inference_mode()
     def _draft_position(self, active: list[tuple[Sequence, DraftItem, DraftResult]]) -> None:
         """One forward pass: every active request computes its uncomputed tokens and draws a draft."""
         chunks = []
@@ -173,15 +178,12 @@ class DraftEngine:
             start = seq.num_computed_tokens
             chunks.append(ScheduledChunk(seq.request_id, seq.token_ids[start:], start,
                                          list(self.block_manager.block_table(seq.request_id)), sample=True))
-        logits = self._run(chunks)  # [N, V] (or [N, P] with a pruned head)
-        head = self.head
-        if head is None:
-            logits = logits[:, : self.vocab_size]
+        hidden = self._run(chunks)  # [N, E]
+        if self.head is None:
+            logits = self.runner.model.compute_logits(hidden)[:, : self.vocab_size]  # [N, V]
             greedy = logits.argmax(-1).tolist()
         else:
-            greedy = head.ids[logits.argmax(-1)].tolist()
-            if not all(item.params.greedy for _, item, _ in active):
-                logits = head.full_logits(logits, self.vocab_size)  # [N, V], -inf outside the kept ids
+            greedy, logits = self._pruned(hidden, active)
         for row, (seq, item, res) in enumerate(active):
             seq.num_computed_tokens = seq.num_tokens
             if item.params.greedy:
@@ -193,10 +195,24 @@ class DraftEngine:
             seq.append_token(token)
             res.token_ids.append(token)
 
+    def _pruned(self, hidden: torch.Tensor, active) -> tuple[list[int], torch.Tensor | None]:
+        """Greedy drafts and (for sampled requests) full-vocabulary logits [N, V], -inf outside each
+        request's scored ids: the kept ones and its context's."""
+        head = self.head
+        contexts = []
+        for seq, _, _ in active:
+            ctx = self._vocabs.setdefault(seq.request_id, ContextVocab(head))
+            ctx.update(seq.token_ids)
+            contexts.append(ctx)
+        scored = head.score(hidden, contexts)  # per row: (ids [S], logits [S])
+        greedy = [int(ids[lg.argmax()]) for ids, lg in scored]
+        if all(item.params.greedy for _, item, _ in active):
+            return greedy, None
+        return greedy, torch.stack([expand(ids, lg, self.vocab_size) for ids, lg in scored])  # [N, V]
+
     @torch.inference_mode()
     def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         hidden, rows = self.runner.forward(SchedulerOutput(chunks))
         if not rows:
             return torch.empty(0)
-        hidden = hidden[[r for r, _ in rows]]  # [N, E]
-        return self.runner.model.compute_logits(hidden) if self.head is None else self.head(hidden)  # [N, V | P]
+        return hidden[[r for r, _ in rows]]  # [N, E]: the sampled rows
