@@ -143,7 +143,11 @@ def compare(spec: LLM, batches: list[list[list[int]]], max_tokens: int, repeats:
             rows["spec_tok_s"].append(sum(map(len, out_spec)) / t_spec)
         rows["load"].append(meter.read())
     p, s = statistics.median(rows["plain_tok_s"]), statistics.median(rows["spec_tok_s"])
+    # each spec run against the plain run just before it (same prompts, seconds apart): steadier than
+    # the ratio of medians when others' load comes and goes
+    paired = statistics.median(b / a for a, b in zip(rows["plain_tok_s"], rows["spec_tok_s"]))
     return {"plain_tokens_per_s": round(p, 2), "spec_tokens_per_s": round(s, 2), "speedup": round(s / p, 3),
+            "speedup_paired_median": round(paired, 3),
             "acceptance_rate": round(agg["acc"] / agg["draft_tokens"], 3) if agg["draft_tokens"] else 0.0,
             "mean_accepted_length": round(agg["emit"] / agg["verifies"], 3) if agg["verifies"] else 0.0,
             "fallbacks": agg["fallbacks"], "greedy_mismatches": mismatches,
@@ -315,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, row in (res.get(part) or {}).items():
             if isinstance(row, dict) and "speedup" in row:
                 print(f"{part:5} {name:18} plain {row['plain_tokens_per_s']:7.2f} tok/s  spec "
-                      f"{row['spec_tokens_per_s']:7.2f} tok/s  x{row['speedup']:.2f}  drafts/verify {row['mean_draft_length']:.2f}  acceptance "
+                      f"{row['spec_tokens_per_s']:7.2f} tok/s  x{row['speedup']:.2f} (paired x{row['speedup_paired_median']:.2f})  drafts/verify {row['mean_draft_length']:.2f}  acceptance "
                       f"{row['acceptance_rate']:.2f}  tokens/verify {row['mean_accepted_length']:.2f}  "
                       f"mismatches {row['greedy_mismatches']}  load {row['others_cpu_load']}")
     if "drafter" in (res.get("pair") or {}):
