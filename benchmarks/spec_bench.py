@@ -222,8 +222,8 @@ def _pair_engine(args, target_path: Path, draft_path: Path) -> dict[str, Any]:
 
         kept = set(draft_token_ids(draft_path, spec.engine.spec.vocab_size, args.draft_vocab).tolist())
     res = {"engine_batch1": compare(spec, [[x] for x in ids[: args.pair_prompts]], args.max_tokens,
-                                    args.repeats, 2, args.target_threads, kept),
-           "engine_batch8": compare(spec, [ids], args.max_tokens, 1, 2, args.target_threads, kept),
+                                    args.repeats, args.plain_threads, args.target_threads, kept),
+           "engine_batch8": compare(spec, [ids], args.max_tokens, 1, args.plain_threads, args.target_threads, kept),
            "drafter": _drafter_stats(spec), "_prompts": ids[: args.pair_prompts]}
     spec.engine.speculator.close()
     del spec
@@ -298,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quantization", default="none", choices=("none", "int8", "q4"),
                     help="pair part: weights of the target and the drafter in our engine")
     ap.add_argument("--target-threads", type=int, default=1, help="pair part: the speculative target's threads")
+    ap.add_argument("--plain-threads", type=int, default=2, help="pair part: the plain side's threads")
     ap.add_argument("--drafter-threads", type=int, default=1, help="pair part: the drafter actor's threads")
     ap.add_argument("--no-overlap", dest="overlap", action="store_false",
                     help="pair part: the drafter does not draft ahead while the target verifies (time sharing)")
