@@ -153,6 +153,19 @@ def test_adaptive_decodes_plainly_when_the_wait_for_drafts_costs_more_than_they_
     assert dear.choose("r", 10) == 0  # k = 1 brings 0.5 tokens for 31 ms of a 21 ms/token decode
 
 
+def test_adaptive_does_not_probe_where_even_perfect_drafts_would_not_pay():
+    # as measured for the Qwen pair at batch 8 on 1 thread: a verify row costs what a decode row
+    # does, and every drafter call waits ~0.15 s: no acceptance can make drafting pay
+    pol = DraftLengthPolicy(k_max=6)
+    for n in (8, 16, 24, 40, 8, 32, 48, 16):
+        pol.observe_step(n, 0.001 + 0.020 * n)
+    for k in (1, 2, 4, 6, 3):
+        pol.observe_draft(k, 0.150 + 0.008 * k)
+    for _ in range(20):
+        pol.observe("r", 4, 0)
+    assert [pol.choose("r", 10, batch=8) for _ in range(16)] == [0] * 16  # no probes
+
+
 def test_adaptive_respects_the_limit_and_switch():
     pol = _trained()
     assert pol.choose("r", 2) <= 2 and pol.choose("r", 0) == 0

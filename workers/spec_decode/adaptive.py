@@ -15,7 +15,8 @@ means decode plainly this step).
 
 Per request, a is an exponential moving average of accepted / drafted (prior 0.6, so a new request
 speculates). A request whose drafts keep failing reaches k = 0; it is re-probed with k = 1 every
-``probe_every`` steps, so a request whose text turns repetitive picks speculation back up.
+``probe_every`` steps, so a request whose text turns repetitive picks speculation back up -- unless
+even perfect drafts would not pay at this batch (then a probe could not change the answer).
 
 Worked example: batch 1, step(n) = 20 ms + 1 ms n, a = 0.8, prompt lookup (no draft cost):
 r = 1/21 tokens/ms; k = 4 gains E(4) - 1 = 2.36 tokens for 4 ms (0.19 tokens' worth): draft 4.
@@ -69,6 +70,19 @@ NOMINAL_STEP = _nominal(1.0, 0.05)
 NOMINAL_DRAFT = _nominal(0.0, 0.0)
 
 
+def _best_k(acceptance: float, k_cap: int, step: LinearCost, draft: LinearCost, batch: int) -> int:
+    """The k in 0..k_cap with the largest net gain (module doc); 0 if none beats a small margin."""
+    a = min(acceptance, 0.999)
+    rate = batch / max(step(batch), 1e-9)  # tokens per second of plain decoding
+    best_k, best_gain = 0, 0.02  # a margin: do not speculate for noise
+    for k in range(1, k_cap + 1):
+        extra_tokens = (1.0 - a ** (k + 1)) / (1.0 - a) - 1.0
+        gain = extra_tokens - rate * (step.b * k + draft(k) / batch)
+        if gain > best_gain:
+            best_k, best_gain = k, gain
+    return best_k
+
+
 @dataclass
 class _Request:
     acceptance: float = PRIOR_ACCEPTANCE
@@ -97,20 +111,14 @@ class DraftLengthPolicy:
         if not self.adaptive:
             return k_cap
         st = self._requests.setdefault(request_id, _Request())
-        a = min(st.acceptance, 0.999)
         step, draft = (NOMINAL_STEP, NOMINAL_DRAFT) if reproducible else (self.step, self.draft)
         batch = 1 if reproducible else batch
-        base = step(batch)
-        rate = batch / max(base, 1e-9)  # tokens per second of plain decoding
-        best_k, best_gain = 0, 0.02  # a margin: do not speculate for noise
-        for k in range(1, k_cap + 1):
-            extra_tokens = (1.0 - a ** (k + 1)) / (1.0 - a) - 1.0
-            gain = extra_tokens - rate * (step.b * k + draft(k) / batch)
-            if gain > best_gain:
-                best_k, best_gain = k, gain
+        best_k = _best_k(st.acceptance, k_cap, step, draft, batch)
         if best_k == 0:
             st.steps_at_zero += 1
-            if st.steps_at_zero % self.probe_every == 0:
+            # probe (re-measure acceptance) only where some acceptance could make drafting pay: at a
+            # batch where even perfect drafts do not, a probe is a drafter call and a verify for nothing
+            if st.steps_at_zero % self.probe_every == 0 and _best_k(1.0, k_cap, step, draft, batch):
                 return 1
         else:
             st.steps_at_zero = 0
