@@ -115,6 +115,12 @@ def spec_delta(llm: LLM, before) -> dict[str, Any]:
             "draft_tokens": drafted, "verifies": verifies, "fallbacks": s.num_fallbacks - before.num_fallbacks}
 
 
+def _paired(runs: dict[str, list[float]]) -> float:
+    """Median of each speculative run over the plain run just before it (same prompts, seconds apart):
+    steadier than the ratio of medians when others' load comes and goes."""
+    return statistics.median(b / a for a, b in zip(runs["plain_tok_s"], runs["spec_tok_s"]))
+
+
 def compare(spec: LLM, batches: list[list[list[int]]], max_tokens: int, repeats: int,
             plain_threads: int, spec_threads: int, kept: set[int] | None = None) -> dict[str, Any]:
     """Alternate plain / speculative over ``batches`` (each run as one generate call) on one engine:
@@ -143,11 +149,8 @@ def compare(spec: LLM, batches: list[list[list[int]]], max_tokens: int, repeats:
             rows["spec_tok_s"].append(sum(map(len, out_spec)) / t_spec)
         rows["load"].append(meter.read())
     p, s = statistics.median(rows["plain_tok_s"]), statistics.median(rows["spec_tok_s"])
-    # each spec run against the plain run just before it (same prompts, seconds apart): steadier than
-    # the ratio of medians when others' load comes and goes
-    paired = statistics.median(b / a for a, b in zip(rows["plain_tok_s"], rows["spec_tok_s"]))
     return {"plain_tokens_per_s": round(p, 2), "spec_tokens_per_s": round(s, 2), "speedup": round(s / p, 3),
-            "speedup_paired_median": round(paired, 3),
+            "speedup_paired_median": round(_paired(rows), 3),
             "acceptance_rate": round(agg["acc"] / agg["draft_tokens"], 3) if agg["draft_tokens"] else 0.0,
             "mean_accepted_length": round(agg["emit"] / agg["verifies"], 3) if agg["verifies"] else 0.0,
             "fallbacks": agg["fallbacks"], "greedy_mismatches": mismatches,
@@ -287,6 +290,28 @@ def _pair_hf(args, target_path: Path, draft_path: Path, prompts: list[list[int]]
             "note": "HF runs the float32 checkpoints (no quantization)"}
 
 
+def pair_table(paths: list[Path]) -> str:
+    """benchmarks/README.md's pair table, one row per result JSON and batch size."""
+    lines = ["| run | batch | plain tok/s | spec tok/s | speedup (paired) | acceptance | tokens / verify | "
+             "drafts / verify | in-set share | mismatches | others' load |", "|" + "---|" * 11]
+    for path in paths:
+        res = json.loads(Path(path).read_text())
+        st, pair = res["settings"], res.get("pair") or {}
+        name = (f"{Path(path).stem}: target {st['target_threads']}t, drafter {st.get('drafter_threads', 1)}t, "
+                f"plain {st.get('plain_threads', 2)}t, overlap {'on' if st.get('overlap', True) else 'off'}, "
+                f"vocab {st.get('draft_vocab') or 'full'}")
+        for batch in (1, 8):
+            r = pair.get(f"engine_batch{batch}")
+            if not r:
+                continue
+            lines.append(f"| {name} | {batch} | {r['plain_tokens_per_s']} | {r['spec_tokens_per_s']} | "
+                         f"{r['speedup']:.2f}x ({_paired(r['runs']):.2f}x) | "
+                         f"{r['acceptance_rate']:.2f} | {r['mean_accepted_length']:.2f} | "
+                         f"{r.get('mean_draft_length', 0):.2f} | {r.get('draft_vocab_coverage') or '-'} | "
+                         f"{r['greedy_mismatches']} | {', '.join(f'{x:.2f}' for x in r['others_cpu_load'])} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", choices=("ngram", "pair", "all"), default="all")
@@ -307,7 +332,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pair-prompts", type=int, default=4, help="pair part: prompts run at batch 1")
     ap.add_argument("--skip-hf", action="store_true", help="pair part: skip the HF transformers columns")
     ap.add_argument("--out", type=Path, default=RESULTS / "spec_bench.json")
+    ap.add_argument("--table", type=Path, nargs="+", metavar="JSON",
+                    help="print benchmarks/README.md's pair table for these result files and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        print(pair_table(args.table))
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     res: dict[str, Any] = {"machine": machine_info(), "code": code_version(), "settings": vars(args) | {"out": str(args.out)}}
     if args.part in ("ngram", "all"):
