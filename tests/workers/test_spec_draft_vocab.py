@@ -36,9 +36,12 @@ def test_frequency_order_follows_merge_ranks_and_keeps_added_tokens(smollm2_path
     assert len(ids) == KEEP and torch.equal(ids, ids.sort().values) and set(added) <= set(ids.tolist())
 
 
-def test_frequency_order_without_a_tokenizer_keeps_the_lowest_ids(tmp_path):
-    added, rest = frequency_order(tmp_path, 100)
-    assert added == [] and rest == list(range(100))
+def test_frequency_order_without_a_usable_tokenizer_keeps_the_lowest_ids(tmp_path):
+    assert frequency_order(tmp_path, 100) == ([], list(range(100)))  # no tokenizer.json
+    (tmp_path / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')  # no vocab
+    assert frequency_order(tmp_path, 100) == ([], list(range(100)))
+    (tmp_path / "tokenizer.json").write_text('{"added_tokens": [{"id": 3}], "model": {"type": "WordPiece"}}')
+    assert frequency_order(tmp_path, 10) == ([3], [0, 1, 2, 4, 5, 6, 7, 8, 9])
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])

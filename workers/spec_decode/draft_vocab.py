@@ -50,27 +50,35 @@ def frequency_order(model_dir: Path, vocab_size: int) -> tuple[list[int], list[i
     except (OSError, ValueError) as e:
         logger.warning("draft vocabulary: no tokenizer.json in %s (%s); keeping the lowest ids", model_dir, e)
         return [], list(range(vocab_size))
+    try:
+        added, ids = _ordered(tj, vocab_size)
+    except (KeyError, TypeError, ValueError) as e:  # a tokenizer.json of another shape
+        logger.warning("draft vocabulary: unreadable tokenizer.json in %s (%r); keeping the lowest ids", model_dir, e)
+        return [], list(range(vocab_size))
+    if ids is None:
+        logger.warning("draft vocabulary: the tokenizer in %s has no frequency order; keeping the lowest ids",
+                       model_dir)
+        ids = list(range(vocab_size))
+    seen = set(added)
+    rest = [i for i in ids if i < vocab_size and i not in seen]
+    return added, rest
+
+
+def _ordered(tj: dict, vocab_size: int) -> tuple[list[int], list[int] | None]:
+    """(added token ids, every id most frequent first or None if the model type has no order)."""
     added = sorted({t["id"] for t in tj.get("added_tokens", []) if t["id"] < vocab_size})
     model = tj.get("model", {})
-    kind = model.get("type")
-    if kind == "BPE":
+    if model.get("type") == "BPE":
         vocab: dict[str, int] = model["vocab"]
         rank: dict[str, int] = {}  # token -> index of the merge that produces it; base tokens have none
         for i, merge in enumerate(model.get("merges", [])):
             a, b = merge.split(" ", 1) if isinstance(merge, str) else merge
             rank.setdefault(a + b, i)
         order = sorted(vocab, key=lambda t: (rank.get(t, -1), vocab[t]))  # base tokens first
-        ids = [vocab[t] for t in order]
-    elif kind == "Unigram":
-        scored = [(-score, i) for i, (_, score) in enumerate(model["vocab"])]
-        ids = [i for _, i in sorted(scored)]
-    else:
-        logger.warning("draft vocabulary: %s tokenizer in %s has no frequency order; keeping the lowest ids",
-                       kind, model_dir)
-        ids = list(range(vocab_size))
-    seen = set(added)
-    rest = [i for i in ids if i < vocab_size and i not in seen]
-    return added, rest
+        return added, [vocab[t] for t in order]
+    if model.get("type") == "Unigram":
+        return added, [i for _, i in sorted((-score, i) for i, (_, score) in enumerate(model["vocab"]))]
+    return added, None
 
 
 def draft_token_ids(model_dir: Path, vocab_size: int, size: int) -> torch.Tensor:
