@@ -11,9 +11,11 @@ speculation vs HF ``generate(assistant_model=...)`` vs HF plain, at batch 1 (and
 engine; HF assisted generation supports batch 1 only). Target: >= 1.8x over our own plain decode at
 batch 1, ahead of HF assisted generation.
 
-Threads: this machine has 2 cores. Plain engine and HF runs use both; the speculative engine's
-target uses ``--target-threads`` (default 1) and the drafter actor 1 core, so the pair never
-oversubscribes the cores (OpenMP spin-waits make oversubscription 10x slower). Runs alternate
+Threads: this machine has 2 cores. Plain engine and HF runs use both. The pair either splits the
+cores (``--target-threads 1 --drafter-threads 1``, overlap on: drafter and target run at the same
+time, one core each) or time-shares them (``--target-threads 2 --drafter-threads 2 --no-overlap``:
+they take turns, each with both cores). Never both at once with overlap on: OpenMP spin-waits make
+oversubscription 10x slower. ``--draft-vocab`` prunes the drafter's LM head (draft_vocab.py). Runs alternate
 plain / speculative per repeat; medians are reported with the CPU load others caused (see
 engine_throughput.CpuLoadMeter). Every speculative output is checked against the plain one
 (greedy: they must be identical).
@@ -113,13 +115,20 @@ def spec_delta(llm: LLM, before) -> dict[str, Any]:
             "draft_tokens": drafted, "verifies": verifies, "fallbacks": s.num_fallbacks - before.num_fallbacks}
 
 
+def _paired(runs: dict[str, list[float]]) -> float:
+    """Median of each speculative run over the plain run just before it (same prompts, seconds apart):
+    steadier than the ratio of medians when others' load comes and goes."""
+    return statistics.median(b / a for a, b in zip(runs["plain_tok_s"], runs["spec_tok_s"]))
+
+
 def compare(spec: LLM, batches: list[list[list[int]]], max_tokens: int, repeats: int,
-            plain_threads: int, spec_threads: int) -> dict[str, Any]:
+            plain_threads: int, spec_threads: int, kept: set[int] | None = None) -> dict[str, Any]:
     """Alternate plain / speculative over ``batches`` (each run as one generate call) on one engine:
-    plain = the same engine and weights with speculation off per request."""
+    plain = the same engine and weights with speculation off per request. kept: a pruned drafter's
+    vocabulary (draft_vocab_coverage = the share of plain output tokens inside it)."""
     rows: dict[str, list] = {"plain_tok_s": [], "spec_tok_s": [], "load": []}
     agg = None
-    mismatches = 0
+    mismatches = covered = outputs = 0
     for _ in range(repeats):
         meter = CpuLoadMeter()
         for batch in batches:
@@ -133,16 +142,21 @@ def compare(spec: LLM, batches: list[list[list[int]]], max_tokens: int, repeats:
                 "acc": (agg or {}).get("acc", 0) + d["acceptance_rate"] * d["draft_tokens"],
                 "emit": (agg or {}).get("emit", 0) + d["mean_accepted_length"] * d["verifies"]}
             n = sum(map(len, out_plain))
+            covered += sum(t in kept for out in out_plain for t in out) if kept else 0
+            outputs += n
             mismatches += sum(a != b for a, b in zip(out_plain, out_spec))
             rows["plain_tok_s"].append(n / t_plain)
             rows["spec_tok_s"].append(sum(map(len, out_spec)) / t_spec)
         rows["load"].append(meter.read())
     p, s = statistics.median(rows["plain_tok_s"]), statistics.median(rows["spec_tok_s"])
     return {"plain_tokens_per_s": round(p, 2), "spec_tokens_per_s": round(s, 2), "speedup": round(s / p, 3),
+            "speedup_paired_median": round(_paired(rows), 3),
             "acceptance_rate": round(agg["acc"] / agg["draft_tokens"], 3) if agg["draft_tokens"] else 0.0,
             "mean_accepted_length": round(agg["emit"] / agg["verifies"], 3) if agg["verifies"] else 0.0,
             "fallbacks": agg["fallbacks"], "greedy_mismatches": mismatches,
-            "others_cpu_load": [round(x, 2) for x in rows["load"]], "runs": rows}
+            "mean_draft_length": round(agg["draft_tokens"] / agg["verifies"], 3) if agg["verifies"] else 0.0,
+            "others_cpu_load": [round(x, 2) for x in rows["load"]], "runs": rows,
+            "draft_vocab_coverage": round(covered / outputs, 4) if kept and outputs else None}
 
 
 # ------------------------------------------------------------------- ngram
@@ -180,7 +194,10 @@ def part_pair(args) -> dict[str, Any]:
         target_path, draft_path = resolve_model(args.target), resolve_model(args.draft)
     except Exception as e:  # noqa: BLE001 - report and skip the part
         return {"skipped": f"{e} (run `make qwen-coder` to prepare the Qwen2.5-Coder pair)"}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Ray runs worker processes at niceness 15 by default; the target runs in this process at 0. On a
+    # busy machine the drafter actor would then yield to every other process and the target would
+    # not: both run at 0 here (in `duet serve` both are Ray workers, at the same niceness).
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config={"worker_niceness": 0})
     try:
         res = _pair_engine(args, target_path, draft_path)
     finally:
@@ -194,15 +211,22 @@ def part_pair(args) -> dict[str, Any]:
 
 def _pair_engine(args, target_path: Path, draft_path: Path) -> dict[str, Any]:
     spec_cfg = SpeculativeConfig(method="draft_model", draft_model=str(draft_path), num_speculative_tokens=args.k,
-                                 draft_quantization=args.quantization, drafter_cpus=1, draft_timeout_s=30.0)
+                                 draft_quantization=args.quantization, drafter_cpus=1, draft_timeout_s=30.0,
+                                 overlap=args.overlap, draft_vocab_size=args.draft_vocab,
+                                 drafter_threads=args.drafter_threads)
     common = dict(kv_cache_memory_bytes=512 << 20, quantization=args.quantization)
     spec = LLM(str(target_path), speculative=spec_cfg, **common)
     ids = [chat(spec.tokenizer, p) for p in CODE_TASKS]
     for speculate in (False, True):
         run_engine(spec, ids[:1], 4, speculate)
+    kept = None
+    if args.draft_vocab:
+        from workers.spec_decode.draft_vocab import draft_token_ids
+
+        kept = set(draft_token_ids(draft_path, spec.engine.spec.vocab_size, args.draft_vocab).tolist())
     res = {"engine_batch1": compare(spec, [[x] for x in ids[: args.pair_prompts]], args.max_tokens,
-                                    args.repeats, 2, args.target_threads),
-           "engine_batch8": compare(spec, [ids], args.max_tokens, 1, 2, args.target_threads),
+                                    args.repeats, args.plain_threads, args.target_threads, kept),
+           "engine_batch8": compare(spec, [ids], args.max_tokens, 1, args.plain_threads, args.target_threads, kept),
            "drafter": _drafter_stats(spec), "_prompts": ids[: args.pair_prompts]}
     spec.engine.speculator.close()
     del spec
@@ -222,7 +246,14 @@ def _drafter_stats(llm: LLM) -> dict[str, Any]:
             "beyond_compute_ms_per_call": round(1e3 * st.extra["transport_seconds"] / calls, 3),
             "empty_call_rtt_ms_median": _rtt_ms(prop),
             "overlap_hits": st.extra["overlap_hits"], "overlap_misses": st.extra["overlap_misses"],
-            "fallbacks": st.fallbacks}
+            "fallbacks": st.fallbacks, "policy_fit": _policy_fit(llm)}
+
+
+def _policy_fit(llm: LLM) -> dict[str, float]:
+    """The adaptive policy's cost model at the end: step(n) = s0 + s1 n, wait(k) = d0 + d1 k (ms)."""
+    pol = llm.engine.speculator.policy
+    return {"step_s0_ms": round(1e3 * pol.step.a, 2), "step_s1_ms": round(1e3 * pol.step.b, 2),
+            "draft_wait_d0_ms": round(1e3 * pol.draft.a, 2), "draft_wait_d1_ms": round(1e3 * pol.draft.b, 2)}
 
 
 def _rtt_ms(prop, n: int = 200) -> float:
@@ -259,6 +290,28 @@ def _pair_hf(args, target_path: Path, draft_path: Path, prompts: list[list[int]]
             "note": "HF runs the float32 checkpoints (no quantization)"}
 
 
+def pair_table(paths: list[Path]) -> str:
+    """benchmarks/README.md's pair table, one row per result JSON and batch size."""
+    lines = ["| run | batch | plain tok/s | spec tok/s | speedup (paired) | acceptance | tokens / verify | "
+             "drafts / verify | in-set share | mismatches | others' load |", "|" + "---|" * 11]
+    for path in paths:
+        res = json.loads(Path(path).read_text())
+        st, pair = res["settings"], res.get("pair") or {}
+        name = (f"{Path(path).stem}: target {st['target_threads']}t, drafter {st.get('drafter_threads', 1)}t, "
+                f"plain {st.get('plain_threads', 2)}t, overlap {'on' if st.get('overlap', True) else 'off'}, "
+                f"vocab {st.get('draft_vocab') or 'full'}")
+        for batch in (1, 8):
+            r = pair.get(f"engine_batch{batch}")
+            if not r:
+                continue
+            lines.append(f"| {name} | {batch} | {r['plain_tokens_per_s']} | {r['spec_tokens_per_s']} | "
+                         f"{r['speedup']:.2f}x ({_paired(r['runs']):.2f}x) | "
+                         f"{r['acceptance_rate']:.2f} | {r['mean_accepted_length']:.2f} | "
+                         f"{r.get('mean_draft_length', 0):.2f} | {r.get('draft_vocab_coverage') or '-'} | "
+                         f"{r['greedy_mismatches']} | {', '.join(f'{x:.2f}' for x in r['others_cpu_load'])} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", choices=("ngram", "pair", "all"), default="all")
@@ -270,10 +323,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quantization", default="none", choices=("none", "int8", "q4"),
                     help="pair part: weights of the target and the drafter in our engine")
     ap.add_argument("--target-threads", type=int, default=1, help="pair part: the speculative target's threads")
+    ap.add_argument("--plain-threads", type=int, default=2, help="pair part: the plain side's threads")
+    ap.add_argument("--drafter-threads", type=int, default=1, help="pair part: the drafter actor's threads")
+    ap.add_argument("--no-overlap", dest="overlap", action="store_false",
+                    help="pair part: the drafter does not draft ahead while the target verifies (time sharing)")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="pair part: the drafter scores only this many most frequent tokens (0 = all)")
     ap.add_argument("--pair-prompts", type=int, default=4, help="pair part: prompts run at batch 1")
     ap.add_argument("--skip-hf", action="store_true", help="pair part: skip the HF transformers columns")
     ap.add_argument("--out", type=Path, default=RESULTS / "spec_bench.json")
+    ap.add_argument("--table", type=Path, nargs="+", metavar="JSON",
+                    help="print benchmarks/README.md's pair table for these result files and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        print(pair_table(args.table))
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     res: dict[str, Any] = {"machine": machine_info(), "code": code_version(), "settings": vars(args) | {"out": str(args.out)}}
     if args.part in ("ngram", "all"):
@@ -286,9 +350,11 @@ def main(argv: list[str] | None = None) -> None:
         for name, row in (res.get(part) or {}).items():
             if isinstance(row, dict) and "speedup" in row:
                 print(f"{part:5} {name:18} plain {row['plain_tokens_per_s']:7.2f} tok/s  spec "
-                      f"{row['spec_tokens_per_s']:7.2f} tok/s  x{row['speedup']:.2f}  acceptance "
+                      f"{row['spec_tokens_per_s']:7.2f} tok/s  x{row['speedup']:.2f} (paired x{row['speedup_paired_median']:.2f})  drafts/verify {row['mean_draft_length']:.2f}  acceptance "
                       f"{row['acceptance_rate']:.2f}  tokens/verify {row['mean_accepted_length']:.2f}  "
                       f"mismatches {row['greedy_mismatches']}  load {row['others_cpu_load']}")
+    if "drafter" in (res.get("pair") or {}):
+        print("pair  drafter", {k: v for k, v in res["pair"]["drafter"].items()})
     if "hf" in (res.get("pair") or {}):
         print("pair  hf", res["pair"]["hf"])
     print(f"wrote {args.out}")

@@ -99,7 +99,8 @@ class SpeculativeSection:
     tokenizer) and draft_quantization; drafter_cpus and drafter_resources (Ray resources the
     drafter actor requests, e.g. {drafter: 1} to land on CPU drafter nodes); draft_timeout_s
     (a slower drafter is dropped for the request, which continues without speculation); overlap
-    (draft the next window while the target verifies)."""
+    (draft the next window while the target verifies); draft_vocab_size (the drafter scores only
+    its tokenizer's most frequent tokens; 0 = all); drafter_threads (0 = drafter_cpus)."""
 
     method: str = "none"
     num_speculative_tokens: int = 4
@@ -112,6 +113,8 @@ class SpeculativeSection:
     drafter_resources: Mapping[str, float] = field(default_factory=dict, hash=False)
     draft_timeout_s: float = 2.0
     overlap: bool = True
+    draft_vocab_size: int = 0
+    drafter_threads: int = 0
 
 
 @dataclass(frozen=True)
@@ -392,6 +395,9 @@ def _check_speculative(sp: SpeculativeSection, p: str, s: Sources) -> None:
          f"{p}.drafter_resources", dict(sp.drafter_resources), s,
          "must map Ray resource names to amounts > 0, e.g. {drafter: 1}")
     need(sp.draft_timeout_s > 0, f"{p}.draft_timeout_s", sp.draft_timeout_s, s, "must be > 0 seconds")
+    need(sp.draft_vocab_size == 0 or sp.draft_vocab_size >= 256, f"{p}.draft_vocab_size",
+         sp.draft_vocab_size, s, "must be 0 (the drafter's full vocabulary) or >= 256, e.g. 32768")
+    need(sp.drafter_threads >= 0, f"{p}.drafter_threads", sp.drafter_threads, s, "must be >= 0 (0 = drafter_cpus)")
 
 
 def _check_router(r: RouterSection, p: str, s: Sources) -> None:

@@ -66,6 +66,9 @@ class SchedulerConfig:
             )
 
 
+MIN_DRAFT_VOCAB = 256  # a pruned drafter head keeps at least the byte tokens' worth of ids
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (workers/spec_decode/): a proposer drafts tokens, the target verifies
@@ -84,6 +87,11 @@ class SpeculativeConfig:
     draft_timeout_s: a drafter slower than this is dropped for the request (it continues without
         speculation and re-attaches when the drafter answers again).
     overlap: the drafter drafts the next window while the target verifies this one.
+    draft_vocab_size: the drafter scores only this many of its tokenizer's most frequent tokens (a
+        pruned LM head, workers/spec_decode/draft_vocab.py; output is unchanged); 0 = all.
+    drafter_threads: compute threads of the drafter actor; 0 = its drafter_cpus. On a machine where
+        target and drafter share the cores, overlap off and both using all cores (time sharing)
+        can beat splitting the cores between them (benchmarks/README.md, spec_bench).
     """
 
     method: str = "none"
@@ -97,6 +105,8 @@ class SpeculativeConfig:
     drafter_resources: tuple[tuple[str, float], ...] = ()
     draft_timeout_s: float = 2.0
     overlap: bool = True
+    draft_vocab_size: int = 0
+    drafter_threads: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.drafter_resources, dict):
@@ -118,6 +128,11 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative.drafter_cpus={self.drafter_cpus}: must be >= 1")
         if not self.draft_timeout_s > 0:
             raise ConfigError(f"speculative.draft_timeout_s={self.draft_timeout_s}: must be > 0 seconds")
+        if self.draft_vocab_size != 0 and self.draft_vocab_size < MIN_DRAFT_VOCAB:
+            raise ConfigError(f"speculative.draft_vocab_size={self.draft_vocab_size}: must be 0 (the full vocabulary) "
+                              f"or >= {MIN_DRAFT_VOCAB}, e.g. 32768")
+        if self.drafter_threads < 0:
+            raise ConfigError(f"speculative.drafter_threads={self.drafter_threads}: must be >= 0 (0 = drafter_cpus)")
 
     @property
     def enabled(self) -> bool:

@@ -75,6 +75,10 @@ def test_config_file_from_env_and_ray_address(tmp_path):
     (dict(env={}, overrides={"model.quantization": "q4", "model.dtype": "bfloat16"},
           flag_names={"model.quantization": "--quantization"}), ["model.quantization='q4'", "float32"]),
     (dict(env={"RAY_ADDRESS": "auto", "DUET_RAY_NUM_CPUS": "2"}), ["ray.num_cpus=2", "embedded"]),
+    (dict(env={}, overrides={"pool.speculative.draft_vocab_size": 100}),
+     ["pools[0].speculative.draft_vocab_size=100", ">= 256"]),
+    (dict(env={}, overrides={"pool.speculative.drafter_threads": -1}),
+     ["pools[0].speculative.drafter_threads=-1", ">= 0"]),
 ])
 def test_bad_values_name_the_key_and_source(kwargs, words):
     with pytest.raises(ClusterConfigError) as err:

@@ -5,21 +5,22 @@ acceptance rate a, a window of k drafts yields E(k) = (1 - a^(k+1)) / (1 - a) to
 pass (the accepted prefix plus the target's own token), so E(k) - 1 more than plain decoding.
 Costs are fitted online from measured times:
     step(n)  = s0 + s1 n   seconds of a decode-only target step computing n tokens (decodes + drafts)
-    draft(k) = d0 + d1 k   seconds of a drafter call drafting k tokens per request
+    draft(k) = d0 + d1 k   seconds the target waits for a drafter call drafting k tokens per request
 A step of B decoding requests produces tokens at rate r = B / step(B). Drafting k tokens for one
-request adds s1 k to the step, plus its share of the drafter's time: draft(k) / B when the drafter
-runs in series with the target, only what is left of it after the step when it overlaps
-(``overlap``: the drafter runs on other hardware while the target verifies). The policy picks the
-k in 0..k_max with the largest net gain  E(k) - 1 - r * extra_seconds(k)  (in tokens; k = 0 means
-decode plainly this step).
+request adds s1 k to the step, plus its share draft(k) / B of the wait for drafts (one call serves
+the batch). draft() fits the measured *wait*, so a drafter that overlaps its work with the target's
+step (draft_model.py's overlap) is already credited for what the overlap hides. The policy picks
+the k in 0..k_max with the largest net gain  E(k) - 1 - r * extra_seconds(k)  (in tokens; k = 0
+means decode plainly this step).
 
 Per request, a is an exponential moving average of accepted / drafted (prior 0.6, so a new request
 speculates). A request whose drafts keep failing reaches k = 0; it is re-probed with k = 1 every
-``probe_every`` steps, so a request whose text turns repetitive picks speculation back up.
+``probe_every`` steps, so a request whose text turns repetitive picks speculation back up -- unless
+even perfect drafts would not pay at this batch (then a probe could not change the answer).
 
 Worked example: batch 1, step(n) = 20 ms + 1 ms n, a = 0.8, prompt lookup (no draft cost):
 r = 1/21 tokens/ms; k = 4 gains E(4) - 1 = 2.36 tokens for 4 ms (0.19 tokens' worth): draft 4.
-With a = 0.1 and a serial drafter at 8 ms a token, k = 1 gains 0.1 tokens for 9 ms (0.43): decode
+With a = 0.1 and a drafter at 8 ms a token, k = 1 gains 0.1 tokens for 9 ms (0.43): decode
 plainly.
 """
 
@@ -69,6 +70,19 @@ NOMINAL_STEP = _nominal(1.0, 0.05)
 NOMINAL_DRAFT = _nominal(0.0, 0.0)
 
 
+def _best_k(acceptance: float, k_cap: int, step: LinearCost, draft: LinearCost, batch: int) -> int:
+    """The k in 0..k_cap with the largest net gain (module doc); 0 if none beats a small margin."""
+    a = min(acceptance, 0.999)
+    rate = batch / max(step(batch), 1e-9)  # tokens per second of plain decoding
+    best_k, best_gain = 0, 0.02  # a margin: do not speculate for noise
+    for k in range(1, k_cap + 1):
+        extra_tokens = (1.0 - a ** (k + 1)) / (1.0 - a) - 1.0
+        gain = extra_tokens - rate * (step.b * k + draft(k) / batch)
+        if gain > best_gain:
+            best_k, best_gain = k, gain
+    return best_k
+
+
 @dataclass
 class _Request:
     acceptance: float = PRIOR_ACCEPTANCE
@@ -76,16 +90,14 @@ class _Request:
 
 
 class DraftLengthPolicy:
-    """k_max: the configured num_speculative_tokens; adaptive False always asks for k_max;
-    overlap: the drafter's time hides behind the target's step."""
+    """k_max: the configured num_speculative_tokens; adaptive False always asks for k_max."""
 
-    def __init__(self, k_max: int, adaptive: bool = True, overlap: bool = False, probe_every: int = 8) -> None:
+    def __init__(self, k_max: int, adaptive: bool = True, probe_every: int = 8) -> None:
         self.k_max = k_max
         self.adaptive = adaptive
-        self.overlap = overlap
         self.probe_every = probe_every
         self.step = LinearCost(prior_ratio=0.05)  # target step seconds vs tokens it computes
-        self.draft = LinearCost(prior_ratio=1e3)  # drafter call seconds vs tokens drafted per request
+        self.draft = LinearCost(prior_ratio=1e3)  # seconds waiting for a drafter call vs tokens drafted per request
         self._requests: dict[str, _Request] = {}
 
     def choose(self, request_id: str, limit: int, batch: int = 1, reproducible: bool = False) -> int:
@@ -99,23 +111,14 @@ class DraftLengthPolicy:
         if not self.adaptive:
             return k_cap
         st = self._requests.setdefault(request_id, _Request())
-        a = min(st.acceptance, 0.999)
         step, draft = (NOMINAL_STEP, NOMINAL_DRAFT) if reproducible else (self.step, self.draft)
         batch = 1 if reproducible else batch
-        base = step(batch)
-        rate = batch / max(base, 1e-9)  # tokens per second of plain decoding
-        best_k, best_gain = 0, 0.02  # a margin: do not speculate for noise
-        for k in range(1, k_cap + 1):
-            extra_tokens = (1.0 - a ** (k + 1)) / (1.0 - a) - 1.0
-            verify = step.b * k
-            drafting = draft(k)
-            drafting = max(0.0, drafting - base - verify) if self.overlap else drafting / batch
-            gain = extra_tokens - rate * (verify + drafting)
-            if gain > best_gain:
-                best_k, best_gain = k, gain
+        best_k = _best_k(st.acceptance, k_cap, step, draft, batch)
         if best_k == 0:
             st.steps_at_zero += 1
-            if st.steps_at_zero % self.probe_every == 0:
+            # probe (re-measure acceptance) only where some acceptance could make drafting pay: at a
+            # batch where even perfect drafts do not, a probe is a drafter call and a verify for nothing
+            if st.steps_at_zero % self.probe_every == 0 and _best_k(1.0, k_cap, step, draft, batch):
                 return 1
         else:
             st.steps_at_zero = 0

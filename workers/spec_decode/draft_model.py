@@ -100,7 +100,8 @@ class DraftModelProposer:
                               "inside Ray (duet serve does), or pass a proposer to Engine(...)")
         actor = DrafterActor.options(num_cpus=spec.drafter_cpus, resources=dict(spec.drafter_resources),
                                      max_restarts=-1).remote(spec.draft_model, spec.draft_quantization, engine,
-                                                             vocab_size)
+                                                             vocab_size, spec.draft_vocab_size,
+                                                             spec.drafter_threads)
 
         def connect() -> Callable[[], str | None]:
             ref = actor.start.remote()

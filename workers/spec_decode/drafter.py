@@ -8,6 +8,9 @@ its KV (a whole prompt on the first call, usually 1-2 tokens later) and samples 
 further position is one batched single-token decode over the requests still drafting. Rolled-back
 tokens' blocks go back to the pool (``BlockManager.trim``); rejected drafts cost nothing more.
 
+With ``draft_vocab_size`` the drafter scores only the most frequent tokens and each request's own
+context tokens (draft_vocab.py): drafts stay inside that set and verification keeps the output exact.
+
 Sampling follows the target's rule per request (workers/spec_decode/rejection_sampler.py's
 ``target_probs``): greedy requests get argmax drafts, others draw from q with the request's draft
 generator and the distributions q travel back for the rejection rule.
@@ -15,7 +18,7 @@ generator and the distributions q travel back for the rejection rule.
 Worked example (k = 3): held [p1..p9] + drafts [a b c] (KV of p1..p9 a b). The target accepted a b
 and replaced c with x. Next call: keep 11 (p1..p9 a b), new [x] -> compute x, draft d, e, f.
 
-Axes: N requests drafting at this position, V vocabulary, K drafts.
+Axes: N requests drafting at this position, V vocabulary, P pruned vocabulary, K drafts.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from workers.models.loader import load_model
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 from workers.sequence import Sequence
+from workers.spec_decode.draft_vocab import ContextVocab, PrunedHead, draft_token_ids, expand
 from workers.spec_decode.rejection_sampler import target_probs
 
 logger = logging.getLogger(__name__)
@@ -56,9 +60,11 @@ class DraftResult:
 
 
 class DraftEngine:
-    """config: the drafter's engine settings (model = the draft checkpoint, quantization, KV budget)."""
+    """config: the drafter's engine settings (model = the draft checkpoint, quantization, KV budget);
+    vocab_size: the target's (drafts are ids both know); draft_vocab_size: score only this many of
+    the most frequent tokens (0 = all)."""
 
-    def __init__(self, config: EngineConfig, vocab_size: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, vocab_size: int | None = None, draft_vocab_size: int = 0) -> None:
         path = resolve_model(config.model)
         model, spec = load_model(path, config.torch_dtype, config.device, config.quantization)
         bs = config.cache.block_size
@@ -70,20 +76,27 @@ class DraftEngine:
         self.vocab_size = min(spec.vocab_size, vocab_size or spec.vocab_size)
         self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=False)
         self.runner = ModelRunner(model, spec, config, num_blocks)
+        self.head: PrunedHead | None = None
+        if 0 < draft_vocab_size < self.vocab_size:
+            ids = draft_token_ids(path, self.vocab_size, draft_vocab_size)
+            self.head = PrunedHead(model, ids, config.quantization)
+            logger.info("drafter head pruned to %d of %d tokens (%s)", len(ids), self.vocab_size, config.quantization)
         self._seqs: dict[str, Sequence] = {}
+        self._vocabs: dict[str, ContextVocab] = {}  # pruned head: each request's own context tokens
         self._gens: dict[str, torch.Generator] = {}
         self._default_gen = torch.Generator().manual_seed(config.seed)
         logger.info("drafter ready: %s, %d KV blocks x %d tokens", path, num_blocks, bs)
 
     @classmethod
     def for_target(cls, draft_model: str, quantization: str, target: EngineConfig,
-                   target_vocab_size: int | None = None) -> DraftEngine:
+                   target_vocab_size: int | None = None, draft_vocab_size: int = 0) -> DraftEngine:
         """A drafter with the target's dtype, device and block size, and a KV budget of a quarter
         of the target's (its model is small)."""
         cache = CacheConfig(block_size=target.cache.block_size,
                             kv_cache_memory_bytes=max(target.cache.kv_cache_memory_bytes // 4, 16 << 20))
         return cls(EngineConfig(model=draft_model, dtype=target.dtype, device=target.device,
-                                quantization=quantization, seed=target.seed, cache=cache), target_vocab_size)
+                                quantization=quantization, seed=target.seed, cache=cache), target_vocab_size,
+                   draft_vocab_size)
 
     # ------------------------------------------------------------------ calls
     def propose(self, items: list[DraftItem]) -> list[DraftResult]:
@@ -108,6 +121,7 @@ class DraftEngine:
     def release(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
         self._gens.pop(request_id, None)
+        self._vocabs.pop(request_id, None)
         self.block_manager.free(request_id)
 
     @property
@@ -133,6 +147,8 @@ class DraftEngine:
             self.release(item.request_id)
             return None
         del seq.token_ids[item.keep :]
+        if item.request_id in self._vocabs:
+            self._vocabs[item.request_id].rewind(item.keep)
         seq.token_ids.extend(item.new_token_ids)
         seq.sampling_params = item.params
         seq.num_computed_tokens = min(seq.num_computed_tokens, item.keep, seq.num_tokens - 1)
@@ -154,6 +170,7 @@ class DraftEngine:
                                   sample=False)])
         seq.num_computed_tokens = seq.num_tokens - 1
 
+    @torch.inference_mode()
     def _draft_position(self, active: list[tuple[Sequence, DraftItem, DraftResult]]) -> None:
         """One forward pass: every active request computes its uncomputed tokens and draws a draft."""
         chunks = []
@@ -161,9 +178,12 @@ class DraftEngine:
             start = seq.num_computed_tokens
             chunks.append(ScheduledChunk(seq.request_id, seq.token_ids[start:], start,
                                          list(self.block_manager.block_table(seq.request_id)), sample=True))
-        logits = self._run(chunks)  # [N, V]
-        logits = logits[:, : self.vocab_size]
-        greedy = logits.argmax(-1).tolist()
+        hidden = self._run(chunks)  # [N, E]
+        if self.head is None:
+            logits = self.runner.model.compute_logits(hidden)[:, : self.vocab_size]  # [N, V]
+            greedy = logits.argmax(-1).tolist()
+        else:
+            greedy, logits = self._pruned(hidden, active)
         for row, (seq, item, res) in enumerate(active):
             seq.num_computed_tokens = seq.num_tokens
             if item.params.greedy:
@@ -175,9 +195,24 @@ class DraftEngine:
             seq.append_token(token)
             res.token_ids.append(token)
 
+    def _pruned(self, hidden: torch.Tensor, active) -> tuple[list[int], torch.Tensor | None]:
+        """Greedy drafts and (for sampled requests) full-vocabulary logits [N, V], -inf outside each
+        request's scored ids: the kept ones and its context's."""
+        head = self.head
+        contexts = []
+        for seq, _, _ in active:
+            ctx = self._vocabs.setdefault(seq.request_id, ContextVocab(head))
+            ctx.update(seq.token_ids)
+            contexts.append(ctx)
+        scored = head.score(hidden, contexts)  # per row: (ids [S], logits [S])
+        greedy = [int(ids[lg.argmax()]) for ids, lg in scored]
+        if all(item.params.greedy for _, item, _ in active):
+            return greedy, None
+        return greedy, torch.stack([expand(ids, lg, self.vocab_size) for ids, lg in scored])  # [N, V]
+
     @torch.inference_mode()
     def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         hidden, rows = self.runner.forward(SchedulerOutput(chunks))
         if not rows:
             return torch.empty(0)
-        return self.runner.model.compute_logits(hidden[[r for r, _ in rows]])  # [N, V]
+        return hidden[[r for r, _ in rows]]  # [N, E]: the sampled rows

@@ -82,13 +82,14 @@ def serve_drafter(engine: DraftEngine, host: str = "127.0.0.1", port: int = 0) -
 @ray.remote(num_cpus=1)
 class DrafterActor:
     """A DraftEngine behind the Drafter service in its own Ray worker process (Ray may put it on a
-    CPU-only node through the resources it is created with). Threads = the CPUs Ray reserved."""
+    CPU-only node through the resources it is created with). Threads: ``threads``, else the CPUs Ray
+    reserved; draft_vocab_size: see DraftEngine."""
 
     def __init__(self, draft_model: str, quantization: str, target: EngineConfig,
-                 target_vocab_size: int | None = None) -> None:
+                 target_vocab_size: int | None = None, draft_vocab_size: int = 0, threads: int = 0) -> None:
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
-        torch.set_num_threads(max(1, int(cpus)))
-        self._args = (draft_model, quantization, target, target_vocab_size)
+        torch.set_num_threads(threads or max(1, int(cpus)))
+        self._args = (draft_model, quantization, target, target_vocab_size, draft_vocab_size)
         self._server: grpc.Server | None = None
         self._endpoint = ""
 

@@ -50,9 +50,7 @@ class Speculator:
     def __init__(self, proposer: Proposer, config: SpeculativeConfig) -> None:
         self.proposer = proposer
         self.config = config
-        remote = config.method == "draft_model"
-        self.policy = DraftLengthPolicy(config.num_speculative_tokens, config.adaptive,
-                                        overlap=remote and config.overlap)
+        self.policy = DraftLengthPolicy(config.num_speculative_tokens, config.adaptive)
         self._verifies = self._drafted = self._accepted = self._emitted = 0
         self._draft_s = self._verify_s = 0.0
         self._drafted_before: set[str] = set()  # requests past their first draft (which computes a prompt)
