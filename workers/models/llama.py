@@ -12,12 +12,13 @@ all-reduces; the LM head gathers the sampled rows' logits to tp rank 0.
 Quantization ('int8' | 'q4', see workers/layers/quant_linear.py) swaps every projection of the
 decoder layers for its quantized layer (at tp_size 1 only, for now: a quantized model with
 tp_size > 1 is refused with a ConfigError). The LM head (tied to the embedding in SmolLM2) is int8 with
-per-row scales in both modes: it is the largest matrix (V x E = 28M weights), so leaving it fp32
-would cost 113 MB per token, more than all q4 layers together (66 MB), while int8 costs 28 MB and
-little quality. Measured on SmolLM2 (tests/data/public_domain_sample.txt, greedy token equal to
-fp32's): q4 layers + int8 head ppl 12.155, 95.6%; q4 + fp32 head 12.167, 97.1%; int8 + int8 head
-12.182, 93.2%; int8 + fp32 head 12.196, 92.9% (fp32 model: 12.185). The embedding lookup stays
-fp32 (one row per token).
+per-row scales in both modes (weight-only: fp32 activations, kernels/int8_linear.py): it is the
+largest matrix (V x E = 28M weights), so leaving it fp32 would cost 113 MB per token, more than all
+q4 layers together (66 MB), while int8 costs 28 MB and little quality. Measured on SmolLM2
+(tests/data/public_domain_sample.txt, teacher-forced greedy token equal to fp32's; fp32 model ppl
+12.185): int8 layers + int8 head ppl 12.135, 96.1%; int8 layers + fp32 head 95.9%; fp32 layers +
+int8 head 98.9%; q4 layers + int8 head ppl 12.134, 95.8%; q4 + fp32 head 12.167, 97.1%. The
+embedding lookup stays fp32 (one row per token).
 
 Axes: T tokens in the step, E hidden, H query heads, G kv heads, D head dim, V vocab, I MLP width.
 """
