@@ -9,7 +9,7 @@ Run from the repository root::
 
 Sides (one at a time, never concurrently, 2 threads each):
     duet-fp32   Duet on the float32 checkpoint (the GGUF de-quantized once, workers/models/assets.py)
-    duet-int8   the same with ``quantization='int8'`` (per-channel int8 weights, int8 LM head)
+    duet-int8   the same with ``quantization='int8'`` (per-channel int8 weights, fp32 activations, int8 LM head)
     duet-q4     ``quantization='q4'``: the GGUF's own Q4_1 codes repacked (int8 LM head)
     llamacpp-portable / llamacpp-native
                 llama-cpp-python 0.3.36 from PyPI, built by benchmarks/llamacpp_env.sh into
