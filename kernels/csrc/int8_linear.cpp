@@ -16,16 +16,19 @@
 // Tiling only decides which of those independent chains run side by side. Widening is exact, so
 // converting a weight tile to fp32 once (below) or on the fly gives the same bits.
 //
-// Tiling (AVX-512): OpenMP splits the rows in 16-row tiles (a weight row is read from DRAM once per
-// call). A tile's tokens go up to 8 at a time through a register block of R rows x TT tokens
-// (R x TT accumulators, R = 8 / 4 / 2 as TT grows). With T <= 8 the int8 rows are widened on the
-// fly (batch-1 decode is bound by reading weights, 1 byte each); with more tokens the tile is
-// widened once into a per-thread fp32 buffer (16 x Kp floats, L1/L2) that every token pass reuses,
-// so the inner loop is pure loads + FMAs. The AVX2 path widens on the fly, row by row.
+// Tiling: OpenMP splits the rows in 16-row tiles; a thread walks its tiles once per block of
+// tokens (all T unless x would overflow ~256 KB of L2, so a 512-token prefill takes a few blocks).
+// In a tile, the tokens go up to 8 at a time through register blocks of R rows x TT tokens
+// (R x TT accumulators, R = 8 / 4 / 2 as TT grows): the 16 int8 rows (~9 KB at K = 576) and 8
+// tokens of x stay in L1, and each 16-weight chunk is widened once per pass and used TT times. A
+// weight row thus comes from DRAM once per token block (batch-1 decode: once; it is bound by
+// reading weights, 1 byte each) and the next rows are prefetched while a block computes.
+// (Widening a tile to fp32 once and reusing it across passes was measured slower: the fp32 tile,
+// 4x the bytes, pushed x out of L1.) The AVX2 path has the same structure with 8-lane chunks.
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #include "common.h"
 #include "kernels.h"
@@ -35,6 +38,7 @@ namespace {
 
 constexpr int64_t kRowTile = 16;    // rows per tile = vectors per hsum16x16
 constexpr int kMaxTokens = 8;       // tokens per pass over a tile
+constexpr int64_t kTokenBlockBytes = 256 << 10;  // x rows per walk over the tiles: at most this many bytes
 constexpr int64_t kMinParallelWork = 1 << 16;  // weights x tokens; below this one thread wins
 
 struct Problem {
@@ -50,10 +54,10 @@ struct Problem {
 };
 
 // ------------------------------------------------------------------------------------ scalar
-void tile_scalar(const Problem& p, int64_t n0, int64_t n1, int64_t T) {
+void tile_scalar(const Problem& p, int64_t n0, int64_t n1, int64_t t0, int64_t t1, int64_t) {
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* w = p.w + n * p.Kp;
-    for (int64_t t = 0; t < T; ++t) {
+    for (int64_t t = t0; t < t1; ++t) {
       const float* x = p.x + t * p.x_stride;
       float acc = 0.f;
       for (int64_t k = 0; k < p.K; ++k) acc += x[k] * static_cast<float>(w[k]);
@@ -107,32 +111,28 @@ void rows_avx2(const Problem& p, int64_t n0, int64_t n1, int64_t t0) {
 }
 
 // ------------------------------------------------------------------------------------ AVX-512
-// Weights of one block: int8 rows widened per chunk, or a tile already widened to fp32.
-struct I8Rows {
-  const int8_t* w;
-  int64_t stride;
-};
-struct F32Rows {
-  const float* w;
-  int64_t stride;
-};
-
-DUET_AVX512 DUET_INLINE __m512 load_w(const I8Rows& s, int r, int64_t k) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s.w + r * s.stride + k))));
+DUET_AVX512 DUET_INLINE __m512 widen16(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
 }
-DUET_AVX512 DUET_INLINE __m512 load_w(const F32Rows& s, int r, int64_t k) { return _mm512_load_ps(s.w + r * s.stride + k); }
 
-// R rows x TT tokens, one 16-lane chain each over k; lane partials go to sums[t * 16 + r].
-template <int TT, int R, typename Rows>
-DUET_AVX512 DUET_INLINE void block_avx512(const Problem& p, const Rows& rows, int64_t t0, __m512* sums) {
+// R rows from w (row stride Kp) x TT tokens, one 16-lane chain each over k; lane partials go to
+// sums[t * 16 + r]. `next` (may be null): the following R rows, prefetched a cache line per row as
+// k crosses one, so they are on their way from DRAM while this block computes (the hardware
+// prefetcher alone, facing R interleaved 16-byte streams, kept too few lines in flight: batch-1
+// decode ran at ~60% of the bandwidth without it).
+template <int TT, int R>
+DUET_AVX512 DUET_INLINE void block_avx512(const Problem& p, const int8_t* w, int64_t t0, __m512* sums,
+                                          const int8_t* next) {
   __m512 acc[R][TT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
   const float* x = p.x + t0 * p.x_stride;
   int64_t k = 0;
   for (; k + 16 <= p.K; k += 16) {
+    if (next && (k & 63) == 0)
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * p.Kp + k), _MM_HINT_T0);
     __m512 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = load_w(rows, r, k);
+    for (int r = 0; r < R; ++r) wv[r] = widen16(w + r * p.Kp + k);
     for (int t = 0; t < TT; ++t) {
       const __m512 xv = _mm512_loadu_ps(x + t * p.x_stride + k);
       for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(xv, wv[r], acc[r][t]);
@@ -141,7 +141,7 @@ DUET_AVX512 DUET_INLINE void block_avx512(const Problem& p, const Rows& rows, in
   if (k < p.K) {
     const __mmask16 m = tail_mask512(static_cast<int>(p.K - k));
     __m512 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = load_w(rows, r, k);  // k + 16 <= Kp: in bounds, zero past K
+    for (int r = 0; r < R; ++r) wv[r] = widen16(w + r * p.Kp + k);  // k + 16 <= Kp: in bounds, zero past K
     for (int t = 0; t < TT; ++t) {
       const __m512 xv = _mm512_maskz_loadu_ps(m, x + t * p.x_stride + k);
       for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(xv, wv[r], acc[r][t]);
@@ -161,78 +161,52 @@ DUET_AVX512 DUET_INLINE void store_tile(const Problem& p, int TT, const __m512* 
     _mm512_mask_storeu_ps(p.y + (t0 + t) * p.y_stride + n0, m, _mm512_fmadd_ps(hsum16x16(sums + t * 16), scale, bias));
 }
 
-// One pass of TT tokens over the tile of rows [n0, n1) (at most 16), weights from `rows`.
-template <int TT, typename Rows>
-DUET_AVX512 void pass_avx512(const Problem& p, const Rows& rows, int64_t n0, int64_t n1, int64_t t0) {
+// One pass of TT tokens [t0, t0 + TT) over the tile of rows [n0, n1) (at most 16).
+template <int TT>
+DUET_AVX512 void pass_avx512(const Problem& p, int64_t n0, int64_t n1, int64_t t0, int64_t N) {
   constexpr int R = TT <= 2 ? 8 : TT <= 6 ? 4 : 2;  // 32 zmm: R x TT accumulators + R weights + x
   __m512 sums[TT * 16];
   for (int i = 0; i < TT * 16; ++i) sums[i] = _mm512_setzero_ps();
-  int64_t r = 0;
-  const int64_t n = n1 - n0;
-  for (; r + R <= n; r += R) block_avx512<TT, R>(p, Rows{rows.w + r * rows.stride, rows.stride}, t0, sums + r);
-  for (; r < n; ++r) block_avx512<TT, 1>(p, Rows{rows.w + r * rows.stride, rows.stride}, t0, sums + r);
-  store_tile(p, TT, sums, n0, n, t0);
+  int64_t n = n0;
+  for (; n + R <= n1; n += R)
+    block_avx512<TT, R>(p, p.w + n * p.Kp, t0, sums + (n - n0), n + 2 * R <= N ? p.w + (n + R) * p.Kp : nullptr);
+  for (; n < n1; ++n) block_avx512<TT, 1>(p, p.w + n * p.Kp, t0, sums + (n - n0), nullptr);
+  store_tile(p, TT, sums, n0, n1 - n0, t0);
 }
 
-template <typename Rows>
-void pass_any(const Problem& p, const Rows& rows, int64_t n0, int64_t n1, int64_t t0, int TT) {
-  switch (TT) {
-    case 1: return pass_avx512<1>(p, rows, n0, n1, t0);
-    case 2: return pass_avx512<2>(p, rows, n0, n1, t0);
-    case 3: return pass_avx512<3>(p, rows, n0, n1, t0);
-    case 4: return pass_avx512<4>(p, rows, n0, n1, t0);
-    case 5: return pass_avx512<5>(p, rows, n0, n1, t0);
-    case 6: return pass_avx512<6>(p, rows, n0, n1, t0);
-    case 7: return pass_avx512<7>(p, rows, n0, n1, t0);
-    default: return pass_avx512<8>(p, rows, n0, n1, t0);
-  }
-}
-
-// Widens rows [n0, n1) of w (only the chunks up to K, which is all the passes read) into buf.
-DUET_AVX512 void widen_tile(const Problem& p, int64_t n0, int64_t n1, float* buf, int64_t stride) {
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t k = 0; k < p.K; k += 16)
-      _mm512_store_ps(buf + (n - n0) * stride + k,
-                      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                          reinterpret_cast<const __m128i*>(p.w + n * p.Kp + k)))));
-}
-
-// Per-thread fp32 tile, 64-byte aligned (over-allocated by one cache line).
-thread_local std::vector<float> t_tile;
-
-float* tile_buffer(int64_t floats) {
-  if (static_cast<int64_t>(t_tile.size()) < floats + 16) t_tile.resize(floats + 16);
-  const uintptr_t a = reinterpret_cast<uintptr_t>(t_tile.data());
-  return reinterpret_cast<float*>((a + 63) & ~static_cast<uintptr_t>(63));
-}
-
-void tile_avx512(const Problem& p, int64_t n0, int64_t n1, int64_t T) {
-  if (T <= kMaxTokens) return pass_any(p, I8Rows{p.w + n0 * p.Kp, p.Kp}, n0, n1, 0, static_cast<int>(T));
-  const int64_t stride = (p.K + 15) / 16 * 16;
-  float* buf = tile_buffer(kRowTile * stride);
-  widen_tile(p, n0, n1, buf, stride);
-  const F32Rows rows{buf, stride};
-  for (int64_t t0 = 0; t0 < T; t0 += kMaxTokens)
-    pass_any(p, rows, n0, n1, t0, static_cast<int>(T - t0 < kMaxTokens ? T - t0 : kMaxTokens));
-}
-
-// ---------------------------------------------------------------------------------- driver
-void tile_avx2(const Problem& p, int64_t n0, int64_t n1, int64_t T) {
-  for (int64_t t0 = 0; t0 < T; t0 += kMaxTokens) {
-    switch (T - t0 < kMaxTokens ? T - t0 : kMaxTokens) {
-      case 1: rows_avx2<1>(p, n0, n1, t0); break;
-      case 2: rows_avx2<2>(p, n0, n1, t0); break;
-      case 3: rows_avx2<3>(p, n0, n1, t0); break;
-      case 4: rows_avx2<4>(p, n0, n1, t0); break;
-      case 5: rows_avx2<5>(p, n0, n1, t0); break;
-      case 6: rows_avx2<6>(p, n0, n1, t0); break;
-      case 7: rows_avx2<7>(p, n0, n1, t0); break;
-      default: rows_avx2<8>(p, n0, n1, t0); break;
+void tile_avx512(const Problem& p, int64_t n0, int64_t n1, int64_t t0, int64_t t1, int64_t N) {
+  for (int64_t t = t0; t < t1; t += kMaxTokens) {
+    switch (t1 - t < kMaxTokens ? t1 - t : kMaxTokens) {
+      case 1: pass_avx512<1>(p, n0, n1, t, N); break;
+      case 2: pass_avx512<2>(p, n0, n1, t, N); break;
+      case 3: pass_avx512<3>(p, n0, n1, t, N); break;
+      case 4: pass_avx512<4>(p, n0, n1, t, N); break;
+      case 5: pass_avx512<5>(p, n0, n1, t, N); break;
+      case 6: pass_avx512<6>(p, n0, n1, t, N); break;
+      case 7: pass_avx512<7>(p, n0, n1, t, N); break;
+      default: pass_avx512<8>(p, n0, n1, t, N); break;
     }
   }
 }
 
-using TileFn = void (*)(const Problem&, int64_t, int64_t, int64_t);
+// ---------------------------------------------------------------------------------- driver
+void tile_avx2(const Problem& p, int64_t n0, int64_t n1, int64_t t0, int64_t t1, int64_t) {
+  for (int64_t t = t0; t < t1; t += kMaxTokens) {
+    switch (t1 - t < kMaxTokens ? t1 - t : kMaxTokens) {
+      case 1: rows_avx2<1>(p, n0, n1, t); break;
+      case 2: rows_avx2<2>(p, n0, n1, t); break;
+      case 3: rows_avx2<3>(p, n0, n1, t); break;
+      case 4: rows_avx2<4>(p, n0, n1, t); break;
+      case 5: rows_avx2<5>(p, n0, n1, t); break;
+      case 6: rows_avx2<6>(p, n0, n1, t); break;
+      case 7: rows_avx2<7>(p, n0, n1, t); break;
+      default: rows_avx2<8>(p, n0, n1, t); break;
+    }
+  }
+}
+
+// Rows [n0, n1) (one tile) x tokens [t0, t1); N bounds the prefetch.
+using TileFn = void (*)(const Problem&, int64_t n0, int64_t n1, int64_t t0, int64_t t1, int64_t N);
 
 }  // namespace
 
@@ -245,8 +219,12 @@ void int8_weight_only_linear_f32(const float* x, int64_t x_stride, const int8_t*
   const Problem p{x, x_stride, w, Kp, scale, bias, y, y_stride, K};
   const int64_t tiles = (N + kRowTile - 1) / kRowTile;
   const int nt = pick_threads(max_threads, N * Kp * (T < kMaxTokens ? T : kMaxTokens), kMinParallelWork, tiles);
-  auto rows = [&](int64_t b0, int64_t b1) {  // tiles [b0, b1)
-    for (int64_t b = b0; b < b1; ++b) tile(p, b * kRowTile, (b + 1) * kRowTile < N ? (b + 1) * kRowTile : N, T);
+  const int64_t x_row_bytes = 4 * (K > 0 ? K : 1);
+  const int64_t tb = std::max<int64_t>(kMaxTokens, kTokenBlockBytes / x_row_bytes / kMaxTokens * kMaxTokens);
+  auto rows = [&](int64_t b0, int64_t b1) {  // tiles [b0, b1), one token block at a time
+    for (int64_t t0 = 0; t0 < T; t0 += tb)
+      for (int64_t b = b0; b < b1; ++b)
+        tile(p, b * kRowTile, std::min(N, (b + 1) * kRowTile), t0, std::min(T, t0 + tb), N);
   };
   if (nt == 1) return rows(0, tiles);
 #pragma omp parallel num_threads(nt)
