@@ -53,6 +53,14 @@ def test_batch_invariant(isa: str, N: int, K: int) -> None:
         assert torch.equal(y[pos], alone), f"T={T}: row at position {pos} differs from the row alone"
 
 
+def test_batch_invariant_across_token_blocks(ext) -> None:
+    # K = 1536: x is walked in blocks of 40 tokens (<= 256 KB), so a 130-token batch takes four.
+    q, s, b, x = _problem(70, 1536, 130, 6)
+    y = kernels.int8_linear(x, q, s, b)  # [130, N]
+    for pos in (0, 39, 40, 41, 129):
+        assert torch.equal(y[pos], kernels.int8_linear(x[pos : pos + 1], q, s, b)[0]), pos
+
+
 def test_threads_do_not_change_results(ext) -> None:
     q, s, b, x = _problem(3072, 576, 12, 2)
     old = torch.get_num_threads()
