@@ -6,9 +6,9 @@ activations are not quantized, so the product is x @ dequant(W)^T up to fp32 rou
 weights' bytes shrink (1 byte each, 1/4 of fp32), which is what batch-1 decode pays for.
 
 Kernel (kernels/csrc/int8_linear.cpp): each int8 weight is widened to fp32 (exact) and FMA'd with
-x; OpenMP over 16-row tiles, so a weight row is read from memory once per call whatever T; up to 8
-tokens per pass over a tile (more tokens: the tile is widened to fp32 once and every pass reuses
-it). AVX-512, AVX2 and scalar paths, chosen at run time.
+x; OpenMP over 16-row tiles, up to 8 tokens per pass over a tile held in L1, x walked in blocks of
+<= 256 KB, so a weight row is read from memory once per call at decode sizes (once per token block
+in a long prefill); the next rows are prefetched. AVX-512, AVX2 and scalar paths, chosen at run time.
 
 Batch invariance: every output element is accumulated in one fixed order (per ISA path), so a
 token's row of y is bit-identical whether it is computed alone or inside any batch (speculative

@@ -13,8 +13,7 @@
 //            then y = fma(sum, scale, bias).
 //   AVX2     the same with 8 lanes (hsum256).
 //   scalar   a plain ordered sum over k.
-// Tiling only decides which of those independent chains run side by side. Widening is exact, so
-// converting a weight tile to fp32 once (below) or on the fly gives the same bits.
+// Tiling only decides which of those independent chains run side by side (widening is exact).
 //
 // Tiling: OpenMP splits the rows in 16-row tiles; a thread walks its tiles once per block of
 // tokens (all T unless x would overflow ~256 KB of L2, so a 512-token prefill takes a few blocks).
