@@ -9,7 +9,7 @@ Run from the repository root::
 
 Sides (one at a time, never concurrently, 2 threads each):
     duet-fp32   Duet on the float32 checkpoint (the GGUF de-quantized once, workers/models/assets.py)
-    duet-int8   the same with ``quantization='int8'`` (per-channel int8 weights, int8 LM head)
+    duet-int8   the same with ``quantization='int8'`` (per-channel int8 weights, fp32 activations, int8 LM head)
     duet-q4     ``quantization='q4'``: the GGUF's own Q4_1 codes repacked (int8 LM head)
     duet-q4-modules  duet-q4 with DUET_FUSED_DECODE=0: decode steps through the per-layer modules
                 instead of the fused C++ decoder stack (the A/B of that optimisation)

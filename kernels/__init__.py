@@ -12,8 +12,8 @@ wrapper `<op>` that runs the C++ CPU kernel (kernels/csrc/) on fp32 CPU tensors,
                            scale, tree_parents=None, out=None, return_lse=False)  (prefill / spec verify)
     merge_attn_states(outs, lses) -> (out, lse)      (merge partial attentions: split-KV, ring attention)
     grouped_gemm(x, w, offsets) -> y                 (MoE: per-expert x[rows of e] @ w[e]^T, rows sorted by expert)
-    int8_linear(x, qweight, scales, bias=None) / q4_linear(x, qweight, d, m, bias=None)
-                                                 (weight-only quantized linear; formats in quant_formats.py)
+    int8_linear(x, qweight, scales, bias=None)   (int8 weights, fp32 activations; batch-invariant)
+    q4_linear(x, qweight, d, m, bias=None)       (4-bit weights, int8 activations; formats in quant_formats.py)
 
 The C++ extension is built on first use (or by `python -m kernels.build`); see kernels/_build.py for
 the cache, `DUET_DISABLE_CPU_KERNELS=1`, and how a failed build falls back (with a warning and a count).
@@ -30,7 +30,8 @@ from kernels.grouped_gemm import grouped_gemm, grouped_gemm_ref
 from kernels.linear import linear, linear_ref
 from kernels.merge_attn_states import merge_attn_states, merge_attn_states_ref
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
-from kernels.quant_linear import int8_linear, int8_linear_ref, q4_linear, q4_linear_ref
+from kernels.int8_linear import int8_linear, int8_linear_ref
+from kernels.quant_linear import q4_linear, q4_linear_ref
 from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.rotary_and_cache_write import rotary_and_cache_write, rotary_and_cache_write_ref
 from kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref

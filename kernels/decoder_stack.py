@@ -34,7 +34,8 @@ import torch
 from kernels import _build
 from kernels.linear import GEMV_MAX_TOKENS, linear
 from kernels.paged_decode_attention import paged_decode_attention
-from kernels.quant_linear import int8_linear, q4_linear
+from kernels.int8_linear import int8_linear
+from kernels.quant_linear import q4_linear
 from kernels.rms_norm import rms_norm
 from kernels.rotary_and_cache_write import rotary_and_cache_write
 from kernels.silu_and_mul import silu_and_mul

@@ -1,26 +1,26 @@
-"""Weight-only quantized linear: y = x W^T (+ b) with W in int8 or q4 (see kernels/quant_formats.py).
+"""Quantized linear with 4-bit weights: y = x W^T (+ b), W in q4 (see kernels/quant_formats.py).
 
-Batch-1 decode reads every weight once per token, so bytes per weight bound its speed: int8 reads
-1/4 of fp32's bytes, q4 ~5/32 (4-bit codes + fp16 scale and min per 32 weights). The C++ kernel
+Batch-1 decode reads every weight once per token, so bytes per weight bound its speed: q4 reads
+~5/32 of fp32's bytes (4-bit codes + fp16 scale and min per 32 weights). The C++ kernel
 (kernels/csrc/quant_linear.cpp) also quantizes x per block of 32 to int8 on the fly (as llama.cpp
-does for its Q8 activations), so each block's dot product is an exact int8 x int8 sum, done 64
-products per AVX-512 VNNI instruction; one kernel serves every T (rows of W are streamed once per
-call; tokens go 8 at a time over a 16-row tile held in cache), from batch-1 decode to a 512-token
-prefill, where it also beats fp32 MKL because it does 4x fewer float operations per weight.
+does for its Q8 activations), so each block's dot product is an exact integer sum, done 64 products
+per AVX-512 VNNI instruction; one kernel serves every T (rows of W are streamed once per call;
+tokens go 8 at a time over a 16-row tile held in cache), from batch-1 decode to a 512-token
+prefill. (int8 weights are weight-only, x stays fp32: kernels/int8_linear.py.)
 
 References:
-    ``int8_linear_ref`` / ``q4_linear_ref`` compute exactly what the kernel computes (same
-    activation quantization, integer block dots, then float64 scaling): the kernel must match them
-    to float rounding. ``dequantize_int8`` / ``dequantize_q4`` + ``F.linear`` is the weight-only
-    product (x not quantized); the kernel differs from it by the activation rounding alone.
+    ``q4_linear_ref`` computes exactly what the kernel computes (same activation quantization,
+    integer block dots, then float64 scaling): the kernel must match it to float rounding.
+    ``dequantize_q4`` + ``F.linear`` is the weight-only product (x not quantized); the kernel
+    differs from it by the activation rounding alone.
 
 Dispatch: fp32 CPU x -> C++ kernel (AVX-512 VNNI, AVX2 or scalar path chosen at run time); CPU with
 the kernels disabled -> the reference; CUDA -> the Triton kernel (kernels/triton_ops/quant_linear.py:
 weight-only, x stays in its dtype; its reference is dequantize + F.linear) when triton is installed,
 else dequantize + F.linear, counted as a fallback.
 
-Worked example: x = [[1, 2]], W = [[1, 0], [0, 1], [1, 1]] quantized to int8 (scales 1/127, exact)
--> x's block scale is 2/127, xq = [64, 127] -> y ~= [[1.0079, 2.0, 3.0079]] (the 1 in x became 64/63.5).
+Worked example: x = [[1, 2]] and one row w = [1, 1] (one block: d = 1, m = 0, codes [1, 1]): x's
+block scale is 2/127, xq = [64, 127] (the 1 became 64/63.5) -> y ~= 2/127 * (64 + 127) = 3.0079.
 
 Axes: T tokens, K input features, Kp padded K, N output features, B = Kp / 32 blocks.
 """
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _build, _triton
-from kernels.quant_formats import BLOCK, dequantize_int8, dequantize_q4, from_fp16_bits, padded_k, unpack_q4
+from kernels.quant_formats import BLOCK, dequantize_q4, from_fp16_bits, padded_k, unpack_q4
 
 _F32 = torch.float32
 
@@ -56,13 +56,6 @@ def _block_dots(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     return torch.einsum("tbk,nbk->tnb", xb, wb)
 
 
-def int8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    # x [T, K], qweight int8 [N, Kp], scales [N] -> [T, N]
-    xq, sx = quantize_activations_ref(x, qweight.shape[1])
-    y = (_block_dots(xq, qweight) * sx.double()[:, None, :]).sum(-1) * scales.double()  # [T, N]
-    return (y if bias is None else y + bias.double()).float()
-
-
 def q4_linear_ref(
     x: torch.Tensor, qweight: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -77,21 +70,6 @@ def q4_linear_ref(
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
-
-
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    # x [..., K], qweight int8 [N, Kp], scales [N], bias [N] -> [..., N]
-    if x.is_cpu and x.dtype is _F32:
-        ext = _build.ext()
-        if ext is not None:  # the binding flattens leading dims
-            return ext.int8_linear(x, qweight, scales, bias, x.shape[-1])
-        K, out_shape = x.shape[-1], (*x.shape[:-1], qweight.shape[0])
-        _build.note_ref_path("int8_linear")
-        return int8_linear_ref(_rows(x), qweight, scales, bias).view(out_shape)
-    if x.is_cuda and _triton.triton_available():
-        return _triton.ops("quant_linear").int8_linear_triton(x, qweight, scales, bias)
-    _build.note_fallback("int8_linear", _build.no_kernel_reason(x))
-    return F.linear(x, dequantize_int8(qweight, scales, x.shape[-1]).to(x.dtype), bias)
 
 
 def q4_linear(
@@ -112,8 +90,6 @@ def q4_linear(
 
 
 __all__ = [
-    "int8_linear",
-    "int8_linear_ref",
     "padded_k",
     "q4_linear",
     "q4_linear_ref",

@@ -323,29 +323,6 @@ void check_bias(const c10::optional<Tensor>& bias, int64_t N) {
               "], got ", bias->sizes());
 }
 
-Tensor int8_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scales, const c10::optional<Tensor>& bias,
-                   int64_t K) {
-  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kChar && qweight.dim() == 2 &&
-                  qweight.is_contiguous(), "qweight must be contiguous int8 [N, Kp], got ", qweight.sizes());
-  const int64_t N = qweight.size(0), Kp = qweight.size(1);
-  TORCH_CHECK(Kp % 64 == 0 && K <= Kp && K > Kp - 64, "qweight has ", Kp, " columns; K = ", K,
-              " needs ceil(K / 64) * 64");
-  check_f32(scales, "scales");
-  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.is_contiguous(), "scales must be contiguous [", N,
-              "], got ", scales.sizes());
-  check_bias(bias, N);
-  const Tensor x = quant_rows(x_in);
-  check_quant_x(x, K);
-  Tensor y = new_f32({x.size(0), N});
-  {
-    pybind11::gil_scoped_release no_gil;
-    duet::int8_linear_f32(x.data_ptr<float>(), x.stride(0), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                          bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N, x.size(0), N,
-                          K, Kp, at::get_num_threads());
-  }
-  return quant_out(x_in, y);
-}
-
 Tensor q4_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scales, const Tensor& mins,
                  const c10::optional<Tensor>& bias, int64_t K) {
   TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kByte && qweight.dim() == 2 &&
@@ -384,6 +361,32 @@ std::tuple<Tensor, Tensor> quantize_activations(const Tensor& x_in, int64_t Kp) 
 }
 // ---- end [quant] ------------------------------------------------------------------------------------------
 
+// ---- [int8wo] weight-only int8 linear (int8_linear.cpp; uses the [quant] helpers above) -------------------
+Tensor int8_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scales, const c10::optional<Tensor>& bias,
+                   int64_t K) {
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kChar && qweight.dim() == 2 &&
+                  qweight.is_contiguous(), "qweight must be contiguous int8 [N, Kp], got ", qweight.scalar_type(), " ",
+              qweight.sizes());
+  const int64_t N = qweight.size(0), Kp = qweight.size(1);
+  TORCH_CHECK(Kp % 64 == 0 && K <= Kp && K > Kp - 64, "qweight has ", Kp, " columns; K = ", K,
+              " needs ceil(K / 64) * 64");
+  check_f32(scales, "scales");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.is_contiguous(), "scales must be contiguous [", N,
+              "], got ", scales.sizes());
+  check_bias(bias, N);
+  const Tensor x = quant_rows(x_in);
+  check_quant_x(x, K);
+  Tensor y = new_f32({x.size(0), N});
+  {
+    pybind11::gil_scoped_release no_gil;
+    duet::int8_weight_only_linear_f32(x.data_ptr<float>(), x.stride(0), qweight.data_ptr<int8_t>(),
+                                      scales.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                                      y.data_ptr<float>(), N, x.size(0), N, K, Kp, at::get_num_threads());
+  }
+  return quant_out(x_in, y);
+}
+// ---- end [int8wo] -----------------------------------------------------------------------------------------
+
 duet::Isa parse_isa(const std::string& name) {
   if (name == "avx512") return duet::Isa::kAvx512;
   if (name == "avx2") return duet::Isa::kAvx2;
@@ -415,11 +418,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(x [M, K] rows sorted by expert, w [E, N, K], offsets [E + 1], max_gemv_rows) -> y [M, N]");
   duet::bind_decoder_stack(m);
   // [quant]
-  m.def("int8_linear", &int8_linear, "(x [..., K], qweight int8 [N, Kp], scales [N], bias [N] | None, K) -> [..., N]");
   m.def("q4_linear", &q4_linear,
         "(x [..., K], qweight uint8 [N, Kp/2], scales, mins int16 fp16-bits [N, Kp/32], bias [N] | None, K) -> [..., N]");
   m.def("quantize_activations", &quantize_activations, "(x [T, K], Kp) -> (q int8 [T, Kp], sx [T, Kp/32])");
   m.def("quant_path", [] { return std::string(duet::quant_path_name()); });
+  // [int8wo]
+  m.def("int8_linear", &int8_linear,
+        "(x [..., K] fp32, qweight int8 [N, Kp], scales [N], bias [N] | None, K) -> [..., N]: weight-only int8");
   m.def("best_isa", [] { return std::string(duet::isa_name(duet::best_isa())); });
   m.def("active_isa", [] { return std::string(duet::isa_name(duet::active_isa())); });
   m.def("set_isa", [](const std::string& name) { return std::string(duet::isa_name(duet::set_isa(parse_isa(name)))); },

@@ -15,7 +15,7 @@
 //   x, r = rms_norm(linear_o(a), r)
 //   h = linear_down(silu_and_mul(linear_gate_up(x)))
 // and at the end rms_norm(h, r) with the final norm. Each linear is fp32 (the GEMV kernel up to
-// max_gemv_tokens rows, else at::linear, exactly like the `linear` binding), int8 or q4.
+// max_gemv_tokens rows, else at::linear, exactly like the `linear` binding), int8 (weight-only) or q4.
 //
 // Scope: decode-only steps (one new token per sequence), one tensor-parallel rank, dense MLP. The
 // caller (workers/models/llama.py) falls back to the module path for anything else.
@@ -90,8 +90,8 @@ struct StackLinear {
       duet::gemv_f32(x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), w.stride(0), b, y.data_ptr<float>(), N, T,
                      N, K, nt);
     } else if (kind == kInt8) {
-      duet::int8_linear_f32(x.data_ptr<float>(), x.stride(0), w.data_ptr<int8_t>(), s.data_ptr<float>(), b,
-                            y.data_ptr<float>(), N, T, N, K, Kp, nt);
+      duet::int8_weight_only_linear_f32(x.data_ptr<float>(), x.stride(0), w.data_ptr<int8_t>(), s.data_ptr<float>(), b,
+                                        y.data_ptr<float>(), N, T, N, K, Kp, nt);
     } else {
       duet::q4_linear_f32(x.data_ptr<float>(), x.stride(0), w.data_ptr<uint8_t>(),
                           reinterpret_cast<const uint16_t*>(s.data_ptr<int16_t>()),

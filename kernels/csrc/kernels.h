@@ -107,11 +107,8 @@ void rotary_and_cache_write_f32(const RotaryCacheArgs& a, int max_threads);
 
 // ---- [quant] weight-only quantized linear (kernels/csrc/quant_linear.cpp, kernels/quant_linear.py) ----
 // x is fp32 [T, K] (row stride x_stride); weights are padded to Kp (a multiple of 64) columns.
-// int8: w [N, Kp] int8, wscale [N] fp32: y = wscale[n] * (xq . w). q4: w [N, Kp / 2] packed
-// nibbles, d and m [N, Kp / 32] fp16 bit patterns: w = d * q + m per block of 32. x is quantized
-// per block of 32 to int8 on the fly (sx = max|x| / 127, round half to even).
-void int8_linear_f32(const float* x, int64_t x_stride, const int8_t* w, const float* wscale, const float* bias,
-                     float* y, int64_t y_stride, int64_t T, int64_t N, int64_t K, int64_t Kp, int max_threads);
+// q4: w [N, Kp / 2] packed nibbles, d and m [N, Kp / 32] fp16 bit patterns: w = d * q + m per block
+// of 32. x is quantized per block of 32 to int8 on the fly (sx = max|x| / 127, round half to even).
 void q4_linear_f32(const float* x, int64_t x_stride, const uint8_t* w, const uint16_t* d, const uint16_t* m,
                    const float* bias, float* y, int64_t y_stride, int64_t T, int64_t N, int64_t K, int64_t Kp,
                    int max_threads);
@@ -120,5 +117,14 @@ void quantize_activations_q8(const float* x, int64_t x_stride, int64_t T, int64_
                              float* sx_out);
 // "avx512_vnni", "avx2" or "scalar": the path the quantized kernels take under the active ISA.
 const char* quant_path_name();
+
+// ---- [int8wo] weight-only int8 linear (kernels/csrc/int8_linear.cpp, kernels/int8_linear.py) ----
+// y[t, n] = scale[n] * sum_k x[t, k] * w[n, k] (+ bias[n]); x fp32 [T, K] (row stride x_stride), w int8
+// [N, Kp] (Kp a multiple of 64, zero past K), y [T, N] (row stride y_stride). x is not quantized. A
+// row's result does not depend on T or on the other rows of x (fixed accumulation order).
+void int8_weight_only_linear_f32(const float* x, int64_t x_stride, const int8_t* w, const float* scale,
+                                 const float* bias, float* y, int64_t y_stride, int64_t T, int64_t N, int64_t K,
+                                 int64_t Kp, int max_threads);
+// ---- end [int8wo] ----
 
 }  // namespace duet

@@ -166,46 +166,6 @@ struct QProblem {
   int64_t y_stride;
 };
 
-// ---------------------------------------------------------------- int8, per-row scales
-template <int TT>
-void int8_scalar(const QProblem& p, const QActs& a, int64_t n0, int64_t n1, int64_t t0) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* w = static_cast<const int8_t*>(p.w) + n * a.Kp;
-    for (int t = 0; t < TT; ++t) {
-      const int8_t* xq = a.qt(t0 + t);
-      const float* sx = a.sx.data() + (t0 + t) * a.nb;
-      float acc = 0.f;
-      for (int64_t b = 0; b < a.nb; ++b) {
-        int32_t s = 0;
-        for (int64_t i = b * kBlock; i < (b + 1) * kBlock; ++i) s += w[i] * xq[i];
-        acc += sx[b] * static_cast<float>(s);
-      }
-      p.y[(t0 + t) * p.y_stride + n] = p.wscale[n] * acc + (p.bias ? p.bias[n] : 0.f);
-    }
-  }
-}
-
-template <int TT>
-DUET_AVX2_F16C void int8_avx2(const QProblem& p, const QActs& a, int64_t n0, int64_t n1, int64_t t0) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* w = static_cast<const int8_t*>(p.w) + n * a.Kp;
-    __m256 acc[TT];
-    for (int t = 0; t < TT; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < a.nb; ++b) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kBlock));
-      for (int t = 0; t < TT; ++t) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qt(t0 + t) + b * kBlock));
-        // |x| (u8) x sign(x) * w (s8): pair sums stay within int16 since |w|, |x| <= 127.
-        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(xv), _mm256_sign_epi8(wv, xv)), ones);
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a.sx[(t0 + t) * a.nb + b]), acc[t]);
-      }
-    }
-    for (int t = 0; t < TT; ++t)
-      p.y[(t0 + t) * p.y_stride + n] = p.wscale[n] * hsum256(acc[t]) + (p.bias ? p.bias[n] : 0.f);
-  }
-}
-
 // Rows per VNNI block: enough independent accumulator chains to hide the FMA latency (one chain per
 // row x token), at most 8 accumulators so weights, activations and scales stay in registers.
 template <int TT>
@@ -220,41 +180,6 @@ DUET_VNNI DUET_INLINE void store_tile(const QProblem& p, int TT, const __m512* s
   const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(m, p.bias + r0) : _mm512_setzero_ps();
   for (int t = 0; t < TT; ++t)
     _mm512_mask_storeu_ps(p.y + (t0 + t) * p.y_stride + r0, m, _mm512_fmadd_ps(hsum16x16(sums + t * 16), scale, bias));
-}
-
-template <int TT, int R>
-DUET_VNNI DUET_INLINE void int8_vnni_block(const QProblem& p, const QActs& a, int64_t n, int64_t t0, __m512* sums) {
-  const __m512i bias8 = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512 acc[R][TT];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
-  const int8_t* w = static_cast<const int8_t*>(p.w) + n * a.Kp;
-  for (int64_t c = 0; c < a.nc; ++c) {
-    __m512i wu[R];
-    for (int r = 0; r < R; ++r)  // w + 128 as u8
-      wu[r] = _mm512_xor_si512(_mm512_loadu_si512(w + r * a.Kp + c * kChunk), bias8);
-    for (int t = 0; t < TT; ++t) {
-      const int64_t tt = t0 + t;
-      const __m512i corr = _mm512_loadu_si512(a.negcorr.data() + tt * a.Kp / 4 + c * 16);
-      const __m512i xq = _mm512_loadu_si512(a.qt(tt) + c * kChunk);
-      const __m512 sx = _mm512_loadu_ps(a.sxexp.data() + (tt * a.nc + c) * 16);
-      for (int r = 0; r < R; ++r)
-        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, wu[r], xq)), sx, acc[r][t]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TT; ++t) sums[t * 16 + r] = acc[r][t];
-}
-
-template <int TT>
-DUET_VNNI void int8_vnni(const QProblem& p, const QActs& a, int64_t n0, int64_t n1, int64_t t0) {
-  constexpr int R = vnni_rows<TT>();
-  __m512 sums[TT * 16];
-  for (int i = 0; i < TT * 16; ++i) sums[i] = _mm512_setzero_ps();
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) int8_vnni_block<TT, R>(p, a, n, t0, sums + (n - n0));
-  for (; n < n1; ++n) int8_vnni_block<TT, 1>(p, a, n, t0, sums + (n - n0));
-  store_tile(p, TT, sums, n0, n1 - n0, t0);
 }
 
 // ---------------------------------------------------------------- q4, blocks of 32 with d and m
@@ -390,9 +315,6 @@ using TileFn = void (*)(const QProblem&, const QActs&, int64_t, int64_t, int64_t
 #define DUET_TILE_TABLE(NAME)                                                                        \
   const TileFn NAME##_table[kMaxTokens] = {NAME<1>, NAME<2>, NAME<3>, NAME<4>, NAME<5>, NAME<6>, NAME<7>, \
                                            NAME<8>};
-DUET_TILE_TABLE(int8_scalar)
-DUET_TILE_TABLE(int8_avx2)
-DUET_TILE_TABLE(int8_vnni)
 DUET_TILE_TABLE(q4_scalar)
 DUET_TILE_TABLE(q4_avx2)
 DUET_TILE_TABLE(q4_vnni)
@@ -428,16 +350,6 @@ void quantize_activations_q8(const float* x, int64_t x_stride, int64_t T, int64_
   quantize_acts(t_acts, x, x_stride, T, K, Kp, false, path, 1);
   std::memcpy(q_out, t_acts.q.data(), T * Kp);
   std::memcpy(sx_out, t_acts.sx.data(), T * (Kp / kBlock) * sizeof(float));
-}
-
-void int8_linear_f32(const float* x, int64_t x_stride, const int8_t* w, const float* wscale, const float* bias,
-                     float* y, int64_t y_stride, int64_t T, int64_t N, int64_t K, int64_t Kp, int max_threads) {
-  const QPath path = active_path();
-  const int nt = pick_threads(max_threads, N * Kp / 4, kMinParallelWork, N / kRowTile);
-  quantize_acts(t_acts, x, x_stride, T, K, Kp, path == QPath::kVnni, path, max_threads);
-  const QProblem p{w, wscale, nullptr, nullptr, bias, y, y_stride};
-  const TileFn* table = path == QPath::kVnni ? int8_vnni_table : path == QPath::kAvx2 ? int8_avx2_table : int8_scalar_table;
-  run(p, t_acts, table, T, N, nt);
 }
 
 void q4_linear_f32(const float* x, int64_t x_stride, const uint8_t* w, const uint16_t* d, const uint16_t* m,

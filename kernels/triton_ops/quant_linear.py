@@ -1,8 +1,8 @@
-"""Triton weight-only quantized linear for CUDA (formats: kernels/quant_formats.py).
+"""Triton q4 linear for CUDA (format: kernels/quant_formats.py; int8: triton_ops/int8_linear.py).
 
 y = x dequant(W)^T (+ b): each program computes a [BT tokens, BN rows] tile of y, walking K one
 64-column chunk at a time; it unpacks the chunk's codes in registers (q4: the 32 packed bytes give
-block 2c in the low nibbles and block 2c + 1 in the high ones; int8: 64 bytes), de-quantizes them
+block 2c in the low nibbles and block 2c + 1 in the high ones), de-quantizes them
 in fp32 and feeds tl.dot. Unlike the CPU kernel, x is NOT quantized (a GPU has the FLOPs; only
 weight bytes matter), so the reference is ``F.linear(x, dequantize(W))``.
 
@@ -51,23 +51,6 @@ def _q4_kernel(x_ptr, w_ptr, d_ptr, m_ptr, b_ptr, y_ptr, T, N, K, x_st, y_st, w_
     tl.store(y_ptr + rt[:, None] * y_st + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=tm[:, None] & nm[None, :])
 
 
-@triton.jit
-def _int8_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, T, N, K, x_st, y_st, w_st,
-                 HAS_BIAS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr):
-    rt = tl.program_id(0) * BT + tl.arange(0, BT)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    j = tl.arange(0, 64)
-    tm, nm = rt < T, rn < N
-    acc = tl.zeros((BT, BN), dtype=tl.float32)
-    for c in range(0, tl.cdiv(K, 64)):
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * w_st + c * 64 + j[None, :], mask=nm[:, None], other=0)
-        acc += tl.dot(_x_tile(x_ptr, rt, tm, x_st, c * 64 + j, K), tl.trans(w.to(tl.float32)), input_precision="ieee")
-    acc *= tl.load(s_ptr + rn, mask=nm, other=0.0)[None, :]  # per-row scale
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rt[:, None] * y_st + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=tm[:, None] & nm[None, :])
-
-
 def _prep(x: torch.Tensor, op: str) -> tuple[torch.Tensor, tuple[int, ...]]:
     check_device(x, op)
     x2 = x.reshape(-1, x.shape[-1])
@@ -85,14 +68,3 @@ def q4_linear_triton(x: torch.Tensor, qweight: torch.Tensor, d: torch.Tensor, m:
                          qweight.stride(0), d.shape[1], HAS_BIAS=bias is not None, BT=BT, BN=BN)
     return y.view(*lead, N)
 
-
-def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:  # [..., K] -> [..., N]
-    x2, lead = _prep(x, "int8_linear")
-    (T, K), N = x2.shape, qweight.shape[0]
-    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    if T and N:
-        grid = (triton.cdiv(T, BT), triton.cdiv(N, BN))
-        _int8_kernel[grid](x2, qweight, scales, bias if bias is not None else x2, y, T, N, K, x2.stride(0), N,
-                           qweight.stride(0), HAS_BIAS=bias is not None, BT=BT, BN=BN)
-    return y.view(*lead, N)

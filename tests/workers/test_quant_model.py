@@ -1,15 +1,23 @@
 """Quantized layers and models: loaders (fused shards, TP shards, GGUF repacking), config errors,
 and quality against the float32 model.
 
-Quality margins (measured on this repository's SmolLM2, whose only source is a Q4_1 GGUF, so the
-"fp32" model is that GGUF de-quantized and q4 re-uses its exact 4-bit codes):
-  * greedy tokens, teacher-forced on tests/data/public_domain_sample.txt (617 positions): the
-    quantized model's argmax equals fp32's at >= 90% of positions (measured int8 93.2%, q4 95.6%;
-    int8 weights alone, without activation quantization, 96.1%);
-  * greedy tokens, free-running on the 8 engine-test prompts x 32 tokens: >= 50% of positions come
-    before the first divergence from fp32 (measured 58.6%; 3 of 8 continuations identical, the
-    others diverge after a near-tie and then differ by construction);
-  * perplexity on the same sample: int8 and q4 within 2% of fp32 (measured 12.18 / 12.18 / 12.15).
+Quality (measured on this repository's SmolLM2, whose only source is a Q4_1 GGUF, so the "fp32"
+model is that GGUF de-quantized, q4 re-uses its exact 4-bit codes, and int8 rounds those 16 levels
+per block once more onto its per-row grid; both use a weight-only int8 LM head):
+  * perplexity on tests/data/public_domain_sample.txt: int8 and q4 within 2% of fp32 (measured
+    fp32 12.185, int8 12.135, q4 12.134);
+  * greedy tokens, teacher-forced on the same sample (617 positions): argmax equal to fp32's at
+    >= 95% (int8, measured 96.1%) / >= 93% (q4, measured 95.8%) of positions. Where they differ,
+    fp32's own top two logits are close (median gap 0.12 for int8, vs 1.20 over all positions);
+  * greedy tokens, free-running on 16 chat-templated prompts x 32 tokens (int8 vs fp32, both
+    batch-invariant, so batching does not change either side): measured 5 of 16 continuations
+    identical and 52% of tokens before the first divergence; asserted >= 4 of 16 and >= 45%. Not
+    "most": every divergence starts where fp32 itself nearly ties (int8's token within 1 logit of
+    fp32's under fp32's own logits, asserted; measured 0.07-0.39), after which the texts differ by construction. What
+    perturbs the logits is the weights alone (activations are fp32): int8 moves each weight by up
+    to half a step of its row's max/127 (0.84% relative rms error per matrix, median), small, but
+    enough to flip a near-tie within 32 tokens on two thirds of the prompts (q4, exact weights
+    but int8 activations, keeps 8 of 16 on the same prompts).
 """
 
 from __future__ import annotations
@@ -31,9 +39,27 @@ from workers.models.loader import iter_safetensors, load_model
 from workers.models.scoring import next_token_logits, perplexity
 from workers.sampling_params import SamplingParams
 
-from conftest import NEW_TOKENS, PROMPTS
-
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "public_domain_sample.txt"
+# Varied user turns (facts, code, story, arithmetic, translation, French, lists, SQL), chat-templated.
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Tell me a short story about a dragon who is afraid of the dark.",
+    "Explain quantum computing in simple terms.",
+    "Continue the sequence: 1, 2, 3, 4, 5,",
+    "Translate to German: The weather is nice today.",
+    "Quels sont les monuments les plus célèbres de Paris ?",
+    "What is 2+2?",
+    "Give me three tips for staying focused while studying.",
+    "Summarize the water cycle in two sentences.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a haiku about autumn leaves.",
+    "How do I make a cup of green tea?",
+    "Name the planets of the solar system in order.",
+    "Why is the sky blue?",
+    "Write a SQL query that counts the rows of a table named users.",
+]
+FREE_TOKENS = 32
 
 
 @pytest.mark.parametrize("method", ["int8", "q4"])
@@ -129,24 +155,36 @@ def test_perplexity_and_teacher_forced_greedy(smollm2_path: Path, sample_ids: li
         ppl[q] = perplexity(model, spec, sample_ids)
         top1[q] = logits.argmax(-1)
     assert 5 < ppl["none"] < 30, ppl  # a sane model on plain English
-    for q in ("int8", "q4"):
+    for q, least in (("int8", 0.95), ("q4", 0.93)):
         assert abs(ppl[q] / ppl["none"] - 1) < 0.02, ppl
         agree = (top1[q] == top1["none"]).float().mean().item()
-        assert agree >= 0.90, f"{q}: greedy token equals fp32's at {agree:.1%} of positions"
+        assert agree >= least, f"{q}: greedy token equals fp32's at {agree:.1%} of positions"
 
 
-def test_int8_greedy_tokens_match_fp32(smollm2_path: Path) -> None:
+def test_int8_free_running_greedy_vs_fp32(smollm2_path: Path, tokenizer) -> None:
     from workers.llm import LLM
 
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
+                                                              add_generation_prompt=True)) for c in CHAT_PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=FREE_TOKENS, ignore_eos=True)
     outs = {}
     for q in ("none", "int8"):
         llm = LLM(str(smollm2_path), quantization=q, kv_cache_memory_bytes=64 << 20)
-        outs[q] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        outs[q] = [o.token_ids for o in llm.generate(prompts, params)]
         del llm
-    exact = sum(a == b for a, b in zip(outs["none"], outs["int8"]))
-    agree = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-                for a, b in zip(outs["none"], outs["int8"]))
-    rate = agree / (len(PROMPTS) * NEW_TOKENS)
-    msg = f"int8 vs fp32: {exact}/{len(PROMPTS)} prompts identical, {rate:.1%} of tokens before first divergence"
-    assert rate >= 0.50, msg
+    firsts = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), FREE_TOKENS)
+              for a, b in zip(outs["none"], outs["int8"])]
+    exact = sum(f == FREE_TOKENS for f in firsts)
+    rate = sum(firsts) / (len(prompts) * FREE_TOKENS)
+    # At each first divergence: fp32's logits (teacher-forced on the shared prefix) for fp32's token
+    # minus those for int8's token. Small = a near-tie of fp32 itself, not a wrong int8 product.
+    model, spec = load_model(smollm2_path, torch.float32)
+    gaps = []
+    for ids, a, b, j in zip(prompts, outs["none"], outs["int8"], firsts):
+        if j < FREE_TOKENS:
+            logits = next_token_logits(model, spec, ids + a[: j + 1])[len(ids) - 1 + j]  # [V]
+            gaps.append((logits[a[j]] - logits[b[j]]).item())
+    msg = (f"int8 vs fp32: {exact}/{len(prompts)} prompts identical, {rate:.1%} of tokens before the first "
+           f"divergence (at {firsts}); fp32 logit gaps at the divergences {[round(g, 3) for g in gaps]}")
+    assert exact >= 4 and rate >= 0.45, msg
+    assert all(0 <= g < 1.0 for g in gaps), msg

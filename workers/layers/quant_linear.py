@@ -2,8 +2,9 @@
 
 Terms:
     quantization  the per-model choice, ``EngineConfig.quantization``: 'none' (fp weights),
-                  'int8' (per-output-channel scales) or 'q4' (4-bit blocks of 32 with an fp16 scale
-                  and min, GGUF Q4_1's math). Formats: kernels/quant_formats.py.
+                  'int8' (per-output-channel scales, fp32 activations: kernels/int8_linear.py) or
+                  'q4' (4-bit blocks of 32 with an fp16 scale and min, GGUF Q4_1's math, int8
+                  activations: kernels/quant_linear.py). Formats: kernels/quant_formats.py.
     QuantizedWeight  a checkpoint tensor that arrives already quantized (a GGUF Q4_0/Q4_1 tensor
                   repacked into our q4 layout): loaded as is, never through fp32.
 
@@ -39,7 +40,8 @@ from kernels.quant_formats import (
     quantize_q4,
     unpack_q4,
 )
-from kernels.quant_linear import int8_linear, q4_linear
+from kernels.int8_linear import int8_linear
+from kernels.quant_linear import q4_linear
 from workers.config import QUANTIZATIONS
 from workers.layers.linear import Linear, MergedLinear
 

@@ -14,13 +14,14 @@ decoder layers for its quantized layer, with the same tensor-parallel shards and
 (workers/layers/quant_parallel.py: each rank quantizes or slices only its shard, int8 row-parallel
 shards keep their full rows' scales, row-parallel splits must fall on 32-feature blocks, else a
 ConfigError), so a TP gang computes what one rank computes up to float summation order. The LM
-head (tied to the embedding in SmolLM2) is int8 with per-row scales in both modes, split over the
-vocabulary like the float head: it is the largest matrix (V x E = 28M weights), so leaving it fp32
-would cost 113 MB per token, more than all q4 layers together (66 MB), while int8 costs 28 MB and
-little quality. Measured on SmolLM2 (tests/data/public_domain_sample.txt, greedy token equal to
-fp32's): q4 layers + int8 head ppl 12.155, 95.6%; q4 + fp32 head 12.167, 97.1%; int8 + int8 head
-12.182, 93.2%; int8 + fp32 head 12.196, 92.9% (fp32 model: 12.185). The embedding lookup stays
-fp32 (one row per token).
+head (tied to the embedding in SmolLM2) is int8 with per-row scales in both modes (weight-only:
+fp32 activations, kernels/int8_linear.py), split over the vocabulary like the float head: it is the
+largest matrix (V x E = 28M weights), so leaving it fp32 would cost 113 MB per token, more than all
+q4 layers together (66 MB), while int8 costs 28 MB and little quality. Measured on SmolLM2
+(tests/data/public_domain_sample.txt, teacher-forced greedy token equal to fp32's; fp32 model ppl
+12.185): int8 layers + int8 head ppl 12.135, 96.1%; int8 layers + fp32 head 95.9%; fp32 layers +
+int8 head 98.9%; q4 layers + int8 head ppl 12.134, 95.8%; q4 + fp32 head 12.167, 97.1%. The
+embedding lookup stays fp32 (one row per token).
 
 Axes: T tokens in the step, E hidden, H query heads, G kv heads, D head dim, V vocab, I MLP width.
 """
