@@ -43,7 +43,7 @@ from kernels.quant_formats import (
 from kernels.int8_linear import int8_linear
 from kernels.quant_linear import q4_linear
 from workers.config import QUANTIZATIONS
-from workers.layers.linear import Linear, MergedLinear
+from workers.layers.linear import Linear
 
 _BUFFERS = {"int8": ("qweight", "scales"), "q4": ("qweight", "scales", "mins")}
 
@@ -186,3 +186,10 @@ class QuantMergedLinear(QuantLinear):
 
     def shard_ids(self) -> tuple[str | None, ...]:
         return tuple(self.offsets)
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, quantization: str) -> nn.Module:
+    """Linear for 'none', else QuantLinear with that method (a single-rank layer, e.g. a drafter's head)."""
+    if quantization == "none":
+        return Linear(in_features, out_features, bias)
+    return QuantLinear(in_features, out_features, bias, quantization)
