@@ -8,9 +8,11 @@
 // heads, so memory is read sequentially within a block), and each kv head's K/V row is used by all
 // H / G query heads of its group while it is in registers (attention_prims.h).
 //
-// Work item = (b, token range). A long context is split into ranges when there are too few
-// sequences to keep every thread busy (flash-decoding); each range keeps per head its max m, sum
-// l = sum exp(s - m) and unnormalised acc = sum exp(s - m) V, and ranges merge exactly:
+// Work item = (b, token range). Every context is split into ranges of kSplit tokens counted from
+// the sequence's start (flash-decoding), whatever the batch and the thread count, so a sequence's
+// result is bit-identical alone or batched, on 1 or 2 threads (continuous batching and speculative
+// verification compare tokens across batch compositions); each range keeps per head its max m, sum
+// l = sum exp(s - m) and unnormalised acc = sum exp(s - m) V, and ranges merge exactly (in order):
 //   M = max_p m_p;  out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p.
 // Within a range the softmax is two-pass (scores to a scratch row, then max, exp, sum), exact and
 // stable (every exponent is <= 0). A sequence with context length 0 gets zeros (and lse -inf). With
@@ -31,7 +33,7 @@ namespace {
 using namespace attn;
 
 constexpr int64_t kMinParallelWork = 1 << 17;  // sum(context) * H * D below which one thread wins
-constexpr int64_t kMinSplit = 64;              // shortest token range worth its own work item
+constexpr int64_t kSplit = 128;                // tokens per work item (fixed: batch- and thread-invariant)
 
 struct Prims {
   ScoreFn scores;
@@ -145,8 +147,6 @@ void paged_decode_attention_f32(const PagedDecodeArgs& a, int max_threads) {
   int64_t total_ctx = 0;
   for (int64_t b = 0; b < a.B; ++b) total_ctx += index_at(a.context_lens, a.cl_is64, b);
   const int nt0 = pick_threads(max_threads, total_ctx * a.H * a.D, kMinParallelWork, total_ctx);
-  // Ranges of at most `chunk` tokens: ~4 items per thread when parallel (balance), else whole sequences.
-  const int64_t chunk = nt0 > 1 ? std::max(kMinSplit, (total_ctx + 4 * nt0 - 1) / (4 * nt0)) : 0;
   std::vector<Item> items;
   for (int64_t b = 0; b < a.B; ++b) {
     const int64_t ctx = index_at(a.context_lens, a.cl_is64, b);
@@ -155,8 +155,7 @@ void paged_decode_attention_f32(const PagedDecodeArgs& a, int max_threads) {
         std::fill_n(a.out + b * a.o_sb + h * a.o_sh, a.D, 0.f);
         if (a.lse) a.lse[b * a.lse_sb + h] = -std::numeric_limits<float>::infinity();
       }
-    const int64_t parts = chunk > 0 ? (ctx + chunk - 1) / chunk : (ctx > 0);
-    for (int64_t p = 0; p < parts; ++p) items.push_back({b, ctx * p / parts, ctx * (p + 1) / parts});
+    for (int64_t t0 = 0; t0 < ctx; t0 += kSplit) items.push_back({b, t0, std::min(ctx, t0 + kSplit)});
   }
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t per_item = a.H * (a.D + 2);  // m[H], l[H], acc[H * D]

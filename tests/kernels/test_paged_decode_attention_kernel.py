@@ -107,3 +107,23 @@ def test_lse_matches_ref(isa: str, lens) -> None:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)  # -inf where the context is empty
     assert lse.dtype == torch.float32 and lse.shape == (len(lens), 9)
+
+
+@pytest.mark.parametrize("lens", [[1000, 5, 300, 129], [64, 2000, 17]])
+def test_a_sequence_is_bit_identical_alone_batched_and_on_any_thread_count(isa: str, lens: list[int]) -> None:
+    """Work is split into fixed ranges per sequence, never by the batch or the thread count: a
+    sequence's output alone equals its row in a batch, on 1 or 2 threads (speculative
+    verification and continuous batching rely on this for greedy equality)."""
+    q, k_cache, v_cache, tables, ctx = _case(len(lens), 9, 3, 64, 16, lens, torch.int32, seed=sum(lens))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batched = kernels.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 16, 0.125)
+        for b in range(len(lens)):
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                alone = kernels.paged_decode_attention(q[b : b + 1], k_cache, v_cache, tables[b : b + 1],
+                                                       ctx[b : b + 1], 16, 0.125)
+                assert torch.equal(alone[0], batched[b]), (b, n)
+    finally:
+        torch.set_num_threads(threads)
