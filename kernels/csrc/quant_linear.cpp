@@ -1,15 +1,12 @@
-// Weight-only quantized linear layers: y[t, n] = sum_k x[t, k] * w[n, k] (+ bias[n]) with w stored
-// as int8 (one fp32 scale per output row) or 4-bit (blocks of 32 along k, each with an fp16 scale d
-// and min m: w = d * q + m, q in 0..15; GGUF Q4_1's block math, our own packing).
+// 4-bit quantized linear layer: y[t, n] = sum_k x[t, k] * w[n, k] (+ bias[n]) with w stored in
+// blocks of 32 along k, each with an fp16 scale d and min m: w = d * q + m, q in 0..15 (GGUF Q4_1's
+// block math, our own packing). Weight-only int8 lives in int8_linear.cpp.
 //
 // Like llama.cpp's Q8 path, x is quantized on the fly per block of 32 (sx = max|x| / 127,
-// xq = round(x / sx) in -127..127), so the inner products are exact int8 x int8 dot products:
-//   int8: y = sw[n] * sum_b sx[b] * dot(xq_b, wq_b)
-//   q4:   y = sum_b (d[n, b] * sx[b] * dot(xq_b, q_b) + m[n, b] * sx[b] * sum(xq_b))
-// AVX-512 VNNI does 64 of those products per vpdpbusd (u8 x s8 -> int32 lanes of 4 products). The
-// unsigned operand is the weight: q4 nibbles are 0..15 already; int8 weights are biased to u8 by
-// xor 0x80 (= w + 128), and the accumulator starts at -128 * (sum of the 4 xq of that lane),
-// precomputed per token, so each lane holds the exact signed dot.
+// xq = round(x / sx) in -127..127), so the inner products are exact integer dot products:
+//   y = sum_b (d[n, b] * sx[b] * dot(xq_b, q_b) + m[n, b] * sx[b] * sum(xq_b))
+// AVX-512 VNNI does 64 of those products per vpdpbusd (u8 x s8 -> int32 lanes of 4 products); the
+// unsigned operand is the weight (nibbles 0..15).
 //
 // Layout (see kernels/quant_formats.py): K is padded to Kp, a multiple of 64 (a "chunk" = two
 // blocks); padded weights and activations are zero. q4 packs a chunk into 32 bytes: byte j holds
@@ -90,7 +87,6 @@ struct QActs {
   std::vector<float> sx;          // [T, nb] block scales
   std::vector<float> xs;          // [T, nb] sx * sum(xq of the block): the q4 min term
   std::vector<float> sxexp;       // [T, nc, 16] lanes 0-7 sx[2c], 8-15 sx[2c + 1] (VNNI lanes)
-  std::vector<int32_t> negcorr;   // [T, Kp / 4] -128 * sum of the 4 xq feeding a lane (int8 VNNI)
   const int8_t* qt(int64_t t) const { return q.data() + t * Kp; }
 };
 
@@ -124,8 +120,8 @@ DUET_AVX512 void quantize_block_avx512(const float* x, int64_t n, int8_t* q, flo
   *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
 }
 
-void quantize_acts(QActs& a, const float* x, int64_t x_stride, int64_t T, int64_t K, int64_t Kp, bool want_corr,
-                   QPath path, int nt) {
+void quantize_acts(QActs& a, const float* x, int64_t x_stride, int64_t T, int64_t K, int64_t Kp, QPath path,
+                   int nt) {
   a.Kp = Kp;
   a.nb = Kp / kBlock;
   a.nc = Kp / kChunk;
@@ -133,7 +129,6 @@ void quantize_acts(QActs& a, const float* x, int64_t x_stride, int64_t T, int64_
   a.sx.resize(T * a.nb);
   a.xs.resize(T * a.nb);
   if (path == QPath::kVnni) a.sxexp.resize(T * a.nc * 16);
-  if (want_corr) a.negcorr.resize(T * Kp / 4);
   parallel_for(T >= 4 ? nt : 1, T, [&](int64_t t) {
     const float* xt = x + t * x_stride;
     for (int64_t b = 0; b < a.nb; ++b) {
@@ -149,18 +144,14 @@ void quantize_acts(QActs& a, const float* x, int64_t x_stride, int64_t T, int64_
       a.xs[t * a.nb + b] = *sx * static_cast<float>(qsum);
       if (path == QPath::kVnni)
         for (int i = 0; i < 8; ++i) a.sxexp[(t * a.nc + b / 2) * 16 + (b % 2) * 8 + i] = *sx;
-      if (want_corr)
-        for (int i = 0; i < 8; ++i)
-          a.negcorr[t * Kp / 4 + k0 / 4 + i] = -128 * (q[4 * i] + q[4 * i + 1] + q[4 * i + 2] + q[4 * i + 3]);
     }
   });
 }
 
 struct QProblem {
-  const void* w;      // int8 [N, Kp] or packed q4 [N, Kp / 2]
-  const float* wscale;   // int8: [N]
-  const uint16_t* d;  // q4: fp16 [N, nb]
-  const uint16_t* m;  // q4: fp16 [N, nb]
+  const void* w;      // packed q4 [N, Kp / 2]
+  const uint16_t* d;  // fp16 [N, nb]
+  const uint16_t* m;  // fp16 [N, nb]
   const float* bias;
   float* y;
   int64_t y_stride;
@@ -172,14 +163,13 @@ template <int TT>
 constexpr int vnni_rows() { return TT <= 2 ? 4 : TT <= 4 ? 2 : 1; }
 
 // Writes the 16 row sums of a tile (sums[t * 16 + r] = lane partials of row r0 + r, token t):
-// one transposed reduction per token, then scale (int8) and bias, masked to the tile's rows.
+// one transposed reduction per token, then bias, masked to the tile's rows.
 DUET_VNNI DUET_INLINE void store_tile(const QProblem& p, int TT, const __m512* sums, int64_t r0, int64_t rows,
                                       int64_t t0) {
   const __mmask16 m = tail_mask512(static_cast<int>(rows));
-  const __m512 scale = p.wscale ? _mm512_maskz_loadu_ps(m, p.wscale + r0) : _mm512_set1_ps(1.f);
   const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(m, p.bias + r0) : _mm512_setzero_ps();
   for (int t = 0; t < TT; ++t)
-    _mm512_mask_storeu_ps(p.y + (t0 + t) * p.y_stride + r0, m, _mm512_fmadd_ps(hsum16x16(sums + t * 16), scale, bias));
+    _mm512_mask_storeu_ps(p.y + (t0 + t) * p.y_stride + r0, m, _mm512_add_ps(hsum16x16(sums + t * 16), bias));
 }
 
 // ---------------------------------------------------------------- q4, blocks of 32 with d and m
@@ -347,7 +337,7 @@ thread_local QActs t_acts;
 void quantize_activations_q8(const float* x, int64_t x_stride, int64_t T, int64_t K, int64_t Kp, int8_t* q_out,
                              float* sx_out) {
   const QPath path = active_path();
-  quantize_acts(t_acts, x, x_stride, T, K, Kp, false, path, 1);
+  quantize_acts(t_acts, x, x_stride, T, K, Kp, path, 1);
   std::memcpy(q_out, t_acts.q.data(), T * Kp);
   std::memcpy(sx_out, t_acts.sx.data(), T * (Kp / kBlock) * sizeof(float));
 }
@@ -357,8 +347,8 @@ void q4_linear_f32(const float* x, int64_t x_stride, const uint8_t* w, const uin
                    int max_threads) {
   const QPath path = active_path();
   const int nt = pick_threads(max_threads, N * Kp / 8, kMinParallelWork, N / kRowTile);
-  quantize_acts(t_acts, x, x_stride, T, K, Kp, false, path, max_threads);
-  const QProblem p{w, nullptr, d, m, bias, y, y_stride};
+  quantize_acts(t_acts, x, x_stride, T, K, Kp, path, max_threads);
+  const QProblem p{w, d, m, bias, y, y_stride};
   const TileFn* table = path == QPath::kVnni ? q4_vnni_table : path == QPath::kAvx2 ? q4_avx2_table : q4_scalar_table;
   run(p, t_acts, table, T, N, nt);
 }

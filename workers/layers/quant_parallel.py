@@ -35,7 +35,7 @@ from kernels.quant_formats import BLOCK, quantize_int8
 from workers.errors import ConfigError
 from workers.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from workers.layers.quant_linear import QuantizedWeight, QuantLinear, QuantMergedLinear, quantize
-from workers.layers.vocab_parallel import VocabParallelEmbedding
+from workers.layers.vocab_parallel import VocabParallelEmbedding, gather_vocab_logits
 from workers.parallel import comm
 from workers.parallel.groups import GroupCoordinator, get_group
 from workers.parallel.sharding import Shard, even_shard, take, vocab_shard
@@ -147,13 +147,7 @@ class QuantParallelLMHead(QuantLinear):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, E] (the sampled rows) -> logits [N, V] on tp rank 0; None on other ranks.
         Collective over the tp group: every tp rank calls it with the same rows."""
-        local = super().forward(hidden)  # [N, V / W]
-        if self.tp.is_trivial:
-            return local
-        parts = comm.gather_to_first(local, self.tp)  # W x [N, V / W] on rank 0
-        if parts is None:
-            return None
-        return torch.cat(parts, dim=1)[:, : self.vocab_size]
+        return gather_vocab_logits(super().forward(hidden), self.tp, self.vocab_size)  # [N, V / W] -> [N, V]
 
 
 def column_parallel(in_features: int, parts: dict[str, Shard], bias: bool, quantization: str) -> nn.Module:

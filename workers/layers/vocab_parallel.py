@@ -71,9 +71,15 @@ class ParallelLMHead(nn.Module):
         """hidden [N, E] (the sampled rows) -> logits [N, V] on tp rank 0; None on other ranks.
         Collective over the tp group: every tp rank calls it with the same rows."""
         local = linear(hidden, self.head_weight())  # [N, V / W]: the largest matrix, GEMV kernel at decode sizes
-        if self.tp.is_trivial:
-            return local
-        parts = comm.gather_to_first(local, self.tp)  # W x [N, V / W] on rank 0
-        if parts is None:
-            return None
-        return torch.cat(parts, dim=1)[:, : self.vocab_size]
+        return gather_vocab_logits(local, self.tp, self.vocab_size)
+
+
+def gather_vocab_logits(local: torch.Tensor, tp: GroupCoordinator, vocab_size: int) -> torch.Tensor | None:
+    """This rank's logits [N, V / W] -> the full [N, V] on tp rank 0 (None on the others); a
+    collective of the tp group (the float and the quantized LM heads share it)."""
+    if tp.is_trivial:
+        return local
+    parts = comm.gather_to_first(local, tp)  # W x [N, V / W] on rank 0
+    if parts is None:
+        return None
+    return torch.cat(parts, dim=1)[:, :vocab_size]
