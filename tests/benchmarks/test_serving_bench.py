@@ -17,7 +17,7 @@ def test_bench_router_vs_direct_writes_json_and_png(smollm2_path, tok, pool, tmp
     for s in pool:
         s.worker.reset()
         s.worker.delay_s = 0.002
-    config = RouterConfig(tokenizer_path=str(smollm2_path), port=0, max_model_len=512, policy="round_robin",
+    config = RouterConfig(tokenizer_path=str(smollm2_path), port=0, http_port=0, max_model_len=512, policy="round_robin",
                           load_poll_interval_s=0.05)
     out = tmp_path / "bench.json"
     with serve_router(config, members(pool[:1]), tokenizer=tok) as router:

@@ -235,3 +235,12 @@ def pool(tok):
     for s in servers:
         s.stop_sync()
     lt.close()
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1 (for servers whose 0 means "off", e.g. http_port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -19,7 +19,7 @@ from router.server import serve_router
 
 @pytest.fixture(scope="module")
 def target(smollm2_path, tok, pool):
-    config = RouterConfig(tokenizer_path=str(smollm2_path), port=0, max_model_len=512, policy="round_robin",
+    config = RouterConfig(tokenizer_path=str(smollm2_path), port=0, http_port=0, max_model_len=512, policy="round_robin",
                           load_poll_interval_s=0.05)
     with serve_router(config, members(pool), tokenizer=tok) as handle:
         yield handle.address

@@ -11,6 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router_fakes import members, pool, run_async, tok  # noqa: F401  (pool, tok: shared fixtures)
+from router_pki import ADMIN_TOKEN, DIGEST_TOKEN, GEN_TOKEN, pki  # noqa: F401  (pki: shared fixture)
 
 from protos.duet.control.v1 import control_pb2, control_pb2_grpc
 from router.client import ClientTLS, DuetClient, DuetError, auth_metadata, generate_text, open_channel
@@ -18,41 +19,8 @@ from router.config import RouterConfig, RouterConfigError
 from router.security import TokenStore, required_scope
 from router.server import serve_router
 
-GEN_TOKEN, ADMIN_TOKEN, DIGEST_TOKEN = "gen-token-0123", "admin-token-4567", "digest-token-89"
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def _issue(d: Path, name: str, ca: str, san: str | None = None) -> None:
-    """An EC key + certificate signed by CA ``ca`` (files <name>.key / <name>.pem in ``d``)."""
-    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-    ext = d / f"{name}.ext"
-    ext.write_text(f"subjectAltName={san}\n" if san else "basicConstraints=CA:FALSE\n")
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-             "-out", f"{name}.pem", "-days", "2", "-extfile", ext.name, cwd=d)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("pki")
-    for ca in ("ca", "other_ca"):
-        _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                 "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN={ca}", cwd=d)
-    _issue(d, "server", "ca", san="DNS:localhost,IP:127.0.0.1")
-    _issue(d, "client", "ca")
-    _issue(d, "stranger", "other_ca")
-    import hashlib
-
-    (d / "tokens").write_text(f"# test tokens\n{GEN_TOKEN}\n{ADMIN_TOKEN}  generate,admin  # ops\n"
-                              f"sha256:{hashlib.sha256(DIGEST_TOKEN.encode()).hexdigest()} generate\n")
-    return d
-
-
 def _config(path, **kw) -> RouterConfig:
-    return RouterConfig(tokenizer_path=str(path), port=0, max_model_len=512, policy="round_robin",
+    return RouterConfig(tokenizer_path=str(path), port=0, http_port=0, max_model_len=512, policy="round_robin",
                         load_poll_interval_s=0.05, **kw)
 
 
