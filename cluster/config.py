@@ -156,7 +156,7 @@ class PoolSection:
 
 @dataclass(frozen=True)
 class RouterSection:
-    """The public gRPC server. policy: round_robin | least_loaded | prefix_aware, with its keyword
+    """The public gRPC server (``port``) and OpenAI-compatible HTTP API (``http_port``, 0 = off). policy: round_robin | least_loaded | prefix_aware, with its keyword
     options in policy_options. max_in_flight: requests streamed at once; max_queue: admitted
     requests waiting for a slot (beyond both: RESOURCE_EXHAUSTED). Security (router/security.py):
     tls_cert_file + tls_key_file (PEM) serve TLS only; tls_client_ca_file as well requires client
@@ -165,6 +165,8 @@ class RouterSection:
 
     host: str = "127.0.0.1"
     port: int = 50051
+    # The OpenAI-compatible HTTP API (router/http_api/) on the same host; 0 = off.
+    http_port: int = 8000
     policy: str = "prefix_aware"
     policy_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
     max_in_flight: int = 128
@@ -246,7 +248,7 @@ class DuetConfig:
         return RouterConfig(
             tokenizer_path=tokenizer_path, model_name=Path(self.model.name).name,
             max_model_len=max_model_len if max_model_len is not None else self.model.max_model_len,
-            host=r.host, port=r.port, policy=r.policy, policy_options=dict(r.policy_options),
+            host=r.host, port=r.port, http_port=r.http_port, policy=r.policy, policy_options=dict(r.policy_options),
             max_in_flight=r.max_in_flight, max_queue=r.max_queue, shutdown_grace_s=r.shutdown_grace_s,
             tls_cert_file=r.tls_cert_file, tls_key_file=r.tls_key_file, tls_client_ca_file=r.tls_client_ca_file,
             auth_tokens_file=r.auth_tokens_file, max_request_bytes=r.max_request_bytes,
@@ -281,6 +283,7 @@ ENV_KEYS: dict[str, str] = {
     "DUET_KV_CACHE_MEMORY": "pool.engine.kv_cache_memory_bytes",
     "DUET_HOST": "router.host",
     "DUET_PORT": "router.port",
+    "DUET_HTTP_PORT": "router.http_port",
     "DUET_POLICY": "router.policy",
     "DUET_TLS_CERT_FILE": "router.tls_cert_file",
     "DUET_TLS_KEY_FILE": "router.tls_key_file",
@@ -403,6 +406,9 @@ def _check_speculative(sp: SpeculativeSection, p: str, s: Sources) -> None:
 def _check_router(r: RouterSection, p: str, s: Sources) -> None:
     need(bool(r.host), f"{p}.host", r.host, s, "must be a host or address, e.g. 127.0.0.1 or 0.0.0.0")
     need(0 <= r.port <= 65535, f"{p}.port", r.port, s, "must be in 0..65535 (0 picks a free port)")
+    need(0 <= r.http_port <= 65535, f"{p}.http_port", r.http_port, s, "must be in 0..65535 (0 turns the HTTP API off)")
+    need(r.http_port == 0 or r.http_port != r.port, f"{p}.http_port", r.http_port, s,
+         f"must differ from {p}.port={r.port} (the gRPC port): pick another http_port (--http-port), 0 = off")
     from router.policies import PolicyConfigError, make_policy  # pure Python, no torch
 
     try:
