@@ -99,11 +99,14 @@ class _Progress:
 
     def submit_request(self, prep: PreparedRequest) -> worker_pb2.SubmitRequest:
         """The worker request: the prepared one, or (resuming) prompt + streamed ids with the rest
-        of max_tokens. Context limits hold: prompt + max_tokens was clamped to the context."""
+        of max_tokens and min_tokens; the streamed ids still count as generated for the penalties
+        (resumed_output_tokens). Context limits hold: prompt + max_tokens was clamped to the context."""
         request = prep.submit_request()
         if self.token_ids:
             request.prompt_token_ids.extend(self.token_ids)
+            request.resumed_output_tokens = len(self.token_ids)
             request.sampling.max_tokens = prep.sampling.max_tokens - len(self.token_ids)
+            request.sampling.min_tokens = max(0, prep.sampling.min_tokens - len(self.token_ids))
         return request
 
 
@@ -248,13 +251,15 @@ class Pipeline:
         try:
             async for delta in call:
                 ids, text, stopped = _detokenize(detok, delta.token_ids)
+                logprobs = _logprobs(delta.logprobs[: len(ids)])
                 progress.token_ids.extend(ids)
                 num_out = len(progress.token_ids)
                 if ids:
                     self.metrics.chunk(progress.clock, lease.pool)
                 if not stopped and not delta.HasField("finish_reason"):
                     if ids:
-                        yield duet_pb2.GenerateResponse(request_id=prep.request_id, text=text, token_ids=ids)
+                        yield duet_pb2.GenerateResponse(request_id=prep.request_id, text=text, token_ids=ids,
+                                                        logprobs=logprobs)
                     continue
                 finish = duet_pb2.FINISH_REASON_STOP if stopped else _FINISH.get(delta.finish_reason,
                                                                                  duet_pb2.FINISH_REASON_ABORT)
@@ -267,7 +272,7 @@ class Pipeline:
                             prep.request_id, prep.internal_id, lease.worker_id, usage.prompt_tokens, num_out,
                             duet_pb2.FinishReason.Name(finish), 1e3 * (time.monotonic() - started))
                 yield duet_pb2.GenerateResponse(request_id=prep.request_id, text=text + detok.flush(),
-                                                token_ids=ids, finish_reason=finish, usage=usage)
+                                                token_ids=ids, finish_reason=finish, usage=usage, logprobs=logprobs)
                 return
             raise self._worker_failed(prep, lease, progress, "its stream ended without a finish reason")
         except grpc.aio.AioRpcError as e:
@@ -329,6 +334,13 @@ class Pipeline:
         return {"requests": dict(self.counts), "admission": self.admission.stats(),
                 "policy_name": self.policy.name, "policy": self.router.counters(), "workers": self.directory.describe(),
                 "worker_stream_failures": self.directory.num_stream_failures}
+
+
+def _logprobs(items) -> list[duet_pb2.TokenLogprob]:
+    """Worker TokenLogprobs -> public ones (same fields)."""
+    return [duet_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                  top_logprobs=[duet_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob)
+                                                for t in lp.top_logprobs]) for lp in items]
 
 
 def _detokenize(detok: IncrementalDetokenizer, token_ids: list[int]) -> tuple[list[int], str, bool]:

@@ -126,7 +126,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_id", "first_block", "num_blocks", "kv_store_address", "decode_worker_id", "decode_incarnation", "pair_generation", "expected_incarnation", "backend")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_id", "first_block", "num_blocks", "kv_store_address", "decode_worker_id", "decode_incarnation", "pair_generation", "expected_incarnation", "backend", "resumed_output_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class PrefillRequest(_message.Message):
     PAIR_GENERATION_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -151,7 +152,8 @@ class PrefillRequest(_message.Message):
     pair_generation: int
     expected_incarnation: str
     backend: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_id: _Optional[str] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_store_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., decode_incarnation: _Optional[str] = ..., pair_generation: _Optional[int] = ..., expected_incarnation: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+    resumed_output_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_id: _Optional[str] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_store_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., decode_incarnation: _Optional[str] = ..., pair_generation: _Optional[int] = ..., expected_incarnation: _Optional[str] = ..., backend: _Optional[str] = ..., resumed_output_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "generator_state", "cached_prompt_tokens", "transfer_done", "kv_bytes", "transfer_seconds", "first_token_logprob")
