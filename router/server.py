@@ -164,7 +164,7 @@ class RouterServer:
         self.http: HttpApiServer | None = None
         if config.http:  # the OpenAI-compatible API: same pipeline, auth and metrics, its own port
             self.http = HttpApiServer(config, create_app(HttpContext(
-                self.pipeline, self.auth, self.serving,
+                FanOut(self.pipeline, config.max_n), model, self.auth, self.serving,
                 metrics_registry(self.stats, self.metrics.registry, model_name=config.model_name),
                 config.max_request_bytes)))
 

@@ -47,8 +47,8 @@ from router.http_api.errors import OpenAIError, from_pydantic, from_request_erro
 from router.http_api.render import Renderer, TokenText
 from router.http_api.schemas import ChatCompletionRequest, CompletionRequest
 from router.http_api.streaming import DONE, ClientGone, EventStreamResponse, sse, until_disconnect
-from router.pipeline import Pipeline
-from router.preprocess import RequestError
+from router.fanout import FanOut
+from router.preprocess import RequestError, ServedModel
 from router.security import BearerTokenInterceptor
 
 logger = logging.getLogger(__name__)
@@ -59,9 +59,11 @@ _STATUS_BY_CODE = {"UNAUTHENTICATED": (401, "authentication_error", "invalid_api
 
 @dataclass(frozen=True)
 class HttpContext:
-    """What the app serves from: the router's pipeline, auth, health and metrics (RouterServer's)."""
+    """What the app serves from (RouterServer's own objects): the pipeline behind the n fan-out,
+    the model, auth, health and metrics."""
 
-    pipeline: Pipeline
+    generator: FanOut
+    model: ServedModel
     auth: BearerTokenInterceptor | None
     is_serving: Callable[[], bool]
     metrics: CollectorRegistry
@@ -70,7 +72,7 @@ class HttpContext:
 
 def create_app(ctx: HttpContext) -> FastAPI:
     app = FastAPI(title="Duet OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
-    model = ctx.pipeline.model
+    model = ctx.model
     token_text = TokenText(model.tokenizer)
 
     @app.exception_handler(OpenAIError)
@@ -132,7 +134,7 @@ def create_app(ctx: HttpContext) -> FastAPI:
         rid = uuid.uuid4().hex
         greq = convert.chat_request(body, rid, model.max_model_len)
         renderer = Renderer(chat=True, request_id=rid, model=model.name, token_text=token_text, logprobs=body.logprobs)
-        return await _answer(request, ctx.pipeline, greq, renderer, body.stream,
+        return await _answer(request, ctx.generator, greq, renderer, body.stream,
                              bool(body.stream_options and body.stream_options.include_usage))
 
     @app.post("/v1/completions")
@@ -144,7 +146,7 @@ def create_app(ctx: HttpContext) -> FastAPI:
         greq = convert.completion_request(body, rid)
         renderer = Renderer(chat=False, request_id=rid, model=model.name, token_text=token_text,
                             logprobs=body.logprobs is not None)
-        return await _answer(request, ctx.pipeline, greq, renderer, body.stream,
+        return await _answer(request, ctx.generator, greq, renderer, body.stream,
                              bool(body.stream_options and body.stream_options.include_usage))
 
     return app
@@ -179,9 +181,9 @@ def _too_large(size: int, limit: int) -> OpenAIError:
                        param="body", code="request_too_large")
 
 
-async def _answer(request: Request, pipeline: Pipeline, greq: duet_pb2.GenerateRequest, renderer: Renderer,
+async def _answer(request: Request, generator: FanOut, greq: duet_pb2.GenerateRequest, renderer: Renderer,
                   stream: bool, include_usage: bool) -> Response:
-    generation = pipeline.generate(greq)
+    generation = generator.generate(greq)
     if not stream:
         try:
             return JSONResponse(await until_disconnect(request.receive, _collect(generation, renderer)))

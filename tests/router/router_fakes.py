@@ -5,6 +5,7 @@ FakeWorker replays a fixed token sequence: the real SmolLM2 tokenization of SCRI
 multi-byte characters that span tokens) followed by EOS, ``tokens_per_message`` ids per message,
 ``delay_s`` apart, capped by max_tokens. Like a deterministic (greedy) model it continues the
 script where the prompt leaves off: a prompt ending with the script's first k ids gets ids k, k+1, ...
+With ``sampling.top_logprobs`` set it sends logprobs (``fake_logprob``).
 (so a request the router resumes after a worker failure continues exactly). It ignores stop strings (so the router's own stop-string
 handling and the cancel it sends are exercised) and records what it saw: submitted requests,
 deadlines, cancellations. Knobs (set from the test thread, read on the worker loop):
@@ -61,6 +62,13 @@ class LoopThread:
         self.thread.join(10)
 
 
+def fake_logprob(token_id: int, position: int, k: int) -> worker_pb2.TokenLogprob:
+    """The fake worker's logprobs: the script token at ``position`` has logprob -(position+1)/8; its
+    top-k alternatives are ids token_id+1 .. token_id+k with logprobs -1, -2, ... (k may be 0)."""
+    return worker_pb2.TokenLogprob(token_id=token_id, logprob=-(position + 1) / 8, top_logprobs=[
+        worker_pb2.TopLogprob(token_id=token_id + 1 + r, logprob=-(r + 1.0)) for r in range(k)])
+
+
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
     def __init__(self, worker_id: str, script_ids: list[int], eos_id: int) -> None:
         self.worker_id = worker_id
@@ -99,8 +107,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 while self.hang:
                     await asyncio.sleep(0.01)
                 chunk = self.script_ids[i : min(i + self.tokens_per_message, n)]
-                i += len(chunk)
                 response = worker_pb2.SubmitResponse(token_ids=chunk)
+                if request.sampling.HasField("top_logprobs"):
+                    response.logprobs.extend(fake_logprob(t, i + j, request.sampling.top_logprobs)
+                                             for j, t in enumerate(chunk))
+                i += len(chunk)
                 if i >= n:
                     eos = chunk[-1] == self.eos_id
                     response.finish_reason = worker_pb2.FINISH_REASON_STOP if eos else worker_pb2.FINISH_REASON_LENGTH

@@ -5,9 +5,8 @@ a client that disconnects cancels its worker call; /health and /metrics."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
+import ssl
 
 import grpc
 import httpx
@@ -15,6 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from router_fakes import SCRIPT, free_port, members, pool, run_async, tok, wait_until  # noqa: F401  (fixtures)
+from router_pki import ADMIN_TOKEN, DIGEST_TOKEN, GEN_TOKEN, pki  # noqa: F401  (pki: fixture)
 
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from router.config import RouterConfig, RouterConfigError
@@ -324,3 +324,116 @@ def test_metrics_parse_carry_model_name_and_move(http):
     assert sum(after.values()) == sum(before.values()) + 1
     ttft = _samples(http, "duet_time_to_first_token_seconds_count")
     assert ttft and all(dict(k)["model_name"] == MODEL for k in ttft) and sum(ttft.values()) >= 1
+
+
+# -- n, seeds and logprobs ------------------------------------------------------------------------
+
+def test_n_choices_with_seed(router, sdk, pool):
+    expected, _ = _grpc_text(router, prompt="Hi", sampling=duet_pb2.SamplingParams(max_tokens=6, temperature=0))
+    for s in pool:
+        s.worker.reset()
+    r = sdk.completions.create(model=MODEL, prompt="Hi", max_tokens=6, n=4, seed=11)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    assert all(c.text == expected and c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens == len(pool[0].worker.submitted[0].prompt_token_ids
+                                                                            if pool[0].worker.submitted else
+                                                                            pool[1].worker.submitted[0].prompt_token_ids)
+    seeds = sorted(req.sampling.seed for s in pool for req in s.worker.submitted)
+    assert seeds == [11, 12, 13, 14]  # choice i samples with seed + i: the same request reproduces the same choices
+
+
+def test_n_choices_streamed_chat(sdk):
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=5, n=3, stream=True, stream_options={"include_usage": True}))
+    texts, finished = {}, {}
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+            if ch.finish_reason:
+                finished[ch.index] = ch.finish_reason
+    assert finished == {0: "length", 1: "length", 2: "length"}
+    assert len(set(texts.values())) == 1 and texts[0]
+    assert chunks[-1].usage.completion_tokens == 15
+
+
+def _script_positions(tok, n):
+    ids = tok.encode(SCRIPT, add_special_tokens=False)
+    return ids[:n]
+
+
+def test_chat_logprobs(sdk, tok):
+    r = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
+                                    temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    ids = _script_positions(tok, 12)
+    assert len(content) == 12
+    assert [c.logprob for c in content] == pytest.approx([-(i + 1) / 8 for i in range(12)])
+    assert all([t.logprob for t in c.top_logprobs] == [-1.0, -2.0, -3.0] for c in content)
+    # bytes are exact (a token may hold part of a character); joined they spell the completion
+    spelled = b"".join(bytes(c.bytes) for c in content)  # 12 tokens end mid-character, which the text drops
+    assert spelled.decode(errors="ignore") == r.choices[0].message.content and spelled.endswith(b"\xe8")
+    assert content[0].token == tok.decode([ids[0]])
+    r = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                    logprobs=True)  # no top_logprobs: the sampled token's logprob only
+    assert [len(c.top_logprobs) for c in r.choices[0].logprobs.content] == [0, 0, 0]
+    r = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    assert r.choices[0].logprobs is None
+
+
+def test_completion_logprobs_streamed_and_whole(sdk, http):
+    whole = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 10, "logprobs": 2}).json()
+    lp = whole["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 10
+    assert lp["token_logprobs"] == pytest.approx([-(i + 1) / 8 for i in range(10)])
+    assert all(len(t) <= 2 for t in lp["top_logprobs"]) and lp["text_offset"][0] == 0
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    streamed = list(sdk.completions.create(model=MODEL, prompt="Hi", max_tokens=10, logprobs=2, stream=True))
+    tokens = [t for c in streamed for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
+    assert tokens == lp["tokens"]
+
+
+# -- security: the gRPC port's tokens and TLS -----------------------------------------------------
+
+def test_bearer_tokens_and_scopes(smollm2_path, tok, pool, pki):
+    with serve_router(_config(smollm2_path, auth_tokens_file=str(pki / "tokens")), members(pool), tokenizer=tok) as r:
+        base = f"http://{r.http_address}"
+        body = {"prompt": "Hi", "max_tokens": 2}
+        err = _error(httpx.post(f"{base}/v1/completions", json=body), 401, None)
+        assert err["type"] == "authentication_error" and "Bearer" in err["message"]
+        _error(httpx.post(f"{base}/v1/completions", json=body, headers={"Authorization": "Bearer nope"}), 401, None)
+        _error(httpx.get(f"{base}/v1/models", headers={"Authorization": "Basic abc"}), 401, None)
+        ok = httpx.post(f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {GEN_TOKEN}"})
+        assert ok.status_code == 200
+        with openai.OpenAI(base_url=r.http_url, api_key=DIGEST_TOKEN, max_retries=0) as client:
+            assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
+        with openai.OpenAI(base_url=r.http_url, api_key="wrong", max_retries=0) as client, \
+                pytest.raises(openai.AuthenticationError):
+            client.models.list()
+        # /metrics needs the admin scope (as RouterAdmin); /health is open to probes
+        err = _error(httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {GEN_TOKEN}"}), 403, None)
+        assert err["type"] == "permission_error"
+        assert httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).status_code == 200
+        assert httpx.get(f"{base}/health").status_code == 200
+        rejected = r.stats()["requests"]
+        assert rejected["auth_unauthenticated"] >= 4 and rejected["auth_permission_denied"] >= 1
+
+
+def _trust(pki, ca: str) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(pki / f"{ca}.pem"))
+
+
+def test_tls_and_mtls(smollm2_path, tok, pool, pki):
+    tls = dict(tls_cert_file=str(pki / "server.pem"), tls_key_file=str(pki / "server.key"))
+    with serve_router(_config(smollm2_path, **tls), members(pool[:1]), tokenizer=tok) as r:
+        assert r.http_url.startswith("https://")
+        ok = httpx.post(f"{r.http_url}/completions", json={"prompt": "Hi", "max_tokens": 2}, verify=_trust(pki, "ca"))
+        assert ok.status_code == 200
+        with pytest.raises(httpx.ConnectError):  # a client that does not trust the router's CA
+            httpx.get(f"{r.http_url}/models", verify=_trust(pki, "other_ca"))
+    with serve_router(_config(smollm2_path, tls_client_ca_file=str(pki / "ca.pem"), **tls), members(pool[:1]),
+                      tokenizer=tok) as r:
+        ctx = _trust(pki, "ca")
+        ctx.load_cert_chain(str(pki / "client.pem"), str(pki / "client.key"))
+        assert httpx.get(f"{r.http_url}/models", verify=ctx).status_code == 200
+        with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):  # no client certificate
+            httpx.get(f"{r.http_url}/models", verify=_trust(pki, "ca"))
