@@ -1,4 +1,7 @@
-"""Transport security and authentication for the router's public endpoint.
+"""Transport security and authentication for the router's public endpoints (gRPC, and the
+OpenAI-compatible HTTP API of router/http_api/, which applies the same TLS files and tokens:
+``Authorization: Bearer <token>``; the /v1 paths need ``generate``, /metrics ``admin``, /health is
+open; 401 and 403 stand for UNAUTHENTICATED and PERMISSION_DENIED).
 
 Three independent switches (all off by default, for a router on localhost):
 

@@ -1,4 +1,6 @@
-"""The router's public gRPC server: duet.v1.Duet, grpc.health.v1 and server reflection.
+"""The router's public gRPC server: duet.v1.Duet, grpc.health.v1 and server reflection; and, on
+``config.http_port`` (0 = off), the OpenAI-compatible HTTP API (router/http_api/) on the same event
+loop, answering from the same Pipeline, auth and metrics.
 
 Two ways to run it:
 
@@ -374,6 +376,7 @@ def _parse_args(argv: list[str] | None) -> tuple[RouterConfig, list[tuple[str, s
     p.add_argument("--model-name", default=RouterConfig.model_name)
     p.add_argument("--host", default=RouterConfig.host)
     p.add_argument("--port", type=int, default=RouterConfig.port)
+    p.add_argument("--http-port", type=int, default=RouterConfig.http_port, help="OpenAI-compatible HTTP API; 0 = off")
     p.add_argument("--policy", default=RouterConfig.policy)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--worker", action="append", default=[], metavar="ID=HOST:PORT", help="repeat per worker")
@@ -389,7 +392,7 @@ def _parse_args(argv: list[str] | None) -> tuple[RouterConfig, list[tuple[str, s
         members.append((wid, endpoint))
     try:
         config = RouterConfig(tokenizer_path=args.tokenizer, model_name=args.model_name, host=args.host,
-                              port=args.port, policy=args.policy, max_model_len=args.max_model_len,
+                              port=args.port, http_port=args.http_port, policy=args.policy, max_model_len=args.max_model_len,
                               membership_address=args.membership)
     except RouterConfigError as e:
         p.error(str(e))
