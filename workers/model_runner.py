@@ -38,7 +38,7 @@ from workers.parallel.groups import get_group
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 from workers.spec_decode.proposer import Draft
-from workers.spec_decode.rejection_sampler import VerifySpan, verify
+from workers.spec_decode.rejection_sampler import VerifySpan, verify_spans
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class ModelRunner:
                 k, rid, d = c.num_draft, c.request_id, drafts.get(c.request_id)
                 q = None if d is None or d.probs is None else d.probs[:k]  # [k, V]
                 vspans.append(VerifySpan(i, self._requests[rid].context(), c.token_ids[-k:], q, self._generator(rid)))
-            for (_, c), (tokens, lps) in zip(spans, verify(self.sampler, logits, vspans)):
+            for (_, c), (tokens, lps) in zip(spans, verify_spans(self.sampler, logits, vspans)):
                 out[c.request_id] = tokens
                 if lps is not None:
                     logprobs[c.request_id] = lps

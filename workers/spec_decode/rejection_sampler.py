@@ -52,7 +52,7 @@ class VerifySpan:
     generator: torch.Generator
 
 
-def verify(sampler: Sampler, logits: torch.Tensor,
+def verify_spans(sampler: Sampler, logits: torch.Tensor,
            spans: list[VerifySpan]) -> list[tuple[list[int], list[TokenLogprob] | None]]:
     """logits [N, V] -> per span, in order: the tokens to emit (1..k+1) and, when the request asked
     for them, their logprobs."""
