@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tp_layer_cases import full_weights, layers_rank
+from testkit.tp_layer_cases import full_weights, layers_rank
 from workers.errors import ConfigError
 from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
