@@ -137,7 +137,7 @@ def test_cluster_config_carries_security_to_the_router_and_names_bad_keys(pki, t
            "DUET_AUTH_TOKENS_FILE": str(pki / "tokens")}
     cfg = load_config(env=env, overrides={"router.tls_client_ca_file": str(pki / "ca.pem"),
                                           "router.max_request_bytes": "64KiB"})
-    r = cfg.to_routerrouter_config(tokenizer_path=str(tmp_path))
+    r = cfg.to_router_config(tokenizer_path=str(tmp_path))
     assert (r.tls_cert_file, r.tls_key_file, r.tls_client_ca_file, r.auth_tokens_file) == (
         str(pki / "server.pem"), str(pki / "server.key"), str(pki / "ca.pem"), str(pki / "tokens"))
     assert r.max_request_bytes == 64 << 10 and r.tls
