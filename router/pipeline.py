@@ -93,8 +93,8 @@ class Pipeline:
         received = time.monotonic()
         try:
             prep = await self._prepare(request)
-            async with self.admission.slot():
-                async for response in self._route_and_stream(prep, deadline, received):
+            async with self.admission.slot(), aclosing(self._route_and_stream(prep, deadline, received)) as stream:
+                async for response in stream:
                     yield response
         except AdmissionRejected as e:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None

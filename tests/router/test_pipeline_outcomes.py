@@ -248,11 +248,13 @@ def test_closing_the_stream_cancels_the_worker_call(fake_pipeline):
     async def read_two_then_close() -> None:
         stream = pipeline.generate(request())
         assert len([await anext(stream) for _ in range(2)]) == 2
-        await stream.aclose()
+        await stream.aclose()  # what a front door does when its client goes away
+        # at once, not when the event loop finalizes the abandoned generators
+        w0 = directory.workers["w0"]
+        assert w0.cancelled == [w0.submitted[0].request_id] and pipeline.counts["cancelled"] == 1
+        assert not directory.leases and pipeline.admission.stats()["in_flight"] == 0
 
     asyncio.run(read_two_then_close())
-    w0 = directory.workers["w0"]
-    assert w0.cancelled == [w0.submitted[0].request_id] and pipeline.counts["cancelled"] == 1
 
 
 def test_cancelling_the_request_task_cancels_the_worker_call(fake_pipeline):
