@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -260,7 +260,23 @@ ENV_KEYS: dict[str, str] = {
     "RAY_ADDRESS": "ray.address",
     "DUET_RAY_NUM_CPUS": "ray.num_cpus",
 }
+# Switches that apply to every pool: env var -> (key under pools[i], value parser). The library reads
+# none of them; they reach the workers through their EngineConfig / ParallelConfig.
+POOL_ENV_KEYS: dict[str, tuple[str, Callable[[str], str]]] = {
+    "DUET_FUSED_DECODE": ("engine.fused_decode", str),  # 0 = off (A/B runs)
+    "DUET_DISABLE_CPU_KERNELS": ("engine.cpu_kernels", lambda v: _negate(v, "DUET_DISABLE_CPU_KERNELS")),
+    "DUET_COMM": ("comm", str),  # auto | shm | gloo
+}
 CONFIG_ENV = "DUET_CONFIG"  # a YAML file used when --config is not given
+
+
+def _negate(value: str, var: str) -> str:
+    text = value.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return "false"
+    if text in ("0", "false", "no", "off"):
+        return "true"
+    raise ClusterConfigError(f"env {var}={value!r}: must be 1 (true) or 0 (false)")
 
 
 def load_config(path: str | os.PathLike[str] | None = None, *, overrides: Mapping[str, Any] | None = None,
@@ -282,6 +298,12 @@ def load_config(path: str | os.PathLike[str] | None = None, *, overrides: Mappin
         value = env.get(var)
         if value not in (None, ""):
             set_key(raw, key, value, sources, f"env {var}")
+    pools = raw.get("pools")
+    for var, (key, parse) in POOL_ENV_KEYS.items():
+        value = env.get(var)
+        if value not in (None, ""):
+            for i in range(len(pools) if isinstance(pools, list) and pools else 1):
+                set_key(raw, f"pools[{i}].{key}", parse(value), sources, f"env {var}")
     flag_names = flag_names or {}
     for key, value in (overrides or {}).items():
         if value is not None:

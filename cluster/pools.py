@@ -264,10 +264,9 @@ def _create_gang(section: PoolSection, engine_config: Any, host: str | None, pg:
 
     from workers.parallel.eplb import RebalanceConfig
     from workers.parallel.gang_actor import GangFollowerActor, GangLeaderActor
-    from workers.parallel.groups import ParallelConfig
 
     ranks = section.gang_size
-    parallel = ParallelConfig(ep_size=section.ep_size, sp_size=section.sp_size, tp_size=section.tp_size)
+    parallel = section.parallel
     followers = tuple(
         GangFollowerActor.options(
             **rank_actor_options(section), max_restarts=section.max_restarts, max_task_retries=0,

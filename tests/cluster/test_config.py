@@ -148,3 +148,47 @@ def test_to_engine_and_router_configs():
     assert (r.tokenizer_path, r.model_name, r.max_model_len, r.port, r.policy) == (
         "/ckpt/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct", 300, 0, "round_robin")
     assert r.load_poll_interval_s == 0.1
+
+
+def test_behaviour_switches_are_config_keys_set_from_env_at_the_edge(tmp_path):
+    c = load_config(env={})
+    assert (c.pool.engine.fused_decode, c.pool.engine.cpu_kernels, c.pool.comm) == (True, True, "auto")
+    path = _yaml(tmp_path, "pools: [{name: p, role: prefill}, {name: d, role: decode}]\n")
+    c = load_config(path, env={"DUET_FUSED_DECODE": "0", "DUET_DISABLE_CPU_KERNELS": "1", "DUET_COMM": "gloo"})
+    for pool in c.pools:  # every pool, not only the first
+        e = c.to_engine_config(pool)
+        assert (e.fused_decode, e.cpu_kernels, pool.parallel.comm) == (False, False, "gloo")
+    with pytest.raises(ClusterConfigError, match=r"pools\[0\]\.comm='tcp' \(from env DUET_COMM\): must be one of "
+                                                 r"auto, shm, gloo"):
+        load_config(env={"DUET_COMM": "tcp"})
+    with pytest.raises(ClusterConfigError, match=r"pools\[0\]\.engine\.fused_decode='yes please' \(from env "
+                                                 r"DUET_FUSED_DECODE\): must be true or false"):
+        load_config(env={"DUET_FUSED_DECODE": "yes please"})
+    with pytest.raises(ClusterConfigError, match=r"DUET_DISABLE_CPU_KERNELS='maybe': must be 1"):
+        load_config(env={"DUET_DISABLE_CPU_KERNELS": "maybe"})
+
+
+def test_lower_layer_checks_name_the_yaml_key(tmp_path):
+    """Checks written once in workers.config / router.config, reported with the dotted YAML key."""
+    cases = [
+        ("pools: [{speculative: {num_speculative_tokens: 17}}]",
+         r"pools\[0\]\.speculative\.num_speculative_tokens=17 \(from .*duet.yaml\): must be in 1\.\.16"),
+        ("pools: [{speculative: {ngram_min: 5}}]",
+         r"pools\[0\]\.speculative\.ngram_min=5 \(from .*\), pools\[0\]\.speculative\.ngram_max=4: need 1 <= ngram_min"),
+        ("pools: [{speculative: {method: draft_model}}]",
+         r"pools\[0\]\.speculative\.method='draft_model' \(from .*\) needs pools\[0\]\.speculative\.draft_model"),
+        ("pools: [{speculative: {drafter_resources: {drafter: 0}}}]",
+         r"pools\[0\]\.speculative\.drafter_resources=\{'drafter': 0\.0\} .*amounts > 0"),
+        ("pools: [{engine: {max_num_seqs: 600}}]",
+         r"pools\[0\]\.engine\.max_num_seqs=600 .*between 1 and max_num_batched_tokens \(512\)"),
+        ("pools: [{engine: {kv_cache_memory_bytes: 1000}}]",
+         r"pools\[0\]\.engine\.kv_cache_memory_bytes=1000 .*at least 1MiB"),
+        ("pools: [{tp_size: 0}]", r"pools\[0\]\.tp_size=0 \(from .*\): must be an integer >= 1"),
+        ("model: {name: ' '}", r"model\.name=' ' \(from .*\): must name a model"),
+        ("model: {max_model_len: 1}", r"model\.max_model_len=1 \(from .*\): must be >= 2"),
+        ("router: {max_queue: -1}", r"router\.max_queue=-1 \(from .*\): must be an integer >= 0"),
+        ("router: {policy_options: {nope: 1}}", r"router\.policy_options=\{'nope': 1\} \(from .*\): "),
+    ]
+    for text, pattern in cases:
+        with pytest.raises(ClusterConfigError, match=pattern):
+            load_config(_yaml(tmp_path, text + "\n"), env={})
