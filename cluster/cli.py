@@ -34,7 +34,9 @@ SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--quantization": ("model.quantization", str, "weights of the linear layers: none | int8 | q4 "
                        "[DUET_QUANTIZATION]"),
     "--replicas": ("pool.replicas", int, "worker actors in the (first) pool [DUET_REPLICAS]"),
-    "--cpus-per-replica": ("pool.cpus_per_replica", int, "CPUs (= torch threads) per worker of the (first) pool [DUET_CPUS_PER_REPLICA]"),
+    "--cpus-per-replica": ("pool.cpus_per_replica", int, "CPUs (= torch threads) per worker of the (first) pool; "
+                           "default: this machine's CPUs less one for the router, shared among the workers "
+                           "(1 with --ray-address) [DUET_CPUS_PER_REPLICA]"),
     "--kv-cache-memory": ("pool.engine.kv_cache_memory_bytes", str,
                           "KV cache budget per worker of the (first) pool, e.g. 256MiB, 1GiB [DUET_KV_CACHE_MEMORY]"),
     "--host": ("router.host", str, "router bind address; 0.0.0.0 for all interfaces [DUET_HOST]"),
@@ -64,7 +66,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    "see cluster/duet.example.yaml")
     for flag, (key, tp, help_text) in SERVE_FLAGS.items():
         p.add_argument(flag, dest=key, type=tp, default=None, help=help_text)
-    p.add_argument("--dry-run", action="store_true", help="print the merged, validated config as YAML and exit")
+    p.add_argument("--dry-run", action="store_true", help="validate the merged config, resolve the model and check "
+                   "that it runs with each pool's parallel sizes and quantization (what serve checks before "
+                   "starting anything), print the config as YAML and exit")
     p.add_argument("--no-router", action="store_true", help="run Ray, the pools and the controller (its Membership "
                    "service on controller.port) but no router: routers run elsewhere with `duet router "
                    "--membership HOST:PORT` (the Helm chart's Ray head does this)")
@@ -165,17 +169,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from cluster.config import load_config
+    from cluster.preflight import preflight
 
     keys = {key: flag for flag, (key, _, _) in SERVE_FLAGS.items()}
-    config = load_config(args.config, overrides={k: getattr(args, k) for k in keys}, flag_names=keys)
+    sources: dict[str, str] = {}
+    config = load_config(args.config, overrides={k: getattr(args, k) for k in keys}, flag_names=keys,
+                         sources=sources)
     if args.dry_run:
         import yaml
 
+        from cluster.config import resolve_cpus
+
+        preflight(config, sources)  # the model checks `duet serve` runs before starting anything
+        if config.ray.address is None:
+            _, note = resolve_cpus(config, config.ray.num_cpus or len(os.sched_getaffinity(0)))
+            print(f"duet: embedded on this machine: {note}", file=sys.stderr)
         sys.stdout.write(yaml.safe_dump(config.to_dict(), sort_keys=False))
         return 0
     from cluster.serve import run_foreground
 
-    return run_foreground(config, with_router=not args.no_router)
+    return run_foreground(config, with_router=not args.no_router, sources=sources)
 
 
 def _router(args: argparse.Namespace) -> int:

@@ -115,7 +115,9 @@ def _parallel(self) -> ParallelConfig:
 
 PoolSection = derived_section("PoolSection", """One worker pool: ``replicas`` replicas, each a gang of
     ``gang_size`` ranks (Ray actors); each rank reserves one placement group bundle of
-    ``cpus_per_replica`` CPUs, ``gpus_per_rank`` GPUs and ``resources_per_rank``. placement_strategy
+    ``cpus_per_replica`` CPUs, ``gpus_per_rank`` GPUs and ``resources_per_rank``. cpus_per_replica
+    null (the default): an embedded Ray shares this machine's CPUs, less one for the router, among
+    the ranks that leave it unset; with ray.address, 1 (``resolve_cpus``, said in the startup line). placement_strategy
     SPREAD (default) puts bundles on different nodes when it can, so losing a node loses one
     replica, not the pool; PACK fills one node first (fewer nodes to keep up); STRICT_* make that a
     hard requirement. max_restarts: how often Ray restarts a dead worker (-1 = forever).
@@ -132,7 +134,7 @@ PoolSection = derived_section("PoolSection", """One worker pool: ``replicas`` re
     ("name", (str, field(default="default"))),
     ("role", (str, field(default="colocated"))),
     ("replicas", (int, field(default=1))),
-    ("cpus_per_replica", (int, field(default=1))),
+    ("cpus_per_replica", (int | None, field(default=None))),
     ("placement_strategy", (str, field(default="SPREAD"))),
     ("max_restarts", (int, field(default=-1))),
     ("engine", (EngineSection, field(default_factory=EngineSection))),
@@ -280,16 +282,18 @@ def _negate(value: str, var: str) -> str:
 
 
 def load_config(path: str | os.PathLike[str] | None = None, *, overrides: Mapping[str, Any] | None = None,
-                env: Mapping[str, str] | None = None, flag_names: Mapping[str, str] | None = None) -> DuetConfig:
+                env: Mapping[str, str] | None = None, flag_names: Mapping[str, str] | None = None,
+                sources: Sources | None = None) -> DuetConfig:
     """Merge defaults < YAML file < env < overrides and validate once.
 
     path: YAML file (None: ``$DUET_CONFIG`` if set, else no file). overrides: dotted key -> value
     (strings are parsed like env values; None values are ignored) — the CLI's flags. env: the
     environment (default ``os.environ``). flag_names: dotted key -> flag spelling, for messages.
+    sources: filled with dotted key -> where its value came from (for later checks' messages).
     """
     env = os.environ if env is None else env
     raw: dict[str, Any] = {}
-    sources: Sources = {}
+    sources = {} if sources is None else sources
     path = path if path is not None else env.get(CONFIG_ENV) or None
     if path is not None:
         raw = read_yaml(Path(path))
@@ -317,8 +321,9 @@ def _check_pool(pool: PoolSection, p: str, s: Sources) -> None:
     need(pool.role in ROLES, f"{p}.role", pool.role, s,
          f"must be one of {', '.join(ROLES)} (prefill + decode pools make a disaggregated deployment)")
     need(pool.replicas >= 1, f"{p}.replicas", pool.replicas, s, "must be >= 1")
-    need(pool.cpus_per_replica >= 1, f"{p}.cpus_per_replica", pool.cpus_per_replica, s,
-         "must be >= 1 (it is also the worker's torch thread count)")
+    need(pool.cpus_per_replica is None or pool.cpus_per_replica >= 1, f"{p}.cpus_per_replica",
+         pool.cpus_per_replica, s, "must be >= 1 (it is also the worker's torch thread count), or null to use "
+         "what the machine offers")
     need(pool.placement_strategy in PLACEMENT_STRATEGIES, f"{p}.placement_strategy", pool.placement_strategy, s,
          f"must be one of {', '.join(PLACEMENT_STRATEGIES)}")
     need(pool.max_restarts >= -1, f"{p}.max_restarts", pool.max_restarts, s, "must be -1 (forever) or >= 0")
@@ -400,3 +405,32 @@ def _check_engine_config(c: DuetConfig, i: int, s: Sources) -> None:
 _CHECKS = {ModelSection: check_derived, EngineSection: check_derived, PoolSection: _check_pool,
            RouterSection: _check_router, RaySection: _check_ray, ControllerSection: _check_controller,
            DuetConfig: _check_duet, AutoscalingSection: check_autoscaling, AutoscalePoolSection: check_autoscale_pool}
+
+
+ROUTER_CPUS = 1  # what an embedded deployment leaves the router (its gRPC server and detokenizer)
+
+
+def resolve_cpus(c: DuetConfig, node_cpus: int | None) -> tuple[DuetConfig, str]:
+    """``c`` with every unset ``cpus_per_replica`` filled in, and a phrase saying what was chosen.
+
+    node_cpus: the CPUs an embedded Ray offers (None: an existing cluster, whose nodes this process
+    cannot see: 1 CPU per rank). Embedded, the CPUs left after the explicit pools, the drafters and
+    ``ROUTER_CPUS`` are shared evenly among the ranks of the pools that leave it unset (at least 1)."""
+    unset = [p for p in c.pools if p.cpus_per_replica is None]
+    if not unset:
+        return c, "cpus_per_replica as configured"
+    if node_cpus is None:
+        chosen = 1
+        why = "1 (ray.address is set: size pools with cpus_per_replica)"
+    else:
+        fixed = sum(p.replicas * p.gang_size * p.cpus_per_replica for p in c.pools if p.cpus_per_replica is not None)
+        drafters = sum(p.replicas * p.speculative.drafter_cpus for p in c.pools if p.speculative.method == "draft_model")
+        ranks = sum(p.replicas * p.gang_size for p in unset)
+        left = node_cpus - ROUTER_CPUS - fixed - drafters
+        chosen = max(1, left // ranks)
+        why = (f"{chosen} ({node_cpus} CPUs, {ROUTER_CPUS} left to the router"
+               + (f", {fixed + drafters} to explicit pools and drafters" if fixed + drafters else "")
+               + f", {ranks} rank{'s' if ranks > 1 else ''})")
+    pools = tuple(dataclasses.replace(p, cpus_per_replica=chosen) if p.cpus_per_replica is None else p for p in c.pools)
+    names = ", ".join(p.name for p in unset)
+    return dataclasses.replace(c, pools=pools), f"cpus_per_replica of {names}: {why}"

@@ -40,7 +40,7 @@ def test_example_file_loads_and_documents_the_defaults():
 def test_defaults_without_file_or_env():
     c = load_config(env={})
     assert c.model.name == "SmolLM2-135M-Instruct" and c.router.port == 50051 and c.ray.address is None
-    assert c.pool.replicas == 1 and c.pool.cpus_per_replica == 1
+    assert c.pool.replicas == 1 and c.pool.cpus_per_replica is None  # resolve_cpus: the machine's share
 
 
 def test_yaml_then_env_then_flags(tmp_path):
@@ -121,7 +121,7 @@ def test_disaggregated_pools_sized_apart_and_pool_alias(tmp_path):
     c = load_config(_yaml(tmp_path, "pools: [{name: p, role: prefill, replicas: 2}, "
                                     "{name: d, role: decode, cpus_per_replica: 2}]\n"),
                     overrides={"pool.replicas": "3", "router.disagg_min_prompt_tokens": "64"}, env={})
-    assert [(p.name, p.role, p.replicas, p.cpus_per_replica) for p in c.pools] == [("p", "prefill", 3, 1),
+    assert [(p.name, p.role, p.replicas, p.cpus_per_replica) for p in c.pools] == [("p", "prefill", 3, None),
                                                                                    ("d", "decode", 1, 2)]
     assert c.pool is c.pools[0]
     rc = c.to_router_config("/tok")
