@@ -3,4 +3,4 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "router"))  # router_fakes
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "router"))  # router_fakes
