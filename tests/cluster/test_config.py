@@ -192,3 +192,25 @@ def test_lower_layer_checks_name_the_yaml_key(tmp_path):
     for text, pattern in cases:
         with pytest.raises(ClusterConfigError, match=pattern):
             load_config(_yaml(tmp_path, text + "\n"), env={})
+
+
+def test_unset_cpus_per_replica_shares_the_machine(tmp_path):
+    from cluster.config import resolve_cpus
+    from cluster.pools import PoolError, rank_bundle
+
+    c = load_config(env={})
+    resolved, note = resolve_cpus(c, 8)
+    assert resolved.pool.cpus_per_replica == 7 and "7 (8 CPUs, 1 left to the router, 1 rank)" in note
+    assert rank_bundle(resolved.pool) == {"CPU": 7}
+    with pytest.raises(PoolError, match="cpus_per_replica is unset"):
+        rank_bundle(c.pool)  # never placed unresolved
+    assert resolve_cpus(c, 1)[0].pool.cpus_per_replica == 1  # never below 1
+    assert resolve_cpus(c, None)[0].pool.cpus_per_replica == 1  # an existing cluster: nodes unknown here
+    # explicit values stay; the rest share what is left (here 16 - 1 router - 2x3 explicit - 2 drafter = 7 over 3 ranks)
+    path = _yaml(tmp_path, "pools: [{name: p, role: prefill, replicas: 2, cpus_per_replica: 3}, {name: d, role: decode, "
+                           "replicas: 3, speculative: {method: draft_model, draft_model: /m/d}}]\n")
+    c = load_config(path, env={})
+    resolved, note = resolve_cpus(c, 16)
+    assert [p.cpus_per_replica for p in resolved.pools] == [3, 2]
+    assert "cpus_per_replica of d: 2 (16 CPUs, 1 left to the router, 9 to explicit pools and drafters, 3 ranks)" in note
+    assert resolve_cpus(load_config(env={"DUET_CPUS_PER_REPLICA": "2"}), 8)[0].pool.cpus_per_replica == 2
