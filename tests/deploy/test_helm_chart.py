@@ -24,7 +24,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from helm_tools import CHART, NAMESPACE, RELEASE, VARIANTS, by_kind, loaded_config, one, ray_node_types, render, run_helm
+from testkit.helm_tools import CHART, NAMESPACE, RELEASE, VARIANTS, by_kind, loaded_config, one, ray_node_types, render, run_helm
 
 from cluster.config import load_config
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mixtral_tiny import save_tiny_mixtral
+from testkit.mixtral_tiny import save_tiny_mixtral
 
 from workers.llm import LLM
 from workers.models.decode_stack import fused_stack

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from shm_cases import all_reduce_rank, all_to_all_rank, broadcast_rank, gather_rank, hold_segment, transport_rank
+from testkit.shm_cases import all_reduce_rank, all_to_all_rank, broadcast_rank, gather_rank, hold_segment, transport_rank
 from workers.errors import ConfigError
 from workers.parallel import shm_comm, shm_segment
 from workers.parallel.groups import ParallelConfig
