@@ -32,19 +32,20 @@ SMALL_LLAMA = {"model_type": "llama", "hidden_size": 96, "intermediate_size": 12
                "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 100, "max_position_embeddings": 64}
 
 
-def test_unsupported_architecture_is_one_line_before_ray_starts(tmp_path, capsys):
+def test_unsupported_architecture_is_one_line_before_ray_starts(tmp_path, capsys, monkeypatch):
     ckpt = _checkpoint(tmp_path / "gpt2", GPT2)
     assert main(["serve", "--dry-run", "--model", str(ckpt)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"duet: error: {ckpt}/config.json: model_type 'gpt2' is not supported; supported: llama, "
                        "mixtral, qwen2, qwen2_moe")
-    import ray
+    from cluster import serve
 
-    from cluster.serve import start_deployment
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray must not be started for a model that cannot be served")
 
+    monkeypatch.setattr(serve, "connect", no_ray)
     with pytest.raises(CheckpointError, match="model_type 'gpt2' is not supported"):
-        start_deployment(load_config(env={}, overrides={"model.name": str(ckpt)}))
-    assert not ray.is_initialized()  # refused before Ray started
+        serve.start_deployment(load_config(env={}, overrides={"model.name": str(ckpt)}))
 
 
 def test_a_config_without_a_needed_field_is_a_checkpoint_error(tmp_path):
