@@ -178,7 +178,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.dry_run:
         import yaml
 
-        from cluster.config import resolve_cpus
+        from cluster.cpu_share import resolve_cpus
 
         preflight(config, sources)  # the model checks `duet serve` runs before starting anything
         if config.ray.address is None:

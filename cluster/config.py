@@ -117,7 +117,7 @@ PoolSection = derived_section("PoolSection", """One worker pool: ``replicas`` re
     ``gang_size`` ranks (Ray actors); each rank reserves one placement group bundle of
     ``cpus_per_replica`` CPUs, ``gpus_per_rank`` GPUs and ``resources_per_rank``. cpus_per_replica
     null (the default): an embedded Ray shares this machine's CPUs, less one for the router, among
-    the ranks that leave it unset; with ray.address, 1 (``resolve_cpus``, said in the startup line). placement_strategy
+    the ranks that leave it unset; with ray.address, 1 (cluster/cpu_share.py, said in the startup line). placement_strategy
     SPREAD (default) puts bundles on different nodes when it can, so losing a node loses one
     replica, not the pool; PACK fills one node first (fewer nodes to keep up); STRICT_* make that a
     hard requirement. max_restarts: how often Ray restarts a dead worker (-1 = forever).
@@ -406,31 +406,3 @@ _CHECKS = {ModelSection: check_derived, EngineSection: check_derived, PoolSectio
            RouterSection: _check_router, RaySection: _check_ray, ControllerSection: _check_controller,
            DuetConfig: _check_duet, AutoscalingSection: check_autoscaling, AutoscalePoolSection: check_autoscale_pool}
 
-
-ROUTER_CPUS = 1  # what an embedded deployment leaves the router (its gRPC server and detokenizer)
-
-
-def resolve_cpus(c: DuetConfig, node_cpus: int | None) -> tuple[DuetConfig, str]:
-    """``c`` with every unset ``cpus_per_replica`` filled in, and a phrase saying what was chosen.
-
-    node_cpus: the CPUs an embedded Ray offers (None: an existing cluster, whose nodes this process
-    cannot see: 1 CPU per rank). Embedded, the CPUs left after the explicit pools, the drafters and
-    ``ROUTER_CPUS`` are shared evenly among the ranks of the pools that leave it unset (at least 1)."""
-    unset = [p for p in c.pools if p.cpus_per_replica is None]
-    if not unset:
-        return c, "cpus_per_replica as configured"
-    if node_cpus is None:
-        chosen = 1
-        why = "1 (ray.address is set: size pools with cpus_per_replica)"
-    else:
-        fixed = sum(p.replicas * p.gang_size * p.cpus_per_replica for p in c.pools if p.cpus_per_replica is not None)
-        drafters = sum(p.replicas * p.speculative.drafter_cpus for p in c.pools if p.speculative.method == "draft_model")
-        ranks = sum(p.replicas * p.gang_size for p in unset)
-        left = node_cpus - ROUTER_CPUS - fixed - drafters
-        chosen = max(1, left // ranks)
-        why = (f"{chosen} ({node_cpus} CPUs, {ROUTER_CPUS} left to the router"
-               + (f", {fixed + drafters} to explicit pools and drafters" if fixed + drafters else "")
-               + f", {ranks} rank{'s' if ranks > 1 else ''})")
-    pools = tuple(dataclasses.replace(p, cpus_per_replica=chosen) if p.cpus_per_replica is None else p for p in c.pools)
-    names = ", ".join(p.name for p in unset)
-    return dataclasses.replace(c, pools=pools), f"cpus_per_replica of {names}: {why}"

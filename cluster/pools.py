@@ -312,7 +312,7 @@ def rank_actor_options(section: PoolSection) -> dict[str, Any]:
 def _cpus(section: PoolSection) -> int:
     if section.cpus_per_replica is None:
         raise PoolError(f"pool {section.name!r}: cpus_per_replica is unset; fill it in with "
-                        "cluster.config.resolve_cpus (duet serve does) or set it")
+                        "cluster.cpu_share.resolve_cpus (duet serve does) or set it")
     return section.cpus_per_replica
 
 

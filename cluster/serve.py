@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.config import DuetConfig, resolve_cpus
+from cluster.config import DuetConfig
+from cluster.cpu_share import resolve_cpus
 from cluster.controller import Controller
 from cluster.membership_service import MembershipService, serve_membership
 from cluster.pools import WorkerPool, create_pool

@@ -195,7 +195,7 @@ def test_lower_layer_checks_name_the_yaml_key(tmp_path):
 
 
 def test_unset_cpus_per_replica_shares_the_machine(tmp_path):
-    from cluster.config import resolve_cpus
+    from cluster.cpu_share import resolve_cpus
     from cluster.pools import PoolError, rank_bundle
 
     c = load_config(env={})
