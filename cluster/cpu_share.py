@@ -21,7 +21,8 @@ def resolve_cpus(c: DuetConfig, node_cpus: int | None) -> tuple[DuetConfig, str]
 
     node_cpus: the CPUs an embedded Ray offers (None: an existing cluster, whose nodes this process
     cannot see: 1 CPU per rank). Embedded, the CPUs left after the explicit pools, the drafters and
-    ``ROUTER_CPUS`` are shared evenly among the ranks of the pools that leave it unset (at least 1)."""
+    ``ROUTER_CPUS`` are shared evenly among the ranks of the pools that leave it unset (at least 1).
+    An autoscaled pool counts at its ``max_replicas``, so the replicas it may add have room too."""
     unset = [p for p in c.pools if p.cpus_per_replica is None]
     if not unset:
         return c, "cpus_per_replica as configured"
@@ -29,9 +30,14 @@ def resolve_cpus(c: DuetConfig, node_cpus: int | None) -> tuple[DuetConfig, str]
         chosen = 1
         why = "1 (ray.address is set: size pools with cpus_per_replica)"
     else:
-        fixed = sum(p.replicas * p.gang_size * p.cpus_per_replica for p in c.pools if p.cpus_per_replica is not None)
-        drafters = sum(p.replicas * p.speculative.drafter_cpus for p in c.pools if p.speculative.method == "draft_model")
-        ranks = sum(p.replicas * p.gang_size for p in unset)
+        most = {a.pool: a.max_replicas for a in c.autoscaling.pools} if c.autoscaling.enabled else {}
+
+        def replicas(p) -> int:
+            return max(p.replicas, most.get(p.name, 0))
+        fixed = sum(replicas(p) * p.gang_size * p.cpus_per_replica for p in c.pools if p.cpus_per_replica is not None)
+        drafters = sum(replicas(p) * p.speculative.drafter_cpus for p in c.pools
+                       if p.speculative.method == "draft_model")
+        ranks = sum(replicas(p) * p.gang_size for p in unset)
         left = node_cpus - ROUTER_CPUS - fixed - drafters
         chosen = max(1, left // ranks)
         why = (f"{chosen} ({node_cpus} CPUs, {ROUTER_CPUS} left to the router"

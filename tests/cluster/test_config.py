@@ -214,3 +214,19 @@ def test_unset_cpus_per_replica_shares_the_machine(tmp_path):
     assert [p.cpus_per_replica for p in resolved.pools] == [3, 2]
     assert "cpus_per_replica of d: 2 (16 CPUs, 1 left to the router, 9 to explicit pools and drafters, 3 ranks)" in note
     assert resolve_cpus(load_config(env={"DUET_CPUS_PER_REPLICA": "2"}), 8)[0].pool.cpus_per_replica == 2
+
+
+def test_an_autoscaled_pool_gets_room_for_its_max_replicas(tmp_path):
+    from cluster.cpu_share import resolve_cpus
+
+    profile = tmp_path / "profile.json"
+    profile.write_text('{"format": "duet-profile/1", "model": "m", "pool_type": "decode", "slo": {"tpot_p90_s": 0.1}, '
+                       '"capacity": {"requests_per_s": 2.0, "mean_output_tokens": 50.0}}')
+    path = _yaml(tmp_path, f"""
+pools: [{{name: d, role: decode, replicas: 1}}]
+autoscaling:
+  enabled: true
+  pools: [{{pool: d, slo_tpot_ms: 100, profile: {profile}, min_replicas: 1, max_replicas: 3}}]
+""")
+    resolved, note = resolve_cpus(load_config(path, env={}), 8)
+    assert resolved.pool.cpus_per_replica == 2 and "3 ranks" in note  # (8 - 1) // 3: room for 3 replicas
