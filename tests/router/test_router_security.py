@@ -49,7 +49,7 @@ async def _async_generate(target: str, tls: ClientTLS | None = None, token: str 
 
 def test_mtls_requires_a_client_certificate_from_the_ca(smollm2_path, tok, pool, pki):
     cfg = router_config(smollm2_path, tls_cert_file=str(pki / "server.pem"), tls_key_file=str(pki / "server.key"),
-                  tls_client_ca_file=str(pki / "ca.pem"))
+                        tls_client_ca_file=str(pki / "ca.pem"))
     ca = str(pki / "ca.pem")
     with serve_router(cfg, members(pool[:1]), tokenizer=tok) as r:
         assert _gen(r.address, tls=ClientTLS(ca, str(pki / "client.pem"), str(pki / "client.key")))
@@ -152,7 +152,7 @@ def test_duet_cli_generate_and_status_with_tls_and_token(smollm2_path, tok, pool
     import sys
 
     cfg = router_config(smollm2_path, tls_cert_file=str(pki / "server.pem"), tls_key_file=str(pki / "server.key"),
-                  auth_tokens_file=str(pki / "tokens"))
+                        auth_tokens_file=str(pki / "tokens"))
     duet = [sys.executable, "-m", "cluster.cli"]
     env = {k: v for k, v in os.environ.items() if k not in ("DUET_TOKEN", "DUET_TARGET", "RAY_ADDRESS")}
     with serve_router(cfg, members(pool[:1]), tokenizer=tok) as r:
