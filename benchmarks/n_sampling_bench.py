@@ -3,7 +3,7 @@
     python -m benchmarks.n_sampling_bench [--prompt-tokens 500] [--max-tokens 32] [--n 4] [--repeats 5]
 
 Three cases, each from a cold prefix cache (reset before every run), the same prompt token ids
-(``--prompt-tokens`` from benchmarks/data/serving_prompts.txt), sampled at temperature 0.8 with a
+(``--prompt-tokens`` from cluster/bench/data/serving_prompts.txt), sampled at temperature 0.8 with a
 seed, ``--max-tokens`` tokens per choice (ignore_eos, so every choice has the same length):
     n=1           one request
     n=N shared    what router/fanout.py does: choice 0 first; once it has its first token (its prompt
@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _prompt(tokenizer: Any, n_tokens: int) -> list[int]:
-    text = (REPO_ROOT / "benchmarks" / "data" / "serving_prompts.txt").read_text()
+    from cluster.bench.load_gen import PROMPTS_FILE
+
+    text = PROMPTS_FILE.read_text()
     ids = tokenizer.encode(text)
     while len(ids) < n_tokens:
         ids = ids + ids

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from router_fakes import LoopThread, tok  # noqa: F401  (tok: shared fixture)
+from testkit.router_fakes import LoopThread
 
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from router.config import RouterConfig

@@ -12,7 +12,7 @@ import time
 
 import grpc
 import pytest
-from router_fakes import SCRIPT, fake_logprob, members, pool, tok, wait_until  # noqa: F401  (pool, tok: fixtures)
+from testkit.router_fakes import fake_logprob, members, wait_until
 
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from router.config import RouterConfig, RouterConfigError

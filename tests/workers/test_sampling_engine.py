@@ -14,7 +14,7 @@ import torch
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
 
-from conftest import PROMPTS
+from testkit.greedy import PROMPTS
 
 N = 12
 
