@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from kernels import set_cpu_kernels_enabled
 from workers.block_manager import BlockManager, BlockStats
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
@@ -117,7 +118,10 @@ class Engine:
         (workers/spec_decode/factory.py), none when speculation is off."""
         self.config = config
         path = resolve_model(config.model)
-        model, spec = load_model(path, config.torch_dtype, config.device, config.quantization)
+        if not config.cpu_kernels:
+            set_cpu_kernels_enabled(False)  # process-wide: this process runs one engine
+        model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
+                                 fused_decode=config.fused_decode)
         self.spec = spec
         if tokenizer is None:
             from transformers import AutoTokenizer
@@ -170,7 +174,9 @@ class Engine:
             if not 0 <= export_from_block < self.block_manager.blocks_needed(seq.num_prompt_tokens):
                 raise InvalidRequestError("num_cached_tokens", f"decode side holds {export_from_block} blocks of a "
                                           f"{seq.num_prompt_tokens}-token prompt: nothing left to send")
-            seq.sampling_params = replace(params, stop=())  # ends after its first token (``_accept``)
+            # One token, drawn as the colocated engine would draw it: penalties, bias, and min_tokens
+            # mask of EOS / stop ids (min_tokens >= 1 <=> the first token may not end the request).
+            seq.sampling_params = replace(params, max_tokens=1, min_tokens=min(1, params.min_tokens), stop=())
             self._exports[seq.request_id] = export_from_block
         self._register(seq)
         self.scheduler.add(seq)
@@ -308,8 +314,7 @@ class Engine:
 
     def _accept(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         """Append sampled tokens (several after a verify) one by one with the stop rules; finish the
-        request at the first that ends it (tokens after it, and their logprobs, are dropped). A
-        prefill-only request (disaggregated export) finishes after its first token."""
+        request at the first that ends it (tokens after it, and their logprobs, are dropped)."""
         p = seq.sampling_params
         detok = self._detok[seq.request_id]
         new_ids: list[int] = []
@@ -321,8 +326,7 @@ class Engine:
             delta += text
             if stopped or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
                 seq.finish_reason = FinishReason.STOP
-            elif (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
-                  or seq.request_id in self._exports):
+            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = FinishReason.LENGTH
             if seq.finish_reason is not None:
                 return self._finish(seq, new_ids, delta, logprobs and logprobs[: len(new_ids)])

@@ -38,7 +38,7 @@ from workers.parallel.groups import get_group
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 from workers.spec_decode.proposer import Draft
-from workers.spec_decode.rejection_sampler import VerifySpan, verify
+from workers.spec_decode.rejection_sampler import VerifySpan, verify_spans
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class ModelRunner:
                 k, rid, d = c.num_draft, c.request_id, drafts.get(c.request_id)
                 q = None if d is None or d.probs is None else d.probs[:k]  # [k, V]
                 vspans.append(VerifySpan(i, self._requests[rid].context(), c.token_ids[-k:], q, self._generator(rid)))
-            for (_, c), (tokens, lps) in zip(spans, verify(self.sampler, logits, vspans)):
+            for (_, c), (tokens, lps) in zip(spans, verify_spans(self.sampler, logits, vspans)):
                 out[c.request_id] = tokens
                 if lps is not None:
                     logprobs[c.request_id] = lps
@@ -212,7 +212,7 @@ class ModelRunner:
         # chunk (last token + drafts) runs as one decode row per token, each attending to the
         # context up to itself: the same kernel, per-row arithmetic and rounding as plain decoding,
         # so greedy verification reproduces plain greedy output exactly wherever the linear layers
-        # are row-invariant (the quantized kernels are; see tests/workers/test_spec_decode_engine.py).
+        # are row-invariant (the quantized kernels are; see tests/workers/spec_decode/test_spec_decode_engine.py).
         singles = [r for c in sched.chunks if len(c.token_ids) == 1 or c.num_draft for r in _decode_rows(c)]
         multis = [c for c in sched.chunks if len(c.token_ids) > 1 and not c.num_draft]
         rest, split = self.sp_split(multis)

@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from router_fakes import SCRIPT, free_port, members, pool, run_async, tok, wait_until  # noqa: F401  (fixtures)
-from router_pki import ADMIN_TOKEN, DIGEST_TOKEN, GEN_TOKEN, pki  # noqa: F401  (pki: fixture)
+from testkit.pki import ADMIN_TOKEN, DIGEST_TOKEN, GEN_TOKEN
+from testkit.router_fakes import SCRIPT, free_port, members, router_config, run_async, wait_until
 
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from router.config import RouterConfig, RouterConfigError
@@ -24,11 +24,8 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 def _config(path, **overrides) -> RouterConfig:
-    fields = dict(tokenizer_path=str(path), port=0, http_port=free_port(), max_model_len=512,
-                  policy="round_robin", load_poll_interval_s=0.05, load_poll_timeout_s=0.5,
-                  worker_failure_threshold=2, stream_failure_cooldown_s=0.3)
-    fields.update(overrides)
-    return RouterConfig(**fields)
+    return router_config(path, **{"http_port": free_port(), "load_poll_timeout_s": 0.5, "worker_failure_threshold": 2,
+                                  "stream_failure_cooldown_s": 0.3, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -367,8 +364,10 @@ def test_chat_logprobs(sdk, tok):
     content = r.choices[0].logprobs.content
     ids = _script_positions(tok, 12)
     assert len(content) == 12
-    assert [c.logprob for c in content] == pytest.approx([-(i + 1) / 8 for i in range(12)])
-    assert all([t.logprob for t in c.top_logprobs] == [-1.0, -2.0, -3.0] for c in content)
+    lps = [-0.01 * (i + 1) for i in range(12)]  # testkit.router_fakes.fake_logprob
+    assert [c.logprob for c in content] == pytest.approx(lps)
+    assert all([t.logprob for t in c.top_logprobs] == pytest.approx([lp, lp - 1, lp - 2]) for c, lp in zip(content, lps))
+    assert all(c.top_logprobs[0].token == c.token for c in content)  # the fake's most likely token is the sampled one
     # bytes are exact (a token may hold part of a character); joined they spell the completion
     spelled = b"".join(bytes(c.bytes) for c in content)  # 12 tokens end mid-character, which the text drops
     assert spelled.decode(errors="ignore") == r.choices[0].message.content and spelled.endswith(b"\xe8")
@@ -384,7 +383,7 @@ def test_completion_logprobs_streamed_and_whole(sdk, http):
     whole = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 10, "logprobs": 2}).json()
     lp = whole["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 10
-    assert lp["token_logprobs"] == pytest.approx([-(i + 1) / 8 for i in range(10)])
+    assert lp["token_logprobs"] == pytest.approx([-0.01 * (i + 1) for i in range(10)])
     assert all(len(t) <= 2 for t in lp["top_logprobs"]) and lp["text_offset"][0] == 0
     assert lp["text_offset"] == sorted(lp["text_offset"])
     streamed = list(sdk.completions.create(model=MODEL, prompt="Hi", max_tokens=10, logprobs=2, stream=True))

@@ -52,13 +52,15 @@ class VerifySpan:
     generator: torch.Generator
 
 
-def verify(sampler: Sampler, logits: torch.Tensor,
+def verify_spans(sampler: Sampler, logits: torch.Tensor,
            spans: list[VerifySpan]) -> list[tuple[list[int], list[TokenLogprob] | None]]:
     """logits [N, V] -> per span, in order: the tokens to emit (1..k+1) and, when the request asked
     for them, their logprobs."""
     rows = [replace(s.context, drafts=tuple(s.draft[:j])) for s in spans for j in range(len(s.draft) + 1)]
     index = [s.first_row + j for s in spans for j in range(len(s.draft) + 1)]
-    processed = sampler.process(logits[index], rows)  # [R, V]: every verify row, processed per position
+    plain = all(r.params.greedy and not r.params.processes_logits and r.params.top_logprobs is None for r in rows)
+    # [R, V]: every verify row, processed per position (plain greedy rows: argmax where they are)
+    processed = logits[index] if plain else sampler.process(logits[index], rows)
     argmax = processed.argmax(-1).tolist()
     out: list[tuple[list[int], list[TokenLogprob] | None]] = []
     row = 0

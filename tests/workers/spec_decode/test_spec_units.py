@@ -1,0 +1,240 @@
+"""Speculative decoding pieces without a model: verification rules (greedy, and the rejection
+sampler's losslessness as a statistical test), prompt lookup, the adaptive draft-length policy,
+and the scheduler / block manager's handling of drafts (budget, rollback of rejected slots)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.block_manager import BlockManager
+from workers.config import SchedulerConfig
+from workers.sampling_params import SamplingParams
+from workers.scheduler import Scheduler
+from workers.sequence import Sequence
+from workers.spec_decode.adaptive import DraftLengthPolicy
+from workers.spec_decode.ngram import NgramProposer, lookup
+from workers.spec_decode.proposer import DraftAsk
+from workers.spec_decode.rejection_sampler import accept_greedy, accept_sampled, target_probs
+
+
+# ------------------------------------------------------------------ greedy rule
+@pytest.mark.parametrize("argmax, draft, want", [
+    ([5, 9, 7, 4], [5, 9, 2], [5, 9, 7]),  # third draft rejected, replaced
+    ([5, 9, 2, 4], [5, 9, 2], [5, 9, 2, 4]),  # all accepted + bonus
+    ([1, 9, 2, 4], [5, 9, 2], [1]),  # first rejected: plain decoding's token
+    ([3], [], [3]),
+])
+def test_accept_greedy(argmax, draft, want):
+    assert accept_greedy(argmax, draft) == want
+
+
+# ---------------------------------------------------------- rejection sampling
+def _dists(seed: int, k: int, v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    p = torch.rand(k + 1, v, generator=g) ** 3
+    q = torch.rand(k, v, generator=g) ** 3
+    return p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+
+
+def _emitted_first(p, q, k, n, seed, deterministic=False):
+    """Distribution of the first emitted token over n trials, drafts drawn from q (or fixed)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(p.shape[1])
+    second = torch.zeros(p.shape[1])
+    n_second = 0
+    for _ in range(n):
+        if deterministic:
+            draft = [int(torch.argmax(q[i])) for i in range(k)]
+            out = accept_sampled(p, draft, None, gen)
+        else:
+            draft = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(k)]
+            out = accept_sampled(p, draft, q, gen)
+        counts[out[0]] += 1
+        if len(out) > 1 and out[0] == draft[0]:
+            second[out[1]] += 1
+            n_second += 1
+    return counts / n, second, n_second
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["sampled-draft", "deterministic-draft"])
+def test_rejection_sampling_is_lossless(deterministic):
+    """The first emitted token is distributed as p_1 whatever q is. 20,000 trials over 6 tokens:
+    the standard error of each frequency is <= sqrt(.25/20000) = 0.0035, so a tolerance of 0.015
+    (4+ standard errors) fails a wrong rule (which is off by 0.05-0.3 here) and passes the right one."""
+    k, v = 3, 6
+    p, q = _dists(0, k, v)
+    freq, _, _ = _emitted_first(p, q, k, 20_000, seed=1, deterministic=deterministic)
+    assert (freq - p[0]).abs().max().item() < 0.015, (freq, p[0])
+    # the naive rule "keep the draft if it is p's argmax, else resample from p" is detectably wrong
+    assert (q[0] - p[0]).abs().max().item() > 0.05
+
+
+def test_rejection_sampling_second_token_follows_p2():
+    """Given the first draft was accepted, the next emitted token is distributed as p_2."""
+    k, v = 2, 5
+    p, q = _dists(3, k, v)
+    _, second, n = _emitted_first(p, q, k, 30_000, seed=2)
+    assert n > 3000
+    assert ((second / n) - p[1]).abs().max().item() < 4 * (0.25 / n) ** 0.5 + 0.01
+
+
+def test_rejection_sampling_seeded_is_reproducible():
+    p, q = _dists(5, 4, 50)
+    draft = [int(torch.argmax(q[i])) for i in range(4)]
+    runs = [accept_sampled(p, draft, q, torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_target_probs_matches_sampler_filtering():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    p = target_probs(logits, SamplingParams(temperature=0.5, top_k=2))
+    assert p[0, 2:].sum() == 0 and abs(p.sum().item() - 1) < 1e-6
+
+
+# -------------------------------------------------------------------- ngram
+@pytest.mark.parametrize("tokens, k, want", [
+    ([7, 1, 2, 3, 4, 9, 1, 2], 3, [3, 4, 9]),
+    ([7, 1, 2, 3, 4, 9, 1, 2], 10, [3, 4, 9, 1, 2]),  # stops at the end of the context
+    ([1, 2, 3, 4], 2, []),  # nothing repeats
+    ([5, 5, 5], 2, [5]),  # the newest earlier match wins
+])
+def test_lookup(tokens, k, want):
+    assert lookup(tokens, k, 1, 3) == want
+
+
+def test_lookup_prefers_the_longest_ngram():
+    # "2" alone last occurred before 8; "1 2" occurred before 3
+    tokens = [1, 2, 3, 0, 2, 8, 0, 1, 2]
+    assert lookup(tokens, 1, 1, 2) == [3]
+    assert lookup(tokens, 1, 1, 1) == [8]
+
+
+def test_ngram_proposer_skips_requests_without_a_match():
+    prop = NgramProposer(1, 3)
+    drafts = prop.propose([DraftAsk("a", [1, 2, 3, 1, 2], 2, SamplingParams()), DraftAsk("b", [1, 2, 3], 2, SamplingParams())])
+    assert set(drafts) == {"a"} and drafts["a"].token_ids == [3, 1] and drafts["a"].probs is None
+
+
+# ------------------------------------------------------------------ adaptive
+def _trained(draft_per_token=0.0) -> DraftLengthPolicy:
+    pol = DraftLengthPolicy(k_max=6)
+    for n in (1, 2, 3, 5, 7, 1, 4, 6):  # a step: 20 ms + 1 ms per token
+        pol.observe_step(n, 0.020 + 0.001 * n)
+    if draft_per_token:
+        for k in (1, 2, 4, 6, 3):
+            pol.observe_draft(k, draft_per_token * k)
+    return pol
+
+
+def test_adaptive_drafts_long_windows_when_they_are_accepted():
+    pol = _trained()
+    for _ in range(20):
+        pol.observe("r", 4, 4)
+    assert pol.choose("r", 10) == 6
+
+
+def test_adaptive_stops_drafting_when_drafts_fail_and_probes_later():
+    pol = _trained(draft_per_token=0.008)
+    for _ in range(20):
+        pol.observe("r", 4, 0)
+    ks = [pol.choose("r", 10) for _ in range(16)]
+    assert ks.count(0) == 14 and ks.count(1) == 2  # a probe every 8 steps
+
+
+def test_adaptive_decodes_plainly_when_the_wait_for_drafts_costs_more_than_they_bring():
+    # draft() fits the target's measured wait (an overlapped drafter's hidden work is already out of
+    # it); it is charged in full, never discounted again by the step time
+    cheap, dear = _trained(draft_per_token=0.002), _trained(draft_per_token=0.030)
+    for pol in (cheap, dear):
+        for _ in range(20):
+            pol.observe("r", 4, 2)  # acceptance 0.5
+    assert cheap.choose("r", 10) > 0
+    assert dear.choose("r", 10) == 0  # k = 1 brings 0.5 tokens for 31 ms of a 21 ms/token decode
+
+
+def test_adaptive_does_not_probe_where_even_perfect_drafts_would_not_pay():
+    # as measured for the Qwen pair at batch 8 on 1 thread: a verify row costs what a decode row
+    # does, and every drafter call waits ~0.15 s: no acceptance can make drafting pay
+    pol = DraftLengthPolicy(k_max=6)
+    for n in (8, 16, 24, 40, 8, 32, 48, 16):
+        pol.observe_step(n, 0.001 + 0.020 * n)
+    for k in (1, 2, 4, 6, 3):
+        pol.observe_draft(k, 0.150 + 0.008 * k)
+    for _ in range(20):
+        pol.observe("r", 4, 0)
+    assert [pol.choose("r", 10, batch=8) for _ in range(16)] == [0] * 16  # no probes
+
+
+def test_adaptive_respects_the_limit_and_switch():
+    pol = _trained()
+    assert pol.choose("r", 2) <= 2 and pol.choose("r", 0) == 0
+    assert DraftLengthPolicy(k_max=3, adaptive=False).choose("x", 10) == 3
+
+
+# ------------------------------------------------- scheduler and block rollback
+def _running(sched: Scheduler, bm: BlockManager, n_prompt: int) -> Sequence:
+    seq = Sequence("s", list(range(1, n_prompt + 1)), SamplingParams(), 0)
+    sched.add(seq)
+    out = sched.schedule()
+    sched.commit(out)
+    seq.append_token(99)  # the first sampled token
+    return seq
+
+
+def test_scheduler_appends_drafts_and_rolls_back_rejected_blocks():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm)
+    seq = _running(sched, bm, 6)  # 7 tokens, 6 computed: 2 blocks
+    out = sched.schedule({"s": [11, 12, 13, 14, 15]})
+    [c] = out.chunks
+    assert c.token_ids == [99, 11, 12, 13, 14, 15] and c.num_draft == 5 and c.start_pos == 6
+    assert len(bm.block_table("s")) == 3  # 12 slots for positions 0..11
+    sched.commit(out, {"s": [11, 7]})  # one draft accepted, then the target's own token
+    assert seq.num_computed_tokens == 8  # 99 and 11 are computed now
+    assert len(bm.block_table("s")) == 2 and bm.num_free_blocks == 14  # the third block went back
+
+
+def test_scheduler_cuts_drafts_to_the_budget_and_never_preempts_for_them():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4), bm)
+    seq = _running(sched, bm, 6)
+    out = sched.schedule({"s": list(range(20, 40))})
+    assert out.chunks[0].num_draft == 5  # 1 + 5 <= 3 blocks x 4 slots - 6 computed; and the budget
+    assert not out.preempted_ids
+    sched.commit(out, {"s": [7]})
+    assert seq.num_computed_tokens == 7 and len(bm.block_table("s")) == 2
+
+
+def test_adaptive_is_timing_free_for_reproducible_requests():
+    fast, slow = _trained(), DraftLengthPolicy(k_max=6)
+    for n in (1, 3, 5, 7, 2, 4, 6, 8):
+        slow.observe_step(n, 0.001 + 0.05 * n)  # drafts very expensive here
+    for pol in (fast, slow):
+        for _ in range(5):
+            pol.observe("r", 4, 2)
+    assert slow.choose("r", 6, batch=8) < fast.choose("r", 6)  # timings matter normally ...
+    assert slow.choose("r", 6, batch=8, reproducible=True) == fast.choose("r", 6, batch=1, reproducible=True)
+
+
+# ------------------------------------------------------- verification with penalties
+def test_verify_spans_applies_penalties_per_position():
+    """Row j sees drafts[:j] as generated: a presence penalty rejects a draft repeating an earlier one."""
+    from workers.layers.penalties import RowContext
+    from workers.layers.sampler import Sampler
+    from workers.spec_decode.rejection_sampler import VerifySpan, verify_spans
+
+    logits = torch.zeros(3, 10)
+    logits[:, 3], logits[:, 4] = 1.0, 0.5  # every row prefers 3, then 4
+    gen = torch.Generator().manual_seed(0)
+    plain = SamplingParams(temperature=0.0, max_tokens=8, top_logprobs=1)
+    penal = SamplingParams(temperature=0.0, max_tokens=8, presence_penalty=2.0, top_logprobs=1)
+    spans = [VerifySpan(0, RowContext(p, [1, 2], 2, 0), [3, 3], None, gen) for p in (plain, penal)]
+    [(tokens_plain, lp_plain)] = verify_spans(Sampler(), logits, spans[:1])
+    [(tokens, lps)] = verify_spans(Sampler(), logits, spans[1:])
+    assert tokens_plain == [3, 3, 3]
+    assert tokens == [3, 4]  # row 1 counts the first draft: 3 -> 1 - 2 < 0.5
+    assert [lp.token_id for lp in lps] == [3, 4] and [t for t, _ in lps[1].top] == [4]
+    want = torch.log_softmax(torch.tensor([0, 0, 0, -1.0, 0.5, 0, 0, 0, 0, 0]), -1)[4]
+    assert lps[1].logprob == pytest.approx(float(want), abs=1e-6)
+    assert [lp.token_id for lp in lp_plain] == [3, 3, 3]
