@@ -3,7 +3,8 @@ that compare the APIs and the n fan-out side by side in one run.
 
     OpenAISender   POST /v1/chat/completions with stream=true on the router's HTTP port, the same
                    requests RouterSender sends over gRPC (the user message, max_tokens, greedy,
-                   ignore_eos); timed the same way (arrival of each SSE event that carries text);
+                   ignore_eos); timed the same way (arrival of each SSE event for a token delta,
+                   which the router sends even while the text is held back);
                    token counts come from the final usage chunk (stream_options.include_usage).
     api phase      closed loop, one request at a time, each request over gRPC and over HTTP back to
                    back (order alternating): HTTP's added TTFT and time per token, as medians of the
@@ -63,7 +64,7 @@ class OpenAISender:
                     if event.get("usage"):
                         _set_output_tokens(record, event["usage"]["completion_tokens"])
                         record.prompt_tokens = event["usage"]["prompt_tokens"]
-                    elif event["choices"] and event["choices"][0]["delta"].get("content"):
+                    elif event["choices"] and "content" in event["choices"][0]["delta"]:  # one per token delta
                         record.chunk_times.append(now)
                         record.chunk_tokens.append(1)
         except httpx.HTTPError as e:

@@ -120,8 +120,10 @@ class Renderer:
     # -- streaming ------------------------------------------------------------------------------
 
     def chunk(self, r: duet_pb2.GenerateResponse) -> dict[str, Any] | None:
-        """The chunk for one GenerateResponse, or None when it carries nothing to show (text held
-        back, no logprobs asked for, not final)."""
+        """The chunk for one GenerateResponse, or None when it carries nothing at all. A response
+        whose text is held back (a possible stop string or partial character) still gets a chunk,
+        with empty content: the client sees progress at the pace tokens are generated, as over
+        gRPC."""
         first = r.index not in self.choices
         c = self.choices.setdefault(r.index, Choice())
         final = r.HasField("finish_reason")
@@ -129,7 +131,7 @@ class Renderer:
             c.finish_reason = FINISH.get(r.finish_reason, "abort")
             self.usage.add(r.usage)
         logprobs = self._logprobs(r, c) if self.want_logprobs else None
-        if not (r.text or final or first or (logprobs and r.logprobs)):
+        if not (r.token_ids or r.text or final or first):
             return None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": r.text} if first else {"content": r.text}
