@@ -45,8 +45,8 @@ def test_bench_router_vs_direct_writes_json_and_png(smollm2_path, tok, pool, tmp
     assert o["pairs"] == 3 and len(o["raw"]["router"]) == len(o["raw"]["direct"]) == 3
     assert isinstance(o["ttft_overhead_p50_ms"], float) and isinstance(o["ttft_target_met"], bool)
     # 5 requests went through the router in the overhead phase (2 warm-up + 3) and 12 in the rate phase,
-    # (2 + 3) * 2 in the api phase (each over gRPC and HTTP), 1 + 2 * (1 + 4) in the n phase (warm-up, trials)
-    assert len(pool[0].worker.submitted) == 2 * (5 + 12) + 10 + 11
+    # (2 + 3) * 2 in the api phase (each over gRPC and HTTP), 1 + (1 + 4) in the n phase (warm-up, one trial)
+    assert len(pool[0].worker.submitted) == 2 * (5 + 12) + 10 + 6
     a = res["api_overhead"]
     assert a["pairs"] == 3 and not a["errors"] and isinstance(a["ttft_target_met"], bool)
     assert a["http_ttft_p50_ms"] > 0 and a["grpc_ttft_p50_ms"] > 0
