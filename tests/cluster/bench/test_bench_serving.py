@@ -52,7 +52,7 @@ def test_bench_router_vs_direct_writes_json_and_png(smollm2_path, tok, pool, tmp
     assert a["http_ttft_p50_ms"] > 0 and a["grpc_ttft_p50_ms"] > 0
     f = res["n_fanout"]
     assert f["trials"] == 1 and f["ratio"] > 0 and len(f["raw_ms"]["n4"]) == 1
-    assert res["api_overhead_echo"]["pairs"] == 4  # HTTP vs gRPC against the echo worker as well
+    assert res["api_overhead_echo"]["pairs"] == 3  # HTTP vs gRPC against the echo worker as well (3 pairs)
     # the echo phase ran against its own zero-compute worker and router, not the fake pool
     e = res["overhead_echo"]
     assert e["pairs"] == 4 and e["echo_gap_ms"] > 0 and e["policy"] == "prefix_aware"
