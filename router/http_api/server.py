@@ -76,7 +76,11 @@ class HttpApiServer:
 def _bind(host: str, port: int) -> socket.socket:
     bare = host.strip("[]")
     family = socket.AF_INET6 if ":" in bare else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say they are TCP.
+    # With Nagle on, an event written right after the response headers waits for the client's
+    # delayed ACK (up to 40 ms on Linux): a stall before the first streamed token.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted connections
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict; a listener is
     try:
         sock.bind((bare, port))

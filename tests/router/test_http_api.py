@@ -436,3 +436,18 @@ def test_tls_and_mtls(smollm2_path, tok, pool, pki):
         assert httpx.get(f"{r.http_url}/models", verify=ctx).status_code == 200
         with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):  # no client certificate
             httpx.get(f"{r.http_url}/models", verify=_trust(pki, "ca"))
+
+
+def test_connections_have_nagle_off(router):
+    """TCP_NODELAY on every accepted connection: with Nagle on, the first SSE event written right after
+    the response headers waits for the client's delayed ACK (up to 40 ms before the first token)."""
+    import socket
+
+    with httpx.stream("POST", f"http://{router.http_address}/v1/completions",
+                      json={"prompt": "Hi", "max_tokens": 3, "stream": True}) as r:
+        connections = list(router.server.http._uvicorn.server_state.connections)
+        assert connections
+        for conn in connections:
+            sock = conn.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        list(r.iter_lines())
