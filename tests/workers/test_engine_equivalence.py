@@ -68,3 +68,17 @@ def test_plain_torch_path_matches_kernels(llm, tokenizer, hf_greedy):
         check(llm.generate(PROMPTS, GREEDY), tokenizer, hf_greedy)
     finally:
         set_cpu_kernels_enabled(previous)
+
+
+def test_engine_config_turns_the_kernels_off(smollm2_path: Path, tokenizer, hf_greedy):
+    """EngineConfig.cpu_kernels=False (pools[].engine.cpu_kernels; DUET_DISABLE_CPU_KERNELS=1 at the
+    CLI edge) puts the engine's process on the torch references, with the same tokens."""
+    from kernels import cpu_kernels_enabled, set_cpu_kernels_enabled
+
+    previous = cpu_kernels_enabled()
+    try:
+        plain = LLM(str(smollm2_path), cpu_kernels=False, fused_decode=False, kv_cache_memory_bytes=64 << 20)
+        assert not cpu_kernels_enabled() and plain.engine.runner.model.fused_decode is False
+        check(plain.generate(PROMPTS, GREEDY), tokenizer, hf_greedy)
+    finally:
+        set_cpu_kernels_enabled(previous)
