@@ -66,6 +66,35 @@ class SchedulerConfig:
             )
 
 
+def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """CUDA-graph capture sizes by default: 1, 2, 4, 8, then every multiple of 8 up to max_num_seqs
+    (and max_num_seqs itself)."""
+    sizes = {s for s in (1, 2, 4, 8) if s <= max_num_seqs}
+    sizes.update(range(16, max_num_seqs + 1, 8))
+    sizes.add(max_num_seqs)
+    return tuple(sorted(sizes))
+
+
+def capture_sizes(enabled: bool, device: str, sizes: tuple[int, ...] | None, max_num_seqs: int) -> tuple[int, ...]:
+    """The CUDA-graph capture sizes a config implies (() when graphs are off); ConfigError naming
+    the key for graphs on a CPU device, an empty list, or a size outside 1..max_num_seqs."""
+    if not enabled:
+        return ()
+    if not device.startswith("cuda"):
+        raise ConfigError(f"cuda_graphs=true needs device cuda (got device={device!r}); set cuda_graphs to false")
+    if sizes is None:
+        return default_capture_sizes(max_num_seqs)
+    if not sizes:
+        raise ConfigError("cuda_graph_batch_sizes: must list at least one batch size (or be unset for the default)")
+    for s in sizes:
+        if not isinstance(s, int) or isinstance(s, bool) or s < 1:
+            raise ConfigError(f"cuda_graph_batch_sizes: {s!r} is not a batch size >= 1")
+        if s > max_num_seqs:
+            raise ConfigError(f"cuda_graph_batch_sizes: {s} is larger than scheduler.max_num_seqs ({max_num_seqs}); "
+                              "a decode step never has more rows than that")
+    return tuple(sorted(set(sizes)))
+
+
 MIN_DRAFT_VOCAB = 256  # a pruned drafter head keeps at least the byte tokens' worth of ids
 
 
@@ -151,6 +180,10 @@ class EngineConfig:
         tensors directly). Quantized layers need dtype float32 activations. See
         workers/layers/quant_linear.py.
     speculative: speculative decoding (see SpeculativeConfig); off by default.
+    cuda_graphs: replay decode-only steps from CUDA graphs captured at start (workers/cuda_graphs.py;
+        device cuda only, tensor parallel 1).
+    cuda_graph_batch_sizes: the batch sizes to capture (each in 1..scheduler.max_num_seqs); None =
+        1, 2, 4, 8 and multiples of 8 up to max_num_seqs. A batch between two sizes is padded up.
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -162,8 +195,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     quantization: str = "none"
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    cuda_graphs: bool = False
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.cuda_graph_batch_sizes, list):
+            object.__setattr__(self, "cuda_graph_batch_sizes", tuple(self.cuda_graph_batch_sizes))
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization={self.quantization!r}: must be one of {', '.join(QUANTIZATIONS)}")
         if self.quantization != "none" and self.dtype != "float32":
@@ -175,6 +212,12 @@ class EngineConfig:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 2 (or unset)")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"device={self.device!r}: must be 'cpu' or 'cuda[:N]'")
+        capture_sizes(self.cuda_graphs, self.device, self.cuda_graph_batch_sizes, self.scheduler.max_num_seqs)
+
+    @property
+    def graph_capture_sizes(self) -> tuple[int, ...]:
+        """The CUDA-graph capture sizes (() when cuda_graphs is off)."""
+        return capture_sizes(self.cuda_graphs, self.device, self.cuda_graph_batch_sizes, self.scheduler.max_num_seqs)
 
     @property
     def torch_dtype(self) -> torch.dtype:

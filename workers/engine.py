@@ -134,6 +134,8 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, bs, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.runner = ModelRunner(model, spec, config, num_blocks)
+        if config.cuda_graphs:
+            self.runner.capture_graphs(self.max_model_len)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
