@@ -14,6 +14,7 @@ from workers.errors import ConfigError
 
 QUANTIZATIONS = ("none", "int8", "q4")  # workers/layers/quant_linear.py
 SPEC_METHODS = ("none", "ngram", "draft_model")  # workers/spec_decode/
+DRAFTER_DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -118,6 +119,10 @@ class SpeculativeConfig:
     overlap: the drafter drafts the next window while the target verifies this one.
     draft_vocab_size: the drafter scores only this many of its tokenizer's most frequent tokens (a
         pruned LM head, workers/spec_decode/draft_vocab.py; output is unchanged); 0 = all.
+    drafter_device: where the drafter runs: 'auto' (the target's device), 'cpu' or 'cuda'. A CPU
+        drafter beside a GPU target is the heterogeneous pairing (e.g. on CPU-only nodes through
+        drafter_resources); a drafter on another device than the target computes in float32 on CPU
+        and in the target's dtype on CUDA (float32 when quantized).
     drafter_threads: compute threads of the drafter actor; 0 = its drafter_cpus. On a machine where
         target and drafter share the cores, overlap off and both using all cores (time sharing)
         can beat splitting the cores between them (benchmarks/README.md, spec_bench).
@@ -136,8 +141,12 @@ class SpeculativeConfig:
     overlap: bool = True
     draft_vocab_size: int = 0
     drafter_threads: int = 0
+    drafter_device: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.drafter_device not in DRAFTER_DEVICES:
+            raise ConfigError(f"speculative.drafter_device={self.drafter_device!r}: must be one of "
+                              f"{', '.join(DRAFTER_DEVICES)}")
         if isinstance(self.drafter_resources, dict):
             object.__setattr__(self, "drafter_resources", tuple(sorted(self.drafter_resources.items())))
         if self.method not in SPEC_METHODS:
@@ -166,6 +175,16 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+    def drafter_placement(self, target_device: str, target_dtype: str) -> tuple[str, str]:
+        """(device, dtype) of the drafter for a target on target_device / target_dtype."""
+        if self.drafter_device == "auto" or target_device.split(":")[0] == self.drafter_device:
+            device = target_device
+        else:
+            device = self.drafter_device
+        if device == "cpu" or self.draft_quantization != "none":
+            return device, "float32"  # CPU kernels and quantized layers run float32 activations
+        return device, target_dtype
 
 
 @dataclass(frozen=True)

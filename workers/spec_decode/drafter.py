@@ -90,11 +90,12 @@ class DraftEngine:
     @classmethod
     def for_target(cls, draft_model: str, quantization: str, target: EngineConfig,
                    target_vocab_size: int | None = None, draft_vocab_size: int = 0) -> DraftEngine:
-        """A drafter with the target's dtype, device and block size, and a KV budget of a quarter
-        of the target's (its model is small)."""
+        """A drafter on ``target.speculative.drafter_device`` (see SpeculativeConfig.drafter_placement)
+        with the target's block size and a KV budget of a quarter of the target's (its model is small)."""
         cache = CacheConfig(block_size=target.cache.block_size,
                             kv_cache_memory_bytes=max(target.cache.kv_cache_memory_bytes // 4, 16 << 20))
-        return cls(EngineConfig(model=draft_model, dtype=target.dtype, device=target.device,
+        device, dtype = target.speculative.drafter_placement(target.device, target.dtype)
+        return cls(EngineConfig(model=draft_model, dtype=dtype, device=device,
                                 quantization=quantization, seed=target.seed, cache=cache), target_vocab_size,
                    draft_vocab_size)
 
