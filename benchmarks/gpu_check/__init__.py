@@ -12,10 +12,11 @@ Sections, in order (benchmarks/gpu_check/<name>.py; each exposes ``run(ctx) -> d
     graphs     CUDA graphs on vs off: identical tokens; decode tok/s at batch 1, 8, 64
     speed      Qwen2.5-1.5B shape, bf16: decode tok/s at batch 1 and 32, Duet vs HF generate,
                against the bandwidth roofline (weight bytes per token / measured copy bandwidth)
+    cpu_kernels  build/load the C++ CPU kernels (the CPU drafter and CPU-only runs need them)
     pd         prefill and decode workers in two processes, KV over the gloo staging path,
                tokens equal to colocated
     spec       a CPU drafter beside a GPU target: lossless, speed against the target alone
-    grpc       the worker gRPC service (own process) and the router: 16 concurrent streams equal
+    grpc_router  the worker gRPC service (own process) and the router: 16 concurrent streams equal
                to the engine
 
 Models are built from configs with random weights (transformers' own classes, saved as

@@ -30,17 +30,22 @@ def checkpoint(ctx: Ctx, shape: str, dtype: torch.dtype) -> Path:
 
 
 def engine(path: Path, ctx: Ctx, dtype: torch.dtype, *, max_num_seqs: int = 64, cuda_graphs: bool = False,
-           graph_sizes: tuple[int, ...] | None = None, kv_bytes: int = 1 << 30, speculative=None):
+           graph_sizes: tuple[int, ...] | None = None, kv_bytes: int | None = None, speculative=None):
     from workers.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
     from workers.engine import Engine
 
     cfg = EngineConfig(model=str(path), dtype=dname(dtype), device=ctx.device, max_model_len=1024,
-                       cache=CacheConfig(kv_cache_memory_bytes=kv_bytes),
+                       cache=CacheConfig(kv_cache_memory_bytes=kv_bytes or kv_budget(ctx)),
                        scheduler=SchedulerConfig(max_num_batched_tokens=max(2048, 32 * max_num_seqs),
                                                  max_num_seqs=max_num_seqs),
                        cuda_graphs=cuda_graphs, cuda_graph_batch_sizes=graph_sizes,
                        speculative=speculative or SpeculativeConfig())
     return Engine(cfg)
+
+
+def kv_budget(ctx: Ctx) -> int:
+    """KV pool per engine: 1 GiB on a GPU, 64 MiB on CPU (tiny models; several engines share the RAM)."""
+    return 1 << 30 if ctx.cuda else 64 << 20
 
 
 def greedy(eng, prompts: list[list[int]], max_tokens: int, prefix: str = "g") -> list[list[int]]:
@@ -101,7 +106,7 @@ class WorkerProcess:
                  timeout_s: float = 120.0) -> None:
         self.ready_file = Path(ctx.work) / f"{name}-{os.getpid()}-{time.monotonic_ns()}.json"
         cmd = [sys.executable, "-m", "benchmarks.gpu_check.worker_proc", "--model", str(path), "--device", ctx.device,
-               "--dtype", dname(dtype), "--kv-backend", kv_backend, "--ready", str(self.ready_file), "--id", name]
+               "--dtype", dname(dtype), "--kv-backend", kv_backend, "--kv-bytes", str(kv_budget(ctx)), "--ready", str(self.ready_file), "--id", name]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
         while not self.ready_file.exists():

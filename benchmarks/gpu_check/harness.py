@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import platform
@@ -25,7 +26,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-SECTIONS = ("kernels", "engine_hf", "graphs", "speed", "pd", "spec", "grpc")
+SECTIONS = ("kernels", "engine_hf", "graphs", "speed", "cpu_kernels", "pd", "spec", "grpc_router")
 TOTAL_BUDGET_S = 480.0  # the whole check fits 8 minutes on one GPU
 TAIL_CHARS = 4000
 
@@ -45,6 +46,16 @@ class Ctx:
 
     def deadline(self, started: float, frac: float = 0.9) -> float:
         return started + frac * self.budget_s
+
+
+BLOCK_ENV = "DUET_GPU_CHECK_BLOCK_MODULES"  # set by --simulate-bare; inherited by every section process
+
+
+def apply_module_blocks() -> None:
+    """Make the modules named in $DUET_GPU_CHECK_BLOCK_MODULES unimportable in this process (a bare
+    GPU machine has no ray, gguf or accelerate: importing one must fail here as it would there)."""
+    for name in filter(None, os.environ.get(BLOCK_ENV, "").split(",")):
+        sys.modules[name.strip()] = None  # type: ignore[assignment]  # `import name` raises ImportError
 
 
 def default_out() -> Path:
@@ -71,7 +82,8 @@ def environment() -> dict:
             env["cuda"] = torch.version.cuda
     except Exception as e:  # noqa: BLE001
         env["cuda_available"] = f"unknown ({e})"
-    env["ray_importable"] = importlib.util.find_spec("ray") is not None
+    env["ray_importable"] = importlib.util.find_spec("ray") is not None and "ray" not in os.environ.get(BLOCK_ENV, "")
+    env["blocked_modules"] = os.environ.get(BLOCK_ENV, "")
     return env
 
 
@@ -149,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="auto: cuda when torch sees a GPU, else cpu (CUDA-only sections are then skipped)")
     ap.add_argument("--tiny", action="store_true", help="2-layer model shapes (quick CPU runs, CI)")
     ap.add_argument("--total-budget", type=float, default=TOTAL_BUDGET_S, help="seconds for all sections together")
+    ap.add_argument("--simulate-bare", action="store_true",
+                    help="make ray, gguf and accelerate unimportable in every section process (what the bare GPU "
+                         "machine lacks), to prove the check does not need them")
     ap.add_argument("--work", type=Path, default=None, help="checkpoint dir shared by the sections (default: a temp dir)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--ctx", help=argparse.SUPPRESS)
@@ -157,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return child(args.child, Ctx(**json.loads(args.ctx)), args.result)
 
+    if args.simulate_bare:
+        os.environ[BLOCK_ENV] = "ray,gguf,accelerate"
     names = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in names if s not in SECTIONS]
     if unknown:

@@ -48,7 +48,7 @@ def run(ctx) -> dict:
     _, plain_rate = _timed(plain, ctx, prompts[:1], "p")
     target_cfg = plain.config
     del plain
-    spec_engine_cfg = target_cfg.__class__(**{**target_cfg.__dict__, "speculative": spec_cfg})
+    spec_engine_cfg = dataclasses.replace(target_cfg, speculative=spec_cfg)
     drafter = DraftEngine.for_target(str(path), "none", spec_engine_cfg, None)
     server, endpoint = serve_drafter(drafter)
     try:

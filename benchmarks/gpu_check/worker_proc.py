@@ -16,7 +16,7 @@ async def serve(args: argparse.Namespace) -> None:
     from workers.service import start_worker_server
 
     cfg = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=1024,
-                       cache=CacheConfig(kv_cache_memory_bytes=1 << 30),
+                       cache=CacheConfig(kv_cache_memory_bytes=args.kv_bytes),
                        scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64))
     server = await start_worker_server(cfg, worker_id=args.id, kv_transfer_backend=args.kv_backend)
     tmp = Path(args.ready).with_suffix(".tmp")
@@ -28,11 +28,15 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    from benchmarks.gpu_check.harness import apply_module_blocks
+
+    apply_module_blocks()
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--kv-backend", default="auto")
+    ap.add_argument("--kv-bytes", type=int, default=1 << 30)
     ap.add_argument("--ready", required=True)
     ap.add_argument("--id", default="w")
     args = ap.parse_args()
