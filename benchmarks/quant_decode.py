@@ -22,7 +22,7 @@ Sides (one at a time, never concurrently, 2 threads each):
 
 Figures (definitions as in benchmarks/engine_throughput.py):
     batch-1 decode tok/s   (N - 1) / (T_N - median T_1), one ~20-token prompt, N new tokens; median
-                           over repeats. Both llama.cpp builds run with n_batch=512 (the issue reports the
+                           over repeats. Both llama.cpp builds run with n_batch=512 (an earlier report had the
                            native build crashing on batches of 2+ tokens; 0.3.36 did not here, and a
                            crash would be recorded per figure).
     C=k total tok/s        k * N / wall time for k different prompts (10-60 tokens), prefill included.

@@ -2,8 +2,8 @@
 
 The sources are `kernels/csrc/*.cpp`; torch's JIT builder (`torch.utils.cpp_extension.load`, which
 needs a C++ compiler and `ninja`) compiles them into `$DUET_CACHE_DIR/kernels` (default
-`~/.cache/duet/kernels`): ~40 s the first time on 2 cores, then only when a source changes, and a
-load from the cache takes well under a second. The binary is built without `-march`; each kernel picks
+`~/.cache/duet/kernels`): the first time, then only when a source changes; later runs load the
+binary from the cache. The binary is built without `-march`; each kernel picks
 AVX-512, AVX2+FMA or scalar code at run time from what the CPU reports, so a cache built on one x86
 machine runs on another.
 

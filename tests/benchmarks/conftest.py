@@ -1,6 +1,19 @@
-"""The serving benchmark runs against the router tests' in-process fake workers."""
+"""The serving benchmark runs against the router tests' in-process fake workers
+(tests/testkit/router_fakes.py)."""
 
-import sys
-from pathlib import Path
+from __future__ import annotations
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "router"))  # router_fakes
+import pytest
+
+from testkit.router_fakes import fake_pool, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_path):
+    return load_tokenizer(str(smollm2_path))
+
+
+@pytest.fixture(scope="module")
+def pool(tok):
+    with fake_pool(tok) as servers:
+        yield servers

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from router_fakes import members, pool, tok  # noqa: F401  (shared fixtures)
+from testkit.router_fakes import members
 
 from benchmarks.serving_bench import main, parse_rates
 from router.config import RouterConfig

@@ -24,6 +24,18 @@ def test_example_file_loads_and_documents_the_defaults():
     for key in ("model:", "pools:", "router:", "ray:", "controller:", "kv_cache_memory_bytes", "placement_strategy"):
         assert key in text
 
+    def leaves(node, prefix=""):
+        for k, v in node.items():
+            if isinstance(v, dict) and v and k not in ("policy_options", "resources_per_rank", "drafter_resources"):
+                yield from leaves(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}"
+    config = DuetConfig().to_dict()
+    config.pop("autoscaling")  # documented in its own commented block
+    pool = config.pop("pools")[0]
+    undocumented = [k for k in [*leaves(config), *leaves(pool)] if f"{k.rsplit('.', 1)[-1]}:" not in text]
+    assert undocumented == []
+
 
 def test_defaults_without_file_or_env():
     c = load_config(env={})

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
-from helm_tools import CHART, RELEASE, by_kind, loaded_config, one, ray_node_types, render, run_helm
+from testkit.helm_tools import CHART, RELEASE, by_kind, loaded_config, one, ray_node_types, render, run_helm
 
 from cluster.pools import rank_bundle
 

@@ -6,7 +6,7 @@ seen). Eligible: CPU fp32 activations, one tensor-parallel rank, every layer a d
 with fp32, int8 or q4 projections, and the C++ kernels loaded. ``LlamaForCausalLM.forward`` then
 uses it for decode-only steps (one new token per sequence, no ring chunk): plain decoding,
 continuous batching of decodes and speculative verification rows (which run as decode rows). The
-result is bit-identical to the module path (tests/workers/test_decode_stack.py); prefill and mixed
+result is bit-identical to the module path (tests/workers/models/test_decode_stack.py); prefill and mixed
 steps keep the module path, where the kernel time dwarfs the Python overhead.
 
 ``DUET_FUSED_DECODE=0`` turns it off (A/B measurements, debugging); any value other than 0 or 1 is

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from ep_cases import generate
-from mixtral_tiny import prefill_logits
+from testkit.ep_cases import generate
+from testkit.mixtral_tiny import prefill_logits
 from workers.llm import LLM
 from workers.parallel.gang import GangLeader, follow
 from workers.parallel.groups import get_group

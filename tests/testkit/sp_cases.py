@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ep_cases import generate
-from tp_cases import make_llm, run_gang, transports
+from testkit.ep_cases import generate
+from testkit.tp_cases import make_llm, run_gang, transports
 from workers.scheduler import ScheduledChunk
 
 

@@ -16,7 +16,7 @@ from workers.spec_decode.draft_model import DraftModelProposer
 from workers.spec_decode.drafter import DraftEngine
 from workers.spec_decode.drafter_service import endpoint_connector, serve_drafter
 
-from conftest import PROMPTS
+from testkit.greedy import PROMPTS
 
 # Repetitive and code prompts (where drafts get accepted) next to the shared ones (where few are).
 SPEC_PROMPTS = PROMPTS + [

@@ -20,18 +20,20 @@ deadlines, cancellations. Knobs (set from the test thread, read on the worker lo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
+from router.config import RouterConfig
 
 SCRIPT = "Héllo wörld! 日本語のテキスト 🙂 The quick brown fox jumps over the lazy dog. Ünïcödé ✓ done"  # noqa: E501
 WORKER_HEALTH = "duet.worker.v1.Worker"
@@ -205,6 +207,12 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = 
         time.sleep(0.01)
 
 
+def router_config(tokenizer_path: Path | str, **overrides: Any) -> RouterConfig:
+    """A router config for tests: any free port, round-robin, a fast load poll."""
+    return RouterConfig(tokenizer_path=str(tokenizer_path), port=0, max_model_len=512, policy="round_robin",
+                        load_poll_interval_s=0.05, **overrides)
+
+
 def members(servers: list[FakeWorkerServer]) -> list[tuple[str, str]]:
     return [(s.worker.worker_id, s.endpoint) for s in servers]
 
@@ -222,16 +230,14 @@ def run_async(coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
     return _client_loop.run(coro, timeout)
 
 
-@pytest.fixture(scope="module")
-def tok(smollm2_path):
-    return load_tokenizer(str(smollm2_path))
-
-
-@pytest.fixture(scope="module")
-def pool(tok):
+@contextlib.contextmanager
+def fake_pool(tokenizer: Any, n: int = 2) -> Iterator[list[FakeWorkerServer]]:
+    """``n`` fake workers serving on one background loop, stopped on exit (the ``pool`` fixtures)."""
     lt = LoopThread()
-    servers = start_fake_pool(lt, tok, 2)
-    yield servers
-    for s in servers:
-        s.stop_sync()
-    lt.close()
+    servers = start_fake_pool(lt, tokenizer, n)
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            s.stop_sync()
+        lt.close()

@@ -39,7 +39,7 @@ from workers.models.loader import iter_safetensors, load_model
 from workers.models.scoring import next_token_logits, perplexity
 from workers.sampling_params import SamplingParams
 
-SAMPLE = Path(__file__).resolve().parents[1] / "data" / "public_domain_sample.txt"
+SAMPLE = Path(__file__).resolve().parents[2] / "data" / "public_domain_sample.txt"
 # Varied user turns (facts, code, story, arithmetic, translation, French, lists, SQL), chat-templated.
 CHAT_PROMPTS = [
     "What is the capital of France?",

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from ep_cases import ep_rank
-from mixtral_tiny import prefill_logits
+from testkit.ep_cases import ep_rank
+from testkit.mixtral_tiny import prefill_logits
 from workers.llm import LLM
 from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
@@ -67,7 +67,7 @@ def test_matches_hf(tiny_qwen2_moe):
 
 
 def test_ep2_matches_single_rank(tiny_qwen2_moe):
-    from ep_cases import generate, make_llm
+    from testkit.ep_cases import generate, make_llm
 
     single = make_llm(str(tiny_qwen2_moe))
     logits = prefill_logits(single.engine, PROMPTS).numpy()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixtral_tiny import prefill_logits, save_tiny_mixtral
+from testkit.mixtral_tiny import prefill_logits, save_tiny_mixtral
 from workers.errors import CheckpointError
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams

@@ -20,10 +20,10 @@ import time
 import pytest
 import torch
 
-from shm_cases import all_reduce_rank, all_to_all_rank, broadcast_rank, gather_rank, hold_segment, transport_rank
+from testkit.shm_cases import all_reduce_rank, all_to_all_rank, broadcast_rank, gather_rank, hold_segment, transport_rank
 from workers.errors import ConfigError
 from workers.parallel import shm_comm, shm_segment
-from workers.parallel.groups import ParallelConfig, comm_mode
+from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
 
 pytestmark = pytest.mark.skipif(not shm_segment.supported(), reason="shared-memory collectives need x86-64 Linux")
@@ -63,10 +63,9 @@ def test_selection_and_no_leaked_files():
         assert (res["tp"], res["sp"]) == ("gloo", "none")
 
 
-def test_bad_comm_mode_is_a_config_error(monkeypatch):
-    monkeypatch.setenv("DUET_COMM", "tcp")
-    with pytest.raises(ConfigError, match="DUET_COMM"):
-        comm_mode()
+def test_bad_comm_mode_is_a_config_error():
+    with pytest.raises(ConfigError, match="comm='tcp': must be one of auto, shm, gloo"):
+        ParallelConfig(tp_size=2, comm="tcp")
 
 
 def test_stale_segment_of_a_dead_creator_is_swept():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mixtral_tiny import prefill_logits
+from testkit.mixtral_tiny import prefill_logits
 from workers.llm import LLM
 from workers.parallel.expert_placement import ExpertPlacement
 from workers.parallel.gang import GangLeader, follow

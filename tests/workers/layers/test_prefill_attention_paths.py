@@ -20,8 +20,7 @@ from workers.models.config import ModelSpec
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledChunk
 
-from conftest import NEW_TOKENS, PROMPTS
-from test_engine_equivalence import check
+from testkit.greedy import NEW_TOKENS, PROMPTS, check
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from quant_tp_cases import (
+from testkit.quant_tp_cases import (
     HEAD_DIM,
     HEADS,
     HIDDEN,
@@ -36,7 +36,7 @@ from quant_tp_cases import (
     quant_tp_rank,
     run_model,
 )
-from tp_cases import TINY_QWEN2, make_llm, save_tiny_qwen2
+from testkit.tp_cases import TINY_QWEN2, make_llm, save_tiny_qwen2
 from workers.layers.quant_linear import QuantizedWeight, QuantLinear, QuantMergedLinear, quantize
 from workers.models.assets import gguf_source
 from workers.parallel.groups import ParallelConfig

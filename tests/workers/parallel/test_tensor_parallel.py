@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ep_cases import generate
-from mixtral_tiny import prefill_logits
-from tp_cases import make_llm, save_tiny_qwen2, tp_rank
+from testkit.ep_cases import generate
+from testkit.mixtral_tiny import prefill_logits
+from testkit.tp_cases import make_llm, save_tiny_qwen2, tp_rank
 from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
 

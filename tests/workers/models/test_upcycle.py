@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixtral_tiny import prefill_logits
+from testkit.mixtral_tiny import prefill_logits
 from workers.llm import LLM
 from workers.models.upcycle import upcycle
 

@@ -25,7 +25,7 @@ from workers.errors import CheckpointError, DuetError, ModelNotFoundError
 from workers.models import assets
 from workers.models.assets import MARKER, SMOLLM2_NAME, default_cache_dir, prepare_smollm2, resolve_model
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 logger = logging.getLogger(__name__)
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from ep_cases import generate
+from testkit.ep_cases import generate
 from kernels.linear import linear
-from mixtral_tiny import prefill_logits
-from tp_cases import make_llm, run_gang
+from testkit.mixtral_tiny import prefill_logits
+from testkit.tp_cases import make_llm, run_gang
 from workers.errors import ConfigError
 from workers.layers.quant_linear import QuantLinear, quantize
 from workers.layers.quant_parallel import (

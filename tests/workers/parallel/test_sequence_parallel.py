@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from sp_cases import single_rank_reference, sp_rank
-from tp_cases import save_tiny_qwen2
+from testkit.sp_cases import single_rank_reference, sp_rank
+from testkit.tp_cases import save_tiny_qwen2
 from workers.layers import ring_attention
 from workers.layers.ring_attention import full_attention_lse, zigzag_pieces
 from workers.parallel.groups import ParallelConfig

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from ep_cases import ep_auto_rebalance_rank, ep_rank, generate, make_llm
-from mixtral_tiny import prefill_logits, save_tiny_mixtral
+from testkit.ep_cases import ep_auto_rebalance_rank, ep_rank, generate, make_llm
+from testkit.mixtral_tiny import prefill_logits, save_tiny_mixtral
 from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mixtral_tiny import save_tiny_mixtral
+from testkit.mixtral_tiny import save_tiny_mixtral
 
 from workers.errors import ConfigError
 from workers.llm import LLM

@@ -6,7 +6,7 @@ No network and no 1.6 GB download: every test builds synthetic part packages in 
 like the real wheels (``<module>/__init__.py`` + ``<module>/data/partNN.bin``), whose ``__init__``
 raises, so a test fails if any code of a part package runs. The GGUF -> safetensors conversion
 is replaced by a small writer where the marker logic is tested on its own; the last test runs the
-real conversion and the engine on a tiny random Qwen2 GGUF (tests/workers/tiny_gguf.py).
+real conversion and the engine on a tiny random Qwen2 GGUF (tests/testkit/tiny_gguf.py).
 benchmarks/qwen_check.py checks the real models.
 """
 
@@ -31,9 +31,9 @@ from workers.models.assets import MARKER, resolve_model
 from workers.models.qwen_assets import (QWEN_CODER_05B, QWEN_CODER_15B, SplitGGUF, canonical_name, joined_gguf,
                                         prepare_qwen)
 
-from tiny_gguf import write_tiny_qwen2_gguf
+from testkit.tiny_gguf import write_tiny_qwen2_gguf
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 DIST = "duet-fake-model-part{}"
 
 
