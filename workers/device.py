@@ -1,0 +1,67 @@
+"""Device and dtype resolution: what a pool's ``device: auto | cpu | cuda`` and ``dtype: auto`` mean
+on the node a rank lands on. Pure functions of their inputs (what the config says, how many GPUs
+Ray assigned the rank, whether torch sees CUDA, the checkpoint's torch_dtype), so every branch is
+tested without a GPU; the rank actor calls them with the node's facts before it builds an engine.
+
+    resolve_device("auto", gpus=1, cuda_available=True)   -> "cuda"
+    resolve_device("auto", gpus=0, cuda_available=True)   -> "cpu"     (the pool reserves no GPU)
+    resolve_device("auto", gpus=1, cuda_available=False)  -> ConfigError naming the key
+    resolve_dtype("auto", "cuda", "bfloat16")             -> "bfloat16" (the checkpoint's)
+    resolve_dtype("auto", "cpu", "bfloat16")              -> "float32"  (what the CPU kernels run)
+"""
+
+from __future__ import annotations
+
+from workers.config import DTYPES
+from workers.errors import ConfigError
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(requested: str, *, gpus: float, cuda_available: bool, key: str = "device",
+                   visible_gpus: int | None = None) -> str:
+    """'cpu' or 'cuda' for a rank that Ray gave ``gpus`` GPUs (0 when its pool reserves none).
+
+    auto: cuda when the rank holds GPUs and CUDA is present; a rank holding GPUs on a node without
+    CUDA is an error (its pod reserved GPUs the engine could not use). cuda: needs CUDA and, when
+    known, at least one visible GPU. A 'cuda:N' index is kept as given."""
+    base = requested.split(":")[0]
+    if base not in DEVICES or (":" in requested and (base != "cuda" or not requested.split(":")[1].isdigit())):
+        raise ConfigError(f"{key}={requested!r}: must be one of auto, cpu, cuda (or cuda:N)")
+    if gpus < 0:
+        raise ConfigError(f"{key}: a rank cannot hold {gpus} GPUs")
+    if base == "cpu":
+        return "cpu"
+    if not cuda_available:
+        if base == "cuda":
+            raise ConfigError(f"{key}={requested!r}: this node has no CUDA device (torch.cuda.is_available() is "
+                              "False); set device to cpu or auto, or run the pool on GPU nodes")
+        if gpus > 0:
+            raise ConfigError(f"{key}=auto: the pool reserves {gpus:g} GPU(s) per rank but this node has no CUDA "
+                              "device; set gpus_per_rank to 0 or run the pool on GPU nodes")
+        return "cpu"
+    if visible_gpus is not None and visible_gpus < 1 and (base == "cuda" or gpus > 0):
+        raise ConfigError(f"{key}={requested!r}: CUDA is present but no GPU is visible to this rank "
+                          "(CUDA_VISIBLE_DEVICES); reserve GPUs with gpus_per_rank")
+    if base == "auto":
+        return "cuda" if gpus > 0 else "cpu"
+    return requested
+
+
+def resolve_dtype(requested: str, device: str, checkpoint_dtype: str | None, *, key: str = "dtype") -> str:
+    """auto: the checkpoint's torch_dtype on CUDA (bfloat16 when it names none we run), float32 on
+    CPU; an explicit dtype is kept."""
+    if requested == "auto":
+        if not device.startswith("cuda"):
+            return "float32"
+        return checkpoint_dtype if checkpoint_dtype in DTYPES else "bfloat16"
+    if requested not in DTYPES:
+        raise ConfigError(f"{key}={requested!r}: must be auto or one of {', '.join(DTYPES)}")
+    return requested
+
+
+def check_gpu_count(gpus: float, visible: int, *, key: str = "gpus_per_rank") -> None:
+    """A rank asking for more whole GPUs than the node shows is refused at start, naming the key."""
+    if gpus > visible:
+        raise ConfigError(f"{key}={gpus:g}: this node shows {visible} GPU(s) to the rank; lower {key} or "
+                          "schedule the pool on nodes with more GPUs")
