@@ -96,7 +96,7 @@ def capture_sizes(enabled: bool, device: str, sizes: tuple[int, ...] | None, max
     the key for graphs on a CPU device, an empty list, or a size outside 1..max_num_seqs."""
     if not enabled:
         return ()
-    if not device.startswith("cuda"):
+    if not (device.startswith("cuda") or device == "auto"):  # auto: checked again once resolved
         raise ConfigError(f"cuda_graphs=true needs device cuda (got device={device!r}); set cuda_graphs to false")
     if sizes is None:
         return default_capture_sizes(max_num_seqs)
@@ -214,6 +214,11 @@ class EngineConfig:
 
     model: a local HF checkpoint directory or the alias of an embedded model
         ('SmolLM2-135M-Instruct').
+    device: 'auto' (cuda when this process holds GPUs - a Ray rank the GPUs Ray assigned it, any
+        other process the GPUs torch sees - else cpu), 'cpu' or 'cuda[:N]'; resolved once at engine
+        start by workers/device.py, and 'cuda' on a node without CUDA is refused there.
+    dtype: 'auto' (the checkpoint's torch_dtype on CUDA, float32 on CPU or with quantization),
+        float32, bfloat16 or float16.
     max_model_len: context limit (prompt + output); None = the model's own limit.
     quantization: weights of the decoder's linear layers: 'none' (dtype), 'int8' (per-output-channel
         scales) or 'q4' (4-bit blocks of 32, GGUF Q4_1 math; a GGUF-sourced model loads its 4-bit
@@ -233,8 +238,8 @@ class EngineConfig:
     """
 
     model: str = "SmolLM2-135M-Instruct"
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = "auto"
+    device: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -254,15 +259,16 @@ class EngineConfig:
                               "directory")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization={self.quantization!r}: must be one of {', '.join(QUANTIZATIONS)}")
-        if self.quantization != "none" and self.dtype != "float32":
+        if self.quantization != "none" and self.dtype not in ("float32", "auto"):
             raise ConfigError(f"quantization={self.quantization!r} with dtype={self.dtype!r}: quantized weights "
                               "run with float32 activations; set dtype to float32 or quantization to none")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}: must be auto or one of {', '.join(DTYPES)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 2 (or unset)")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ConfigError(f"device={self.device!r}: must be 'cpu' or 'cuda[:N]'")
+        if not (self.device in ("auto", "cpu") or self.device == "cuda" or
+                (self.device.startswith("cuda:") and self.device[5:].isdigit())):
+            raise ConfigError(f"device={self.device!r}: must be 'auto', 'cpu' or 'cuda[:N]'")
         capture_sizes(self.cuda_graphs, self.device, self.cuda_graph_batch_sizes, self.scheduler.max_num_seqs)
 
     @property
@@ -271,9 +277,15 @@ class EngineConfig:
         return capture_sizes(self.cuda_graphs, self.device, self.cuda_graph_batch_sizes, self.scheduler.max_num_seqs)
 
     @property
+    def resolved(self) -> bool:
+        """device and dtype name concrete values (not 'auto'; see workers/device.py)."""
+        return self.device != "auto" and self.dtype != "auto"
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         import torch
 
+        assert self.dtype != "auto", "dtype 'auto' is resolved first (workers.device.resolve_engine_config)"
         return getattr(torch, self.dtype)
 
 

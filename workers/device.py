@@ -12,7 +12,11 @@ tested without a GPU; the rank actor calls them with the node's facts before it 
 
 from __future__ import annotations
 
-from workers.config import DTYPES
+import dataclasses
+import json
+from pathlib import Path
+
+from workers.config import DTYPES, EngineConfig
 from workers.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -48,11 +52,12 @@ def resolve_device(requested: str, *, gpus: float, cuda_available: bool, key: st
     return requested
 
 
-def resolve_dtype(requested: str, device: str, checkpoint_dtype: str | None, *, key: str = "dtype") -> str:
+def resolve_dtype(requested: str, device: str, checkpoint_dtype: str | None, *, key: str = "dtype",
+                  quantization: str = "none") -> str:
     """auto: the checkpoint's torch_dtype on CUDA (bfloat16 when it names none we run), float32 on
-    CPU; an explicit dtype is kept."""
+    CPU and for quantized weights (their kernels take float32 activations); an explicit dtype is kept."""
     if requested == "auto":
-        if not device.startswith("cuda"):
+        if not device.startswith("cuda") or quantization != "none":
             return "float32"
         return checkpoint_dtype if checkpoint_dtype in DTYPES else "bfloat16"
     if requested not in DTYPES:
@@ -65,3 +70,38 @@ def check_gpu_count(gpus: float, visible: int, *, key: str = "gpus_per_rank") ->
     if gpus > visible:
         raise ConfigError(f"{key}={gpus:g}: this node shows {visible} GPU(s) to the rank; lower {key} or "
                           "schedule the pool on nodes with more GPUs")
+
+
+def checkpoint_dtype(model_dir: Path) -> str | None:
+    """The ``torch_dtype`` (or ``dtype``) a checkpoint's config.json names, if any."""
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = cfg.get("torch_dtype") or cfg.get("dtype")
+    return value if isinstance(value, str) else None
+
+
+def resolve_engine_config(config: EngineConfig, *, gpus: float, cuda_available: bool, visible_gpus: int | None,
+                          model_dtype: str | None) -> EngineConfig:
+    """``config`` with device and dtype resolved (re-validated: e.g. cuda_graphs on a device that
+    resolved to cpu is refused naming cuda_graphs)."""
+    device = resolve_device(config.device, gpus=gpus, cuda_available=cuda_available, visible_gpus=visible_gpus)
+    dtype = resolve_dtype(config.dtype, device, model_dtype, quantization=config.quantization)
+    if (device, dtype) == (config.device, config.dtype):
+        return config
+    return dataclasses.replace(config, device=device, dtype=dtype)
+
+
+def resolve_for_process(config: EngineConfig, model_dir: Path, gpus: float | None = None) -> EngineConfig:
+    """Resolve with this process's facts: ``gpus`` the GPUs Ray assigned this rank (None outside
+    Ray: the GPUs torch sees count as held)."""
+    if config.resolved and not config.device.startswith("cuda"):
+        return config
+    import torch
+
+    cuda = torch.cuda.is_available()
+    visible = torch.cuda.device_count() if cuda else 0
+    held = float(visible) if gpus is None else gpus
+    model_dtype = checkpoint_dtype(model_dir) if config.dtype == "auto" else None
+    return resolve_engine_config(config, gpus=held, cuda_available=cuda, visible_gpus=visible, model_dtype=model_dtype)

@@ -36,7 +36,7 @@ import torch
 from workers.block_manager import BlockManager, BlockStats
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
-from workers.device import resolve_device
+from workers.device import resolve_for_process
 from workers.errors import InvalidRequestError
 from workers.kv_transfer import KVLayout
 from workers.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
@@ -110,10 +110,9 @@ class Engine:
     def __init__(self, config: EngineConfig, tokenizer: Any | None = None, proposer: Proposer | None = None) -> None:
         """proposer: the speculative-decoding drafter; default: built from ``config.speculative``
         (workers/spec_decode/factory.py), none when speculation is off."""
-        self.config = config
-        # device cuda on a node without CUDA: a clear refusal naming the key, not a crash in torch
-        resolve_device(config.device, gpus=0, cuda_available=config.device == "cpu" or torch.cuda.is_available())
         path = resolve_model(config.model)
+        # device/dtype 'auto' -> concrete values; device cuda without CUDA is refused naming the key
+        self.config = config = resolve_for_process(config, path)
         model, spec = load_model(path, config.torch_dtype, config.device, config.quantization)
         self.spec = spec
         if tokenizer is None:

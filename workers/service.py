@@ -52,7 +52,7 @@ from workers.disagg import Disaggregation, PrefillRejected, RemotePrefillError
 from workers.engine import Engine, KVCapacityError, RequestOutput
 from workers.engine_loop import EngineLimits, EngineLoop, LoadSnapshot, WorkerUnavailableError
 from workers.errors import InvalidRequestError
-from workers.kv_transfer import resolve_kv_backend
+from workers.kv_transfer import KV_BACKENDS
 from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -283,7 +283,8 @@ async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.
     make_engine: builds the engine on the engine thread (default ``Engine(engine_config)``; a gang
     leader also joins its process group there, see workers/parallel/gang_actor.py).
     """
-    resolve_kv_backend(kv_transfer_backend, engine_config.device)  # a bad value fails before the engine loads
+    if kv_transfer_backend not in KV_BACKENDS:  # fails before the engine loads; the device is checked once resolved
+        raise ValueError(f"kv_transfer_backend={kv_transfer_backend!r}: must be one of {', '.join(KV_BACKENDS)}")
     loop = asyncio.get_running_loop()
     build = make_engine or (lambda: Engine(engine_config))
     engine = EngineLoop(lambda: _warmed_up(build()), loop, num_threads=num_threads)

@@ -52,3 +52,31 @@ def test_gpu_count() -> None:
     check_gpu_count(0.5, 1)
     with pytest.raises(ConfigError, match=r"pools\[1\].gpus_per_rank=4: this node shows 2 GPU"):
         check_gpu_count(4, 2, key="pools[1].gpus_per_rank")
+
+
+def test_resolve_engine_config() -> None:
+    from workers.config import EngineConfig
+    from workers.device import resolve_engine_config
+
+    gpu = dict(gpus=1, cuda_available=True, visible_gpus=1)
+    cfg = resolve_engine_config(EngineConfig(), **gpu, model_dtype="bfloat16")
+    assert (cfg.device, cfg.dtype, cfg.resolved) == ("cuda", "bfloat16", True)
+    cpu = resolve_engine_config(EngineConfig(), gpus=0, cuda_available=False, visible_gpus=0, model_dtype="bfloat16")
+    assert (cpu.device, cpu.dtype) == ("cpu", "float32")
+    assert resolve_engine_config(EngineConfig(quantization="q4"), **gpu, model_dtype="bfloat16").dtype == "float32"
+    with pytest.raises(ConfigError, match="cuda_graphs=true needs device cuda \\(got device='cpu'\\)"):
+        resolve_engine_config(EngineConfig(cuda_graphs=True), gpus=0, cuda_available=False, visible_gpus=0,
+                              model_dtype=None)
+
+
+def test_engine_refuses_cuda_without_cuda(smollm2_path) -> None:
+    """device cuda on this CPU-only machine: refused at engine start, naming the key."""
+    import torch
+
+    from workers.config import EngineConfig
+    from workers.engine import Engine
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="device='cuda': this node has no CUDA device"):
+        Engine(EngineConfig(model=str(smollm2_path), device="cuda"))

@@ -31,6 +31,7 @@ import torch
 from workers.block_manager import BlockManager
 from workers.config import CacheConfig, EngineConfig
 from workers.model_runner import ModelRunner, kv_bytes_per_block
+from workers.device import resolve_for_process
 from workers.models.assets import resolve_model
 from workers.models.loader import load_model
 from workers.sampling_params import SamplingParams
@@ -66,6 +67,7 @@ class DraftEngine:
 
     def __init__(self, config: EngineConfig, vocab_size: int | None = None, draft_vocab_size: int = 0) -> None:
         path = resolve_model(config.model)
+        config = resolve_for_process(config, path)
         model, spec = load_model(path, config.torch_dtype, config.device, config.quantization)
         bs = config.cache.block_size
         num_blocks = config.cache.num_blocks or config.cache.kv_cache_memory_bytes // kv_bytes_per_block(
