@@ -101,13 +101,13 @@ def capture_sizes(enabled: bool, device: str, sizes: tuple[int, ...] | None, max
     if sizes is None:
         return default_capture_sizes(max_num_seqs)
     if not sizes:
-        raise ConfigError("cuda_graph_batch_sizes: must list at least one batch size (or be unset for the default)")
+        raise ConfigError("cuda_graph_batch_sizes=[]: must list at least one batch size (or be unset for the default)")
     for s in sizes:
         if not isinstance(s, int) or isinstance(s, bool) or s < 1:
-            raise ConfigError(f"cuda_graph_batch_sizes: {s!r} is not a batch size >= 1")
+            raise ConfigError(f"cuda_graph_batch_sizes={list(sizes)}: {s!r} is not a batch size >= 1")
         if s > max_num_seqs:
-            raise ConfigError(f"cuda_graph_batch_sizes: {s} is larger than scheduler.max_num_seqs ({max_num_seqs}); "
-                              "a decode step never has more rows than that")
+            raise ConfigError(f"cuda_graph_batch_sizes={list(sizes)}: {s} is larger than scheduler.max_num_seqs "
+                              f"({max_num_seqs}); a decode step never has more rows than that")
     return tuple(sorted(set(sizes)))
 
 
