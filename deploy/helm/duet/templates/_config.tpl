@@ -192,13 +192,14 @@ grpc: {port: {{ $v.router.port }}}
 {{- range (include "duet.pools" . | fromJsonArray) }}
 {{- $engine := dict "block_size" (int .engine.blockSize) "kv_cache_memory_bytes" (toString .engine.kvCacheMemory)
       "max_num_batched_tokens" (int .engine.maxNumBatchedTokens) "max_num_seqs" (int .engine.maxNumSeqs)
-      "enable_prefix_caching" .engine.enablePrefixCaching }}
+      "enable_prefix_caching" .engine.enablePrefixCaching "device" (.engine.device | default "auto")
+      "cuda_graphs" (.engine.cudaGraphs | default false) }}
 {{- $sp := .speculative }}
 {{- $speculative := dict "method" $sp.method "num_speculative_tokens" (int $sp.numSpeculativeTokens)
       "adaptive" $sp.adaptive "ngram_min" (int $sp.ngramMin) "ngram_max" (int $sp.ngramMax)
       "draft_model" $sp.draftModel "draft_quantization" $sp.draftQuantization "drafter_cpus" (int $sp.drafterCpus)
       "drafter_resources" .drafterResourcesResolved "draft_timeout_s" (float64 $sp.draftTimeoutSeconds)
-      "overlap" $sp.overlap }}
+      "overlap" $sp.overlap "drafter_device" ($sp.drafterDevice | default "auto") }}
 {{- $pools = append $pools (dict "name" .name "role" .role "replicas" (int .replicas)
       "cpus_per_replica" (int .cpusPerRank) "placement_strategy" .placementStrategy
       "max_restarts" (int .maxRestarts) "ep_size" (int .epSize) "sp_size" (int .spSize) "tp_size" (int .tpSize)
