@@ -37,7 +37,7 @@ from workers.block_manager import BlockManager, BlockStats
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
 from workers.device import resolve_for_process
-from workers.errors import InvalidRequestError
+from workers.errors import ConfigError, InvalidRequestError
 from workers.kv_transfer import KVLayout
 from workers.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
 from workers.models.assets import resolve_model
@@ -113,6 +113,10 @@ class Engine:
         path = resolve_model(config.model)
         # device/dtype 'auto' -> concrete values; device cuda without CUDA is refused naming the key
         self.config = config = resolve_for_process(config, path)
+        if config.device.startswith("cuda") and get_group("gang").world_size > 1:
+            raise ConfigError(f"device={config.device!r} in a tensor/expert/sequence-parallel gang: gang collectives "
+                              "do not carry CUDA tensors yet (NCCL gang groups are not wired); set the pool's "
+                              "engine.device to cpu")
         model, spec = load_model(path, config.torch_dtype, config.device, config.quantization)
         self.spec = spec
         if tokenizer is None:

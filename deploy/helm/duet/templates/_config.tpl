@@ -31,8 +31,8 @@ pools); each message names the value and the fix. The loader repeats the checks 
 {{- if gt (len $blockSizes) 1 }}
 {{- fail (printf "pools: engine.blockSize differs between pools (%v): KV blocks move between pools, so every pool must use the same" $blockSizes) }}
 {{- end }}
-{{- if and (ne $v.model.quantization "none") (ne $v.model.dtype "float32") }}
-{{- fail (printf "model.quantization=%s needs model.dtype=float32 (quantized weights run with float32 activations; it is %s)" $v.model.quantization $v.model.dtype) }}
+{{- if and (ne $v.model.quantization "none") (ne $v.model.dtype "float32") (ne $v.model.dtype "auto") }}
+{{- fail (printf "model.quantization=%s needs model.dtype=float32 or auto (quantized weights run with float32 activations; it is %s)" $v.model.quantization $v.model.dtype) }}
 {{- end }}
 {{- if and $v.drafters.enabled (not (kindIs "invalid" $v.drafters.minReplicas)) (lt (int $v.drafters.replicas) (int $v.drafters.minReplicas)) }}
 {{- fail (printf "drafters: replicas=%v must be >= minReplicas=%v" $v.drafters.replicas $v.drafters.minReplicas) }}
@@ -127,6 +127,9 @@ but would not behave as the values suggest (one line each; NOTES.txt prints them
 {{- range $pools }}
 {{- if and (or .slo .profile) (not (and .slo .profile $.Values.autoscaling.duet.enabled)) }}
 - pools[{{ .name }}].slo/profile: Duet's SLO autoscaler scales a pool only with slo, profile and autoscaling.duet.enabled all set; this pool keeps its size (KubeRay's in-tree autoscaler, if on, still adds pods for pending placements)
+{{- end }}
+{{- if and (gt (mul (int .tpSize) (int .epSize) (int .spSize)) 1) (gt (float64 .gpusPerRank) 0.0) (ne (.engine.device | default "auto") "cpu") }}
+- pools[{{ .name }}]: a tensor/expert/sequence-parallel gang on GPUs: gang collectives do not carry CUDA tensors yet (NCCL gang groups are not wired), so its ranks refuse to start on cuda; set engine.device: cpu for this pool
 {{- end }}
 {{- if eq .speculative.method "draft_model" }}{{ $drafting = append $drafting .name }}
 {{- if not .drafterResourcesResolved }}
