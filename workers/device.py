@@ -105,3 +105,11 @@ def resolve_for_process(config: EngineConfig, model_dir: Path, gpus: float | Non
     held = float(visible) if gpus is None else gpus
     model_dtype = checkpoint_dtype(model_dir) if config.dtype == "auto" else None
     return resolve_engine_config(config, gpus=held, cuda_available=cuda, visible_gpus=visible, model_dtype=model_dtype)
+
+
+def resolve_for_rank(config: EngineConfig, gpus: float) -> EngineConfig:
+    """A Ray rank's config: resolved against the ``gpus`` GPUs Ray assigned it (the rank actors call
+    this before building an engine, so a pool reserving GPUs on a node without CUDA is refused)."""
+    from workers.models.assets import resolve_model  # loads nothing for a directory; prepares an alias once
+
+    return resolve_for_process(config, resolve_model(config.model), gpus)
