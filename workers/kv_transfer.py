@@ -250,9 +250,10 @@ class PairChannel:
     def send(self, layout: KVLayout, transfer_id: str, first_block: int, kv: torch.Tensor) -> int:
         """Rank 0: send one transfer (caller holds ``lock``). kv [L, 2, n, bs, G, D]. Returns bytes sent."""
         n = kv.shape[2]
-        checks = torch.stack([torch.arange(first_block, first_block + n), block_checksums(kv)], dim=1)  # [n, 2]
-        head = _encode_header(layout, transfer_id, first_block, n)
         payload = kv.contiguous().to(self.device) if self.device.type == "cuda" else _staged(kv)
+        # checksums of what is sent (the same bits), gathered to the host whatever the device
+        checks = torch.stack([torch.arange(first_block, first_block + n), block_checksums(payload).cpu()], dim=1)  # [n, 2]
+        head = _encode_header(layout, transfer_id, first_block, n)
         self.announce(transfer_id)
         for tensor, tag in ((head.to(self.device), _TAG_HEADER), (checks.to(self.device), _TAG_CHECKS),
                             (payload, _TAG_PAYLOAD)):
