@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 CUDA_ONLY = False
-BUDGET_S = 60.0
+BUDGET_S = 45.0
 
 
 def run(ctx) -> dict:

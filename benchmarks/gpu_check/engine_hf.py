@@ -16,7 +16,7 @@ import torch
 from benchmarks.gpu_check import common, models
 
 CUDA_ONLY = False
-BUDGET_S = 80.0
+BUDGET_S = 100.0
 SHAPES = ("smollm2-135m", "qwen2.5-0.5b", "mixtral-tiny")
 NEW_TOKENS = 32
 

@@ -15,7 +15,7 @@ import time
 import torch
 
 CUDA_ONLY = True
-BUDGET_S = 45.0
+BUDGET_S = 75.0
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
