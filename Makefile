@@ -8,6 +8,7 @@ ARGS   ?=
 .PHONY: setup model kernels helm test serve bench bench-quant bench-llamacpp-env protos protos-check clean qwen-coder \
         gpu-check gpu-wheels
 
+# Everything `make test` needs; serving needs only the venv, the model and the kernels (no npm/helm).
 setup: model kernels helm
 
 # Re-runs only when pyproject.toml changes (or the venv is gone).
@@ -72,7 +73,7 @@ qwen-coder: $(STAMP)
 test: setup
 	$(PY) -m pytest $(ARGS)
 
-serve: setup
+serve: model kernels
 	$(VENV)/bin/duet serve $(ARGS)
 
 bench: setup

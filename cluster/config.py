@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,7 +123,9 @@ def _parallel(self) -> ParallelConfig:
 
 PoolSection = derived_section("PoolSection", """One worker pool: ``replicas`` replicas, each a gang of
     ``gang_size`` ranks (Ray actors); each rank reserves one placement group bundle of
-    ``cpus_per_replica`` CPUs, ``gpus_per_rank`` GPUs and ``resources_per_rank``. placement_strategy
+    ``cpus_per_replica`` CPUs, ``gpus_per_rank`` GPUs and ``resources_per_rank``. cpus_per_replica
+    null (the default): an embedded Ray shares this machine's CPUs, less one for the router, among
+    the ranks that leave it unset; with ray.address, 1 (cluster/cpu_share.py, said in the startup line). placement_strategy
     SPREAD (default) puts bundles on different nodes when it can, so losing a node loses one
     replica, not the pool; PACK fills one node first (fewer nodes to keep up); STRICT_* make that a
     hard requirement. max_restarts: how often Ray restarts a dead worker (-1 = forever).
@@ -140,7 +142,7 @@ PoolSection = derived_section("PoolSection", """One worker pool: ``replicas`` re
     ("name", (str, field(default="default"))),
     ("role", (str, field(default="colocated"))),
     ("replicas", (int, field(default=1))),
-    ("cpus_per_replica", (int, field(default=1))),
+    ("cpus_per_replica", (int | None, field(default=None))),
     ("placement_strategy", (str, field(default="SPREAD"))),
     ("max_restarts", (int, field(default=-1))),
     ("engine", (EngineSection, field(default_factory=EngineSection))),
@@ -272,20 +274,38 @@ ENV_KEYS: dict[str, str] = {
     "RAY_ADDRESS": "ray.address",
     "DUET_RAY_NUM_CPUS": "ray.num_cpus",
 }
+# Switches that apply to every pool: env var -> (key under pools[i], value parser). The library reads
+# none of them; they reach the workers through their EngineConfig / ParallelConfig.
+POOL_ENV_KEYS: dict[str, tuple[str, Callable[[str], str]]] = {
+    "DUET_FUSED_DECODE": ("engine.fused_decode", str),  # 0 = off (A/B runs)
+    "DUET_DISABLE_CPU_KERNELS": ("engine.cpu_kernels", lambda v: _negate(v, "DUET_DISABLE_CPU_KERNELS")),
+    "DUET_COMM": ("comm", str),  # auto | shm | gloo
+}
 CONFIG_ENV = "DUET_CONFIG"  # a YAML file used when --config is not given
 
 
+def _negate(value: str, var: str) -> str:
+    text = value.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return "false"
+    if text in ("0", "false", "no", "off"):
+        return "true"
+    raise ClusterConfigError(f"env {var}={value!r}: must be 1 (true) or 0 (false)")
+
+
 def load_config(path: str | os.PathLike[str] | None = None, *, overrides: Mapping[str, Any] | None = None,
-                env: Mapping[str, str] | None = None, flag_names: Mapping[str, str] | None = None) -> DuetConfig:
+                env: Mapping[str, str] | None = None, flag_names: Mapping[str, str] | None = None,
+                sources: Sources | None = None) -> DuetConfig:
     """Merge defaults < YAML file < env < overrides and validate once.
 
     path: YAML file (None: ``$DUET_CONFIG`` if set, else no file). overrides: dotted key -> value
     (strings are parsed like env values; None values are ignored) — the CLI's flags. env: the
     environment (default ``os.environ``). flag_names: dotted key -> flag spelling, for messages.
+    sources: filled with dotted key -> where its value came from (for later checks' messages).
     """
     env = os.environ if env is None else env
     raw: dict[str, Any] = {}
-    sources: Sources = {}
+    sources = {} if sources is None else sources
     path = path if path is not None else env.get(CONFIG_ENV) or None
     if path is not None:
         raw = read_yaml(Path(path))
@@ -294,6 +314,12 @@ def load_config(path: str | os.PathLike[str] | None = None, *, overrides: Mappin
         value = env.get(var)
         if value not in (None, ""):
             set_key(raw, key, value, sources, f"env {var}")
+    pools = raw.get("pools")
+    for var, (key, parse) in POOL_ENV_KEYS.items():
+        value = env.get(var)
+        if value not in (None, ""):
+            for i in range(len(pools) if isinstance(pools, list) and pools else 1):
+                set_key(raw, f"pools[{i}].{key}", parse(value), sources, f"env {var}")
     flag_names = flag_names or {}
     for key, value in (overrides or {}).items():
         if value is not None:
@@ -307,8 +333,9 @@ def _check_pool(pool: PoolSection, p: str, s: Sources) -> None:
     need(pool.role in ROLES, f"{p}.role", pool.role, s,
          f"must be one of {', '.join(ROLES)} (prefill + decode pools make a disaggregated deployment)")
     need(pool.replicas >= 1, f"{p}.replicas", pool.replicas, s, "must be >= 1")
-    need(pool.cpus_per_replica >= 1, f"{p}.cpus_per_replica", pool.cpus_per_replica, s,
-         "must be >= 1 (it is also the worker's torch thread count)")
+    need(pool.cpus_per_replica is None or pool.cpus_per_replica >= 1, f"{p}.cpus_per_replica",
+         pool.cpus_per_replica, s, "must be >= 1 (it is also the worker's torch thread count), or null to use "
+         "what the machine offers")
     need(pool.placement_strategy in PLACEMENT_STRATEGIES, f"{p}.placement_strategy", pool.placement_strategy, s,
          f"must be one of {', '.join(PLACEMENT_STRATEGIES)}")
     need(pool.max_restarts >= -1, f"{p}.max_restarts", pool.max_restarts, s, "must be -1 (forever) or >= 0")
@@ -390,3 +417,4 @@ def _check_engine_config(c: DuetConfig, i: int, s: Sources) -> None:
 _CHECKS = {ModelSection: check_derived, EngineSection: check_derived, PoolSection: _check_pool,
            RouterSection: _check_router, RaySection: _check_ray, ControllerSection: _check_controller,
            DuetConfig: _check_duet, AutoscalingSection: check_autoscaling, AutoscalePoolSection: check_autoscale_pool}
+

@@ -125,7 +125,8 @@ def build(cls: type, data: Any, prefix: str, sources: Sources, checks: Checks) -
     except ValueError as e:  # a lower layer's own validation (workers.config, router.config)
         if not is_lower_config_error(e):
             raise
-        raise lower_error(e, {k: (f"{prefix}.{k}" if prefix else k, v) for k, v in kwargs.items()},
+        values = {f.name: kwargs.get(f.name, f.default) for f in dataclasses.fields(cls)}
+        raise lower_error(e, {k: (f"{prefix}.{k}" if prefix else k, v) for k, v in values.items()},
                           sources, message_prefix=getattr(cls, "KEY_PREFIX", "")) from None
     check = checks.get(cls)
     if check is not None:
@@ -261,9 +262,24 @@ def lower_error(e: BaseException, keymap: KeyMap, sources: Sources, message_pref
         target = next(iter(keymap.values()), ("the config", None))
         return ClusterConfigError(f"{target[0]} ({source_of(target[0], sources)}): {message}")
     key = lead.group(1)
-    value = next((v for k, v in names.values() if k == key), None)
-    source = source_of(key, sources)
-    for shown in (f"{key}={value!r}", f"{key}={value}"):
-        if message.startswith(shown):
-            return ClusterConfigError(f"{shown} ({source}){message[len(shown):]}")
-    return ClusterConfigError(f"{key} ({source}): {message}")
+    end = _value_end(message, lead.end())
+    return ClusterConfigError(f"{message[:end]} ({source_of(key, sources)}){message[end:]}")
+
+
+def _value_end(text: str, start: int) -> int:
+    """Where the value written at ``text[start:]`` ends: at the first ',', ':' or ' ' outside
+    brackets and quotes (values are Python reprs: 'a', 5, {'drafter': 0.0}, (1, 2))."""
+    depth, quote = 0, ""
+    for i in range(start, len(text)):
+        ch = text[i]
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif depth == 0 and ch in ",: ":
+            return i
+    return len(text)

@@ -8,8 +8,10 @@ AVX-512, AVX2+FMA or scalar code at run time from what the CPU reports, so a cac
 machine runs on another.
 
 Switches:
-  - `DUET_DISABLE_CPU_KERNELS=1` (read at import) or `set_cpu_kernels_enabled(False)`: every wrapper
-    uses its torch reference. Deliberate, so not counted as a fallback.
+  - `set_cpu_kernels_enabled(False)`: every wrapper uses its torch reference. Deliberate, so not
+    counted as a fallback. A worker calls it when its `EngineConfig.cpu_kernels` is False (the
+    deployment config's `pools[].engine.cpu_kernels`, which `DUET_DISABLE_CPU_KERNELS=1` sets at the
+    CLI edge); this module reads no switch from the environment.
   - If the build or load fails, one WARNING names the error, `cpu_kernels_available()` is False and
     each wrapper call that had to use the reference instead counts in `fallback_counts()`.
 """
@@ -42,7 +44,7 @@ LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _ext: ModuleType | None = None
 _error: str | None = None  # why the extension is unavailable, once a load was tried and failed
-_enabled = os.environ.get("DUET_DISABLE_CPU_KERNELS", "").strip().lower() not in ("1", "true", "yes")
+_enabled = True  # set_cpu_kernels_enabled
 _fallbacks: Counter[str] = Counter()
 _warned: set[str] = set()
 

@@ -226,7 +226,8 @@ class EngineConfig:
         workers/layers/quant_linear.py.
     speculative: speculative decoding (see SpeculativeConfig); off by default. The drafter runs
         with the target's dtype on the target's device, in float32 on CPU or when quantized
-        (SpeculativeConfig.drafter_placement).
+        (SpeculativeConfig.drafter_placement); an explicit non-float32 dtype with a quantized
+        drafter is refused.
     fused_decode: decode-only steps of an eligible model run through the fused C++ decoder stack
         (workers/models/decode_stack.py; bit-identical to the module path); False for A/B runs.
     cpu_kernels: the C++ CPU kernels (kernels/_build.py); False makes every op use its torch
@@ -264,6 +265,11 @@ class EngineConfig:
                               "run with float32 activations; set dtype to float32 or quantization to none")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r}: must be auto or one of {', '.join(DTYPES)}")
+        draft_q = self.speculative.draft_quantization
+        if self.speculative.method == "draft_model" and draft_q != "none" and self.dtype not in ("float32", "auto"):
+            raise ConfigError(f"speculative.draft_quantization={draft_q!r} with dtype={self.dtype!r}: the drafter "
+                              "runs with the target's dtype and quantized weights need float32 activations; set "
+                              "dtype to float32 (or auto) or draft_quantization to none")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 2 (or unset)")
         if not (self.device in ("auto", "cpu") or self.device == "cuda" or

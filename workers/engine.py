@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from kernels import set_cpu_kernels_enabled
 from workers.block_manager import BlockManager, BlockStats
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
@@ -117,7 +118,10 @@ class Engine:
             raise ConfigError(f"device={config.device!r} in a tensor/expert/sequence-parallel gang: gang collectives "
                               "do not carry CUDA tensors yet (NCCL gang groups are not wired); set the pool's "
                               "engine.device to cpu")
-        model, spec = load_model(path, config.torch_dtype, config.device, config.quantization)
+        if not config.cpu_kernels:
+            set_cpu_kernels_enabled(False)  # process-wide: this process runs one engine
+        model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
+                                 fused_decode=config.fused_decode)
         self.spec = spec
         if tokenizer is None:
             from transformers import AutoTokenizer

@@ -49,7 +49,7 @@ async def _async_generate(target: str, tls: ClientTLS | None = None, token: str 
 
 def test_mtls_requires_a_client_certificate_from_the_ca(smollm2_path, tok, pool, pki):
     cfg = router_config(smollm2_path, tls_cert_file=str(pki / "server.pem"), tls_key_file=str(pki / "server.key"),
-                  tls_client_ca_file=str(pki / "ca.pem"))
+                        tls_client_ca_file=str(pki / "ca.pem"))
     ca = str(pki / "ca.pem")
     with serve_router(cfg, members(pool[:1]), tokenizer=tok) as r:
         assert _gen(r.address, tls=ClientTLS(ca, str(pki / "client.pem"), str(pki / "client.key")))
@@ -137,7 +137,7 @@ def test_cluster_config_carries_security_to_the_router_and_names_bad_keys(pki, t
            "DUET_AUTH_TOKENS_FILE": str(pki / "tokens")}
     cfg = load_config(env=env, overrides={"router.tls_client_ca_file": str(pki / "ca.pem"),
                                           "router.max_request_bytes": "64KiB"})
-    r = cfg.to_routerrouter_config(tokenizer_path=str(tmp_path))
+    r = cfg.to_router_config(tokenizer_path=str(tmp_path))
     assert (r.tls_cert_file, r.tls_key_file, r.tls_client_ca_file, r.auth_tokens_file) == (
         str(pki / "server.pem"), str(pki / "server.key"), str(pki / "ca.pem"), str(pki / "tokens"))
     assert r.max_request_bytes == 64 << 10 and r.tls
@@ -152,7 +152,7 @@ def test_duet_cli_generate_and_status_with_tls_and_token(smollm2_path, tok, pool
     import sys
 
     cfg = router_config(smollm2_path, tls_cert_file=str(pki / "server.pem"), tls_key_file=str(pki / "server.key"),
-                  auth_tokens_file=str(pki / "tokens"))
+                        auth_tokens_file=str(pki / "tokens"))
     duet = [sys.executable, "-m", "cluster.cli"]
     env = {k: v for k, v in os.environ.items() if k not in ("DUET_TOKEN", "DUET_TARGET", "RAY_ADDRESS")}
     with serve_router(cfg, members(pool[:1]), tokenizer=tok) as r:
@@ -162,12 +162,12 @@ def test_duet_cli_generate_and_status_with_tls_and_token(smollm2_path, tok, pool
         denied = subprocess.run(base, capture_output=True, text=True, timeout=60, env=env)
         assert denied.returncode != 0 and "UNAUTHENTICATED" in denied.stderr and "Traceback" not in denied.stderr
         # what `duet status` shows of the router, with the same client settings
-        from cluster.cli import _client_security, build_parser
+        from cluster.cli import build_parser, client_security
         from cluster.status import router_status
 
         args = build_parser().parse_args(["status", "--target", r.address, "--tls-ca", str(pki / "ca.pem"),
                                           "--token", ADMIN_TOKEN])
-        tls, token = _client_security(args)
+        tls, token = client_security(args)
         router = router_status(r.address, 5.0, tls=tls, token=token)
         assert router["health"] == "SERVING" and "error" not in router and router["stats"]["requests"] >= 1
         denied = router_status(r.address, 5.0, tls=tls, token=GEN_TOKEN)

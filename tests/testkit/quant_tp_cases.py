@@ -7,7 +7,6 @@ of a 64-column chunk: the GGUF-shaped shard is re-packed); an 11-row vocabulary 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -129,18 +128,15 @@ def weight_only_math(model) -> Iterator[None]:
     with its de-quantized weights and unquantized activations while inside, and ``model``'s decode
     steps take the module path, not the fused decoder stack (workers/models/decode_stack.py, which
     calls the kernels itself; it runs at one tp rank only)."""
-    kernel_forward, fused = QuantLinear.forward, os.environ.get("DUET_FUSED_DECODE")
+    kernel_forward, fused = QuantLinear.forward, model.fused_decode
     QuantLinear.forward = _weight_only_forward
-    os.environ["DUET_FUSED_DECODE"] = "0"
+    model.fused_decode = False
     model._stack = None  # decided again under the setting
     try:
         yield
     finally:
         QuantLinear.forward = kernel_forward
-        if fused is None:
-            os.environ.pop("DUET_FUSED_DECODE")
-        else:
-            os.environ["DUET_FUSED_DECODE"] = fused
+        model.fused_decode = fused
         model._stack = None
 
 

@@ -137,6 +137,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = QuantParallelLMHead(spec.vocab_size, spec.hidden_size)
         self.num_local_kv_heads = self.model.layers[0].self_attn.g  # KV cache width of this rank
         self._stack: object | None = None  # fused decode stack (workers/models/decode_stack.py), built on first use
+        self.fused_decode = True  # EngineConfig.fused_decode; reset _stack to None after changing it
 
     def make_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
         return LlamaMLP(spec, quant=self.quantization)

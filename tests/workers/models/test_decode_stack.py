@@ -2,9 +2,9 @@
 
 For fp32, int8 and q4 weights the engine runs the same prompts (a batch of mixed lengths, so
 steps mix prefill and decode-only, and decode-only steps carry 1..4 sequences) twice, with
-DUET_FUSED_DECODE on and off: every step's logits must be bit-identical, and with them the greedy
-tokens. Models the stack does not cover (MoE layers) keep the module path, and a bad
-DUET_FUSED_DECODE is a ConfigError.
+the fused stack on and off (EngineConfig.fused_decode, the model's ``fused_decode``): every step's
+logits must be bit-identical, and with them the greedy tokens. Models the stack does not cover (MoE
+layers) keep the module path, and fused_decode=False reaches the model.
 """
 
 from __future__ import annotations
@@ -15,17 +15,16 @@ import pytest
 import torch
 from testkit.mixtral_tiny import save_tiny_mixtral
 
-from workers.errors import ConfigError
 from workers.llm import LLM
-from workers.models.decode_stack import fused_decode_enabled, fused_stack
+from workers.models.decode_stack import fused_stack
 from workers.sampling_params import SamplingParams
 
 PROMPTS = [list(range(100, 120)), list(range(300, 303)), list(range(1000, 1041)), [1, 504, 3575, 282, 4649, 314]]
 
 
 def _run(llm: LLM, monkeypatch: pytest.MonkeyPatch, fused: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
-    monkeypatch.setenv("DUET_FUSED_DECODE", "1" if fused else "0")
     model = llm.engine.runner.model
+    model.fused_decode = fused
     model._stack = None  # decided again under the new setting
     logits: list[torch.Tensor] = []
     plain_logits = type(model).compute_logits
@@ -63,9 +62,9 @@ def test_moe_models_keep_the_module_path(tmp_path: Path, smollm2_path: Path) -> 
     assert len(out[0].token_ids) == 4
 
 
-def test_setting_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DUET_FUSED_DECODE", "0")
-    assert not fused_decode_enabled()
-    monkeypatch.setenv("DUET_FUSED_DECODE", "yes")
-    with pytest.raises(ConfigError, match="DUET_FUSED_DECODE='yes'"):
-        fused_decode_enabled()
+def test_engine_config_reaches_the_model(smollm2_path: Path) -> None:
+    llm = LLM(str(smollm2_path), fused_decode=False, kv_cache_memory_bytes=16 << 20)
+    model = llm.engine.runner.model
+    assert model.fused_decode is False
+    llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert model._stack is False  # decode steps ran, and not through the stack

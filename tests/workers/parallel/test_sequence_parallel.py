@@ -10,7 +10,7 @@ through the KV cache), each split zigzag over the sp ranks and attended by ring 
     32-token chunks split over the ranks, then replicated decode) gives SP=1's tokens.
 Cases: SmolLM2 (real weights) at SP=2, and TP=2 x SP=2 (4 ranks) on a tiny random Qwen2 with
 biases, where each tp rank rings only its own kv heads. The ranks share this host, so the ring and
-the all-reduces run on shared memory (required via DUET_COMM=shm); SmolLM2's case also on gloo."""
+the all-reduces run on shared memory (required via comm=shm); SmolLM2's case also on gloo."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ fp32 and bf16, over sizes from 1 element to several slots (partial last round); 
 all-gather, a ring step with per-rank sizes over a slot, the gang's object broadcast (small,
 empty, several slots) and uneven all-to-all (zero-row splits, over a slot; equal to gloo's)
 return exactly what was sent.
-Selection: same-host CPU groups get shared memory unless DUET_COMM=gloo; a bad DUET_COMM is a
+Selection: same-host CPU groups get shared memory unless ParallelConfig.comm is gloo; a bad comm is a
 ConfigError. Cleanup and failure: no segment file outlives group creation, a dead creator's file is
 swept, a peer that dies mid-collective or never arrives fails the collective with CollectiveError
 (not a hang), after which the communicator refuses further calls."""

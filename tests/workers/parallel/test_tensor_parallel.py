@@ -10,7 +10,7 @@ gathering the sampled rows' logits to rank 0. Cases:
     heads, 2 kv heads: each kv head replicated on two ranks).
 Tolerance: the row-parallel all-reduce sums partial products in another order than one GEMM, so
 logits agree to fp32 rounding (1e-4 relative to their scale), and greedy tokens must be identical.
-Transport: the ranks share this host, so the tp collectives run on shared memory (DUET_COMM=shm
+Transport: the ranks share this host, so the tp collectives run on shared memory (comm=shm
 makes that a requirement, and each rank reports it); the Qwen2 TP=2 case also runs on gloo."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/serving_metrics.py: the metric definitions on hand-computed timings."""
+"""cluster/bench/metrics.py: the metric definitions on hand-computed timings."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from benchmarks.load_gen import build_workload, poisson_arrivals
-from benchmarks.serving_metrics import SLO, RequestRecord, percentile, summarize
+from cluster.bench.load_gen import build_workload, poisson_arrivals
+from cluster.bench.metrics import SLO, RequestRecord, percentile, summarize
 
 
 def test_per_request_definitions():

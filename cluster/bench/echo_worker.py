@@ -17,7 +17,7 @@ router accepts it as a member.
 
 Run it on its own (it prints ``ECHO_WORKER_PORT=<port>`` once it listens)::
 
-    python -m benchmarks.echo_worker --port 0 --gap-ms 2
+    python -m cluster.bench.echo_worker --port 0 --gap-ms 2
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ async def _main(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.echo_worker", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m cluster.bench.echo_worker", description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (printed as ECHO_WORKER_PORT=...)")
     p.add_argument("--first-token-ms", type=float, default=0.0, help="delay before the first id")

@@ -2,7 +2,7 @@
 
 Workload (deterministic for a given seed):
     prompt      the user turn of a chat: request i takes a prompt drawn uniformly (with replacement)
-                from benchmarks/data/serving_prompts.txt (32 prompts, 8-40 words), wrapped in the
+                from cluster/bench/data/serving_prompts.txt (32 prompts, 8-40 words), wrapped in the
                 model's chat template (what the router does for a `messages` request)
     max_tokens  drawn uniformly from [min_output, max_output] (inclusive); the request runs with
                 ignore_eos, so it produces exactly that many tokens
@@ -29,8 +29,9 @@ from typing import Any, Protocol
 
 import grpc
 
-from benchmarks.serving_metrics import RequestRecord
+from cluster.bench.metrics import RequestRecord
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
+from router.client import auth_metadata
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "serving_prompts.txt"
@@ -87,9 +88,10 @@ class RouterSender:
 
     name = "router"
 
-    def __init__(self, channel: grpc.aio.Channel, timeout: float) -> None:
+    def __init__(self, channel: grpc.aio.Channel, timeout: float, token: str | None = None) -> None:
         self.stub = duet_pb2_grpc.DuetStub(channel)
         self.timeout = timeout
+        self.metadata = auth_metadata(token)
         self._ids = itertools.count()
 
     async def send(self, request: BenchRequest, record: RequestRecord) -> None:
@@ -97,7 +99,7 @@ class RouterSender:
             messages=duet_pb2.ChatMessages(messages=[duet_pb2.ChatMessage(role="user", content=request.prompt)]),
             sampling=duet_pb2.SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True),
             request_id=f"bench-{next(self._ids)}")
-        await _stream(self.stub.Generate(msg, timeout=self.timeout), record)
+        await _stream(self.stub.Generate(msg, timeout=self.timeout, metadata=self.metadata), record)
 
 
 class WorkerSender:
