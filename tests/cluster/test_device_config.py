@@ -50,7 +50,7 @@ def test_env_and_flags() -> None:
     ("pools: [{name: d, engine: {device: gpu}}]", r"pools\[0\].engine.device='gpu' \(from .*\): must be 'auto', 'cpu'"),
     ("pools: [{name: d, gpus_per_rank: 1, engine: {device: cuda, cuda_graphs: true, max_num_seqs: 8, "
      "cuda_graph_batch_sizes: [1, 16]}}]",
-     r"pools\[0\].engine.cuda_graph_batch_sizes \(from .*duet.yaml\): .*16 is larger than pools\[0\].engine.max_num_seqs \(8\)"),
+     r"pools\[0\].engine.cuda_graph_batch_sizes=\[1, 16\] \(from .*duet.yaml\): 16 is larger than pools\[0\].engine.max_num_seqs \(8\)"),
     ("pools: [{name: d, engine: {device: cpu, cuda_graphs: true}}]",
      r"pools\[0\].engine.cuda_graphs.*needs device cuda"),
     ("pools: [{name: d, speculative: {method: draft_model, draft_model: x, drafter_device: tpu}}]",
