@@ -117,7 +117,7 @@ class SparseMoE(nn.Module):
         self.expert_counts += torch.bincount(experts.view(-1), minlength=self.num_experts)
         plan = build_dispatch_plan(experts, *self._dispatch_tables(experts.device), self.experts.gate_up_proj.shape[0], self.ep.rank,
                                    self.ep.world_size)
-        self.rank_rows += torch.tensor(plan.rank_rows)
+        self.rank_rows += torch.tensor(plan.rank_rows, device=self.rank_rows.device)
         if self.ep.world_size > 1:
             me = self.ep.rank
             self.comm_rows[0] += sum(plan.send_counts) - plan.send_counts[me]
