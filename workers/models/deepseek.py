@@ -66,6 +66,8 @@ class DeepseekMoE(SparseMoE):
 class DeepseekForCausalLM(MixtralForCausalLM):
     """``deepseek_v2`` and ``deepseek_v3``."""
 
+    _fused = {k: v for k, v in MixtralForCausalLM._fused.items() if v[0] == ".gate_up_proj."}  # MLA keeps q_proj
+
     def __init__(self, spec: ModelSpec, quantization: str = "none") -> None:
         if get_group("tp").world_size > 1:
             raise ConfigError(f"tp_size={get_group('tp').world_size}: {spec.model_type} (multi-head latent "
