@@ -29,7 +29,7 @@ DEFAULT_TARGET = "localhost:50051"
 # serve flag -> (dotted config key, type, help). Unset flags leave the key to the file/env/default.
 SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--model": ("model.name", str, "model name ('SmolLM2-135M-Instruct') or local HF checkpoint dir [DUET_MODEL]"),
-    "--dtype": ("model.dtype", str, "float32 | bfloat16 | float16 [DUET_DTYPE]"),
+    "--dtype": ("model.dtype", str, "auto (default) | float32 | bfloat16 | float16 [DUET_DTYPE]"),
     "--max-model-len": ("model.max_model_len", int, "context limit, prompt + output [DUET_MAX_MODEL_LEN]"),
     "--quantization": ("model.quantization", str, "weights of the linear layers: none | int8 | q4 "
                        "[DUET_QUANTIZATION]"),

@@ -69,12 +69,13 @@ _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 @dataclass(frozen=True)
 class ModelSection:
     """name: 'SmolLM2-135M-Instruct' (embedded default) or a local HF checkpoint directory; each
-    worker resolves it on its own node. dtype: float32 | bfloat16 | float16. max_model_len: context
+    worker resolves it on its own node. dtype: auto (the checkpoint's where the device supports it,
+    float32 on CPU) | float32 | bfloat16 | float16. max_model_len: context
     limit (prompt + output); None = the model's, further capped by what one worker's KV pool holds.
     quantization: none | int8 | q4, weight-only quantization of the linear layers (needs float32)."""
 
     name: str = DEFAULT_MODEL
-    dtype: str = "float32"
+    dtype: str = "auto"
     max_model_len: int | None = None
     quantization: str = "none"
 
@@ -321,13 +322,13 @@ def load_config(path: str | os.PathLike[str] | None = None, *, overrides: Mappin
 
 def _check_model(m: ModelSection, p: str, s: Sources) -> None:
     need(bool(m.name.strip()), f"{p}.name", m.name, s, f"must name a model ({DEFAULT_MODEL!r}) or a checkpoint dir")
-    need(m.dtype in ("float32", "bfloat16", "float16"), f"{p}.dtype", m.dtype, s,
-         "must be one of float32, bfloat16, float16")
+    need(m.dtype in ("auto", "float32", "bfloat16", "float16"), f"{p}.dtype", m.dtype, s,
+         "must be one of auto, float32, bfloat16, float16")
     need(m.max_model_len is None or m.max_model_len >= 2, f"{p}.max_model_len", m.max_model_len, s,
          "must be >= 2, or null for the model's own limit")
     need(m.quantization in ("none", "int8", "q4"), f"{p}.quantization", m.quantization, s,
          "must be one of none, int8, q4")
-    need(m.quantization == "none" or m.dtype == "float32", f"{p}.quantization", m.quantization, s,
+    need(m.quantization == "none" or m.dtype in ("auto", "float32"), f"{p}.quantization", m.quantization, s,
          f"quantized weights run with float32 activations; set model.dtype to float32 (it is {m.dtype})")
 
 

@@ -6,7 +6,8 @@ without reading code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -146,6 +147,8 @@ class EngineConfig:
     model: a local HF checkpoint directory or the alias of an embedded model
         ('SmolLM2-135M-Instruct').
     max_model_len: context limit (prompt + output); None = the model's own limit.
+    dtype: 'auto' (default: the checkpoint's dtype where the device supports it, float32 on CPU;
+        workers/models/dtype.py), 'float32', 'bfloat16' or 'float16'.
     quantization: weights of the decoder's linear layers: 'none' (dtype), 'int8' (per-output-channel
         scales) or 'q4' (4-bit blocks of 32, GGUF Q4_1 math; a GGUF-sourced model loads its 4-bit
         tensors directly). Quantized layers need dtype float32 activations. See
@@ -154,7 +157,7 @@ class EngineConfig:
     """
 
     model: str = "SmolLM2-135M-Instruct"
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None
     seed: int = 0
@@ -166,11 +169,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization={self.quantization!r}: must be one of {', '.join(QUANTIZATIONS)}")
-        if self.quantization != "none" and self.dtype != "float32":
+        if self.quantization != "none" and self.dtype not in ("float32", "auto"):
             raise ConfigError(f"quantization={self.quantization!r} with dtype={self.dtype!r}: quantized weights "
                               "run with float32 activations; set dtype to float32 or quantization to none")
-        if self.dtype not in _DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}: must be one of {sorted(_DTYPES)}")
+        if self.dtype not in _DTYPES and self.dtype != "auto":
+            raise ConfigError(f"dtype={self.dtype!r}: must be auto or one of {sorted(_DTYPES)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 2 (or unset)")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -178,4 +181,11 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        assert self.dtype != "auto", "dtype 'auto' is resolved against the checkpoint first (with_dtype_for)"
         return _DTYPES[self.dtype]
+
+    def with_dtype_for(self, path: Path) -> "EngineConfig":
+        """This config with dtype 'auto' resolved for the checkpoint at ``path`` (workers/models/dtype.py)."""
+        from workers.models.dtype import resolve_dtype
+
+        return replace(self, dtype=resolve_dtype(self.dtype, path, self.device, self.quantization))

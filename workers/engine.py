@@ -109,8 +109,8 @@ class Engine:
     def __init__(self, config: EngineConfig, tokenizer: Any | None = None, proposer: Proposer | None = None) -> None:
         """proposer: the speculative-decoding drafter; default: built from ``config.speculative``
         (workers/spec_decode/factory.py), none when speculation is off."""
-        self.config = config
         path = resolve_model(config.model)
+        self.config = config = config.with_dtype_for(path)  # dtype 'auto' -> the checkpoint's / device's
         model, spec = load_model(path, config.torch_dtype, config.device, config.quantization)
         self.spec = spec
         if tokenizer is None:

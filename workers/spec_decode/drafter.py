@@ -66,6 +66,7 @@ class DraftEngine:
 
     def __init__(self, config: EngineConfig, vocab_size: int | None = None, draft_vocab_size: int = 0) -> None:
         path = resolve_model(config.model)
+        config = config.with_dtype_for(path)
         model, spec = load_model(path, config.torch_dtype, config.device, config.quantization)
         bs = config.cache.block_size
         num_blocks = config.cache.num_blocks or config.cache.kv_cache_memory_bytes // kv_bytes_per_block(

@@ -31,7 +31,7 @@ pools); each message names the value and the fix. The loader repeats the checks 
 {{- if gt (len $blockSizes) 1 }}
 {{- fail (printf "pools: engine.blockSize differs between pools (%v): KV blocks move between pools, so every pool must use the same" $blockSizes) }}
 {{- end }}
-{{- if and (ne $v.model.quantization "none") (ne $v.model.dtype "float32") }}
+{{- if and (ne $v.model.quantization "none") (ne $v.model.dtype "float32") (ne $v.model.dtype "auto") }}
 {{- fail (printf "model.quantization=%s needs model.dtype=float32 (quantized weights run with float32 activations; it is %s)" $v.model.quantization $v.model.dtype) }}
 {{- end }}
 {{- if and $v.drafters.enabled (not (kindIs "invalid" $v.drafters.minReplicas)) (lt (int $v.drafters.replicas) (int $v.drafters.minReplicas)) }}
