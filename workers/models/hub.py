@@ -57,7 +57,7 @@ def resolve_hub(name: str, cache_dir: Path | None = None) -> Path:
             f"model {name!r} is not in the local Hugging Face cache and the Hub cannot be reached (HF_HUB_OFFLINE "
             "is set or there is no network): download it once with `hf download " + repo
             + (f" --revision {revision}" if revision else "") + "` where the Hub is reachable and share the cache "
-            "(HF_HOME), or pass a local checkpoint directory") from None
+            "(HF_HOME), or pass a local checkpoint directory (config.json + *.safetensors)") from None
     if not any(path.glob("*.safetensors")):
         raise CheckpointError(f"model {name!r} ({path}) has no *.safetensors weights; Duet loads safetensors "
                               "checkpoints (convert .bin weights, or pass a .gguf file)")
