@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from kernels import set_cpu_kernels_enabled
 from workers.block_manager import BlockManager, BlockStats
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
@@ -111,7 +112,10 @@ class Engine:
         (workers/spec_decode/factory.py), none when speculation is off."""
         path = resolve_model(config.model)
         self.config = config = config.with_dtype_for(path)  # dtype 'auto' -> the checkpoint's / device's
-        model, spec = load_model(path, config.torch_dtype, config.device, config.quantization)
+        if not config.cpu_kernels:
+            set_cpu_kernels_enabled(False)  # process-wide: this process runs one engine
+        model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
+                                 fused_decode=config.fused_decode)
         self.spec = spec
         if tokenizer is None:
             from transformers import AutoTokenizer

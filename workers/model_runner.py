@@ -191,7 +191,7 @@ class ModelRunner:
         # chunk (last token + drafts) runs as one decode row per token, each attending to the
         # context up to itself: the same kernel, per-row arithmetic and rounding as plain decoding,
         # so greedy verification reproduces plain greedy output exactly wherever the linear layers
-        # are row-invariant (the quantized kernels are; see tests/workers/test_spec_decode_engine.py).
+        # are row-invariant (the quantized kernels are; see tests/workers/spec_decode/test_spec_decode_engine.py).
         singles = [r for c in sched.chunks if len(c.token_ids) == 1 or c.num_draft for r in _decode_rows(c)]
         multis = [c for c in sched.chunks if len(c.token_ids) > 1 and not c.num_draft]
         rest, split = self.sp_split(multis)

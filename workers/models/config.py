@@ -63,13 +63,19 @@ class ModelSpec:
 
     @classmethod
     def from_pretrained(cls, path: Path) -> "ModelSpec":
-        from transformers import AutoConfig, GenerationConfig
+        from transformers import AutoConfig
 
         try:
             cfg = AutoConfig.from_pretrained(path)
         except Exception as e:  # noqa: BLE001 - any parse failure is a checkpoint problem
             raise CheckpointError(f"{path}/config.json cannot be read ({e}); re-prepare the checkpoint") from e
-        return cls.from_hf_config(cfg, _eos_ids(path, cfg, GenerationConfig))
+        from transformers import GenerationConfig
+
+        try:
+            return cls.from_hf_config(cfg, _eos_ids(path, cfg, GenerationConfig))
+        except AttributeError as e:  # an architecture without a field every supported one has
+            raise CheckpointError(f"{path}/config.json: model_type {cfg.model_type!r} has no {e.name!r}; "
+                                  "it is not an architecture this engine runs (workers/models/registry.py)") from None
 
     @classmethod
     def from_hf_config(cls, cfg: Any, eos_token_ids: tuple[int, ...] = ()) -> "ModelSpec":
