@@ -220,8 +220,9 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         import torch
 
-        assert self.dtype != "auto", "dtype 'auto' is resolved against the checkpoint first (with_dtype_for)"
-        return getattr(torch, self.dtype)
+        # Engines resolve 'auto' against their checkpoint first (with_dtype_for); a config used without
+        # a checkpoint (a bare ModelRunner) takes float32, what 'auto' gives on CPU.
+        return torch.float32 if self.dtype == "auto" else getattr(torch, self.dtype)
 
     def with_dtype_for(self, path: Path) -> "EngineConfig":
         """This config with dtype 'auto' resolved for the checkpoint at ``path`` (workers/models/dtype.py)."""
