@@ -258,8 +258,12 @@ def gguf_source(path: Path) -> Path | None:
             return None
     if isinstance(marker, dict) and isinstance(marker.get("source"), str) and marker["source"].endswith(".gguf"):
         src = Path(marker["source"])  # a checkpoint prepared from a user's .gguf file (prepare_gguf_file)
-        if src.is_file() and src.stat().st_size == marker.get("source_size"):
-            return src
+        try:
+            llama = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type") == "llama"
+        except (OSError, ValueError):
+            llama = False
+        if llama and src.is_file() and src.stat().st_size == marker.get("source_size"):
+            return src  # gguf_weights.py maps llama-architecture tensor names; others quantize the safetensors
     ggufs = sorted(path.glob("*.gguf"))
     return ggufs[0] if len(ggufs) == 1 else None
 
