@@ -11,7 +11,8 @@ This module does not import torch (the cluster config imports it for ``duet serv
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from typing import TYPE_CHECKING, ClassVar
 
@@ -291,8 +292,9 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         import torch
 
-        assert self.dtype != "auto", "dtype 'auto' is resolved first (workers.device.resolve_engine_config)"
-        return getattr(torch, self.dtype)
+        # Engines resolve 'auto' first (workers/device.py, resolve_for_process); a config used without
+        # a checkpoint (a bare ModelRunner in tests) takes float32, what 'auto' gives on CPU.
+        return torch.float32 if self.dtype == "auto" else getattr(torch, self.dtype)
 
 
 @dataclass(frozen=True)

@@ -109,11 +109,15 @@ class SparseMoE(nn.Module):
         return {f"{e}.{p}" for e in experts for p in parts}
 
     # ------------------------------------------------------------- forward
+    def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (routing weights [T, k] fp32, experts [T, k]); other routers override this."""
+        return route(self.gate(x), self.top_k, self.renormalize)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         t = x.shape[0]
         if t == 0:
             return x
-        weights, experts = route(self.gate(x), self.top_k, self.renormalize)  # [T, k], [T, k]
+        weights, experts = self.select(x)  # [T, k], [T, k]
         self.expert_counts += torch.bincount(experts.view(-1), minlength=self.num_experts)
         plan = build_dispatch_plan(experts, *self._dispatch_tables(experts.device), self.experts.gate_up_proj.shape[0], self.ep.rank,
                                    self.ep.world_size)
