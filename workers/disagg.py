@@ -36,9 +36,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
-from workers.engine import KVTicket
 from workers.engine_loop import EngineLoop, Sink, WorkerUnavailableError
-from workers.kv_transfer import KVLayout, KVReceiver, KVSender, KVTransferError, PairKey
+from workers.kv_transfer import KVReceiver, KVSender, KVTransferError, PairKey
+from workers.runner import KVLayout, KVTicket
 from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class Disaggregation:
 
     def __init__(self, engine: EngineLoop, layout: KVLayout, worker_id: str, incarnation: str, *,
                  host: str = "127.0.0.1", device: str = "cpu", timeout_s: float = 30.0) -> None:
+        assert layout.holds_all_heads, "a worker's engine holds (or gathers) every kv head"
         self.backend = "nccl" if device.startswith("cuda") else "gloo"
         self.worker_id = worker_id
         self.incarnation = incarnation
