@@ -155,5 +155,12 @@ def contract_rank(rank: int, path: str, prompts: list[list[int]], max_tokens: in
         engine.runner.stop()
 
 
-def max_rel_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
-    return max(float(np.abs(x - y).max() / max(np.abs(y).max(), 1e-12)) for x, y in zip(a, b))
+def max_rel_diff(a: list[np.ndarray], b: list[np.ndarray], lengths: list[int]) -> float:
+    """Largest difference between two sets of exports [L, 2, n, bs, G, D], relative to each one's
+    scale, over the prompt's token slots only (a last block's slots past the prompt hold whatever
+    the cache held there before: not part of the hand-off's contract)."""
+    def tokens(x: np.ndarray, n: int) -> np.ndarray:
+        L, two, nb, bs, g, d = x.shape
+        return x.reshape(L, two, nb * bs, g, d)[:, :, :n]
+    return max(float(np.abs(tokens(x, n) - tokens(y, n)).max() / max(np.abs(tokens(y, n)).max(), 1e-12))
+               for x, y, n in zip(a, b, lengths))

@@ -45,7 +45,7 @@ def _check_both_directions(path: Path, parallel: ParallelConfig) -> None:
     single = _single(path)
     # P gang -> D single
     exports = spawn_gang(gang_prefill, parallel, args=(str(path), PROMPTS, [0] * len(PROMPTS), MAX_TOKENS))[0]
-    assert max_rel_diff([e["kv"] for e in exports], [e["kv"] for e in single["exports"]]) < 1e-4
+    assert max_rel_diff([e["kv"] for e in exports], [e["kv"] for e in single["exports"]], list(map(len, PROMPTS))) < 1e-4
     engine = single["engine"]
     engine.block_manager.reset_prefix_cache()
     assert decode_imports(engine, PROMPTS, exports, MAX_TOKENS)["tokens"] == single["tokens"]

@@ -37,7 +37,7 @@ def _check(result: dict, single: dict) -> None:
     assert result["round_trip"] and result["gen_ok"] and result["no_seed"]
     assert result["tokens"] == single["tokens"]
     assert result["handoff_tokens"] == result["tokens"]  # exported, then imported: the same continuation
-    assert max_rel_diff(result["export_kv"], single["export_kv"]) < 1e-4
+    assert max_rel_diff(result["export_kv"], single["export_kv"], list(map(len, PROMPTS))) < 1e-4
 
 
 @pytest.mark.parametrize("model, parallel", [("smollm2", ParallelConfig(tp_size=2)),
