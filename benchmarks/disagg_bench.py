@@ -8,11 +8,11 @@ Two deployments of SmolLM2 (embedded Ray, 2 CPUs), one after the other, the same
                 request (prompts are all above router.disagg_min_prompt_tokens) is prefilled on the
                 prefill worker and its KV sent to the decode worker over gloo
 Workload: distinct prompts of ``--min-prompt``..``--max-prompt`` tokens (512-1024 by default: long
-enough for prefill to stall colocated decodes), built from benchmarks/data/serving_prompts.txt and
+enough for prefill to stall colocated decodes), built from cluster/bench/data/serving_prompts.txt and
 new for every rate (so no rate is helped by the prefix cache of an earlier one), with
 ``--min-output``..``--max-output`` output tokens (64-128, ignore_eos), arriving as a Poisson
-process at each rate (benchmarks/load_gen.py), through the public router; the load runs in a child
-process so the client does not share the router's GIL. Metrics (benchmarks/serving_metrics.py):
+process at each rate (cluster/bench/load_gen.py), through the public router; the load runs in a child
+process so the client does not share the router's GIL. Metrics (cluster/bench/metrics.py):
 per rate TTFT and TPOT p50/p90, and goodput (requests/s meeting the SLO) under a TTFT SLO alone,
 a tight TPOT SLO alone, and both.
 
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------ workload
 def long_prompts(tokenizer: Any, n: int, lo: int, hi: int, seed: int) -> list[str]:
     """``n`` distinct user messages of lo..hi tokens: serving prompts in a seeded order, cut to length."""
-    from benchmarks.load_gen import load_prompts
+    from cluster.bench.load_gen import load_prompts
 
     base = load_prompts()
     rng = random.Random(seed)
@@ -93,7 +93,7 @@ def long_prompts(tokenizer: Any, n: int, lo: int, hi: int, seed: int) -> list[st
 def run_client(args: argparse.Namespace) -> int:
     import grpc
 
-    from benchmarks.load_gen import BenchRequest, RouterSender, poisson_arrivals, run_open_loop
+    from cluster.bench.load_gen import BenchRequest, RouterSender, poisson_arrivals, run_open_loop
 
     spec = json.loads(args.workload.read_text())
 
@@ -182,7 +182,7 @@ def memcpy_mb_s(nbytes: int, repeats: int = 21) -> float:
 
 
 def summarize_configuration(raw: dict[str, Any], rates: list[float], args: argparse.Namespace) -> list[dict[str, Any]]:
-    from benchmarks.serving_metrics import SLO, RequestRecord, summarize
+    from cluster.bench.metrics import SLO, RequestRecord, summarize
 
     slos = {"both": SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3), "ttft": SLO(args.slo_ttft_ms / 1e3),
             "tpot": SLO(tpot_s=args.slo_tpot_ms / 1e3)}
@@ -267,8 +267,8 @@ def _ratio(a: float, b: float) -> float | None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from benchmarks.load_gen import build_workload
-    from benchmarks.serving_bench import _code_version, _machine
+    from cluster.bench.load_gen import build_workload
+    from cluster.bench.report import code_version as _code_version, machine as _machine
     from workers.models.assets import resolve_model
 
     if args.quick:

@@ -14,7 +14,7 @@ alone are ~135 MB, far more than the last-level cache, so T <= 32 streams weight
 decode step does. Sides, timed in the same run, alternating, 2 threads:
 
     int8     kernels.int8_linear (weight-only int8, fp32 activations)
-    fp32     F.linear on the de-quantized fp32 weights (torch's BLAS): the issue's baseline
+    fp32     F.linear on the de-quantized fp32 weights (torch's BLAS): the baseline to beat
     fp32-duet kernels.linear on the same fp32 weights (Duet's GEMV for T <= 16, else F.linear)
     q4       kernels.q4_linear (4-bit weights, int8 activations): the int8 VNNI class of kernel
 

@@ -5,7 +5,7 @@
 #   portable  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
 #             (works for every batch size)
 #   native    the default build (-march=native kernels; fast batch-1 decode, crashed on batches of
-#             2+ tokens when the issue was written)
+#             2+ tokens in an earlier report; 0.3.36 has not crashed here)
 # Usage: benchmarks/llamacpp_env.sh [portable|native]...   (default: portable native)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -15,7 +15,7 @@ shared-memory collectives (workers/parallel/shm_comm.py), and ``gloo``, loopback
     SP prefill    time of a 4k- and an 8k-token prefill (one chunk, the first token sampled) with
                   the prompt split over sp_size ranks by ring attention, SP=2 vs SP=1. ("8k" is
                   8000 tokens: SmolLM2's context is 8192.)
-Targets (issue [parallel]): TP=2 >= 1.4x TP=1 decode for a 1.5B model; SP=2 >= 1.5x at 8k.
+Targets (the tensor/sequence-parallel work's goals): TP=2 >= 1.4x TP=1 decode for a 1.5B model; SP=2 >= 1.5x at 8k.
 ``--quantization`` loads every configuration's model with that weight format (int8 / q4 layers
 sharded over the tp ranks, workers/layers/quant_parallel.py), so TP=2 vs TP=1 compares like
 with like.

@@ -11,7 +11,7 @@ Sides (one at a time, never concurrently, 2 threads each):
     duet-fp32   Duet on the float32 checkpoint (the GGUF de-quantized once, workers/models/assets.py)
     duet-int8   the same with ``quantization='int8'`` (per-channel int8 weights, fp32 activations, int8 LM head)
     duet-q4     ``quantization='q4'``: the GGUF's own Q4_1 codes repacked (int8 LM head)
-    duet-q4-modules  duet-q4 with DUET_FUSED_DECODE=0: decode steps through the per-layer modules
+    duet-q4-modules  duet-q4 with fused_decode=False: decode steps through the per-layer modules
                 instead of the fused C++ decoder stack (the A/B of that optimisation)
     llamacpp-portable / llamacpp-native
                 llama-cpp-python 0.3.36 from PyPI, built by benchmarks/llamacpp_env.sh into
@@ -22,7 +22,7 @@ Sides (one at a time, never concurrently, 2 threads each):
 
 Figures (definitions as in benchmarks/engine_throughput.py):
     batch-1 decode tok/s   (N - 1) / (T_N - median T_1), one ~20-token prompt, N new tokens; median
-                           over repeats. Both llama.cpp builds run with n_batch=512 (the issue reports the
+                           over repeats. Both llama.cpp builds run with n_batch=512 (an earlier report had the
                            native build crashing on batches of 2+ tokens; 0.3.36 did not here, and a
                            crash would be recorded per figure).
     C=k total tok/s        k * N / wall time for k different prompts (10-60 tokens), prefill included.
@@ -103,12 +103,9 @@ QUICK = Settings(decode_tokens=32, decode_repeats=3, throughput_tokens=16, throu
 class DuetSide:
     def __init__(self, quantization: str, fused: bool = True) -> None:
         self.name = f"duet-{'fp32' if quantization == 'none' else quantization}{'' if fused else '-modules'}"
-        # The decode path is chosen at the first decode step, from DUET_FUSED_DECODE (restored in close).
-        self._env = os.environ.get("DUET_FUSED_DECODE")
-        os.environ["DUET_FUSED_DECODE"] = "1" if fused else "0"
         # Prefix caching off: repeats reuse prompts, and llama.cpp recomputes distinct prompts too.
         self.llm = LLM(SMOLLM2_NAME, quantization=quantization, enable_prefix_caching=False,
-                       kv_cache_memory_bytes=512 << 20)
+                       kv_cache_memory_bytes=512 << 20, fused_decode=fused)
 
     def weight_bytes(self) -> int:
         """Bytes of weights one batch-1 step reads: every parameter and buffer except the embedding
@@ -129,10 +126,6 @@ class DuetSide:
     def close(self) -> None:
         del self.llm
         gc.collect()
-        if self._env is None:
-            os.environ.pop("DUET_FUSED_DECODE", None)
-        else:
-            os.environ["DUET_FUSED_DECODE"] = self._env
 
 
 class _WithChildren(CpuLoadMeter):

@@ -49,8 +49,8 @@ from typing import Any
 
 import grpc
 
-from benchmarks.load_gen import load_prompts
-from benchmarks.serving_metrics import percentile
+from cluster.bench.load_gen import load_prompts
+from cluster.bench.metrics import percentile
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ async def overload(d: Any, *, burst: int, timeout: float = 120.0) -> dict[str, A
 
 
 def _pct(values: list[float], q: float) -> float | None:
-    """serving_metrics.percentile, with None (valid JSON) instead of NaN when nothing was measured."""
+    """cluster.bench.metrics.percentile, with None (valid JSON) instead of NaN when nothing was measured."""
     return percentile(values, q) if values else None
 
 
@@ -301,7 +301,7 @@ def leftovers(namespace: str, placement_group: Any, wait_s: float = 30.0) -> dic
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from benchmarks.serving_bench import _code_version, _machine
+    from cluster.bench.report import code_version as _code_version, machine as _machine
 
     res: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "machine": _machine(),
                            "code": _code_version(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

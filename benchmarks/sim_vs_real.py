@@ -5,7 +5,7 @@ Side by side in one run:
               here the way ``duet profile`` does (cluster/profiler.py: a 1-worker deployment, Poisson
               load at ``--profile-rates``, the service model fitted from it)
     real      a separate 1-worker run at ``--rates`` with another seed -- held out from the fit --
-              through the router (benchmarks/serving_bench.py): each request's send time, prompt
+              through the router (cluster/bench/serving.py): each request's send time, prompt
               tokens, output tokens and streamed chunk times
     sim       cluster/simulator.py, one colocated replica with the profile's service model, replaying
               exactly those arrivals (same times, same prompt and output lengths)
@@ -13,7 +13,7 @@ Side by side in one run:
 The deployments run with the prefix cache off: the simulator does not model it, and the
 benchmark sends the same prompts on every path and rate, so with it on every pass after the
 first would be a cache hit. Both sides use one definition: TTFT = first token - send, TPOT = (last - first token) / (n - 1),
-p90 linear-interpolated (benchmarks/serving_metrics.percentile).
+p90 linear-interpolated (benchmarks/cluster.bench.metrics.percentile).
 
 Tolerance, and why. The simulator is a fitted model (prefill a + b P, decode step c + d B; no
 chunked-prefill interleaving, no router or gRPC time, no scheduler jitter), and the real side is a
@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.engine_throughput import CpuLoadMeter, QuietGate
-from benchmarks.serving_metrics import percentile
+from cluster.bench.metrics import percentile
 from cluster.profile import Profile, ServiceModel, SLOTargets, load_profile, save_profile
 from cluster.sim_trace import Trace
 from cluster.simulator import SimPool, Simulation
@@ -146,7 +146,7 @@ def compare(real: dict[str, list[float]], sim: dict[str, list[float]], tol: Tole
 
 # ------------------------------------------------------------------ the runs
 def _bench(args: argparse.Namespace, rates: str, n: int, seed: int) -> dict[str, Any]:
-    from benchmarks import serving_bench
+    from cluster.bench import serving as serving_bench
 
     bench_argv = ["--model", args.model, "--rates", rates, "--num-requests", str(n), "--min-output",
                   str(args.min_output), "--max-output", str(args.max_output),

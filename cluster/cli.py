@@ -34,7 +34,9 @@ SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--quantization": ("model.quantization", str, "weights of the linear layers: none | int8 | q4 "
                        "[DUET_QUANTIZATION]"),
     "--replicas": ("pool.replicas", int, "worker actors in the (first) pool [DUET_REPLICAS]"),
-    "--cpus-per-replica": ("pool.cpus_per_replica", int, "CPUs (= torch threads) per worker of the (first) pool [DUET_CPUS_PER_REPLICA]"),
+    "--cpus-per-replica": ("pool.cpus_per_replica", int, "CPUs (= torch threads) per worker of the (first) pool; "
+                           "default: this machine's CPUs less one for the router, shared among the workers "
+                           "(1 with --ray-address) [DUET_CPUS_PER_REPLICA]"),
     "--kv-cache-memory": ("pool.engine.kv_cache_memory_bytes", str,
                           "KV cache budget per worker of the (first) pool, e.g. 256MiB, 1GiB [DUET_KV_CACHE_MEMORY]"),
     "--host": ("router.host", str, "router bind address; 0.0.0.0 for all interfaces [DUET_HOST]"),
@@ -64,7 +66,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    "see cluster/duet.example.yaml")
     for flag, (key, tp, help_text) in SERVE_FLAGS.items():
         p.add_argument(flag, dest=key, type=tp, default=None, help=help_text)
-    p.add_argument("--dry-run", action="store_true", help="print the merged, validated config as YAML and exit")
+    p.add_argument("--dry-run", action="store_true", help="validate the merged config, resolve the model and check "
+                   "that it runs with each pool's parallel sizes and quantization (what serve checks before "
+                   "starting anything), print the config as YAML and exit")
     p.add_argument("--no-router", action="store_true", help="run Ray, the pools and the controller (its Membership "
                    "service on controller.port) but no router: routers run elsewhere with `duet router "
                    "--membership HOST:PORT` (the Helm chart's Ray head does this)")
@@ -105,10 +109,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--timeout", type=float, default=120.0, help="request deadline in seconds (default 120)")
-    _add_client_security(p)
+    add_client_security(p)
 
 
-def _add_client_security(p: argparse.ArgumentParser) -> None:
+def add_client_security(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("router security (a router started with TLS or --auth-tokens-file)")
     g.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
     g.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA (implies --tls)")
@@ -119,8 +123,8 @@ def _add_client_security(p: argparse.ArgumentParser) -> None:
                    help="bearer token sent as 'authorization: Bearer <token>' (default $DUET_TOKEN)")
 
 
-def _client_security(args: argparse.Namespace):
-    """(ClientTLS | None, token | None) from the flags of _add_client_security."""
+def client_security(args: argparse.Namespace):
+    """(ClientTLS | None, token | None) from the flags of add_client_security."""
     from router.client import ClientTLS
 
     if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name):
@@ -141,7 +145,7 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--namespace", default="duet", help="Ray namespace of the workers (ray.namespace; default duet)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default 5)")
-    _add_client_security(p)
+    add_client_security(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_router(sub)
     _add_generate(sub)
     _add_status(sub)
-    # `duet bench` owns its flags (benchmarks/serving_bench.py); everything after "bench" goes there.
+    # `duet bench` owns its flags (cluster/bench/serving.py); everything after "bench" goes there.
     sub.add_parser("bench", help="serving benchmark: Poisson load, latency percentiles, goodput, router overhead",
                    add_help=False)
     # `duet profile` owns its flags too (cluster/profiler.py).
@@ -165,17 +169,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from cluster.config import load_config
+    from cluster.preflight import preflight
 
     keys = {key: flag for flag, (key, _, _) in SERVE_FLAGS.items()}
-    config = load_config(args.config, overrides={k: getattr(args, k) for k in keys}, flag_names=keys)
+    sources: dict[str, str] = {}
+    config = load_config(args.config, overrides={k: getattr(args, k) for k in keys}, flag_names=keys,
+                         sources=sources)
     if args.dry_run:
         import yaml
 
+        from cluster.cpu_share import resolve_cpus
+
+        preflight(config, sources)  # the model checks `duet serve` runs before starting anything
+        if config.ray.address is None:
+            _, note = resolve_cpus(config, config.ray.num_cpus or len(os.sched_getaffinity(0)))
+            print(f"duet: embedded on this machine: {note}", file=sys.stderr)
         sys.stdout.write(yaml.safe_dump(config.to_dict(), sort_keys=False))
         return 0
     from cluster.serve import run_foreground
 
-    return run_foreground(config, with_router=not args.no_router)
+    return run_foreground(config, with_router=not args.no_router, sources=sources)
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -207,7 +220,7 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         prompt = args.prompt
     last = None
-    tls, token = _client_security(args)
+    tls, token = client_security(args)
     for chunk in stream(prompt, target=args.target, timeout=args.timeout, tls=tls, token=token, **kwargs):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
@@ -224,7 +237,7 @@ def _status(args: argparse.Namespace) -> int:
 
     from cluster.status import format_status, router_status, worker_status
 
-    tls, token = _client_security(args)
+    tls, token = client_security(args)
     status: dict[str, object] = {"router": router_status(args.target, args.timeout, tls=tls, token=token),
                                  "namespace": args.namespace}
     try:
@@ -257,17 +270,21 @@ def _prepare(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        from benchmarks.serving_bench import main as bench_main
+    # `duet [-v] bench|profile ...`: everything after the command belongs to its own parser.
+    lead = 0
+    while lead < len(argv) and argv[lead] in ("-v", "--verbose"):
+        lead += 1
+    if argv[lead:lead + 1] in (["bench"], ["profile"]):
+        _configure_logging(lead > 0)
+        if argv[lead] == "bench":
+            from cluster.bench.serving import main as bench_main
 
-        return bench_main(argv[1:])
-    if argv[:1] == ["profile"]:
+            return bench_main(argv[lead + 1:])
         from cluster.profiler import main as profile_main
 
-        return profile_main(argv[1:])
+        return profile_main(argv[lead + 1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging(args.verbose)
     handlers = {"serve": _serve, "router": _router, "generate": _generate, "status": _status, "prepare-model": _prepare}
     try:
         return handlers[args.command](args)
@@ -278,6 +295,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"duet: error: {e}", file=sys.stderr)
         return 2 if _is_config_error(e) else 1
+
+
+def _configure_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _is_config_error(e: Exception) -> bool:

@@ -22,8 +22,13 @@ Sections (see ``cluster/duet.example.yaml`` for a documented file):
 "The pool" (``pool.*`` keys) is ``pools[0]``: env and flags address it by that alias (so
 ``--replicas`` sizes the first pool; size the others in the YAML file).
 
-This module imports neither torch nor ray (``duet --help`` stays fast); ``to_engine_config`` and
-``to_router_config`` import the engine and router configs when called.
+One definition per setting: the model, engine, parallel, speculative and router keys are the
+fields of workers.config and router.config types (cluster/config_derive.py), validated by those
+types' own checks; this module adds what only a deployment has (pools, placement, Ray, the
+controller) and the checks across sections (which pool roles, parallel sizes, quantization,
+speculation and devices can work together; cluster/config_combinations.py).
+
+This module imports neither torch nor ray (``duet --help`` and ``--dry-run`` stay fast).
 """
 
 from __future__ import annotations
@@ -31,8 +36,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,16 +50,21 @@ from cluster.autoscale_config import (
     check_autoscaling,
     to_autoscaler_config,
 )
+from cluster.config_derive import Part, check_derived, derived_section, keymap, owner_kwargs
+from cluster.config_combinations import check_combinations
 from cluster.config_sources import (
     ClusterConfigError,
     Sources,
     build,
+    is_lower_config_error,
+    lower_error,
     mark_sources,
     need,
     read_yaml,
     set_key,
-    source_of,
 )
+from router.config import RouterConfig  # pure Python
+from workers.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig  # no torch
 
 __all__ = ["ClusterConfigError", "DuetConfig", "load_config"]
 
@@ -66,120 +75,91 @@ _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
 # ---------------------------------------------------------------------------------- sections
-@dataclass(frozen=True)
-class ModelSection:
-    """name: 'SmolLM2-135M-Instruct' (embedded default) or a local HF checkpoint directory; each
-    worker resolves it on its own node. dtype: float32 | bfloat16 | float16. max_model_len: context
-    limit (prompt + output); None = the model's, further capped by what one worker's KV pool holds.
-    quantization: none | int8 | q4, weight-only quantization of the linear layers (needs float32)."""
+# model, pools[i].engine, the pools' parallel sizes and router are the worker and router config
+# types' own fields under their YAML names (cluster/config_derive.py): their types, defaults and
+# checks are defined once, there. pools[i].speculative *is* workers.config.SpeculativeConfig.
+ModelSection = derived_section("ModelSection", """What every worker serves (workers.config.EngineConfig).
+    name: 'SmolLM2-135M-Instruct' (embedded default) or a local HF checkpoint directory; each worker
+    resolves it on its own node. dtype: float32 | bfloat16 | float16. max_model_len: context limit
+    (prompt + output); None = the model's, further capped by what one worker's KV pool holds.
+    quantization: none | int8 | q4, weight-only quantization of the linear layers (needs float32).""", [
+    ("name", Part(EngineConfig, "model")),
+    ("dtype", Part(EngineConfig, "dtype")),
+    ("max_model_len", Part(EngineConfig, "max_model_len")),
+    ("quantization", Part(EngineConfig, "quantization")),
+])
 
-    name: str = DEFAULT_MODEL
-    dtype: str = "float32"
-    max_model_len: int | None = None
-    quantization: str = "none"
-
-
-@dataclass(frozen=True)
-class EngineSection:
-    """Per-worker engine settings (see workers.config): tokens per KV block, the KV pool's byte
-    budget (int or '64MiB' / '1GiB' / '500MB'), tokens per step, sequences per step."""
-
-    block_size: int = 16
-    kv_cache_memory_bytes: int = 1 << 30
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    enable_prefix_caching: bool = True
-
-
-@dataclass(frozen=True)
-class SpeculativeSection:
-    """Speculative decoding for a colocated or decode pool (see workers.config.SpeculativeConfig):
-    method none | ngram | draft_model; num_speculative_tokens (most drafts per step); adaptive
-    draft length; ngram_min/ngram_max; draft_model (checkpoint or model name sharing the target's
-    tokenizer) and draft_quantization; drafter_cpus and drafter_resources (Ray resources the
-    drafter actor requests, e.g. {drafter: 1} to land on CPU drafter nodes); draft_timeout_s
-    (a slower drafter is dropped for the request, which continues without speculation); overlap
-    (draft the next window while the target verifies); draft_vocab_size (the drafter scores only
-    its tokenizer's most frequent tokens; 0 = all); drafter_threads (0 = drafter_cpus)."""
-
-    method: str = "none"
-    num_speculative_tokens: int = 4
-    adaptive: bool = True
-    ngram_min: int = 1
-    ngram_max: int = 4
-    draft_model: str | None = None
-    draft_quantization: str = "none"
-    drafter_cpus: int = 1
-    drafter_resources: Mapping[str, float] = field(default_factory=dict, hash=False)
-    draft_timeout_s: float = 2.0
-    overlap: bool = True
-    draft_vocab_size: int = 0
-    drafter_threads: int = 0
+EngineSection = derived_section("EngineSection", """Per-worker engine settings (workers.config): tokens
+    per KV block, the KV pool's byte budget (int or '64MiB' / '1GiB' / '500MB'), tokens per step,
+    sequences per step (null = 64, or the token budget if smaller), prefix caching; fused_decode (the
+    fused C++ decoder stack for decode steps) and cpu_kernels (the C++ CPU kernels; false = torch
+    references), both on by default, for A/B runs [DUET_FUSED_DECODE=0, DUET_DISABLE_CPU_KERNELS=1].""", [
+    ("block_size", Part(CacheConfig, "block_size")),
+    ("kv_cache_memory_bytes", Part(CacheConfig, "kv_cache_memory_bytes")),
+    ("max_num_batched_tokens", Part(SchedulerConfig, "max_num_batched_tokens")),
+    ("max_num_seqs", Part(SchedulerConfig, "max_num_seqs")),
+    ("enable_prefix_caching", Part(CacheConfig, "enable_prefix_caching")),
+    ("fused_decode", Part(EngineConfig, "fused_decode")),
+    ("cpu_kernels", Part(EngineConfig, "cpu_kernels")),
+])
 
 
-@dataclass(frozen=True)
-class PoolSection:
-    """One worker pool: ``replicas`` replicas, each a gang of ``gang_size`` ranks (Ray actors); each
-    rank reserves one placement group bundle of ``cpus_per_replica`` CPUs, ``gpus_per_rank`` GPUs
-    and ``resources_per_rank``. placement_strategy SPREAD (default) puts bundles on different nodes
-    when it can, so losing a node loses one replica, not the pool; PACK fills one node first
-    (fewer nodes to keep up); STRICT_* make that a hard requirement. max_restarts: how often Ray
-    restarts a dead worker (-1 = forever)."""
-
-    name: str = "default"
-    role: str = "colocated"
-    replicas: int = 1
-    cpus_per_replica: int = 1
-    placement_strategy: str = "SPREAD"
-    max_restarts: int = -1
-    engine: EngineSection = field(default_factory=EngineSection)
-    # MoE: each replica is a gang of ep_size ranks (Ray actors, one bundle each) holding a share of
-    # the experts, serving as one worker (workers/parallel/gang_actor.py). 1 = a plain worker.
-    ep_size: int = 1
-    # Tensor / sequence parallelism: each replica is a gang of ep_size * sp_size * tp_size ranks.
-    # tp_size shards every layer (heads, MLP width, vocabulary); sp_size splits long prefill chunks
-    # over ranks (ring attention). 1 = off.
-    tp_size: int = 1
-    sp_size: int = 1
-    speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
-    # Placement (cluster/pools.py): what each rank's bundle and actor reserve besides its CPUs.
-    # gpus_per_rank: GPUs per rank (a fraction below 1 shares a GPU). resources_per_rank: custom Ray
-    # resources per rank, e.g. {duet_pool_decode: 1} where only the decode pool's nodes offer it,
-    # so no rank lands on another pool's (or the drafters') nodes and an autoscaler adds the right ones.
-    gpus_per_rank: float = 0.0
-    resources_per_rank: Mapping[str, float] = field(default_factory=dict, hash=False)
-
-    @property
-    def gang_size(self) -> int:
-        return self.ep_size * self.sp_size * self.tp_size
+def _gang_size(self) -> int:
+    return self.ep_size * self.sp_size * self.tp_size
 
 
-@dataclass(frozen=True)
-class RouterSection:
-    """The public gRPC server. policy: round_robin | least_loaded | prefix_aware, with its keyword
-    options in policy_options. max_in_flight: requests streamed at once; max_queue: admitted
-    requests waiting for a slot (beyond both: RESOURCE_EXHAUSTED). Security (router/security.py):
-    tls_cert_file + tls_key_file (PEM) serve TLS only; tls_client_ca_file as well requires client
-    certificates (mTLS); auth_tokens_file requires 'authorization: Bearer <token>' on every call but
-    health checks; max_request_bytes bounds one request message (int or '4MiB')."""
+def _parallel(self) -> ParallelConfig:
+    """The gang's ``workers.config.ParallelConfig`` (what each rank of a replica joins)."""
+    return ParallelConfig(**owner_kwargs(self, ParallelConfig))
 
-    host: str = "127.0.0.1"
-    port: int = 50051
-    policy: str = "prefix_aware"
-    policy_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    max_in_flight: int = 128
-    max_queue: int = 512
-    shutdown_grace_s: float = 5.0
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    tls_client_ca_file: str | None = None
-    auth_tokens_file: str | None = None
-    max_request_bytes: int = 4 << 20
-    # With a prefill pool: prompts shorter than this many tokens run colocated on a decode worker.
-    disagg_min_prompt_tokens: int = 256
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "policy_options", types.MappingProxyType(dict(self.policy_options)))
+PoolSection = derived_section("PoolSection", """One worker pool: ``replicas`` replicas, each a gang of
+    ``gang_size`` ranks (Ray actors); each rank reserves one placement group bundle of
+    ``cpus_per_replica`` CPUs, ``gpus_per_rank`` GPUs and ``resources_per_rank``. cpus_per_replica
+    null (the default): an embedded Ray shares this machine's CPUs, less one for the router, among
+    the ranks that leave it unset; with ray.address, 1 (cluster/cpu_share.py, said in the startup line). placement_strategy
+    SPREAD (default) puts bundles on different nodes when it can, so losing a node loses one
+    replica, not the pool; PACK fills one node first (fewer nodes to keep up); STRICT_* make that a
+    hard requirement. max_restarts: how often Ray restarts a dead worker (-1 = forever).
+
+    Parallelism (workers.config.ParallelConfig): each replica is a gang of ep_size * sp_size *
+    tp_size ranks. ep_size holds a share of an MoE model's experts per rank; tp_size shards every
+    layer (heads, MLP width, vocabulary); sp_size splits long prefill chunks over ranks (ring
+    attention); 1 = off. comm: how same-host collectives travel (auto | shm | gloo) [DUET_COMM].
+
+    Placement (cluster/pools.py): gpus_per_rank: GPUs per rank (a fraction below 1 shares a GPU).
+    resources_per_rank: custom Ray resources per rank, e.g. {duet_pool_decode: 1} where only the
+    decode pool's nodes offer it, so no rank lands on another pool's (or the drafters') nodes and an
+    autoscaler adds the right ones.""", [
+    ("name", (str, field(default="default"))),
+    ("role", (str, field(default="colocated"))),
+    ("replicas", (int, field(default=1))),
+    ("cpus_per_replica", (int | None, field(default=None))),
+    ("placement_strategy", (str, field(default="SPREAD"))),
+    ("max_restarts", (int, field(default=-1))),
+    ("engine", (EngineSection, field(default_factory=EngineSection))),
+    ("ep_size", Part(ParallelConfig, "ep_size")),
+    ("tp_size", Part(ParallelConfig, "tp_size")),
+    ("sp_size", Part(ParallelConfig, "sp_size")),
+    ("comm", Part(ParallelConfig, "comm")),
+    ("speculative", (SpeculativeConfig, field(default_factory=SpeculativeConfig))),
+    ("gpus_per_rank", (float, field(default=0.0))),
+    ("resources_per_rank", (Mapping[str, float], field(default_factory=dict, hash=False))),
+], namespace={"gang_size": property(_gang_size), "parallel": property(_parallel)})
+
+RouterSection = derived_section("RouterSection", """The public gRPC server (router.config.RouterConfig).
+    policy: round_robin | least_loaded | prefix_aware, with its keyword options in policy_options.
+    max_in_flight: requests streamed at once; max_queue: admitted requests waiting for a slot (beyond
+    both: RESOURCE_EXHAUSTED). Security (router/security.py): tls_cert_file + tls_key_file (PEM)
+    serve TLS only; tls_client_ca_file as well requires client certificates (mTLS); auth_tokens_file
+    requires 'authorization: Bearer <token>' on every call but health checks; max_request_bytes
+    bounds one request message (int or '4MiB'). disagg_min_prompt_tokens: with a prefill pool,
+    prompts shorter than this run colocated on a decode worker.""", [
+    (name, Part(RouterConfig, name)) for name in (
+        "host", "port", "policy", "policy_options", "max_in_flight", "max_queue", "shutdown_grace_s",
+        "tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file", "max_request_bytes",
+        "disagg_min_prompt_tokens")
+], probe={RouterConfig: {"tokenizer_path": "<model>"}})
 
 
 @dataclass(frozen=True)
@@ -221,36 +201,23 @@ class DuetConfig:
         """The first pool (what ``pool.*`` env keys and flags set)."""
         return self.pools[0]
 
-    def to_engine_config(self, pool: PoolSection | None = None):
+    def to_engine_config(self, pool: PoolSection | None = None) -> EngineConfig:
         """The ``workers.config.EngineConfig`` every worker of ``pool`` (default: the pool) runs."""
-        from workers.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-
         pool = pool or self.pool
-        e, sp = pool.engine, pool.speculative
-        return EngineConfig(
-            model=self.model.name, dtype=self.model.dtype, max_model_len=self.model.max_model_len,
-            quantization=self.model.quantization,
-            cache=CacheConfig(block_size=e.block_size, kv_cache_memory_bytes=e.kv_cache_memory_bytes,
-                              enable_prefix_caching=e.enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs),
-            speculative=SpeculativeConfig(**dataclasses.asdict(sp)),  # the same fields, one per layer
-        )
+        e = pool.engine
+        return EngineConfig(**owner_kwargs(self.model, EngineConfig), **owner_kwargs(e, EngineConfig),
+                            cache=CacheConfig(**owner_kwargs(e, CacheConfig)),
+                            scheduler=SchedulerConfig(**owner_kwargs(e, SchedulerConfig)),
+                            speculative=pool.speculative)
 
-    def to_router_config(self, tokenizer_path: str, max_model_len: int | None = None, **extra: Any):
+    def to_router_config(self, tokenizer_path: str, max_model_len: int | None = None, **extra: Any) -> RouterConfig:
         """The ``router.config.RouterConfig``. tokenizer_path: the resolved checkpoint directory;
         max_model_len: the workers' effective limit (default: ``model.max_model_len``); extra:
         further RouterConfig fields (tests shorten poll intervals)."""
-        from router.config import RouterConfig
-
-        r = self.router
         return RouterConfig(
             tokenizer_path=tokenizer_path, model_name=Path(self.model.name).name,
             max_model_len=max_model_len if max_model_len is not None else self.model.max_model_len,
-            host=r.host, port=r.port, policy=r.policy, policy_options=dict(r.policy_options),
-            max_in_flight=r.max_in_flight, max_queue=r.max_queue, shutdown_grace_s=r.shutdown_grace_s,
-            tls_cert_file=r.tls_cert_file, tls_key_file=r.tls_key_file, tls_client_ca_file=r.tls_client_ca_file,
-            auth_tokens_file=r.auth_tokens_file, max_request_bytes=r.max_request_bytes,
-            disagg_min_prompt_tokens=r.disagg_min_prompt_tokens, disagg_block_size=self.pool.engine.block_size, **extra)
+            **owner_kwargs(self.router, RouterConfig), disagg_block_size=self.pool.engine.block_size, **extra)
 
     def to_autoscaler_config(self):
         """The ``cluster.autoscaler.AutoscalerConfig`` of the ``autoscaling`` section."""
@@ -260,13 +227,18 @@ class DuetConfig:
         """Plain data (what ``duet serve --dry-run`` prints as YAML)."""
         def plain(v: Any) -> Any:
             if dataclasses.is_dataclass(v):
-                return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+                return {f.name: plain(_yaml_shape(f, getattr(v, f.name))) for f in dataclasses.fields(v)}
             if isinstance(v, tuple):
                 return [plain(x) for x in v]
             if isinstance(v, Mapping):
                 return {k: plain(x) for k, x in v.items()}
             return v
         return plain(self)
+
+
+def _yaml_shape(f: dataclasses.Field, value: Any) -> Any:
+    """A field's value as YAML writes it: resource amounts (tuple[tuple[str, float], ...]) as a mapping."""
+    return dict(value) if f.type in ("tuple[tuple[str, float], ...]", tuple[tuple[str, float], ...]) else value
 
 
 # ---------------------------------------------------------------------------------- sources
@@ -290,20 +262,38 @@ ENV_KEYS: dict[str, str] = {
     "RAY_ADDRESS": "ray.address",
     "DUET_RAY_NUM_CPUS": "ray.num_cpus",
 }
+# Switches that apply to every pool: env var -> (key under pools[i], value parser). The library reads
+# none of them; they reach the workers through their EngineConfig / ParallelConfig.
+POOL_ENV_KEYS: dict[str, tuple[str, Callable[[str], str]]] = {
+    "DUET_FUSED_DECODE": ("engine.fused_decode", str),  # 0 = off (A/B runs)
+    "DUET_DISABLE_CPU_KERNELS": ("engine.cpu_kernels", lambda v: _negate(v, "DUET_DISABLE_CPU_KERNELS")),
+    "DUET_COMM": ("comm", str),  # auto | shm | gloo
+}
 CONFIG_ENV = "DUET_CONFIG"  # a YAML file used when --config is not given
 
 
+def _negate(value: str, var: str) -> str:
+    text = value.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return "false"
+    if text in ("0", "false", "no", "off"):
+        return "true"
+    raise ClusterConfigError(f"env {var}={value!r}: must be 1 (true) or 0 (false)")
+
+
 def load_config(path: str | os.PathLike[str] | None = None, *, overrides: Mapping[str, Any] | None = None,
-                env: Mapping[str, str] | None = None, flag_names: Mapping[str, str] | None = None) -> DuetConfig:
+                env: Mapping[str, str] | None = None, flag_names: Mapping[str, str] | None = None,
+                sources: Sources | None = None) -> DuetConfig:
     """Merge defaults < YAML file < env < overrides and validate once.
 
     path: YAML file (None: ``$DUET_CONFIG`` if set, else no file). overrides: dotted key -> value
     (strings are parsed like env values; None values are ignored) — the CLI's flags. env: the
     environment (default ``os.environ``). flag_names: dotted key -> flag spelling, for messages.
+    sources: filled with dotted key -> where its value came from (for later checks' messages).
     """
     env = os.environ if env is None else env
     raw: dict[str, Any] = {}
-    sources: Sources = {}
+    sources = {} if sources is None else sources
     path = path if path is not None else env.get(CONFIG_ENV) or None
     if path is not None:
         raw = read_yaml(Path(path))
@@ -312,6 +302,12 @@ def load_config(path: str | os.PathLike[str] | None = None, *, overrides: Mappin
         value = env.get(var)
         if value not in (None, ""):
             set_key(raw, key, value, sources, f"env {var}")
+    pools = raw.get("pools")
+    for var, (key, parse) in POOL_ENV_KEYS.items():
+        value = env.get(var)
+        if value not in (None, ""):
+            for i in range(len(pools) if isinstance(pools, list) and pools else 1):
+                set_key(raw, f"pools[{i}].{key}", parse(value), sources, f"env {var}")
     flag_names = flag_names or {}
     for key, value in (overrides or {}).items():
         if value is not None:
@@ -319,48 +315,19 @@ def load_config(path: str | os.PathLike[str] | None = None, *, overrides: Mappin
     return build(DuetConfig, raw, "", sources, _CHECKS)
 
 
-def _check_model(m: ModelSection, p: str, s: Sources) -> None:
-    need(bool(m.name.strip()), f"{p}.name", m.name, s, f"must name a model ({DEFAULT_MODEL!r}) or a checkpoint dir")
-    need(m.dtype in ("float32", "bfloat16", "float16"), f"{p}.dtype", m.dtype, s,
-         "must be one of float32, bfloat16, float16")
-    need(m.max_model_len is None or m.max_model_len >= 2, f"{p}.max_model_len", m.max_model_len, s,
-         "must be >= 2, or null for the model's own limit")
-    need(m.quantization in ("none", "int8", "q4"), f"{p}.quantization", m.quantization, s,
-         "must be one of none, int8, q4")
-    need(m.quantization == "none" or m.dtype == "float32", f"{p}.quantization", m.quantization, s,
-         f"quantized weights run with float32 activations; set model.dtype to float32 (it is {m.dtype})")
-
-
-def _check_engine(e: EngineSection, p: str, s: Sources) -> None:
-    need(e.block_size >= 1 and not e.block_size & (e.block_size - 1), f"{p}.block_size", e.block_size, s,
-         "must be a power of two (16 is a good default)")
-    need(e.kv_cache_memory_bytes >= 1 << 20, f"{p}.kv_cache_memory_bytes", e.kv_cache_memory_bytes, s,
-         "must be at least 1MiB (e.g. 64MiB, 1GiB)")
-    need(e.max_num_batched_tokens >= 1, f"{p}.max_num_batched_tokens", e.max_num_batched_tokens, s, "must be >= 1")
-    need(1 <= e.max_num_seqs <= e.max_num_batched_tokens, f"{p}.max_num_seqs", e.max_num_seqs, s,
-         f"must be between 1 and max_num_batched_tokens ({e.max_num_batched_tokens})")
-
-
 def _check_pool(pool: PoolSection, p: str, s: Sources) -> None:
     need(bool(_NAME_RE.match(pool.name)), f"{p}.name", pool.name, s,
          "must be lower-case letters, digits and '_', starting with a letter (it names the actors)")
     need(pool.role in ROLES, f"{p}.role", pool.role, s,
          f"must be one of {', '.join(ROLES)} (prefill + decode pools make a disaggregated deployment)")
-    need(pool.speculative.method == "none" or pool.role != "prefill", f"{p}.speculative.method",
-         pool.speculative.method, s, "a prefill pool produces one token per request; speculate on the decode pool")
     need(pool.replicas >= 1, f"{p}.replicas", pool.replicas, s, "must be >= 1")
-    need(pool.cpus_per_replica >= 1, f"{p}.cpus_per_replica", pool.cpus_per_replica, s,
-         "must be >= 1 (it is also the worker's torch thread count)")
+    need(pool.cpus_per_replica is None or pool.cpus_per_replica >= 1, f"{p}.cpus_per_replica",
+         pool.cpus_per_replica, s, "must be >= 1 (it is also the worker's torch thread count), or null to use "
+         "what the machine offers")
     need(pool.placement_strategy in PLACEMENT_STRATEGIES, f"{p}.placement_strategy", pool.placement_strategy, s,
          f"must be one of {', '.join(PLACEMENT_STRATEGIES)}")
     need(pool.max_restarts >= -1, f"{p}.max_restarts", pool.max_restarts, s, "must be -1 (forever) or >= 0")
-    need(pool.ep_size >= 1, f"{p}.ep_size", pool.ep_size, s,
-         "must be >= 1 (ranks per expert-parallel gang; it must divide the model's experts)")
-    need(pool.tp_size >= 1, f"{p}.tp_size", pool.tp_size, s,
-         "must be >= 1 (tensor-parallel ranks per replica; at most the model's kv heads, or a multiple of them "
-         "that divides the query heads)")
-    need(pool.sp_size >= 1, f"{p}.sp_size", pool.sp_size, s,
-         "must be >= 1 (sequence-parallel ranks per replica, splitting long prefill chunks)")
+    check_derived(pool, p, s)  # ep_size, tp_size, sp_size, comm: ParallelConfig's checks
     _check_placement_resources(pool, p, s)
 
 
@@ -379,52 +346,13 @@ def _check_placement_resources(pool: PoolSection, p: str, s: Sources) -> None:
              key, dict(pool.resources_per_rank), s, f"{name}: amounts must be numbers > 0")
 
 
-def _check_speculative(sp: SpeculativeSection, p: str, s: Sources) -> None:
-    need(sp.method in ("none", "ngram", "draft_model"), f"{p}.method", sp.method, s,
-         "must be one of none, ngram (prompt lookup, no model), draft_model (a small LM in its own actor)")
-    need(1 <= sp.num_speculative_tokens <= 16, f"{p}.num_speculative_tokens", sp.num_speculative_tokens, s,
-         "must be in 1..16 (the most tokens drafted per step; 4 is a good default)")
-    need(1 <= sp.ngram_min <= sp.ngram_max, f"{p}.ngram_min", sp.ngram_min, s,
-         f"need 1 <= ngram_min <= ngram_max ({sp.ngram_max})")
-    need(sp.method != "draft_model" or bool(sp.draft_model), f"{p}.draft_model", sp.draft_model, s,
-         "method draft_model needs a drafter: a checkpoint dir or model name with the target's tokenizer")
-    need(sp.draft_quantization in ("none", "int8", "q4"), f"{p}.draft_quantization", sp.draft_quantization, s,
-         "must be one of none, int8, q4")
-    need(sp.drafter_cpus >= 1, f"{p}.drafter_cpus", sp.drafter_cpus, s, "must be >= 1")
-    need(all(isinstance(v, (int, float)) and v > 0 for v in sp.drafter_resources.values()),
-         f"{p}.drafter_resources", dict(sp.drafter_resources), s,
-         "must map Ray resource names to amounts > 0, e.g. {drafter: 1}")
-    need(sp.draft_timeout_s > 0, f"{p}.draft_timeout_s", sp.draft_timeout_s, s, "must be > 0 seconds")
-    need(sp.draft_vocab_size == 0 or sp.draft_vocab_size >= 256, f"{p}.draft_vocab_size",
-         sp.draft_vocab_size, s, "must be 0 (the drafter's full vocabulary) or >= 256, e.g. 32768")
-    need(sp.drafter_threads >= 0, f"{p}.drafter_threads", sp.drafter_threads, s, "must be >= 0 (0 = drafter_cpus)")
-
-
 def _check_router(r: RouterSection, p: str, s: Sources) -> None:
-    need(bool(r.host), f"{p}.host", r.host, s, "must be a host or address, e.g. 127.0.0.1 or 0.0.0.0")
-    need(0 <= r.port <= 65535, f"{p}.port", r.port, s, "must be in 0..65535 (0 picks a free port)")
-    from router.policies import PolicyConfigError, make_policy  # pure Python, no torch
-
-    try:
-        make_policy(r.policy, **r.policy_options)
-    except PolicyConfigError as e:
-        key = f"{p}.policy" if str(e).startswith("unknown routing policy") else f"{p}.policy_options"
-        value = r.policy if key.endswith(".policy") else dict(r.policy_options)
-        raise ClusterConfigError(f"{key}={value!r} ({source_of(key, s)}): {e}") from None
-    need(r.max_in_flight >= 1, f"{p}.max_in_flight", r.max_in_flight, s, "must be >= 1")
-    need(r.max_queue >= 0, f"{p}.max_queue", r.max_queue, s, "must be >= 0 (0 = reject when all slots are busy)")
-    need(r.shutdown_grace_s >= 0, f"{p}.shutdown_grace_s", r.shutdown_grace_s, s, "must be >= 0 seconds")
+    # Files are checked here, at the edge, where they are read; everything else is RouterConfig's.
     for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file"):
         path = getattr(r, name)
         need(path is None or Path(path).expanduser().is_file(), f"{p}.{name}", path, s,
              "must be a readable file (PEM for TLS; see router/security.py for the tokens file)")
-    need((r.tls_cert_file is None) == (r.tls_key_file is None), f"{p}.tls_key_file", r.tls_key_file, s,
-         "TLS needs both router.tls_cert_file and router.tls_key_file; set both or neither")
-    need(r.tls_client_ca_file is None or r.tls_cert_file is not None, f"{p}.tls_client_ca_file",
-         r.tls_client_ca_file, s, "client certificates (mTLS) need TLS: set router.tls_cert_file and tls_key_file")
-    need(r.max_request_bytes >= 1024, f"{p}.max_request_bytes", r.max_request_bytes, s, "must be at least 1024")
-    need(r.disagg_min_prompt_tokens >= 0, f"{p}.disagg_min_prompt_tokens", r.disagg_min_prompt_tokens, s,
-         "must be >= 0 (0 = disaggregate every request)")
+    check_derived(r, p, s)
 
 
 def _check_ray(r: RaySection, p: str, s: Sources) -> None:
@@ -453,10 +381,28 @@ def _check_duet(c: DuetConfig, p: str, s: Sources) -> None:
     sizes = {pool.engine.block_size for pool in c.pools}
     need(len(sizes) == 1, "pools", names, s,
          f"every pool must use the same engine.block_size (KV blocks move between them), got {sorted(sizes)}")
+    for i, pool in enumerate(c.pools):
+        _check_engine_config(c, i, s)
+    check_combinations(c, s)
     check_against_pools(c.autoscaling, {pool.name: pool.role for pool in c.pools},
                         {pool.name: pool.replicas for pool in c.pools}, s)
 
 
-_CHECKS = {ModelSection: _check_model, SpeculativeSection: _check_speculative, EngineSection: _check_engine, PoolSection: _check_pool,
+def _check_engine_config(c: DuetConfig, i: int, s: Sources) -> None:
+    """Build pool i's EngineConfig: the engine's checks across model, engine and speculative keys."""
+    pool = c.pools[i]
+    try:
+        c.to_engine_config(pool)
+    except ValueError as e:
+        if not is_lower_config_error(e):
+            raise
+        keys = {**keymap(c.model, "model"), **keymap(pool.engine, f"pools[{i}].engine")}
+        keys.update({f"speculative.{f.name}": (f"pools[{i}].speculative.{f.name}", getattr(pool.speculative, f.name))
+                     for f in dataclasses.fields(SpeculativeConfig)})
+        raise lower_error(e, keys, s) from None
+
+
+_CHECKS = {ModelSection: check_derived, EngineSection: check_derived, PoolSection: _check_pool,
            RouterSection: _check_router, RaySection: _check_ray, ControllerSection: _check_controller,
            DuetConfig: _check_duet, AutoscalingSection: check_autoscaling, AutoscalePoolSection: check_autoscale_pool}
+

@@ -8,9 +8,13 @@ Terms:
 
 ``build`` turns nested dicts (YAML, or values set with ``set_key``) into frozen dataclasses:
 strings from env and flags are parsed per field type (``int``, ``float``, ``bool``, ``str``,
-``X | None``, nested dataclasses, ``tuple[X, ...]`` from lists, mappings), byte sizes accept units
-(``64MiB``, ``1GiB``, ``500MB``) in ``*_bytes`` fields, unknown keys are errors listing the known
-ones, and each class's check function (``checks[cls]``) runs once its fields are built.
+``X | None``, nested dataclasses, ``tuple[X, ...]`` from lists, mappings, and
+``tuple[tuple[str, float], ...]`` from a mapping), byte sizes accept units (``64MiB``, ``1GiB``,
+``500MB``) in ``*_bytes`` fields, unknown keys are errors listing the known ones, and each class's
+check function (``checks[cls]``) runs once its fields are built. A lower layer's config type used as
+a section (``workers.config.SpeculativeConfig``) validates itself in ``__post_init__``; its
+``ConfigError`` / ``RouterConfigError`` becomes a ClusterConfigError naming the dotted key
+(``lower_error``). cluster/config_derive.py builds sections from several lower types.
 """
 
 from __future__ import annotations
@@ -116,7 +120,14 @@ def build(cls: type, data: Any, prefix: str, sources: Sources, checks: Checks) -
         if name in data:
             key = f"{prefix}.{name}" if prefix else name
             kwargs[name] = _convert(hints[name], data[name], key, sources, checks)
-    obj = cls(**kwargs)
+    try:
+        obj = cls(**kwargs)
+    except ValueError as e:  # a lower layer's own validation (workers.config, router.config)
+        if not is_lower_config_error(e):
+            raise
+        values = {f.name: kwargs.get(f.name, f.default) for f in dataclasses.fields(cls)}
+        raise lower_error(e, {k: (f"{prefix}.{k}" if prefix else k, v) for k, v in values.items()},
+                          sources, message_prefix=getattr(cls, "KEY_PREFIX", "")) from None
     check = checks.get(cls)
     if check is not None:
         check(obj, prefix, sources)
@@ -134,6 +145,10 @@ def _convert(tp: Any, value: Any, key: str, sources: Sources, checks: Checks) ->
         return _convert(inner, value, key, sources, checks)
     if dataclasses.is_dataclass(tp):
         return build(tp, value, key, sources, checks)
+    if origin is tuple and args[0] == tuple[str, float]:  # resource amounts: a mapping in YAML
+        if not isinstance(value, dict):
+            raise error(key, value, sources, "must be a mapping of names to amounts, e.g. {drafter: 1}")
+        return tuple(sorted((str(k), _convert(float, v, f"{key}.{k}", sources, checks)) for k, v in value.items()))
     if origin is tuple:  # tuple[PoolSection, ...]; an empty list is () (class checks require entries)
         if not isinstance(value, list):
             raise error(key, value, sources, "must be a list")
@@ -200,3 +215,71 @@ def error(key: str, value: Any, sources: Sources, what: str) -> ClusterConfigErr
 def need(ok: bool, key: str, value: Any, sources: Sources, what: str) -> None:
     if not ok:
         raise error(key, value, sources, what)
+
+
+# ---------------------------------------------------------------------------------- lower layers' errors
+def is_lower_config_error(e: BaseException) -> bool:
+    """A config error raised by a worker or router config type's own validation."""
+    from router.config import RouterConfigError  # pure Python
+    from workers.errors import ConfigError
+
+    return isinstance(e, (ConfigError, RouterConfigError))
+
+
+KeyMap = Mapping[str, tuple[str, Any]]  # a lower type's key (as its messages spell it) -> (dotted key, value)
+
+
+def lower_error(e: BaseException, keymap: KeyMap, sources: Sources, message_prefix: str = "") -> ClusterConfigError:
+    """The ClusterConfigError for a lower config type's error ``e``.
+
+    The lower types' messages start with ``<key>=<value>: `` (workers/config.py, router/config.py),
+    their keys spelled from that type (``speculative.method``, ``cache.block_size``, ``port``);
+    ``message_prefix`` is what the type puts before its own field names (``speculative.``).
+    Every such key in the message becomes its dotted key here (a dotted key wherever it appears, a
+    bare field name where it is followed by ``=``), and the first one gets its source::
+
+        speculative.ngram_min=5, ngram_max=4: need 1 <= ngram_min <= ngram_max
+        -> pools[0].speculative.ngram_min=5 (from duet.yaml), pools[0].speculative.ngram_max=4: need ...
+    """
+    names: dict[str, tuple[str, Any]] = {}
+    for key, target in keymap.items():
+        names[key] = target
+        if message_prefix and not key.startswith(message_prefix):
+            names[message_prefix + key] = target
+    by_length = sorted(names, key=len, reverse=True)
+    dotted = [re.escape(k) for k in by_length if "." in k]
+    bare = [re.escape(k) for k in by_length if "." not in k]
+    parts = []
+    if dotted:
+        parts.append(rf"(?<![\w.\[\]'\"])(?:{'|'.join(dotted)})(?![\w])")
+    if bare:
+        parts.append(rf"(?<![\w.\[\]'\"])(?:{'|'.join(bare)})(?==)")
+    message = str(e)
+    if parts:
+        message = re.sub("|".join(parts), lambda m: names[m.group(0)][0], message)
+    lead = re.match(r"([\w.\[\]]+)=", message)
+    if lead is None:
+        target = next(iter(keymap.values()), ("the config", None))
+        return ClusterConfigError(f"{target[0]} ({source_of(target[0], sources)}): {message}")
+    key = lead.group(1)
+    end = _value_end(message, lead.end())
+    return ClusterConfigError(f"{message[:end]} ({source_of(key, sources)}){message[end:]}")
+
+
+def _value_end(text: str, start: int) -> int:
+    """Where the value written at ``text[start:]`` ends: at the first ',', ':' or ' ' outside
+    brackets and quotes (values are Python reprs: 'a', 5, {'drafter': 0.0}, (1, 2))."""
+    depth, quote = 0, ""
+    for i in range(start, len(text)):
+        ch = text[i]
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif depth == 0 and ch in ",: ":
+            return i
+    return len(text)

@@ -6,7 +6,7 @@ Terms:
     probe       one ``info()`` call on a replica's actor, every ``poll_interval_s`` (at most one
                 outstanding call per replica: a slow actor is never flooded).
     liveness    the controller's concern: is the actor alive and started (Ray's view). *Routing*
-                health (gRPC health + load, every 0.2 s) is the router's own concern
+                health (gRPC health + load, every ``load_poll_interval_s``) is the router's own concern
                 (router/workers.py); the controller does not duplicate it.
 
 Replica states and what moves them:
@@ -32,16 +32,15 @@ outlives it (the router resumes those on another worker); then the pool kills th
 frees the placement (``WorkerPool.release``).
 
 A replica is a member exactly while it is ``up``. Every change of the member list (a join, a
-leave, a restart's new endpoint) is pushed, as the *full* list, to every subscriber; the router
-subscribes with ``RouterHandle.set_members`` and so learns of joins and leaves without a restart.
-A restarted replica comes back with a new endpoint (a new port) and a new incarnation; for the
+leave, a restart's new endpoint, a drain) is pushed, as the *full* list, to every subscriber
+(``subscribe``; a push that raises is retried on the next poll). The one subscriber ``duet serve``
+installs is the membership service (cluster/membership_service.py, ``duet.control.v1.Membership``),
+which subscribes with ``detailed=True`` and streams each list to its watchers over gRPC. Every router
+is such a watcher (router/membership.py), also the one ``duet serve`` runs in its own process: it
+gets the controller's list once at startup and then follows the same gRPC stream as a router
+running as its own Kubernetes Deployment, so there is one path, not an in-process shortcut. A
+restarted replica comes back with a new endpoint (a new port) and a new incarnation; for the
 router that is a leave followed by a join.
-
-Current state vs the design: ARCHITECTURE.md has the router learn membership from the controller
-over gRPC, so the router can run as its own Kubernetes Deployment. Today the controller and the
-router live in one process (``duet serve``) and the push is an in-process call to
-``RouterHandle.set_members``. The subscriber interface (a callable taking the full member list) is
-the seam where a gRPC membership stream goes later.
 
 A probe that takes longer than ``probe_timeout_s`` is logged (once) but does not remove the
 member: an actor that is alive but slow (e.g. busy loading) is Ray's and the router's business,
@@ -52,7 +51,8 @@ Example::
     controller = Controller([pool], poll_interval_s=1.0)
     controller.start()                                  # calls start() on every replica
     controller.wait_ready(timeout=300)                  # all replicas up
-    controller.subscribe(router.set_members)            # pushed now and on every change
+    controller.subscribe(print, detailed=True)          # pushed now and on every change
+    serve_membership(controller, "127.0.0.1", 50052)    # what duet serve does: routers watch this
     ...
     controller.stop()
 """

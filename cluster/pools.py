@@ -264,10 +264,9 @@ def _create_gang(section: PoolSection, engine_config: Any, host: str | None, pg:
 
     from workers.parallel.eplb import RebalanceConfig
     from workers.parallel.gang_actor import GangFollowerActor, GangLeaderActor
-    from workers.parallel.groups import ParallelConfig
 
     ranks = section.gang_size
-    parallel = ParallelConfig(ep_size=section.ep_size, sp_size=section.sp_size, tp_size=section.tp_size)
+    parallel = section.parallel
     followers = tuple(
         GangFollowerActor.options(
             **rank_actor_options(section), max_restarts=section.max_restarts, max_task_retries=0,
@@ -296,7 +295,7 @@ def rank_bundle(section: PoolSection) -> dict[str, float]:
                                 resources_per_rank={"duet_pool_decode": 1}))
         # {'CPU': 2, 'GPU': 1, 'duet_pool_decode': 1}
     """
-    bundle: dict[str, float] = {"CPU": section.cpus_per_replica}
+    bundle: dict[str, float] = {"CPU": _cpus(section)}
     if section.gpus_per_rank > 0:
         bundle["GPU"] = section.gpus_per_rank
     bundle.update(section.resources_per_rank)
@@ -306,8 +305,15 @@ def rank_bundle(section: PoolSection) -> dict[str, float]:
 def rank_actor_options(section: PoolSection) -> dict[str, Any]:
     """The Ray actor options of one rank (a plain worker, a gang's leader or follower): exactly its
     bundle, so GPUs are assigned to it (CUDA_VISIBLE_DEVICES) and the custom resources are held."""
-    return {"num_cpus": section.cpus_per_replica, "num_gpus": section.gpus_per_rank,
+    return {"num_cpus": _cpus(section), "num_gpus": section.gpus_per_rank,
             "resources": dict(section.resources_per_rank)}
+
+
+def _cpus(section: PoolSection) -> int:
+    if section.cpus_per_replica is None:
+        raise PoolError(f"pool {section.name!r}: cpus_per_replica is unset; fill it in with "
+                        "cluster.cpu_share.resolve_cpus (duet serve does) or set it")
+    return section.cpus_per_replica
 
 
 def _check_embedded_capacity(section: PoolSection, bundle: dict[str, float], cluster: dict[str, float]) -> None:

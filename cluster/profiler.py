@@ -1,8 +1,8 @@
 """``duet profile``: measure one replica's capacity at the SLOs and save it as a profile.
 
-How: the serving benchmark's self-hosted path (benchmarks/serving_bench.py: a 1-worker deployment
-started here, Poisson load from benchmarks/load_gen.py sent by a child process, percentiles from
-benchmarks/serving_metrics.py) runs at a ladder of rates. The capacity is the highest rate whose
+How: the serving benchmark's self-hosted path (cluster/bench/serving.py: a 1-worker deployment
+started here, Poisson load from cluster/bench/load_gen.py sent by a child process, percentiles from
+cluster/bench/metrics.py) runs at a ladder of rates. The capacity is the highest rate whose
 p90 TTFT and p90 TPOT both meet the SLOs, and it is recorded as the throughput that rate actually
 achieved; the profile also carries the request mix and a fitted service model for the simulator:
 
@@ -105,7 +105,7 @@ def fit_service(steps: list[dict[str, Any]], max_batch: int) -> ServiceModel:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks import serving_bench
+    from cluster.bench import serving as serving_bench
 
     args = build_parser().parse_args(argv)
     if not logging.getLogger().handlers:

@@ -2,8 +2,11 @@
 
 The order, in ``start_deployment`` (each step undone, in reverse, if a later one fails):
 
-    1. resolve the model here (fail fast on a bad name; the router needs the tokenizer files)
-    2. Ray: start an embedded local Ray or join ``ray.address`` (cluster/ray_conn.py)
+    1. preflight (cluster/preflight.py): resolve the model and each drafter and check that their
+       architecture runs with each pool's parallel sizes and quantization, before anything starts
+       (the router needs the tokenizer files too)
+    2. Ray: start an embedded local Ray or join ``ray.address`` (cluster/ray_conn.py); pools that
+       leave cpus_per_replica unset get their share of the embedded Ray's CPUs (``resolve_cpus``)
     3. the pools, in config order: each its own placement group + worker actors (cluster/pools.py);
        a disaggregated deployment has a prefill pool and a decode pool, sized and placed apart
     4. the controller starts every worker and waits until they serve (cluster/controller.py)
@@ -52,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config import DuetConfig
+from cluster.cpu_share import resolve_cpus
 from cluster.controller import Controller
 from cluster.membership_service import MembershipService, serve_membership
 from cluster.pools import WorkerPool, create_pool
@@ -78,6 +82,7 @@ class Deployment:
     actuator: Any = None  # cluster.kuberay_pool_actuator.make_actuator's, with autoscaling enabled
     model_path: Path | None = None
     max_model_len: int | None = None
+    cpus_note: str = ""  # what resolve_cpus chose, for the startup line
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -117,22 +122,27 @@ class Deployment:
 
 
 def start_deployment(config: DuetConfig, *, router_overrides: dict[str, Any] | None = None,
-                     log_to_driver: bool = True, with_router: bool = True) -> Deployment:
+                     log_to_driver: bool = True, with_router: bool = True,
+                     sources: dict[str, str] | None = None) -> Deployment:
     """Bring the deployment up (see the module docstring); returns once the router listens (or,
     with ``with_router=False``, once the membership service does).
 
-    router_overrides: extra RouterConfig fields (tests shorten its poll intervals)."""
-    from workers.models.assets import resolve_model
+    router_overrides: extra RouterConfig fields (tests shorten its poll intervals). sources: where
+    each config key came from (``load_config(sources=...)``), for the preflight's messages."""
+    from cluster.preflight import preflight
 
-    model_path = resolve_model(config.model.name)
+    model_path = preflight(config, sources).model_path
     if config.autoscaling.enabled and not with_router and not config.autoscaling.metrics_urls:
         raise ServeError("autoscaling.enabled with no router in this process (--no-router): set "
                          "autoscaling.metrics_urls to the routers' /metrics (`duet router --metrics-port`)")
     if with_router:  # before minutes of startup
         _check_port_free(config.router.host, config.router.port, "router.port", "--port")
     _check_port_free(config.controller.host, config.controller.port, "controller.port", "--controller-port")
-    deployment = Deployment(config, connect(config.ray, log_to_driver=log_to_driver), model_path=model_path)
+    ray_conn = connect(config.ray, log_to_driver=log_to_driver)
+    deployment = Deployment(config, ray_conn, model_path=model_path)
     try:
+        deployment.config, deployment.cpus_note = resolve_cpus(config, _embedded_cpus(ray_conn))
+        logger.info("duet: %s", deployment.cpus_note)
         _start(deployment, router_overrides or {}, with_router)
     except BaseException:
         deployment.stop()
@@ -173,9 +183,9 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
                                             membership_address=d.membership.address, **router_overrides)
     d.router = serve_router(router_config, d.controller.member_details())
     _start_autoscaler(d)
-    logger.info("duet: serving %s on %s (%d workers, policy %s, context %d tokens; members from %s)",
+    logger.info("duet: serving %s on %s (%d workers, policy %s, context %d tokens, %s; members from %s)",
                 router_config.model_name, d.router.address, len(d.controller.members()), router_config.policy,
-                d.max_model_len, d.membership.address)
+                d.max_model_len, d.cpus_note, d.membership.address)
 
 
 def _start_autoscaler(d: Deployment) -> None:
@@ -199,6 +209,15 @@ def _start_autoscaler(d: Deployment) -> None:
     d.autoscaler.start()
     logger.info("duet: autoscaling %s every %g s (metrics from %s)", ", ".join(p.pool for p in a.pools), a.interval_s,
                 ", ".join(a.metrics_urls) or "this router")
+
+
+def _embedded_cpus(conn: RayConnection) -> int | None:
+    """The CPUs an embedded Ray offers (None when joined to an existing cluster)."""
+    if conn.kind != "embedded":
+        return None
+    import ray
+
+    return int(ray.cluster_resources().get("CPU", 1))
 
 
 def _check_port_free(host: str, port: int, key: str, flag: str) -> None:
@@ -228,7 +247,7 @@ def effective_max_model_len(model_path: Path, configured: int | None, worker_end
     return min(configured or model_limit, model_limit, report.kv_blocks_total * report.kv_block_size)
 
 
-def run_foreground(config: DuetConfig, *, with_router: bool = True) -> int:
+def run_foreground(config: DuetConfig, *, with_router: bool = True, sources: dict[str, str] | None = None) -> int:
     """``duet serve``: start, log where it listens, serve until SIGINT/SIGTERM, stop cleanly.
 
     Both signals raise KeyboardInterrupt in the main thread, also while starting (a SIGTERM during
@@ -246,7 +265,7 @@ def run_foreground(config: DuetConfig, *, with_router: bool = True) -> int:
     deployment: Deployment | None = None
     try:
         try:
-            deployment = start_deployment(config, with_router=with_router)
+            deployment = start_deployment(config, with_router=with_router, sources=sources)
             if with_router:
                 logger.info("duet: ready. Try: duet generate --target %s \"Hello\"   (Ctrl-C stops)",
                             deployment.address)

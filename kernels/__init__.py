@@ -16,7 +16,7 @@ wrapper `<op>` that runs the C++ CPU kernel (kernels/csrc/) on fp32 CPU tensors,
     q4_linear(x, qweight, d, m, bias=None)       (4-bit weights, int8 activations; formats in quant_formats.py)
 
 The C++ extension is built on first use (or by `python -m kernels.build`); see kernels/_build.py for
-the cache, `DUET_DISABLE_CPU_KERNELS=1`, and how a failed build falls back (with a warning and a count).
+the cache, `set_cpu_kernels_enabled(False)`, and how a failed build falls back (with a warning and a count).
 """
 
 from kernels._build import (

@@ -2,14 +2,16 @@
 
 The sources are `kernels/csrc/*.cpp`; torch's JIT builder (`torch.utils.cpp_extension.load`, which
 needs a C++ compiler and `ninja`) compiles them into `$DUET_CACHE_DIR/kernels` (default
-`~/.cache/duet/kernels`): ~40 s the first time on 2 cores, then only when a source changes, and a
-load from the cache takes well under a second. The binary is built without `-march`; each kernel picks
+`~/.cache/duet/kernels`): the first time, then only when a source changes; later runs load the
+binary from the cache. The binary is built without `-march`; each kernel picks
 AVX-512, AVX2+FMA or scalar code at run time from what the CPU reports, so a cache built on one x86
 machine runs on another.
 
 Switches:
-  - `DUET_DISABLE_CPU_KERNELS=1` (read at import) or `set_cpu_kernels_enabled(False)`: every wrapper
-    uses its torch reference. Deliberate, so not counted as a fallback.
+  - `set_cpu_kernels_enabled(False)`: every wrapper uses its torch reference. Deliberate, so not
+    counted as a fallback. A worker calls it when its `EngineConfig.cpu_kernels` is False (the
+    deployment config's `pools[].engine.cpu_kernels`, which `DUET_DISABLE_CPU_KERNELS=1` sets at the
+    CLI edge); this module reads no switch from the environment.
   - If the build or load fails, one WARNING names the error, `cpu_kernels_available()` is False and
     each wrapper call that had to use the reference instead counts in `fallback_counts()`.
 """
@@ -42,7 +44,7 @@ LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _ext: ModuleType | None = None
 _error: str | None = None  # why the extension is unavailable, once a load was tried and failed
-_enabled = os.environ.get("DUET_DISABLE_CPU_KERNELS", "").strip().lower() not in ("1", "true", "yes")
+_enabled = True  # set_cpu_kernels_enabled
 _fallbacks: Counter[str] = Counter()
 _warned: set[str] = set()
 

@@ -1,6 +1,6 @@
 """`python -m kernels.build`: build (or load from the cache) the C++ CPU kernels and say what was built.
 
-Run by `make setup` so the ~40 s first compile does not land in a test or a server's first request.
+Run by `make setup` so the first compile (the slow part) does not land in a test or a server's first request.
 Exits 1 if the build fails (the library itself would fall back to the torch references with a warning).
 """
 

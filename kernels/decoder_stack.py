@@ -1,8 +1,8 @@
 """Fused decoder stack: all Llama-family layers of a decode step in one C++ call.
 
 A decode step of a small model is ~120 short kernel calls; from Python each pays a module call, a
-wrapper, a pybind crossing and allocations (~1.5-2 ms per SmolLM2-135M step on the dev machine, a
-quarter of a 4-bit step). ``DecoderStack`` (C++: kernels/csrc/decoder_stack.cpp) runs the very
+wrapper, a pybind crossing and allocations, which add up to a large share of a 4-bit step
+(benchmarks/README.md: "Fused decode stack" and "Figures moved out of the code"). ``DecoderStack`` (C++: kernels/csrc/decoder_stack.cpp) runs the very
 same kernels with the same arguments in the same order from one loop, so its result is
 bit-identical to the layer-by-layer path; ``decoder_stack_ref`` is that path written with the
 kernels' Python wrappers (and, with the kernels disabled, with their torch references).

@@ -32,8 +32,8 @@ from kernels.linear import GEMV_MAX_TOKENS
 
 _F32 = torch.float32
 
-# Groups with at most this many rows go through the GEMV kernel (see kernels/linear.py for the
-# crossover measurement on this machine class), larger ones through MKL's GEMM.
+# Groups with at most this many rows go through the GEMV kernel (kernels/linear.py explains the
+# crossover), larger ones through MKL's GEMM.
 GEMV_MAX_ROWS = GEMV_MAX_TOKENS
 
 

@@ -4,11 +4,10 @@ At small T the product is bound by reading W from memory (each weight is used on
 C++ kernel streams W exactly once per pass with both cores (rows split OpenMP-static, blocks of 2-8
 rows with AVX-512 FMA accumulators for up to 8 rows of x at once) and skips MKL's per-call setup.
 
-Threshold GEMV_MAX_TOKENS = 16, measured on the dev machine (2 cores, Sapphire Rapids class) over
-SmolLM2-135M's 121 matrices cycled so nothing stays in cache, ms per step, GEMV vs F.linear (MKL):
-T=1 ~28 vs ~32, T=4 ~31 vs ~63, T=8 ~37 vs ~120, T=16 ~65 vs ~95, T=24 ~87 vs ~111, T=32 ~109 vs
-~113, T=64 ~208 vs ~185. Past ~32 rows the product turns compute bound and MKL's cache-blocked GEMM
-(which reuses each weight tile across many rows) wins, so T > 16 keeps a margin and goes to MKL.
+Threshold GEMV_MAX_TOKENS = 16, chosen from a sweep of GEMV vs F.linear (MKL) over SmolLM2-135M's
+121 matrices (benchmarks/README.md, "Figures moved out of the code"): the GEMV wins while the
+product is bound by reading W; past a few dozen rows it turns compute bound and MKL's cache-blocked
+GEMM (which reuses each weight tile across many rows) wins, so T > 16 keeps a margin and goes to MKL.
 
 Worked example: x = [[1, 2]], W = [[1, 0], [0, 1], [1, 1]], b = [0, 0, 1] -> y = [[1, 2, 4]].
 

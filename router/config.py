@@ -122,7 +122,9 @@ class RouterConfig:
         try:
             make_policy(self.policy, **self.policy_options)
         except PolicyConfigError as e:
-            raise RouterConfigError(f"policy: {e}") from None
+            if str(e).startswith("unknown routing policy"):
+                _fail("policy", self.policy, str(e))
+            _fail("policy_options", dict(self.policy_options), str(e))
         _int_at_least("max_in_flight", self.max_in_flight, 1)
         _int_at_least("max_queue", self.max_queue, 0, " (0 = reject whenever max_in_flight is reached)")
         _int_at_least("default_max_tokens", self.default_max_tokens, 1)

@@ -72,8 +72,8 @@ class ServedModel:
 
 
 def _warm_up(tokenizer: Any) -> None:
-    """Compile the chat template and touch the encoder once, at load: the first call costs ~8 ms
-    (jinja compilation), which would otherwise land on the first request's TTFT."""
+    """Compile the chat template and touch the encoder once, at load: the first call compiles the
+    jinja template, which would otherwise land on the first request's TTFT."""
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
                                              tokenize=False)

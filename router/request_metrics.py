@@ -3,7 +3,7 @@
 Every metric carries the label ``pool`` (the pool of the worker that did that part of the work: a
 disaggregated request's TTFT and prompt belong to its prefill pool, everything after the first
 token to its decode pool; a colocated request is one pool's throughout). Definitions follow the
-common ones (ARCHITECTURE.md, benchmarks/serving_metrics.py):
+common ones (ARCHITECTURE.md, cluster/bench/metrics.py):
 
     duet_requests_arrived_total{pool}              counter    requests routed to the pool (first route; a
                                                               retry or a resume is not a new arrival)

@@ -6,8 +6,9 @@ own event loop and the actor stays responsive to ``endpoint()`` / ``stop()`` whi
 
 Threads: torch's intra-op thread count is set to the CPUs Ray reserved for the actor (at least 1),
 both here and on the engine thread. On a small machine this matters a lot: two processes each
-running as many OpenMP threads as there are cores slow torch down 10-30x (OpenMP spin-wait
-contention), so threads must match the reservation.
+running as many OpenMP threads as there are cores slow torch down by an order of magnitude
+(OpenMP threads spin-wait for each other on oversubscribed cores), so threads must match the
+reservation.
 
 Worked example (from the cluster side)::
 

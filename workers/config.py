@@ -1,20 +1,30 @@
 """Engine configuration: frozen dataclasses validated once, at the edge.
 
 Every field error names the field, the value and the limit, so a user can fix a YAML file or a flag
-without reading code.
+without reading code. Messages start with ``<key>=<value>: `` where ``key`` is the field's path from
+the ``EngineConfig`` (``cache.block_size``, ``speculative.method``, ``quantization``); the cluster
+config (cluster/config.py) builds its sections from these types and renames that leading key to the
+YAML key (``pools[0].engine.block_size``), so each check is written once, here.
+
+This module does not import torch (the cluster config imports it for ``duet serve --dry-run``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+from typing import TYPE_CHECKING, ClassVar
 
 from workers.errors import ConfigError
 
+if TYPE_CHECKING:
+    import torch
+
 QUANTIZATIONS = ("none", "int8", "q4")  # workers/layers/quant_linear.py
 SPEC_METHODS = ("none", "ngram", "draft_model")  # workers/spec_decode/
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
+PARALLEL_AXES = ("ep", "sp", "tp")  # mesh order, outermost first (workers/parallel/groups.py)
+COMM_MODES = ("auto", "shm", "gloo")  # ParallelConfig.comm
 
 
 @dataclass(frozen=True)
@@ -27,6 +37,8 @@ class CacheConfig:
     enable_prefix_caching: reuse full blocks whose content (and whole prefix) match.
     """
 
+    KEY_PREFIX: ClassVar[str] = "cache."  # how this type's messages spell its keys
+
     block_size: int = 16
     kv_cache_memory_bytes: int = 1 << 30
     num_blocks: int | None = None
@@ -35,8 +47,9 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"cache.block_size={self.block_size}: must be a power of two >= 1")
-        if self.kv_cache_memory_bytes < 1:
-            raise ConfigError(f"cache.kv_cache_memory_bytes={self.kv_cache_memory_bytes}: must be > 0")
+        if self.kv_cache_memory_bytes < 1 << 20:
+            raise ConfigError(f"cache.kv_cache_memory_bytes={self.kv_cache_memory_bytes}: must be at least 1MiB "
+                              "(e.g. 64MiB, 1GiB)")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ConfigError(f"cache.num_blocks={self.num_blocks}: must be >= 2 (or unset)")
 
@@ -48,6 +61,8 @@ class SchedulerConfig:
     max_num_batched_tokens: tokens computed per step (decode tokens + prefill chunk tokens).
     max_num_seqs: sequences running at once (default: 64, or the token budget if smaller).
     """
+
+    KEY_PREFIX: ClassVar[str] = "scheduler."  # how this type's messages spell its keys
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int | None = None
@@ -94,6 +109,8 @@ class SpeculativeConfig:
         can beat splitting the cores between them (benchmarks/README.md, spec_bench).
     """
 
+    KEY_PREFIX: ClassVar[str] = "speculative."  # how this type's messages spell its keys
+
     method: str = "none"
     num_speculative_tokens: int = 4
     adaptive: bool = True
@@ -126,6 +143,10 @@ class SpeculativeConfig:
                               f"{', '.join(QUANTIZATIONS)}")
         if self.drafter_cpus < 1:
             raise ConfigError(f"speculative.drafter_cpus={self.drafter_cpus}: must be >= 1")
+        if not all(isinstance(k, str) and k.strip() and isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and 0 < v < float("inf") for k, v in self.drafter_resources):
+            raise ConfigError(f"speculative.drafter_resources={dict(self.drafter_resources)!r}: must map Ray "
+                              "resource names to amounts > 0, e.g. {drafter: 1}")
         if not self.draft_timeout_s > 0:
             raise ConfigError(f"speculative.draft_timeout_s={self.draft_timeout_s}: must be > 0 seconds")
         if self.draft_vocab_size != 0 and self.draft_vocab_size < MIN_DRAFT_VOCAB:
@@ -150,7 +171,13 @@ class EngineConfig:
         scales) or 'q4' (4-bit blocks of 32, GGUF Q4_1 math; a GGUF-sourced model loads its 4-bit
         tensors directly). Quantized layers need dtype float32 activations. See
         workers/layers/quant_linear.py.
-    speculative: speculative decoding (see SpeculativeConfig); off by default.
+    speculative: speculative decoding (see SpeculativeConfig); off by default. The drafter runs
+        with the target's dtype, so a quantized drafter (draft_quantization int8 / q4) needs
+        dtype float32 as well.
+    fused_decode: decode-only steps of an eligible model run through the fused C++ decoder stack
+        (workers/models/decode_stack.py; bit-identical to the module path); False for A/B runs.
+    cpu_kernels: the C++ CPU kernels (kernels/_build.py); False makes every op use its torch
+        reference. Applied to the whole worker process when the engine is built.
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -162,15 +189,25 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     quantization: str = "none"
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    fused_decode: bool = True
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ConfigError(f"model={self.model!r}: must name a model ('SmolLM2-135M-Instruct') or a checkpoint "
+                              "directory")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization={self.quantization!r}: must be one of {', '.join(QUANTIZATIONS)}")
         if self.quantization != "none" and self.dtype != "float32":
             raise ConfigError(f"quantization={self.quantization!r} with dtype={self.dtype!r}: quantized weights "
                               "run with float32 activations; set dtype to float32 or quantization to none")
-        if self.dtype not in _DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}: must be one of {sorted(_DTYPES)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}")
+        draft_q = self.speculative.draft_quantization
+        if self.speculative.method == "draft_model" and draft_q != "none" and self.dtype != "float32":
+            raise ConfigError(f"speculative.draft_quantization={draft_q!r} with dtype={self.dtype!r}: the drafter "
+                              "runs with the target's dtype and quantized weights need float32 activations; set "
+                              "dtype to float32 or draft_quantization to none")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 2 (or unset)")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -178,4 +215,32 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Sizes of a gang's mesh axes (workers/parallel/groups.py); the gang has ep_size * sp_size *
+    tp_size ranks. comm: how same-host CPU collectives travel: 'auto' (shared memory where every
+    rank of a group is on one host, else the process group's backend), 'shm' (refuse to start
+    unless every group gets shared memory) or 'gloo' (the process group's own collectives only, for
+    comparison)."""
+
+    ep_size: int = 1
+    sp_size: int = 1
+    tp_size: int = 1
+    comm: str = "auto"
+
+    def __post_init__(self) -> None:
+        for axis in PARALLEL_AXES:
+            size = getattr(self, f"{axis}_size")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ConfigError(f"{axis}_size={size!r}: must be an integer >= 1")
+        if self.comm not in COMM_MODES:
+            raise ConfigError(f"comm={self.comm!r}: must be one of {', '.join(COMM_MODES)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.ep_size * self.sp_size * self.tp_size

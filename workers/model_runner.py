@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+
 import torch
 from torch import nn
+
+from kernels import set_cpu_kernels_enabled
 
 from workers.config import EngineConfig
 from workers.layers.attention import AttentionMetadata, PrefillSpan
@@ -102,7 +105,10 @@ class ModelRunner:
     @classmethod
     def from_config(cls, config: EngineConfig) -> ModelRunner:
         """Load ``config.model`` (this rank's shard of it inside a gang) and size the KV cache."""
-        model, spec = load_model(resolve_model(config.model), config.torch_dtype, config.device, config.quantization)
+        if not config.cpu_kernels:
+            set_cpu_kernels_enabled(False)  # process-wide: this process runs one model
+        model, spec = load_model(resolve_model(config.model), config.torch_dtype, config.device, config.quantization,
+                                 fused_decode=config.fused_decode)
         return cls(model, spec, config, cache_blocks(config, spec))
 
     def kv_layout(self) -> KVLayout:
@@ -223,7 +229,7 @@ class ModelRunner:
         # chunk (last token + drafts) runs as one decode row per token, each attending to the
         # context up to itself: the same kernel, per-row arithmetic and rounding as plain decoding,
         # so greedy verification reproduces plain greedy output exactly wherever the linear layers
-        # are row-invariant (the quantized kernels are; see tests/workers/test_spec_decode_engine.py).
+        # are row-invariant (the quantized kernels are; see tests/workers/spec_decode/test_spec_decode_engine.py).
         singles = [r for c in sched.chunks if len(c.token_ids) == 1 or c.num_draft for r in _decode_rows(c)]
         multis = [c for c in sched.chunks if len(c.token_ids) > 1 and not c.num_draft]
         rest, split = self.sp_split(multis)

@@ -41,7 +41,7 @@ inline int pick_threads(int max_threads, int64_t work, int64_t min_work, int64_t
 }
 
 // body(i) for i in [0, n): a plain loop when nt == 1 (no OpenMP call at all: even a region with a
-// false if() clause costs ~1 us), else an OpenMP loop over nt threads, statically split.
+// false if() clause pays the runtime's entry cost, comparable to a small kernel), else an OpenMP loop over nt threads, statically split.
 template <typename F>
 inline void parallel_for(int nt, int64_t n, F&& body) {
   if (nt <= 1) {

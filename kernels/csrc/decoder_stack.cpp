@@ -1,9 +1,8 @@
 // Fused decoder stack for decode steps: every Llama-family layer of one step in one C++ call.
 //
-// A batch-1 decode step of a small model is ~120 kernel calls of a few microseconds to a few
-// hundred. Driven from Python, each costs a module call, a wrapper, a pybind crossing and a tensor
-// allocation, ~1.5-2 ms per SmolLM2-135M step on this machine class: a quarter of the step once
-// the weights are 4-bit. This file runs the same kernels, with the same arguments, in the same
+// A batch-1 decode step of a small model is ~120 short kernel calls. Driven from Python, each
+// costs a module call, a wrapper, a pybind crossing and a tensor allocation, which together are a
+// large share of the step once the weights are 4-bit (benchmarks/README.md). This file runs the same kernels, with the same arguments, in the same
 // order, from one loop, so its output is bit-identical to the layer-by-layer path
 // (tests/kernels/test_decoder_stack_kernel.py checks that for fp32, int8 and q4 weights).
 //

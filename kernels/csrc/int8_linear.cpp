@@ -117,8 +117,8 @@ DUET_AVX512 DUET_INLINE __m512 widen16(const int8_t* w) {
 // R rows from w (row stride Kp) x TT tokens, one 16-lane chain each over k; lane partials go to
 // sums[t * 16 + r]. `next` (may be null): the following R rows, prefetched a cache line per row as
 // k crosses one, so they are on their way from DRAM while this block computes (the hardware
-// prefetcher alone, facing R interleaved 16-byte streams, kept too few lines in flight: batch-1
-// decode ran at ~60% of the bandwidth without it).
+// prefetcher alone, facing R interleaved 16-byte streams, keeps too few lines in flight, and
+// batch-1 decode then falls well short of the memory bandwidth).
 template <int TT, int R>
 DUET_AVX512 DUET_INLINE void block_avx512(const Problem& p, const int8_t* w, int64_t t0, __m512* sums,
                                           const int8_t* next) {

@@ -14,5 +14,5 @@ def test_default_and_override():
 
 
 def test_bad_ep_size_names_the_key():
-    with pytest.raises(ClusterConfigError, match=r"pools\[0\]\.ep_size=0 .*must be >= 1"):
+    with pytest.raises(ClusterConfigError, match=r"pools\[0\]\.ep_size=0 .*must be .*>= 1"):
         load_config(env={}, overrides={"pool.ep_size": 0})

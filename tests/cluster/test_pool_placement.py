@@ -28,13 +28,13 @@ def _as_bundle(options: dict) -> dict[str, float]:
 
 
 @pytest.mark.parametrize(("section", "bundle"), [
-    (PoolSection(), {"CPU": 1}),
+    (PoolSection(cpus_per_replica=1), {"CPU": 1}),
     (PoolSection(cpus_per_replica=2, resources_per_rank={"duet_pool_default": 1}),
      {"CPU": 2, "duet_pool_default": 1}),
     # an MoE gang of ep 2 x tp 2 GPU ranks: every one of its 4 bundles has this shape
     (PoolSection(name="moe", ep_size=2, tp_size=2, cpus_per_replica=3, gpus_per_rank=1,
                  resources_per_rank={"duet_pool_moe": 1}), {"CPU": 3, "GPU": 1, "duet_pool_moe": 1}),
-    (PoolSection(gpus_per_rank=0.5), {"CPU": 1, "GPU": 0.5}),
+    (PoolSection(cpus_per_replica=1, gpus_per_rank=0.5), {"CPU": 1, "GPU": 0.5}),
 ])
 def test_rank_bundle_and_the_actor_options_ask_for_the_same(section, bundle):
     assert rank_bundle(section) == bundle
@@ -44,7 +44,9 @@ def test_rank_bundle_and_the_actor_options_ask_for_the_same(section, bundle):
 def test_config_keys_default_load_and_round_trip(tmp_path: Path):
     assert (PoolSection().gpus_per_rank, dict(PoolSection().resources_per_rank)) == (0, {})
     path = tmp_path / "duet.yaml"
-    path.write_text("pools:\n  - {name: dec, role: decode, gpus_per_rank: 1, resources_per_rank: {duet_pool_dec: 1}}\n")
+    path.write_text("ray: {address: auto}\n"  # custom resources need a cluster whose nodes offer them
+                    "pools:\n  - {name: dec, role: decode, cpus_per_replica: 1, gpus_per_rank: 1, "
+                    "resources_per_rank: {duet_pool_dec: 1}}\n")
     pool = load_config(path, env={}).pool
     assert (pool.gpus_per_rank, dict(pool.resources_per_rank)) == (1.0, {"duet_pool_dec": 1})
     assert rank_bundle(pool) == {"CPU": 1, "GPU": 1.0, "duet_pool_dec": 1}
@@ -71,7 +73,7 @@ def test_bad_placement_values_name_the_key(key, value, words):
 
 
 def _absent_gang() -> PoolSection:
-    return PoolSection(name="absent", tp_size=2, resources_per_rank={"duet_absent": 1})
+    return PoolSection(name="absent", cpus_per_replica=1, tp_size=2, resources_per_rank={"duet_absent": 1})
 
 
 def _pg_states() -> dict[str, str]:
@@ -127,7 +129,8 @@ def test_pool_with_its_resource_is_placed_and_its_actors_hold_it(ray_cluster, re
 
     from workers.config import EngineConfig
 
-    section = PoolSection(name="slotted", replicas=replicas, tp_size=tp_size, resources_per_rank={SLOT: 1})
+    section = PoolSection(name="slotted", replicas=replicas, cpus_per_replica=1, tp_size=tp_size,
+                          resources_per_rank={SLOT: 1})
     pool = create_pool(section, EngineConfig(), namespace="test-place", embedded=True, placement_timeout_s=60)
     try:
         bundles = ray.util.placement_group_table(pool.placement_group)["bundles"]

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from helm_tools import helm_path
+from testkit.helm_tools import helm_path
 
 
 @pytest.fixture(scope="session")

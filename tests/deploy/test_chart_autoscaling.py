@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from helm_tools import CHART, NAMESPACE, RELEASE, by_kind, loaded_config, render, run_helm
+from testkit.helm_tools import CHART, NAMESPACE, RELEASE, by_kind, loaded_config, render, run_helm
 
 SLO_VALUES = CHART / "ci" / "slo-values.yaml"
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
-from helm_tools import CHART, RELEASE, by_kind, loaded_config, one, ray_node_types, render, run_helm
+from testkit.helm_tools import CHART, RELEASE, by_kind, loaded_config, one, ray_node_types, render, run_helm
 
 from cluster.pools import rank_bundle
 
@@ -253,6 +253,9 @@ def test_disaggregated_pools_keep_their_own_settings(helm, tmp_path):
     (["poolDefaults.replicas=2", "poolDefaults.placementStrategy=STRICT_PACK"],
      "placementStrategy=STRICT_PACK puts every bundle of the pool on one node, but each of its up to 2 replicas"),
     (["model.quantization=int8", "model.dtype=bfloat16"], "model.quantization=int8 needs model.dtype=float32"),
+    ([*DRAFT, "poolDefaults.speculative.draftQuantization=q4", "model.dtype=bfloat16"],
+     "pools[0] (default): speculative.draftQuantization=q4 with model.dtype=bfloat16: the drafter runs with the "
+     "target's dtype"),
     (["pools[0].name=default", "pools[0].role=colocated", "pools[0].replicas=5", "pools[0].maxReplicas=2"],
      "pools[0] (default): replicas=5 must be between minReplicas=5 and maxReplicas=2"),
     (["pools[0].name=a", "pools[0].role=colocated", "pools[1].name=a", "pools[1].role=decode"],

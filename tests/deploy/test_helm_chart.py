@@ -24,7 +24,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from helm_tools import CHART, NAMESPACE, RELEASE, VARIANTS, by_kind, loaded_config, one, ray_node_types, render, run_helm
+from testkit.helm_tools import CHART, NAMESPACE, RELEASE, VARIANTS, by_kind, loaded_config, one, ray_node_types, render, run_helm
 
 from cluster.config import load_config
 
@@ -236,7 +236,7 @@ def test_variant_specifics(variant, tmp_path):
         assert pools["prefill"].speculative.method == "none"
         spec = pools["decode"].speculative
         assert (spec.method, spec.draft_model, spec.draft_quantization) == (
-            "draft_model", "/models/Qwen2.5-Coder-0.5B-Instruct", "q4")
+            "draft_model", "/models/Qwen2.5-Coder-0.5B-Instruct", "none")
         assert (spec.num_speculative_tokens, spec.drafter_cpus) == (5, 4)
         # The chart's default: drafter actors ask for the drafter pods' resource, one unit per CPU.
         assert dict(spec.drafter_resources) == {"drafter": 4}

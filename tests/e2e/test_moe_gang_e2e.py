@@ -27,11 +27,7 @@ NAMESPACE = "duet_moe_e2e"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, smollm2_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers"))
-    from mixtral_tiny import save_tiny_mixtral
+    from testkit.mixtral_tiny import save_tiny_mixtral
 
     return save_tiny_mixtral(tmp_path_factory.mktemp("gang") / "tiny", smollm2_path, seed=2)
 

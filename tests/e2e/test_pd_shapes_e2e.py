@@ -79,8 +79,7 @@ def test_smollm2_tp_shapes_and_speculating_decode_pools(tmp_path, smollm2_path):
 
 
 def test_mixtral_ep_gang_on_either_side(tmp_path, smollm2_path):
-    sys.path.insert(0, str(ROOT / "tests" / "workers"))
-    from mixtral_tiny import save_tiny_mixtral
+    from testkit.mixtral_tiny import save_tiny_mixtral
 
     model = save_tiny_mixtral(tmp_path / "mixtral", smollm2_path, seed=2)
     yaml = (f"ray: {{num_cpus: 6, namespace: duet_pd_ep}}\n{COMMON}pools:\n"

@@ -10,7 +10,7 @@ import concurrent.futures
 
 import grpc
 import pytest
-from router_fakes import FakeWorker, FakeWorkerServer, LoopThread, SCRIPT, run_async, tok, wait_until  # noqa: F401
+from testkit.router_fakes import FakeWorker, FakeWorkerServer, LoopThread, SCRIPT, run_async, wait_until
 
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from router.config import RouterConfig

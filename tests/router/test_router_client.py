@@ -3,12 +3,11 @@ sync helpers stream, collect, cancel, and raise DuetError with the server's stat
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 
 import grpc
 import pytest
-from router_fakes import SCRIPT, members, pool, run_async, tok  # noqa: F401  (pool, tok: shared fixtures)
+from testkit.router_fakes import SCRIPT, members, run_async
 
 from protos.duet.v1 import duet_pb2
 from router.client import Chunk, Completion, DuetClient, DuetError, ModelInfo, build_request, complete, \

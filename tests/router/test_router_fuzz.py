@@ -14,7 +14,7 @@ from collections import Counter
 import grpc
 import pytest
 from hypothesis import given
-from router_fakes import members, pool, run_async, tok  # noqa: F401  (pool, tok: shared fixtures)
+from testkit.router_fakes import members, run_async
 
 from benchmarks.fuzz_requests import ALLOWED, call_status, fuzz, fuzz_settings, malformed, raw_generate, requests
 
@@ -94,7 +94,7 @@ def test_cancellation_storm_leaves_the_router_serving(router, channel, pool):
     assert cancelled >= 130
     _still_serving(channel)
     # every worker call the storm started has ended (the router cancelled what the clients cancelled)
-    from router_fakes import wait_until
+    from testkit.router_fakes import wait_until
 
     wait_until(lambda: all(s.worker.active == 0 for s in pool), timeout=10, what="worker calls to end")
 

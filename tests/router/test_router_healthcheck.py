@@ -1,10 +1,9 @@
 """router/healthcheck.py (the probe command for a router serving TLS) against a real TLS router
-with openssl-made certificates (the ``pki`` fixture of test_router_security)."""
+with openssl-made certificates (the ``pki`` fixture of tests/router/conftest.py)."""
 
 from __future__ import annotations
 
-from test_router_security import _config, pki  # noqa: F401  (pki: a fixture)
-from router_fakes import tok  # noqa: F401  (a fixture)
+from testkit.router_fakes import router_config
 
 from router.client import ClientTLS
 from router.healthcheck import check, main
@@ -12,7 +11,7 @@ from router.server import serve_router
 
 
 def test_probe_over_tls_liveness_and_readiness(smollm2_path, tok, pki, capsys):
-    cfg = _config(smollm2_path, tls_cert_file=str(pki / "server.pem"), tls_key_file=str(pki / "server.key"))
+    cfg = router_config(smollm2_path, tls_cert_file=str(pki / "server.pem"), tls_key_file=str(pki / "server.key"))
     with serve_router(cfg, [], tokenizer=tok) as r:  # no workers: alive, not ready
         tls = ["--tls-ca", str(pki / "ca.pem"), "--tls-server-name", "localhost"]
         assert main(["--target", r.address, "--service", "duet.control.v1.RouterAdmin", *tls]) == 0

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from router_fakes import members, pool, tok, wait_until  # noqa: F401  (pool, tok: shared fixtures)
+from testkit.router_fakes import members, wait_until
 
 from cluster.membership_service import MembershipError, MembershipServicer, serve_membership
 from protos.duet.control.v1 import control_pb2, control_pb2_grpc

@@ -1,60 +1,23 @@
 """TLS, mTLS, bearer tokens and request-size limits on the router's public endpoint
 (router/security.py), with real certificates made by openssl and the sync and async clients.
-Workers are the in-process fakes of router_fakes."""
+Workers are the in-process fakes of tests/testkit/router_fakes.py; ``pki`` and ``pool`` are fixtures of
+tests/router/conftest.py."""
 
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from router_fakes import members, pool, run_async, tok  # noqa: F401  (pool, tok: shared fixtures)
+from testkit.pki import ADMIN_TOKEN, DIGEST_TOKEN, GEN_TOKEN
+from testkit.router_fakes import members, router_config, run_async
 
 from protos.duet.control.v1 import control_pb2, control_pb2_grpc
 from router.client import ClientTLS, DuetClient, DuetError, auth_metadata, generate_text, open_channel
-from router.config import RouterConfig, RouterConfigError
+from router.config import RouterConfigError
 from router.security import TokenStore, required_scope
 from router.server import serve_router
-
-GEN_TOKEN, ADMIN_TOKEN, DIGEST_TOKEN = "gen-token-0123", "admin-token-4567", "digest-token-89"
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def _issue(d: Path, name: str, ca: str, san: str | None = None) -> None:
-    """An EC key + certificate signed by CA ``ca`` (files <name>.key / <name>.pem in ``d``)."""
-    _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-    ext = d / f"{name}.ext"
-    ext.write_text(f"subjectAltName={san}\n" if san else "basicConstraints=CA:FALSE\n")
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-             "-out", f"{name}.pem", "-days", "2", "-extfile", ext.name, cwd=d)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("pki")
-    for ca in ("ca", "other_ca"):
-        _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                 "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN={ca}", cwd=d)
-    _issue(d, "server", "ca", san="DNS:localhost,IP:127.0.0.1")
-    _issue(d, "client", "ca")
-    _issue(d, "stranger", "other_ca")
-    import hashlib
-
-    (d / "tokens").write_text(f"# test tokens\n{GEN_TOKEN}\n{ADMIN_TOKEN}  generate,admin  # ops\n"
-                              f"sha256:{hashlib.sha256(DIGEST_TOKEN.encode()).hexdigest()} generate\n")
-    return d
-
-
-def _config(path, **kw) -> RouterConfig:
-    return RouterConfig(tokenizer_path=str(path), port=0, max_model_len=512, policy="round_robin",
-                        load_poll_interval_s=0.05, **kw)
-
 
 def _gen(target: str, **kw) -> str:
     return generate_text("Hi", target=target, max_tokens=4, temperature=0, timeout=10, **kw)
@@ -67,7 +30,7 @@ def _code(fn) -> grpc.StatusCode:
 
 
 def test_tls_serves_trusting_clients_only(smollm2_path, tok, pool, pki):
-    cfg = _config(smollm2_path, tls_cert_file=str(pki / "server.pem"), tls_key_file=str(pki / "server.key"))
+    cfg = router_config(smollm2_path, tls_cert_file=str(pki / "server.pem"), tls_key_file=str(pki / "server.key"))
     with serve_router(cfg, members(pool[:1]), tokenizer=tok) as r:
         tls = ClientTLS(ca_file=str(pki / "ca.pem"))
         assert _gen(r.address, tls=tls)  # a completion over TLS
@@ -85,8 +48,8 @@ async def _async_generate(target: str, tls: ClientTLS | None = None, token: str 
 
 
 def test_mtls_requires_a_client_certificate_from_the_ca(smollm2_path, tok, pool, pki):
-    cfg = _config(smollm2_path, tls_cert_file=str(pki / "server.pem"), tls_key_file=str(pki / "server.key"),
-                  tls_client_ca_file=str(pki / "ca.pem"))
+    cfg = router_config(smollm2_path, tls_cert_file=str(pki / "server.pem"), tls_key_file=str(pki / "server.key"),
+                        tls_client_ca_file=str(pki / "ca.pem"))
     ca = str(pki / "ca.pem")
     with serve_router(cfg, members(pool[:1]), tokenizer=tok) as r:
         assert _gen(r.address, tls=ClientTLS(ca, str(pki / "client.pem"), str(pki / "client.key")))
@@ -102,7 +65,7 @@ def _admin(target: str, token: str | None) -> control_pb2.RouterStats:
 
 
 def test_bearer_tokens_and_scopes(smollm2_path, tok, pool, pki):
-    cfg = _config(smollm2_path, auth_tokens_file=str(pki / "tokens"))
+    cfg = router_config(smollm2_path, auth_tokens_file=str(pki / "tokens"))
     with serve_router(cfg, members(pool[:1]), tokenizer=tok) as r:
         a = r.address
         assert _gen(a, token=GEN_TOKEN) and _gen(a, token=DIGEST_TOKEN) and _gen(a, token=ADMIN_TOKEN)
@@ -129,7 +92,7 @@ def test_bearer_tokens_and_scopes(smollm2_path, tok, pool, pki):
 
 
 def test_request_size_limit_is_a_clean_status_and_the_router_keeps_serving(smollm2_path, tok, pool):
-    with serve_router(_config(smollm2_path, max_request_bytes=16 << 10), members(pool[:1]), tokenizer=tok) as r:
+    with serve_router(router_config(smollm2_path, max_request_bytes=16 << 10), members(pool[:1]), tokenizer=tok) as r:
         assert _code(lambda: generate_text("x" * (64 << 10), target=r.address, timeout=10)) == \
             grpc.StatusCode.RESOURCE_EXHAUSTED
         assert _gen(r.address)
@@ -137,15 +100,15 @@ def test_request_size_limit_is_a_clean_status_and_the_router_keeps_serving(smoll
 
 def test_bad_security_settings_name_the_setting(smollm2_path, tok, pki, tmp_path):
     with pytest.raises(RouterConfigError, match="tls_key_file"):
-        _config(smollm2_path, tls_cert_file=str(pki / "server.pem"))
+        router_config(smollm2_path, tls_cert_file=str(pki / "server.pem"))
     with pytest.raises(RouterConfigError, match="tls_client_ca_file"):
-        _config(smollm2_path, tls_client_ca_file=str(pki / "ca.pem"))
+        router_config(smollm2_path, tls_client_ca_file=str(pki / "ca.pem"))
     with pytest.raises(RouterConfigError, match="max_request_bytes"):
-        _config(smollm2_path, max_request_bytes=10)
-    missing = _config(smollm2_path, tls_cert_file=str(tmp_path / "nope.pem"), tls_key_file=str(pki / "server.key"))
+        router_config(smollm2_path, max_request_bytes=10)
+    missing = router_config(smollm2_path, tls_cert_file=str(tmp_path / "nope.pem"), tls_key_file=str(pki / "server.key"))
     with pytest.raises(RouterConfigError, match="tls_cert_file=.*nope.pem.*cannot read"):
         serve_router(missing, [], tokenizer=tok)
-    swapped = _config(smollm2_path, tls_cert_file=str(pki / "server.key"), tls_key_file=str(pki / "server.pem"))
+    swapped = router_config(smollm2_path, tls_cert_file=str(pki / "server.key"), tls_key_file=str(pki / "server.pem"))
     with pytest.raises(RouterConfigError, match="not a PEM certificate"):
         serve_router(swapped, [], tokenizer=tok)
     for text, match in (("tok generate,root\n", "line 1: unknown scope"), ("# only comments\n\n", "holds no token"),
@@ -153,7 +116,7 @@ def test_bad_security_settings_name_the_setting(smollm2_path, tok, pki, tmp_path
         f = tmp_path / "tokens"
         f.write_text(text)
         with pytest.raises(RouterConfigError, match=match):
-            serve_router(_config(smollm2_path, auth_tokens_file=str(f)), [], tokenizer=tok)
+            serve_router(router_config(smollm2_path, auth_tokens_file=str(f)), [], tokenizer=tok)
 
 
 def test_token_store_keeps_digests_only_and_scopes_by_method(pki):
@@ -188,8 +151,8 @@ def test_duet_cli_generate_and_status_with_tls_and_token(smollm2_path, tok, pool
     import os
     import sys
 
-    cfg = _config(smollm2_path, tls_cert_file=str(pki / "server.pem"), tls_key_file=str(pki / "server.key"),
-                  auth_tokens_file=str(pki / "tokens"))
+    cfg = router_config(smollm2_path, tls_cert_file=str(pki / "server.pem"), tls_key_file=str(pki / "server.key"),
+                        auth_tokens_file=str(pki / "tokens"))
     duet = [sys.executable, "-m", "cluster.cli"]
     env = {k: v for k, v in os.environ.items() if k not in ("DUET_TOKEN", "DUET_TARGET", "RAY_ADDRESS")}
     with serve_router(cfg, members(pool[:1]), tokenizer=tok) as r:
@@ -199,12 +162,12 @@ def test_duet_cli_generate_and_status_with_tls_and_token(smollm2_path, tok, pool
         denied = subprocess.run(base, capture_output=True, text=True, timeout=60, env=env)
         assert denied.returncode != 0 and "UNAUTHENTICATED" in denied.stderr and "Traceback" not in denied.stderr
         # what `duet status` shows of the router, with the same client settings
-        from cluster.cli import _client_security, build_parser
+        from cluster.cli import build_parser, client_security
         from cluster.status import router_status
 
         args = build_parser().parse_args(["status", "--target", r.address, "--tls-ca", str(pki / "ca.pem"),
                                           "--token", ADMIN_TOKEN])
-        tls, token = _client_security(args)
+        tls, token = client_security(args)
         router = router_status(r.address, 5.0, tls=tls, token=token)
         assert router["health"] == "SERVING" and "error" not in router and router["stats"]["requests"] >= 1
         denied = router_status(r.address, 5.0, tls=tls, token=GEN_TOKEN)

@@ -1,4 +1,4 @@
-"""The router's gRPC server against in-process fake workers (tests/router/router_fakes.py): the
+"""The router's gRPC server against in-process fake workers (tests/testkit/router_fakes.py): the
 request path, validation, admission, cancellation and deadlines, worker failures, membership,
 health, ListModels and reflection. The fakes replay the real SmolLM2 tokenization of a script
 with multi-byte characters, so incremental detokenization and stop strings are the real thing.
@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from router_fakes import SCRIPT, members, pool, run_async, tok, wait_until  # noqa: F401  (pool, tok: shared fixtures)
+from testkit.router_fakes import SCRIPT, members, run_async, wait_until
 
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from router.config import RouterConfig, RouterConfigError

@@ -1,4 +1,5 @@
-"""Fixtures for engine tests: HF transformers greedy references and shared prompts."""
+"""Fixtures for engine tests: HF transformers greedy references, the SmolLM2 tokenizer and a default engine
+(the shared prompts and the greedy check are in tests/testkit/greedy.py)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a land far away,",
-    "Explain quantum computing in simple terms.",
-    "1, 2, 3, 4, 5,",
-    "Translate to German: The weather is nice today.",
-    "Les fleurs du jardin sont",  # non-English
-    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",  # chat format
-]
-NEW_TOKENS = 32
+from testkit.greedy import NEW_TOKENS
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from workers.errors import InvalidRequestError
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
 
-from conftest import PROMPTS
+from testkit.greedy import PROMPTS
 
 LONG = ("In the beginning of the project the team wrote down every requirement they could think of, "
         "argued about each one, and then threw most of them away. ") * 6  # ~170 tokens: several chunks

@@ -6,22 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 
-from workers.llm import LLM, Completion
+from workers.llm import LLM
 from workers.sampling_params import SamplingParams
 
-from conftest import NEW_TOKENS, PROMPTS
+from testkit.greedy import NEW_TOKENS, PROMPTS, check
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
-
-
-def check(outs: list[Completion], tokenizer, hf_greedy) -> None:
-    assert len(outs) == len(PROMPTS)
-    for prompt, out in zip(PROMPTS, outs):
-        ref = hf_greedy(tokenizer.encode(prompt))
-        assert out.token_ids == ref, f"prompt {prompt!r}"
-        assert out.finish_reason.value in ("stop", "length")
 
 
 def test_one_at_a_time(llm, tokenizer, hf_greedy):

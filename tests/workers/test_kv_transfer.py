@@ -1,4 +1,4 @@
-"""KV transfer over a real 2-rank gloo group between two processes (tests/workers/kv_peer.py plays
+"""KV transfer over a real 2-rank gloo group between two processes (tests/testkit/kv_peer.py plays
 the prefill worker; the receiver's per-pair loop reads every announced transfer): transfers arrive
 intact and complete in any order; an abandoned transfer is read and discarded without desynchronising
 the pair; a corrupted checksum, a wrong block
@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from kv_peer import LAYOUT_ARGS, kv_of, run_peer
+from testkit.kv_peer import LAYOUT_ARGS, kv_of, run_peer
 from workers.kv_transfer import KVLayout, KVReceiver, KVTransferError, block_checksums
 
 CTX = mp.get_context("spawn")

@@ -11,7 +11,7 @@ call), then attends:
     triton). Otherwise the plain path runs per chunk: a chunk starting at position 0 attends only
     to itself (causal SDPA, no gather); a chunk starting later (chunked prefill, prefix-cache hit,
     recompute) gathers its cached prefix and uses a causal mask offset by the chunk's start.
-    Both paths give the same tokens (tests/workers/test_prefill_attention_paths.py).
+    Both paths give the same tokens (tests/workers/layers/test_prefill_attention_paths.py).
   - sequence-parallel prefill chunks (the last rows of the step, ``meta.ring``): each rank holds
     its zigzag pieces of a long chunk and attends by ring attention over the sp group
     (workers/layers/ring_attention.py), which also fills its cache with the other ranks' K/V.

@@ -126,7 +126,8 @@ class SparseMoE(nn.Module):
             h = torch.empty_like(h).index_copy_(0, plan.compute_order, h)  # back to arrival order
         back = comm.all_to_all_rows(h, plan.recv_counts, plan.send_counts, self.ep)  # [S, H], send order
         # combine: gather the slice's rows token-major and sum each token's k weighted rows (a
-        # gather + sum, not index_add_: torch's parallel index_add_ is ~200x slower on a busy CPU)
+        # gather + sum, not index_add_: torch's parallel index_add_ is far slower on a busy CPU;
+        # benchmarks/README.md, "Figures moved out of the code")
         n_local, lo = plan.slice_counts[self.ep.rank], plan.slice_start
         w = weights[lo:lo + n_local].reshape(-1, 1).to(back.dtype)  # [T_slice k, 1]
         out = (back[plan.combine_order] * w).view(n_local, self.top_k, self.hidden).sum(1)  # [T_slice, H]

@@ -154,8 +154,8 @@ class QuantLinear(nn.Module):
                                {n: getattr(self, n) for n in _BUFFERS[self.method]})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in] -> [T, out]. Reads _buffers / _parameters directly: nn.Module.__getattr__ costs
-        # ~0.5 us per lookup, and a decode step makes ~500 of them.
+        # x: [T, in] -> [T, out]. Reads _buffers / _parameters directly: nn.Module.__getattr__ is a
+        # slow Python fallback, and a decode step would make hundreds of those lookups.
         b, bias = self._buffers, self._parameters["bias"]
         if self._int8:
             return int8_linear(x, b["qweight"], b["scales"], bias)

@@ -85,13 +85,7 @@ class QuantRowParallelLinear(QuantLinear):
                  tp: GroupCoordinator | None = None, shard: Shard | None = None) -> None:
         tp = tp or get_group("tp")
         shard = shard or even_shard(in_features, tp.world_size, tp.rank)
-        if shard.start % BLOCK or (shard.size % BLOCK and shard.end != in_features):
-            raise ConfigError(
-                f"quantization={method!r} with tp_size={tp.world_size}: the row-parallel layer "
-                f"[{out_features} x {in_features}] would give tp rank {tp.rank} input features "
-                f"[{shard.start}, {shard.end}), which do not fall on the {BLOCK}-feature blocks that quantized "
-                f"weights and activations use; use a tp_size that splits {in_features} on multiples of {BLOCK}, "
-                "or quantization 'none'")
+        check_row_shard(method, in_features, out_features, shard, tp.world_size, tp.rank)
         super().__init__(shard.size, out_features, bias, method)
         self.tp, self.shard, self.full_in_features = tp, shard, in_features
 
@@ -148,6 +142,18 @@ class QuantParallelLMHead(QuantLinear):
         """hidden [N, E] (the sampled rows) -> logits [N, V] on tp rank 0; None on other ranks.
         Collective over the tp group: every tp rank calls it with the same rows."""
         return gather_vocab_logits(super().forward(hidden), self.tp, self.vocab_size)  # [N, V / W] -> [N, V]
+
+
+def check_row_shard(method: str, in_features: int, out_features: int, shard: Shard, tp_size: int, rank: int) -> None:
+    """ConfigError unless tp rank ``rank``'s input features ``shard`` of a quantized row-parallel
+    layer [out_features x in_features] fall on the BLOCK-feature blocks (module docstring)."""
+    if shard.start % BLOCK or (shard.size % BLOCK and shard.end != in_features):
+        raise ConfigError(
+            f"quantization={method!r} with tp_size={tp_size}: the row-parallel layer "
+            f"[{out_features} x {in_features}] would give tp rank {rank} input features "
+            f"[{shard.start}, {shard.end}), which do not fall on the {BLOCK}-feature blocks that quantized "
+            f"weights and activations use; use a tp_size that splits {in_features} on multiples of {BLOCK}, "
+            "or quantization 'none'")
 
 
 def column_parallel(in_features: int, parts: dict[str, Shard], bias: bool, quantization: str) -> nn.Module:

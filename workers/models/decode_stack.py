@@ -6,37 +6,28 @@ seen). Eligible: CPU fp32 activations, one tensor-parallel rank, every layer a d
 with fp32, int8 or q4 projections, and the C++ kernels loaded. ``LlamaForCausalLM.forward`` then
 uses it for decode-only steps (one new token per sequence, no ring chunk): plain decoding,
 continuous batching of decodes and speculative verification rows (which run as decode rows). The
-result is bit-identical to the module path (tests/workers/test_decode_stack.py); prefill and mixed
+result is bit-identical to the module path (tests/workers/models/test_decode_stack.py); prefill and mixed
 steps keep the module path, where the kernel time dwarfs the Python overhead.
 
-``DUET_FUSED_DECODE=0`` turns it off (A/B measurements, debugging); any value other than 0 or 1 is
-a ConfigError.
+``EngineConfig.fused_decode`` (``pools[].engine.fused_decode``; ``DUET_FUSED_DECODE=0`` at the CLI
+edge) turns it off for A/B measurements and debugging: it reaches the model as its ``fused_decode``
+attribute (workers/models/loader.py).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
 from torch import nn
 
 from kernels.decoder_stack import StackLayerWeights, StackLinearWeights, build_decoder_stack
-from workers.errors import ConfigError
 from workers.layers.linear import Linear
 from workers.layers.quant_linear import QuantLinear
 from workers.parallel.groups import get_group
 
 logger = logging.getLogger(__name__)
-
-
-def fused_decode_enabled() -> bool:
-    """DUET_FUSED_DECODE: '1' (default) or '0'."""
-    value = os.environ.get("DUET_FUSED_DECODE", "1").strip() or "1"
-    if value not in ("0", "1"):
-        raise ConfigError(f"DUET_FUSED_DECODE={value!r}: must be 0 or 1")
-    return value == "1"
 
 
 def _linear(m: nn.Module) -> StackLinearWeights | None:
@@ -52,7 +43,7 @@ def fused_stack(model: nn.Module) -> Any | None:
     """The C++ decoder stack for ``model`` (a LlamaForCausalLM), or None when it is not eligible."""
     from workers.models.llama import LlamaMLP  # the model module imports this one
 
-    if not fused_decode_enabled() or get_group("tp").world_size != 1:
+    if not model.fused_decode or get_group("tp").world_size != 1:
         return None
     inner = model.model
     emb = inner.embed_tokens.weight
@@ -74,4 +65,4 @@ def fused_stack(model: nn.Module) -> Any | None:
     return stack
 
 
-__all__ = ["fused_decode_enabled", "fused_stack"]
+__all__ = ["fused_stack"]

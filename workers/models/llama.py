@@ -17,11 +17,10 @@ ConfigError), so a TP gang computes what one rank computes up to float summation
 head (tied to the embedding in SmolLM2) is int8 with per-row scales in both modes (weight-only:
 fp32 activations, kernels/int8_linear.py), split over the vocabulary like the float head: it is the
 largest matrix (V x E = 28M weights), so leaving it fp32 would cost 113 MB per token, more than all
-q4 layers together (66 MB), while int8 costs 28 MB and little quality. Measured on SmolLM2
-(tests/data/public_domain_sample.txt, teacher-forced greedy token equal to fp32's; fp32 model ppl
-12.185): int8 layers + int8 head ppl 12.135, 96.1%; int8 layers + fp32 head 95.9%; fp32 layers +
-int8 head 98.9%; q4 layers + int8 head ppl 12.134, 95.8%; q4 + fp32 head 12.167, 97.1%. The
-embedding lookup stays fp32 (one row per token).
+q4 layers together (66 MB), while int8 costs 28 MB and little quality (the quality of each
+layer/head combination on SmolLM2 is in benchmarks/README.md, "Figures moved out of the code";
+tests/workers/models/test_quant_model.py asserts the bounds). The embedding lookup stays fp32 (one
+row per token).
 
 Axes: T tokens in the step, E hidden, H query heads, G kv heads, D head dim, V vocab, I MLP width.
 """
@@ -138,6 +137,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = QuantParallelLMHead(spec.vocab_size, spec.hidden_size)
         self.num_local_kv_heads = self.model.layers[0].self_attn.g  # KV cache width of this rank
         self._stack: object | None = None  # fused decode stack (workers/models/decode_stack.py), built on first use
+        self.fused_decode = True  # EngineConfig.fused_decode; reset _stack to None after changing it
 
     def make_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
         return LlamaMLP(spec, quant=self.quantization)

@@ -46,10 +46,12 @@ def iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torc
 
 
 def load_model(
-    path: Path, dtype: torch.dtype, device: str = "cpu", quantization: str = "none", use_gguf: bool = True
+    path: Path, dtype: torch.dtype, device: str = "cpu", quantization: str = "none", use_gguf: bool = True,
+    fused_decode: bool = True,
 ) -> tuple[nn.Module, ModelSpec]:
     """The model of checkpoint ``path``; ``use_gguf=False`` makes 'q4' quantize the safetensors even
-    when a GGUF source exists (tests compare the two)."""
+    when a GGUF source exists (tests compare the two). fused_decode: False keeps a Llama-family
+    model's decode steps off the fused decoder stack (workers/models/decode_stack.py)."""
     t0 = time.perf_counter()
     spec = ModelSpec.from_pretrained(path)
     cls = model_class(spec)
@@ -67,6 +69,8 @@ def load_model(
         raise CheckpointError(f"{path}: checkpoint is missing {len(missing)} tensors, e.g. {names}")
     model.process_weights_after_loading()
     model.eval()
+    if hasattr(model, "fused_decode"):  # the Llama family (decode_stack.py covers only its layers)
+        model.fused_decode = fused_decode
     logger.info("loaded %s (%s, %d layers, quantization %s%s) in %.1fs", path, spec.model_type, spec.num_layers,
                 quantization, f" from {gguf.name}" if gguf else "", time.perf_counter() - t0)
     return model, spec

@@ -23,7 +23,7 @@ Same-host groups on CPU: when every rank of an ep/sp/tp group runs on one host, 
 a shared-memory communicator (``GroupCoordinator.shm``, workers/parallel/shm_comm.py) and the
 collective wrappers in comm.py use it for CPU tensors: no TCP round trip per all-reduce. The choice
 is made once, at creation, by exchanging host ids over the group; the gang's control channel gets
-one too (its broadcast runs once per step). ``DUET_COMM`` overrides it:
+one too (its broadcast runs once per step). ``ParallelConfig.comm`` overrides it:
 ``auto`` (default) as above, ``shm`` (refuse to start unless every group gets shared memory) or
 ``gloo`` (the process group's own collectives only, for comparison).
 """
@@ -31,39 +31,19 @@ one too (its broadcast runs once per step). ``DUET_COMM`` overrides it:
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from workers.config import COMM_MODES, PARALLEL_AXES, ParallelConfig  # noqa: F401 - re-exported
 from workers.errors import ConfigError
 from workers.parallel.shm_comm import ShmCommunicator, open_group
 
 logger = logging.getLogger(__name__)
 
-AXES = ("ep", "sp", "tp")  # mesh order, outermost first
-COMM_MODES = ("auto", "shm", "gloo")  # DUET_COMM values
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Sizes of the gang's mesh axes; the gang has ep_size * sp_size * tp_size ranks."""
-
-    ep_size: int = 1
-    sp_size: int = 1
-    tp_size: int = 1
-
-    def __post_init__(self) -> None:
-        for axis in AXES:
-            size = getattr(self, f"{axis}_size")
-            if not isinstance(size, int) or size < 1:
-                raise ConfigError(f"{axis}_size={size!r}: must be an integer >= 1")
-
-    @property
-    def world_size(self) -> int:
-        return self.ep_size * self.sp_size * self.tp_size
+AXES = PARALLEL_AXES  # mesh order, outermost first
 
 
 @dataclass(frozen=True)
@@ -98,14 +78,6 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def comm_mode() -> str:
-    """DUET_COMM: 'auto' (default), 'shm' or 'gloo' (see the module docstring)."""
-    mode = os.environ.get("DUET_COMM", "auto").strip().lower() or "auto"
-    if mode not in COMM_MODES:
-        raise ConfigError(f"DUET_COMM={mode!r}: must be one of {COMM_MODES}")
-    return mode
-
-
 def init_parallel_groups(
     config: ParallelConfig,
     rank: int,
@@ -118,7 +90,7 @@ def init_parallel_groups(
     Collective: every rank of the gang calls it with the same config and init_method."""
     if _groups:
         raise RuntimeError("parallel groups are already initialised in this process")
-    mode = comm_mode()
+    mode = config.comm
     world = config.world_size
     if not 0 <= rank < world:
         raise ConfigError(f"rank={rank}: must be in [0, {world}) for {config}")
@@ -155,8 +127,8 @@ def _attach_shm(mode: str, timeouts: dict[str, timedelta]) -> None:
             continue
         shm = open_group(g.group, g.rank, g.world_size, f"{axis}{list(g.ranks)}", timeout.total_seconds())
         if shm is None and mode == "shm":
-            raise ConfigError(f"DUET_COMM=shm: the {axis} group {list(g.ranks)} cannot use shared memory "
-                              "(see the warning above); use DUET_COMM=auto")
+            raise ConfigError(f"comm='shm': the {axis} group {list(g.ranks)} cannot use shared memory "
+                              "(see the warning above); use comm 'auto'")
         _groups[axis] = GroupCoordinator(axis, g.rank, g.world_size, g.ranks, g.group, shm)
 
 

@@ -17,6 +17,7 @@ call with its traceback; every process is reaped, even on timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import queue
 import socket
@@ -35,13 +36,9 @@ def free_port() -> int:
 
 
 def _entry(rank: int, fn: Callable, config: ParallelConfig, init_method: str, args: tuple, out: Any,
-           num_threads: int, collective_timeout: float, comm: str | None) -> None:
-    import os
-
+           num_threads: int, collective_timeout: float) -> None:
     import torch
 
-    if comm is not None:
-        os.environ["DUET_COMM"] = comm  # read by init_parallel_groups
     torch.set_num_threads(num_threads)
     try:
         init_parallel_groups(config, rank, init_method, timeout=timedelta(seconds=collective_timeout))
@@ -55,12 +52,14 @@ def _entry(rank: int, fn: Callable, config: ParallelConfig, init_method: str, ar
 def spawn_gang(fn: Callable, config: ParallelConfig, args: tuple = (), num_threads: int = 1,
                timeout: float = 300.0, collective_timeout: float = 60.0, comm: str | None = None) -> list[Any]:
     """fn(rank, *args) on every rank of a fresh local gang; returns the results in rank order.
-    ``comm`` sets DUET_COMM in the ranks ('auto', 'shm' or 'gloo'; default: this process's)."""
+    ``comm`` overrides ``config.comm`` ('auto', 'shm' or 'gloo')."""
+    if comm is not None:
+        config = dataclasses.replace(config, comm=comm)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
     procs = [
-        ctx.Process(target=_entry, args=(r, fn, config, init, args, out, num_threads, collective_timeout, comm),
+        ctx.Process(target=_entry, args=(r, fn, config, init, args, out, num_threads, collective_timeout),
                     daemon=True)
         for r in range(config.world_size)
     ]

@@ -1,8 +1,8 @@
 """Shared-memory collectives for the ranks of one group that share a host (CPU tensors).
 
 Why. A tensor-parallel decode step does two all-reduces per layer of a [B, E] tensor of a few KiB.
-Over gloo each one is a loopback TCP round trip through the kernel (~100s of us), far more than
-the GEMV it splits. Ranks on one host can instead meet in a shared memory segment: a copy in, a
+Over gloo each one is a loopback TCP round trip through the kernel, which costs far more than the
+GEMV it splits (benchmarks/README.md, `parallel_bench.py`). Ranks on one host can instead meet in a shared memory segment: a copy in, a
 flag store, a spin on the peers' flags, and a sum read straight out of the peers' memory.
 
 Terms (the segment's layout and lifecycle: workers/parallel/shm_segment.py).
@@ -32,10 +32,11 @@ Collectives (every rank of the group calls them in the same order, with the same
 Waiting: spin on the counters (ranks of one step normally arrive within microseconds), then sleep
 in the kernel on the late peer's counter with a futex (FUTEX_WAIT on the shared page: it sleeps
 only if the counter still holds the value seen, so no wake-up is lost); every publish is followed
-by a FUTEX_WAKE on the publisher's counter (~1.5 us). The spin budget adapts, as an adaptive mutex
+by a FUTEX_WAKE on the publisher's counter (one syscall). The spin budget adapts, as an adaptive mutex
 does: it doubles (up to ``SPIN_MAX_S``) when the peer arrived while spinning and halves (down to
 ``SPIN_MIN_S``) when it did not. On a quiet host the ranks run side by side and every wait ends in
-the spin (waking a sleeper costs ~100 us on a VM, ten times a decode all-reduce); on a host busier
+the spin (waking a sleeper costs a scheduler round trip, far more than a decode all-reduce on a
+VM: benchmarks/README.md, "Figures moved out of the code"); on a host busier
 than its cores a spinner burns the time slice its late peer needs, so there the waits go to sleep
 almost at once. The gang's control channel uses this too: a follower idling
 between requests sleeps in the futex, waking every ``LIVENESS_S`` only to check its peers. Every ``LIVENESS_S`` the waiter checks

@@ -17,10 +17,10 @@ Which tokens: the tokenizer's own order of frequency, read from its ``tokenizer.
 Added tokens (chat markers, end of text) are always kept: the drafter must be able to propose the
 end of an answer. Per request, the tokens of its own context outside the set are scored too
 (``ContextVocab``): code repeats its identifiers, so a rare token the prompt or the target used
-once can be drafted from then on. Coverage measured on the Qwen2.5 tokenizer: the 32768 earliest merges cover 93%
-of the tokens of this repository's Python code and 91% of its README (65536: 98% and 97%); the
-misses are code tokens BPE merged late ('.Tensor', ' logits', '(torch'). spec_bench.py reports
-the share of the target's own output tokens inside the set.
+once can be drafted from then on. The tokens a set misses are mostly code tokens BPE merged late
+('.Tensor', ' logits', '(torch'); the coverage of the Qwen2.5 tokenizer's sets on this repository's
+text is in benchmarks/README.md ("Figures moved out of the code"), and spec_bench.py reports the
+share of the target's own output tokens inside the set.
 
 Axes: N rows to score, E hidden size, V full vocabulary, P pruned vocabulary (kept ids), X a
 request's context ids outside the kept ones.

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import set_cpu_kernels_enabled
 from workers.block_manager import BlockManager
 from workers.config import CacheConfig, EngineConfig
 from workers.model_runner import ModelRunner, kv_bytes_per_block
@@ -66,7 +67,10 @@ class DraftEngine:
 
     def __init__(self, config: EngineConfig, vocab_size: int | None = None, draft_vocab_size: int = 0) -> None:
         path = resolve_model(config.model)
-        model, spec = load_model(path, config.torch_dtype, config.device, config.quantization)
+        if not config.cpu_kernels:
+            set_cpu_kernels_enabled(False)  # process-wide: the drafter actor runs one engine
+        model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
+                                 fused_decode=config.fused_decode)
         bs = config.cache.block_size
         num_blocks = config.cache.num_blocks or config.cache.kv_cache_memory_bytes // kv_bytes_per_block(
             spec, bs, config.torch_dtype)
@@ -95,7 +99,8 @@ class DraftEngine:
         cache = CacheConfig(block_size=target.cache.block_size,
                             kv_cache_memory_bytes=max(target.cache.kv_cache_memory_bytes // 4, 16 << 20))
         return cls(EngineConfig(model=draft_model, dtype=target.dtype, device=target.device,
-                                quantization=quantization, seed=target.seed, cache=cache), target_vocab_size,
+                                quantization=quantization, seed=target.seed, cache=cache,
+                                fused_decode=target.fused_decode, cpu_kernels=target.cpu_kernels), target_vocab_size,
                    draft_vocab_size)
 
     # ------------------------------------------------------------------ calls

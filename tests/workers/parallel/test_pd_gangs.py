@@ -11,12 +11,11 @@ products in another order), and neither side keeps a block afterwards."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from pd_cases import build, colocated, decode_imports, gang_decode, gang_prefill, max_rel_diff, prefill_exports
+from testkit.pd_cases import build, colocated, decode_imports, gang_decode, gang_prefill, max_rel_diff, prefill_exports
 from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
 
@@ -26,8 +25,7 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def tiny_mixtral(tmp_path_factory, smollm2_path) -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from mixtral_tiny import save_tiny_mixtral
+    from testkit.mixtral_tiny import save_tiny_mixtral
 
     return save_tiny_mixtral(tmp_path_factory.mktemp("pd") / "mixtral", smollm2_path, seed=3)
 

@@ -9,12 +9,11 @@ Mixtral at EP=2 (attention replicated on both ranks)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from pd_cases import build, contract_rank, contract_suite, max_rel_diff
+from testkit.pd_cases import build, contract_rank, contract_suite, max_rel_diff
 from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
 
@@ -24,9 +23,8 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, smollm2_path) -> dict[str, Path]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from mixtral_tiny import save_tiny_mixtral
-    from tp_cases import save_tiny_qwen2
+    from testkit.mixtral_tiny import save_tiny_mixtral
+    from testkit.tp_cases import save_tiny_qwen2
 
     root = tmp_path_factory.mktemp("contract")
     return {"smollm2": smollm2_path, "qwen2": save_tiny_qwen2(root / "qwen2", smollm2_path),

@@ -104,6 +104,9 @@ pools); each message names the value and the fix. The loader repeats the checks 
 {{- if and (eq $p.role "prefill") (ne $sp.method "none") }}
 {{- fail (printf "%s: speculative.method=%s: a prefill pool produces one token per request; speculate on the decode pool (set this pool's speculative.method: none, or move it out of poolDefaults)" $at $sp.method) }}
 {{- end }}
+{{- if and (eq $sp.method "draft_model") (ne $sp.draftQuantization "none") (ne $.root.Values.model.dtype "float32") }}
+{{- fail (printf "%s: speculative.draftQuantization=%s with model.dtype=%s: the drafter runs with the target's dtype and quantized weights need float32 activations; set speculative.draftQuantization: none or model.dtype: float32" $at $sp.draftQuantization $.root.Values.model.dtype) }}
+{{- end }}
 {{- if gt (int $sp.ngramMin) (int $sp.ngramMax) }}
 {{- fail (printf "%s: speculative.ngramMin=%v must be <= speculative.ngramMax=%v" $at $sp.ngramMin $sp.ngramMax) }}
 {{- end }}

@@ -1,0 +1,173 @@
+"""One attempt of a request (``stream_attempt``): the Submit stream to one route, incrementally
+detokenized into the client's GenerateResponses, ending with the attempt's ``AttemptOutcome``
+(router/attempt.py). A worker failure is an outcome, never an exception; the only exception that
+leaves is the cancellation of the request itself (the client went away).
+
+Terms:
+    delta     one worker SubmitResponse: the token ids generated since the previous one.
+    progress  what reached the client so far (``Progress``); it outlives the attempts of one
+              request, so a resumed attempt continues from prompt + streamed tokens.
+    route     a colocated (or decode-only) worker lease, plus a prefill worker lease for a
+              disaggregated route: the Submit goes to the decode worker with ``remote_prefill``
+              naming the prefill worker, which computes the prompt's KV and sends it directly.
+
+Cancellation: the worker call is cancelled whenever the attempt ends without the worker's last
+message (the client cancelled, its deadline passed, a stop string ended the stream first, or the
+consumer closed the stream); the worker then aborts the request and frees its KV blocks. The
+directory cancels the call itself when it declares the decode worker (or, before the first token,
+the prefill worker) dead: that cancellation is the worker's failure, told apart from the request's
+own cancellation by ``Task.cancelling()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos.duet.v1 import duet_pb2
+from protos.duet.worker.v1 import worker_pb2
+from router.attempt import PASS_THROUGH, AttemptOutcome, OutcomeKind, outcome_from_status
+from router.preprocess import PreparedRequest
+from router.request_metrics import RequestClock, RequestMetrics
+from router.workers import WorkerLease
+from workers.detokenizer import IncrementalDetokenizer  # the one sanctioned workers import (pure Python)
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {
+    worker_pb2.FINISH_REASON_STOP: duet_pb2.FINISH_REASON_STOP,
+    worker_pb2.FINISH_REASON_LENGTH: duet_pb2.FINISH_REASON_LENGTH,
+    worker_pb2.FINISH_REASON_ABORT: duet_pb2.FINISH_REASON_ABORT,
+}
+
+AttemptEvent = duet_pb2.GenerateResponse | AttemptOutcome
+
+
+@dataclass
+class Progress:
+    """What reached the client so far; outlives the worker streams of one request (resumption)."""
+
+    detok: IncrementalDetokenizer
+    clock: RequestClock
+    token_ids: list[int] = field(default_factory=list)
+
+    def submit_request(self, prep: PreparedRequest) -> worker_pb2.SubmitRequest:
+        """The worker request: the prepared one, or (resuming) prompt + streamed ids with the rest
+        of max_tokens. Context limits hold: prompt + max_tokens was clamped to the context."""
+        request = prep.submit_request()
+        if self.token_ids:
+            request.prompt_token_ids.extend(self.token_ids)
+            request.sampling.max_tokens = prep.sampling.max_tokens - len(self.token_ids)
+        return request
+
+
+async def stream_attempt(prep: PreparedRequest, lease: WorkerLease, prefill: WorkerLease | None,
+                         progress: Progress, deadline: float | None,
+                         metrics: RequestMetrics) -> AsyncIterator[AttemptEvent]:
+    """Yield the client's GenerateResponses of one attempt, then exactly one AttemptOutcome (the
+    last event; a FINISHED one carries the last response). ``deadline`` (time.monotonic) bounds the worker call. Raises only
+    asyncio.CancelledError, when the request itself is cancelled."""
+    started = time.monotonic()
+    timeout = None if deadline is None else max(deadline - started, 0.001)
+    request = progress.submit_request(prep)
+    if prefill is not None:
+        state = prefill.state
+        request.remote_prefill.CopyFrom(worker_pb2.RemotePrefill(
+            worker_id=prefill.worker_id, endpoint=state.endpoint, incarnation=state.incarnation))
+    call = lease.stub.Submit(request, timeout=timeout)
+    lease.call = call
+    if prefill is not None:  # a prefill worker declared dead cancels the call too (it may hang on it)
+        prefill.call = call
+    metrics.routed(progress.clock, prefill.pool if prefill is not None else lease.pool, lease.pool,
+                   len(prep.prompt_token_ids))
+    try:
+        outcome: AttemptOutcome | None = None
+        try:
+            async for delta in call:
+                ids, text, stopped = _detokenize(progress.detok, delta.token_ids)
+                progress.token_ids.extend(ids)
+                if ids:
+                    metrics.chunk(progress.clock, lease.pool)
+                    if prefill is not None:  # the KV arrived: the prefill worker's part is done
+                        prefill.call = None
+                if stopped or delta.HasField("finish_reason"):
+                    outcome = _finish(prep, lease, progress, delta, ids, text, stopped, started, metrics)
+                    break
+                if ids:
+                    yield duet_pb2.GenerateResponse(request_id=prep.request_id, text=text, token_ids=ids)
+            else:
+                outcome = AttemptOutcome.worker_down(lease.worker_id, "its stream ended without a finish reason",
+                                                     len(progress.token_ids))
+        except grpc.aio.AioRpcError as e:
+            outcome = _rpc_error_outcome(prep, lease, prefill, progress, e)
+        except asyncio.CancelledError:
+            outcome = _declared_dead(lease, prefill, progress)
+            if outcome is None:
+                raise
+        yield outcome
+    finally:
+        if not call.done():
+            call.cancel()  # the worker aborts the request and frees its KV blocks
+
+
+def _finish(prep: PreparedRequest, lease: WorkerLease, progress: Progress, delta: worker_pb2.SubmitResponse,
+            ids: list[int], text: str, stopped: bool, started: float,
+            metrics: RequestMetrics) -> AttemptOutcome:
+    """The FINISHED outcome, with the client's last response (flushing the detokenizer)."""
+    num_out = len(progress.token_ids)
+    finish = duet_pb2.FINISH_REASON_STOP if stopped else _FINISH.get(delta.finish_reason, duet_pb2.FINISH_REASON_ABORT)
+    usage = duet_pb2.Usage(prompt_tokens=len(prep.prompt_token_ids), completion_tokens=num_out,
+                           cached_prompt_tokens=delta.usage.cached_prompt_tokens)
+    reason = duet_pb2.FinishReason.Name(finish)[len("FINISH_REASON_"):].lower()
+    metrics.finished_request(progress.clock, lease.pool, num_out, reason)
+    logger.info("request %s (internal %s) on %s: %d prompt + %d completion tokens, %s, %.1f ms",
+                prep.request_id, prep.internal_id, lease.worker_id, usage.prompt_tokens, num_out,
+                duet_pb2.FinishReason.Name(finish), 1e3 * (time.monotonic() - started))
+    response = duet_pb2.GenerateResponse(request_id=prep.request_id, text=text + progress.detok.flush(),
+                                         token_ids=ids, finish_reason=finish, usage=usage)
+    return AttemptOutcome.finished(reason, response)
+
+
+def _rpc_error_outcome(prep: PreparedRequest, lease: WorkerLease, prefill: WorkerLease | None, progress: Progress,
+                       e: grpc.aio.AioRpcError) -> AttemptOutcome:
+    code, details = e.code(), e.details() or ""
+    outcome = outcome_from_status(code, details, lease.worker_id,
+                                  prefill_id=prefill.worker_id if prefill is not None else None,
+                                  streamed=len(progress.token_ids))
+    if outcome.kind is OutcomeKind.FAIL and code not in PASS_THROUGH and code != grpc.StatusCode.DEADLINE_EXCEEDED:
+        logger.warning("request %s: worker %s failed with %s: %s", prep.request_id, lease.worker_id, code.name, details)
+    return outcome
+
+
+def _declared_dead(lease: WorkerLease, prefill: WorkerLease | None, progress: Progress) -> AttemptOutcome | None:
+    """The outcome when the call was cancelled because the directory declared a worker of the route
+    dead; None when the request itself was cancelled (the caller re-raises)."""
+    task = asyncio.current_task()
+    if task is None or task.cancelling():
+        return None
+    streamed = len(progress.token_ids)
+    if lease.failure is not None:
+        return AttemptOutcome.worker_down(lease.worker_id, lease.failure, streamed)
+    if prefill is not None and prefill.failure is not None and streamed == 0:
+        # the directory already marked it unhealthy: nothing to report
+        return AttemptOutcome.retry(grpc.StatusCode.UNAVAILABLE, prefill.failure, prefill.worker_id,
+                                    prefill_failed=True)
+    return None
+
+
+def _detokenize(detok: IncrementalDetokenizer, token_ids: list[int]) -> tuple[list[int], str, bool]:
+    """Feed one delta's ids; stop at (and keep) the id that completes a stop string."""
+    ids: list[int] = []
+    text: list[str] = []
+    for t in token_ids:
+        ids.append(t)
+        piece, stopped = detok.add(t)
+        text.append(piece)
+        if stopped:
+            return ids, "".join(text), True
+    return ids, "".join(text), False
