@@ -5,7 +5,8 @@ generator's state, and a disaggregated hand-off from the engine to itself. Every
 the suite and agree with the single-process runner (tokens identical; exported KV to fp32
 rounding, since TP sums partial products in another order). Shapes: SmolLM2 at TP=2 (uneven kv
 head shards 2 + 1), a tiny Qwen2 at TP=4 (2 kv heads, each replicated on two ranks) and a tiny
-Mixtral at EP=2 (attention replicated on both ranks)."""
+Mixtral at EP=2 and a tiny Qwen2 at SP=2 (attention replicated on both ranks: the leader reads its
+own cache, every rank is written the whole KV)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,9 @@ def _check(result: dict, single: dict) -> None:
 
 @pytest.mark.parametrize("model, parallel", [("smollm2", ParallelConfig(tp_size=2)),
                                              ("qwen2", ParallelConfig(tp_size=4)),
-                                             ("mixtral", ParallelConfig(ep_size=2))],
-                         ids=["smollm2-tp2", "qwen2-tp4-replicated-kv", "mixtral-ep2"])
+                                             ("mixtral", ParallelConfig(ep_size=2)),
+                                             ("qwen2", ParallelConfig(sp_size=2))],
+                         ids=["smollm2-tp2", "qwen2-tp4-replicated-kv", "mixtral-ep2", "qwen2-sp2"])
 def test_gang_runner_passes_the_model_runner_suite(models, model, parallel):
     path = str(models[model])
     engine, _ = build(path)
