@@ -36,9 +36,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
-from workers.engine import KVTicket
 from workers.engine_loop import EngineLoop, Sink, WorkerUnavailableError
-from workers.kv_transfer import KVLayout, KVReceiver, KVSender, KVTransferError, PairKey, resolve_kv_backend
+from workers.kv_transfer import KVReceiver, KVSender, KVTransferError, PairKey, resolve_kv_backend
+from workers.runner import KVLayout, KVTicket
 from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class Disaggregation:
                  host: str = "127.0.0.1", device: str = "cpu", timeout_s: float = 30.0,
                  kv_backend: str = "auto") -> None:
         """kv_backend: ``kv_transfer_backend`` of this worker's decode half (workers/kv_transfer.py)."""
+        assert layout.holds_all_heads, "a worker's engine holds (or gathers) every kv head"
         self.backend = resolve_kv_backend(kv_backend, device)
         self.on_cuda = device.startswith("cuda")
         self.worker_id = worker_id

@@ -39,6 +39,11 @@ Failure: any error on a pair (timeout, closed peer, bad header, checksum mismatc
 transfer(s) involved with ``KVTransferError`` and drops the pair's group on that side; the decode
 side bumps the pair generation so the next request rendezvouses a new group.
 
+Heads: a transfer always carries every kv head of the model (``KVLayout.num_kv_heads``), whatever
+the parallel shapes of the two workers: a gang's runner gathers its ranks' head shards before a
+send and scatters them after a receive (workers/parallel/gang.py), so a TP=2 prefill gang and a
+TP=1 decode worker (or any other pair of shapes) agree on the wire. Both sides check it.
+
 Backend (``kv_transfer_backend``): the decode side picks it and names it in the request.
 ``nccl`` sends GPU blocks GPU to GPU (both caches on CUDA, one NCCL group per pair); ``gloo`` sends
 host tensors, and a CUDA cache stages through pinned host memory on either side (device -> pinned
@@ -61,6 +66,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
+from workers.runner import KVLayout
+
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x4455_4554_4B56  # "DUETKV"
@@ -68,7 +75,6 @@ VERSION = 1
 TID_BYTES = 64  # transfer ids are at most this long (utf-8)
 _FIXED = 10  # header words before the transfer id
 HEADER_WORDS = _FIXED + TID_BYTES // 8
-_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _WORD = {4: torch.int32, 2: torch.int16}
 _TAG_HEADER, _TAG_CHECKS, _TAG_PAYLOAD = 1, 2, 3
 
@@ -99,20 +105,6 @@ def _staged(kv: torch.Tensor) -> torch.Tensor:
 
 class KVTransferError(Exception):
     """A transfer failed or did not verify; its KV must not be used. The pair has been dropped."""
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """The cache geometry both sides must share for a transfer to make sense."""
-
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    def as_words(self) -> list[int]:
-        return [self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, _DTYPE_CODES[self.dtype]]
 
 
 @dataclass(frozen=True)
@@ -250,6 +242,7 @@ class PairChannel:
     def send(self, layout: KVLayout, transfer_id: str, first_block: int, kv: torch.Tensor) -> int:
         """Rank 0: send one transfer (caller holds ``lock``). kv [L, 2, n, bs, G, D]. Returns bytes sent."""
         n = kv.shape[2]
+        assert kv.shape[4] == layout.num_kv_heads, "a transfer carries every kv head (the runner gathers them)"
         payload = kv.contiguous().to(self.device) if self.device.type == "cuda" else _staged(kv)
         # checksums of what is sent (the same bits), gathered to the host whatever the device
         checks = torch.stack([torch.arange(first_block, first_block + n), block_checksums(payload).cpu()], dim=1)  # [n, 2]

@@ -40,7 +40,7 @@ def engine(path: Path, ctx: Ctx, dtype: torch.dtype, *, max_num_seqs: int = 64, 
                                                  max_num_seqs=max_num_seqs),
                        cuda_graphs=cuda_graphs, cuda_graph_batch_sizes=graph_sizes,
                        speculative=speculative or SpeculativeConfig())
-    return Engine(cfg)
+    return Engine.from_config(cfg)
 
 
 def kv_budget(ctx: Ctx) -> int:

@@ -55,7 +55,7 @@ def run(ctx) -> dict:
         proposer = DraftModelProposer(endpoint_connector(endpoint), spec_cfg.draft_timeout_s, spec_cfg.overlap)
         from workers.engine import Engine
 
-        eng = Engine(spec_engine_cfg, proposer=proposer)
+        eng = Engine.from_config(spec_engine_cfg, proposer=proposer)
         got = common.greedy(eng, prompts, NEW)
         _, spec_rate = _timed(eng, ctx, prompts[:1], "s")
         stats = eng.stats().spec

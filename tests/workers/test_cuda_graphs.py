@@ -51,20 +51,19 @@ def _run(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, list[in
 
 
 @pytest.mark.parametrize("fused", ["0", "1"])  # module path and the CPU fused decoder stack
-def test_padded_static_decode_equals_plain(smollm2_path, tokenizer, monkeypatch, fused: str) -> None:
+def test_padded_static_decode_equals_plain(smollm2_path, tokenizer, fused: str) -> None:
     """Decode steps through the graph runner's static inputs (batch padded up to 4 or 8, block tables
     max_model_len wide) give the plain path's tokens, and padding rows write no KV block."""
     from workers.engine import Engine
 
-    monkeypatch.setenv("DUET_FUSED_DECODE", fused)
-    cfg = EngineConfig(model=str(smollm2_path), max_model_len=256,
+    cfg = EngineConfig(model=str(smollm2_path), max_model_len=256, fused_decode=fused == "1",
                        cache=CacheConfig(num_blocks=96, enable_prefix_caching=False),
                        scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8))
     prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):", "1, 2, 3,",
                                              "Once upon a time", "Les fleurs du jardin sont")]
-    plain = Engine(cfg, tokenizer=tokenizer)
+    plain = Engine.from_config(cfg, tokenizer=tokenizer)
     want = _run(plain, prompts, 6)
-    graphs = Engine(cfg, tokenizer=tokenizer)
+    graphs = Engine.from_config(cfg, tokenizer=tokenizer)
     graphs.runner.capture_graphs(graphs.max_model_len, sizes=(1, 4, 8), graph_factory=EagerReplay)
     before = graphs.runner.kv_cache.clone()
     assert graphs.runner.graphs is not None and graphs.runner.graphs.width == 256 // 16

@@ -79,4 +79,4 @@ def test_engine_refuses_cuda_without_cuda(smollm2_path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ConfigError, match="device='cuda': this node has no CUDA device"):
-        Engine(EngineConfig(model=str(smollm2_path), device="cuda"))
+        Engine.from_config(EngineConfig(model=str(smollm2_path), device="cuda"))
