@@ -39,7 +39,8 @@ from kernels import set_cpu_kernels_enabled
 from workers.block_manager import BlockManager, BlockStats
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
-from workers.errors import InvalidRequestError
+from workers.device import resolve_for_process
+from workers.errors import ConfigError, InvalidRequestError
 from workers.kv_transfer import KVLayout
 from workers.layers.logprobs import TokenLogprob
 from workers.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
@@ -116,8 +117,13 @@ class Engine:
     def __init__(self, config: EngineConfig, tokenizer: Any | None = None, proposer: Proposer | None = None) -> None:
         """proposer: the speculative-decoding drafter; default: built from ``config.speculative``
         (workers/spec_decode/factory.py), none when speculation is off."""
-        self.config = config
         path = resolve_model(config.model)
+        # device/dtype 'auto' -> concrete values; device cuda without CUDA is refused naming the key
+        self.config = config = resolve_for_process(config, path)
+        if config.device.startswith("cuda") and get_group("gang").world_size > 1:
+            raise ConfigError(f"device={config.device!r} in a tensor/expert/sequence-parallel gang: gang collectives "
+                              "do not carry CUDA tensors yet (NCCL gang groups are not wired); set the pool's "
+                              "engine.device to cpu")
         if not config.cpu_kernels:
             set_cpu_kernels_enabled(False)  # process-wide: this process runs one engine
         model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
@@ -144,6 +150,8 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, bs, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.runner = ModelRunner(model, spec, config, num_blocks)
+        if config.cuda_graphs:
+            self.runner.capture_graphs(self.max_model_len)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}

@@ -21,13 +21,15 @@ Axes: T tokens in the step, B single-token chunks, L context, S cache slots, G k
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from workers.config import EngineConfig
+from workers.cuda_graphs import DecodeGraphs, Graph
+from workers.errors import ConfigError
 from workers.layers.attention import AttentionMetadata, PrefillSpan
 from workers.layers.ring_attention import RingChunk, zigzag_pieces
 from workers.layers.logprobs import TokenLogprob
@@ -104,6 +106,18 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._block_offsets = torch.arange(self.block_size)  # metadata is built on CPU, then moved
+        self.graphs: DecodeGraphs | None = None  # CUDA graphs for decode-only steps (capture_graphs)
+
+    def capture_graphs(self, max_model_len: int, sizes: tuple[int, ...] | None = None,
+                       graph_factory: Callable[[], Graph] | None = None) -> None:
+        """Capture decode forwards at ``sizes`` (default ``config.graph_capture_sizes``; see
+        workers/cuda_graphs.py); one rank only. graph_factory: CUDA graphs by default (tests pass
+        ``EagerReplay`` to run the static-buffer and padding logic on CPU)."""
+        if not (get_group("tp").is_trivial and get_group("sp").is_trivial and get_group("ep").is_trivial):
+            raise ConfigError("cuda_graphs: supported with tensor, sequence and expert parallel size 1 only; "
+                              "set cuda_graphs to false for this pool")
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, sizes or self.config.graph_capture_sizes, self.block_size,
+                                   -(-max_model_len // self.block_size), self.device, graph_factory)
 
     # ---------------------------------------------------------- request state
     def add_request(self, request_id: str, params: SamplingParams, token_ids: list[int],
@@ -215,6 +229,9 @@ class ModelRunner:
         # are row-invariant (the quantized kernels are; see tests/workers/spec_decode/test_spec_decode_engine.py).
         singles = [r for c in sched.chunks if len(c.token_ids) == 1 or c.num_draft for r in _decode_rows(c)]
         multis = [c for c in sched.chunks if len(c.token_ids) > 1 and not c.num_draft]
+        if self.graphs is not None and not multis and self.graphs.fits(len(singles)):
+            input_ids, positions, meta, sample_rows = self._prepare(singles, len(singles))
+            return self.graphs.run(input_ids, positions, meta), sample_rows
         rest, split = self.sp_split(multis)
         input_ids, positions, meta, sample_rows = self._prepare(singles + rest, len(singles), split)
         return self.model(input_ids, positions, self.kv_caches, meta), sample_rows

@@ -162,12 +162,12 @@ def test_duet_cli_generate_and_status_with_tls_and_token(smollm2_path, tok, pool
         denied = subprocess.run(base, capture_output=True, text=True, timeout=60, env=env)
         assert denied.returncode != 0 and "UNAUTHENTICATED" in denied.stderr and "Traceback" not in denied.stderr
         # what `duet status` shows of the router, with the same client settings
-        from cluster.cli import _client_security, build_parser
+        from cluster.cli import build_parser, client_security
         from cluster.status import router_status
 
         args = build_parser().parse_args(["status", "--target", r.address, "--tls-ca", str(pki / "ca.pem"),
                                           "--token", ADMIN_TOKEN])
-        tls, token = _client_security(args)
+        tls, token = client_security(args)
         router = router_status(r.address, 5.0, tls=tls, token=token)
         assert router["health"] == "SERVING" and "error" not in router and router["stats"]["requests"] >= 1
         denied = router_status(r.address, 5.0, tls=tls, token=GEN_TOKEN)

@@ -38,6 +38,7 @@ import ray
 import torch
 
 from workers.config import EngineConfig
+from workers.device import resolve_for_rank
 from workers.engine import Engine
 from workers.errors import ConfigError
 from workers.parallel.eplb import RebalanceConfig, Rebalancer
@@ -72,10 +73,16 @@ class GangFollowerActor:
     def __init__(self, engine_config: EngineConfig, parallel: ParallelConfig, rank: int) -> None:
         self._num_threads = _threads()
         self._config, self._parallel, self._rank = engine_config, parallel, rank
+        self._gpu_ids = [str(g) for g in ray.get_gpu_ids()]  # what Ray assigned (it sets CUDA_VISIBLE_DEVICES)
+
+    def rank_device(self) -> dict[str, object]:
+        """The GPUs Ray assigned this rank and the device its engine config asks for."""
+        return {"rank": self._rank, "gpu_ids": self._gpu_ids, "device": self._config.device}
 
     def run(self, init_method: str) -> int:
         """Join the gang at ``init_method``, follow the leader until it stops; returns steps run."""
         try:
+            self._config = resolve_for_rank(self._config, float(len(self._gpu_ids)))
             init_parallel_groups(self._parallel, self._rank, init_method, timeout=COLLECTIVE_TIMEOUT)
             engine = Engine(self._config)
             steps = follow(engine.runner, get_group("gang"))
@@ -97,6 +104,7 @@ class GangLeaderActor:
                  followers: list[Any], rebalance: RebalanceConfig | None = None, port: int = 0) -> None:
         self._num_threads = _threads()
         self._config, self._worker_id, self._parallel = engine_config, worker_id, parallel
+        self._gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         self._host = host or ray.util.get_node_ip_address()
         self._port = port
         self._followers = followers
@@ -119,6 +127,8 @@ class GangLeaderActor:
     async def start(self) -> str:
         """Form the gang, load, serve; returns the endpoint ("host:port"). Idempotent."""
         if self._server is None:
+            # refused here (naming the key) before any follower joins: e.g. device cuda without CUDA
+            self._config = await asyncio.to_thread(resolve_for_rank, self._config, float(len(self._gpu_ids)))
             init_method = f"tcp://{self._host}:{free_port()}"
             self._runs = [f.run.remote(init_method) for f in self._followers]
             self._server = await start_worker_server(
@@ -144,6 +154,10 @@ class GangLeaderActor:
     def _on_engine_exit(self, done: asyncio.Future) -> None:
         if done.result() is not None:
             _exit_soon(f"{self._worker_id}: engine failed: {done.result()!r}")
+
+    def rank_device(self) -> dict[str, object]:
+        """The GPUs Ray assigned this rank (rank 0) and the device its engine config asks for."""
+        return {"rank": 0, "gpu_ids": self._gpu_ids, "device": self._config.device}
 
     def ready(self) -> bool:
         return self._server is not None

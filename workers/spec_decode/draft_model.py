@@ -93,7 +93,7 @@ class DraftModelProposer:
         """A drafter actor of this worker's (Ray owns it; it dies with the worker)."""
         import ray
 
-        from workers.spec_decode.drafter_service import DrafterActor
+        from workers.spec_decode.drafter_actor import DrafterActor
 
         if not ray.is_initialized():
             raise ConfigError("speculative.method='draft_model' runs the drafter as a Ray actor: start the engine "
