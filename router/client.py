@@ -16,8 +16,13 @@ Sync::
 The prompt is exactly one of ``prompt`` (text, no chat template), ``token_ids`` or ``messages``
 (the router applies the model's chat template). Sampling keywords mirror duet.v1.SamplingParams:
 ``max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos,
-num_speculative_tokens``; unset ones take
-the server's defaults. ``timeout`` (seconds) is the request's gRPC deadline. A failed request
+num_speculative_tokens, presence_penalty, frequency_penalty, repetition_penalty, min_p, min_tokens,
+logit_bias`` (a dict token id -> bias) ``, top_logprobs`` (then every chunk has ``logprobs``, one
+TokenLogprob per token id); unset ones take the server's defaults. ``n`` asks for several choices:
+chunks carry ``index``, and ``collect_choices`` joins them per choice::
+
+    choices = collect_choices(stream("Name a colour:", n=4, seed=1, max_tokens=8))
+ ``timeout`` (seconds) is the request's gRPC deadline. A failed request
 raises DuetError with the gRPC status code and the server's message (which names the bad field).
 
 A router with TLS, mTLS or bearer tokens (router/security.py)::
@@ -66,14 +71,26 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's logprob and the top alternatives (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Chunk:
-    """One streamed message: the new text and token ids; the last also has finish_reason, usage."""
+    """One streamed message of choice ``index``: the new text and token ids (and their logprobs when
+    asked for); a choice's last chunk also has finish_reason and usage."""
 
     request_id: str
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     usage: Usage | None = None
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
 
     @classmethod
     def from_proto(cls, r: duet_pb2.GenerateResponse) -> Chunk:
@@ -81,7 +98,9 @@ class Chunk:
         return cls(r.request_id, r.text, tuple(r.token_ids),
                    FINISH_REASONS.get(r.finish_reason, "unspecified") if final else None,
                    Usage(r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.cached_prompt_tokens)
-                   if final else None)
+                   if final else None, r.index,
+                   tuple(TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top_logprobs))
+                         for lp in r.logprobs))
 
 
 @dataclass(frozen=True)
@@ -91,6 +110,8 @@ class Completion:
     token_ids: tuple[int, ...]
     finish_reason: str | None
     usage: Usage | None
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,7 +129,10 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
                   max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                   top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] = (),
                   stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                  num_speculative_tokens: int | None = None) -> duet_pb2.GenerateRequest:
+                  num_speculative_tokens: int | None = None, n: int = 0, presence_penalty: float | None = None,
+                  frequency_penalty: float | None = None, repetition_penalty: float | None = None,
+                  min_p: float | None = None, min_tokens: int = 0, logit_bias: Mapping[int, float] | None = None,
+                  top_logprobs: int | None = None) -> duet_pb2.GenerateRequest:
     """The GenerateRequest for these arguments (ValueError if not exactly one prompt form)."""
     given = [name for name, v in (("prompt", prompt), ("token_ids", token_ids), ("messages", messages))
              if v is not None]
@@ -117,8 +141,10 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
     sampling = duet_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         stop=[stop] if isinstance(stop, str) else list(stop), stop_token_ids=list(stop_token_ids),
-        ignore_eos=ignore_eos, num_speculative_tokens=num_speculative_tokens)
-    request = duet_pb2.GenerateRequest(sampling=sampling, model=model, request_id=request_id)
+        ignore_eos=ignore_eos, num_speculative_tokens=num_speculative_tokens, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens,
+        logit_bias=dict(logit_bias or {}), top_logprobs=top_logprobs)
+    request = duet_pb2.GenerateRequest(sampling=sampling, model=model, request_id=request_id, n=n)
     if prompt is not None:
         request.prompt = prompt
     elif token_ids is not None:
@@ -134,12 +160,25 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
 
 
 def collect(chunks: Iterable[Chunk]) -> Completion:
-    """Join streamed chunks into one Completion."""
-    chunks = list(chunks)
-    last = chunks[-1] if chunks else None
-    return Completion(last.request_id if last else "", "".join(c.text for c in chunks),
-                      tuple(t for c in chunks for t in c.token_ids),
-                      last.finish_reason if last else None, last.usage if last else None)
+    """Join the streamed chunks of a single-choice request into one Completion (ValueError when they
+    belong to several choices: use ``collect_choices``)."""
+    choices = collect_choices(chunks)
+    if len(choices) > 1:
+        raise ValueError(f"the chunks hold {len(choices)} choices (n > 1): use collect_choices")
+    return choices[0] if choices else Completion("", "", (), None, None)
+
+
+def collect_choices(chunks: Iterable[Chunk]) -> list[Completion]:
+    """Join streamed chunks into one Completion per choice, in index order."""
+    by_index: dict[int, list[Chunk]] = {}
+    for c in chunks:
+        by_index.setdefault(c.index, []).append(c)
+    out = []
+    for index in sorted(by_index):
+        cs, last = by_index[index], by_index[index][-1]
+        out.append(Completion(last.request_id, "".join(c.text for c in cs), tuple(t for c in cs for t in c.token_ids),
+                              last.finish_reason, last.usage, index, tuple(lp for c in cs for lp in c.logprobs)))
+    return out
 
 
 @dataclass(frozen=True)

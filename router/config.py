@@ -77,6 +77,8 @@ class RouterConfig:
     # Request limits (the public proto documents these).
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
+    # GenerateRequest.n: most choices one request may ask for (router/fanout.py).
+    max_n: int = 16
     # Workers.
     load_poll_interval_s: float = 0.2
     load_poll_timeout_s: float = 2.0
@@ -134,6 +136,7 @@ class RouterConfig:
             _fail("default_top_p", self.default_top_p, "must be in (0, 1]")
         _int_at_least("max_stop_strings", self.max_stop_strings, 0)
         _int_at_least("max_stop_string_len", self.max_stop_string_len, 1)
+        _int_at_least("max_n", self.max_n, 1)
         for name in ("load_poll_interval_s", "load_poll_timeout_s"):
             value = getattr(self, name)
             if not _finite(value) or value <= 0:

@@ -33,6 +33,12 @@ from protos.duet.worker.v1 import worker_pb2
 from router.config import RouterConfig, RouterConfigError
 
 MAX_REQUEST_ID_LEN = 256
+# Sampling limits (the public proto documents them; the worker checks the same ones again).
+PENALTY_RANGE = 2.0  # presence / frequency
+MAX_REPETITION_PENALTY = 100.0
+LOGIT_BIAS_RANGE = 100.0
+MAX_LOGIT_BIAS = 1024
+MAX_TOP_LOGPROBS = 20
 _NO_LIMIT = 10**8  # transformers' model_max_length when a tokenizer declares none is ~1e30
 
 
@@ -196,11 +202,50 @@ def _sampling(p: duet_pb2.SamplingParams, model: ServedModel, config: RouterConf
     _check_vocab("sampling.stop_token_ids", list(p.stop_token_ids), model.vocab_size)
     if p.HasField("num_speculative_tokens") and p.num_speculative_tokens > 64:
         raise invalid("sampling.num_speculative_tokens", f"must be in 0..64 (0 = off), got {p.num_speculative_tokens}")
+    extra = _penalties(p, model, max_tokens)
     # Past the context limit the worker ends with LENGTH anyway; clamping keeps load estimates honest.
     max_tokens = min(max_tokens, model.max_model_len - prompt_len)
+    extra["min_tokens"] = min(extra["min_tokens"], max_tokens)
     sampling = worker_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=p.top_k,
         seed=p.seed if p.HasField("seed") else None, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
-        num_speculative_tokens=p.num_speculative_tokens if p.HasField("num_speculative_tokens") else None)
+        num_speculative_tokens=p.num_speculative_tokens if p.HasField("num_speculative_tokens") else None, **extra)
     return sampling, tuple(p.stop)
+
+
+def _penalties(p: duet_pb2.SamplingParams, model: ServedModel, max_tokens: int) -> dict[str, Any]:
+    """Validate and resolve the penalty, min-p, min_tokens, logit_bias and logprobs fields."""
+    out: dict[str, Any] = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(p, name) if p.HasField(name) else 0.0
+        if not -PENALTY_RANGE <= value <= PENALTY_RANGE:  # also rejects NaN
+            raise invalid(f"sampling.{name}", f"must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}] (0 = off), "
+                                              f"got {value}")
+        out[name] = value
+    rep = p.repetition_penalty if p.HasField("repetition_penalty") else 1.0
+    if not 0 < rep <= MAX_REPETITION_PENALTY:
+        raise invalid("sampling.repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got {rep}")
+    out["repetition_penalty"] = rep
+    min_p = p.min_p if p.HasField("min_p") else 0.0
+    if not 0 <= min_p <= 1:
+        raise invalid("sampling.min_p", f"must be in [0, 1] (0 = off), got {min_p}")
+    out["min_p"] = min_p
+    if p.min_tokens > max_tokens:
+        raise invalid("sampling.min_tokens", f"must be <= max_tokens ({max_tokens}), got {p.min_tokens}")
+    out["min_tokens"] = p.min_tokens
+    if len(p.logit_bias) > MAX_LOGIT_BIAS:
+        raise invalid("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(p.logit_bias)}")
+    for token, bias in sorted(p.logit_bias.items()):
+        if token >= model.vocab_size:
+            raise invalid("sampling.logit_bias", f"token id {token} is outside the vocabulary (size {model.vocab_size})")
+        if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+            raise invalid(f"sampling.logit_bias[{token}]", f"must be in [-{LOGIT_BIAS_RANGE:g}, "
+                                                           f"{LOGIT_BIAS_RANGE:g}], got {bias}")
+    out["logit_bias"] = dict(p.logit_bias)
+    if p.HasField("top_logprobs"):
+        if p.top_logprobs > MAX_TOP_LOGPROBS:
+            raise invalid("sampling.top_logprobs", f"must be in 0..{MAX_TOP_LOGPROBS} (unset = no logprobs), "
+                                                   f"got {p.top_logprobs}")
+        out["top_logprobs"] = p.top_logprobs
+    return out

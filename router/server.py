@@ -51,6 +51,7 @@ from router.admin import RouterAdminServicer
 from router.admission import AdmissionController
 from router.config import RouterConfig, RouterConfigError
 from router.membership import MembershipWatcher
+from router.fanout import FanOut
 from router.pipeline import Pipeline
 from router.policies import make_policy
 from router.preprocess import RequestError, ServedModel
@@ -103,8 +104,9 @@ def add_duet_service(servicer: DuetServicer, server: grpc.aio.Server) -> None:
 
 
 class DuetServicer(duet_pb2_grpc.DuetServicer):
-    def __init__(self, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: Pipeline, max_n: int = 1) -> None:
         self.pipeline = pipeline
+        self.fanout = FanOut(pipeline, max_n)  # GenerateRequest.n: router/fanout.py
 
     async def Generate(self, request: duet_pb2.GenerateRequest | MalformedRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[duet_pb2.GenerateResponse]:
@@ -113,7 +115,7 @@ class DuetServicer(duet_pb2_grpc.DuetServicer):
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            async for response in self.pipeline.generate(request, deadline=deadline):
+            async for response in self.fanout.generate(request, deadline=deadline):
                 yield response
         except RequestError as e:
             logger.info("request %s: %s %s", request.request_id or "(unnamed)", e.code.name, e.message)
@@ -158,7 +160,7 @@ class RouterServer:
         self.membership_version = 0
 
     async def _start(self, members: Members) -> None:
-        add_duet_service(DuetServicer(self.pipeline), self._server)
+        add_duet_service(DuetServicer(self.pipeline, self.config.max_n), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         control_pb2_grpc.add_RouterAdminServicer_to_server(RouterAdminServicer(self.stats), self._server)
         reflection.enable_server_reflection([DUET_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME],

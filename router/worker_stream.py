@@ -58,11 +58,14 @@ class Progress:
 
     def submit_request(self, prep: PreparedRequest) -> worker_pb2.SubmitRequest:
         """The worker request: the prepared one, or (resuming) prompt + streamed ids with the rest
-        of max_tokens. Context limits hold: prompt + max_tokens was clamped to the context."""
+        of max_tokens and min_tokens; the streamed ids still count as generated for the penalties
+        (resumed_output_tokens). Context limits hold: prompt + max_tokens was clamped to the context."""
         request = prep.submit_request()
         if self.token_ids:
             request.prompt_token_ids.extend(self.token_ids)
+            request.resumed_output_tokens = len(self.token_ids)
             request.sampling.max_tokens = prep.sampling.max_tokens - len(self.token_ids)
+            request.sampling.min_tokens = max(0, prep.sampling.min_tokens - len(self.token_ids))
         return request
 
 
@@ -90,16 +93,18 @@ async def stream_attempt(prep: PreparedRequest, lease: WorkerLease, prefill: Wor
         try:
             async for delta in call:
                 ids, text, stopped = _detokenize(progress.detok, delta.token_ids)
+                logprobs = _logprobs(delta.logprobs[: len(ids)])  # cut with the ids at a stop string
                 progress.token_ids.extend(ids)
                 if ids:
                     metrics.chunk(progress.clock, lease.pool)
                     if prefill is not None:  # the KV arrived: the prefill worker's part is done
                         prefill.call = None
                 if stopped or delta.HasField("finish_reason"):
-                    outcome = _finish(prep, lease, progress, delta, ids, text, stopped, started, metrics)
+                    outcome = _finish(prep, lease, progress, delta, ids, text, stopped, started, metrics, logprobs)
                     break
                 if ids:
-                    yield duet_pb2.GenerateResponse(request_id=prep.request_id, text=text, token_ids=ids)
+                    yield duet_pb2.GenerateResponse(request_id=prep.request_id, text=text, token_ids=ids,
+                                                    logprobs=logprobs)
             else:
                 outcome = AttemptOutcome.worker_down(lease.worker_id, "its stream ended without a finish reason",
                                                      len(progress.token_ids))
@@ -117,7 +122,7 @@ async def stream_attempt(prep: PreparedRequest, lease: WorkerLease, prefill: Wor
 
 def _finish(prep: PreparedRequest, lease: WorkerLease, progress: Progress, delta: worker_pb2.SubmitResponse,
             ids: list[int], text: str, stopped: bool, started: float,
-            metrics: RequestMetrics) -> AttemptOutcome:
+            metrics: RequestMetrics, logprobs: list[duet_pb2.TokenLogprob]) -> AttemptOutcome:
     """The FINISHED outcome, with the client's last response (flushing the detokenizer)."""
     num_out = len(progress.token_ids)
     finish = duet_pb2.FINISH_REASON_STOP if stopped else _FINISH.get(delta.finish_reason, duet_pb2.FINISH_REASON_ABORT)
@@ -129,7 +134,7 @@ def _finish(prep: PreparedRequest, lease: WorkerLease, progress: Progress, delta
                 prep.request_id, prep.internal_id, lease.worker_id, usage.prompt_tokens, num_out,
                 duet_pb2.FinishReason.Name(finish), 1e3 * (time.monotonic() - started))
     response = duet_pb2.GenerateResponse(request_id=prep.request_id, text=text + progress.detok.flush(),
-                                         token_ids=ids, finish_reason=finish, usage=usage)
+                                         token_ids=ids, finish_reason=finish, usage=usage, logprobs=logprobs)
     return AttemptOutcome.finished(reason, response)
 
 
@@ -158,6 +163,13 @@ def _declared_dead(lease: WorkerLease, prefill: WorkerLease | None, progress: Pr
         return AttemptOutcome.retry(grpc.StatusCode.UNAVAILABLE, prefill.failure, prefill.worker_id,
                                     prefill_failed=True)
     return None
+
+
+def _logprobs(items) -> list[duet_pb2.TokenLogprob]:
+    """Worker TokenLogprobs -> public ones (same fields)."""
+    return [duet_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                  top_logprobs=[duet_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob)
+                                                for t in lp.top_logprobs]) for lp in items]
 
 
 def _detokenize(detok: IncrementalDetokenizer, token_ids: list[int]) -> tuple[list[int], str, bool]:

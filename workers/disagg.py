@@ -11,7 +11,7 @@ Sequence for one request (D = decode worker, P = prefill worker; the router sent
     P  sender.channel(pair)    join the same rendezvous (first time for this pair key only)
     P  engine: compute the prompt (chunked, prefix cache), sample token 1, copy out blocks
        first_block.. and free everything (KVExport)
-    P -> D  PrefillResponse #1 (token 1, generator state)
+    P -> D  PrefillResponse #1 (token 1, its logprobs if asked, generator state)
     P => D  announce, header, per-block (seq, checksum), payload   [torch.distributed, never gRPC]
     D  receive loop            read + verify (layout, id, range, sequence numbers, checksums) and
                                settle the request's future
@@ -39,6 +39,7 @@ from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from workers.engine_loop import EngineLoop, Sink, WorkerUnavailableError
 from workers.kv_transfer import KVReceiver, KVSender, KVTransferError, PairKey, resolve_kv_backend
 from workers.runner import KVLayout, KVTicket
+from workers.logprobs_proto import from_proto, to_proto
 from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -82,18 +83,19 @@ class Disaggregation:
 
     # ------------------------------------------------------------- decode half
     async def decode(self, request_id: str, prompt: list[int], params: SamplingParams,
-                     sampling: worker_pb2.SamplingParams, remote: worker_pb2.RemotePrefill, sink: Sink) -> None:
+                     sampling: worker_pb2.SamplingParams, remote: worker_pb2.RemotePrefill, sink: Sink,
+                     resumed_output_tokens: int = 0) -> None:
         """Reserve, have ``remote`` prefill, receive and verify, import. Outputs then arrive on
         ``sink`` (the first one carries token 1). Raises InvalidRequestError / KVCapacityError
         (from reserve) or RemotePrefillError; the caller aborts the request on any error."""
-        ticket = await self._engine.reserve(request_id, prompt, params)
+        ticket = await self._engine.reserve(request_id, prompt, params, resumed_output_tokens)
         if isinstance(ticket, Exception):
             raise ticket
         key = self.receiver.pair_key(remote.worker_id, remote.incarnation)
         expected = self.receiver.expect(key, ticket.transfer_id, ticket.first_block, ticket.num_blocks)
         self.receiver.channel(key)  # start the rendezvous now; P joins when the request reaches it
         call = self._stub(remote.endpoint).Prefill(self._prefill_request(request_id, prompt, sampling, ticket, key,
-                                                                         remote.incarnation))
+                                                                         remote.incarnation, resumed_output_tokens))
         try:
             first = await call.read()
             if first is grpc.aio.EOF:
@@ -113,16 +115,18 @@ class Disaggregation:
         logger.info("request %s: %d prompt blocks from %s (%d cached here), %.2f MB in %.1f ms", request_id,
                     ticket.num_blocks, remote.worker_id, ticket.first_block, received.num_bytes / 1e6,
                     received.seconds * 1e3)
+        first_logprob = from_proto(first.first_token_logprob) if first.HasField("first_token_logprob") else None
         self._engine.import_kv(request_id, ticket, received.kv, first.first_token_id,
-                               first.generator_state or None, sink)
+                               first.generator_state or None, sink, first_logprob)
 
     def _prefill_request(self, request_id: str, prompt: list[int], sampling: worker_pb2.SamplingParams,
-                         ticket: KVTicket, key: PairKey, incarnation: str) -> worker_pb2.PrefillRequest:
+                         ticket: KVTicket, key: PairKey, incarnation: str,
+                         resumed_output_tokens: int) -> worker_pb2.PrefillRequest:
         return worker_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling, transfer_id=ticket.transfer_id,
             first_block=ticket.first_block, num_blocks=ticket.num_blocks, kv_store_address=self.receiver.address,
             decode_worker_id=self.worker_id, decode_incarnation=self.incarnation, pair_generation=key.generation,
-            expected_incarnation=incarnation, backend=self.backend)
+            expected_incarnation=incarnation, backend=self.backend, resumed_output_tokens=resumed_output_tokens)
 
     def _stub(self, endpoint: str) -> worker_pb2_grpc.WorkerStub:
         channel = self._channels.get(endpoint)
@@ -149,7 +153,8 @@ class Disaggregation:
                       request.pair_generation)
         channel_future = sender.channel(key, request.kv_store_address)
         rid, sink = f"prefill/{request.request_id}", asyncio.Queue()
-        self._engine.add(rid, list(request.prompt_token_ids), params, sink, export_from_block=request.first_block)
+        self._engine.add(rid, list(request.prompt_token_ids), params, sink, export_from_block=request.first_block,
+                         resumed_output_tokens=request.resumed_output_tokens)
         finished = False
         try:
             out = await sink.get()
@@ -163,9 +168,10 @@ class Disaggregation:
                 raise PrefillRejected(grpc.StatusCode.FAILED_PRECONDITION,
                                       f"num_blocks: {request.num_blocks} reserved, the prompt needs {export.kv.shape[2]}")
             channel = await asyncio.wait_for(asyncio.wrap_future(channel_future), self.timeout_s)
-            yield worker_pb2.PrefillResponse(first_token_id=export.first_token,
-                                             generator_state=export.generator_state or b"",
-                                             cached_prompt_tokens=out.num_cached_tokens)
+            yield worker_pb2.PrefillResponse(
+                first_token_id=export.first_token, generator_state=export.generator_state or b"",
+                cached_prompt_tokens=out.num_cached_tokens,
+                first_token_logprob=to_proto(export.first_logprob) if export.first_logprob is not None else None)
             start = time.monotonic()
             nbytes = await asyncio.get_running_loop().run_in_executor(
                 channel.executor, sender.send, channel, request.transfer_id, export.first_block, export.kv)

@@ -26,6 +26,7 @@ import torch
 from workers.engine import Engine
 from workers.kv_handoff import KVCapacityError
 from workers.errors import InvalidRequestError
+from workers.layers.logprobs import TokenLogprob
 from workers.runner import KVLayout, KVTicket, RequestOutput
 from workers.sampling_params import SamplingParams
 
@@ -104,6 +105,7 @@ class _Add:
     params: SamplingParams
     sink: Sink
     export_from_block: int | None = None  # prefill side of a disaggregated request
+    resumed_output_tokens: int = 0  # see Engine.add_request
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ class _Reserve:
     prompt_token_ids: list[int]
     params: SamplingParams
     reply: asyncio.Future  # -> KVTicket | Exception (InvalidRequestError, KVCapacityError)
+    resumed_output_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,7 @@ class _Import:
     first_token: int
     generator_state: bytes | None
     sink: Sink
+    first_logprob: TokenLogprob | None = None
 
 
 Command = _Add | _Abort | _Reserve | _Import
@@ -179,21 +183,22 @@ class EngineLoop:
         return limits
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink, *,
-            export_from_block: int | None = None) -> None:
-        """Queue a request; its outputs (or one exception) arrive on ``sink``. export_from_block:
-        prefill only, see ``Engine.add_request``."""
-        self._post(_Add(request_id, prompt_token_ids, params, sink, export_from_block))
+            export_from_block: int | None = None, resumed_output_tokens: int = 0) -> None:
+        """Queue a request; its outputs (or one exception) arrive on ``sink``. export_from_block
+        (prefill only), resumed_output_tokens: see ``Engine.add_request``."""
+        self._post(_Add(request_id, prompt_token_ids, params, sink, export_from_block, resumed_output_tokens))
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Future:
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                resumed_output_tokens: int = 0) -> asyncio.Future:
         """Decode side: reserve KV blocks (``Engine.reserve``); the future holds the KVTicket or the error."""
-        cmd = _Reserve(request_id, prompt_token_ids, params, self._loop.create_future())
+        cmd = _Reserve(request_id, prompt_token_ids, params, self._loop.create_future(), resumed_output_tokens)
         self._post(cmd)
         return cmd.reply
 
     def import_kv(self, request_id: str, ticket: KVTicket, kv: torch.Tensor, first_token: int,
-                  generator_state: bytes | None, sink: Sink) -> None:
+                  generator_state: bytes | None, sink: Sink, first_logprob: TokenLogprob | None = None) -> None:
         """Decode side: write a verified transfer and start decoding; outputs arrive on ``sink``."""
-        self._post(_Import(request_id, ticket, kv, first_token, generator_state, sink))
+        self._post(_Import(request_id, ticket, kv, first_token, generator_state, sink, first_logprob))
 
     def abort(self, request_id: str) -> asyncio.Future[bool]:
         """Abort a request (idempotent); the future says whether the engine still had it."""
@@ -276,7 +281,8 @@ class EngineLoop:
         if isinstance(cmd, _Add):
             try:
                 engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                   export_from_block=cmd.export_from_block)
+                                   export_from_block=cmd.export_from_block,
+                                   resumed_output_tokens=cmd.resumed_output_tokens)
             except InvalidRequestError as e:
                 out.append((cmd.sink, e))
             else:
@@ -284,7 +290,8 @@ class EngineLoop:
             return
         if isinstance(cmd, _Reserve):
             try:
-                out.append((cmd.reply, engine.reserve(cmd.request_id, cmd.prompt_token_ids, cmd.params)))
+                out.append((cmd.reply, engine.reserve(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                                                      cmd.resumed_output_tokens)))
             except (InvalidRequestError, KVCapacityError) as e:
                 out.append((cmd.reply, e))
             return
@@ -292,7 +299,8 @@ class EngineLoop:
             if cmd.request_id not in {s.request_id for s in engine.reserved()}:  # aborted while in transit
                 out.append((cmd.sink, WorkerUnavailableError(f"request {cmd.request_id} was aborted")))
                 return
-            first = engine.import_kv(cmd.request_id, cmd.ticket, cmd.kv, cmd.first_token, cmd.generator_state)
+            first = engine.import_kv(cmd.request_id, cmd.ticket, cmd.kv, cmd.first_token, cmd.generator_state,
+                                     cmd.first_logprob)
             out.append((cmd.sink, first))
             if not first.finished:
                 self._sinks[cmd.request_id] = cmd.sink

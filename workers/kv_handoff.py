@@ -37,6 +37,7 @@ import torch
 
 from workers.block_manager import BlockManager
 from workers.errors import InvalidRequestError
+from workers.layers.logprobs import TokenLogprob
 from workers.runner import KVExport, KVTicket, Runner
 from workers.sequence import Sequence
 
@@ -62,10 +63,14 @@ class KVHandoff:
         if not 0 <= first_block < self.block_manager.blocks_needed(seq.num_prompt_tokens):
             raise InvalidRequestError("num_cached_tokens", f"decode side holds {first_block} blocks of a "
                                       f"{seq.num_prompt_tokens}-token prompt: nothing left to send")
-        seq.sampling_params = replace(seq.sampling_params, max_tokens=1, stop=(), stop_token_ids=(), ignore_eos=True)
+        # One token, drawn as the colocated engine would draw it: penalties, bias, and min_tokens
+        # mask of EOS / stop ids (min_tokens >= 1 <=> the first token may not end the request).
+        p = seq.sampling_params
+        seq.sampling_params = replace(p, max_tokens=1, min_tokens=min(1, p.min_tokens), stop=())
         self._exports[seq.request_id] = first_block
 
-    def export(self, seq: Sequence, new_token_ids: list[int], aborted: bool) -> KVExport | None:
+    def export(self, seq: Sequence, new_token_ids: list[int], aborted: bool,
+               first_logprob: TokenLogprob | None = None) -> KVExport | None:
         """At finish (before the blocks are freed): the export of a marked request, None otherwise
         (or when it was aborted). Forgets the request either way."""
         first_block = self._exports.pop(seq.request_id, None)
@@ -74,7 +79,7 @@ class KVHandoff:
         table = self.block_manager.block_table(seq.request_id)
         end = self.block_manager.blocks_needed(seq.num_prompt_tokens)
         return KVExport(new_token_ids[0], first_block, self.runner.read_blocks(table[first_block:end]),
-                        self.runner.generator_state(seq.request_id))
+                        self.runner.generator_state(seq.request_id), first_logprob)
 
     # -------------------------------------------------------------- decode side
     def reserve(self, seq: Sequence) -> KVTicket:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.engine import Engine
+from workers.layers.logprobs import TokenLogprob
 from workers.sampling_params import SamplingParams
 from workers.sequence import FinishReason
 
@@ -28,6 +29,7 @@ class Completion:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, with top_logprobs set
 
 
 def engine_config(model: str = "SmolLM2-135M-Instruct", **kwargs) -> EngineConfig:
@@ -75,6 +77,7 @@ class LLM:
                 for out in self.engine.step():
                     c = results[out.request_id]
                     c.token_ids.extend(out.new_token_ids)
+                    c.logprobs.extend(out.new_logprobs or ())
                     c.text += out.new_text
                     c.finish_reason = out.finish_reason
                     c.num_prompt_tokens = out.num_prompt_tokens

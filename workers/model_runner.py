@@ -4,7 +4,8 @@ Speculative decoding: a chunk with ``num_draft`` drafts needs logits on its last
 rows; ``execute`` verifies them (workers/spec_decode/rejection_sampler.py) with the request's own
 generator and returns the accepted drafts plus the target's next token.
 
-Owns the model, the KV cache tensors and per-request sampling state (params, generator). It turns
+Owns the model, the KV cache tensors and per-request sampling state (params, generator, a view of
+the request's token list for penalties: workers/layers/penalties.py). It turns
 the scheduler's lists (token ids, start positions, block tables) into tensors once per step:
 flat input ids and positions, the cache slot of every new token, and the attention metadata that
 every layer shares. Logits are computed only for rows that are sampled.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -33,6 +35,8 @@ from workers.device import resolve_for_process
 from workers.errors import ConfigError
 from workers.layers.attention import AttentionMetadata, PrefillSpan
 from workers.layers.ring_attention import RingChunk, zigzag_pieces
+from workers.layers.logprobs import TokenLogprob
+from workers.layers.penalties import RowContext
 from workers.layers.sampler import Sampler
 from workers.models.config import ModelSpec
 from workers.models.assets import resolve_model
@@ -43,13 +47,27 @@ from workers.runner import KVLayout, MoEStats, RunnerOutput
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 from workers.spec_decode.proposer import Draft
-from workers.spec_decode.rejection_sampler import accept_greedy, accept_sampled, target_probs
+from workers.spec_decode.rejection_sampler import VerifySpan, verify_spans
 
 logger = logging.getLogger(__name__)
 
 # Sequence parallel: a prefill chunk is split over the W sp ranks when it has at least this many
 # tokens per rank; shorter chunks run replicated (a ring hop costs more than it saves).
 SP_MIN_TOKENS_PER_RANK = 8
+
+
+@dataclass(frozen=True)
+class _RequestState:
+    """A request's sampling state: params, the engine's live token list (prompt + output, read only
+    here), where its generated tokens start (for penalties) and how long its prompt is."""
+
+    params: SamplingParams
+    token_ids: list[int]
+    output_start: int
+    num_prompt: int
+
+    def context(self) -> RowContext:
+        return RowContext(self.params, self.token_ids, self.output_start, len(self.token_ids) - self.num_prompt)
 
 
 def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
@@ -99,8 +117,8 @@ class ModelRunner:
             spec.num_layers, 2, slots, g, spec.head_dim, dtype=config.torch_dtype, device=self.device
         )
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
-        self.sampler = Sampler()
-        self._params: dict[str, SamplingParams] = {}
+        self.sampler = Sampler(frozenset(spec.eos_token_ids))
+        self._requests: dict[str, _RequestState] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._block_offsets = torch.arange(self.block_size)  # metadata is built on CPU, then moved
@@ -146,13 +164,19 @@ class ModelRunner:
                         tuple(sum(layer.rank_rows for layer in layers).tolist()))
 
     # ---------------------------------------------------------- request state
-    def add_request(self, request_id: str, params: SamplingParams) -> None:
-        self._params[request_id] = params
+    def add_request(self, request_id: str, params: SamplingParams, token_ids: list[int],
+                    num_prompt: int, output_start: int | None = None) -> None:
+        """token_ids: the request's live token list (the engine appends generated tokens to it; the
+        runner only reads it); its first num_prompt are the prompt. output_start: where the tokens
+        counted as generated for presence/frequency penalties start (default num_prompt; earlier
+        when a resumed request's prompt ends with tokens generated before)."""
+        start = num_prompt if output_start is None else output_start
+        self._requests[request_id] = _RequestState(params, token_ids, start, num_prompt)
         if params.seed is not None:
             self._generators[request_id] = torch.Generator(device="cpu").manual_seed(params.seed)
 
     def remove_request(self, request_id: str) -> None:
-        self._params.pop(request_id, None)
+        self._requests.pop(request_id, None)
         self._generators.pop(request_id, None)
 
     def generator_state(self, request_id: str) -> bytes | None:
@@ -202,32 +226,28 @@ class ModelRunner:
                 spans.append((i, chunk))
                 i += chunk.num_draft + 1
         out: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprob]] = {}
         if plain:
             ids = [sample_rows[i][1] for i in plain]
-            tokens = self.sampler(logits[plain], [self._params[r] for r in ids],
-                                  [self._generators.get(r, self._default_generator) for r in ids])
+            tokens, lps = self.sampler(logits[plain], [self._requests[r].context() for r in ids],
+                                       [self._generator(r) for r in ids])
             out.update((r, [t]) for r, t in zip(ids, tokens))
+            logprobs.update((r, [lp]) for r, lp in zip(ids, lps) if lp is not None)
         if spans:
-            out.update(self._verify(logits, spans, drafts or {}))
-        return RunnerOutput(out)
+            drafts = drafts or {}
+            vspans = []
+            for i, c in spans:
+                k, rid, d = c.num_draft, c.request_id, drafts.get(c.request_id)
+                q = None if d is None or d.probs is None else d.probs[:k]  # [k, V]
+                vspans.append(VerifySpan(i, self._requests[rid].context(), c.token_ids[-k:], q, self._generator(rid)))
+            for (_, c), (tokens, lps) in zip(spans, verify_spans(self.sampler, logits, vspans)):
+                out[c.request_id] = tokens
+                if lps is not None:
+                    logprobs[c.request_id] = lps
+        return RunnerOutput(out, logprobs)
 
-    def _verify(self, logits: torch.Tensor, spans: list[tuple[int, ScheduledChunk]],
-                drafts: Mapping[str, Draft]) -> dict[str, list[int]]:
-        """Accept or reject each verified chunk's drafts (logits [N, V], rows i..i+k per chunk)."""
-        argmax = logits.argmax(-1).tolist() if any(self._params[c.request_id].greedy for _, c in spans) else []
-        out = {}
-        for i, c in spans:
-            k, rid = c.num_draft, c.request_id
-            draft_ids = c.token_ids[-k:]
-            params = self._params[rid]
-            if params.greedy:
-                out[rid] = accept_greedy(argmax[i : i + k + 1], draft_ids)
-                continue
-            d = drafts.get(rid)
-            q = None if d is None or d.probs is None else d.probs[:k]  # [k, V]
-            p = target_probs(logits[i : i + k + 1], params)  # [k + 1, V]
-            out[rid] = accept_sampled(p, draft_ids, q, self._generators.get(rid, self._default_generator))
-        return out
+    def _generator(self, request_id: str) -> torch.Generator:
+        return self._generators.get(request_id, self._default_generator)
 
     @torch.inference_mode()
     def follow(self, sched: SchedulerOutput) -> None:

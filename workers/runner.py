@@ -18,7 +18,7 @@ Terms:
 
 Worked example (what ``Engine.step`` does with its runner)::
 
-    runner.add_request("r1", SamplingParams(temperature=0, max_tokens=8))
+    runner.add_request("r1", SamplingParams(temperature=0, max_tokens=8), prompt_ids, len(prompt_ids))
     out = runner.execute(scheduler_output)          # RunnerOutput({"r1": [token]})
     kv = runner.read_blocks([3, 4])                 # [L, 2, 2, bs, G, D], G = layout.num_kv_heads
     other_runner.write_blocks([7, 9], kv)           # same model, any parallel shape
@@ -30,11 +30,12 @@ Axes: L layers, n blocks, bs block size, G kv heads (model-wide), D head dim.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from workers.layers.logprobs import TokenLogprob
 from workers.models.config import ModelSpec
 from workers.sampling_params import SamplingParams
 from workers.scheduler import SchedulerOutput
@@ -88,6 +89,8 @@ class RunnerOutput:
     # request id -> tokens to append, for chunks with sample=True: one sampled token, or with drafts
     # the accepted drafts followed by the target's own token (1..num_draft + 1)
     sampled: dict[str, list[int]]
+    # request id -> one TokenLogprob per token of ``sampled``, for requests that asked for logprobs
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -101,12 +104,14 @@ class MoEStats:
 @dataclass(frozen=True)
 class KVExport:
     """A prefilled request's hand-over: the first token, the sampling generator's state after it
-    (None without a seed) and the model-wide K/V of prompt blocks first_block.. ([L, 2, n, bs, G, D])."""
+    (None without a seed), the model-wide K/V of prompt blocks first_block.. ([L, 2, n, bs, G, D])
+    and the first token's logprobs (None unless the request asked for them)."""
 
     first_token: int
     first_block: int
     kv: torch.Tensor
     generator_state: bytes | None
+    first_logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     kv_export: KVExport | None = None  # prefill side of a disaggregated request, on its final output
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
 
 
 @runtime_checkable
@@ -144,8 +150,11 @@ class Runner(Protocol):
     num_blocks: int  # KV blocks this runner's cache holds (every rank of a gang holds the same count)
     model: Any  # the nn.Module (rank 0's, for a gang): for inspection and tests, not for the engine
 
-    def add_request(self, request_id: str, params: SamplingParams) -> None:
-        """Start tracking a request's sampling state (its seeded generator, if any)."""
+    def add_request(self, request_id: str, params: SamplingParams, token_ids: list[int], num_prompt: int,
+                    output_start: int | None = None) -> None:
+        """Start tracking a request's sampling state: its params, seeded generator (if any) and the
+        engine's live token list (read only; the first num_prompt are the prompt, tokens from
+        output_start on count as generated for the penalties)."""
 
     def remove_request(self, request_id: str) -> None:
         """Forget a request's sampling state (idempotent)."""

@@ -55,6 +55,7 @@ from workers.runner import RequestOutput
 from workers.engine_loop import EngineLimits, EngineLoop, LoadSnapshot, WorkerUnavailableError
 from workers.errors import InvalidRequestError
 from workers.kv_transfer import KV_BACKENDS
+from workers.logprobs_proto import to_proto
 from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -72,12 +73,17 @@ def to_sampling_params(p: worker_pb2.SamplingParams) -> SamplingParams:
                           seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
                           stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
                           num_speculative_tokens=(p.num_speculative_tokens if p.HasField("num_speculative_tokens")
-                                                  else None))
+                                                  else None),
+                          presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                          repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+                          min_p=p.min_p, min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias),
+                          top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else None)
 
 
 def _merge(outputs: list[RequestOutput]) -> worker_pb2.SubmitResponse:
     """Several queued step outputs of one request as one message (the last may be the final one)."""
-    msg = worker_pb2.SubmitResponse(token_ids=[t for o in outputs for t in o.new_token_ids])
+    msg = worker_pb2.SubmitResponse(token_ids=[t for o in outputs for t in o.new_token_ids],
+                                    logprobs=[to_proto(lp) for o in outputs for lp in o.new_logprobs or ()])
     last = outputs[-1]
     if last.finished:
         msg.finish_reason = worker_pb2.FinishReason.Value(f"FINISH_REASON_{last.finish_reason.name}")
@@ -168,9 +174,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if request.HasField("remote_prefill"):
                 assert self.disagg is not None
                 await self.disagg.decode(rid, list(request.prompt_token_ids), params, request.sampling,
-                                         request.remote_prefill, sink)
+                                         request.remote_prefill, sink, request.resumed_output_tokens)
             else:
-                self._engine.add(rid, list(request.prompt_token_ids), params, sink)
+                self._engine.add(rid, list(request.prompt_token_ids), params, sink,
+                                 resumed_output_tokens=request.resumed_output_tokens)
             while not finished:
                 items = [await sink.get()]
                 while not sink.empty():  # a slow reader gets the backlog as one message

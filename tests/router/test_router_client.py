@@ -10,8 +10,8 @@ import pytest
 from testkit.router_fakes import SCRIPT, members, run_async
 
 from protos.duet.v1 import duet_pb2
-from router.client import Chunk, Completion, DuetClient, DuetError, ModelInfo, build_request, complete, \
-    generate_text, stream
+from router.client import Chunk, Completion, DuetClient, DuetError, ModelInfo, build_request, collect, \
+    collect_choices, complete, generate_text, stream
 from router.config import RouterConfig
 from router.server import serve_router
 
@@ -123,3 +123,19 @@ def test_build_request():
         with pytest.raises(ValueError, match="exactly one"):
             build_request(**bad)
     assert Chunk.from_proto(duet_pb2.GenerateResponse(request_id="r", text="t")).finish_reason is None
+
+
+def test_sampling_fields_n_choices_and_logprobs(target, tok):
+    r = build_request("p", presence_penalty=0.5, repetition_penalty=1.1, min_p=0.05, min_tokens=2,
+                      logit_bias={7: -1.5}, top_logprobs=3, n=2)
+    p = r.sampling
+    assert (p.presence_penalty, p.min_tokens, p.top_logprobs, dict(p.logit_bias), r.n) == (0.5, 2, 3, {7: -1.5}, 2)
+    assert not p.HasField("frequency_penalty")  # unset -> the server default (off)
+    chunks = list(stream("Hello", target=target, max_tokens=5, n=3, seed=4, top_logprobs=1))
+    choices = collect_choices(chunks)
+    assert [c.index for c in choices] == [0, 1, 2]
+    for c in choices:
+        assert len(c.token_ids) == 5 and c.finish_reason == "length" and c.usage.completion_tokens == 5
+        assert [lp.token_id for lp in c.logprobs] == list(c.token_ids) and all(len(lp.top) == 1 for lp in c.logprobs)
+    with pytest.raises(ValueError, match="collect_choices"):
+        collect(chunks)

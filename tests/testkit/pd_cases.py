@@ -124,11 +124,11 @@ def contract_suite(engine: Engine, prompts: list[list[int]], max_tokens: int) ->
     round_trip = bool(torch.equal(runner.read_blocks(ids).cpu(), kv))
 
     # generator state round trip
-    runner.add_request("gen", SamplingParams(temperature=1.0, seed=7))
+    runner.add_request("gen", SamplingParams(temperature=1.0, seed=7), [1, 2, 3], 3)
     state = runner.generator_state("gen")
     runner.set_generator_state("gen", state)
     gen_ok = state is not None and runner.generator_state("gen") == state
-    runner.add_request("plain", SamplingParams(temperature=0))
+    runner.add_request("plain", SamplingParams(temperature=0), [1, 2, 3], 3)
     no_seed = runner.generator_state("plain") is None
     runner.remove_request("gen")
     runner.remove_request("plain")

@@ -14,6 +14,7 @@ deadlines, cancellations. Knobs (set from the test thread, read on the worker lo
     die_after           after this many ids: "abort" ends the stream with UNAVAILABLE, "stop" stops
                         the whole server (the worker process died); None = never
     fail                (StatusCode, message): reject every Submit with it
+With sampling.top_logprobs set it sends one TokenLogprob per id (``fake_logprob``).
     hang                stop answering GetLoad and stop streaming (a node that vanished silently)
 """
 
@@ -45,6 +46,13 @@ def _script_offset(prompt: list[int], script: list[int]) -> int:
         if prompt[-k:] == script[:k]:
             return k
     return 0
+
+
+def fake_logprob(token_id: int, position: int, k: int) -> worker_pb2.TokenLogprob:
+    """What FakeWorker reports for script position ``position`` (deterministic, so tests can check it)."""
+    lp = -0.01 * (position + 1)
+    return worker_pb2.TokenLogprob(token_id=token_id, logprob=lp, top_logprobs=[
+        worker_pb2.TopLogprob(token_id=token_id + j, logprob=lp - j) for j in range(k)])
 
 
 class LoopThread:
@@ -103,6 +111,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 chunk = self.script_ids[i : min(i + self.tokens_per_message, n)]
                 i += len(chunk)
                 response = worker_pb2.SubmitResponse(token_ids=chunk)
+                if request.sampling.HasField("top_logprobs"):
+                    response.logprobs.extend(fake_logprob(t, i - len(chunk) + j, request.sampling.top_logprobs)
+                                             for j, t in enumerate(chunk))
                 if i >= n:
                     eos = chunk[-1] == self.eos_id
                     response.finish_reason = worker_pb2.FINISH_REASON_STOP if eos else worker_pb2.FINISH_REASON_LENGTH

@@ -29,9 +29,12 @@ def make_llm(path: Path, **kw) -> LLM:
     return LLM(str(path), **kw)
 
 
-def disagg_run(prefill: Engine, decode: Engine, prompts: list[list[int]], params: list[SamplingParams]):
+def disagg_run(prefill: Engine, decode: Engine, prompts: list[list[int]], params: list[SamplingParams],
+               logprobs: dict | None = None):
     """Every request: reserve on decode, prefill + export on prefill (all in flight together), then
-    import and decode (all together). -> (token ids per request, blocks sent per request)."""
+    import and decode (all together). -> (token ids per request, blocks sent per request); each
+    request's logprobs (as (token, logprob) pairs) go into ``logprobs`` when given."""
+    logprobs = {} if logprobs is None else logprobs
     tickets = {}
     for i, (ids, p) in enumerate(zip(prompts, params)):
         rid = f"r{i}"
@@ -47,11 +50,13 @@ def disagg_run(prefill: Engine, decode: Engine, prompts: list[list[int]], params
     tokens: dict[str, list[int]] = {}
     for rid, ex in exports.items():
         assert ex.first_block == tickets[rid].first_block and ex.kv.shape[2] == tickets[rid].num_blocks
-        out = decode.import_kv(rid, tickets[rid], ex.kv, ex.first_token, ex.generator_state)
+        out = decode.import_kv(rid, tickets[rid], ex.kv, ex.first_token, ex.generator_state, ex.first_logprob)
         tokens[rid] = list(out.new_token_ids)
+        logprobs[f"c{rid[1:]}"] = [(lp.token_id, lp.logprob) for lp in out.new_logprobs or ()]
     while decode.has_unfinished():
         for out in decode.step():
             tokens[out.request_id] += out.new_token_ids
+            logprobs[f"c{out.request_id[1:]}"] += [(lp.token_id, lp.logprob) for lp in out.new_logprobs or ()]
     stats = decode.block_manager.stats()
     assert stats.num_free_blocks == stats.num_blocks
     return [tokens[f"r{i}"] for i in range(len(prompts))], [tickets[f"r{i}"].num_blocks for i in range(len(prompts))]
@@ -63,14 +68,18 @@ def engines(smollm2_path: Path):
     return colocated, prefill.engine, decode.engine
 
 
-def colocated_tokens(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+def colocated_tokens(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
+                     logprobs: dict | None = None) -> list[list[int]]:
     engine = llm.engine
     for i, (ids, p) in enumerate(zip(prompts, params)):
         engine.add_request(f"c{i}", ids, p)
     tokens = {f"c{i}": [] for i in range(len(prompts))}
+    logprobs = {} if logprobs is None else logprobs
+    logprobs.update({rid: [] for rid in tokens})
     while engine.has_unfinished():
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
+            logprobs[out.request_id] += [(lp.token_id, lp.logprob) for lp in out.new_logprobs or ()]
     return [tokens[f"c{i}"] for i in range(len(prompts))]
 
 
@@ -91,6 +100,29 @@ def test_seeded_sampling_equals_colocated(engines, tokenizer):
     want = colocated_tokens(colocated, prompts, params)
     got, _ = disagg_run(prefill, decode, prompts, params)
     assert got == want
+
+
+def test_penalties_min_tokens_and_logprobs_equal_colocated(engines, tokenizer):
+    """The sampler state travels: the first token is drawn on the prefill side with the request's
+    penalties, bias and min_tokens; the decode side continues from the same token counts and
+    generator state; logprobs (the first one from the prefill side) are the colocated ones."""
+    colocated, prefill, decode = engines
+    prompts = [tokenizer.encode(p) for p in [*PROMPTS[:4], LONG]]
+    shared = dict(max_tokens=16, repetition_penalty=1.3, presence_penalty=0.6, frequency_penalty=0.4,
+                  logit_bias={tokenizer.eos_token_id: -5.0, 13: 1.5}, min_tokens=6, top_logprobs=3)
+    params = [SamplingParams(temperature=0, **shared), SamplingParams(temperature=0.8, seed=5, min_p=0.05, **shared),
+              SamplingParams(temperature=0, max_tokens=8, min_tokens=8, top_logprobs=0),
+              SamplingParams(temperature=1.0, seed=9, top_k=40, frequency_penalty=1.5, max_tokens=12),
+              SamplingParams(temperature=0, **shared)]
+    want_lp, got_lp = {}, {}
+    want = colocated_tokens(colocated, prompts, params, want_lp)
+    got, _ = disagg_run(prefill, decode, prompts, params, got_lp)
+    assert got == want
+    assert want_lp.keys() == got_lp.keys()
+    for rid in want_lp:
+        assert [t for t, _ in got_lp[rid]] == [t for t, _ in want_lp[rid]]
+        assert [v for _, v in got_lp[rid]] == pytest.approx([v for _, v in want_lp[rid]], abs=1e-5)
+    assert len(got_lp["c0"]) == len(got[0]) and not got_lp["c3"]  # logprobs only where asked
 
 
 def test_decode_prefix_hits_send_fewer_blocks(engines, tokenizer):

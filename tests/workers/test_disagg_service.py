@@ -76,6 +76,37 @@ def test_disaggregated_equals_colocated_concurrently(loop, pair, tokenizer):
     assert p_load.kv_blocks_used == d_load.kv_blocks_used == 0 and d_load.num_reserved == 0
 
 
+def test_penalties_and_logprobs_over_grpc_equal_colocated(loop, pair, tokenizer):
+    """The worker proto carries every sampling field, and the first token's logprobs cross from the
+    prefill worker (PrefillResponse.first_token_logprob): disaggregated output and logprobs equal
+    the colocated Submit's."""
+    prefill, decode = pair
+    prompts = [tokenizer.encode(p) for p in [PROMPTS[0], LONG]]
+    params = [sampling(max_tokens=10, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5, min_tokens=4,
+                       logit_bias={13: 2.0}, top_logprobs=2),
+              sampling(max_tokens=10, temperature=0.8, seed=3, min_p=0.05, frequency_penalty=1.0, top_logprobs=0)]
+
+    async def one(rid, ids, p, rp=None):
+        async with grpc.aio.insecure_channel(decode.endpoint) as channel:
+            req = worker_pb2.SubmitRequest(request_id=rid, prompt_token_ids=ids, sampling=p, remote_prefill=rp)
+            msgs = [m async for m in worker_pb2_grpc.WorkerStub(channel).Submit(req)]
+        ids_out = [t for m in msgs for t in m.token_ids]
+        lps = [(lp.token_id, [t.token_id for t in lp.top_logprobs]) for m in msgs for lp in m.logprobs]
+        return ids_out, lps, [lp.logprob for m in msgs for lp in m.logprobs]
+
+    async def go():
+        want = [await one(f"pc{i}-{j}", ids, p) for i, ids in enumerate(prompts) for j, p in enumerate(params)]
+        got = [await one(f"pd{i}-{j}", ids, p, remote(prefill)) for i, ids in enumerate(prompts)
+               for j, p in enumerate(params)]
+        return want, got
+
+    want, got = run(loop, go())
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    for g, w in zip(got, want):
+        assert g[2] == pytest.approx(w[2], abs=1e-4)
+    assert all(len(lps) == len(ids) and [t for t, _ in lps] == ids for ids, lps, _ in got)
+
+
 def test_decode_prefix_hit_sends_fewer_bytes(loop, pair, tokenizer):
     prefill, decode = pair
     shared = "A preface no other test sends. " + LONG

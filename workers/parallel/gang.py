@@ -123,8 +123,9 @@ class GangRunner:
     def model(self):
         return self.inner.model
 
-    def add_request(self, request_id: str, params: SamplingParams) -> None:
-        self.inner.add_request(request_id, params)
+    def add_request(self, request_id: str, params: SamplingParams, token_ids: list[int], num_prompt: int,
+                    output_start: int | None = None) -> None:
+        self.inner.add_request(request_id, params, token_ids, num_prompt, output_start)
 
     def remove_request(self, request_id: str) -> None:
         self.inner.remove_request(request_id)

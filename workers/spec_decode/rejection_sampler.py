@@ -1,12 +1,14 @@
 """Verification of draft tokens: keep the longest correct prefix, then one token of the target's.
 
 Terms (per request, k draft tokens x_1..x_k proposed after the request's last token):
-    p_i   the target's distribution at draft position i (i = 1..k+1), after temperature / top-k /
-          top-p, from one forward pass over [last token, x_1..x_k] (rows 0..k of ``target_logits``).
+    p_i   the target's distribution at draft position i (i = 1..k+1), after penalties / logit bias /
+          min_tokens (with x_1..x_{i-1} counted as generated, exactly the history plain decoding
+          would have at that position), temperature, min-p / top-k / top-p, from one forward pass
+          over [last token, x_1..x_k] (rows 0..k of ``target_logits``).
     q_i   the distribution the proposer drew x_i from; a deterministic proposer (prompt lookup, a
           greedy drafter) has q_i = one-hot(x_i).
 
-Greedy (temperature 0): accept x_i while x_i == argmax p_i; the first mismatch is replaced by
+Greedy (temperature 0): accept x_i while x_i == argmax p_i (of the processed logits); the first mismatch is replaced by
 argmax p_i and verification stops; if all k match, argmax p_{k+1} is the bonus token. So the output
 is exactly plain greedy decoding's, k+1 tokens at a time at best.
 
@@ -17,6 +19,8 @@ Each emitted token is then distributed exactly as p (lossless): P(emit x) = q(x)
 + (1 - sum_y min(p(y), q(y))) * max(0, p(x) - q(x)) / sum_y max(0, p(y) - q(y)) = min(p, q)(x) +
 max(0, p - q)(x) = p(x). Every draw uses the request's own generator, so seeded runs reproduce.
 
+Logprobs of the emitted tokens are the target's (row i's log_softmax, as the plain sampler reports).
+
 Worked example (greedy): drafts [5, 9, 2], target argmax per row [5, 9, 7, 4] -> [5, 9, 7]
 (two drafts accepted, 7 replaces the rejected 2; the bonus 4 is not reached).
 
@@ -25,10 +29,54 @@ Axes: K draft tokens, V vocabulary.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
-from workers.layers.sampler import apply_top_k_top_p
+from workers.layers.logprobs import TokenLogprob
+from workers.layers.penalties import RowContext
+from workers.layers.sampler import Sampler, logprobs_of, sampling_probs
 from workers.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class VerifySpan:
+    """One request's verify chunk: logits rows first_row..first_row + k, the request's context at
+    the chunk's first position, its k drafts, their distributions q ([k, V]; None =
+    deterministic) and the request's generator."""
+
+    first_row: int
+    context: RowContext
+    draft: list[int]
+    q: torch.Tensor | None
+    generator: torch.Generator
+
+
+def verify_spans(sampler: Sampler, logits: torch.Tensor,
+           spans: list[VerifySpan]) -> list[tuple[list[int], list[TokenLogprob] | None]]:
+    """logits [N, V] -> per span, in order: the tokens to emit (1..k+1) and, when the request asked
+    for them, their logprobs."""
+    rows = [replace(s.context, drafts=tuple(s.draft[:j])) for s in spans for j in range(len(s.draft) + 1)]
+    index = [s.first_row + j for s in spans for j in range(len(s.draft) + 1)]
+    plain = all(r.params.greedy and not r.params.processes_logits and r.params.top_logprobs is None for r in rows)
+    # [R, V]: every verify row, processed per position (plain greedy rows: argmax where they are)
+    processed = logits[index] if plain else sampler.process(logits[index], rows)
+    argmax = processed.argmax(-1).tolist()
+    out: list[tuple[list[int], list[TokenLogprob] | None]] = []
+    row = 0
+    for s in spans:
+        k, params = len(s.draft), s.context.params
+        if params.greedy:
+            tokens = accept_greedy(argmax[row : row + k + 1], s.draft)
+        else:
+            p = sampling_probs(processed[row : row + k + 1], [params] * (k + 1))  # [k + 1, V]
+            tokens = accept_sampled(p, s.draft, s.q, s.generator)
+        lps = None
+        if params.top_logprobs is not None:  # emitted token j was drawn at row j of the span
+            lps = logprobs_of(processed[row : row + len(tokens)], [params] * len(tokens), tokens)
+        out.append((tokens, lps))
+        row += k + 1
+    return out
 
 
 def accept_greedy(target_argmax: list[int], draft: list[int]) -> list[int]:
@@ -44,10 +92,9 @@ def accept_greedy(target_argmax: list[int], draft: list[int]) -> list[int]:
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [R, V] -> the sampling distribution of each row [R, V] (float32, CPU), exactly the one
-    ``workers.layers.sampler.Sampler`` draws from."""
-    logits = logits.float().cpu() / params.temperature
-    return torch.stack([apply_top_k_top_p(row, params.top_k, params.top_p).softmax(-1) for row in logits])
+    """logits [R, V] (already processed: penalties are the caller's) -> the sampling distribution
+    of each row [R, V] (float32, CPU), exactly the one ``workers.layers.sampler.Sampler`` draws from."""
+    return sampling_probs(logits.float().cpu(), [params] * logits.shape[0])
 
 
 def accept_sampled(p: torch.Tensor, draft: list[int], q: torch.Tensor | None, generator: torch.Generator) -> list[int]:

@@ -52,8 +52,9 @@ class DuetServicer:
     """
 
     def Generate(self, request, context):
-        """Generates one completion and streams it as it is produced: every message carries the new
-        text and token ids since the previous one; the last message also carries finish_reason and
+        """Generates one completion (or n: GenerateRequest.n) and streams it as it is produced: every
+        message carries the new text and token ids since the previous one of the same choice
+        (GenerateResponse.index); each choice's last message also carries its finish_reason and
         usage. The deadline is the gRPC deadline (e.g. `timeout=` in Python): when it passes, or the
         client cancels, the request is aborted on its worker and its KV cache blocks are freed.
 

@@ -165,3 +165,49 @@ def test_drafter_releases_finished_requests(smollm2_path, drafter):
         time.sleep(0.05)
     assert engine.num_requests == 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+# ------------------------------------------------------------- penalties and logprobs
+def _penalised(n: int, **kw) -> SamplingParams:
+    """Mild penalties (drafts still get accepted on repetitive text), bias, min_tokens, logprobs."""
+    return greedy(n, repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.1, logit_bias={13: 0.5},
+                  min_tokens=4, top_logprobs=2, **kw)
+
+
+def run_lp(llm: LLM, prompts, params) -> tuple[list[list[int]], list[list[tuple[int, float]]]]:
+    outs = llm.generate(prompts, params)
+    stats = llm.engine.block_manager.stats()
+    assert stats.num_free_blocks == stats.num_blocks, "KV blocks leaked"
+    return [c.token_ids for c in outs], [[(lp.token_id, lp.logprob) for lp in c.logprobs] for c in outs]
+
+
+def _assert_same(got, want) -> None:
+    assert got[0] == want[0]
+    for g, w in zip(got[1], want[1]):  # logprobs are the target's, position by position
+        assert [t for t, _ in g] == [t for t, _ in w]
+        assert [v for _, v in g] == pytest.approx([v for _, v in w], abs=1e-4)
+
+
+def test_ngram_greedy_with_penalties_equals_plain(plain, ngram):
+    """Verification processes each position with the drafts before it counted as generated."""
+    prompts = SPEC_PROMPTS[-4:]
+    params = [_penalised(24 + 4 * i) for i in range(4)]
+    before = ngram.engine.stats().spec.num_accepted_tokens
+    _assert_same(run_lp(ngram, prompts, params), run_lp(plain, prompts, params))
+    assert ngram.engine.stats().spec.num_accepted_tokens > before  # drafts were really verified
+
+
+def test_ngram_sampled_with_penalties_reproduces(ngram):
+    params = [SamplingParams(temperature=0.8, seed=21 + i, max_tokens=24, ignore_eos=True, presence_penalty=0.5,
+                             repetition_penalty=1.2, min_p=0.05, top_logprobs=1) for i in range(3)]
+    assert run_lp(ngram, SPEC_PROMPTS[-3:], params) == run_lp(ngram, SPEC_PROMPTS[-3:], params)
+
+
+def test_draft_model_greedy_with_penalties_equals_plain(smollm2_path, plain, drafter):
+    engine, endpoint = drafter
+    llm = with_drafter(smollm2_path, endpoint)
+    prompts = SPEC_PROMPTS[-4:]
+    params = [_penalised(20 + 4 * i) for i in range(4)]
+    _assert_same(run_lp(llm, prompts, params), run_lp(plain, prompts, params))
+    assert llm.engine.stats().spec.num_verifies > 0
+    llm.engine.speculator.close()

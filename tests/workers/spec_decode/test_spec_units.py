@@ -215,3 +215,26 @@ def test_adaptive_is_timing_free_for_reproducible_requests():
             pol.observe("r", 4, 2)
     assert slow.choose("r", 6, batch=8) < fast.choose("r", 6)  # timings matter normally ...
     assert slow.choose("r", 6, batch=8, reproducible=True) == fast.choose("r", 6, batch=1, reproducible=True)
+
+
+# ------------------------------------------------------- verification with penalties
+def test_verify_spans_applies_penalties_per_position():
+    """Row j sees drafts[:j] as generated: a presence penalty rejects a draft repeating an earlier one."""
+    from workers.layers.penalties import RowContext
+    from workers.layers.sampler import Sampler
+    from workers.spec_decode.rejection_sampler import VerifySpan, verify_spans
+
+    logits = torch.zeros(3, 10)
+    logits[:, 3], logits[:, 4] = 1.0, 0.5  # every row prefers 3, then 4
+    gen = torch.Generator().manual_seed(0)
+    plain = SamplingParams(temperature=0.0, max_tokens=8, top_logprobs=1)
+    penal = SamplingParams(temperature=0.0, max_tokens=8, presence_penalty=2.0, top_logprobs=1)
+    spans = [VerifySpan(0, RowContext(p, [1, 2], 2, 0), [3, 3], None, gen) for p in (plain, penal)]
+    [(tokens_plain, lp_plain)] = verify_spans(Sampler(), logits, spans[:1])
+    [(tokens, lps)] = verify_spans(Sampler(), logits, spans[1:])
+    assert tokens_plain == [3, 3, 3]
+    assert tokens == [3, 4]  # row 1 counts the first draft: 3 -> 1 - 2 < 0.5
+    assert [lp.token_id for lp in lps] == [3, 4] and [t for t, _ in lps[1].top] == [4]
+    want = torch.log_softmax(torch.tensor([0, 0, 0, -1.0, 0.5, 0, 0, 0, 0, 0]), -1)[4]
+    assert lps[1].logprob == pytest.approx(float(want), abs=1e-6)
+    assert [lp.token_id for lp in lp_plain] == [3, 3, 3]
