@@ -5,7 +5,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.duet-setup.stamp
 ARGS   ?=
 
-.PHONY: setup model kernels helm test serve bench bench-quant bench-llamacpp-env protos protos-check clean qwen-coder
+.PHONY: setup model kernels helm test serve bench bench-quant bench-llamacpp-env protos protos-check clean qwen-coder \
+        gpu-check gpu-wheels
 
 # Everything `make test` needs; serving needs only the venv, the model and the kernels (no npm/helm).
 setup: model kernels helm
@@ -93,6 +94,32 @@ protos: setup
 
 protos-check: setup
 	$(PY) -m protos.generate --check
+
+# --- GPU check (benchmarks/gpu_check/) -------------------------------------------------------
+# Proves the GPU path on one GPU in <= 8 minutes without Ray or network, with the machine's own
+# python3 (torch, triton, transformers, tokenizers, safetensors, pyyaml, numpy, prometheus-client).
+# What such a machine lacks travels as wheels: `make gpu-wheels` downloads them (cp312, manylinux
+# x86_64, no deps, ~8 MB) into the ignored .gpu-wheels/; there, `make gpu-check GPU_WHEELS=.gpu-wheels`
+# installs them into $(GPU_SITE) first. JSON: $$OUT/gpu_check.json when OUT is set, else
+# benchmarks/results/gpu_check.json. Without CUDA the CUDA-only sections are skipped with the reason.
+# ARGS: e.g. --sections kernels,graphs --tiny (see python -m benchmarks.gpu_check --help).
+GPU_WHEEL_PINS := protobuf==7.36.2 grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
+GPU_WHEELS     ?=
+GPU_SITE       ?= /tmp/duet-gpu-site
+
+gpu-wheels:
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu-wheels $(GPU_WHEEL_PINS)
+
+gpu-check:
+ifneq ($(GPU_WHEELS),)
+	$(PYTHON) -m pip install -q --no-index --no-deps --upgrade --target $(GPU_SITE) $(GPU_WHEELS)/*.whl \
+	    || echo "gpu-check: installing $(GPU_WHEELS) failed; the sections that need grpc will say so"
+	PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m benchmarks.gpu_check $(ARGS)
+else
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m benchmarks.gpu_check $(ARGS)
+endif
+# --- end GPU check --------------------------------------------------------------------------
 
 # Leaves the model cache ($$DUET_CACHE_DIR or ~/.cache/duet) alone.
 clean:

@@ -75,15 +75,18 @@ def _rank_rows(engine) -> torch.Tensor:
 
 def throughput_rank(rank: int, path: str, batches: list[int], max_tokens: int, repeats: int) -> dict | None:
     """Decode step times at each batch size; traffic counters (every rank returns its own)."""
-    from workers.llm import LLM
-    from workers.parallel.gang import GangLeader, follow
+    from workers.llm import LLM, engine_config
+    from workers.model_runner import ModelRunner
+    from workers.parallel.gang import GangRunner, follow
 
-    llm = LLM(path, kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
-    moe = llm.engine.runner.model.moe_layers()
+    kw = dict(kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
+    runner = ModelRunner.from_config(engine_config(path, **kw))
+    moe = runner.model.moe_layers()
     if rank != 0:
-        follow(llm.engine.runner, get_group("gang"))
+        follow(runner, get_group("gang"))
         return {"comm_rows": torch.stack([m.comm_rows for m in moe]).sum(0).tolist()}
-    leader = GangLeader(llm.engine, get_group("gang"))
+    leader = GangRunner(runner, get_group("gang"))
+    llm = LLM(path, runner=leader, **kw)
     _step_loop(llm.engine, BALANCED[:2], 4)  # warm-up
     for m in moe:
         m.comm_rows.zero_()
@@ -104,16 +107,19 @@ def throughput_rank(rank: int, path: str, batches: list[int], max_tokens: int, r
 
 def rebalance_rank(rank: int, path: str, max_tokens: int) -> dict | None:
     """Skewed set with the home placement, then with the rebalancer's placement; loads, step times, tokens."""
-    from workers.llm import LLM
+    from workers.llm import LLM, engine_config
+    from workers.model_runner import ModelRunner
     from workers.parallel.eplb import RebalanceConfig, Rebalancer, imbalance
-    from workers.parallel.gang import GangLeader, follow
+    from workers.parallel.gang import GangRunner, follow
 
-    llm = LLM(path, kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
+    kw = dict(kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
+    runner = ModelRunner.from_config(engine_config(path, **kw))
     if rank != 0:
-        follow(llm.engine.runner, get_group("gang"))
+        follow(runner, get_group("gang"))
         return None
-    moe = llm.engine.runner.model.moe_layers()
-    leader = GangLeader(llm.engine, get_group("gang"))
+    moe = runner.model.moe_layers()
+    leader = GangRunner(runner, get_group("gang"))
+    llm = LLM(path, runner=leader, **kw)
     reb = Rebalancer(moe, RebalanceConfig(interval_steps=1, max_extra_per_rank=2, threshold=1.0))
     _step_loop(llm.engine, BALANCED[:2], 4)
     reb.maybe_plan()  # start the window here

@@ -110,22 +110,24 @@ def bench_rank(rank: int, model: str, mode: str, settings: dict[str, Any]) -> di
     """One gang's measurements (rank 0 drives, the others follow)."""
     import torch
 
-    from workers.llm import LLM
-    from workers.parallel.gang import GangLeader, follow
+    from workers.llm import LLM, engine_config
+    from workers.model_runner import ModelRunner
+    from workers.parallel.gang import GangRunner, follow
 
     gang = get_group("gang")
     pids: list[Any] = [os.getpid()]
     if gang.world_size > 1:  # every rank's pid, so rank 0 can tell the gang's CPU time from others'
         pids = [None] * gang.world_size
         torch.distributed.all_gather_object(pids, os.getpid(), group=gang.group)
-    llm = LLM(model, kv_cache_memory_bytes=settings["kv_bytes"], enable_prefix_caching=False,
+    kw = dict(kv_cache_memory_bytes=settings["kv_bytes"], enable_prefix_caching=False,
               max_num_batched_tokens=settings["max_batched"], max_model_len=settings["max_model_len"],
               quantization=settings["quantization"])
-    engine = llm.engine
+    runner = ModelRunner.from_config(engine_config(model, **kw))
     if rank != 0:
-        follow(engine.runner, gang)
+        follow(runner, gang)
         return None
-    leader = GangLeader(engine, gang)
+    leader = GangRunner(runner, gang)
+    engine = LLM(model, runner=leader, **kw).engine
     budget = {"left": settings["quiet_budget_s"]}
     out: dict[str, Any] = {}
     try:

@@ -30,7 +30,15 @@ DEFAULT_TARGET = "localhost:50051"
 # serve flag -> (dotted config key, type, help). Unset flags leave the key to the file/env/default.
 SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--model": ("model.name", str, "model name ('SmolLM2-135M-Instruct') or local HF checkpoint dir [DUET_MODEL]"),
-    "--dtype": ("model.dtype", str, "float32 | bfloat16 | float16 [DUET_DTYPE]"),
+    "--dtype": ("model.dtype", str, "auto | float32 | bfloat16 | float16; auto: the checkpoint's on CUDA, "
+                "float32 on CPU [DUET_DTYPE]"),
+    "--device": ("pool.engine.device", str, "auto | cpu | cuda for the (first) pool; auto: cuda when it reserves "
+                 "GPUs and the node has CUDA [DUET_DEVICE]"),
+    "--gpus-per-rank": ("pool.gpus_per_rank", float, "GPUs each rank of the (first) pool reserves [DUET_GPUS_PER_RANK]"),
+    "--cuda-graphs": ("pool.engine.cuda_graphs", str, "true | false: replay decode steps from CUDA graphs "
+                      "[DUET_CUDA_GRAPHS]"),
+    "--drafter-device": ("pool.speculative.drafter_device", str, "auto | cpu | cuda: where the (first) pool's "
+                         "drafter runs [DUET_DRAFTER_DEVICE]"),
     "--max-model-len": ("model.max_model_len", int, "context limit, prompt + output [DUET_MAX_MODEL_LEN]"),
     "--quantization": ("model.quantization", str, "weights of the linear layers: none | int8 | q4 "
                        "[DUET_QUANTIZATION]"),

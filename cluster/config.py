@@ -81,7 +81,8 @@ _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 # checks are defined once, there. pools[i].speculative *is* workers.config.SpeculativeConfig.
 ModelSection = derived_section("ModelSection", """What every worker serves (workers.config.EngineConfig).
     name: 'SmolLM2-135M-Instruct' (embedded default) or a local HF checkpoint directory; each worker
-    resolves it on its own node. dtype: float32 | bfloat16 | float16. max_model_len: context limit
+    resolves it on its own node. dtype: auto | float32 | bfloat16 | float16 (auto: the checkpoint's
+    torch_dtype on CUDA, float32 on CPU or when quantized). max_model_len: context limit
     (prompt + output); None = the model's, further capped by what one worker's KV pool holds.
     quantization: none | int8 | q4, weight-only quantization of the linear layers (needs float32).""", [
     ("name", Part(EngineConfig, "model")),
@@ -94,7 +95,11 @@ EngineSection = derived_section("EngineSection", """Per-worker engine settings (
     per KV block, the KV pool's byte budget (int or '64MiB' / '1GiB' / '500MB'), tokens per step,
     sequences per step (null = 64, or the token budget if smaller), prefix caching; fused_decode (the
     fused C++ decoder stack for decode steps) and cpu_kernels (the C++ CPU kernels; false = torch
-    references), both on by default, for A/B runs [DUET_FUSED_DECODE=0, DUET_DISABLE_CPU_KERNELS=1].""", [
+    references), both on by default, for A/B runs [DUET_FUSED_DECODE=0, DUET_DISABLE_CPU_KERNELS=1];
+    device: auto | cpu | cuda (auto: cuda when the pool reserves GPUs with gpus_per_rank and the node
+    has CUDA, else cpu; workers/device.py); cuda_graphs / cuda_graph_batch_sizes: decode steps
+    replayed from CUDA graphs captured at these batch sizes (default 1, 2, 4, 8, multiples of 8 up to
+    max_num_seqs; each <= max_num_seqs).""", [
     ("block_size", Part(CacheConfig, "block_size")),
     ("kv_cache_memory_bytes", Part(CacheConfig, "kv_cache_memory_bytes")),
     ("max_num_batched_tokens", Part(SchedulerConfig, "max_num_batched_tokens")),
@@ -102,6 +107,9 @@ EngineSection = derived_section("EngineSection", """Per-worker engine settings (
     ("enable_prefix_caching", Part(CacheConfig, "enable_prefix_caching")),
     ("fused_decode", Part(EngineConfig, "fused_decode")),
     ("cpu_kernels", Part(EngineConfig, "cpu_kernels")),
+    ("device", Part(EngineConfig, "device")),
+    ("cuda_graphs", Part(EngineConfig, "cuda_graphs")),
+    ("cuda_graph_batch_sizes", Part(EngineConfig, "cuda_graph_batch_sizes")),
 ])
 
 
@@ -253,6 +261,10 @@ ENV_KEYS: dict[str, str] = {
     "DUET_REPLICAS": "pool.replicas",
     "DUET_CPUS_PER_REPLICA": "pool.cpus_per_replica",
     "DUET_KV_CACHE_MEMORY": "pool.engine.kv_cache_memory_bytes",
+    "DUET_DEVICE": "pool.engine.device",
+    "DUET_GPUS_PER_RANK": "pool.gpus_per_rank",
+    "DUET_CUDA_GRAPHS": "pool.engine.cuda_graphs",
+    "DUET_DRAFTER_DEVICE": "pool.speculative.drafter_device",
     "DUET_HOST": "router.host",
     "DUET_PORT": "router.port",
     "DUET_HTTP_PORT": "router.http_port",

@@ -23,6 +23,17 @@ def check_combinations(c: Any, s: Sources) -> None:
         p = f"pools[{i}]"
         _check_role(pool, p, s)
         _check_embedded_resources(c, pool, p, s)
+        _check_pool_device(pool, p, s)
+
+
+def _check_pool_device(pool: Any, p: str, s: Sources) -> None:
+    """A pool that asks for CUDA must reserve GPUs (Ray gives a rank no GPU otherwise)."""
+    dev = pool.engine.device
+    need(not dev.startswith("cuda") or pool.gpus_per_rank > 0, f"{p}.engine.device", dev, s,
+         f"{p}.gpus_per_rank is 0: a rank gets no GPU; set {p}.gpus_per_rank (e.g. 1) or device to auto / cpu")
+    draft = pool.speculative.drafter_device
+    need(draft != "cuda" or pool.gpus_per_rank > 0 or dev.startswith("cuda"), f"{p}.speculative.drafter_device",
+         draft, s, f"{p}.gpus_per_rank is 0: a drafter on cuda beside a CPU target gets no GPU; use cpu or auto")
 
 
 def _check_role(pool: Any, p: str, s: Sources) -> None:

@@ -1,9 +1,12 @@
 """Builds and loads the C++ CPU kernels (one torch extension, `duet_cpu_kernels`), once per process.
 
 The sources are `kernels/csrc/*.cpp`; torch's JIT builder (`torch.utils.cpp_extension.load`, which
-needs a C++ compiler and `ninja`) compiles them into `$DUET_CACHE_DIR/kernels` (default
-`~/.cache/duet/kernels`): the first time, then only when a source changes; later runs load the
-binary from the cache. The binary is built without `-march`; each kernel picks
+needs a C++ compiler and `ninja`) compiles them into a build directory under `$DUET_CACHE_DIR/kernels`
+(default `~/.cache/duet/kernels`), named by a digest of what the binary depends on (`build_dir()`):
+the first time, then again only when a source, a flag, torch or the checkout's location changes;
+later runs load the binary from the cache. Checkouts that share a cache (branches, worktrees) thus
+each keep their own build instead of rebuilding over one another (torch's loader keeps one build
+per directory and rebuilds whenever its inputs differ, the include path included). The binary is built without `-march`; each kernel picks
 AVX-512, AVX2+FMA or scalar code at run time from what the CPU reports, so a cache built on one x86
 machine runs on another.
 
@@ -38,8 +41,9 @@ EXTENSION_NAME = "duet_cpu_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
 # -ffp-contract=off: FMAs only where a kernel writes one (rotary must match torch bit for bit).
 # -Wno-(maybe-)uninitialized: GCC 12's own AVX-512 headers trip them (_mm512_undefined_ps).
-CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-uninitialized", "-Wno-maybe-uninitialized"]
-LDFLAGS = ["-fopenmp"]
+# Tuples: torch's loader appends to the lists it is given, and build_dir() hashes these.
+CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-uninitialized", "-Wno-maybe-uninitialized")
+LDFLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()
 _ext: ModuleType | None = None
@@ -53,6 +57,21 @@ def cache_dir() -> Path:
     """`$DUET_CACHE_DIR/kernels`, else `~/.cache/duet/kernels` (created)."""
     root = os.environ.get("DUET_CACHE_DIR")
     path = (Path(root) if root else Path.home() / ".cache" / "duet") / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def build_dir() -> Path:
+    """``cache_dir()/duet_cpu_kernels-<digest>`` (created): the digest covers every source and header
+    (name and bytes), the compiler and linker flags, the sources' location and the torch and
+    Python versions, i.e. everything torch's JIT loader would rebuild for."""
+    import torch
+
+    digest = hashlib.sha256()
+    for path in sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(repr((CFLAGS, LDFLAGS, str(CSRC), torch.__version__, sys.version_info[:2])).encode())
+    path = cache_dir() / f"{EXTENSION_NAME}-{digest.hexdigest()[:16]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -123,14 +142,15 @@ def load(verbose: bool = False) -> ModuleType | None:
             from torch.utils import cpp_extension
 
             _ensure_ninja_on_path()
-            with _exclusive_build_dir(cache_dir()):
+            directory = build_dir()
+            with _exclusive_build_dir(directory):
                 _ext = cpp_extension.load(
                     name=EXTENSION_NAME,
                     sources=[str(p) for p in sources()],
                     extra_cflags=[*CFLAGS, f"-DDUET_HEADERS_DIGEST={_headers_digest()}"],
-                    extra_ldflags=LDFLAGS,
+                    extra_ldflags=list(LDFLAGS),
                     extra_include_paths=[str(CSRC)],
-                    build_directory=str(cache_dir()),
+                    build_directory=str(directory),
                     verbose=verbose,
                 )
         except Exception as exc:  # compiler missing, build error, load error: all mean "use the refs"
@@ -142,7 +162,7 @@ def load(verbose: bool = False) -> ModuleType | None:
             )
             return None
         logger.info(
-            "Duet CPU kernels loaded in %.1f s (isa %s) from %s", time.perf_counter() - start, _ext.active_isa(), cache_dir()
+            "Duet CPU kernels loaded in %.1f s (isa %s) from %s", time.perf_counter() - start, _ext.active_isa(), build_dir()
         )
         return _ext
 

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     sources = ", ".join(p.name for p in _build.sources())
     print(f"duet CPU kernels: {_build.EXTENSION_NAME} ready in {time.perf_counter() - start:.1f} s")
-    print(f"  cache:   {_build.cache_dir()}")
+    print(f"  cache:   {_build.build_dir()}")
     print(f"  sources: {sources}")
     print(f"  isa:     {ext.active_isa()} (best this CPU supports: {ext.best_isa()})")
     print(

@@ -25,10 +25,11 @@ def smollm2_path() -> Path:
 def ray_cluster():
     """One local Ray cluster per test session (2 CPUs, no dashboard), always shut down. It offers
     two units of the custom resource ``duet_test_slot`` (what a node of one pool offers in a
-    multi-pool cluster; tests/cluster/test_pool_placement.py)."""
+    multi-pool cluster; tests/cluster/test_pool_placement.py) and two logical GPUs (Ray assigns
+    their ids to ranks that reserve them; there is no CUDA behind them: tests/cluster/test_pool_gpus.py)."""
     import ray
 
-    ray.init(num_cpus=2, resources={"duet_test_slot": 2}, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, num_gpus=2, resources={"duet_test_slot": 2}, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:

@@ -25,6 +25,7 @@ afresh unless one was given) and, from GetLoad, the new incarnation.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -32,6 +33,7 @@ import ray
 import torch
 
 from workers.config import EngineConfig
+from workers.device import resolve_for_rank
 from workers.service import WorkerServer, start_worker_server
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class WorkerActor:
         self._num_threads = max(1, int(cpus))
         torch.set_num_threads(self._num_threads)
         self._config = engine_config
+        self._gpu_ids = [str(g) for g in ray.get_gpu_ids()]  # what Ray assigned (it sets CUDA_VISIBLE_DEVICES)
         self._worker_id = worker_id
         self._host = host or ray.util.get_node_ip_address()
         self._port = port
@@ -58,12 +61,17 @@ class WorkerActor:
     async def start(self) -> str:
         """Load the engine and serve; returns the endpoint ("host:port"). Idempotent."""
         if self._server is None:
+            self._config = await asyncio.to_thread(resolve_for_rank, self._config, float(len(self._gpu_ids)))
             self._server = await start_worker_server(
                 self._config, self._host, self._port, self._worker_id, num_threads=self._num_threads
             )
             logger.info("actor %s: %d torch threads, serving on %s", self._worker_id, self._num_threads,
                         self._server.endpoint)
         return self._server.endpoint
+
+    def rank_device(self) -> dict[str, object]:
+        """The GPUs Ray assigned this worker and the device its engine config asks for."""
+        return {"rank": 0, "gpu_ids": self._gpu_ids, "device": self._config.device}
 
     def ready(self) -> bool:
         """True once ``start()`` has finished and until ``stop()``."""
@@ -82,6 +90,8 @@ class WorkerActor:
             "max_model_len": self._server.limits.max_model_len if self._server is not None else None,
             "pid": os.getpid(),
             "num_threads": self._num_threads,
+            "gpu_ids": self._gpu_ids,
+            "device": self._config.device,
         }
 
     async def stop(self, grace: float = 5.0) -> None:

@@ -11,7 +11,8 @@ This module does not import torch (the cluster config imports it for ``duet serv
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from typing import TYPE_CHECKING, ClassVar
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 QUANTIZATIONS = ("none", "int8", "q4")  # workers/layers/quant_linear.py
 SPEC_METHODS = ("none", "ngram", "draft_model")  # workers/spec_decode/
+DRAFTER_DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 PARALLEL_AXES = ("ep", "sp", "tp")  # mesh order, outermost first (workers/parallel/groups.py)
 COMM_MODES = ("auto", "shm", "gloo")  # ParallelConfig.comm
@@ -81,6 +83,35 @@ class SchedulerConfig:
             )
 
 
+def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """CUDA-graph capture sizes by default: 1, 2, 4, 8, then every multiple of 8 up to max_num_seqs
+    (and max_num_seqs itself)."""
+    sizes = {s for s in (1, 2, 4, 8) if s <= max_num_seqs}
+    sizes.update(range(16, max_num_seqs + 1, 8))
+    sizes.add(max_num_seqs)
+    return tuple(sorted(sizes))
+
+
+def capture_sizes(enabled: bool, device: str, sizes: tuple[int, ...] | None, max_num_seqs: int) -> tuple[int, ...]:
+    """The CUDA-graph capture sizes a config implies (() when graphs are off); ConfigError naming
+    the key for graphs on a CPU device, an empty list, or a size outside 1..max_num_seqs."""
+    if not enabled:
+        return ()
+    if not (device.startswith("cuda") or device == "auto"):  # auto: checked again once resolved
+        raise ConfigError(f"cuda_graphs=true needs device cuda (got device={device!r}); set cuda_graphs to false")
+    if sizes is None:
+        return default_capture_sizes(max_num_seqs)
+    if not sizes:
+        raise ConfigError("cuda_graph_batch_sizes=[]: must list at least one batch size (or be unset for the default)")
+    for s in sizes:
+        if not isinstance(s, int) or isinstance(s, bool) or s < 1:
+            raise ConfigError(f"cuda_graph_batch_sizes={list(sizes)}: {s!r} is not a batch size >= 1")
+        if s > max_num_seqs:
+            raise ConfigError(f"cuda_graph_batch_sizes={list(sizes)}: {s} is larger than scheduler.max_num_seqs "
+                              f"({max_num_seqs}); a decode step never has more rows than that")
+    return tuple(sorted(set(sizes)))
+
+
 MIN_DRAFT_VOCAB = 256  # a pruned drafter head keeps at least the byte tokens' worth of ids
 
 
@@ -104,6 +135,10 @@ class SpeculativeConfig:
     overlap: the drafter drafts the next window while the target verifies this one.
     draft_vocab_size: the drafter scores only this many of its tokenizer's most frequent tokens (a
         pruned LM head, workers/spec_decode/draft_vocab.py; output is unchanged); 0 = all.
+    drafter_device: where the drafter runs: 'auto' (the target's device), 'cpu' or 'cuda'. A CPU
+        drafter beside a GPU target is the heterogeneous pairing (e.g. on CPU-only nodes through
+        drafter_resources); a drafter on another device than the target computes in float32 on CPU
+        and in the target's dtype on CUDA (float32 when quantized).
     drafter_threads: compute threads of the drafter actor; 0 = its drafter_cpus. On a machine where
         target and drafter share the cores, overlap off and both using all cores (time sharing)
         can beat splitting the cores between them (benchmarks/README.md, spec_bench).
@@ -124,8 +159,12 @@ class SpeculativeConfig:
     overlap: bool = True
     draft_vocab_size: int = 0
     drafter_threads: int = 0
+    drafter_device: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.drafter_device not in DRAFTER_DEVICES:
+            raise ConfigError(f"speculative.drafter_device={self.drafter_device!r}: must be one of "
+                              f"{', '.join(DRAFTER_DEVICES)}")
         if isinstance(self.drafter_resources, dict):
             object.__setattr__(self, "drafter_resources", tuple(sorted(self.drafter_resources.items())))
         if self.method not in SPEC_METHODS:
@@ -159,6 +198,16 @@ class SpeculativeConfig:
     def enabled(self) -> bool:
         return self.method != "none"
 
+    def drafter_placement(self, target_device: str, target_dtype: str) -> tuple[str, str]:
+        """(device, dtype) of the drafter for a target on target_device / target_dtype."""
+        if self.drafter_device == "auto" or target_device.split(":")[0] == self.drafter_device:
+            device = target_device
+        else:
+            device = self.drafter_device
+        if device == "cpu" or self.draft_quantization != "none":
+            return device, "float32"  # CPU kernels and quantized layers run float32 activations
+        return device, target_dtype
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -166,23 +215,33 @@ class EngineConfig:
 
     model: a local HF checkpoint directory or the alias of an embedded model
         ('SmolLM2-135M-Instruct').
+    device: 'auto' (cuda when this process holds GPUs - a Ray rank the GPUs Ray assigned it, any
+        other process the GPUs torch sees - else cpu), 'cpu' or 'cuda[:N]'; resolved once at engine
+        start by workers/device.py, and 'cuda' on a node without CUDA is refused there.
+    dtype: 'auto' (the checkpoint's torch_dtype on CUDA, float32 on CPU or with quantization),
+        float32, bfloat16 or float16.
     max_model_len: context limit (prompt + output); None = the model's own limit.
     quantization: weights of the decoder's linear layers: 'none' (dtype), 'int8' (per-output-channel
         scales) or 'q4' (4-bit blocks of 32, GGUF Q4_1 math; a GGUF-sourced model loads its 4-bit
         tensors directly). Quantized layers need dtype float32 activations. See
         workers/layers/quant_linear.py.
     speculative: speculative decoding (see SpeculativeConfig); off by default. The drafter runs
-        with the target's dtype, so a quantized drafter (draft_quantization int8 / q4) needs
-        dtype float32 as well.
+        with the target's dtype on the target's device, in float32 on CPU or when quantized
+        (SpeculativeConfig.drafter_placement); an explicit non-float32 dtype with a quantized
+        drafter is refused.
     fused_decode: decode-only steps of an eligible model run through the fused C++ decoder stack
         (workers/models/decode_stack.py; bit-identical to the module path); False for A/B runs.
     cpu_kernels: the C++ CPU kernels (kernels/_build.py); False makes every op use its torch
         reference. Applied to the whole worker process when the engine is built.
+    cuda_graphs: replay decode-only steps from CUDA graphs captured at start (workers/cuda_graphs.py;
+        device cuda only, tensor parallel 1).
+    cuda_graph_batch_sizes: the batch sizes to capture (each in 1..scheduler.max_num_seqs); None =
+        1, 2, 4, 8 and multiples of 8 up to max_num_seqs. A batch between two sizes is padded up.
     """
 
     model: str = "SmolLM2-135M-Instruct"
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = "auto"
+    device: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -191,33 +250,51 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     fused_decode: bool = True
     cpu_kernels: bool = True
+    cuda_graphs: bool = False
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.cuda_graph_batch_sizes, list):
+            object.__setattr__(self, "cuda_graph_batch_sizes", tuple(self.cuda_graph_batch_sizes))
         if not isinstance(self.model, str) or not self.model.strip():
             raise ConfigError(f"model={self.model!r}: must name a model ('SmolLM2-135M-Instruct') or a checkpoint "
                               "directory")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization={self.quantization!r}: must be one of {', '.join(QUANTIZATIONS)}")
-        if self.quantization != "none" and self.dtype != "float32":
+        if self.quantization != "none" and self.dtype not in ("float32", "auto"):
             raise ConfigError(f"quantization={self.quantization!r} with dtype={self.dtype!r}: quantized weights "
                               "run with float32 activations; set dtype to float32 or quantization to none")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r}: must be auto or one of {', '.join(DTYPES)}")
         draft_q = self.speculative.draft_quantization
-        if self.speculative.method == "draft_model" and draft_q != "none" and self.dtype != "float32":
+        if self.speculative.method == "draft_model" and draft_q != "none" and self.dtype not in ("float32", "auto"):
             raise ConfigError(f"speculative.draft_quantization={draft_q!r} with dtype={self.dtype!r}: the drafter "
                               "runs with the target's dtype and quantized weights need float32 activations; set "
-                              "dtype to float32 or draft_quantization to none")
+                              "dtype to float32 (or auto) or draft_quantization to none")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 2 (or unset)")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ConfigError(f"device={self.device!r}: must be 'cpu' or 'cuda[:N]'")
+        if not (self.device in ("auto", "cpu") or self.device == "cuda" or
+                (self.device.startswith("cuda:") and self.device[5:].isdigit())):
+            raise ConfigError(f"device={self.device!r}: must be 'auto', 'cpu' or 'cuda[:N]'")
+        capture_sizes(self.cuda_graphs, self.device, self.cuda_graph_batch_sizes, self.scheduler.max_num_seqs)
+
+    @property
+    def graph_capture_sizes(self) -> tuple[int, ...]:
+        """The CUDA-graph capture sizes (() when cuda_graphs is off)."""
+        return capture_sizes(self.cuda_graphs, self.device, self.cuda_graph_batch_sizes, self.scheduler.max_num_seqs)
+
+    @property
+    def resolved(self) -> bool:
+        """device and dtype name concrete values (not 'auto'; see workers/device.py)."""
+        return self.device != "auto" and self.dtype != "auto"
 
     @property
     def torch_dtype(self) -> torch.dtype:
         import torch
 
-        return getattr(torch, self.dtype)
+        # Engines resolve 'auto' first (workers/device.py, resolve_for_process); a config used without
+        # a checkpoint (a bare ModelRunner in tests) takes float32, what 'auto' gives on CPU.
+        return torch.float32 if self.dtype == "auto" else getattr(torch, self.dtype)
 
 
 @dataclass(frozen=True)

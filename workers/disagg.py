@@ -36,9 +36,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
-from workers.engine import KVTicket
 from workers.engine_loop import EngineLoop, Sink, WorkerUnavailableError
-from workers.kv_transfer import KVLayout, KVReceiver, KVSender, KVTransferError, PairKey
+from workers.kv_transfer import KVReceiver, KVSender, KVTransferError, PairKey, resolve_kv_backend
+from workers.runner import KVLayout, KVTicket
 from workers.logprobs_proto import from_proto, to_proto
 from workers.sampling_params import SamplingParams
 
@@ -66,13 +66,18 @@ class Disaggregation:
     second message. host: the address the decode-side store binds and advertises."""
 
     def __init__(self, engine: EngineLoop, layout: KVLayout, worker_id: str, incarnation: str, *,
-                 host: str = "127.0.0.1", device: str = "cpu", timeout_s: float = 30.0) -> None:
-        self.backend = "nccl" if device.startswith("cuda") else "gloo"
+                 host: str = "127.0.0.1", device: str = "cpu", timeout_s: float = 30.0,
+                 kv_backend: str = "auto") -> None:
+        """kv_backend: ``kv_transfer_backend`` of this worker's decode half (workers/kv_transfer.py)."""
+        assert layout.holds_all_heads, "a worker's engine holds (or gathers) every kv head"
+        self.backend = resolve_kv_backend(kv_backend, device)
+        self.on_cuda = device.startswith("cuda")
         self.worker_id = worker_id
         self.incarnation = incarnation
         self.timeout_s = timeout_s
         self._engine = engine
-        self.sender = KVSender(layout, self.backend, timeout_s)
+        self._layout = layout
+        self._senders = {self.backend: KVSender(layout, self.backend, timeout_s)}
         self.receiver = KVReceiver(layout, worker_id, incarnation, host, self.backend, timeout_s)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -136,15 +141,17 @@ class Disaggregation:
         if request.expected_incarnation and request.expected_incarnation != self.incarnation:
             raise PrefillRejected(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"expected_incarnation: this worker is {self.incarnation} (it restarted)")
-        if request.backend != self.backend:
+        if request.backend not in ("gloo", "nccl") or (request.backend == "nccl" and not self.on_cuda):
             raise PrefillRejected(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"backend: decode side uses {request.backend!r}, this worker {self.backend!r}")
+                                  f"backend: decode side uses {request.backend!r}, which this worker cannot send "
+                                  "(nccl needs its cache on CUDA; gloo works from any device)")
+        sender = self._sender(request.backend)
         if not request.transfer_id or request.num_blocks < 1 or not request.kv_store_address:
             raise PrefillRejected(grpc.StatusCode.INVALID_ARGUMENT,
                                   "transfer_id, num_blocks and kv_store_address: all required")
         key = PairKey(self.worker_id, self.incarnation, request.decode_worker_id, request.decode_incarnation,
                       request.pair_generation)
-        channel_future = self.sender.channel(key, request.kv_store_address)
+        channel_future = sender.channel(key, request.kv_store_address)
         rid, sink = f"prefill/{request.request_id}", asyncio.Queue()
         self._engine.add(rid, list(request.prompt_token_ids), params, sink, export_from_block=request.first_block,
                          resumed_output_tokens=request.resumed_output_tokens)
@@ -167,7 +174,7 @@ class Disaggregation:
                 first_token_logprob=to_proto(export.first_logprob) if export.first_logprob is not None else None)
             start = time.monotonic()
             nbytes = await asyncio.get_running_loop().run_in_executor(
-                channel.executor, self.sender.send, channel, request.transfer_id, export.first_block, export.kv)
+                channel.executor, sender.send, channel, request.transfer_id, export.first_block, export.kv)
             yield worker_pb2.PrefillResponse(transfer_done=True, kv_bytes=nbytes,
                                              transfer_seconds=time.monotonic() - start)
         except (KVTransferError, TimeoutError) as e:
@@ -180,10 +187,23 @@ class Disaggregation:
     # ------------------------------------------------------------- stats, lifecycle
     def load_fields(self) -> dict[str, float | int]:
         """KV-transfer counters for the LoadReport."""
-        s, r = self.sender.stats, self.receiver.stats
-        return dict(kv_transfers_sent=s.transfers_sent, kv_bytes_sent=s.bytes_sent,
+        ss, r = [x.stats for x in self._senders.values()], self.receiver.stats
+        return dict(kv_transfers_sent=sum(s.transfers_sent for s in ss), kv_bytes_sent=sum(s.bytes_sent for s in ss),
                     kv_transfers_received=r.transfers_received, kv_bytes_received=r.bytes_received,
-                    kv_transfer_failures=s.failures + r.failures, kv_transfer_seconds=s.seconds + r.seconds)
+                    kv_transfer_failures=sum(s.failures for s in ss) + r.failures,
+                    kv_transfer_seconds=sum(s.seconds for s in ss) + r.seconds)
+
+    def _sender(self, backend: str) -> KVSender:
+        """The prefill half's sender for the decode side's backend (one per backend, made on first use)."""
+        sender = self._senders.get(backend)
+        if sender is None:
+            sender = self._senders[backend] = KVSender(self._layout, backend, self.timeout_s)
+        return sender
+
+    @property
+    def sender(self) -> KVSender:
+        """The sender for this worker's own backend (what a same-device peer asks for)."""
+        return self._senders[self.backend]
 
     async def close(self) -> None:
         self.receiver.close()

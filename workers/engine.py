@@ -1,24 +1,24 @@
 """Engine: requests in, token deltas out. ``step()`` is schedule -> run -> postprocess.
 
-Disaggregated prefill/decode (see workers/kv_transfer.py for the wire side) adds three calls:
-  prefill side  ``add_request(..., export_from_block=k)``: compute the prompt as usual (chunked,
-                prefix cache), sample the first token with the request's own generator, then copy
-                out the K/V of prompt blocks k.. (the ones the decode side does not hold) onto the
-                final RequestOutput (``kv_export``) and free everything, like any finished request.
-  decode side   ``reserve(id, prompt, params)`` takes the prefix-cache hits and allocates blocks for
-                the rest of the prompt -> a KVTicket (which blocks to send); ``import_kv(id, ...)``
-                writes the received blocks, restores the sampling generator to where the prefill
-                side left it, appends the first token (stop checks as usual) and hands the sequence
-                to the scheduler already in decode. ``abort(id)`` returns a reservation's blocks.
-Sampling continues exactly: the first token is drawn on the prefill side from the request's
-seeded generator, whose state travels with it, so the decode side's next draw is the one the
-colocated engine would make (tests/workers/test_disagg_engine.py checks greedy and seeded). The
-rest of the sampler state (penalty counts, min_tokens progress) is a function of the token ids,
-which the decode side holds (prompt + first token); the first token's logprobs travel with it.
+The engine is built from injected parts (``Engine.from_config`` builds today's single-process
+one): a Runner (workers/runner.py: ``ModelRunner`` in one process, ``GangRunner`` for a TP / EP /
+SP gang), the block manager and scheduler, the KV hand-off (workers/kv_handoff.py) and, when
+speculating, a Speculator. It keeps the requests (sequences, detokenizers), ``add_request`` /
+``abort`` / ``step`` / ``stats``, and delegates the disaggregated prefill/decode state to the
+hand-off:
+  prefill side  ``add_request(..., export_from_block=k)``: the final output carries the K/V of
+                prompt blocks k.. (``kv_export``).
+  decode side   ``reserve(id, prompt, params)`` -> a KVTicket; ``import_kv(id, ticket, kv, ...)``
+                writes the received blocks and decodes on after the first token. ``abort(id)``
+                returns a reservation's blocks.
+Sampling continues exactly: the first token is drawn on the prefill side with the request's full
+params from its seeded generator, whose state travels with it; the rest of the sampler state
+(penalty counts, min_tokens progress) is a function of the token ids, which the decode side holds
+(prompt + first token); the first token's logprobs travel with it.
 
 Worked example::
 
-    engine = Engine(EngineConfig(model="SmolLM2-135M-Instruct"))
+    engine = Engine.from_config(EngineConfig(model="SmolLM2-135M-Instruct"))
     engine.add_request("r1", "The capital of France is", SamplingParams(temperature=0, max_tokens=8))
     while engine.has_unfinished():
         for out in engine.step():
@@ -30,23 +30,21 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kernels import set_cpu_kernels_enabled
 from workers.block_manager import BlockManager, BlockStats
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
+from workers.device import resolve_for_process
 from workers.errors import InvalidRequestError
-from workers.kv_transfer import KVLayout
+from workers.kv_handoff import KVCapacityError, KVHandoff
 from workers.layers.logprobs import TokenLogprob
-from workers.model_runner import ModelRunner, RunnerOutput, kv_bytes_per_block
+from workers.model_runner import ModelRunner
 from workers.models.assets import resolve_model
-from workers.models.loader import load_model
-from workers.parallel.groups import get_group
-from workers.parallel.sharding import attention_shard
+from workers.runner import KVExport, KVLayout, KVTicket, RequestOutput, Runner, RunnerOutput
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerOutput
 from workers.sequence import FinishReason, Sequence, SequenceStatus
@@ -55,49 +53,7 @@ from workers.spec_decode.speculator import Speculator, SpecStats
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request (a diff: only the new tokens and text)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    kv_export: KVExport | None = None  # prefill side of a disaggregated request, on its final output
-    new_logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
-
-
-@dataclass(frozen=True)
-class KVExport:
-    """A prefilled request's hand-over: the first token, the sampling generator's state after it
-    (None without a seed), the K/V of prompt blocks first_block.. ([L, 2, n, bs, G, D]) and the
-    first token's logprobs (None unless asked for)."""
-
-    first_token: int
-    first_block: int
-    kv: torch.Tensor
-    generator_state: bytes | None
-    first_logprob: TokenLogprob | None = None
-
-
-@dataclass(frozen=True)
-class KVTicket:
-    """A decode-side reservation: the first num_cached_blocks blocks of the prompt were prefix-cache
-    hits; blocks first_block..first_block+num_blocks-1 are allocated and wait for the transfer."""
-
-    transfer_id: str
-    first_block: int
-    num_blocks: int
-    num_cached_tokens: int
-
-
-class KVCapacityError(Exception):
-    """The decode worker has too few free KV blocks to reserve for this prompt right now."""
+__all__ = ["Engine", "EngineStats", "KVCapacityError", "KVExport", "KVTicket", "RequestOutput"]
 
 
 @dataclass(frozen=True)
@@ -113,51 +69,56 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, tokenizer: Any | None = None, proposer: Proposer | None = None) -> None:
-        """proposer: the speculative-decoding drafter; default: built from ``config.speculative``
-        (workers/spec_decode/factory.py), none when speculation is off."""
+    def __init__(self, config: EngineConfig, runner: Runner, tokenizer: Any, *, block_manager: BlockManager | None = None,
+                 scheduler: Scheduler | None = None, handoff: KVHandoff | None = None,
+                 speculator: Speculator | None = None) -> None:
+        """Assemble an engine from its parts; the defaults build the block manager (sized by the
+        runner's ``num_blocks``), the scheduler and the hand-off over them. A runner that cannot
+        hold a whole model's KV (one rank of a gang, see workers/runner.py) is refused."""
+        assert runner.kv_layout().holds_all_heads, "an engine's runner holds every kv head (one TP rank does not)"
         self.config = config
+        self.runner = runner
+        self.spec = runner.spec
+        self.tokenizer = tokenizer
+        bs = runner.block_size
+        # Context limit: the model's, the user's, and what the whole KV pool can hold (so one
+        # request alone always fits and preemption can always make progress).
+        limit = self.spec.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit, runner.num_blocks * bs)
+        self.block_manager = block_manager or BlockManager(runner.num_blocks, bs, config.cache.enable_prefix_caching)
+        self.scheduler = scheduler or Scheduler(config.scheduler, self.block_manager)
+        self.handoff = handoff or KVHandoff(self.block_manager, runner)
+        self.speculator = speculator
+        self.eos_token_ids = frozenset(self.spec.eos_token_ids)
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._arrivals = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, runner: Runner | None = None, tokenizer: Any | None = None,
+                    proposer: Proposer | None = None) -> Engine:
+        """Today's engine: ``runner`` (default: a ModelRunner loading ``config.model``; a gang's
+        leader passes its GangRunner), the model's tokenizer, and a speculator over ``proposer``
+        (default: built from ``config.speculative``, none when speculation is off)."""
         path = resolve_model(config.model)
-        if not config.cpu_kernels:
-            set_cpu_kernels_enabled(False)  # process-wide: this process runs one engine
-        model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
-                                 fused_decode=config.fused_decode)
-        self.spec = spec
+        # device/dtype 'auto' -> concrete values; device cuda without CUDA is refused naming the key
+        config = resolve_for_process(config, path)
+        runner = runner or ModelRunner.from_config(config)
         if tokenizer is None:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(path)
-        self.tokenizer = tokenizer
-        bs = config.cache.block_size
-        # Tensor parallel: size the pool by the largest per-rank share of kv heads (rank 0's), so every
-        # rank of a gang gets the same block count as the leader's block manager.
-        tp = get_group("tp")
-        kv_heads = attention_shard(spec.num_heads, spec.num_kv_heads, tp.world_size, 0).kv_heads.size
-        num_blocks = config.cache.num_blocks or config.cache.kv_cache_memory_bytes // kv_bytes_per_block(
-            spec, bs, config.torch_dtype, kv_heads
-        )
-        # Context limit: the model's, the user's, and what the whole KV pool can hold (so one
-        # request alone always fits and preemption can always make progress).
-        self.max_model_len = min(
-            config.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings, num_blocks * bs
-        )
-        self.block_manager = BlockManager(num_blocks, bs, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.runner = ModelRunner(model, spec, config, num_blocks)
-        self.eos_token_ids = frozenset(spec.eos_token_ids)
-        self._seqs: dict[str, Sequence] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._arrivals = itertools.count()
-        self._exports: dict[str, int] = {}  # prefill side: request id -> first block to export
-        self._reserved: dict[str, Sequence] = {}  # decode side: reserved, waiting for their KV
         if proposer is None and config.speculative.enabled:
             from workers.spec_decode.factory import make_proposer
 
-            proposer = make_proposer(config.speculative, config, spec.vocab_size)
-        self.speculator = Speculator(proposer, config.speculative) if proposer is not None else None
-        logger.info(
-            "engine ready: %s, %d KV blocks x %d tokens, max_model_len %d", path, num_blocks, bs, self.max_model_len
-        )
+            proposer = make_proposer(config.speculative, config, runner.spec.vocab_size)
+        speculator = Speculator(proposer, config.speculative) if proposer is not None else None
+        engine = cls(config, runner, tokenizer, speculator=speculator)
+        if config.cuda_graphs:
+            runner.capture_graphs(engine.max_model_len)
+        logger.info("engine ready: %s, %d KV blocks x %d tokens, max_model_len %d", path, runner.num_blocks,
+                    runner.block_size, engine.max_model_len)
+        return engine
 
     # -------------------------------------------------------------- requests
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams, *,
@@ -166,18 +127,12 @@ class Engine:
 
         export_from_block: prefill only (disaggregated): produce just the first token (sampled with
         the request's full params: penalties, min_tokens), then put the K/V of prompt blocks
-        export_from_block.. on the final output (see the module docstring).
+        export_from_block.. on the final output (workers/kv_handoff.py).
         resumed_output_tokens: the prompt's last that many tokens were generated by an earlier run of
         this request (they count as generated for the penalties; see workers/sequence.py)."""
         seq = self._new_sequence(request_id, prompt, params, resumed_output_tokens)
         if export_from_block is not None:
-            if not 0 <= export_from_block < self.block_manager.blocks_needed(seq.num_prompt_tokens):
-                raise InvalidRequestError("num_cached_tokens", f"decode side holds {export_from_block} blocks of a "
-                                          f"{seq.num_prompt_tokens}-token prompt: nothing left to send")
-            # One token, drawn as the colocated engine would draw it: penalties, bias, and min_tokens
-            # mask of EOS / stop ids (min_tokens >= 1 <=> the first token may not end the request).
-            seq.sampling_params = replace(params, max_tokens=1, min_tokens=min(1, params.min_tokens), stop=())
-            self._exports[seq.request_id] = export_from_block
+            self.handoff.mark_export(seq, export_from_block)
         self._register(seq)
         self.scheduler.add(seq)
         return seq.request_id
@@ -187,33 +142,19 @@ class Engine:
         """Decode side: take prefix-cache hits and allocate blocks for the rest of the prompt.
         Raises InvalidRequestError for bad input, KVCapacityError if the blocks are not free."""
         seq = self._new_sequence(request_id, prompt, params, resumed_output_tokens)
-        cached = self.block_manager.match_prefix(seq)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.block_manager.block_size
-        if not self.block_manager.allocate(seq, seq.num_prompt_tokens - seq.num_computed_tokens, cached):
-            raise KVCapacityError(f"{self.block_manager.blocks_needed(seq.num_prompt_tokens) - len(cached)} KV blocks "
-                                  f"needed, {self.block_manager.num_free_blocks} free")
+        ticket = self.handoff.reserve(seq)
         self._register(seq)
-        self._reserved[request_id] = seq
         if self.speculator is not None:  # the drafter computes its prompt KV while ours is in transit
             self.speculator.prefetch(seq)
-        total = self.block_manager.blocks_needed(seq.num_prompt_tokens)
-        return KVTicket(f"{request_id}@{next(self._arrivals)}", len(cached), total - len(cached), seq.num_cached_tokens)
+        return ticket
 
     def import_kv(self, request_id: str, ticket: KVTicket, kv: torch.Tensor, first_token: int,
                   generator_state: bytes | None, first_logprob: TokenLogprob | None = None) -> RequestOutput:
         """Decode side: write a reservation's received blocks (kv [L, 2, n, bs, G, D], already
         verified) and start decoding after ``first_token`` (with its logprobs, if the request asked
         for them). Returns the first token's output."""
-        seq = self._reserved.pop(request_id)
-        assert kv.shape[2] == ticket.num_blocks, "transfer size was verified against the ticket"
-        table = self.block_manager.block_table(request_id)
-        self.runner.write_blocks(table[ticket.first_block : ticket.first_block + ticket.num_blocks], kv)
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.block_manager.cache_computed_blocks(seq)  # later prompts with this prefix hit here
-        if generator_state is not None and seq.sampling_params.seed is not None:
-            self.runner.set_generator_state(request_id, generator_state)
-        logprobs = [first_logprob] if first_logprob is not None else None
-        out = self._accept(seq, [first_token], logprobs)
+        seq = self.handoff.complete(request_id, ticket, kv, generator_state)
+        out = self._accept(seq, [first_token], [first_logprob] if first_logprob is not None else None)
         if not out.finished:
             self.scheduler.add_running(seq)
         return out
@@ -275,24 +216,19 @@ class Engine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        moe = getattr(self.runner.model, "moe_layers", None)
-        experts = ranks = ()
-        if moe is not None:
-            layers = moe()
-            experts = tuple(sum(layer.expert_counts for layer in layers).tolist())
-            ranks = tuple(sum(layer.rank_rows for layer in layers).tolist())
+        moe = self.runner.moe_stats()
         return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, self.block_manager.stats(),
-                           expert_tokens=experts, ep_rank_tokens=ranks, num_reserved=len(self._reserved),
+                           expert_tokens=moe.expert_tokens, ep_rank_tokens=moe.ep_rank_tokens,
+                           num_reserved=len(self.handoff.reserved()),
                            spec=self.speculator.stats() if self.speculator is not None else SpecStats())
 
     def reserved(self) -> list[Sequence]:
         """Decode side: sequences holding reserved blocks while their KV is in transit."""
-        return list(self._reserved.values())
+        return self.handoff.reserved()
 
     def kv_layout(self) -> KVLayout:
-        spec = self.spec
-        return KVLayout(spec.num_layers, self.block_manager.block_size, spec.num_kv_heads, spec.head_dim,
-                        self.config.torch_dtype)
+        """What this engine sends and receives in a disaggregated hand-off: every kv head."""
+        return self.runner.kv_layout()
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -334,14 +270,9 @@ class Engine:
 
     def _finish(self, seq: Sequence, new_ids: list[int], delta: str,
                 logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
-        export = None
-        first_block = self._exports.pop(seq.request_id, None)
-        if first_block is not None and seq.finish_reason is not FinishReason.ABORT:
-            table = self.block_manager.block_table(seq.request_id)
-            end = self.block_manager.blocks_needed(seq.num_prompt_tokens)
-            export = KVExport(new_ids[0], first_block, self.runner.read_blocks(table[first_block:end]),
-                              self.runner.generator_state(seq.request_id), logprobs[0] if logprobs else None)
-        self._reserved.pop(seq.request_id, None)
+        export = self.handoff.export(seq, new_ids, aborted=seq.finish_reason is FinishReason.ABORT,
+                                     first_logprob=logprobs[0] if logprobs else None)
+        self.handoff.release(seq.request_id)
         if self.speculator is not None:
             self.speculator.release(seq.request_id)
         self.scheduler.remove(seq)

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine import Engine, KVCapacityError, KVTicket, RequestOutput
+from workers.engine import Engine
+from workers.kv_handoff import KVCapacityError
 from workers.errors import InvalidRequestError
-from workers.kv_transfer import KVLayout
 from workers.layers.logprobs import TokenLogprob
+from workers.runner import KVLayout, KVTicket, RequestOutput
 from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -39,8 +39,17 @@ Failure: any error on a pair (timeout, closed peer, bad header, checksum mismatc
 transfer(s) involved with ``KVTransferError`` and drops the pair's group on that side; the decode
 side bumps the pair generation so the next request rendezvouses a new group.
 
-Backend: ``gloo`` for CPU caches, ``nccl`` when the cache lives on CUDA (both sides must agree;
-the decode side names its backend in the request and the prefill side refuses a mismatch).
+Heads: a transfer always carries every kv head of the model (``KVLayout.num_kv_heads``), whatever
+the parallel shapes of the two workers: a gang's runner gathers its ranks' head shards before a
+send and scatters them after a receive (workers/parallel/gang.py), so a TP=2 prefill gang and a
+TP=1 decode worker (or any other pair of shapes) agree on the wire. Both sides check it.
+
+Backend (``kv_transfer_backend``): the decode side picks it and names it in the request.
+``nccl`` sends GPU blocks GPU to GPU (both caches on CUDA, one NCCL group per pair); ``gloo`` sends
+host tensors, and a CUDA cache stages through pinned host memory on either side (device -> pinned
+buffer -> gloo -> pinned buffer -> device): the path for CPU <-> GPU pairs and for GPUs that
+cannot share an NCCL group. ``auto`` = nccl when this worker's cache is on CUDA, else gloo. A
+prefill worker serves any gloo request and an nccl one only from a CUDA cache.
 
 Axes: L layers, n blocks in the transfer, bs block size, G kv heads, D head dim.
 """
@@ -57,6 +66,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
+from workers.runner import KVLayout
+
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x4455_4554_4B56  # "DUETKV"
@@ -64,27 +75,36 @@ VERSION = 1
 TID_BYTES = 64  # transfer ids are at most this long (utf-8)
 _FIXED = 10  # header words before the transfer id
 HEADER_WORDS = _FIXED + TID_BYTES // 8
-_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _WORD = {4: torch.int32, 2: torch.int16}
 _TAG_HEADER, _TAG_CHECKS, _TAG_PAYLOAD = 1, 2, 3
 
 
+KV_BACKENDS = ("auto", "nccl", "gloo")
+
+
+def resolve_kv_backend(requested: str, device: str) -> str:
+    """``kv_transfer_backend`` for a worker whose cache is on ``device`` -> 'nccl' or 'gloo'."""
+    if requested not in KV_BACKENDS:
+        raise ValueError(f"kv_transfer_backend={requested!r}: must be one of {', '.join(KV_BACKENDS)}")
+    on_cuda = device.startswith("cuda")
+    if requested == "nccl" and not on_cuda:
+        raise ValueError(f"kv_transfer_backend='nccl' needs the KV cache on CUDA (device={device!r}); use gloo or auto")
+    if requested == "auto":
+        return "nccl" if on_cuda else "gloo"
+    return requested
+
+
+def _staged(kv: torch.Tensor) -> torch.Tensor:
+    """kv in host memory for gloo: a CUDA tensor goes through a pinned buffer (one DMA copy)."""
+    if not kv.is_cuda:
+        return kv.contiguous()
+    host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+    host.copy_(kv)  # blocking: the buffer is complete before gloo reads it
+    return host
+
+
 class KVTransferError(Exception):
     """A transfer failed or did not verify; its KV must not be used. The pair has been dropped."""
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """The cache geometry both sides must share for a transfer to make sense."""
-
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    def as_words(self) -> list[int]:
-        return [self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, _DTYPE_CODES[self.dtype]]
 
 
 @dataclass(frozen=True)
@@ -222,9 +242,11 @@ class PairChannel:
     def send(self, layout: KVLayout, transfer_id: str, first_block: int, kv: torch.Tensor) -> int:
         """Rank 0: send one transfer (caller holds ``lock``). kv [L, 2, n, bs, G, D]. Returns bytes sent."""
         n = kv.shape[2]
-        checks = torch.stack([torch.arange(first_block, first_block + n), block_checksums(kv)], dim=1)  # [n, 2]
+        assert kv.shape[4] == layout.num_kv_heads, "a transfer carries every kv head (the runner gathers them)"
+        payload = kv.contiguous().to(self.device) if self.device.type == "cuda" else _staged(kv)
+        # checksums of what is sent (the same bits), gathered to the host whatever the device
+        checks = torch.stack([torch.arange(first_block, first_block + n), block_checksums(payload).cpu()], dim=1)  # [n, 2]
         head = _encode_header(layout, transfer_id, first_block, n)
-        payload = kv.contiguous().to(self.device)
         self.announce(transfer_id)
         for tensor, tag in ((head.to(self.device), _TAG_HEADER), (checks.to(self.device), _TAG_CHECKS),
                             (payload, _TAG_PAYLOAD)):
@@ -239,8 +261,10 @@ class PairChannel:
         tid, first_block, n = _decode_header(head.cpu(), layout)
         checks = torch.empty(n, 2, dtype=torch.int64, device=self.device)
         self._wait(self.group.recv([checks], 0, _TAG_CHECKS))
+        # gloo on a CUDA machine: receive into pinned memory so the engine's copy to its cache is one DMA
+        pin = self.device.type == "cpu" and torch.cuda.is_available()
         kv = torch.empty(layout.num_layers, 2, n, layout.block_size, layout.num_kv_heads, layout.head_dim,
-                         dtype=layout.dtype, device=self.device)
+                         dtype=layout.dtype, device=self.device, pin_memory=pin)
         self._wait(self.group.recv([kv], 0, _TAG_PAYLOAD))
         return tid, first_block, checks.cpu(), kv, head.nbytes + checks.nbytes + kv.nbytes
 

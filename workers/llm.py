@@ -32,20 +32,28 @@ class Completion:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, with top_logprobs set
 
 
+def engine_config(model: str = "SmolLM2-135M-Instruct", **kwargs) -> EngineConfig:
+    """An EngineConfig from flat keywords: EngineConfig, CacheConfig and SchedulerConfig fields."""
+    cache_keys = CacheConfig.__dataclass_fields__.keys()
+    sched_keys = SchedulerConfig.__dataclass_fields__.keys()
+    cache = CacheConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in cache_keys})
+    sched = SchedulerConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in sched_keys})
+    return EngineConfig(model=model, cache=cache, scheduler=sched, **kwargs)
+
+
 class LLM:
     """Keyword arguments are EngineConfig fields (model, dtype, device, max_model_len, seed,
     quantization: 'none' | 'int8' | 'q4') or
     CacheConfig / SchedulerConfig fields (block_size, num_blocks, kv_cache_memory_bytes,
     enable_prefix_caching, max_num_batched_tokens, max_num_seqs), plus speculative (a
-    SpeculativeConfig) and proposer (a ready speculative-decoding proposer, see Engine)."""
+    SpeculativeConfig), proposer (a ready speculative-decoding proposer, see Engine) and runner
+    (a ready workers.runner.Runner, e.g. a gang leader's GangRunner; default: load the model)."""
 
     def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs) -> None:
         proposer = kwargs.pop("proposer", None)
-        cache_keys = CacheConfig.__dataclass_fields__.keys()
-        sched_keys = SchedulerConfig.__dataclass_fields__.keys()
-        cache = CacheConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in cache_keys})
-        sched = SchedulerConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in sched_keys})
-        self.engine = Engine(EngineConfig(model=model, cache=cache, scheduler=sched, **kwargs), proposer=proposer)
+        runner = kwargs.pop("runner", None)
+        self.config = engine_config(model, **kwargs)
+        self.engine = Engine.from_config(self.config, runner=runner, proposer=proposer)
         self.tokenizer = self.engine.tokenizer
 
     def generate(

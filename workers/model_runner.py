@@ -21,20 +21,29 @@ Axes: T tokens in the step, B single-token chunks, L context, S cache slots, G k
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from kernels import set_cpu_kernels_enabled
+
 from workers.config import EngineConfig
+from workers.cuda_graphs import DecodeGraphs, Graph
+from workers.device import resolve_for_process
+from workers.errors import ConfigError
 from workers.layers.attention import AttentionMetadata, PrefillSpan
 from workers.layers.ring_attention import RingChunk, zigzag_pieces
 from workers.layers.logprobs import TokenLogprob
 from workers.layers.penalties import RowContext
 from workers.layers.sampler import Sampler
 from workers.models.config import ModelSpec
+from workers.models.assets import resolve_model
+from workers.models.loader import load_model
 from workers.parallel.groups import get_group
+from workers.parallel.sharding import attention_shard
+from workers.runner import KVLayout, MoEStats, RunnerOutput
 from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 from workers.spec_decode.proposer import Draft
@@ -45,15 +54,6 @@ logger = logging.getLogger(__name__)
 # Sequence parallel: a prefill chunk is split over the W sp ranks when it has at least this many
 # tokens per rank; shorter chunks run replicated (a ring hop costs more than it saves).
 SP_MIN_TOKENS_PER_RANK = 8
-
-
-@dataclass(frozen=True)
-class RunnerOutput:
-    # request id -> tokens to append, for chunks with sample=True: one sampled token, or with drafts
-    # the accepted drafts followed by the target's own token (1..num_draft + 1)
-    sampled: dict[str, list[int]]
-    # request id -> one TokenLogprob per token of ``sampled``, for requests that asked for logprobs
-    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -84,15 +84,33 @@ def _decode_rows(c: ScheduledChunk) -> list[ScheduledChunk]:
             for i, t in enumerate(c.token_ids)]
 
 
+def cache_blocks(config: EngineConfig, spec: ModelSpec) -> int:
+    """KV blocks per rank: ``cache.num_blocks``, or what ``kv_cache_memory_bytes`` holds. Under tensor
+    parallelism the pool is sized by the largest per-rank share of kv heads (rank 0's), so every
+    rank of a gang gets the same block count as the leader's block manager."""
+    tp = get_group("tp")
+    kv_heads = attention_shard(spec.num_heads, spec.num_kv_heads, tp.world_size, 0).kv_heads.size
+    return config.cache.num_blocks or config.cache.kv_cache_memory_bytes // kv_bytes_per_block(
+        spec, config.cache.block_size, config.torch_dtype, kv_heads)
+
+
 class ModelRunner:
+    """Implements workers.runner.Runner in one process (or as one rank of a gang: then its KV cache
+    and ``read_blocks`` / ``write_blocks`` hold only this rank's kv heads, see ``kv_layout``)."""
+
     def __init__(self, model: nn.Module, spec: ModelSpec, config: EngineConfig, num_blocks: int) -> None:
         self.model = model
         self.spec = spec
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
+        self.num_blocks = num_blocks
         slots = num_blocks * self.block_size
-        g = getattr(model, "num_local_kv_heads", spec.num_kv_heads)  # tensor parallel: this rank's kv heads
+        tp = get_group("tp")
+        # tensor parallel: this rank's kv heads (a slice of the model's, see workers/parallel/sharding.py)
+        self.kv_heads = attention_shard(spec.num_heads, spec.num_kv_heads, tp.world_size, tp.rank).kv_heads
+        g = getattr(model, "num_local_kv_heads", spec.num_kv_heads)
+        assert g == self.kv_heads.size, (g, self.kv_heads)
         # [layers, 2, S, G, D]; zeros, not empty: padded gathers read unused slots, which are masked
         # out, but NaN garbage would still poison the masked softmax.
         self.kv_cache = torch.zeros(
@@ -104,6 +122,46 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._block_offsets = torch.arange(self.block_size)  # metadata is built on CPU, then moved
+        self.graphs: DecodeGraphs | None = None  # CUDA graphs for decode-only steps (capture_graphs)
+
+    def capture_graphs(self, max_model_len: int, sizes: tuple[int, ...] | None = None,
+                       graph_factory: Callable[[], Graph] | None = None) -> None:
+        """Capture decode forwards at ``sizes`` (default ``config.graph_capture_sizes``; see
+        workers/cuda_graphs.py); one rank only. graph_factory: CUDA graphs by default (tests pass
+        ``EagerReplay`` to run the static-buffer and padding logic on CPU)."""
+        if not (get_group("tp").is_trivial and get_group("sp").is_trivial and get_group("ep").is_trivial):
+            raise ConfigError("cuda_graphs: supported with tensor, sequence and expert parallel size 1 only; "
+                              "set cuda_graphs to false for this pool")
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, sizes or self.config.graph_capture_sizes, self.block_size,
+                                   -(-max_model_len // self.block_size), self.device, graph_factory)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> ModelRunner:
+        """Load ``config.model`` (this rank's shard of it inside a gang) and size the KV cache."""
+        path = resolve_model(config.model)
+        config = resolve_for_process(config, path)  # idempotent: an engine passes a resolved config
+        if config.device.startswith("cuda") and get_group("gang").world_size > 1:
+            raise ConfigError(f"device={config.device!r} in a tensor/expert/sequence-parallel gang: gang collectives "
+                              "do not carry CUDA tensors yet (NCCL gang groups are not wired); set the pool's "
+                              "engine.device to cpu")
+        if not config.cpu_kernels:
+            set_cpu_kernels_enabled(False)  # process-wide: this process runs one model
+        model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
+                                 fused_decode=config.fused_decode)
+        return cls(model, spec, config, cache_blocks(config, spec))
+
+    def kv_layout(self) -> KVLayout:
+        s = self.spec
+        return KVLayout(s.num_layers, self.block_size, s.num_kv_heads, s.head_dim, self.config.torch_dtype,
+                        self.kv_heads.start, self.kv_heads.size)
+
+    def moe_stats(self) -> MoEStats:
+        moe = getattr(self.model, "moe_layers", None)
+        if moe is None:
+            return MoEStats()
+        layers = moe()
+        return MoEStats(tuple(sum(layer.expert_counts for layer in layers).tolist()),
+                        tuple(sum(layer.rank_rows for layer in layers).tolist()))
 
     # ---------------------------------------------------------- request state
     def add_request(self, request_id: str, params: SamplingParams, token_ids: list[int],
@@ -137,7 +195,7 @@ class ModelRunner:
         return self.kv_cache.view(L, 2, S // self.block_size, self.block_size, G, D)  # [L, 2, NB, bs, G, D]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A contiguous copy of the given blocks' K/V: [L, 2, n, bs, G, D]."""
+        """A contiguous copy of the given blocks' K/V: [L, 2, n, bs, G, D] (this rank's kv heads)."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         return self._blocks_view().index_select(2, ids)
 
@@ -215,6 +273,9 @@ class ModelRunner:
         # are row-invariant (the quantized kernels are; see tests/workers/spec_decode/test_spec_decode_engine.py).
         singles = [r for c in sched.chunks if len(c.token_ids) == 1 or c.num_draft for r in _decode_rows(c)]
         multis = [c for c in sched.chunks if len(c.token_ids) > 1 and not c.num_draft]
+        if self.graphs is not None and not multis and self.graphs.fits(len(singles)):
+            input_ids, positions, meta, sample_rows = self._prepare(singles, len(singles))
+            return self.graphs.run(input_ids, positions, meta), sample_rows
         rest, split = self.sp_split(multis)
         input_ids, positions, meta, sample_rows = self._prepare(singles + rest, len(singles), split)
         return self.model(input_ids, positions, self.kv_caches, meta), sample_rows

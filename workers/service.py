@@ -49,9 +49,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from workers.config import EngineConfig
 from workers.disagg import Disaggregation, PrefillRejected, RemotePrefillError
-from workers.engine import Engine, KVCapacityError, RequestOutput
+from workers.engine import Engine
+from workers.kv_handoff import KVCapacityError
+from workers.runner import RequestOutput
 from workers.engine_loop import EngineLimits, EngineLoop, LoadSnapshot, WorkerUnavailableError
 from workers.errors import InvalidRequestError
+from workers.kv_transfer import KV_BACKENDS
 from workers.logprobs_proto import to_proto
 from workers.sampling_params import SamplingParams
 
@@ -278,16 +281,21 @@ class WorkerServer:
 async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
                               worker_id: str | None = None, *, num_threads: int | None = None,
                               max_inflight: int = 1024, kv_transfer_timeout_s: float = 30.0,
+                              kv_transfer_backend: str = "auto",
                               make_engine: Callable[[], Engine] | None = None) -> WorkerServer:
     """Load the engine on its own thread, then serve on ``host:port`` (0 = any free port).
 
     num_threads: torch intra-op threads for the engine thread (match the CPUs reserved for it).
     kv_transfer_timeout_s: bound on every wait on a disaggregation peer (rendezvous, each transfer).
-    make_engine: builds the engine on the engine thread (default ``Engine(engine_config)``; a gang
+    kv_transfer_backend: 'auto' | 'nccl' | 'gloo' for KV this worker receives (workers/kv_transfer.py;
+        gloo stages CUDA caches through pinned host memory).
+    make_engine: builds the engine on the engine thread (default ``Engine.from_config(engine_config)``; a gang
     leader also joins its process group there, see workers/parallel/gang_actor.py).
     """
+    if kv_transfer_backend not in KV_BACKENDS:  # fails before the engine loads; the device is checked once resolved
+        raise ValueError(f"kv_transfer_backend={kv_transfer_backend!r}: must be one of {', '.join(KV_BACKENDS)}")
     loop = asyncio.get_running_loop()
-    build = make_engine or (lambda: Engine(engine_config))
+    build = make_engine or (lambda: Engine.from_config(engine_config))
     engine = EngineLoop(lambda: _warmed_up(build()), loop, num_threads=num_threads)
     limits = await engine.start()
     worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
@@ -295,7 +303,8 @@ async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.
     if limits.kv_layout is not None:
         servicer.disagg = Disaggregation(engine, limits.kv_layout, worker_id, servicer.incarnation,
                                          host=host if host not in ("0.0.0.0", "::", "") else "127.0.0.1",
-                                         device=limits.device, timeout_s=kv_transfer_timeout_s)
+                                         device=limits.device, timeout_s=kv_transfer_timeout_s,
+                                         kv_backend=kv_transfer_backend)
     health_servicer = health.aio.HealthServicer()
     # so_reuseport=0: a second worker on a taken port must fail, not silently share it.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])

@@ -38,7 +38,7 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, off_ptr, y_ptr, N, K, x_st, w_se, w_sn, y
             a = tl.load(x_ptr + rows[:, None] * x_st + ks[None, :], mask=rm[:, None] & km[None, :], other=0.0)
             b = tl.load(w_ptr + e.to(tl.int64) * w_se + cols[None, :] * w_sn + ks[:, None],
                         mask=km[:, None] & cm[None, :], other=0.0)  # [BK, BN] = w[e]^T tile
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32))
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")  # no TF32 rounding
         tl.store(y_ptr + rows[:, None] * y_st + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=rm[:, None] & cm[None, :])
 

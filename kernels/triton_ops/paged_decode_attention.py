@@ -105,7 +105,14 @@ def paged_decode_attention_triton(
     max_ctx = block_tables.shape[1] * block_size  # bound on every context, known without a sync
     if num_splits is None:
         num_splits = 1 if B * G >= MIN_PROGRAMS else max(1, min(MAX_SPLITS, -(-max_ctx // SPLIT_TOKENS)))
-    split_len = -(-max(max_ctx, 1) // num_splits)
+        # Split boundaries at multiples of SPLIT_TOKENS from the sequence start, whatever the table
+        # width: a sequence's result then does not depend on how wide its step's block table is
+        # (a CUDA graph's static table is max_model_len wide; splits past the context are empty and
+        # merge as exact zeros), as long as the context fits MAX_SPLITS * SPLIT_TOKENS keys.
+        split_len = SPLIT_TOKENS * -(-max(max_ctx, 1) // (SPLIT_TOKENS * num_splits)) if num_splits > 1 else max_ctx
+    else:
+        split_len = -(-max(max_ctx, 1) // num_splits)
+    split_len = max(split_len, 1)
     if num_splits == 1:
         part_out, part_lse = out, lse  # [1 x] B, H, D written in place
     else:

@@ -36,6 +36,8 @@ REACHES_CONFIG: dict[str, tuple[str, str, Any]] = {
     "engine.maxNumBatchedTokens": ("engine.maxNumBatchedTokens=1024", "engine.max_num_batched_tokens", 1024),
     "engine.maxNumSeqs": ("engine.maxNumSeqs=8", "engine.max_num_seqs", 8),
     "engine.enablePrefixCaching": ("engine.enablePrefixCaching=false", "engine.enable_prefix_caching", False),
+    "engine.device": ("engine.device=cpu", "engine.device", "cpu"),
+    "engine.cudaGraphs": ("engine.cudaGraphs=true", "engine.cuda_graphs", True),
     "speculative.method": ("speculative.method=ngram", "speculative.method", "ngram"),
     "speculative.numSpeculativeTokens": ("speculative.numSpeculativeTokens=7", "speculative.num_speculative_tokens", 7),
     "speculative.adaptive": ("speculative.adaptive=false", "speculative.adaptive", False),
@@ -49,6 +51,7 @@ REACHES_CONFIG: dict[str, tuple[str, str, Any]] = {
     # --set parses integers and booleans, not floats: 3 stands for any number of seconds
     "speculative.draftTimeoutSeconds": ("speculative.draftTimeoutSeconds=3", "speculative.draft_timeout_s", 3.0),
     "speculative.overlap": ("speculative.overlap=false", "speculative.overlap", False),
+    "speculative.drafterDevice": ("speculative.drafterDevice=cpu", "speculative.drafter_device", "cpu"),
 }
 P0 = ["pools[0].name=p"]
 DRAFT = ["poolDefaults.speculative.method=draft_model", "poolDefaults.speculative.draftModel=/m/d"]

@@ -5,15 +5,23 @@ from __future__ import annotations
 import torch
 
 from testkit.mixtral_tiny import prefill_logits
-from workers.llm import LLM
+from workers.llm import LLM, engine_config
+from workers.model_runner import ModelRunner
 from workers.parallel.expert_placement import ExpertPlacement
-from workers.parallel.gang import GangLeader, follow
+from workers.parallel.gang import GangRunner, follow
 from workers.parallel.groups import get_group
 from workers.sampling_params import SamplingParams
 
 
-def make_llm(path: str) -> LLM:
-    return LLM(path, kv_cache_memory_bytes=8 << 20, block_size=8, max_num_batched_tokens=32)
+SMALL = {"kv_cache_memory_bytes": 8 << 20, "block_size": 8, "max_num_batched_tokens": 32}
+
+
+def make_llm(path: str, **kw) -> LLM:
+    return LLM(path, **SMALL, **kw)
+
+
+def make_runner(path: str) -> ModelRunner:
+    return ModelRunner.from_config(engine_config(path, **SMALL))
 
 
 def generate(engine, prompts: list[list[int]], max_tokens: int, on_step=None) -> list[list[int]]:
@@ -43,24 +51,25 @@ def replicated_placements(model, world: int) -> list[ExpertPlacement]:
 def ep_rank(rank: int, path: str, prompts: list[list[int]], max_tokens: int, rebalance_at: int | None) -> dict | None:
     """Logits of a batched prefill, rank loads of a 1-token step, then greedy generation as a gang
     (optionally switching to replicated placements before step ``rebalance_at``)."""
-    llm = make_llm(path)
+    runner = make_runner(path)
     group = get_group("ep")
-    logits = prefill_logits(llm.engine, prompts)
-    layers = llm.engine.runner.model.moe_layers()
+    logits = prefill_logits(runner, prompts)
+    layers = runner.model.moe_layers()
     before = torch.stack([layer.rank_rows.clone() for layer in layers])
-    one = prefill_logits(llm.engine, [[7]])
+    one = prefill_logits(runner, [[7]])
     one_token_rows = (torch.stack([layer.rank_rows for layer in layers]) - before).tolist()  # [layers, W]
     if rank != 0:
-        follow(llm.engine.runner, get_group("gang"))
+        follow(runner, get_group("gang"))
         return None
-    leader = GangLeader(llm.engine, get_group("gang"))
+    gang = GangRunner(runner, get_group("gang"))
+    llm = make_llm(path, runner=gang)
 
     def on_step(i: int) -> None:
         if i == rebalance_at:
-            leader.rebalance(replicated_placements(llm.engine.runner.inner.model, group.world_size))
+            gang.rebalance(replicated_placements(runner.model, group.world_size))
 
     tokens = generate(llm.engine, prompts, max_tokens, on_step)
-    leader.stop()
+    gang.stop()
     return {"logits": logits.numpy(), "one": one.numpy(), "one_token_rows": one_token_rows, "tokens": tokens,
             "slots": [len(layer.placement.slots(0)) for layer in layers]}
 
@@ -70,14 +79,14 @@ def ep_auto_rebalance_rank(rank: int, path: str, prompts: list[list[int]], max_t
     any imbalance triggers it), as a serving gang does between steps."""
     from workers.parallel.eplb import RebalanceConfig, Rebalancer
 
-    llm = make_llm(path)
+    runner = make_runner(path)
     if rank != 0:
-        follow(llm.engine.runner, get_group("gang"))
+        follow(runner, get_group("gang"))
         return None
-    layers = llm.engine.runner.model.moe_layers()
+    layers = runner.model.moe_layers()
     reb = Rebalancer(layers, RebalanceConfig(interval_steps=2, max_extra_per_rank=1, threshold=1.0))
-    leader = GangLeader(llm.engine, get_group("gang"), reb)
-    tokens = generate(llm.engine, prompts, max_tokens)
-    leader.stop()
+    gang = GangRunner(runner, get_group("gang"), reb)
+    tokens = generate(make_llm(path, runner=gang).engine, prompts, max_tokens)
+    gang.stop()
     return {"tokens": tokens, "rebalances": reb.num_rebalances,
             "replicas": sum(len(r) - 1 for layer in layers for r in layer.placement.replicas)}

@@ -37,15 +37,17 @@ def save_tiny_mixtral(out: Path, smollm2_path: Path, seed: int = 0, router_scale
 @torch.inference_mode()
 def prefill_logits(engine, prompts: list[list[int]]) -> torch.Tensor:
     """All positions' logits [sum(len), V] of a fresh prefill of ``prompts`` in one step (uses the
-    engine's runner and KV cache directly: call on an idle engine)."""
+    engine's ModelRunner -- or the ModelRunner passed as ``engine`` -- and its KV cache directly:
+    call on an idle engine)."""
     from workers.scheduler import ScheduledChunk
 
-    bs = engine.runner.block_size
+    runner = getattr(engine, "runner", engine)
+    bs = runner.block_size
     chunks, next_block = [], 0
     for i, ids in enumerate(prompts):
         n = -(-len(ids) // bs)
         chunks.append(ScheduledChunk(f"p{i}", list(ids), 0, list(range(next_block, next_block + n)), True))
         next_block += n
-    input_ids, positions, meta, _ = engine.runner._prepare(chunks, 0)
-    hidden = engine.runner.model(input_ids, positions, engine.runner.kv_caches, meta)  # [T, E]
-    return engine.runner.model.compute_logits(hidden)  # [T, V]
+    input_ids, positions, meta, _ = runner._prepare(chunks, 0)
+    hidden = runner.model(input_ids, positions, runner.kv_caches, meta)  # [T, E]
+    return runner.model.compute_logits(hidden)  # [T, V]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from testkit.ep_cases import generate
-from testkit.tp_cases import make_llm, run_gang, transports
+from testkit.tp_cases import make_llm, make_runner, run_gang, transports
 from workers.scheduler import ScheduledChunk
 
 
@@ -14,7 +14,7 @@ def two_chunk_prefill(engine, prompt: list[int], cut: int) -> tuple[list[int], t
     """Prefill ``prompt`` as two chunks [0, cut) and [cut, n) (the second attends to the first
     through the KV cache) on an idle engine; returns this rank's row positions and their logits
     (None on tp ranks > 0). Under SP each rank computes only its pieces of each chunk."""
-    runner = engine.runner
+    runner = getattr(engine, "runner", engine)
     table = list(range(-(-len(prompt) // runner.block_size)))
     positions, logits = [], []
     for c in (ScheduledChunk("p", prompt[:cut], 0, table, False), ScheduledChunk("p", prompt[cut:], cut, table, True)):
@@ -28,11 +28,10 @@ def two_chunk_prefill(engine, prompt: list[int], cut: int) -> tuple[list[int], t
 
 def sp_rank(rank: int, path: str, prompt: list[int], cut: int, prompts: list[list[int]], max_tokens: int) -> dict:
     """Two-chunk prefill logits by position, this rank's KV of the prompt, then gang generation."""
-    llm = make_llm(path, kv_cache_memory_bytes=16 << 20)
-    positions, logits = two_chunk_prefill(llm.engine, prompt, cut)
-    runner = llm.engine.runner
+    runner = make_runner(path, kv_cache_memory_bytes=16 << 20)
+    positions, logits = two_chunk_prefill(runner, prompt, cut)
     kv = runner.kv_cache[:, :, : len(prompt)].clone()  # [layers, 2, n, G, D]: blocks 0.. hold the prompt
-    tokens = run_gang(llm, rank, prompts, max_tokens)
+    tokens = run_gang(runner, rank, prompts, max_tokens, path, kv_cache_memory_bytes=16 << 20)
     return {"positions": positions, "logits": None if logits is None else logits.numpy(), "kv": kv.numpy(),
             "tokens": tokens, "transport": transports()}
 

@@ -9,8 +9,9 @@ import torch
 
 from testkit.ep_cases import generate
 from testkit.mixtral_tiny import prefill_logits
-from workers.llm import LLM
-from workers.parallel.gang import GangLeader, follow
+from workers.llm import LLM, engine_config
+from workers.model_runner import ModelRunner
+from workers.parallel.gang import GangRunner, follow
 from workers.parallel.groups import get_group
 
 TINY_QWEN2 = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -35,28 +36,38 @@ def save_tiny_qwen2(out: Path, smollm2_path: Path, seed: int = 0, **overrides) -
     return out
 
 
+SMALL = {"kv_cache_memory_bytes": 8 << 20, "block_size": 8, "max_num_batched_tokens": 32}
+
+
 def make_llm(path: str, **kw) -> LLM:
-    return LLM(path, **{"kv_cache_memory_bytes": 8 << 20, "block_size": 8, "max_num_batched_tokens": 32, **kw})
+    return LLM(path, **{**SMALL, **kw})
 
 
-def run_gang(llm: LLM, rank: int, prompts: list[list[int]], max_tokens: int) -> list[list[int]] | None:
-    """Greedy generation with gang rank 0 scheduling and broadcasting each step; None on followers."""
+def make_runner(path: str, **kw) -> ModelRunner:
+    """This rank's ModelRunner with make_llm's settings (its shard of the model inside a gang)."""
+    return ModelRunner.from_config(engine_config(path, **{**SMALL, **kw}))
+
+
+def run_gang(runner: ModelRunner, rank: int, prompts: list[list[int]], max_tokens: int, path: str,
+             **kw) -> list[list[int]] | None:
+    """Greedy generation with gang rank 0's engine (built over the GangRunner) scheduling and
+    broadcasting each step; None on followers. kw: make_llm settings, as the runner was made."""
     if rank != 0:
-        follow(llm.engine.runner, get_group("gang"))
+        follow(runner, get_group("gang"))
         return None
-    leader = GangLeader(llm.engine, get_group("gang"))
+    gang = GangRunner(runner, get_group("gang"))
     try:
-        return generate(llm.engine, prompts, max_tokens)
+        return generate(make_llm(path, runner=gang, **kw).engine, prompts, max_tokens)
     finally:
-        leader.stop()
+        gang.stop()
 
 
 def tp_rank(rank: int, path: str, prompts: list[list[int]], max_tokens: int) -> dict | None:
     """All-position logits of a batched prefill (tp rank 0), the KV cache shape, then gang generation."""
-    llm = make_llm(path)
-    logits = prefill_logits(llm.engine, prompts)  # collective: every tp rank computes its vocab slice
-    kv_shape = list(llm.engine.runner.kv_cache.shape)
-    tokens = run_gang(llm, rank, prompts, max_tokens)
+    runner = make_runner(path)
+    logits = prefill_logits(runner, prompts)  # collective: every tp rank computes its vocab slice
+    kv_shape = list(runner.kv_cache.shape)
+    tokens = run_gang(runner, rank, prompts, max_tokens, path)
     transport = transports()
     if rank != 0:
         assert logits is None

@@ -68,3 +68,21 @@ def test_plain_torch_path_matches_kernels(llm, tokenizer, hf_greedy):
         check(llm.generate(PROMPTS, GREEDY), tokenizer, hf_greedy)
     finally:
         set_cpu_kernels_enabled(previous)
+
+
+def test_engine_config_turns_the_kernels_off(smollm2_path: Path):
+    """EngineConfig.cpu_kernels=False (pools[].engine.cpu_kernels; DUET_DISABLE_CPU_KERNELS=1 at the
+    CLI edge) puts the engine's process on the torch references, which give the kernels' tokens."""
+    from kernels import cpu_kernels_enabled, set_cpu_kernels_enabled
+
+    previous = cpu_kernels_enabled()
+    short = SamplingParams(temperature=0.0, max_tokens=6)
+    try:
+        llm = LLM(str(smollm2_path), cpu_kernels=False, fused_decode=False, kv_cache_memory_bytes=16 << 20,
+                  enable_prefix_caching=False)
+        assert not cpu_kernels_enabled() and llm.engine.runner.model.fused_decode is False
+        plain = [o.token_ids for o in llm.generate(PROMPTS[:2], short)]
+        set_cpu_kernels_enabled(True)
+        assert [o.token_ids for o in llm.generate(PROMPTS[:2], short)] == plain
+    finally:
+        set_cpu_kernels_enabled(previous)

@@ -32,6 +32,7 @@ from torch import nn
 from kernels.paged_decode_attention import paged_decode_attention
 from kernels.rotary_and_cache_write import rotary_and_cache_write
 from kernels.varlen_paged_attention import varlen_kernel_available, varlen_paged_attention
+from workers.layers.context_attention import context_attention
 from workers.layers.ring_attention import RingChunk, ring_attention
 from workers.parallel.groups import get_group
 
@@ -61,12 +62,19 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """``window`` (sliding-window attention: a query at p sees keys p - window + 1 .. p) and
+    ``softcap`` (scores capped as cap * tanh(s / cap)) run the plain torch path of
+    workers/layers/context_attention.py; ``scale`` defaults to D^-0.5."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *, scale: float | None = None,
+                 window: int | None = None, softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.window = window
+        self.softcap = softcap
 
     def forward(
         self,
@@ -80,6 +88,11 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H * D]
         rotary_and_cache_write(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        if self.window is not None or self.softcap is not None:
+            assert not meta.ring, "sequence parallelism is refused at the config edge for these variants"
+            out = context_attention(q, lambda slots: (k_cache[slots], v_cache[slots]), meta, self.scale,
+                                    self.window, self.softcap)  # [T, H, D]
+            return out.view(q.shape[0], -1)
         if meta.ring:
             return self._with_ring(q, k, v, k_cache, v_cache, meta)
         return self._attend(q, k, v, k_cache, v_cache, meta)

@@ -75,6 +75,12 @@ class SparseMoE(nn.Module):
         # rows it received from other ranks in the all-gather (padded): traffic accounting
         self.register_buffer("comm_rows", torch.zeros(2, dtype=torch.long), persistent=False)
 
+    def _dispatch_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The placement's lookup tables on the routing tensors' device (moved once per placement)."""
+        if self._tables[0].device != device:
+            self._tables = tuple(t.to(device) for t in self._tables)
+        return self._tables
+
     # ------------------------------------------------------------- loading
     def expected_shards(self) -> set[str]:
         """Shard ids a complete checkpoint fills: '<e>.gate', '<e>.up', '<e>.down' for every expert."""
@@ -103,15 +109,19 @@ class SparseMoE(nn.Module):
         return {f"{e}.{p}" for e in experts for p in parts}
 
     # ------------------------------------------------------------- forward
+    def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (routing weights [T, k] fp32, experts [T, k]); other routers override this."""
+        return route(self.gate(x), self.top_k, self.renormalize)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         t = x.shape[0]
         if t == 0:
             return x
-        weights, experts = route(self.gate(x), self.top_k, self.renormalize)  # [T, k], [T, k]
+        weights, experts = self.select(x)  # [T, k], [T, k]
         self.expert_counts += torch.bincount(experts.view(-1), minlength=self.num_experts)
-        plan = build_dispatch_plan(experts, *self._tables, self.experts.gate_up_proj.shape[0], self.ep.rank,
+        plan = build_dispatch_plan(experts, *self._dispatch_tables(experts.device), self.experts.gate_up_proj.shape[0], self.ep.rank,
                                    self.ep.world_size)
-        self.rank_rows += torch.tensor(plan.rank_rows)
+        self.rank_rows += torch.tensor(plan.rank_rows, device=self.rank_rows.device)
         if self.ep.world_size > 1:
             me = self.ep.rank
             self.comm_rows[0] += sum(plan.send_counts) - plan.send_counts[me]

@@ -64,7 +64,8 @@ _MARKER_VERSION = 1
 _CHECKPOINT_HINT = (
     "pass a local Hugging Face checkpoint directory with config.json + *.safetensors, "
     f"or '{SMOLLM2_NAME}' (needs `{SMOLLM2_INSTALL}`, done by `make setup`), "
-    "or 'Qwen2.5-Coder-0.5B-Instruct' / 'Qwen2.5-Coder-1.5B-Instruct' (optional: `make qwen-coder`)"
+    "or 'Qwen2.5-Coder-0.5B-Instruct' / 'Qwen2.5-Coder-1.5B-Instruct' (optional: `make qwen-coder`), "
+    "a Hugging Face Hub id 'org/name[@revision]', or a .gguf file"
 )
 # A safetensors file starts with a little-endian u64 header length, then that many bytes of JSON.
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -105,7 +106,9 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
     """Return a validated local checkpoint directory for a path or a known model name.
 
     An existing directory is validated and returned as is; ``SmolLM2-135M-Instruct`` (or
-    ``HuggingFaceTB/SmolLM2-135M-Instruct``) is prepared in the cache. Raises
+    ``HuggingFaceTB/SmolLM2-135M-Instruct``) is prepared in the cache; a ``.gguf`` file is converted
+    once into a cached checkpoint (config and tokenizer from its metadata; ``prepare_gguf_file``);
+    any other ``org/name[@revision]`` is a Hugging Face Hub id (workers/models/hub.py). Raises
     ``ModelNotFoundError`` for anything else and ``CheckpointError`` for a broken directory.
     """
     raw = os.fspath(name_or_path)
@@ -119,6 +122,12 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
 
     if (qwen := qwen_assets.canonical_name(raw)) is not None:
         return qwen_assets.prepare_qwen(qwen)
+    if path.is_file() and path.suffix == ".gguf":
+        return prepare_gguf_file(path)
+    from workers.models import hub  # deferred: huggingface_hub only when a Hub id is used
+
+    if not path.exists() and hub.is_hub_id(raw):
+        return hub.resolve_hub(raw)
     if path.exists():
         raise CheckpointError(f"model path {str(path)!r} is a file, not a directory: {_CHECKPOINT_HINT}")
     raise ModelNotFoundError(f"model {raw!r} is neither an existing directory nor a known model name: {_CHECKPOINT_HINT}")
@@ -215,6 +224,24 @@ def prepare_checkpoint(
     return target
 
 
+def prepare_gguf_file(gguf: Path, cache_dir: Path | None = None) -> Path:
+    """``<cache>/models/<stem>-<sha256[:12]>/``: the checkpoint of a GGUF file, converted on first use
+    (transformers reads the config and tokenizer from the GGUF metadata and de-quantizes the
+    weights); the marker records the file, so 'q4' engines load its Q4_0/Q4_1 tensors natively."""
+    gguf = gguf.resolve()
+    size = gguf.stat().st_size
+    sha = sha256_file(gguf)
+    source = GGUFSource(f"{gguf.stem}-{sha[:12]}", gguf.stem, str(gguf), sha, size)
+    try:
+        return prepare_checkpoint(source, lambda cache: gguf, cache_dir)
+    except (CheckpointError, ModelNotFoundError):
+        raise
+    except Exception as e:  # noqa: BLE001 - gguf / transformers raise many types for a bad file
+        raise CheckpointError(f"GGUF file {str(gguf)!r} cannot be converted ({type(e).__name__}: {e}); it may be "
+                              "truncated or of an unsupported architecture: re-download it, or pass a checkpoint "
+                              "directory") from None
+
+
 def gguf_source(path: Path) -> Path | None:
     """The GGUF a checkpoint directory was prepared from (the pinned SmolLM2 GGUF for the cached
     default model), or the one ``*.gguf`` file inside it; None if there is none. Quantized engines
@@ -229,6 +256,14 @@ def gguf_source(path: Path) -> Path | None:
         except (ModelNotFoundError, CheckpointError) as exc:
             logger.warning("%s: its GGUF source is unavailable (%s); quantizing the safetensors instead", path, exc)
             return None
+    if isinstance(marker, dict) and isinstance(marker.get("source"), str) and marker["source"].endswith(".gguf"):
+        src = Path(marker["source"])  # a checkpoint prepared from a user's .gguf file (prepare_gguf_file)
+        try:
+            llama = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type") == "llama"
+        except (OSError, ValueError):
+            llama = False
+        if llama and src.is_file() and src.stat().st_size == marker.get("source_size"):
+            return src  # gguf_weights.py maps llama-architecture tensor names; others quantize the safetensors
     ggufs = sorted(path.glob("*.gguf"))
     return ggufs[0] if len(ggufs) == 1 else None
 

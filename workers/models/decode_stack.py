@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from kernels.decoder_stack import StackLayerWeights, StackLinearWeights, build_decoder_stack
+from workers.layers.activation import SiluAndMul
 from workers.layers.linear import Linear
 from workers.layers.quant_linear import QuantLinear
 from workers.parallel.groups import get_group
@@ -41,7 +42,7 @@ def _linear(m: nn.Module) -> StackLinearWeights | None:
 
 def fused_stack(model: nn.Module) -> Any | None:
     """The C++ decoder stack for ``model`` (a LlamaForCausalLM), or None when it is not eligible."""
-    from workers.models.llama import LlamaMLP  # the model module imports this one
+    from workers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP  # they import this module
 
     if not model.fused_decode or get_group("tp").world_size != 1:
         return None
@@ -52,8 +53,11 @@ def fused_stack(model: nn.Module) -> Any | None:
     layers = []
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if type(mlp) is not LlamaMLP:
+        if type(layer) is not LlamaDecoderLayer or type(mlp) is not LlamaMLP or type(attn) is not LlamaAttention:
             return None
+        if hasattr(attn, "q_norm") or attn.attn.window is not None or attn.attn.softcap is not None \
+                or attn.attn.scale != attn.d**-0.5 or not isinstance(mlp.act, SiluAndMul):
+            return None  # variants the C++ stack does not build
         lins = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(x is None for x in lins):
             return None

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from workers.layers.activation import SiluAndMul
+from workers.layers.activation import gated_activation
 from workers.layers.attention import AttentionMetadata, PagedAttention
 from workers.layers.linear import MergedColumnParallelLinear
 from workers.layers.quant_linear import QuantLinear, QuantMergedLinear
@@ -49,7 +49,11 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V each [S, G, D]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, quant: str) -> None:
+    """Also the attention of the variants ModelSpec describes: per-head q/k RMSNorm before RoPE
+    (Qwen3, Gemma 3), a sliding window on ``spec.sliding_layers``, logit soft-capping and a custom
+    softmax scale (Gemma 2)."""
+
+    def __init__(self, spec: ModelSpec, quant: str, layer_idx: int = 0) -> None:
         super().__init__()
         tp = get_group("tp")
         d = spec.head_dim
@@ -60,11 +64,19 @@ class LlamaAttention(nn.Module):
         q, kv = heads.q_heads.scaled(d), heads.kv_heads.scaled(d)  # this rank's rows of q_proj, of k/v_proj
         self.qkv_proj = column_parallel(spec.hidden_size, {"q": q, "k": kv, "v": kv}, spec.attention_bias, quant)
         self.o_proj = row_parallel(spec.num_heads * d, spec.hidden_size, o_bias, quant, shard=q)
-        self.attn = PagedAttention(h, g, d)
+        window = spec.sliding_window if layer_idx in spec.sliding_layers else None
+        self.attn = PagedAttention(h, g, d, scale=spec.attn_scale, window=window, softcap=spec.attn_logit_softcap)
+        if spec.qk_norm:  # one RMSNorm over each head's D features, shared by all heads
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps, spec.norm_offset)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps, spec.norm_offset)
 
     def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(x).view(x.shape[0], self.h + 2 * self.g, self.d)  # [T, H + 2G, D]
+        t = x.shape[0]
+        qkv = self.qkv_proj(x).view(t, self.h + 2 * self.g, self.d)  # [T, H + 2G, D]
         q, k, v = qkv.split([self.h, self.g, self.g], dim=1)  # views: [T, H, D], [T, G, D], [T, G, D]
+        if hasattr(self, "q_norm"):
+            q = self.q_norm(q.reshape(t * self.h, self.d))[0].view(t, self.h, self.d)
+            k = self.k_norm(k.reshape(t * self.g, self.d))[0].view(t, self.g, self.d)
         o = self.attn(q, k, v, cos, sin, kv[0], kv[1], meta)  # [T, H D]
         return self.o_proj(o)
 
@@ -77,17 +89,18 @@ class LlamaMLP(nn.Module):
         i = even_shard(width, tp.world_size, tp.rank)  # this rank's slice of the MLP width
         self.gate_up_proj = column_parallel(spec.hidden_size, {"gate": i, "up": i}, spec.mlp_bias, quant)
         self.down_proj = row_parallel(width, spec.hidden_size, spec.mlp_bias, quant, shard=i)
-        self.act = SiluAndMul()
+        self.act = gated_activation(spec.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, mlp: nn.Module, quant: str = "none") -> None:
+    def __init__(self, spec: ModelSpec, mlp: nn.Module, quant: str = "none", layer_idx: int = 0,
+                 attn: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = LlamaAttention(spec, quant)
+        self.self_attn = attn if attn is not None else LlamaAttention(spec, quant, layer_idx)  # MLA: its own
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = mlp  # LlamaMLP, or a sparse MoE (workers/models/mixtral.py)
 
@@ -107,11 +120,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec, make_mlp: Callable[[ModelSpec, int], nn.Module], quant: str = "none") -> None:
+    def __init__(self, spec: ModelSpec, make_layer: Callable[[ModelSpec, int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, make_mlp(spec, i), quant) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(make_layer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
 
 
@@ -129,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.quantization = quantization
-        self.model = LlamaModel(spec, self.make_mlp, quantization)
+        self.model = LlamaModel(spec, self.make_layer)
         if quantization == "none":
             tied = self.model.embed_tokens if spec.tie_word_embeddings else None
             self.lm_head: nn.Module = ParallelLMHead(spec.vocab_size, spec.hidden_size, tied)
@@ -141,6 +154,9 @@ class LlamaForCausalLM(nn.Module):
 
     def make_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
         return LlamaMLP(spec, quant=self.quantization)
+
+    def make_layer(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
+        return LlamaDecoderLayer(spec, self.make_mlp(spec, layer_idx), self.quantization, layer_idx)
 
     def forward(
         self,

@@ -23,7 +23,8 @@ from workers.errors import CheckpointError
 from workers.models.assets import gguf_source
 from workers.models.config import ModelSpec
 from workers.models.gguf_weights import iter_gguf
-from workers.models.registry import model_class
+from workers.models.registry import check_spec, model_class
+from workers.parallel.groups import get_group
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ def load_model(
     model's decode steps off the fused decoder stack (workers/models/decode_stack.py)."""
     t0 = time.perf_counter()
     spec = ModelSpec.from_pretrained(path)
+    check_spec(spec, str(path), tp_size=get_group("tp").world_size, sp_size=get_group("sp").world_size,
+               ep_size=get_group("ep").world_size, quantization=quantization)
     cls = model_class(spec)
     with torch.device(device):
         model = cls(spec, quantization).to(dtype)

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from workers.errors import CheckpointError, ModelNotFoundError
 from workers.models.assets import GGUFSource, default_cache_dir, file_lock, prepare_checkpoint, sha256_file
+from workers.models.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -179,12 +180,13 @@ def _join(split: SplitGGUF, parts: list[Path], dest: Path) -> None:
     tmp = Path(tmp_name)
     try:
         digest = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out:
+        with os.fdopen(fd, "wb") as out, Progress(total, f"joining {split.name}") as bar:
             for part in parts:
                 with part.open("rb") as f:
                     while chunk := f.read(_CHUNK):
                         digest.update(chunk)
                         out.write(chunk)
+                        bar.update(len(chunk))
             out.flush()
             os.fsync(out.fileno())
         if digest.hexdigest() != split.sha256:

@@ -10,16 +10,30 @@ leader samples (under TP the followers join the LM head's gather of the sampled 
 Between steps the leader may broadcast new expert placements (rebalancing), which every rank
 applies before the next step, so no request is dropped or recomputed.
 
+KV blocks (disaggregated prefill/decode): the gang presents itself as one runner holding every kv
+head. Under TP each rank caches only its heads (workers/parallel/sharding.py ``attention_shard``);
+EP and SP ranks of the same tp index hold the same heads (attention is replicated across them). So
+  read_blocks   the leader broadcasts ``read_blocks`` and each rank of its own tp group that holds a
+                distinct head range sends that shard to the leader, point to point over the gang
+                group; the leader assembles model-wide K/V [L, 2, n, bs, G, D]. With tp_size 1 the
+                leader's own cache already holds every head: no message at all.
+  write_blocks  the leader broadcasts ``write_blocks`` and sends every other rank exactly its heads'
+                slice of the model-wide K/V; each rank writes its slice into its own cache.
+The wire between two workers (workers/kv_transfer.py) then carries model-wide heads, so the two
+sides of a transfer may split heads differently (TP=2 prefill -> TP=1 decode, and so on): each
+side's gang gathers or scatters its own split.
+
 Worked example (every rank)::
 
-    init_parallel_groups(ParallelConfig(ep_size=W), rank, init_method)
-    engine = Engine(config)                       # every rank loads its experts
+    init_parallel_groups(ParallelConfig(tp_size=W), rank, init_method)
+    runner = ModelRunner.from_config(config)      # this rank's shard of the model and KV cache
     if rank == 0:
-        leader = GangLeader(engine, get_group("gang"))
+        gang = GangRunner(runner, get_group("gang"))
+        engine = Engine.from_config(config, runner=gang)   # injected at construction
         ... drive engine.step() as usual ...
-        leader.stop()
+        gang.stop()
     else:
-        follow(engine.runner, get_group("gang"))   # returns when the leader stops
+        follow(runner, get_group("gang"))          # returns when the leader stops
 
 Failure: a dead rank makes the next collective raise on every other rank (gloo sees the closed
 connection; a stuck peer hits the process group's timeout), so a gang fails fast rather than hangs.
@@ -31,26 +45,34 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from workers.model_runner import ModelRunner, RunnerOutput
-from workers.spec_decode.proposer import Draft
+import torch
+
+from workers.model_runner import ModelRunner
+from workers.models.config import ModelSpec
 from workers.parallel import comm
 from workers.parallel.eplb import Rebalancer
 from workers.parallel.expert_placement import ExpertPlacement
-from workers.parallel.groups import GroupCoordinator
+from workers.parallel.groups import GroupCoordinator, get_group
+from workers.parallel.sharding import Shard, attention_shard
+from workers.runner import KVLayout, MoEStats, RunnerOutput
 from workers.sampling_params import SamplingParams
 from workers.scheduler import SchedulerOutput
+from workers.spec_decode.proposer import Draft
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class GangMessage:
-    """One control message from the leader: a step to run, new placements to apply, or stop.
-    Followers wait for it on the "gang" group, whose timeout is long (the leader may idle for
-    hours between requests); a dead leader still fails the wait at once."""
+    """One control message from the leader: a step to run, new placements to apply, KV blocks to
+    read (gather to the leader) or write (scatter from the leader), or stop. Lists, not tensors: the
+    KV itself follows point to point. Followers wait for it on the "gang" group, whose timeout is
+    long (the leader may idle for hours between requests); a dead leader still fails the wait at once."""
 
     sched: SchedulerOutput | None = None
     placements: list[ExpertPlacement] | None = None
+    read_blocks: list[int] | None = None
+    write_blocks: list[int] | None = None
     stop: bool = False
 
 
@@ -60,13 +82,42 @@ def apply_placements(model, placements: list[ExpertPlacement]) -> None:
         layer.set_placement(placement)
 
 
+def rank_kv_heads(spec: ModelSpec, gang_rank: int) -> Shard:
+    """The kv heads gang rank ``gang_rank`` caches: its tp index's shard (tp is the innermost mesh
+    axis, so the tp index is gang_rank % tp_size; ep and sp ranks replicate attention)."""
+    tp = get_group("tp").world_size
+    return attention_shard(spec.num_heads, spec.num_kv_heads, tp, gang_rank % tp).kv_heads
+
+
+def head_sources(spec: ModelSpec) -> list[tuple[int, Shard]]:
+    """(gang rank, heads) whose shards together hold every kv head once: the leader's tp group
+    (gang ranks 0..tp-1), skipping ranks that replicate a head an earlier one holds (tp > kv heads)."""
+    out: list[tuple[int, Shard]] = []
+    for r in range(get_group("tp").world_size):
+        heads = rank_kv_heads(spec, r)
+        if not out or heads.start >= out[-1][1].end:
+            out.append((r, heads))
+    assert sum(h.size for _, h in out) == spec.num_kv_heads, out
+    return out
+
+
+def _heads(kv: torch.Tensor, heads: Shard) -> torch.Tensor:
+    return kv[:, :, :, :, heads.start : heads.end].contiguous()  # [L, 2, n, bs, g, D]
+
+
 class GangRunner:
-    """The leader's runner: broadcasts each step, then runs it like a ModelRunner (same interface)."""
+    """The leader's runner (workers.runner.Runner): broadcasts each step, then runs it like a
+    ModelRunner; reads and writes model-wide KV blocks by gathering and scattering the ranks' head
+    shards (see the module docstring). The leader alone samples, so sampling state lives here."""
 
     def __init__(self, runner: ModelRunner, group: GroupCoordinator, rebalancer: Rebalancer | None = None) -> None:
+        assert group.rank == 0, "the gang's leader is gang rank 0"
         self.inner = runner
         self.group = group
         self.rebalancer = rebalancer
+        self.spec = runner.spec
+        self.block_size = runner.block_size
+        self.num_blocks = runner.num_blocks
 
     @property
     def model(self):
@@ -79,6 +130,18 @@ class GangRunner:
     def remove_request(self, request_id: str) -> None:
         self.inner.remove_request(request_id)
 
+    def generator_state(self, request_id: str) -> bytes | None:
+        return self.inner.generator_state(request_id)
+
+    def set_generator_state(self, request_id: str, state: bytes) -> None:
+        self.inner.set_generator_state(request_id, state)
+
+    def kv_layout(self) -> KVLayout:
+        return self.inner.kv_layout().whole()  # the gang holds every head between its ranks
+
+    def moe_stats(self) -> MoEStats:
+        return self.inner.moe_stats()  # the leader's counters (every rank routes the same tokens)
+
     def execute(self, sched: SchedulerOutput, drafts: Mapping[str, Draft] | None = None) -> RunnerOutput:
         """drafts only matter to sampling, which the leader alone does: they are not broadcast."""
         if self.rebalancer is not None:
@@ -87,6 +150,33 @@ class GangRunner:
                 self.rebalance(plans)
         comm.broadcast_object(GangMessage(sched=sched), 0, self.group)
         return self.inner.execute(sched, drafts)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Model-wide K/V of the blocks [L, 2, n, bs, G, D], gathered from the ranks' head shards."""
+        sources = head_sources(self.spec)
+        if len(sources) == 1:  # tp_size 1: the leader's cache holds every head
+            return self.inner.read_blocks(block_ids)
+        comm.broadcast_object(GangMessage(read_blocks=list(block_ids)), 0, self.group)
+        own = self.inner.read_blocks(block_ids)  # [L, 2, n, bs, g0, D]
+        L, two, n, bs, _, D = own.shape
+        out = own.new_empty(L, two, n, bs, self.spec.num_kv_heads, D)
+        for rank, heads in sources:
+            if rank == 0:
+                part = own
+            else:
+                part = comm.recv_tensor(own.new_empty(L, two, n, bs, heads.size, D), rank, self.group)
+            out[:, :, :, :, heads.start : heads.end] = part
+        return out
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Write model-wide kv [L, 2, n, bs, G, D]: every rank gets exactly its heads' slice."""
+        assert kv.shape[4] == self.spec.num_kv_heads, "write_blocks takes every kv head"
+        kv = kv.to(device=self.inner.device, dtype=self.inner.kv_cache.dtype)
+        if self.group.world_size > 1:
+            comm.broadcast_object(GangMessage(write_blocks=list(block_ids)), 0, self.group)
+            for rank in range(1, self.group.world_size):
+                comm.send_tensor(_heads(kv, rank_kv_heads(self.spec, rank)), rank, self.group)
+        self.inner.write_blocks(block_ids, _heads(kv, self.inner.kv_heads))
 
     def rebalance(self, placements: list[ExpertPlacement]) -> None:
         comm.broadcast_object(GangMessage(placements=placements), 0, self.group)
@@ -98,24 +188,9 @@ class GangRunner:
         comm.broadcast_object(GangMessage(stop=True), 0, self.group)
 
 
-class GangLeader:
-    """Turns rank 0's engine into the gang's leader by swapping in a GangRunner."""
-
-    def __init__(self, engine, group: GroupCoordinator, rebalancer: Rebalancer | None = None) -> None:
-        self.engine = engine
-        self.runner = GangRunner(engine.runner, group, rebalancer)
-        engine.runner = self.runner
-
-    def rebalance(self, placements: list[ExpertPlacement]) -> None:
-        self.runner.rebalance(placements)
-
-    def stop(self) -> None:
-        self.runner.stop()
-
-
 def follow(runner: ModelRunner, group: GroupCoordinator) -> int:
-    """A follower's loop: run each step the leader broadcasts until it says stop. Returns the number
-    of steps run. Raises (RuntimeError from the collective) if a peer dies."""
+    """A follower's loop: obey each message the leader broadcasts until it says stop. Returns the
+    number of steps run. Raises (RuntimeError from the collective) if a peer dies."""
     steps = 0
     while True:
         msg: GangMessage = comm.broadcast_object(None, 0, group)
@@ -123,6 +198,13 @@ def follow(runner: ModelRunner, group: GroupCoordinator) -> int:
             return steps
         if msg.placements is not None:
             apply_placements(runner.model, msg.placements)
+        if msg.read_blocks is not None and any(r == group.rank for r, _ in head_sources(runner.spec)):
+            comm.send_tensor(runner.read_blocks(msg.read_blocks), 0, group)
+        if msg.write_blocks is not None:
+            cache = runner.kv_cache  # [L, 2, S, g, D]
+            L, two, _, g, D = cache.shape
+            kv = cache.new_empty(L, two, len(msg.write_blocks), runner.block_size, g, D)
+            runner.write_blocks(msg.write_blocks, comm.recv_tensor(kv, 0, group))
         if msg.sched is not None:
             runner.follow(msg.sched)  # the forward pass (+ the LM head's collective under TP)
             steps += 1

@@ -3,11 +3,12 @@
 A gang of W ranks is W Ray actors in consecutive bundles of the pool's placement group:
   - ``GangLeaderActor`` (rank 0) is what the pool, the controller and the router see: the same
     interface as ``workers.actor.WorkerActor`` (start / ready / endpoint / info / stop) and one
-    gRPC endpoint. Its engine thread joins the gang's process group, builds the engine (its share of
-    the experts), wraps it as the gang's leader (workers/parallel/gang.py) and serves.
+    gRPC endpoint. Its engine thread joins the gang's process group, loads its shard of the model
+    into a ModelRunner, wraps that in the gang's GangRunner (workers/parallel/gang.py), builds the
+    engine over it (injected, never swapped afterwards) and serves.
   - ``GangFollowerActor`` (ranks 1..W-1) joins the same process group when the leader's ``start``
-    tells it where (a fresh tcp:// rendezvous address each time), builds its engine and follows the
-    leader's steps until told to stop.
+    tells it where (a fresh tcp:// rendezvous address each time), loads its shard into a ModelRunner
+    (no engine: the leader schedules) and follows the leader's messages until told to stop.
 
 Failure: when a rank dies, the next collective fails on the others (gloo sees the closed
 connection; a stuck rank hits the collective timeout), so no call hangs. The leader's engine thread
@@ -38,10 +39,12 @@ import ray
 import torch
 
 from workers.config import EngineConfig
+from workers.device import resolve_for_rank
 from workers.engine import Engine
+from workers.model_runner import ModelRunner
 from workers.errors import ConfigError
 from workers.parallel.eplb import RebalanceConfig, Rebalancer
-from workers.parallel.gang import GangLeader, follow
+from workers.parallel.gang import GangRunner, follow
 from workers.parallel.groups import AXES, ParallelConfig, destroy_parallel_groups, get_group, init_parallel_groups
 from workers.parallel.launch import free_port
 from workers.service import WorkerServer, start_worker_server
@@ -72,13 +75,18 @@ class GangFollowerActor:
     def __init__(self, engine_config: EngineConfig, parallel: ParallelConfig, rank: int) -> None:
         self._num_threads = _threads()
         self._config, self._parallel, self._rank = engine_config, parallel, rank
+        self._gpu_ids = [str(g) for g in ray.get_gpu_ids()]  # what Ray assigned (it sets CUDA_VISIBLE_DEVICES)
+
+    def rank_device(self) -> dict[str, object]:
+        """The GPUs Ray assigned this rank and the device its engine config asks for."""
+        return {"rank": self._rank, "gpu_ids": self._gpu_ids, "device": self._config.device}
 
     def run(self, init_method: str) -> int:
         """Join the gang at ``init_method``, follow the leader until it stops; returns steps run."""
         try:
+            self._config = resolve_for_rank(self._config, float(len(self._gpu_ids)))
             init_parallel_groups(self._parallel, self._rank, init_method, timeout=COLLECTIVE_TIMEOUT)
-            engine = Engine(self._config)
-            steps = follow(engine.runner, get_group("gang"))
+            steps = follow(ModelRunner.from_config(self._config), get_group("gang"))
         except BaseException as e:  # noqa: BLE001 - any failure breaks the gang
             _exit_soon(f"rank {self._rank}: {e!r}")
             raise
@@ -97,28 +105,31 @@ class GangLeaderActor:
                  followers: list[Any], rebalance: RebalanceConfig | None = None, port: int = 0) -> None:
         self._num_threads = _threads()
         self._config, self._worker_id, self._parallel = engine_config, worker_id, parallel
+        self._gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         self._host = host or ray.util.get_node_ip_address()
         self._port = port
         self._followers = followers
         self._rebalance = rebalance
         self._server: WorkerServer | None = None
-        self._leader: GangLeader | None = None
+        self._gang: GangRunner | None = None
 
     def _make_engine(self, init_method: str) -> Engine:
-        """On the engine thread: join the gang, load this rank's experts, become the leader."""
+        """On the engine thread: join the gang, load this rank's shard, build the engine over the gang's runner."""
         init_parallel_groups(self._parallel, 0, init_method, timeout=COLLECTIVE_TIMEOUT)
-        engine = Engine(self._config)
-        moe = getattr(engine.runner.model, "moe_layers", None)
+        runner = ModelRunner.from_config(self._config)
+        moe = getattr(runner.model, "moe_layers", None)
         if moe is None and self._parallel.ep_size > 1:
-            raise ConfigError(f"ep_size={self._parallel.ep_size}: model_type {engine.spec.model_type!r} has no "
+            raise ConfigError(f"ep_size={self._parallel.ep_size}: model_type {runner.spec.model_type!r} has no "
                               "experts to shard; use ep_size 1 for dense models")
         rebalancer = Rebalancer(moe(), self._rebalance) if moe is not None and self._rebalance else None
-        self._leader = GangLeader(engine, get_group("gang"), rebalancer)
-        return engine
+        self._gang = GangRunner(runner, get_group("gang"), rebalancer)
+        return Engine.from_config(self._config, runner=self._gang)
 
     async def start(self) -> str:
         """Form the gang, load, serve; returns the endpoint ("host:port"). Idempotent."""
         if self._server is None:
+            # refused here (naming the key) before any follower joins: e.g. device cuda without CUDA
+            self._config = await asyncio.to_thread(resolve_for_rank, self._config, float(len(self._gpu_ids)))
             init_method = f"tcp://{self._host}:{free_port()}"
             self._runs = [f.run.remote(init_method) for f in self._followers]
             self._server = await start_worker_server(
@@ -145,6 +156,10 @@ class GangLeaderActor:
         if done.result() is not None:
             _exit_soon(f"{self._worker_id}: engine failed: {done.result()!r}")
 
+    def rank_device(self) -> dict[str, object]:
+        """The GPUs Ray assigned this rank (rank 0) and the device its engine config asks for."""
+        return {"rank": 0, "gpu_ids": self._gpu_ids, "device": self._config.device}
+
     def ready(self) -> bool:
         return self._server is not None
 
@@ -170,9 +185,9 @@ class GangLeaderActor:
         if server is None:
             return
         await server.stop(grace)  # joins the engine thread: the gang is idle from here on
-        if self._leader is not None and server.engine_done.result() is None:
+        if self._gang is not None and server.engine_done.result() is None:
             try:
-                self._leader.stop()
+                self._gang.stop()
             except Exception as e:  # noqa: BLE001 - a follower already gone: nothing to release
                 logger.warning("gang %s: could not stop followers: %r", self._worker_id, e)
         destroy_parallel_groups()

@@ -93,11 +93,11 @@ class DraftModelProposer:
         """A drafter actor of this worker's (Ray owns it; it dies with the worker)."""
         import ray
 
-        from workers.spec_decode.drafter_service import DrafterActor
+        from workers.spec_decode.drafter_actor import DrafterActor
 
         if not ray.is_initialized():
             raise ConfigError("speculative.method='draft_model' runs the drafter as a Ray actor: start the engine "
-                              "inside Ray (duet serve does), or pass a proposer to Engine(...)")
+                              "inside Ray (duet serve does), or pass a proposer to Engine.from_config(...)")
         actor = DrafterActor.options(num_cpus=spec.drafter_cpus, resources=dict(spec.drafter_resources),
                                      max_restarts=-1).remote(spec.draft_model, spec.draft_quantization, engine,
                                                              vocab_size, spec.draft_vocab_size,

@@ -32,6 +32,7 @@ from kernels import set_cpu_kernels_enabled
 from workers.block_manager import BlockManager
 from workers.config import CacheConfig, EngineConfig
 from workers.model_runner import ModelRunner, kv_bytes_per_block
+from workers.device import resolve_for_process
 from workers.models.assets import resolve_model
 from workers.models.loader import load_model
 from workers.sampling_params import SamplingParams
@@ -67,6 +68,7 @@ class DraftEngine:
 
     def __init__(self, config: EngineConfig, vocab_size: int | None = None, draft_vocab_size: int = 0) -> None:
         path = resolve_model(config.model)
+        config = resolve_for_process(config, path)
         if not config.cpu_kernels:
             set_cpu_kernels_enabled(False)  # process-wide: the drafter actor runs one engine
         model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
@@ -94,11 +96,12 @@ class DraftEngine:
     @classmethod
     def for_target(cls, draft_model: str, quantization: str, target: EngineConfig,
                    target_vocab_size: int | None = None, draft_vocab_size: int = 0) -> DraftEngine:
-        """A drafter with the target's dtype, device and block size, and a KV budget of a quarter
-        of the target's (its model is small)."""
+        """A drafter on ``target.speculative.drafter_device`` (see SpeculativeConfig.drafter_placement)
+        with the target's block size and a KV budget of a quarter of the target's (its model is small)."""
         cache = CacheConfig(block_size=target.cache.block_size,
                             kv_cache_memory_bytes=max(target.cache.kv_cache_memory_bytes // 4, 16 << 20))
-        return cls(EngineConfig(model=draft_model, dtype=target.dtype, device=target.device,
+        device, dtype = target.speculative.drafter_placement(target.device, target.dtype)
+        return cls(EngineConfig(model=draft_model, dtype=dtype, device=device,
                                 quantization=quantization, seed=target.seed, cache=cache,
                                 fused_decode=target.fused_decode, cpu_kernels=target.cpu_kernels), target_vocab_size,
                    draft_vocab_size)

@@ -1,5 +1,6 @@
-"""The drafter's process side: the ``duet.drafter.v1.Drafter`` gRPC service around a DraftEngine,
-and the Ray actor shell that hosts it (lifecycle only, like workers/actor.py).
+"""The drafter's process side: the ``duet.drafter.v1.Drafter`` gRPC service around a DraftEngine
+(the Ray actor shell that hosts it is workers/spec_decode/drafter_actor.py; this module does not
+import Ray, so a drafter also serves in a plain process).
 
 One thread runs the engine (the server has a single worker thread), so calls are served in the
 order they arrive: an overlapped draft for the next window (draft_model.py) is always finished
@@ -20,11 +21,9 @@ import uuid
 from concurrent import futures
 
 import grpc
-import ray
 import torch
 
 from protos.duet.drafter.v1 import drafter_pb2, drafter_pb2_grpc
-from workers.config import EngineConfig
 from workers.sampling_params import SamplingParams
 from workers.spec_decode.drafter import DraftEngine, DraftItem
 
@@ -77,34 +76,6 @@ def serve_drafter(engine: DraftEngine, host: str = "127.0.0.1", port: int = 0) -
     bound = server.add_insecure_port(f"{host}:{port}")
     server.start()
     return server, f"{host}:{bound}"
-
-
-@ray.remote(num_cpus=1)
-class DrafterActor:
-    """A DraftEngine behind the Drafter service in its own Ray worker process (Ray may put it on a
-    CPU-only node through the resources it is created with). Threads: ``threads``, else the CPUs Ray
-    reserved; draft_vocab_size: see DraftEngine."""
-
-    def __init__(self, draft_model: str, quantization: str, target: EngineConfig,
-                 target_vocab_size: int | None = None, draft_vocab_size: int = 0, threads: int = 0) -> None:
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
-        torch.set_num_threads(threads or max(1, int(cpus)))
-        self._args = (draft_model, quantization, target, target_vocab_size, draft_vocab_size)
-        self._server: grpc.Server | None = None
-        self._endpoint = ""
-
-    def start(self) -> str:
-        """Load the draft model and serve; returns the endpoint. Idempotent."""
-        if self._server is None:
-            engine = DraftEngine.for_target(*self._args)
-            self._server, self._endpoint = serve_drafter(engine, ray.util.get_node_ip_address())
-            logger.info("drafter serving on %s", self._endpoint)
-        return self._endpoint
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop(grace=0)
-            self._server = None
 
 
 def endpoint_connector(endpoint: str):

@@ -164,9 +164,17 @@ def test_resolve_unknown_name_or_path(name: str) -> None:
 
 
 def test_resolve_file_instead_of_directory(tmp_path: Path) -> None:
-    file = tmp_path / "model.gguf"
-    file.write_bytes(b"GGUF")
+    file = tmp_path / "model.bin"
+    file.write_bytes(b"weights")
     with pytest.raises(CheckpointError, match="not a directory"):
+        resolve_model(file)
+
+
+def test_resolve_broken_gguf_file_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path / "cache"))
+    file = tmp_path / "model.gguf"  # a .gguf file is a model name; this one is 4 bytes
+    file.write_bytes(b"GGUF")
+    with pytest.raises(CheckpointError, match="model.gguf.*cannot be converted.*re-download"):
         resolve_model(file)
 
 

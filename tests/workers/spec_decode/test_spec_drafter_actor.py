@@ -33,8 +33,8 @@ def spec_engine(ray_cluster, smollm2_path):
     spec = SpeculativeConfig(method="draft_model", draft_model=str(smollm2_path), draft_quantization="int8",
                              num_speculative_tokens=4, draft_timeout_s=5.0,
                              adaptive=False)  # always draft: these tests are about the drafter's lifecycle
-    engine = Engine(EngineConfig(model=str(smollm2_path), cache=CacheConfig(kv_cache_memory_bytes=32 << 20),
-                                 speculative=spec))
+    engine = Engine.from_config(EngineConfig(model=str(smollm2_path), cache=CacheConfig(kv_cache_memory_bytes=32 << 20),
+                                             speculative=spec))
     yield engine
     actor = engine.speculator.proposer.actor
     engine.speculator.close()

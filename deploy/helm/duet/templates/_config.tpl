@@ -31,8 +31,8 @@ pools); each message names the value and the fix. The loader repeats the checks 
 {{- if gt (len $blockSizes) 1 }}
 {{- fail (printf "pools: engine.blockSize differs between pools (%v): KV blocks move between pools, so every pool must use the same" $blockSizes) }}
 {{- end }}
-{{- if and (ne $v.model.quantization "none") (ne $v.model.dtype "float32") }}
-{{- fail (printf "model.quantization=%s needs model.dtype=float32 (quantized weights run with float32 activations; it is %s)" $v.model.quantization $v.model.dtype) }}
+{{- if and (ne $v.model.quantization "none") (ne $v.model.dtype "float32") (ne $v.model.dtype "auto") }}
+{{- fail (printf "model.quantization=%s needs model.dtype=float32 or auto (quantized weights run with float32 activations; it is %s)" $v.model.quantization $v.model.dtype) }}
 {{- end }}
 {{- if and $v.drafters.enabled (not (kindIs "invalid" $v.drafters.minReplicas)) (lt (int $v.drafters.replicas) (int $v.drafters.minReplicas)) }}
 {{- fail (printf "drafters: replicas=%v must be >= minReplicas=%v" $v.drafters.replicas $v.drafters.minReplicas) }}
@@ -131,6 +131,9 @@ but would not behave as the values suggest (one line each; NOTES.txt prints them
 {{- if and (or .slo .profile) (not (and .slo .profile $.Values.autoscaling.duet.enabled)) }}
 - pools[{{ .name }}].slo/profile: Duet's SLO autoscaler scales a pool only with slo, profile and autoscaling.duet.enabled all set; this pool keeps its size (KubeRay's in-tree autoscaler, if on, still adds pods for pending placements)
 {{- end }}
+{{- if and (gt (mul (int .tpSize) (int .epSize) (int .spSize)) 1) (gt (float64 .gpusPerRank) 0.0) (ne (.engine.device | default "auto") "cpu") }}
+- pools[{{ .name }}]: a tensor/expert/sequence-parallel gang on GPUs: gang collectives do not carry CUDA tensors yet (NCCL gang groups are not wired), so its ranks refuse to start on cuda; set engine.device: cpu for this pool
+{{- end }}
 {{- if eq .speculative.method "draft_model" }}{{ $drafting = append $drafting .name }}
 {{- if not .drafterResourcesResolved }}
 - pools[{{ .name }}].speculative.drafterResources is {}: its drafter actors ask for CPUs only, so Ray may put them on any pod with spare CPUs and KubeRay's autoscaler may add another group's pod for them; enable drafters (or name a resource)
@@ -195,13 +198,14 @@ grpc: {port: {{ $v.router.port }}}
 {{- range (include "duet.pools" . | fromJsonArray) }}
 {{- $engine := dict "block_size" (int .engine.blockSize) "kv_cache_memory_bytes" (toString .engine.kvCacheMemory)
       "max_num_batched_tokens" (int .engine.maxNumBatchedTokens) "max_num_seqs" (int .engine.maxNumSeqs)
-      "enable_prefix_caching" .engine.enablePrefixCaching }}
+      "enable_prefix_caching" .engine.enablePrefixCaching "device" (.engine.device | default "auto")
+      "cuda_graphs" (.engine.cudaGraphs | default false) }}
 {{- $sp := .speculative }}
 {{- $speculative := dict "method" $sp.method "num_speculative_tokens" (int $sp.numSpeculativeTokens)
       "adaptive" $sp.adaptive "ngram_min" (int $sp.ngramMin) "ngram_max" (int $sp.ngramMax)
       "draft_model" $sp.draftModel "draft_quantization" $sp.draftQuantization "drafter_cpus" (int $sp.drafterCpus)
       "drafter_resources" .drafterResourcesResolved "draft_timeout_s" (float64 $sp.draftTimeoutSeconds)
-      "overlap" $sp.overlap }}
+      "overlap" $sp.overlap "drafter_device" ($sp.drafterDevice | default "auto") }}
 {{- $pools = append $pools (dict "name" .name "role" .role "replicas" (int .replicas)
       "cpus_per_replica" (int .cpusPerRank) "placement_strategy" .placementStrategy
       "max_restarts" (int .maxRestarts) "ep_size" (int .epSize) "sp_size" (int .spSize) "tp_size" (int .tpSize)
