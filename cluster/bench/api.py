@@ -24,6 +24,7 @@ import statistics
 import time
 from typing import Any
 
+import grpc
 import httpx
 
 from cluster.bench.load_gen import BenchRequest, RouterSender, Sender, load_prompts, run_alternating
@@ -155,8 +156,11 @@ async def measure_n_fanout(grpc_target: str, prompts: list[str], max_tokens: int
                                                                             seed=1, ignore_eos=True))
         start = time.perf_counter()
         tokens = 0
-        async for r in stub.Generate(request, timeout=timeout, metadata=metadata):
-            tokens += len(r.token_ids)
+        try:
+            async for r in stub.Generate(request, timeout=timeout, metadata=metadata):
+                tokens += len(r.token_ids)
+        except grpc.aio.AioRpcError as e:
+            raise ValueError(f"n phase: n={k} failed with {e.code().name}: {e.details()}") from None
         return time.perf_counter() - start, tokens
 
     try:
@@ -167,7 +171,10 @@ async def measure_n_fanout(grpc_target: str, prompts: list[str], max_tokens: int
             order = [(a, 1, one), (b, n, many)] if i % 2 else [(b, n, many), (a, 1, one)]
             for prompt, k, into in order:
                 seconds, tokens = await run(prompt, k)
-                assert tokens == k * max_tokens, f"n={k}: {tokens} tokens, expected {k * max_tokens}"
+                if tokens != k * max_tokens:  # e.g. the context limit cut the choices short
+                    raise ValueError(f"n phase: n={k} gave {tokens} tokens, expected {k * max_tokens} (is "
+                                     f"--n-prompt-tokens + --n-max-tokens within the model's context?); "
+                                     "--n-trials 0 skips the phase")
                 into.append(seconds * 1e3)
     finally:
         await channel.close()

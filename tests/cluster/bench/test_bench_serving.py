@@ -103,6 +103,7 @@ def test_bench_reaches_a_router_that_requires_a_token(smollm2_path, tok, pool, t
     config = RouterConfig(tokenizer_path=str(smollm2_path), port=0, http_port=0, max_model_len=512, policy="round_robin",
                           load_poll_interval_s=0.05, auth_tokens_file=str(tokens))
     args = ["--model", str(smollm2_path), "--rates", "inf", "--num-requests", "2", "--overhead-requests", "0",
+            "--n-trials", "0",
             "--echo-overhead-requests", "0", "--min-output", "2", "--max-output", "3", "--no-plot"]
     with serve_router(config, members(pool[:1]), tokenizer=tok) as router:
         assert main(["--target", router.address, "--token", "s3cr3t", "--out", str(tmp_path / "ok.json"), *args]) == 0
