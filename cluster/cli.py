@@ -1,7 +1,8 @@
 """The ``duet`` command: serve a model over gRPC on Ray worker pools, and talk to it.
 
   duet serve               start a deployment in the foreground: Ray (embedded local by default),
-                           a pool of worker actors, and the gRPC router (default 127.0.0.1:50051);
+                           a pool of worker actors, and the router: gRPC (default 127.0.0.1:50051)
+                           and the OpenAI-compatible HTTP API (default http://127.0.0.1:8000/v1);
                            Ctrl-C / SIGTERM shuts everything down
   duet router              a router alone, following a controller's member list (`duet serve --no-router`
                            elsewhere; the Helm chart's router Deployment runs this)
@@ -48,7 +49,9 @@ SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--kv-cache-memory": ("pool.engine.kv_cache_memory_bytes", str,
                           "KV cache budget per worker of the (first) pool, e.g. 256MiB, 1GiB [DUET_KV_CACHE_MEMORY]"),
     "--host": ("router.host", str, "router bind address; 0.0.0.0 for all interfaces [DUET_HOST]"),
-    "--port": ("router.port", int, "router port, 0 = any free port [DUET_PORT]"),
+    "--port": ("router.port", int, "router gRPC port, 0 = any free port [DUET_PORT]"),
+    "--http-port": ("router.http_port", int, "router OpenAI-compatible HTTP port (default 8000), 0 = off "
+                    "[DUET_HTTP_PORT]"),
     "--policy": ("router.policy", str, "round_robin | least_loaded | prefix_aware [DUET_POLICY]"),
     "--tls-cert": ("router.tls_cert_file", str, "PEM certificate: serve TLS only (with --tls-key) [DUET_TLS_CERT_FILE]"),
     "--tls-key": ("router.tls_key_file", str, "PEM private key of --tls-cert [DUET_TLS_KEY_FILE]"),
@@ -65,9 +68,11 @@ SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve the model over gRPC: Ray + worker pools + router (foreground)",
+    p = sub.add_parser("serve", help="serve the model over gRPC and OpenAI HTTP: Ray + worker pools + router "
+                       "(foreground)",
                        description="Start Ray (embedded local unless --ray-address / RAY_ADDRESS), the worker "
-                       "pools (one colocated pool, or prefill + decode pools: see the YAML) and the gRPC router; log where it listens; serve until Ctrl-C or "
+                       "pools (one colocated pool, or prefill + decode pools: see the YAML) and the router (gRPC on "
+                       "--port, the OpenAI-compatible HTTP API on --http-port); log where it listens; serve until Ctrl-C or "
                        "SIGTERM, then stop the router, the workers and (if embedded) Ray. Settings: "
                        "defaults < --config YAML < DUET_* env < flags.")
     p.add_argument("--config", metavar="FILE", help="YAML config (default: $DUET_CONFIG if set); "
@@ -82,12 +87,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    "--membership HOST:PORT` (the Helm chart's Ray head does this)")
 
 
-ROUTER_FLAGS = {flag: SERVE_FLAGS[flag] for flag in ("--model", "--host", "--port", "--policy")}
+ROUTER_FLAGS = {flag: SERVE_FLAGS[flag] for flag in ("--model", "--host", "--port", "--http-port", "--policy")}
 
 
 def _add_router(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("router", help="run a router alone, following a controller's member list",
-                       description="Serve the public gRPC API (duet.v1.Duet, health, reflection) for workers that "
+                       description="Serve the public gRPC API (duet.v1.Duet, health, reflection) and the "
+                       "OpenAI-compatible HTTP API (--http-port, with /metrics) for workers that "
                        "a controller elsewhere (`duet serve --no-router`) manages: the member list comes from its "
                        "duet.control.v1.Membership service. Reads the same config as `duet serve` (router and model "
                        "sections); the model is resolved here for its tokenizer. Runs until Ctrl-C or SIGTERM.")

@@ -13,7 +13,8 @@ Sections (see ``cluster/duet.example.yaml`` for a documented file):
     pools       worker pools, each sized and placed on its own; role colocated (each worker prefills
                 and decodes), or a disaggregated pair of pools: prefill (computes prompts and sends
                 their KV) + decode (streams tokens); see router/policies/disagg.py
-    router      the public gRPC server: host, port, routing policy + options, admission limits
+    router      the public gRPC server and HTTP API: host, port, http_port, routing policy + options,
+                admission limits
     ray         where the workers run: an existing cluster (``address``) or an embedded local one
     controller  how often membership and health are polled, how long a worker may take to start
     autoscaling the SLO autoscaler in ``duet serve``: per-pool SLOs, profiles, bounds, cadence
@@ -155,7 +156,8 @@ PoolSection = derived_section("PoolSection", """One worker pool: ``replicas`` re
     ("resources_per_rank", (Mapping[str, float], field(default_factory=dict, hash=False))),
 ], namespace={"gang_size": property(_gang_size), "parallel": property(_parallel)})
 
-RouterSection = derived_section("RouterSection", """The public gRPC server (router.config.RouterConfig).
+RouterSection = derived_section("RouterSection", """The public gRPC server (``port``) and OpenAI-compatible
+    HTTP API (``http_port``, 0 = off) (router.config.RouterConfig).
     policy: round_robin | least_loaded | prefix_aware, with its keyword options in policy_options.
     max_in_flight: requests streamed at once; max_queue: admitted requests waiting for a slot (beyond
     both: RESOURCE_EXHAUSTED). Security (router/security.py): tls_cert_file + tls_key_file (PEM)
@@ -164,7 +166,7 @@ RouterSection = derived_section("RouterSection", """The public gRPC server (rout
     bounds one request message (int or '4MiB'). disagg_min_prompt_tokens: with a prefill pool,
     prompts shorter than this run colocated on a decode worker.""", [
     (name, Part(RouterConfig, name)) for name in (
-        "host", "port", "policy", "policy_options", "max_in_flight", "max_queue", "shutdown_grace_s",
+        "host", "port", "http_port", "policy", "policy_options", "max_in_flight", "max_queue", "shutdown_grace_s",
         "tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file", "max_request_bytes",
         "disagg_min_prompt_tokens")
 ], probe={RouterConfig: {"tokenizer_path": "<model>"}})
@@ -265,6 +267,7 @@ ENV_KEYS: dict[str, str] = {
     "DUET_DRAFTER_DEVICE": "pool.speculative.drafter_device",
     "DUET_HOST": "router.host",
     "DUET_PORT": "router.port",
+    "DUET_HTTP_PORT": "router.http_port",
     "DUET_POLICY": "router.policy",
     "DUET_TLS_CERT_FILE": "router.tls_cert_file",
     "DUET_TLS_KEY_FILE": "router.tls_key_file",

@@ -15,6 +15,10 @@ through) rather than by the router. Set ``model.max_model_len`` to make the rout
 Example::
 
     duet router --config /etc/duet/duet.yaml --membership duet-controller:50052 --metrics-port 9090
+
+It serves gRPC on ``router.port`` and the OpenAI-compatible HTTP API on ``router.http_port``
+(``--http-port``; 0 = off), whose ``/metrics`` is the same registry as ``--metrics-port``'s
+(that one stays open without a token, for scrapers inside the cluster).
 """
 
 from __future__ import annotations
@@ -45,8 +49,10 @@ def run_router_foreground(config: DuetConfig, membership: str, metrics_port: int
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         handle = serve_router(router_config)
-        metrics = serve_metrics(metrics_port, handle.stats, handle.server.metrics.registry) if metrics_port else None
-        logger.info("duet router: serving %s on %s, members from %s%s", router_config.model_name, handle.address,
+        metrics = (serve_metrics(metrics_port, handle.stats, handle.server.metrics.registry,
+                                 model_name=router_config.model_name) if metrics_port else None)
+        logger.info("duet router: serving %s on %s (gRPC)%s, members from %s%s", router_config.model_name,
+                    handle.address, f" and {handle.http_url} (OpenAI HTTP, /metrics)" if handle.http_url else "",
                     membership, f", metrics on :{metrics.server_port}/metrics" if metrics else "")
         try:
             stop.wait()

@@ -12,7 +12,8 @@ The order, in ``start_deployment`` (each step undone, in reverse, if a later one
     4. the controller starts every worker and waits until they serve (cluster/controller.py)
     5. the controller's membership service (duet.control.v1.Membership on ``controller.port``,
        cluster/membership_service.py)
-    6. the router, on a background thread, with the workers as its first members; it follows the
+    6. the router, on a background thread, with the workers as its first members (gRPC on
+       ``router.port``, the OpenAI-compatible HTTP API on ``router.http_port``); it follows the
        membership service over gRPC from then on (joins, leaves, restarts; no router restart), the
        same way a router in its own process or pod does (``duet router --membership``). With
        ``with_router=False`` (``duet serve --no-router``, what the Helm chart's Ray head runs) this
@@ -39,7 +40,8 @@ Example (what tests do; the CLI wraps this in ``run_foreground``)::
 
     config = load_config("duet.yaml")
     with start_deployment(config) as d:
-        print(d.address)               # 127.0.0.1:50051
+        print(d.address)               # 127.0.0.1:50051 (gRPC)
+        print(d.http_url)              # http://127.0.0.1:8000/v1 (OpenAI-compatible HTTP; router.http_port)
         print(generate_text("Hello", target=d.address, max_tokens=8))
 """
 
@@ -91,6 +93,11 @@ class Deployment:
         return self.router.address if self.router is not None else self.membership.address
 
     @property
+    def http_url(self) -> str | None:
+        """The router's OpenAI base URL (http://host:port/v1); None without a router or with http_port 0."""
+        return self.router.http_url if self.router is not None else None
+
+    @property
     def pool(self) -> WorkerPool | None:
         """The first pool (``pools[0]``), as ``pool.*`` config keys address it."""
         return self.pools[0] if self.pools else None
@@ -137,6 +144,8 @@ def start_deployment(config: DuetConfig, *, router_overrides: dict[str, Any] | N
                          "autoscaling.metrics_urls to the routers' /metrics (`duet router --metrics-port`)")
     if with_router:  # before minutes of startup
         _check_port_free(config.router.host, config.router.port, "router.port", "--port")
+        _check_port_free(config.router.host, config.router.http_port, "router.http_port", "--http-port",
+                         off_hint="0 turns the HTTP API off")
     _check_port_free(config.controller.host, config.controller.port, "controller.port", "--controller-port")
     ray_conn = connect(config.ray, log_to_driver=log_to_driver)
     deployment = Deployment(config, ray_conn, model_path=model_path)
@@ -183,9 +192,10 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
                                             membership_address=d.membership.address, **router_overrides)
     d.router = serve_router(router_config, d.controller.member_details())
     _start_autoscaler(d)
-    logger.info("duet: serving %s on %s (%d workers, policy %s, context %d tokens, %s; members from %s)",
-                router_config.model_name, d.router.address, len(d.controller.members()), router_config.policy,
-                d.max_model_len, d.cpus_note, d.membership.address)
+    logger.info("duet: serving %s on %s (gRPC)%s (%d workers, policy %s, context %d tokens, %s; members from %s)",
+                router_config.model_name, d.router.address,
+                f" and {d.router.http_url} (OpenAI HTTP)" if d.router.http_url else "", len(d.controller.members()),
+                router_config.policy, d.max_model_len, d.cpus_note, d.membership.address)
 
 
 def _start_autoscaler(d: Deployment) -> None:
@@ -220,7 +230,7 @@ def _embedded_cpus(conn: RayConnection) -> int | None:
     return int(ray.cluster_resources().get("CPU", 1))
 
 
-def _check_port_free(host: str, port: int, key: str, flag: str) -> None:
+def _check_port_free(host: str, port: int, key: str, flag: str, off_hint: str = "0 = any free port") -> None:
     """Fail fast if something already listens on a port Duet binds only after workers loaded."""
     if port == 0:
         return
@@ -231,7 +241,7 @@ def _check_port_free(host: str, port: int, key: str, flag: str) -> None:
             s.bind((host.strip("[]"), port))
         except OSError as e:
             raise ServeError(f"{key}={port}: cannot listen on {host}:{port} ({e.strerror}); is another "
-                             f"`duet serve` running? pick another {flag} (0 = any free port)") from None
+                             f"`duet serve` running? pick another {flag} ({off_hint})") from None
 
 
 def effective_max_model_len(model_path: Path, configured: int | None, worker_endpoint: str) -> int:
@@ -267,8 +277,9 @@ def run_foreground(config: DuetConfig, *, with_router: bool = True, sources: dic
         try:
             deployment = start_deployment(config, with_router=with_router, sources=sources)
             if with_router:
-                logger.info("duet: ready. Try: duet generate --target %s \"Hello\"   (Ctrl-C stops)",
-                            deployment.address)
+                logger.info("duet: ready. gRPC on %s, OpenAI HTTP API on %s. Try: duet generate --target %s "
+                            "\"Hello\"%s   (Ctrl-C stops)", deployment.address, deployment.http_url or "(off)",
+                            deployment.address, f" or curl {deployment.http_url}/models" if deployment.http_url else "")
             else:
                 logger.info("duet: ready (no router). Membership at %s   (Ctrl-C stops)", deployment.address)
             threading.Event().wait()  # until a signal raises KeyboardInterrupt here

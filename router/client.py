@@ -25,6 +25,12 @@ chunks carry ``index``, and ``collect_choices`` joins them per choice::
  ``timeout`` (seconds) is the request's gRPC deadline. A failed request
 raises DuetError with the gRPC status code and the server's message (which names the bad field).
 
+Retries: RESOURCE_EXHAUSTED (the router's admission queue is full) and UNAVAILABLE (no healthy
+worker, or the router is restarting) *before the first token* are retried by gRPC itself with
+exponential backoff, ``retries=3`` times by default (``retry_options``; ``retries=0`` turns it off).
+Once tokens have streamed, an error is the caller's to handle (the router already resumes a
+request whose worker died mid-stream).
+
 A router with TLS, mTLS or bearer tokens (router/security.py)::
 
     tls = ClientTLS(ca_file="ca.pem")                                   # TLS: trust this CA
@@ -35,6 +41,7 @@ A router with TLS, mTLS or bearer tokens (router/security.py)::
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,10 +218,33 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return None if token is None else (("authorization", f"Bearer {token}"),)
 
 
+DEFAULT_RETRIES = 3
+
+
+def retry_options(retries: int = DEFAULT_RETRIES, *, initial_backoff_s: float = 0.2,
+                  max_backoff_s: float = 5.0) -> list[tuple[str, Any]]:
+    """Channel options that make gRPC itself retry duet.v1.Duet calls that fail with
+    RESOURCE_EXHAUSTED (admission full) or UNAVAILABLE (no healthy worker, router restarting)
+    *before the first response message*, up to ``retries`` times with exponential backoff and
+    jitter (gRPC's retry policy, A6: attempt k waits a random time up to
+    min(initial * 2^(k-1), max)). A stream that already delivered tokens is never retried: its
+    error reaches the caller. gRPC caps attempts at 5 (retries <= 4); 0 = no retries."""
+    if not 0 <= retries <= 4:
+        raise ValueError(f"retries={retries}: must be in 0..4 (gRPC allows at most 5 attempts)")
+    if retries == 0:
+        return [("grpc.enable_retries", 0)]
+    policy = {"maxAttempts": retries + 1, "initialBackoff": f"{initial_backoff_s}s", "maxBackoff": f"{max_backoff_s}s",
+              "backoffMultiplier": 2, "retryableStatusCodes": ["RESOURCE_EXHAUSTED", "UNAVAILABLE"]}
+    config = {"methodConfig": [{"name": [{"service": "duet.v1.Duet"}], "retryPolicy": policy}]}
+    return [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
+
+
 def open_channel(target: str, *, tls: ClientTLS | None = None, options: Sequence[tuple[str, Any]] = (),
-                 aio: bool = True) -> Any:
-    """A grpc(.aio) channel to ``target``: plaintext, or TLS with ``tls``."""
+                 aio: bool = True, retries: int = DEFAULT_RETRIES) -> Any:
+    """A grpc(.aio) channel to ``target``: plaintext, or TLS with ``tls``; duet.v1.Duet calls retry
+    RESOURCE_EXHAUSTED / UNAVAILABLE before the first token (``retry_options``)."""
     mod = grpc.aio if aio else grpc
+    options = retry_options(retries) + list(options)
     if tls is None:
         return mod.insecure_channel(target, options=list(options))
     return mod.secure_channel(target, tls.credentials(), options=list(options) + tls.options())
@@ -222,19 +252,23 @@ def open_channel(target: str, *, tls: ClientTLS | None = None, options: Sequence
 
 class DuetClient:
     """Async client; one HTTP/2 channel, opened on first use (inside the running event loop).
-    tls: connect with TLS (see ClientTLS); token: sent as 'authorization: Bearer <token>'."""
+    tls: connect with TLS (see ClientTLS); token: sent as 'authorization: Bearer <token>';
+    retries: RESOURCE_EXHAUSTED / UNAVAILABLE before the first token are retried this many times
+    with backoff (``retry_options``; 0 = off)."""
 
     def __init__(self, target: str = DEFAULT_TARGET, *, options: Sequence[tuple[str, Any]] = (),
-                 tls: ClientTLS | None = None, token: str | None = None) -> None:
+                 tls: ClientTLS | None = None, token: str | None = None, retries: int = DEFAULT_RETRIES) -> None:
         self.target = target
         self._options = list(options)
+        self._retries = retries
+        retry_options(retries)  # validate now, not on first use
         self._tls = tls
         self._metadata = auth_metadata(token)
         self._channel: grpc.aio.Channel | None = None
 
     def _stub(self) -> duet_pb2_grpc.DuetStub:
         if self._channel is None:
-            self._channel = open_channel(self.target, tls=self._tls, options=self._options)
+            self._channel = open_channel(self.target, tls=self._tls, options=self._options, retries=self._retries)
         return duet_pb2_grpc.DuetStub(self._channel)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
@@ -285,11 +319,12 @@ class DuetClient:
 
 
 def stream(prompt: str | None = None, *, target: str = DEFAULT_TARGET, timeout: float | None = None,
-           tls: ClientTLS | None = None, token: str | None = None, **kwargs: Any) -> Iterator[Chunk]:
+           tls: ClientTLS | None = None, token: str | None = None, retries: int = DEFAULT_RETRIES,
+           **kwargs: Any) -> Iterator[Chunk]:
     """Sync streaming (works inside a running event loop too: it uses the blocking gRPC API).
     Closing the iterator early cancels the request."""
     request = build_request(prompt, **kwargs)
-    with open_channel(target, tls=tls, aio=False) as channel:
+    with open_channel(target, tls=tls, aio=False, retries=retries) as channel:
         call = duet_pb2_grpc.DuetStub(channel).Generate(request, timeout=timeout, metadata=auth_metadata(token))
         try:
             for response in call:
@@ -301,12 +336,14 @@ def stream(prompt: str | None = None, *, target: str = DEFAULT_TARGET, timeout: 
 
 
 def complete(prompt: str | None = None, *, target: str = DEFAULT_TARGET, timeout: float | None = None,
-             tls: ClientTLS | None = None, token: str | None = None, **kwargs: Any) -> Completion:
+             tls: ClientTLS | None = None, token: str | None = None, retries: int = DEFAULT_RETRIES,
+             **kwargs: Any) -> Completion:
     """Sync: the whole completion (text, token ids, finish reason, usage)."""
-    return collect(stream(prompt, target=target, timeout=timeout, tls=tls, token=token, **kwargs))
+    return collect(stream(prompt, target=target, timeout=timeout, tls=tls, token=token, retries=retries, **kwargs))
 
 
 def generate_text(prompt: str | None = None, *, target: str = DEFAULT_TARGET, timeout: float | None = None,
-                  tls: ClientTLS | None = None, token: str | None = None, **kwargs: Any) -> str:
+                  tls: ClientTLS | None = None, token: str | None = None, retries: int = DEFAULT_RETRIES,
+                  **kwargs: Any) -> str:
     """Sync: just the completion text."""
-    return complete(prompt, target=target, timeout=timeout, tls=tls, token=token, **kwargs).text
+    return complete(prompt, target=target, timeout=timeout, tls=tls, token=token, retries=retries, **kwargs).text

@@ -30,6 +30,7 @@ from typing import Any
 from router.policies import DEFAULT_POLICY, PolicyConfigError, make_policy
 
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -65,6 +66,8 @@ class RouterConfig:
     max_model_len: int | None = None
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
+    # The OpenAI-compatible HTTP API (router/http/) on the same host; 0 = off. Same TLS and tokens.
+    http_port: int = DEFAULT_HTTP_PORT
     policy: str = DEFAULT_POLICY
     policy_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
     # Admission control.
@@ -119,6 +122,10 @@ class RouterConfig:
             _int_at_least("max_model_len", self.max_model_len, 2, " (or None to read it from the checkpoint)")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             _fail("port", self.port, "must be in 0..65535 (0 picks a free port)")
+        if not isinstance(self.http_port, int) or isinstance(self.http_port, bool) or not 0 <= self.http_port <= 65535:
+            _fail("http_port", self.http_port, "must be in 0..65535 (0 turns the HTTP API off)")
+        if self.http_port and self.http_port == self.port:
+            _fail("http_port", self.http_port, f"must differ from port={self.port} (the gRPC port)")
         if not isinstance(self.host, str) or not self.host:
             _fail("host", self.host, "must be a host name or address, e.g. 127.0.0.1 or 0.0.0.0")
         try:
@@ -175,6 +182,11 @@ class RouterConfig:
         """host:port to bind (IPv6 literals bracketed)."""
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         return f"{host}:{self.port}"
+
+    @property
+    def http(self) -> bool:
+        """Whether the router serves the OpenAI-compatible HTTP API (``http_port`` > 0)."""
+        return self.http_port != 0
 
 
 def _fail(name: str, value: object, what: str) -> None:

@@ -1,4 +1,5 @@
-"""The router's counters as Prometheus metrics over HTTP (``duet router --metrics-port``).
+"""The router's counters as Prometheus metrics over HTTP: ``GET /metrics`` on the router's HTTP API
+port (router/http_api/), or a plain metrics server (``duet router --metrics-port``).
 
 A collector reads ``RouterServer.stats()`` (the same snapshot ``duet status`` shows through
 duet.control.v1.RouterAdmin) at scrape time, so nothing is counted twice and the request path pays
@@ -177,24 +178,41 @@ class _RegistryCollector:
         yield from self._registry.collect()
 
 
-def metrics_registry(snapshot: Callable[[], dict[str, Any]], request_metrics: CollectorRegistry | None = None
-                     ) -> CollectorRegistry:
+class _LabelledCollector:
+    """Another collector's metrics with one more constant label on every sample (vLLM's
+    ``model_name``), so dashboards built for vLLM select Duet's series the same way."""
+
+    def __init__(self, inner: Any, name: str, value: str) -> None:
+        self._inner = inner
+        self._name = name
+        self._value = value
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._inner.collect():
+            family.samples = [s._replace(labels={**s.labels, self._name: self._value}) for s in family.samples]
+            yield family
+
+
+def metrics_registry(snapshot: Callable[[], dict[str, Any]], request_metrics: CollectorRegistry | None = None,
+                     model_name: str | None = None) -> CollectorRegistry:
     """A registry with everything a router exports: its counters, the workers' load, and (given
-    the router's ``RequestMetrics.registry``) the per-pool request histograms."""
-    registry = CollectorRegistry()
-    registry.register(RouterStatsCollector(snapshot))
-    registry.register(WorkerLoadCollector(snapshot))
+    the router's ``RequestMetrics.registry``) the per-pool request histograms; with
+    ``model_name``, every sample also carries the label ``model_name``."""
+    collectors: list[Any] = [RouterStatsCollector(snapshot), WorkerLoadCollector(snapshot)]
     if request_metrics is not None:
-        registry.register(_RegistryCollector(request_metrics))
+        collectors.append(_RegistryCollector(request_metrics))
+    registry = CollectorRegistry()
+    for c in collectors:
+        registry.register(c if model_name is None else _LabelledCollector(c, "model_name", model_name))
     return registry
 
 
 def serve_metrics(port: int, snapshot: Callable[[], dict[str, Any]], request_metrics: CollectorRegistry | None = None,
-                  host: str = "0.0.0.0") -> Any:
+                  host: str = "0.0.0.0", model_name: str | None = None) -> Any:
     """Serve /metrics on host:port (see ``metrics_registry``); returns the HTTP server
     (``.shutdown()`` then ``.server_close()`` stop it; ``.server_port`` is the bound port, useful
     with port 0)."""
-    registry = metrics_registry(snapshot, request_metrics)
+    registry = metrics_registry(snapshot, request_metrics, model_name)
     server, _thread = start_http_server(port, addr=host, registry=registry)
     logger.info("router metrics on http://%s:%d/metrics", host, server.server_port)
     return server

@@ -1,4 +1,7 @@
-"""Transport security and authentication for the router's public endpoint.
+"""Transport security and authentication for the router's public endpoints (gRPC, and the
+OpenAI-compatible HTTP API of router/http_api/, which applies the same TLS files and tokens:
+``Authorization: Bearer <token>``; the /v1 paths need ``generate``, /metrics ``admin``, /health is
+open; 401 and 403 stand for UNAUTHENTICATED and PERMISSION_DENIED).
 
 Three independent switches (all off by default, for a router on localhost):
 
@@ -140,24 +143,34 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if scope is None:
             return await continuation(details)
         header = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
+        denied = self.check(header, scope, details.method)
+        if denied is not None:
+            return await self._deny(continuation, details, *denied)
+        return await continuation(details)
+
+    def check(self, header: str | bytes | None, scope: str, what: str) -> tuple[grpc.StatusCode, str] | None:
+        """None if the ``authorization`` value ``header`` carries a token with ``scope``; else the
+        status (UNAUTHENTICATED or PERMISSION_DENIED) and message, counted in ``rejected``. The
+        gRPC interceptor and the HTTP API (router/http/) both decide here. what: the method or
+        path, for the message."""
         if header is None:
-            return await self._deny(continuation, details, grpc.StatusCode.UNAUTHENTICATED,
-                                    "missing 'authorization: Bearer <token>' metadata")
+            return self._count(grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <token>' header")
         scheme, _, token = (header if isinstance(header, str) else header.decode(errors="replace")).partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            return await self._deny(continuation, details, grpc.StatusCode.UNAUTHENTICATED,
-                                    "the authorization metadata must be 'Bearer <token>'")
+            return self._count(grpc.StatusCode.UNAUTHENTICATED, "the authorization header must be 'Bearer <token>'")
         scopes = self.store.scopes(token.strip())
         if scopes is None:
-            return await self._deny(continuation, details, grpc.StatusCode.UNAUTHENTICATED, "unknown token")
+            return self._count(grpc.StatusCode.UNAUTHENTICATED, "unknown token")
         if scope not in scopes:
-            return await self._deny(continuation, details, grpc.StatusCode.PERMISSION_DENIED,
-                                    f"this token lacks the '{scope}' scope that {details.method} needs")
-        return await continuation(details)
+            return self._count(grpc.StatusCode.PERMISSION_DENIED, f"this token lacks the '{scope}' scope that {what} needs")
+        return None
+
+    def _count(self, code: grpc.StatusCode, message: str) -> tuple[grpc.StatusCode, str]:
+        self.rejected[code.name.lower()] += 1
+        return code, message
 
     async def _deny(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                     details: grpc.HandlerCallDetails, code: grpc.StatusCode, message: str) -> Any:
-        self.rejected[code.name.lower()] += 1
         logger.info("rejected %s: %s %s", details.method, code.name, message)
         handler = await continuation(details)
         if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED

@@ -1,4 +1,6 @@
-"""The router's public gRPC server: duet.v1.Duet, grpc.health.v1 and server reflection.
+"""The router's public gRPC server: duet.v1.Duet, grpc.health.v1 and server reflection; and, on
+``config.http_port`` (0 = off), the OpenAI-compatible HTTP API (router/http_api/) on the same event
+loop, answering from the same Pipeline, auth and metrics.
 
 Two ways to run it:
 
@@ -53,8 +55,11 @@ from router.config import RouterConfig, RouterConfigError
 from router.membership import MembershipWatcher
 from router.fanout import FanOut
 from router.pipeline import Pipeline
+from router.http_api.app import HttpContext, create_app
+from router.http_api.server import HttpApiServer
 from router.policies import make_policy
 from router.preprocess import RequestError, ServedModel
+from router.prometheus import metrics_registry
 from router.request_metrics import RequestMetrics
 from router.security import BearerTokenInterceptor, SecurityConfigError, TokenStore, server_credentials
 from router.workers import WorkerDirectory
@@ -158,6 +163,12 @@ class RouterServer:
         self._health_tasks: set[asyncio.Task[None]] = set()
         self.membership: MembershipWatcher | None = None
         self.membership_version = 0
+        self.http: HttpApiServer | None = None
+        if config.http:  # the OpenAI-compatible API: same pipeline, auth and metrics, its own port
+            self.http = HttpApiServer(config, create_app(HttpContext(
+                FanOut(self.pipeline, config.max_n), model, self.auth, self.serving,
+                metrics_registry(self.stats, self.metrics.registry, model_name=config.model_name),
+                config.max_request_bytes)))
 
     async def _start(self, members: Members) -> None:
         add_duet_service(DuetServicer(self.pipeline, self.config.max_n), self._server)
@@ -176,6 +187,8 @@ class RouterServer:
             raise RouterConfigError(f"port: cannot listen on {self.config.address} ({e}); is another "
                                     "router running there? pick another port (0 = any free port)") from None
         await self._server.start()
+        if self.http is not None:
+            await self.http.start()
         await self.directory.set_members(members)
         if self.config.membership_address is not None:
             self.membership = MembershipWatcher(self.config.membership_address, self._apply_members,
@@ -186,8 +199,8 @@ class RouterServer:
                                "what it has (%d workers) and still trying", self.config.membership_address,
                                self.config.membership_wait_s, len(self.directory.snapshot()))
         security = ("mTLS" if self.config.tls_client_ca_file else "TLS") if self.config.tls else "plaintext"
-        logger.info("router serving %s on %s (%s%s; policy %s, %d workers, %d healthy)", self.config.model_name,
-                    self.address, security, ", bearer tokens" if self.auth else "", self.config.policy,
+        logger.info("router serving %s on %s%s (%s%s; policy %s, %d workers, %d healthy)", self.config.model_name,
+                    self.address, f" (gRPC) and {self.http_url} (HTTP)" if self.http else "", security, ", bearer tokens" if self.auth else "", self.config.policy,
                     len(self.directory.snapshot()), sum(w.healthy for w in self.directory.snapshot()))
 
     @property
@@ -196,6 +209,23 @@ class RouterServer:
         host = self.config.host
         host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
         return f"[{host}]:{self.port}" if ":" in host and not host.startswith("[") else f"{host}:{self.port}"
+
+    @property
+    def http_address(self) -> str | None:
+        """host:port of the HTTP API (None when http_port is 0)."""
+        if self.http is None:
+            return None
+        host, _, _ = self.address.rpartition(":")
+        return f"{host}:{self.http.port}"
+
+    @property
+    def http_url(self) -> str | None:
+        """The OpenAI base URL clients use, e.g. http://127.0.0.1:8000/v1 (None without HTTP)."""
+        return None if self.http is None else f"{self.http.scheme}://{self.http_address}/v1"
+
+    def serving(self) -> bool:
+        """Ready: at least one healthy worker and not shutting down (what both health checks say)."""
+        return not self._stopped and self.directory.any_healthy()
 
     async def set_members(self, members: Members) -> None:
         """Make the worker pool exactly ``members``; returns once newcomers have been polled."""
@@ -226,7 +256,9 @@ class RouterServer:
         await self.health.enter_graceful_shutdown()
         if self.membership is not None:
             await self.membership.stop()
-        await self._server.stop(self.config.shutdown_grace_s if grace is None else grace)
+        grace = self.config.shutdown_grace_s if grace is None else grace
+        stops = [self._server.stop(grace)] + ([self.http.stop(grace)] if self.http is not None else [])
+        await asyncio.gather(*stops)
         await self.directory.close()
         logger.info("router on %s stopped", self.address)
 
@@ -275,6 +307,8 @@ class RouterHandle:
         self.server = server
         self.port = server.port
         self.address = server.address
+        self.http_address = server.http_address  # host:port of the HTTP API, None when off
+        self.http_url = server.http_url  # its OpenAI base URL (http://host:port/v1)
 
     def _run(self, coro: Any, timeout: float | None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -342,6 +376,7 @@ def _parse_args(argv: list[str] | None) -> tuple[RouterConfig, list[tuple[str, s
     p.add_argument("--model-name", default=RouterConfig.model_name)
     p.add_argument("--host", default=RouterConfig.host)
     p.add_argument("--port", type=int, default=RouterConfig.port)
+    p.add_argument("--http-port", type=int, default=RouterConfig.http_port, help="OpenAI-compatible HTTP API; 0 = off")
     p.add_argument("--policy", default=RouterConfig.policy)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--worker", action="append", default=[], metavar="ID=HOST:PORT", help="repeat per worker")
@@ -357,7 +392,7 @@ def _parse_args(argv: list[str] | None) -> tuple[RouterConfig, list[tuple[str, s
         members.append((wid, endpoint))
     try:
         config = RouterConfig(tokenizer_path=args.tokenizer, model_name=args.model_name, host=args.host,
-                              port=args.port, policy=args.policy, max_model_len=args.max_model_len,
+                              port=args.port, http_port=args.http_port, policy=args.policy, max_model_len=args.max_model_len,
                               membership_address=args.membership)
     except RouterConfigError as e:
         p.error(str(e))

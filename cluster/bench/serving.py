@@ -1,12 +1,17 @@
-"""`duet bench`: Poisson load over gRPC, serving latency percentiles, goodput, and router overhead.
+"""`duet bench`: Poisson load over gRPC or the OpenAI HTTP API, serving latency percentiles, goodput,
+and router overhead.
 
 Two ways to run it:
 
     duet bench                               # self-hosted: start a 1-worker deployment (embedded Ray,
                                              # SmolLM2), measure router vs direct-to-worker, stop it
-    duet bench --target HOST:PORT [--worker-endpoint HOST:PORT]
+    duet bench --target HOST:PORT [--worker-endpoint HOST:PORT] [--http-target HOST:PORT]
                                              # an already running router (and optionally one of its
-                                             # workers' internal endpoints for the overhead columns)
+                                             # workers' internal endpoints for the overhead columns,
+                                             # and its HTTP API for the api phase / --api openai)
+
+``--api grpc|openai`` picks the API the router path of the overhead and rates phases drives (the
+same requests either way; cluster/bench/api.py has the HTTP sender).
 
 Phases (each phase sends the same requests on both paths; metrics in cluster/bench/metrics.py,
 workload and senders in cluster/bench/load_gen.py):
@@ -20,6 +25,12 @@ workload and senders in cluster/bench/load_gen.py):
                 worker (cluster/bench/echo_worker.py, its own process) behind a router in this process:
                 without the engine's ±10 ms step jitter the router's sub-millisecond cost is resolved
                 precisely. Runs in both modes (it starts its own router and echo worker).
+    api         the same requests over gRPC and over the OpenAI HTTP API of the same router, one at a
+                time, back to back: HTTP's added TTFT and time per token (cluster/bench/api.py),
+                against the real worker and, in the echo phase, the echo worker. Targets: < 1 ms
+                TTFT, < 0.1 ms per token.
+    n           one sample vs n=4 samples of a ~500-token prompt (fresh prompts per trial): E2E
+                ratio. Target < 2x (the prompt is computed once).
 
 Writes JSON (every summary plus the raw per-request timings) to ``--out`` (default
 ``duet-bench/serving_bench.json`` under the current directory) and, when matplotlib is installed, a
@@ -45,6 +56,8 @@ from typing import Any
 
 import grpc
 
+from cluster.bench.api import (OpenAISender, http_client, long_prompts, measure_api_overhead, measure_n_fanout,
+                               print_api_report)
 from cluster.bench.load_gen import (BenchRequest, RouterSender, Sender, WorkerSender, build_workload,
                                  poisson_arrivals, run_alternating, run_open_loop)
 from cluster.bench.metrics import SLO, RequestRecord, percentile, summarize
@@ -63,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-endpoint", default=None,
                    help="one worker's internal host:port, for the direct (router overhead) columns; found "
                    "automatically when self-hosted")
+    p.add_argument("--api", choices=("grpc", "openai"), default="grpc",
+                   help="the API the router path drives in the overhead and rates phases (default grpc)")
+    p.add_argument("--http-target", default=None, help="the router's HTTP API host:port (needed for --api openai "
+                   "and the api phase against --target; found automatically when self-hosted)")
+    p.add_argument("--api-compare-requests", type=int, default=24,
+                   help="request pairs (gRPC, HTTP) in the api phase, 0 = skip (default 24)")
+    p.add_argument("--n-trials", type=int, default=4, help="n=1 vs n=4 trials on long prompts, 0 = skip (default 4)")
+    p.add_argument("--n-max-tokens", type=int, default=32, help="tokens per choice in the n phase (default 32)")
+    p.add_argument("--n-prompt-tokens", type=int, default=500, help="prompt length in the n phase (default 500)")
     p.add_argument("--model", default="SmolLM2-135M-Instruct",
                    help="model name or checkpoint dir (tokenizer for the workload; served when self-hosted)")
     p.add_argument("--rates", default="1,2,4,inf", help="Poisson request rates in req/s, comma-separated; "
@@ -160,8 +182,12 @@ async def run_phases(args: argparse.Namespace, target: str, worker_endpoint: str
     from router.client import open_channel
 
     tls, token = client_security(args)
-    channels = [open_channel(target, tls=tls)]
-    senders: list[Sender] = [RouterSender(channels[0], args.timeout, token)]
+    if args.api == "openai" and not args.http_target:
+        raise ValueError("--api openai needs --http-target (the router's HTTP API host:port)")
+    channels = [open_channel(target, tls=tls, retries=0)]  # a rejection is a measured error, not retried
+    http = http_client(args.http_target, args.timeout, tls, token) if args.http_target else None
+    senders: list[Sender] = [OpenAISender(http, args.timeout, name="router") if args.api == "openai"
+                             else RouterSender(channels[0], args.timeout, token)]
     if worker_endpoint:
         channels.append(grpc.aio.insecure_channel(worker_endpoint))
         senders.append(WorkerSender(channels[1], args.timeout))
@@ -170,12 +196,32 @@ async def run_phases(args: argparse.Namespace, target: str, worker_endpoint: str
         if worker_endpoint and args.overhead_requests > 0:
             logger.info("overhead phase: %d requests per path, one at a time", args.overhead_requests)
             out["overhead"] = await measure_overhead(senders, requests[:args.overhead_requests])
+        if args.http_target and args.api_compare_requests > 0:
+            logger.info("api phase: %d requests over gRPC and over HTTP, one at a time", args.api_compare_requests)
+            out["api_overhead"] = await measure_api_overhead(target, args.http_target,
+                                                             requests[:args.api_compare_requests], args.timeout,
+                                                             tls, token)
         if not args.overhead_only:
             out["rates"] = await measure_rates(senders, requests[:args.num_requests], rates, args.seed, slo)
+            if args.n_trials > 0:
+                logger.info("n phase: %d trials of n=1 vs n=4 on %d-token prompts", args.n_trials, args.n_prompt_tokens)
+                out["n_fanout"] = await measure_n_fanout(
+                    target, long_prompts(_tokenizer(args.model), 2 * args.n_trials + 2, args.n_prompt_tokens),
+                    args.n_max_tokens, args.timeout, prompt_tokens=args.n_prompt_tokens, tls=tls, token=token)
         return out
     finally:
         for ch in channels:
             await ch.close()
+        if http is not None:
+            await http.aclose()
+
+
+def _tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    from workers.models.assets import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(model)))
 
 
 def _quartiles(values: list[float]) -> list[float]:
@@ -202,7 +248,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--overhead-requests and --echo-overhead-requests must be >= 0")
     model_path = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-    n = max(args.num_requests, args.overhead_requests, args.echo_overhead_requests)
+    if args.api_compare_requests < 0 or args.n_trials < 0 or args.n_max_tokens < 1 or args.n_prompt_tokens < 1:
+        raise ValueError("--api-compare-requests and --n-trials must be >= 0, --n-max-tokens and --n-prompt-tokens "
+                         ">= 1")
+    n = max(args.num_requests, args.overhead_requests, args.echo_overhead_requests, args.api_compare_requests)
     requests = build_workload(tokenizer, n, seed=args.seed, min_output=args.min_output, max_output=args.max_output)
     slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3, None if args.slo_e2e_ms is None else args.slo_e2e_ms / 1e3)
     res: dict[str, Any] = {
@@ -210,7 +259,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "min_output": args.min_output, "max_output": args.max_output, "seed": args.seed,
                    "overhead_requests": args.overhead_requests,
                    "echo_overhead_requests": args.echo_overhead_requests, "slo_ttft_ms": args.slo_ttft_ms,
-                   "slo_tpot_ms": args.slo_tpot_ms, "slo_e2e_ms": args.slo_e2e_ms,
+                   "slo_tpot_ms": args.slo_tpot_ms, "slo_e2e_ms": args.slo_e2e_ms, "api": args.api,
+                   "api_compare_requests": args.api_compare_requests, "n_trials": args.n_trials,
                    "self_hosted": args.target is None},
         "machine": machine(), "code": code_version(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -220,20 +270,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from cluster.config import load_config
         from cluster.serve import start_deployment
 
-        overrides = {"model.name": args.model, "router.port": 0, "controller.port": 0, "pool.replicas": 1,
+        overrides = {"model.name": args.model, "router.port": 0, "router.http_port": _free_port(),
+                     "controller.port": 0, "pool.replicas": 1,
                      "pool.cpus_per_replica": args.cpus_per_replica,
                      "pool.engine.enable_prefix_caching": False if args.no_prefix_caching else None}
         config = load_config(None, overrides=overrides, env={})
         with start_deployment(config, log_to_driver=False) as d:
             res["config"]["deployment"] = config.to_dict()
-            res.update(_load_from_subprocess(args, d.address, d.controller.members()[0][1]))
+            res.update(_load_from_subprocess(args, d.address, d.controller.members()[0][1],
+                                             http_target=d.router.http_address))
     if args.echo_overhead_requests > 0 and not args.overhead_only:
         res["overhead_echo"] = measure_echo_overhead(args, model_path)
+        if "api" in res["overhead_echo"]:
+            res["api_overhead_echo"] = res["overhead_echo"].pop("api")
     return res
 
 
 def _load_from_subprocess(args: argparse.Namespace, target: str, worker_endpoint: str, *,
-                          overhead_requests: int | None = None, overhead_only: bool = False) -> dict[str, Any]:
+                          overhead_requests: int | None = None, overhead_only: bool = False,
+                          http_target: str | None = None) -> dict[str, Any]:
     """Run the load phases in a child process: a client sharing the router's process (and its GIL)
     would slow the router path it measures."""
     import tempfile
@@ -246,14 +301,18 @@ def _load_from_subprocess(args: argparse.Namespace, target: str, worker_endpoint
                "--min-output", str(args.min_output), "--max-output", str(args.max_output), "--overhead-requests",
                str(n_overhead), "--echo-overhead-requests", "0", "--seed", str(args.seed),
                "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms),
-               "--timeout", str(args.timeout), "--out", str(out), "--no-plot"]
+               "--timeout", str(args.timeout), "--out", str(out), "--no-plot", "--api", args.api,
+               "--api-compare-requests", str(args.api_compare_requests), "--n-trials", str(args.n_trials),
+               "--n-max-tokens", str(args.n_max_tokens), "--n-prompt-tokens", str(args.n_prompt_tokens)]
+        if http_target or args.http_target:
+            cmd += ["--http-target", http_target or args.http_target]
         if args.slo_e2e_ms is not None:
             cmd += ["--slo-e2e-ms", str(args.slo_e2e_ms)]
         if overhead_only:
             cmd.append("--overhead-only")
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)  # its logs stay on stderr
         child = json.loads(out.read_text())
-    return {k: child[k] for k in ("overhead", "rates") if k in child}
+    return {k: child[k] for k in ("overhead", "rates", "api_overhead", "n_fanout") if k in child}
 
 
 ECHO_GAP_MS = 1.0  # the echo worker's pace between streamed ids
@@ -270,13 +329,13 @@ def measure_echo_overhead(args: argparse.Namespace, model_path: Path) -> dict[st
                              "--gap-ms", str(ECHO_GAP_MS)], stdout=subprocess.PIPE, text=True)
     try:
         endpoint = f"127.0.0.1:{_read_echo_port(proc)}"
-        config = RouterConfig(tokenizer_path=str(model_path), port=0)  # the default policy and limits
+        config = RouterConfig(tokenizer_path=str(model_path), port=0, http_port=_free_port())  # default policy, limits
         with serve_router(config, [("echo", endpoint)]) as router:
             _wait_serving(router.address)
             logger.info("echo phase: %d requests per path against a zero-compute worker at %s",
                         args.echo_overhead_requests, endpoint)
-            res = _load_from_subprocess(args, router.address, endpoint,
-                                        overhead_requests=args.echo_overhead_requests, overhead_only=True)
+            res = _load_from_subprocess(args, router.address, endpoint, overhead_requests=args.echo_overhead_requests,
+                                        overhead_only=True, http_target=router.http_address)
     finally:
         proc.terminate()
         try:
@@ -284,6 +343,8 @@ def measure_echo_overhead(args: argparse.Namespace, model_path: Path) -> dict[st
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    if "api_overhead" in res:
+        res["overhead"]["api"] = res["api_overhead"]
     return {**res["overhead"], "echo_gap_ms": ECHO_GAP_MS, "policy": config.policy}
 
 
@@ -301,6 +362,14 @@ def _read_echo_port(proc: subprocess.Popen[str], timeout: float = 60.0) -> int:
             if not line and proc.poll() is not None:
                 break
     raise RuntimeError(f"the echo worker did not start (exit code {proc.poll()}); see its log above")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _wait_serving(address: str, timeout: float = 30.0) -> None:
@@ -324,12 +393,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request of the HTTP sender
     try:
         res = run(args)
     except ValueError as e:
         print(f"duet bench: error: {e}", file=sys.stderr)
         return 2
     print_report(res)
+    print_api_report(res)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1, default=str))
     print(f"\nwrote {args.out}")

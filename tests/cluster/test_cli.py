@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 DUET = [sys.executable, "-m", "cluster.cli"]
@@ -82,6 +83,9 @@ def test_busy_port_and_missing_router_fail_fast_with_one_line(smollm2_path):
         assert r.returncode == 1 and time.monotonic() - t0 < 30
         assert f"router.port={port}: cannot listen" in r.stderr and "Traceback" not in r.stderr
         assert "Started a local Ray" not in r.stderr  # checked before anything was started
+        r = _run("serve", "--model", str(smollm2_path), "--port", "0", "--http-port", str(port))
+        assert r.returncode == 1 and f"router.http_port={port}: cannot listen" in r.stderr, r.stderr
+        assert "--http-port" in r.stderr and "Traceback" not in r.stderr
         r = _run("generate", "--target", f"127.0.0.1:{port}", "Hello", "--timeout", "3")
     assert r.returncode == 1 and r.stderr.startswith("duet: error: ") and "Traceback" not in r.stderr
 
@@ -134,16 +138,17 @@ class _Lines:
 
 
 def test_serve_generate_status_and_ctrl_c(smollm2_path):
-    port = _free_port()
+    port, http_port = _free_port(), _free_port()
     proc = subprocess.Popen(
-        [*DUET, "serve", "--model", str(smollm2_path), "--port", str(port), "--controller-port", "0", "--replicas", "1",
-         "--kv-cache-memory", "64MiB", "--ray-num-cpus", "1"],
+        [*DUET, "serve", "--model", str(smollm2_path), "--port", str(port), "--http-port", str(http_port),
+         "--controller-port", "0", "--replicas", "1", "--kv-cache-memory", "64MiB", "--ray-num-cpus", "1"],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = _Lines(proc)
     try:
         ray_line = out.wait_for(r"ray: embedded cluster at (\S+) .*session (\S+)\)", timeout=120)
         gcs_address, session_dir = ray_line.group(1), ray_line.group(2)
-        out.wait_for(rf"duet: ready\. Try: duet generate --target 127\.0\.0\.1:{port}", timeout=240)
+        out.wait_for(rf"duet: ready\. gRPC on 127\.0\.0\.1:{port}, OpenAI HTTP API on "
+                     rf"http://127\.0\.0\.1:{http_port}/v1\. Try: duet generate --target 127\.0\.0\.1:{port}", timeout=240)
 
         gen = _run("generate", "--target", f"127.0.0.1:{port}", "Hello", "--max-tokens", "5", "--temperature", "0")
         assert gen.returncode == 0, gen.stderr
@@ -162,6 +167,10 @@ def test_serve_generate_status_and_ctrl_c(smollm2_path):
         assert stats["membership_version"] >= 1 and [w["worker_id"] for w in stats["workers"]] == ["default-0"]
         assert [(w["worker_id"], w["health"]) for w in s["workers"]] == [("default-0", "SERVING")]
         assert s["workers"][0]["load"]["kv_blocks_used"] == 0
+        # the OpenAI-compatible API of the same router (both addresses were printed above)
+        r = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json={"prompt": "Hello", "max_tokens": 5,
+                                                                            "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
 
         assert any("raylet" in p for p in _processes_mentioning(session_dir))  # the leak check below can see it
         proc.send_signal(signal.SIGINT)

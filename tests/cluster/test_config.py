@@ -63,8 +63,13 @@ ray: {num_cpus: 4}
     assert (c.router.port, c.pool.replicas, c.model.name) == (7000, 2, "/models/b")
     assert c.pool.engine.kv_cache_memory_bytes == 1 << 30 and c.pool.engine.block_size == 32  # untouched
 
-    c = load_config(path, env=env, overrides={"router.port": 8000, "pool.replicas": None, "router.policy": "round_robin"})
-    assert (c.router.port, c.pool.replicas, c.router.policy) == (8000, 2, "round_robin")  # None = flag not given
+    c = load_config(path, env=env, overrides={"router.port": 8100, "pool.replicas": None, "router.policy": "round_robin"})
+    assert (c.router.port, c.pool.replicas, c.router.policy) == (8100, 2, "round_robin")  # None = flag not given
+    c = load_config(path, env={**env, "DUET_HTTP_PORT": "0"}, overrides={"router.http_port": 8200})
+    assert c.router.http_port == 8200 and c.to_router_config("/ckpt").http_port == 8200  # flag > env > default
+    assert load_config(path, env={"DUET_HTTP_PORT": "0"}).to_router_config("/ckpt").http is False
+    with pytest.raises(ClusterConfigError, match=r"^router.http_port=6000 .*must differ from router.port=6000"):
+        load_config(path, env={"DUET_HTTP_PORT": "6000"})
 
 
 def test_config_file_from_env_and_ray_address(tmp_path):

@@ -180,6 +180,11 @@ def test_configmap_loads_with_duets_loader_and_matches_the_objects(variant, tmp_
     assert int(membership.split(":")[1]) == config.controller.port == service["spec"]["ports"][0]["port"]
     ports = {p["name"]: p["containerPort"] for p in router["ports"]}
     assert ports["grpc"] == config.router.port
+    # the OpenAI-compatible HTTP API: the config's port, a container port and a Service port named http
+    assert ports["http"] == config.router.http_port == values["router"]["httpPort"] > 0
+    router_service = one(by_kind, "Service", f"{FULLNAME}-router")["spec"]["ports"]
+    assert {"name": "http", "port": config.router.http_port, "targetPort": "http"}.items() <= \
+        next(p for p in router_service if p["name"] == "http").items()
     if values["router"]["tls"]["secretName"]:  # kubelet's gRPC probes cannot do TLS: the healthcheck command
         command = router["readinessProbe"]["exec"]["command"]
         assert command[:3] == ["python", "-m", "router.healthcheck"]

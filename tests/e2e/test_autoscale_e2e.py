@@ -60,7 +60,7 @@ autoscaling:
     - {{pool: decode, slo_tpot_ms: 2000, profile: {tmp / 'profile.json'}, min_replicas: 1, max_replicas: 2}}
 """)
     config = load_config(tmp / "duet.yaml", env={}, overrides={
-        "model.name": str(smollm2_path), "router.port": 0, "controller.port": 0, "router.policy": "least_loaded",
+        "model.name": str(smollm2_path), "router.port": 0, "router.http_port": 0, "controller.port": 0, "router.policy": "least_loaded",
         "ray.namespace": NAMESPACE, "controller.poll_interval_s": 0.2, "controller.start_timeout_s": 240})
     d = start_deployment(config, router_overrides=dict(load_poll_interval_s=0.1))
     yield d

@@ -55,7 +55,7 @@ pools:
   - {{name: decode, role: decode, replicas: 1, cpus_per_replica: 1, engine: {{kv_cache_memory_bytes: {KV_BYTES}}}}}
 """)
     config = load_config(path, env={}, overrides={
-        "model.name": str(smollm2_path), "router.port": 0, "controller.port": 0, "router.policy": "least_loaded",
+        "model.name": str(smollm2_path), "router.port": 0, "router.http_port": 0, "controller.port": 0, "router.policy": "least_loaded",
         "router.disagg_min_prompt_tokens": 32, "ray.namespace": NAMESPACE, "controller.poll_interval_s": 0.2,
         "controller.start_timeout_s": 240})
     d = start_deployment(config, router_overrides=dict(load_poll_interval_s=0.1, stream_failure_cooldown_s=0.2))

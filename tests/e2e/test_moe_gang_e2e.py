@@ -46,7 +46,7 @@ def reference(tiny):
 def deployment(ray_cluster, tiny, reference):
     config = load_config(env={}, overrides={
         "model.name": str(tiny), "pool.replicas": 1, "pool.cpus_per_replica": 1, "pool.ep_size": 2,
-        "pool.engine.kv_cache_memory_bytes": KV_BYTES, "router.port": 0, "controller.port": 0,
+        "pool.engine.kv_cache_memory_bytes": KV_BYTES, "router.port": 0, "router.http_port": 0, "controller.port": 0,
         "ray.namespace": NAMESPACE, "controller.poll_interval_s": 0.2, "controller.start_timeout_s": 240})
     # Router resumption off: these tests check the gang's own failure semantics (its streams end with
     # UNAVAILABLE when a rank dies), which resumption would hide by continuing once the gang re-forms

@@ -49,7 +49,7 @@ def reference(smollm2_path):
 def deployment(ray_cluster, smollm2_path, reference):
     config = load_config(env={}, overrides={
         "model.name": str(smollm2_path), "pool.replicas": 2, "pool.cpus_per_replica": 1,
-        "pool.engine.kv_cache_memory_bytes": KV_BYTES, "router.port": 0, "controller.port": 0, "router.policy": "round_robin",
+        "pool.engine.kv_cache_memory_bytes": KV_BYTES, "router.port": 0, "router.http_port": 0, "controller.port": 0, "router.policy": "round_robin",
         "ray.namespace": NAMESPACE, "controller.poll_interval_s": 0.2, "controller.start_timeout_s": 240})
     d = start_deployment(config, router_overrides=dict(load_poll_interval_s=0.1, load_poll_timeout_s=2.0,
                                                        stream_failure_cooldown_s=0.5))

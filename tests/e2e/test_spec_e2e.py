@@ -37,7 +37,7 @@ def reference(smollm2_path):
 def deployment(ray_cluster, smollm2_path, reference):
     config = load_config(env={}, overrides={
         "model.name": str(smollm2_path), "pool.replicas": 1, "pool.cpus_per_replica": 1,
-        "pool.engine.kv_cache_memory_bytes": KV_BYTES, "router.port": 0, "controller.port": 0,
+        "pool.engine.kv_cache_memory_bytes": KV_BYTES, "router.port": 0, "router.http_port": 0, "controller.port": 0,
         "pool.speculative.method": "draft_model", "pool.speculative.draft_model": str(smollm2_path),
         "pool.speculative.draft_quantization": "int8", "pool.speculative.num_speculative_tokens": 4,
         "pool.speculative.adaptive": False,  # always draft (a same-size drafter rarely pays; this tests the path)

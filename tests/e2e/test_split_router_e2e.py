@@ -53,7 +53,7 @@ def test_controller_without_router_and_a_separate_router_process(ray_cluster, sm
     config_file = tmp_path / "duet.yaml"  # the file the chart's ConfigMap would hold, in miniature
     config_file.write_text(f"model: {{name: {smollm2_path}}}\nrouter: {{policy: round_robin, max_queue: 7}}\n")
     config = load_config(config_file, env={}, overrides={
-        "pool.engine.kv_cache_memory_bytes": "64MiB", "controller.port": 0, "router.port": _free_port(),
+        "pool.engine.kv_cache_memory_bytes": "64MiB", "controller.port": 0, "router.port": _free_port(), "router.http_port": 0,
         "ray.namespace": "duet_split", "controller.poll_interval_s": 0.2, "controller.start_timeout_s": 240})
     with start_deployment(config, with_router=False) as d:
         assert d.router is None and d.address == d.membership.address

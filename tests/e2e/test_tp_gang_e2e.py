@@ -30,7 +30,7 @@ def reference(smollm2_path):
 def test_tp_gang_serves_single_rank_tokens(ray_cluster, smollm2_path, reference):
     config = load_config(env={}, overrides={
         "model.name": str(smollm2_path), "pool.replicas": 1, "pool.cpus_per_replica": 1, "pool.tp_size": 2,
-        "pool.engine.kv_cache_memory_bytes": KV_BYTES, "router.port": 0, "controller.port": 0,
+        "pool.engine.kv_cache_memory_bytes": KV_BYTES, "router.port": 0, "router.http_port": 0, "controller.port": 0,
         "ray.namespace": "duet_tp_e2e", "controller.start_timeout_s": 240})
     d = start_deployment(config)
     try:

@@ -98,7 +98,7 @@ def cluster(smollm2_path, tok):
     for s in (decode, *prefills):
         s.start()
     members = [("d0", decode.endpoint, "decode")] + [(s.worker.worker_id, s.endpoint, "prefill") for s in prefills]
-    config = RouterConfig(tokenizer_path=str(smollm2_path), port=0, policy="least_loaded", load_poll_interval_s=0.05,
+    config = RouterConfig(tokenizer_path=str(smollm2_path), port=0, http_port=0, policy="least_loaded", load_poll_interval_s=0.05,
                           disagg_min_prompt_tokens=32, stream_failure_cooldown_s=0.0, load_poll_timeout_s=0.3)
     handle = serve_router(config, members)
     wait_until(lambda: all(w["healthy"] for w in handle.server.directory.describe()), what="workers healthy")

@@ -3,6 +3,7 @@ sync helpers stream, collect, cancel, and raise DuetError with the server's stat
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import grpc
@@ -18,7 +19,7 @@ from router.server import serve_router
 
 @pytest.fixture(scope="module")
 def target(smollm2_path, tok, pool):
-    config = RouterConfig(tokenizer_path=str(smollm2_path), port=0, max_model_len=512, policy="round_robin",
+    config = RouterConfig(tokenizer_path=str(smollm2_path), port=0, http_port=0, max_model_len=512, policy="round_robin",
                           load_poll_interval_s=0.05)
     with serve_router(config, members(pool), tokenizer=tok) as handle:
         yield handle.address
@@ -123,6 +124,38 @@ def test_build_request():
         with pytest.raises(ValueError, match="exactly one"):
             build_request(**bad)
     assert Chunk.from_proto(duet_pb2.GenerateResponse(request_id="r", text="t")).finish_reason is None
+
+
+def test_retries_resource_exhausted_before_the_first_token(smollm2_path, tok, pool):
+    """Admission full (max_in_flight=1, no queue): a second request is rejected with
+    RESOURCE_EXHAUSTED; with retries (the default) gRPC retries it with backoff until the first
+    request is done and it is admitted; with retries=0 the caller sees the rejection."""
+    pool[0].worker.delay_s = 0.01  # the first request streams for ~0.2 s (the retries back off up to 3 s)
+    config = RouterConfig(tokenizer_path=str(smollm2_path), port=0, http_port=0, max_model_len=512,
+                          policy="round_robin", load_poll_interval_s=0.05, max_in_flight=1, max_queue=0)
+    with serve_router(config, members(pool[:1]), tokenizer=tok) as handle:
+        async def main() -> tuple[str, grpc.StatusCode, str]:
+            async with DuetClient(handle.address, retries=0) as plain, DuetClient(handle.address, retries=4) as patient:
+                first = asyncio.ensure_future(plain.complete("Hi", max_tokens=20, temperature=0))
+                while handle.server.pipeline.admission.in_flight == 0:
+                    await asyncio.sleep(0.005)
+                with pytest.raises(DuetError) as rejected:
+                    await plain.complete("Hi", max_tokens=2)
+                retried = await patient.complete("Hi", max_tokens=2, temperature=0)  # waits out the first one
+                await first
+                return retried.text, rejected.value.code, retried.finish_reason
+        text, code, finish = run_async(main())
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert text and finish == "length"
+        assert handle.stats()["admission"]["rejected"] >= 2  # the rejected call and >= 1 retried attempt
+
+
+def test_retry_options_validated():
+    from router.client import retry_options
+
+    with pytest.raises(ValueError, match="retries=5"):
+        DuetClient("localhost:1", retries=5)
+    assert retry_options(0) == [("grpc.enable_retries", 0)]
 
 
 def test_sampling_fields_n_choices_and_logprobs(target, tok):

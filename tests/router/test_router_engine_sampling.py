@@ -23,7 +23,7 @@ def stub(smollm2_path, tok):
     lt = LoopThread()
     config = EngineConfig(model=str(smollm2_path), cache=CacheConfig(kv_cache_memory_bytes=32 << 20))
     worker = lt.run(start_worker_server(config, worker_id="w0"), timeout=600)  # a first kernel build can be slow
-    router = serve_router(RouterConfig(tokenizer_path=str(smollm2_path), port=0, policy="prefix_aware",
+    router = serve_router(RouterConfig(tokenizer_path=str(smollm2_path), port=0, http_port=0, policy="prefix_aware",
                                        load_poll_interval_s=0.1), [("w0", worker.endpoint)], tokenizer=tok)
     try:
         with grpc.insecure_channel(router.address) as channel:

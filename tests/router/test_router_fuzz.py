@@ -28,7 +28,7 @@ seen: Counter[str] = Counter()  # statuses over every fuzz case of this module (
 
 @pytest.fixture(scope="module")
 def router(smollm2_path, tok, pool):
-    cfg = RouterConfig(tokenizer_path=str(smollm2_path), port=0, max_model_len=512, policy="prefix_aware",
+    cfg = RouterConfig(tokenizer_path=str(smollm2_path), port=0, http_port=0, max_model_len=512, policy="prefix_aware",
                        load_poll_interval_s=0.05)
     with serve_router(cfg, members(pool), tokenizer=tok) as handle:
         yield handle

@@ -38,7 +38,7 @@ class FakeController:
 
 
 def _config(path, membership: str, **kw) -> RouterConfig:
-    return RouterConfig(tokenizer_path=str(path), port=0, max_model_len=512, policy="round_robin",
+    return RouterConfig(tokenizer_path=str(path), port=0, http_port=0, max_model_len=512, policy="round_robin",
                         load_poll_interval_s=0.05, load_poll_timeout_s=0.5, membership_address=membership,
                         membership_wait_s=5.0, **kw)
 

@@ -26,7 +26,7 @@ S = duet_pb2.SamplingParams
 
 
 def _config(path, **overrides) -> RouterConfig:
-    fields = dict(tokenizer_path=str(path), port=0, max_model_len=MAX_MODEL_LEN, policy="round_robin",
+    fields = dict(tokenizer_path=str(path), port=0, http_port=0, max_model_len=MAX_MODEL_LEN, policy="round_robin",
                   load_poll_interval_s=0.05, load_poll_timeout_s=0.5, worker_failure_threshold=2,
                   stream_failure_cooldown_s=0.3)
     fields.update(overrides)

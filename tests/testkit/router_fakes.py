@@ -219,9 +219,11 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = 
 
 
 def router_config(tokenizer_path: Path | str, **overrides: Any) -> RouterConfig:
-    """A router config for tests: any free port, round-robin, a fast load poll."""
-    return RouterConfig(tokenizer_path=str(tokenizer_path), port=0, max_model_len=512, policy="round_robin",
-                        load_poll_interval_s=0.05, **overrides)
+    """A router config for tests: any free port, no HTTP API (``http_port=free_port()`` adds it),
+    round-robin, a fast load poll."""
+    fields: dict[str, Any] = dict(tokenizer_path=str(tokenizer_path), port=0, http_port=0, max_model_len=512,
+                                  policy="round_robin", load_poll_interval_s=0.05)
+    return RouterConfig(**{**fields, **overrides})
 
 
 def members(servers: list[FakeWorkerServer]) -> list[tuple[str, str]]:
@@ -252,3 +254,12 @@ def fake_pool(tokenizer: Any, n: int = 2) -> Iterator[list[FakeWorkerServer]]:
         for s in servers:
             s.stop_sync()
         lt.close()
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1 (for servers whose 0 means "off", e.g. http_port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

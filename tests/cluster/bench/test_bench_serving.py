@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from testkit.router_fakes import members
+from testkit.router_fakes import free_port, members
 
 from cluster.bench import report
 from cluster.bench.serving import main, parse_rates
@@ -19,12 +19,14 @@ def test_bench_router_vs_direct_writes_json_and_png(smollm2_path, tok, pool, tmp
     for s in pool:
         s.worker.reset()
         s.worker.delay_s = 0.002
-    config = RouterConfig(tokenizer_path=str(smollm2_path), port=0, max_model_len=512, policy="round_robin",
-                          load_poll_interval_s=0.05)
+    config = RouterConfig(tokenizer_path=str(smollm2_path), port=0, http_port=free_port(), max_model_len=512,
+                          policy="round_robin", load_poll_interval_s=0.05)
     monkeypatch.chdir(tmp_path)  # no --out: results go under the current directory
     out = tmp_path / "duet-bench" / "serving_bench.json"
     with serve_router(config, members(pool[:1]), tokenizer=tok) as router:
         code = main(["--target", router.address, "--worker-endpoint", pool[0].endpoint, "--model", str(smollm2_path),
+                     "--http-target", router.http_address, "--api-compare-requests", "3", "--n-trials", "1",
+                     "--n-max-tokens", "4", "--n-prompt-tokens", "100",
                      "--rates", "40,inf", "--num-requests", "6", "--overhead-requests", "3", "--echo-overhead-requests", "4",
                      "--min-output", "3",
                      "--max-output", "8"])
@@ -42,8 +44,15 @@ def test_bench_router_vs_direct_writes_json_and_png(smollm2_path, tok, pool, tmp
     o = res["overhead"]
     assert o["pairs"] == 3 and len(o["raw"]["router"]) == len(o["raw"]["direct"]) == 3
     assert isinstance(o["ttft_overhead_p50_ms"], float) and isinstance(o["ttft_target_met"], bool)
-    # 5 requests went through the router in the overhead phase (2 warm-up + 3) and 12 in the rate phase
-    assert len(pool[0].worker.submitted) == 2 * (5 + 12)
+    # 5 requests went through the router in the overhead phase (2 warm-up + 3) and 12 in the rate phase,
+    # (2 + 3) * 2 in the api phase (each over gRPC and HTTP), 1 + (1 + 4) in the n phase (warm-up, one trial)
+    assert len(pool[0].worker.submitted) == 2 * (5 + 12) + 10 + 6
+    a = res["api_overhead"]
+    assert a["pairs"] == 3 and not a["errors"] and isinstance(a["ttft_target_met"], bool)
+    assert a["http_ttft_p50_ms"] > 0 and a["grpc_ttft_p50_ms"] > 0
+    f = res["n_fanout"]
+    assert f["trials"] == 1 and f["ratio"] > 0 and len(f["raw_ms"]["n4"]) == 1
+    assert res["api_overhead_echo"]["pairs"] == 3  # HTTP vs gRPC against the echo worker as well (3 pairs)
     # the echo phase ran against its own zero-compute worker and router, not the fake pool
     e = res["overhead_echo"]
     assert e["pairs"] == 4 and e["echo_gap_ms"] > 0 and e["policy"] == "prefix_aware"
@@ -91,9 +100,10 @@ def test_bench_reaches_a_router_that_requires_a_token(smollm2_path, tok, pool, t
         s.worker.reset()
     tokens = tmp_path / "tokens"
     tokens.write_text("s3cr3t generate\n")
-    config = RouterConfig(tokenizer_path=str(smollm2_path), port=0, max_model_len=512, policy="round_robin",
+    config = RouterConfig(tokenizer_path=str(smollm2_path), port=0, http_port=0, max_model_len=512, policy="round_robin",
                           load_poll_interval_s=0.05, auth_tokens_file=str(tokens))
     args = ["--model", str(smollm2_path), "--rates", "inf", "--num-requests", "2", "--overhead-requests", "0",
+            "--n-trials", "0",
             "--echo-overhead-requests", "0", "--min-output", "2", "--max-output", "3", "--no-plot"]
     with serve_router(config, members(pool[:1]), tokenizer=tok) as router:
         assert main(["--target", router.address, "--token", "s3cr3t", "--out", str(tmp_path / "ok.json"), *args]) == 0

@@ -216,7 +216,8 @@ grpc: {port: {{ $v.router.port }}}
   "model" (dict "name" $v.model.name "dtype" $v.model.dtype "max_model_len" $v.model.maxModelLen
       "quantization" $v.model.quantization)
   "pools" $pools
-  "router" (dict "host" "0.0.0.0" "port" (int $v.router.port) "policy" $v.router.policy
+  "router" (dict "host" "0.0.0.0" "port" (int $v.router.port) "http_port" (int $v.router.httpPort)
+      "policy" $v.router.policy
       "policy_options" $v.router.policyOptions "max_in_flight" (int $v.router.maxInFlight)
       "max_queue" (int $v.router.maxQueue) "shutdown_grace_s" (float64 $v.router.shutdownGraceSeconds)
       "max_request_bytes" (toString $v.router.maxRequestBytes))

@@ -1,0 +1,247 @@
+"""The OpenAI-compatible HTTP API as a FastAPI app over the router's own Pipeline (no second hop).
+
+Endpoints (OpenAI's paths and JSON; errors as router/http_api/errors.py):
+
+    POST /v1/chat/completions   chat (the model's chat template), stream=true -> SSE ending "data: [DONE]"
+    POST /v1/completions        raw prompt (text or token ids), streaming or not
+    GET  /v1/models             the served model; GET /v1/models/{id} one model or 404
+    GET  /health                200 while at least one worker is healthy, 503 otherwise (open: no token)
+    GET  /metrics               the router's Prometheus metrics, each with a model_name label
+
+Security is the gRPC API's (router/security.py): with a tokens file every path but /health needs
+``Authorization: Bearer <token>``: the /v1 paths the ``generate`` scope, /metrics ``admin`` (as
+duet.control.v1.RouterAdmin, which serves the same counters). TLS is the server's
+(router/http_api/server.py).
+
+A streamed request's errors before its first token (bad field, unknown model, admission full, no
+worker) are ordinary HTTP errors; after it, the stream carries one ``data: {"error": {...}}`` event
+and ends with ``data: [DONE]`` (vLLM's convention; the openai SDK raises it as an APIError).
+
+Example (the openai SDK; any OpenAI client works by changing only its base URL)::
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://localhost:8000/v1", api_key="unused-without-a-tokens-file")
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct",
+                                       messages=[{"role": "user", "content": "Hi"}], max_tokens=32)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from protos.duet.v1 import duet_pb2
+from router.http_api import convert
+from router.http_api.errors import OpenAIError, from_pydantic, from_request_error, invalid
+from router.http_api.render import Renderer, TokenText
+from router.http_api.schemas import ChatCompletionRequest, CompletionRequest
+from router.http_api.streaming import DONE, ClientGone, EventStreamResponse, sse, until_disconnect
+from router.fanout import FanOut
+from router.preprocess import RequestError, ServedModel
+from router.security import BearerTokenInterceptor
+
+logger = logging.getLogger(__name__)
+
+_STATUS_BY_CODE = {"UNAUTHENTICATED": (401, "authentication_error", "invalid_api_key"),
+                   "PERMISSION_DENIED": (403, "permission_error", "insufficient_scope")}
+
+
+@dataclass(frozen=True)
+class HttpContext:
+    """What the app serves from (RouterServer's own objects): the pipeline behind the n fan-out,
+    the model, auth, health and metrics."""
+
+    generator: FanOut
+    model: ServedModel
+    auth: BearerTokenInterceptor | None
+    is_serving: Callable[[], bool]
+    metrics: CollectorRegistry
+    max_request_bytes: int
+
+
+def create_app(ctx: HttpContext) -> FastAPI:
+    app = FastAPI(title="Duet OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    model = ctx.model
+    token_text = TokenText(model.tokenizer)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return JSONResponse(OpenAIError(e.status_code, message, code="not_found" if e.status_code == 404 else None)
+                            .body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception) -> JSONResponse:  # a router bug: log it whole
+        logger.exception("%s %s: internal router error", request.method, request.url.path)
+        return JSONResponse(OpenAIError(500, "internal router error (see the router's log)", type="server_error")
+                            .body(), status_code=500)
+
+    def authorize(request: Request, scope: str) -> None:
+        if ctx.auth is None:
+            return
+        denied = ctx.auth.check(request.headers.get("authorization"), scope, request.url.path)
+        if denied is not None:
+            status, type_, code = _STATUS_BY_CODE[denied[0].name]
+            raise OpenAIError(status, denied[1], type=type_, code=code)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if ctx.is_serving():
+            return JSONResponse({"status": "serving"})
+        return JSONResponse(OpenAIError(503, "not serving: no healthy worker (or shutting down)", type="server_error",
+                                        code="service_unavailable").body(), status_code=503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        authorize(request, "admin")
+        return Response(generate_latest(ctx.metrics), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model.name, "object": "model", "created": 0, "owned_by": "duet", "root": model.name,
+                "max_model_len": model.max_model_len}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        authorize(request, "generate")
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def one_model(model_id: str, request: Request) -> JSONResponse:
+        authorize(request, "generate")
+        convert.check_model(model_id, model.name)
+        return JSONResponse(model_card())
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        authorize(request, "generate")
+        body = await _parse(request, ChatCompletionRequest, ctx.max_request_bytes)
+        convert.check_model(body.model, model.name)
+        rid = uuid.uuid4().hex
+        greq = convert.chat_request(body, rid, model.max_model_len)
+        renderer = Renderer(chat=True, request_id=rid, model=model.name, token_text=token_text, logprobs=body.logprobs)
+        return await _answer(request, ctx.generator, greq, renderer, body.stream,
+                             bool(body.stream_options and body.stream_options.include_usage))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        authorize(request, "generate")
+        body = await _parse(request, CompletionRequest, ctx.max_request_bytes)
+        convert.check_model(body.model, model.name)
+        rid = uuid.uuid4().hex
+        greq = convert.completion_request(body, rid)
+        renderer = Renderer(chat=False, request_id=rid, model=model.name, token_text=token_text,
+                            logprobs=body.logprobs is not None)
+        return await _answer(request, ctx.generator, greq, renderer, body.stream,
+                             bool(body.stream_options and body.stream_options.include_usage))
+
+    return app
+
+
+async def _parse(request: Request, schema: type[BaseModel], limit: int) -> Any:
+    """The request body validated against ``schema``: 413 past ``limit`` bytes (read no further),
+    400 for malformed JSON or a bad field."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise invalid("body", "empty; send a JSON object", code="missing_required_parameter")
+    try:
+        return schema.model_validate_json(raw)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        if errors and errors[0].get("type") == "json_invalid":
+            raise invalid("body", f"malformed JSON ({errors[0].get('msg')})", code="invalid_json") from None
+        raise from_pydantic(errors) from None
+
+
+def _too_large(size: int, limit: int) -> OpenAIError:
+    return OpenAIError(413, f"body: {size} bytes is larger than the limit of {limit} bytes (router.max_request_bytes)",
+                       param="body", code="request_too_large")
+
+
+async def _answer(request: Request, generator: FanOut, greq: duet_pb2.GenerateRequest, renderer: Renderer,
+                  stream: bool, include_usage: bool) -> Response:
+    generation = generator.generate(greq)
+    if not stream:
+        try:
+            return JSONResponse(await until_disconnect(request.receive, _collect(generation, renderer)))
+        except ClientGone:
+            logger.info("request %s: the HTTP client disconnected; cancelled", greq.request_id)
+            return Response(status_code=499)
+    try:  # errors before the first response are plain HTTP errors
+        first = await until_disconnect(request.receive, anext(generation))
+    except ClientGone:
+        await generation.aclose()
+        return Response(status_code=499)
+    except RequestError as e:
+        await generation.aclose()
+        raise from_request_error(e) from None
+    except StopAsyncIteration:  # the pipeline always ends with a finish; be safe anyway
+        first = None
+    return EventStreamResponse(_events(generation, first, renderer, include_usage, greq.request_id))
+
+
+async def _collect(generation: AsyncIterator[duet_pb2.GenerateResponse], renderer: Renderer) -> dict[str, Any]:
+    async with aclosing(generation) as responses:
+        try:
+            async for r in responses:
+                renderer.add(r)
+        except RequestError as e:
+            raise from_request_error(e) from None
+    return renderer.response()
+
+
+async def _events(generation: AsyncIterator[duet_pb2.GenerateResponse], first: duet_pb2.GenerateResponse | None,
+                  renderer: Renderer, include_usage: bool, request_id: str) -> AsyncIterator[bytes]:
+    started = time.monotonic()
+    async with aclosing(generation) as responses:
+        try:
+            if first is not None:
+                chunk = renderer.chunk(first)
+                if chunk is not None:
+                    yield sse(_with_usage(chunk, include_usage))
+            async for r in responses:
+                chunk = renderer.chunk(r)
+                if chunk is not None:
+                    yield sse(_with_usage(chunk, include_usage))
+        except RequestError as e:
+            logger.info("request %s: stream failed after %.1f s: %s", request_id, time.monotonic() - started, e.message)
+            yield sse(from_request_error(e).body())
+            yield DONE
+            return
+        except Exception:  # a router bug: log it whole, tell the client no more than that
+            logger.exception("request %s: internal router error mid-stream", request_id)
+            yield sse(OpenAIError(500, "internal router error (see the router's log)", type="server_error").body())
+            yield DONE
+            return
+    if include_usage:
+        yield sse(renderer.usage_chunk())
+    yield DONE
+
+
+def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
+    if include_usage:
+        chunk["usage"] = None  # OpenAI: null on every chunk but the last one
+    return chunk

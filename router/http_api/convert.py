@@ -1,0 +1,136 @@
+"""OpenAI request bodies -> duet.v1.GenerateRequest: the HTTP API asks the same pipeline the same
+question the gRPC API does, so everything past this file (tokenizing, chat template, admission,
+routing, stop strings, detokenizing, the n fan-out) is shared.
+
+Mapping (OpenAI field -> duet.v1 field):
+
+    messages (chat) / prompt (completions)     messages / prompt or prompt_token_ids
+    max_completion_tokens, else max_tokens     sampling.max_tokens; unset: chat = up to the context
+                                               limit (OpenAI's default), completions = 16 (OpenAI's)
+    n, seed, stop, temperature, top_p          n, sampling.*
+    top_k (-1 = off), min_p, min_tokens        sampling.*
+    presence/frequency/repetition_penalty      sampling.*
+    logit_bias {"id": bias}                    sampling.logit_bias {id: bias}
+    logprobs + top_logprobs (chat)             sampling.top_logprobs (unset when logprobs is false)
+    logprobs k (completions)                   sampling.top_logprobs = k
+    ignore_eos, stop_token_ids (vLLM)          sampling.*
+    model                                      model ("" or the served name)
+
+Chat roles: system, user, assistant, and developer (OpenAI's newer name for system: sent to the
+chat template as "system"). Text content parts are joined; other parts and tool messages are 400s.
+"""
+
+from __future__ import annotations
+
+from protos.duet.v1 import duet_pb2
+from router.http_api.errors import OpenAIError, invalid, unsupported
+from router.http_api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
+
+_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "developer": "system"}
+_TOOL_FIELDS = ("tool_calls", "function_call", "tool_call_id", "audio")
+
+
+def chat_request(body: ChatCompletionRequest, request_id: str, max_model_len: int) -> duet_pb2.GenerateRequest:
+    request = duet_pb2.GenerateRequest(request_id=request_id, model=body.model or "", n=body.n or 1)
+    chat = request.messages
+    chat.SetInParent()
+    for i, m in enumerate(body.messages):
+        chat.messages.add(role=_role(i, m), content=_content(i, m))
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    # No limit given: as OpenAI, up to the context (the router clamps to context - prompt).
+    _sampling(request.sampling, body, max_tokens if max_tokens is not None else max_model_len)
+    if body.logprobs:
+        request.sampling.top_logprobs = body.top_logprobs or 0
+    return request
+
+
+def completion_request(body: CompletionRequest, request_id: str) -> duet_pb2.GenerateRequest:
+    request = duet_pb2.GenerateRequest(request_id=request_id, model=body.model or "", n=body.n or 1)
+    prompt = _single_prompt(body.prompt)
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt_token_ids.ids.extend(prompt)
+    _sampling(request.sampling, body, body.max_tokens)
+    if body.logprobs is not None:
+        request.sampling.top_logprobs = body.logprobs
+    return request
+
+
+def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt", "must be a non-empty string")
+        return prompt
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return prompt  # type: ignore[return-value]
+    if len(prompt) == 1:  # a batch of one: ["text"] or [[ids]]
+        return _single_prompt(prompt[0])  # type: ignore[arg-type]
+    raise unsupported("prompt", f"a batch of {len(prompt)} prompts; send one prompt per request "
+                                "(a string or a list of token ids)")
+
+
+def _role(i: int, m: ChatMessage) -> str:
+    for name in _TOOL_FIELDS:
+        if getattr(m, name):
+            raise unsupported(f"messages[{i}].{name}", "tool calls and audio are not supported")
+    role = _ROLES.get(m.role)
+    if role is None:
+        if m.role in ("tool", "function"):
+            raise unsupported(f"messages[{i}].role", f"{m.role!r} messages are not supported (no tool calling)")
+        raise invalid(f"messages[{i}].role", f"must be one of system, user, assistant, developer; got {m.role!r}")
+    return role
+
+
+def _content(i: int, m: ChatMessage) -> str:
+    if m.content is None:
+        if m.role == "assistant":
+            return ""  # an assistant turn that only refused (refusal is its text) or only called tools
+        raise invalid(f"messages[{i}].content", "required for this role")
+    if isinstance(m.content, str):
+        return m.content
+    texts = []
+    for j, part in enumerate(m.content):
+        kind = part.get("type")
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise invalid(f"messages[{i}].content[{j}].text", "must be a string")
+            extra = sorted(set(part) - {"type", "text"})
+            if extra:
+                raise unsupported(f"messages[{i}].content[{j}].{extra[0]}", "unknown field of a text part")
+            texts.append(text)
+        elif isinstance(kind, str):
+            raise unsupported(f"messages[{i}].content[{j}].type",
+                              f"{kind!r} content parts are not supported (text only)")
+        else:
+            raise invalid(f"messages[{i}].content[{j}].type", "each content part needs a string 'type'")
+    return "".join(texts)
+
+
+def _sampling(s: duet_pb2.SamplingParams, body: _Sampling, max_tokens: int | None) -> None:
+    if max_tokens is not None:
+        s.max_tokens = max_tokens
+    for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "min_p"):
+        value = getattr(body, name)
+        if value is not None:
+            setattr(s, name, value)
+    if body.top_k is not None and body.top_k > 0:
+        s.top_k = body.top_k
+    if body.min_tokens:
+        s.min_tokens = body.min_tokens
+    s.stop.extend(body.stop_list())
+    s.stop_token_ids.extend(body.stop_token_ids or ())
+    s.ignore_eos = body.ignore_eos
+    for token_id, bias in body.logit_bias_ids().items():
+        if token_id >= 2**32:
+            raise invalid(f"logit_bias.{token_id}", "not a token id")
+        s.logit_bias[token_id] = bias
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """404 for a model name this router does not serve (before any work)."""
+    if requested and requested != served:
+        raise OpenAIError(404, f"model: the model {requested!r} does not exist; this server serves {served!r}",
+                          param="model", code="model_not_found")
