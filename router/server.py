@@ -33,6 +33,8 @@ Run a standalone router against running workers (debugging, benchmarks)::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import argparse
 import asyncio
 import contextlib
@@ -55,14 +57,15 @@ from router.config import RouterConfig, RouterConfigError
 from router.membership import MembershipWatcher
 from router.fanout import FanOut
 from router.pipeline import Pipeline
-from router.http_api.app import HttpContext, create_app
-from router.http_api.server import HttpApiServer
 from router.policies import make_policy
 from router.preprocess import RequestError, ServedModel
 from router.prometheus import metrics_registry
 from router.request_metrics import RequestMetrics
 from router.security import BearerTokenInterceptor, SecurityConfigError, TokenStore, server_credentials
 from router.workers import WorkerDirectory
+
+if TYPE_CHECKING:
+    from router.http_api.server import HttpApiServer
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +168,10 @@ class RouterServer:
         self.membership_version = 0
         self.http: HttpApiServer | None = None
         if config.http:  # the OpenAI-compatible API: same pipeline, auth and metrics, its own port
+            # imported here: a router with http_port 0 runs without the HTTP stack (fastapi, uvicorn)
+            from router.http_api.app import HttpContext, create_app
+            from router.http_api.server import HttpApiServer
+
             self.http = HttpApiServer(config, create_app(HttpContext(
                 FanOut(self.pipeline, config.max_n), model, self.auth, self.serving,
                 metrics_registry(self.stats, self.metrics.registry, model_name=config.model_name),

@@ -46,7 +46,7 @@ def run(ctx) -> dict:
     if ctx.cuda:
         torch.cuda.empty_cache()
     with common.WorkerProcess(path, ctx, dtype, name="grpc-worker") as w:
-        cfg = RouterConfig(tokenizer_path=str(path), port=0)
+        cfg = RouterConfig(tokenizer_path=str(path), port=0, http_port=0)  # gRPC only: no fastapi there
         with serve_router(cfg, [(w.worker_id, w.endpoint)], tokenizer=AutoTokenizer.from_pretrained(path)) as router:
             with cf.ThreadPoolExecutor(STREAMS) as pool:
                 got = list(pool.map(lambda p: generate(router.address, p), prompts))

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         return child(args.child, Ctx(**json.loads(args.ctx)), args.result)
 
     if args.simulate_bare:
-        os.environ[BLOCK_ENV] = "ray,gguf,accelerate"
+        os.environ[BLOCK_ENV] = "ray,gguf,accelerate,fastapi,uvicorn"
     names = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in names if s not in SECTIONS]
     if unknown:

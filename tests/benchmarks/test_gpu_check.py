@@ -63,5 +63,5 @@ def test_cpu_parts_end_to_end(tmp_path: Path) -> None:
         assert sections[name]["status"] == "pass", detail[name]
         assert sections[name]["checks"] and all(sections[name]["checks"].values())
     assert sections["spec"]["drafter_device"] == "cpu"
-    assert report["environment"]["blocked_modules"] == "ray,gguf,accelerate"
+    assert report["environment"]["blocked_modules"] == "ray,gguf,accelerate,fastapi,uvicorn"
     assert "gpu-check summary" in r.stdout
