@@ -53,7 +53,7 @@ BLOCK_ENV = "DUET_GPU_CHECK_BLOCK_MODULES"  # set by --simulate-bare; inherited 
 
 def apply_module_blocks() -> None:
     """Make the modules named in $DUET_GPU_CHECK_BLOCK_MODULES unimportable in this process (a bare
-    GPU machine has no ray, gguf or accelerate: importing one must fail here as it would there)."""
+    GPU machine has no ray, gguf, accelerate, fastapi or uvicorn: importing one must fail here as it would there)."""
     for name in filter(None, os.environ.get(BLOCK_ENV, "").split(",")):
         sys.modules[name.strip()] = None  # type: ignore[assignment]  # `import name` raises ImportError
 
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="2-layer model shapes (quick CPU runs, CI)")
     ap.add_argument("--total-budget", type=float, default=TOTAL_BUDGET_S, help="seconds for all sections together")
     ap.add_argument("--simulate-bare", action="store_true",
-                    help="make ray, gguf and accelerate unimportable in every section process (what the bare GPU "
+                    help="make ray, gguf, accelerate, fastapi and uvicorn unimportable in every section process (what the bare GPU "
                          "machine lacks), to prove the check does not need them")
     ap.add_argument("--work", type=Path, default=None, help="checkpoint dir shared by the sections (default: a temp dir)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
