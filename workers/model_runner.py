@@ -102,7 +102,13 @@ class ModelRunner:
         self.model = model
         self.spec = spec
         self.config = config
-        self.device = torch.device(config.device)
+        # a runner built around an already loaded model (tests) may get an unresolved 'auto': the
+        # model's own device is the answer then (from_config always passes a resolved config)
+        if config.device == "auto":
+            first = next(model.parameters(), None)
+            self.device = first.device if first is not None else torch.device("cpu")
+        else:
+            self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         self.num_blocks = num_blocks
         slots = num_blocks * self.block_size

@@ -36,8 +36,10 @@ def test_unsupported_architecture_is_one_line_before_ray_starts(tmp_path, capsys
     ckpt = _checkpoint(tmp_path / "gpt2", GPT2)
     assert main(["serve", "--dry-run", "--model", str(ckpt)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (f"duet: error: {ckpt}/config.json: model_type 'gpt2' is not supported; supported: llama, "
-                       "mixtral, qwen2, qwen2_moe")
+    from workers.models.registry import MODEL_REGISTRY
+
+    assert err[-1] == (f"duet: error: {ckpt}/config.json: model_type 'gpt2' is not supported; supported: "
+                       + ", ".join(sorted(MODEL_REGISTRY)))
     from cluster import serve
 
     def no_ray(*args, **kwargs):

@@ -16,7 +16,7 @@ import torch
 from testkit.ep_cases import generate
 from kernels.linear import linear
 from testkit.mixtral_tiny import prefill_logits
-from testkit.tp_cases import make_llm, run_gang
+from testkit.tp_cases import make_runner, run_gang
 from workers.errors import ConfigError
 from workers.layers.quant_linear import QuantLinear, quantize
 from workers.layers.quant_parallel import (
@@ -147,18 +147,20 @@ def layer_probe(model) -> dict:
             "head_scales": model.lm_head.scales.numpy().copy()}
 
 
-def run_model(llm, prompts: list[list[int]], max_tokens: int, rank: int | None = None) -> dict:
+def run_model(target, prompts: list[list[int]], max_tokens: int, rank: int | None = None, path: str | None = None,
+              quantization: str = "none") -> dict:
     """Prefill logits (all positions) with the kernels; prefill logits and greedy tokens with
-    weight-only math. rank None: a single-rank engine; else this gang rank (logits and tokens on
-    rank 0 only)."""
-    model = llm.engine.runner.model
-    out = {"probe": layer_probe(model), "kernels": {"logits": _numpy(prefill_logits(llm.engine, prompts))}}  # collective
+    weight-only math. target: a single-rank LLM (rank None), or this gang rank's ModelRunner (the
+    gang's engine is built over it on rank 0: logits and tokens on rank 0 only)."""
+    runner = target.engine.runner if rank is None else target
+    model = runner.model
+    out = {"probe": layer_probe(model), "kernels": {"logits": _numpy(prefill_logits(runner, prompts))}}  # collective
     with weight_only_math(model):
-        logits = _numpy(prefill_logits(llm.engine, prompts))
+        logits = _numpy(prefill_logits(runner, prompts))
         if rank is None:
-            tokens = generate(llm.engine, prompts, max_tokens)
+            tokens = generate(target.engine, prompts, max_tokens)
         else:
-            tokens = run_gang(llm, rank, prompts, max_tokens)
+            tokens = run_gang(runner, rank, prompts, max_tokens, path, quantization=quantization)
     out["weight_only"] = {"logits": logits, "tokens": tokens}
     return out
 
@@ -171,9 +173,9 @@ def quant_model_rank(rank: int, runs: list[tuple[str, str]], prompts: list[list[
     """``run_model`` for each (checkpoint path, quantization) of ``runs`` on this gang rank."""
     out = {}
     for path, quantization in runs:
-        llm = make_llm(path, quantization=quantization)
-        out[(path, quantization)] = run_model(llm, prompts, max_tokens, rank)
-        del llm
+        runner = make_runner(path, quantization=quantization)
+        out[(path, quantization)] = run_model(runner, prompts, max_tokens, rank, path, quantization)
+        del runner
     return out
 
 

@@ -320,7 +320,7 @@ class ExplodingEngine:
     def reserved(self) -> list:
         return []
 
-    def add_request(self, request_id, prompt, params, export_from_block=None) -> None:
+    def add_request(self, request_id, prompt, params, export_from_block=None, resumed_output_tokens=0) -> None:
         self.pending.append(request_id)
 
     def has_unfinished(self) -> bool:
