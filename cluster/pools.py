@@ -339,7 +339,7 @@ def _check_embedded_drafters(section: PoolSection, cluster: dict[str, float]) ->
     if sp.method != "draft_model":
         return
     need = {"CPU": section.replicas * (section.gang_size * section.cpus_per_replica + sp.drafter_cpus)}
-    need.update({k: section.replicas * v for k, v in sp.drafter_resources.items()})
+    need.update({k: section.replicas * v for k, v in dict(sp.drafter_resources).items()})
     for name, amount in need.items():
         if amount > cluster.get(name, 0):
             raise PoolError(

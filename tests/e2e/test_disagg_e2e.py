@@ -109,10 +109,13 @@ async def _request_and_kill(d, victim: str, when) -> tuple[DuetError | None, flo
         return None, time.monotonic() - killed
 
 
-def test_prefill_killed_mid_prefill_fails_cleanly_and_frees_reserved_blocks(deployment):
+def test_prefill_killed_mid_prefill_is_retried_and_frees_reserved_blocks(deployment):
+    # The only prefill worker dies mid-prefill: the router's attempt loop reports it, waits (within
+    # worker_wait_s and the deadline) for a prefill worker it may use, and Ray's restart of prefill-0
+    # comes back in time, so the request completes instead of failing (router/attempt.py).
     d = deployment
     error, after = asyncio.run(_request_and_kill(d, "prefill-0", lambda: _load(d, "decode-0").num_reserved == 1))
-    assert error is not None and error.code == grpc.StatusCode.UNAVAILABLE and after < 45, (error, after)
+    assert error is None and after < 45, (error, after)
     _wait(lambda: (lambda r: r.num_reserved == 0 and r.kv_blocks_used == 0)(_load(d, "decode-0")), 15,
           "decode-0 to return its reserved blocks")
     # Ray restarts the prefill worker; the controller re-adds it and disaggregation resumes.

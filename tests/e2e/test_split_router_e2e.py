@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.config import load_config
@@ -73,9 +74,12 @@ def test_controller_without_router_and_a_separate_router_process(ray_cluster, sm
             out = complete("The capital of France is", target=address, max_tokens=4, temperature=0, timeout=60)
             assert out.usage.completion_tokens == 4 and out.text
             metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-            assert "duet_router_requests_total 1.0" in metrics
-            assert "duet_router_max_queue 7.0" in metrics  # the router section of the shared config file applies
-            assert 'duet_router_workers{healthy="true"} 1.0' in metrics
+            samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                       for family in text_string_to_metric_families(metrics) for s in family.samples}
+            model = (("model_name", "SmolLM2-135M-Instruct"),)
+            assert samples[("duet_router_requests_total", model)] == 1.0
+            assert samples[("duet_router_max_queue", model)] == 7.0  # the router section of the shared config applies
+            assert samples[("duet_router_workers", tuple(sorted((("healthy", "true"),) + model)))] == 1.0
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 0
         finally:
