@@ -125,13 +125,15 @@ def test_prefill_killed_mid_prefill_is_retried_and_frees_reserved_blocks(deploym
     assert _load(d, "prefill-0").kv_transfers_sent == 1
 
 
-def test_decode_killed_gives_unavailable_and_prefill_frees_its_state(deployment):
+def test_decode_killed_before_the_first_token_is_retried_and_prefill_frees_its_state(deployment):
+    # The only decode worker dies before any token reached the client: the attempt loop retries the
+    # request once Ray has restarted decode-0 (within worker_wait_s), so it completes.
     d = deployment
     def prefill_busy() -> bool:
         r = _load(d, "prefill-0")
         return r.num_running + r.num_waiting > 0
     error, after = asyncio.run(_request_and_kill(d, "decode-0", prefill_busy))
-    assert error is not None and error.code == grpc.StatusCode.UNAVAILABLE and after < 45, (error, after)
+    assert error is None and after < 45, (error, after)
     _wait(lambda: (lambda r: r.num_running + r.num_waiting == 0 and r.kv_blocks_used == 0)(_load(d, "prefill-0")),
           30, "prefill-0 to free the request")
 
