@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64uet/worker/v1/worker.proto\x12\x0e\x64uet.worker.v1\"\xc5\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.duet.worker.v1.SamplingParams\x12\x35\n\x0eremote_prefill\x18\x04 \x01(\x0b\x32\x1d.duet.worker.v1.RemotePrefill\x12\x1d\n\x15resumed_output_tokens\x18\x05 \x01(\r\"I\n\rRemotePrefill\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"\x9e\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12#\n\x16num_speculative_tokens\x18\t \x01(\rH\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\r \x01(\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x41\n\nlogit_bias\x18\x0f \x03(\x0b\x32-.duet.worker.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x0ctop_logprobs\x18\x10 \x01(\rH\x03\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x15\n\x13_repetition_penaltyB\x0f\n\r_top_logprobs\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xc5\x01\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x38\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1c.duet.worker.v1.FinishReasonH\x00\x88\x01\x01\x12$\n\x05usage\x18\x03 \x01(\x0b\x32\x15.duet.worker.v1.Usage\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.duet.worker.v1.TokenLogprobB\x10\n\x0e_finish_reason\"c\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x30\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1a.duet.worker.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xe5\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.duet.worker.v1.SamplingParams\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x18\n\x10kv_store_address\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x08 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_incarnation\x18\t \x01(\t\x12\x17\n\x0fpair_generation\x18\n \x01(\x04\x12\x1c\n\x14\x65xpected_incarnation\x18\x0b \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x0c \x01(\t\x12\x1d\n\x15resumed_output_tokens\x18\r \x01(\r\"\xde\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x17\n\x0fgenerator_state\x18\x02 \x01(\x0c\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x15\n\rtransfer_done\x18\x04 \x01(\x08\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x06 \x01(\x01\x12\x39\n\x13\x66irst_token_logprob\x18\x07 \x01(\x0b\x32\x1c.duet.worker.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xed\x05\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x1a\n\x12outstanding_tokens\x18\x05 \x01(\x04\x12\x15\n\rkv_block_size\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x08 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\t \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\n \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0b \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x04\x12\x19\n\x11kv_transfers_sent\x18\r \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\x0e \x01(\x04\x12\x1d\n\x15kv_transfers_received\x18\x0f \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\x10 \x01(\x04\x12\x1c\n\x14kv_transfer_failures\x18\x11 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\x12 \x01(\x01\x12\x14\n\x0cnum_reserved\x18\x13 \x01(\r\x12\x15\n\rexpert_tokens\x18\x14 \x03(\x04\x12\x16\n\x0e\x65p_rank_tokens\x18\x15 \x03(\x04\x12\x13\n\x0bspec_method\x18\x16 \x01(\t\x12\x15\n\rspec_verifies\x18\x17 \x01(\x04\x12\x19\n\x11spec_draft_tokens\x18\x18 \x01(\x04\x12\x1c\n\x14spec_accepted_tokens\x18\x19 \x01(\x04\x12\x1b\n\x13spec_emitted_tokens\x18\x1a \x01(\x04\x12\x1a\n\x12spec_draft_seconds\x18\x1b \x01(\x01\x12\x1b\n\x13spec_verify_seconds\x18\x1c \x01(\x01\x12\x16\n\x0espec_fallbacks\x18\x1d \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xae\x02\n\x06Worker\x12I\n\x06Submit\x12\x1d.duet.worker.v1.SubmitRequest\x1a\x1e.duet.worker.v1.SubmitResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.duet.worker.v1.AbortRequest\x1a\x1d.duet.worker.v1.AbortResponse\x12\x45\n\x07GetLoad\x12\x1e.duet.worker.v1.GetLoadRequest\x1a\x1a.duet.worker.v1.LoadReport\x12L\n\x07Prefill\x12\x1e.duet.worker.v1.PrefillRequest\x1a\x1f.duet.worker.v1.PrefillResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64uet/worker/v1/worker.proto\x12\x0e\x64uet.worker.v1\"\xc5\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.duet.worker.v1.SamplingParams\x12\x35\n\x0eremote_prefill\x18\x04 \x01(\x0b\x32\x1d.duet.worker.v1.RemotePrefill\x12\x1d\n\x15resumed_output_tokens\x18\x05 \x01(\r\"I\n\rRemotePrefill\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"\xd4\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12#\n\x16num_speculative_tokens\x18\t \x01(\rH\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\r \x01(\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x41\n\nlogit_bias\x18\x0f \x03(\x0b\x32-.duet.worker.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x0ctop_logprobs\x18\x10 \x01(\rH\x03\x88\x01\x01\x12\x34\n\nstructured\x18\x11 \x01(\x0b\x32 .duet.worker.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x15\n\x13_repetition_penaltyB\x0f\n\r_top_logprobs\"\x9a\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12,\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x1a.duet.worker.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xc5\x01\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x38\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1c.duet.worker.v1.FinishReasonH\x00\x88\x01\x01\x12$\n\x05usage\x18\x03 \x01(\x0b\x32\x15.duet.worker.v1.Usage\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.duet.worker.v1.TokenLogprobB\x10\n\x0e_finish_reason\"c\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x30\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1a.duet.worker.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xe5\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.duet.worker.v1.SamplingParams\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x18\n\x10kv_store_address\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x08 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_incarnation\x18\t \x01(\t\x12\x17\n\x0fpair_generation\x18\n \x01(\x04\x12\x1c\n\x14\x65xpected_incarnation\x18\x0b \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x0c \x01(\t\x12\x1d\n\x15resumed_output_tokens\x18\r \x01(\r\"\xde\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x17\n\x0fgenerator_state\x18\x02 \x01(\x0c\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x15\n\rtransfer_done\x18\x04 \x01(\x08\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x06 \x01(\x01\x12\x39\n\x13\x66irst_token_logprob\x18\x07 \x01(\x0b\x32\x1c.duet.worker.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xed\x05\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x1a\n\x12outstanding_tokens\x18\x05 \x01(\x04\x12\x15\n\rkv_block_size\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x08 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\t \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\n \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0b \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x04\x12\x19\n\x11kv_transfers_sent\x18\r \x01(\x04\x12\x15\n\rkv_bytes_sent\x18\x0e \x01(\x04\x12\x1d\n\x15kv_transfers_received\x18\x0f \x01(\x04\x12\x19\n\x11kv_bytes_received\x18\x10 \x01(\x04\x12\x1c\n\x14kv_transfer_failures\x18\x11 \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\x12 \x01(\x01\x12\x14\n\x0cnum_reserved\x18\x13 \x01(\r\x12\x15\n\rexpert_tokens\x18\x14 \x03(\x04\x12\x16\n\x0e\x65p_rank_tokens\x18\x15 \x03(\x04\x12\x13\n\x0bspec_method\x18\x16 \x01(\t\x12\x15\n\rspec_verifies\x18\x17 \x01(\x04\x12\x19\n\x11spec_draft_tokens\x18\x18 \x01(\x04\x12\x1c\n\x14spec_accepted_tokens\x18\x19 \x01(\x04\x12\x1b\n\x13spec_emitted_tokens\x18\x1a \x01(\x04\x12\x1a\n\x12spec_draft_seconds\x18\x1b \x01(\x01\x12\x1b\n\x13spec_verify_seconds\x18\x1c \x01(\x01\x12\x16\n\x0espec_fallbacks\x18\x1d \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xae\x02\n\x06Worker\x12I\n\x06Submit\x12\x1d.duet.worker.v1.SubmitRequest\x1a\x1e.duet.worker.v1.SubmitResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.duet.worker.v1.AbortRequest\x1a\x1d.duet.worker.v1.AbortResponse\x12\x45\n\x07GetLoad\x12\x1e.duet.worker.v1.GetLoadRequest\x1a\x1a.duet.worker.v1.LoadReport\x12L\n\x07Prefill\x12\x1e.duet.worker.v1.PrefillRequest\x1a\x1f.duet.worker.v1.PrefillResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,36 +33,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2729
-  _globals['_FINISHREASON']._serialized_end=2849
+  _globals['_FINISHREASON']._serialized_start=2971
+  _globals['_FINISHREASON']._serialized_end=3091
   _globals['_SUBMITREQUEST']._serialized_start=48
   _globals['_SUBMITREQUEST']._serialized_end=245
   _globals['_REMOTEPREFILL']._serialized_start=247
   _globals['_REMOTEPREFILL']._serialized_end=320
   _globals['_SAMPLINGPARAMS']._serialized_start=323
-  _globals['_SAMPLINGPARAMS']._serialized_end=865
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=741
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=789
-  _globals['_USAGE']._serialized_start=867
-  _globals['_USAGE']._serialized_end=954
-  _globals['_SUBMITRESPONSE']._serialized_start=957
-  _globals['_SUBMITRESPONSE']._serialized_end=1154
-  _globals['_TOKENLOGPROB']._serialized_start=1156
-  _globals['_TOKENLOGPROB']._serialized_end=1255
-  _globals['_TOPLOGPROB']._serialized_start=1257
-  _globals['_TOPLOGPROB']._serialized_end=1304
-  _globals['_PREFILLREQUEST']._serialized_start=1307
-  _globals['_PREFILLREQUEST']._serialized_end=1664
-  _globals['_PREFILLRESPONSE']._serialized_start=1667
-  _globals['_PREFILLRESPONSE']._serialized_end=1889
-  _globals['_ABORTREQUEST']._serialized_start=1891
-  _globals['_ABORTREQUEST']._serialized_end=1925
-  _globals['_ABORTRESPONSE']._serialized_start=1927
-  _globals['_ABORTRESPONSE']._serialized_end=1957
-  _globals['_GETLOADREQUEST']._serialized_start=1959
-  _globals['_GETLOADREQUEST']._serialized_end=1975
-  _globals['_LOADREPORT']._serialized_start=1978
-  _globals['_LOADREPORT']._serialized_end=2727
-  _globals['_WORKER']._serialized_start=2852
-  _globals['_WORKER']._serialized_end=3154
+  _globals['_SAMPLINGPARAMS']._serialized_end=919
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=795
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=843
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=922
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1076
+  _globals['_CHOICELIST']._serialized_start=1078
+  _globals['_CHOICELIST']._serialized_end=1107
+  _globals['_USAGE']._serialized_start=1109
+  _globals['_USAGE']._serialized_end=1196
+  _globals['_SUBMITRESPONSE']._serialized_start=1199
+  _globals['_SUBMITRESPONSE']._serialized_end=1396
+  _globals['_TOKENLOGPROB']._serialized_start=1398
+  _globals['_TOKENLOGPROB']._serialized_end=1497
+  _globals['_TOPLOGPROB']._serialized_start=1499
+  _globals['_TOPLOGPROB']._serialized_end=1546
+  _globals['_PREFILLREQUEST']._serialized_start=1549
+  _globals['_PREFILLREQUEST']._serialized_end=1906
+  _globals['_PREFILLRESPONSE']._serialized_start=1909
+  _globals['_PREFILLRESPONSE']._serialized_end=2131
+  _globals['_ABORTREQUEST']._serialized_start=2133
+  _globals['_ABORTREQUEST']._serialized_end=2167
+  _globals['_ABORTRESPONSE']._serialized_start=2169
+  _globals['_ABORTRESPONSE']._serialized_end=2199
+  _globals['_GETLOADREQUEST']._serialized_start=2201
+  _globals['_GETLOADREQUEST']._serialized_end=2217
+  _globals['_LOADREPORT']._serialized_start=2220
+  _globals['_LOADREPORT']._serialized_end=2969
+  _globals['_WORKER']._serialized_start=3094
+  _globals['_WORKER']._serialized_end=3396
 # @@protoc_insertion_point(module_scope)
