@@ -59,7 +59,7 @@ def from_request(body: _Sampling) -> Structured | None:
     both fields when it asks for two."""
     found = _sources(body)
     if len(found) > 1:
-        (first, _), (second, _) = found[:2]
+        first, second = found[0].field, found[1].field
         raise invalid(second, f"conflicts with {first}: set at most one structured-output constraint "
                               "(response_format, guided_json/regex/choice/grammar, structured_outputs)",
                       code="conflicting_parameters")
