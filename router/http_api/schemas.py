@@ -77,9 +77,12 @@ class JsonSchemaFormat(_Closed):
     json_schema: JsonSchemaSpec
 
 
+_FORMAT_TAGS = {"text": "Text", "json_object": "JsonObject", "json_schema": "JsonSchema"}
+
+
 def _format_tag(v: Any) -> str | None:
     kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
-    return {"text": "Text", "json_object": "JsonObject", "json_schema": "JsonSchema"}.get(kind)  # type: ignore[arg-type]
+    return _FORMAT_TAGS.get(kind) if isinstance(kind, str) else None
 
 
 # Capitalised tags: error paths leave them out (errors.loc_to_param), so they name the client's fields.

@@ -125,7 +125,8 @@ def test_prompt_side_matches_qwen25():
     assert block.endswith('<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
     assert HERMES.render_call("f", {"a": 1}) == '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
     assert parse(HERMES.render_call("f", {"a": 1}))[1] == [("f", '{"a": 1}')]
-    assert HERMES.render_results(["1", "2"]) == "<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response>"
+    assert HERMES.render_results(["1", "2"]) == ("<tool_response>\n1\n</tool_response>\n"
+                                                 "<tool_response>\n2\n</tool_response>")
 
 
 def test_format_detection_and_registry():
