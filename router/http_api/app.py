@@ -8,6 +8,10 @@ Endpoints (OpenAI's paths and JSON; errors as router/http_api/errors.py):
     GET  /health                200 while at least one worker is healthy, 503 otherwise (open: no token)
     GET  /metrics               the router's Prometheus metrics, each with a model_name label
 
+Both POST endpoints take structured-output fields (router/http_api/structured.py); chat also takes
+tools (router/http_api/tools.py: the plan; chat_prompt.py: the prompt; tool_output.py: the
+``tool_calls`` in responses).
+
 Security is the gRPC API's (router/security.py): with a tokens file every path but /health needs
 ``Authorization: Bearer <token>``: the /v1 paths the ``generate`` scope, /metrics ``admin`` (as
 duet.control.v1.RouterAdmin, which serves the same counters). TLS is the server's
