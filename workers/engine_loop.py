@@ -25,6 +25,7 @@ import torch
 
 from workers.engine import Engine
 from workers.kv_handoff import KVCapacityError
+from workers.kv_wire import model_fingerprint
 from workers.errors import InvalidRequestError
 from workers.layers.logprobs import TokenLogprob
 from workers.runner import KVLayout, KVTicket, RequestOutput
@@ -45,6 +46,7 @@ class EngineLimits:
     vocab_size: int
     kv_layout: KVLayout | None = None  # the KV cache geometry (for disaggregated transfers)
     device: str = "cpu"
+    model_fingerprint: int = 0  # workers/kv_wire.py: what KV transfers carry and check
 
 
 @dataclass(frozen=True)
@@ -246,8 +248,10 @@ class EngineLoop:
             self._close(None, None, deque())
             return
         self.snapshot = LoadSnapshot.of(engine)
-        self._deliver([(self._ready, EngineLimits(engine.max_model_len, engine.spec.vocab_size, engine.kv_layout(),
-                                                    engine.config.device))])
+        layout = engine.kv_layout()
+        fingerprint = model_fingerprint(engine.spec, layout.dtype, engine.config.quantization)
+        self._deliver([(self._ready, EngineLimits(engine.max_model_len, engine.spec.vocab_size, layout,
+                                                    engine.config.device, fingerprint))])
         commands: deque[Command] = deque()
         out: list[Delivery] = []  # answers not yet handed to the event loop
         try:

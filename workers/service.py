@@ -54,7 +54,7 @@ from workers.kv_handoff import KVCapacityError
 from workers.runner import RequestOutput
 from workers.engine_loop import EngineLimits, EngineLoop, LoadSnapshot, WorkerUnavailableError
 from workers.errors import InvalidRequestError
-from workers.kv_transfer import KV_BACKENDS
+from workers.kv_transfer import check_kv_backend
 from workers.logprobs_proto import to_proto
 from workers.sampling_params import SamplingParams
 
@@ -287,13 +287,13 @@ async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.
 
     num_threads: torch intra-op threads for the engine thread (match the CPUs reserved for it).
     kv_transfer_timeout_s: bound on every wait on a disaggregation peer (rendezvous, each transfer).
-    kv_transfer_backend: 'auto' | 'nccl' | 'gloo' for KV this worker receives (workers/kv_transfer.py;
-        gloo stages CUDA caches through pinned host memory).
+    kv_transfer_backend: 'auto' | 'shm' | 'gloo' | 'nccl' for KV this worker receives
+        (workers/kv_transfer.py: auto = shm from peers on this host with a CPU cache, else nccl on
+        CUDA, else gloo; gloo and shm stage CUDA caches through pinned host memory).
     make_engine: builds the engine on the engine thread (default ``Engine.from_config(engine_config)``; a gang
     leader also joins its process group there, see workers/parallel/gang_actor.py).
     """
-    if kv_transfer_backend not in KV_BACKENDS:  # fails before the engine loads; the device is checked once resolved
-        raise ValueError(f"kv_transfer_backend={kv_transfer_backend!r}: must be one of {', '.join(KV_BACKENDS)}")
+    check_kv_backend(kv_transfer_backend)  # fails before the engine loads; the device is checked once resolved
     loop = asyncio.get_running_loop()
     build = make_engine or (lambda: Engine.from_config(engine_config))
     engine = EngineLoop(lambda: _warmed_up(build()), loop, num_threads=num_threads)
@@ -304,7 +304,7 @@ async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.
         servicer.disagg = Disaggregation(engine, limits.kv_layout, worker_id, servicer.incarnation,
                                          host=host if host not in ("0.0.0.0", "::", "") else "127.0.0.1",
                                          device=limits.device, timeout_s=kv_transfer_timeout_s,
-                                         kv_backend=kv_transfer_backend)
+                                         kv_backend=kv_transfer_backend, fingerprint=limits.model_fingerprint)
     health_servicer = health.aio.HealthServicer()
     # so_reuseport=0: a second worker on a taken port must fail, not silently share it.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
