@@ -154,6 +154,10 @@ class Disaggregation:
         return PairKey(self.worker_id, self.incarnation, receiver_id, receiver_incarnation, generation,
                        "shm" if backend == "shm" else "")
 
+    def stub(self, endpoint: str) -> worker_pb2_grpc.WorkerStub:
+        """A Worker stub for a peer (one channel per endpoint, closed with this object)."""
+        return self._stub(endpoint)
+
     def _stub(self, endpoint: str) -> worker_pb2_grpc.WorkerStub:
         channel = self._channels.get(endpoint)
         if channel is None:

@@ -136,7 +136,13 @@ class _Import:
     first_logprob: TokenLogprob | None = None
 
 
-Command = _Add | _Abort | _Reserve | _Import
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[Engine], object]  # run on the engine thread between two steps
+    reply: asyncio.Future  # -> its result, or the exception it raised
+
+
+Command = _Add | _Abort | _Reserve | _Import | _Call
 
 
 def _apply_deliveries(deliveries: list[Delivery]) -> None:
@@ -152,7 +158,7 @@ def _rejection(cmd: Command, reason: Exception) -> Delivery:
     """The answer to a command the engine thread will never run."""
     if isinstance(cmd, (_Add, _Import)):
         return cmd.sink, reason
-    return (cmd.reply, reason) if isinstance(cmd, _Reserve) else (cmd.reply, False)
+    return (cmd.reply, reason) if isinstance(cmd, (_Reserve, _Call)) else (cmd.reply, False)
 
 
 class EngineLoop:
@@ -201,6 +207,14 @@ class EngineLoop:
                   generator_state: bytes | None, sink: Sink, first_logprob: TokenLogprob | None = None) -> None:
         """Decode side: write a verified transfer and start decoding; outputs arrive on ``sink``."""
         self._post(_Import(request_id, ticket, kv, first_token, generator_state, sink, first_logprob))
+
+    def call(self, fn: Callable[[Engine], object]) -> asyncio.Future:
+        """Run ``fn(engine)`` on the engine thread between two steps (for components beside the engine
+        that drive its block manager and runner, e.g. workers/prefix_pull.py). The future holds its
+        result, or the exception it raised (as a value, like ``reserve``); commands run in order."""
+        cmd = _Call(fn, self._loop.create_future())
+        self._post(cmd)
+        return cmd.reply
 
     def abort(self, request_id: str) -> asyncio.Future[bool]:
         """Abort a request (idempotent); the future says whether the engine still had it."""
@@ -297,6 +311,12 @@ class EngineLoop:
                 out.append((cmd.reply, engine.reserve(cmd.request_id, cmd.prompt_token_ids, cmd.params,
                                                       cmd.resumed_output_tokens)))
             except (InvalidRequestError, KVCapacityError) as e:
+                out.append((cmd.reply, e))
+            return
+        if isinstance(cmd, _Call):
+            try:
+                out.append((cmd.reply, cmd.fn(engine)))
+            except Exception as e:  # noqa: BLE001 - handed to the caller; the engine state is the fn's to keep
                 out.append((cmd.reply, e))
             return
         if isinstance(cmd, _Import):

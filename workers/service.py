@@ -20,8 +20,11 @@ Ending a request early:
                             NOT_SERVING, and the worker refuses new work until it is restarted.
 
 Disaggregation (workers/disagg.py): a Submit with ``remote_prefill`` reserves KV blocks here and has
-the named worker prefill (the Prefill RPC, worker to worker) and send the blocks over a
-torch.distributed pair group; every worker can serve either half. GetLoad reports transfer counters.
+the named worker prefill (the Prefill RPC, worker to worker) and send the blocks over the pair's
+channel (shared memory on one host, else gloo/NCCL); every worker can serve either half. Prefix pull
+(workers/prefix_pull.py): a Submit with ``prefix_source`` first pulls that prefix's KV blocks from
+the worker holding them (its PullPrefix RPC) into this worker's prefix cache. GetLoad reports
+transfer and pull counters.
 
 Worked example::
 
@@ -56,6 +59,7 @@ from workers.engine_loop import EngineLimits, EngineLoop, LoadSnapshot, WorkerUn
 from workers.errors import InvalidRequestError
 from workers.kv_transfer import check_kv_backend
 from workers.logprobs_proto import to_proto
+from workers.prefix_pull import PrefixPull
 from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -123,6 +127,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._engine = engine
         self._inflight: set[str] = set()  # request ids with a live Submit handler
         self.disagg: Disaggregation | None = None  # set by start_worker_server
+        self.prefix_pull: PrefixPull | None = None  # set by start_worker_server (with disagg)
 
     @property
     def num_inflight(self) -> int:
@@ -176,6 +181,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 await self.disagg.decode(rid, list(request.prompt_token_ids), params, request.sampling,
                                          request.remote_prefill, sink, request.resumed_output_tokens)
             else:
+                if request.HasField("prefix_source") and self.prefix_pull is not None:
+                    await self.prefix_pull.pull(rid, list(request.prompt_token_ids), request.prefix_source)
                 self._engine.add(rid, list(request.prompt_token_ids), params, sink,
                                  resumed_output_tokens=request.resumed_output_tokens)
             while not finished:
@@ -210,6 +217,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GetLoad(self, request: worker_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.LoadReport:
         transfers = self.disagg.load_fields() if self.disagg is not None else {}
+        if self.prefix_pull is not None:
+            transfers.update(self.prefix_pull.load_fields())
         return worker_pb2.LoadReport(worker_id=self.worker_id, incarnation=self.incarnation,
                                      **dataclasses.asdict(self._engine.snapshot), **transfers)
 
@@ -222,6 +231,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield response
         except (InvalidRequestError, WorkerUnavailableError, PrefillRejected) as e:
             logger.warning("prefill of %s: %s", request.request_id, e)
+            await context.abort(*_status_of(e))
+
+
+    async def PullPrefix(self, request: worker_pb2.PullPrefixRequest,
+                         context: grpc.aio.ServicerContext) -> worker_pb2.PullPrefixResponse:
+        if not self.accepting:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining or shutting down")
+        if self.prefix_pull is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker has no KV transfer set up")
+        try:
+            return await self.prefix_pull.serve(request)
+        except (WorkerUnavailableError, PrefillRejected) as e:
+            logger.warning("prefix pull %s: %s", request.transfer_id, e)
             await context.abort(*_status_of(e))
 
 
@@ -305,6 +327,7 @@ async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.
                                          host=host if host not in ("0.0.0.0", "::", "") else "127.0.0.1",
                                          device=limits.device, timeout_s=kv_transfer_timeout_s,
                                          kv_backend=kv_transfer_backend, fingerprint=limits.model_fingerprint)
+        servicer.prefix_pull = PrefixPull(engine, servicer.disagg, limits.kv_layout.block_size, kv_transfer_timeout_s)
     health_servicer = health.aio.HealthServicer()
     # so_reuseport=0: a second worker on a taken port must fail, not silently share it.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
