@@ -67,6 +67,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
+from workers.config import KV_BACKENDS  # noqa: F401 - kv_transfer_backend's one definition, re-exported
 from workers.kv_shm import ShmRing, attach_ring, offer_ring, same_host_possible
 from workers.kv_wire import (HEADER_WORDS, KVTransferError, block_checksums, checks_of, decode_header,  # noqa: F401
                              encode_header, verify)
@@ -76,7 +77,6 @@ logger = logging.getLogger(__name__)
 
 _TAG_HEADER, _TAG_CHECKS, _TAG_PAYLOAD = 1, 2, 3
 
-KV_BACKENDS = ("auto", "shm", "gloo", "nccl")  # kv_transfer_backend: the one definition
 
 
 def check_kv_backend(requested: object) -> str:

@@ -303,7 +303,7 @@ class WorkerServer:
 async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
                               worker_id: str | None = None, *, num_threads: int | None = None,
                               max_inflight: int = 1024, kv_transfer_timeout_s: float = 30.0,
-                              kv_transfer_backend: str = "auto",
+                              kv_transfer_backend: str | None = None,
                               make_engine: Callable[[], Engine] | None = None) -> WorkerServer:
     """Load the engine on its own thread, then serve on ``host:port`` (0 = any free port).
 
@@ -311,10 +311,13 @@ async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.
     kv_transfer_timeout_s: bound on every wait on a disaggregation peer (rendezvous, each transfer).
     kv_transfer_backend: 'auto' | 'shm' | 'gloo' | 'nccl' for KV this worker receives
         (workers/kv_transfer.py: auto = shm from peers on this host with a CPU cache, else nccl on
-        CUDA, else gloo; gloo and shm stage CUDA caches through pinned host memory).
+        CUDA, else gloo; gloo and shm stage CUDA caches through pinned host memory); None = the
+        engine config's ``kv_transfer_backend``.
     make_engine: builds the engine on the engine thread (default ``Engine.from_config(engine_config)``; a gang
     leader also joins its process group there, see workers/parallel/gang_actor.py).
     """
+    if kv_transfer_backend is None:
+        kv_transfer_backend = engine_config.kv_transfer_backend
     check_kv_backend(kv_transfer_backend)  # fails before the engine loads; the device is checked once resolved
     loop = asyncio.get_running_loop()
     build = make_engine or (lambda: Engine.from_config(engine_config))
