@@ -76,12 +76,18 @@ PARAMS = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
           SamplingParams(max_tokens=8, temperature=0.9, top_k=50, seed=11, ignore_eos=True)]
 
 
+@pytest.fixture(scope="module")
+def holder(tiny_llama) -> tuple[Engine, list[list[int]]]:
+    """An engine that computed PREFIX + each question from scratch, and those tokens."""
+    engine = Engine.from_config(engine_config(str(tiny_llama), **SMALL))
+    return engine, [generate(engine, f"h{i}", PREFIX + QUESTIONS[i], p)[0] for i, p in enumerate(PARAMS)]
+
+
 @pytest.mark.parametrize("held_blocks", [0, 60])
-def test_pulled_prefix_gives_the_recomputed_tokens(tiny_llama, held_blocks):
-    holder = Engine.from_config(engine_config(str(tiny_llama), **SMALL))
+def test_pulled_prefix_gives_the_recomputed_tokens(tiny_llama, holder, held_blocks):
+    holder, want = holder
     puller = Engine.from_config(engine_config(str(tiny_llama), **SMALL))
     pull = PrefixPull(None, None, BS, 5.0)  # engine-thread halves only: called directly here
-    want = [generate(holder, f"h{i}", PREFIX + QUESTIONS[i], p)[0] for i, p in enumerate(PARAMS)]
     if held_blocks:  # the puller already holds the first 60 blocks: only the rest travels
         generate(puller, "warm", PREFIX[: held_blocks * BS] + [7], PARAMS[0])
     for i, p in enumerate(PARAMS):
