@@ -27,7 +27,7 @@ def kv_of(seed: int, num_blocks: int) -> torch.Tensor:
 def run_peer(inbox, outbox, timeout_s: float = 10.0, backend: str = "gloo", fingerprint: int = 0) -> None:
     import time
 
-    from workers import kv_transfer
+    from workers import kv_channel
     from workers.kv_transfer import KVLayout, KVSender
 
     sender = KVSender(KVLayout(*LAYOUT_ARGS), backend=backend, timeout_s=timeout_s, fingerprint=fingerprint)
@@ -41,10 +41,10 @@ def run_peer(inbox, outbox, timeout_s: float = 10.0, backend: str = "gloo", fing
             channel = sender.channel(key, address).result(timeout=timeout_s)
             kv = kv_of(seed, n)
             if mode == "corrupt":  # lie about block 1's checksum
-                real = kv_transfer.checks_of
-                kv_transfer.checks_of = lambda x, f: real(x, f) + torch.tensor([[0, 0], [0, 1]] + [[0, 0]] * (x.shape[2] - 2))
+                real = kv_channel.checks_of
+                kv_channel.checks_of = lambda x, f: real(x, f) + torch.tensor([[0, 0], [0, 1]] + [[0, 0]] * (x.shape[2] - 2))
             if mode == "stall":
-                header = kv_transfer.encode_header(sender.layout, sender.fingerprint, tid, first, n)
+                header = kv_channel.encode_header(sender.layout, sender.fingerprint, tid, first, n)
                 channel.announce(tid)
                 channel.transport.send(header, 1)  # then never the rest
                 outbox.put(("stalled", 0))
@@ -55,7 +55,7 @@ def run_peer(inbox, outbox, timeout_s: float = 10.0, backend: str = "gloo", fing
             outbox.put(("error", repr(e)))
         finally:
             if mode == "corrupt":
-                kv_transfer.checks_of = real
+                kv_channel.checks_of = real
 
 
 class Peer:
