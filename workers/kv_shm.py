@@ -100,6 +100,11 @@ class ShmRing:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, _DATA + capacity)
+            try:  # reserve the pages now: a full /dev/shm fails here, not with SIGBUS on a later write
+                os.posix_fallocate(fd, 0, _DATA + capacity)
+            except OSError as e:
+                raise KVTransferError(f"cannot reserve {(_DATA + capacity) >> 20} MiB in {SHM_DIR} for the KV ring "
+                                      f"({e}); give /dev/shm more room or set kv_transfer_backend to gloo") from None
             with mmap.mmap(fd, _LINE) as mm:
                 mm[:24] = np.array([RING_MAGIC, nonce, capacity], dtype=np.int64).tobytes()
             ring = cls(path, nonce, capacity, 1, timeout_s)
