@@ -46,7 +46,7 @@ class EngineLimits:
     vocab_size: int
     kv_layout: KVLayout | None = None  # the KV cache geometry (for disaggregated transfers)
     device: str = "cpu"
-    model_fingerprint: int = 0  # workers/kv_wire.py: what KV transfers carry and check
+    kv_fingerprint: int = 0  # workers/kv_wire.py model_fingerprint: what KV transfers carry and check
 
 
 @dataclass(frozen=True)

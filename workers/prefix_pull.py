@@ -217,12 +217,13 @@ class PrefixPull:
                                              transfer_seconds=time.monotonic() - start)
 
     @staticmethod
-    def _export(engine: Engine, tokens: list[int], first_block: int) -> torch.Tensor:
-        """Engine thread: a copy of the prefix's blocks first_block.. ([L, 2, n, bs, G, D])."""
+    def _export(engine: Engine, tokens: list[int], first_block: int) -> torch.Tensor | PrefixMissing:
+        """Engine thread: a copy of the prefix's blocks first_block.. ([L, 2, n, bs, G, D]), or
+        PrefixMissing (returned, not raised: a normal outcome, not an engine failure)."""
         blocks = engine.block_manager.cached_prefix(tokens)
         total = len(tokens) // engine.block_manager.block_size
         if len(blocks) < total:
-            raise PrefixMissing(f"this worker holds {len(blocks)} of the prefix's {total} blocks (evicted since)")
+            return PrefixMissing(f"this worker holds {len(blocks)} of the prefix's {total} blocks (evicted since)")
         return engine.runner.read_blocks(blocks[first_block:])
 
     # ------------------------------------------------------------------ stats

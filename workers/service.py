@@ -329,7 +329,7 @@ async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.
         servicer.disagg = Disaggregation(engine, limits.kv_layout, worker_id, servicer.incarnation,
                                          host=host if host not in ("0.0.0.0", "::", "") else "127.0.0.1",
                                          device=limits.device, timeout_s=kv_transfer_timeout_s,
-                                         kv_backend=kv_transfer_backend, fingerprint=limits.model_fingerprint)
+                                         kv_backend=kv_transfer_backend, fingerprint=limits.kv_fingerprint)
         servicer.prefix_pull = PrefixPull(engine, servicer.disagg, limits.kv_layout.block_size, kv_transfer_timeout_s)
     health_servicer = health.aio.HealthServicer()
     # so_reuseport=0: a second worker on a taken port must fail, not silently share it.
