@@ -86,6 +86,7 @@ class Disaggregation:
         self._senders = {self.backend: KVSender(layout, self.backend, timeout_s, fingerprint)}
         self.receiver = KVReceiver(layout, worker_id, incarnation, host, self.backend, timeout_s, fingerprint)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._backends: dict[str, str] = {}  # peer endpoint -> backend (backend_for)
 
     # ------------------------------------------------------------- decode half
     async def decode(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -137,8 +138,13 @@ class Disaggregation:
             expected_incarnation=incarnation, backend=backend, resumed_output_tokens=resumed_output_tokens)
 
     def backend_for(self, peer_endpoint: str) -> str:
-        """The transport for KV this worker receives from the worker at ``peer_endpoint``."""
-        return choose_backend(self.requested_backend, self.device, peer_endpoint, self.host)
+        """The transport for KV this worker receives from the worker at ``peer_endpoint`` (decided
+        once per endpoint: a host name is resolved only the first time)."""
+        backend = self._backends.get(peer_endpoint)
+        if backend is None:
+            backend = self._backends[peer_endpoint] = choose_backend(self.requested_backend, self.device,
+                                                                     peer_endpoint, self.host)
+        return backend
 
     def sender_for(self, backend: str) -> KVSender:
         """The sender for a receiver's ``backend`` ('gloo', 'shm' or 'nccl'; nccl only from a CUDA

@@ -170,7 +170,9 @@ class PairChannel:
 
     def close(self) -> None:
         """Stop using the pair. On the receiving side this also wakes the receive loop (it waits for
-        the next announcement) with an empty announcement, on which it exits."""
+        the next announcement) with an empty announcement, on which it exits. Idempotent."""
+        if self._closed.is_set():
+            return
         self._closed.set()
         if self.rank == 1:
             try:
