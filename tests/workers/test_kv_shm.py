@@ -143,3 +143,13 @@ def test_backend_choice(requested, device, peer, expected):
 def test_bad_backend_names_the_setting():
     with pytest.raises(ValueError, match=r"kv_transfer_backend='tcp': must be one of auto, shm, gloo, nccl"):
         choose_backend("tcp", "cpu", "127.0.0.1:1", "127.0.0.1")
+
+
+def test_engine_config_validates_the_backend():
+    from workers.config import ConfigError, EngineConfig
+
+    assert EngineConfig(kv_transfer_backend="shm").kv_transfer_backend == "shm"
+    with pytest.raises(ConfigError, match=r"kv_transfer_backend='tcp': must be one of auto, shm, gloo, nccl"):
+        EngineConfig(kv_transfer_backend="tcp")
+    with pytest.raises(ConfigError, match=r"kv_transfer_backend='nccl' with device='cpu'"):
+        EngineConfig(kv_transfer_backend="nccl", device="cpu")
