@@ -263,7 +263,7 @@ class EngineLoop:
             return
         self.snapshot = LoadSnapshot.of(engine)
         layout = engine.kv_layout()
-        fingerprint = model_fingerprint(engine.spec, layout.dtype, engine.config.quantization)
+        fingerprint = model_fingerprint(engine.spec, layout.dtype, engine.config.quantization) if layout else 0
         self._deliver([(self._ready, EngineLimits(engine.max_model_len, engine.spec.vocab_size, layout,
                                                     engine.config.device, fingerprint))])
         commands: deque[Command] = deque()
