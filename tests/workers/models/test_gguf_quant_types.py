@@ -89,7 +89,7 @@ def test_each_type_loads_within_its_stated_error(tmp_path, kind):
     assert linears == 1 + 2 * 7  # output + 7 per layer
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_K"])  # (Q8_0's codes give what quantizing its floats gives: not observable)
 def test_served_from_the_gguf_file_alone_loads_codes(tmp_path, kind):
     """A .gguf file as the model (resolve_model's path: config and tokenizer from the GGUF
     metadata, prepared into a cache) with the type's engine quantization: the weights come from the
