@@ -81,6 +81,7 @@ class _Replica:
     state: str = "starting"  # starting | up | down | failed | draining
     endpoint: str | None = None
     incarnation: str | None = None
+    node_id: str | None = None  # the Ray node its (leader) actor last ran on, from the probe
     call: Any = None  # the one outstanding ObjectRef (start() or info())
     call_kind: str = ""  # "start" | "probe"
     call_since: float = 0.0
@@ -199,11 +200,13 @@ class Controller:
         self._push(index, push, detailed)
 
     def describe(self) -> list[dict[str, object]]:
-        """One dict per replica: pool, role, worker id, state, endpoint, incarnation, starts, last error."""
+        """One dict per replica: pool, role, worker id, state, endpoint, incarnation, the Ray node
+        its actor last ran on (``node_id``; a replica ``down`` whose node died still names it, until
+        Ray restarts it elsewhere), starts, last error."""
         with self._lock:
             return [{"pool": r.replica.pool, "role": self.role_of(r.replica.worker_id), "index": r.replica.index,
                      "worker_id": r.replica.worker_id, "state": r.state,
-                     "endpoint": r.endpoint, "incarnation": r.incarnation, "starts": r.starts,
+                     "endpoint": r.endpoint, "incarnation": r.incarnation, "node_id": r.node_id, "starts": r.starts,
                      "last_error": r.last_error} for r in self._replicas]
 
     def stop(self) -> None:
@@ -275,7 +278,7 @@ class Controller:
         elif r.state != "up" or endpoint != r.endpoint:
             self._set(r, "up", endpoint, "")
         with self._lock:
-            r.incarnation = incarnation
+            r.incarnation, r.node_id = incarnation, result.get("node_id", r.node_id)
 
     def _finish_draining(self, r: _Replica, kind: str, call: Any) -> None:
         """A draining replica's call returned: its stop() (drained: release it), or a probe issued
