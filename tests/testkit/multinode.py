@@ -14,8 +14,8 @@ Terms:
 
 The cluster runs under its own temp dir (short: unix socket paths are limited to 107 bytes) with
 ports chosen by the OS, so it neither collides with another Ray on the host nor leaves session
-directories behind: ``shutdown()`` stops every process it started, checks none is left, and
-deletes the temp dir.
+directories behind: ``shutdown()`` stops every process it started, checks none is left, deletes
+the temp dir and puts back the address ``ray.init(address="auto")`` finds.
 
 Example::
 
@@ -29,11 +29,15 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 NODE_RESOURCE = "duet_node_{}"  # offered once by each worker node: its name as Ray sees it
@@ -68,8 +72,12 @@ class LocalCluster:
     nodes: dict[str, _Node] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from ray._common.utils import get_ray_address_file
         from ray.cluster_utils import Cluster
 
+        # Cluster() records its address where `ray.init(address="auto")` looks: put back what was there
+        self._address_file = Path(get_ray_address_file(None))
+        self._previous_address = self._address_file.read_text() if self._address_file.exists() else None
         self.temp_dir = tempfile.mkdtemp(prefix="dn", dir="/tmp")
         self._cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args=dict(
             num_cpus=0, include_dashboard=False, temp_dir=self.temp_dir, gcs_server_port=free_port(),
@@ -93,9 +101,18 @@ class LocalCluster:
         return node.node_id
 
     def remove(self, name: str) -> None:
-        """Kill node ``name`` (every process on it, no grace) and wait until the GCS has it dead."""
+        """Kill node ``name`` (every process on it at once, no grace, as a lost machine) and wait
+        until the GCS has it dead. Ray's own ``remove_node`` kills the raylet and its services; the
+        worker processes (the actors) would notice only a moment later and keep serving meanwhile,
+        so they are killed first, together."""
+        from ray._private import ray_constants
+
         node = self.nodes[name]
         assert node.handle is not None, f"node {name} is not running"
+        raylet = node.handle.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+        for pid in [raylet, *_descendants(raylet)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self._cluster.remove_node(node.handle, allow_graceful=False)
         node.handle = None
         self._wait_alive(node.node_id, False)
@@ -120,6 +137,10 @@ class LocalCluster:
         self._cluster.shutdown()
         left = [n for n in nodes if n.any_processes_alive()]
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+        if self._previous_address is None:
+            self._address_file.unlink(missing_ok=True)
+        else:
+            self._address_file.write_text(self._previous_address)
         assert not left, f"Ray processes left behind by {len(left)} nodes"
 
     def _wait_alive(self, node_id: str, alive: bool, timeout: float = 60.0) -> None:
@@ -135,3 +156,23 @@ class LocalCluster:
                 return
             assert time.monotonic() < deadline, f"node {node_id[:8]} not {'alive' if alive else 'dead'} after {timeout} s"
             time.sleep(0.1)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc: children first listed by their parent)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        out += children
+        todo += children
+    return out
