@@ -11,8 +11,8 @@ spare with room). Load: ``--clients`` closed-loop clients, each streaming greedy
 with the most running requests is killed (raylet, object store and its actors, no grace), and the
 run goes on until the pool is whole again and every stream in flight at the kill has finished.
 
-Figures per run (then medians over ``--runs``; each run on a fresh deployment, the killed node
-restored in between):
+Figures per run (then medians over ``--runs``, one deployment; a replacement for the killed node
+joins between runs, so there is always a spare):
     affected            streams in flight at the kill whose next token came later than
                         max(0.5 s, 10 x their own median inter-token gap before the kill): the ones
                         the lost worker was serving (cross-checked with the router's ``resumed``)
@@ -42,7 +42,12 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "node_loss.json"
-PROMPT = [1, 504, 3575, 282, 4649, 314, 2023, 30] * 4
+PROMPT_TOKENS = 32
+
+
+def _prompt(i: int) -> list[int]:
+    """Request i's prompt: distinct token ids per request, so no worker has it in its prefix cache."""
+    return [1] + [100 + (i * 7919 + k * 104729) % 40000 for k in range(PROMPT_TOKENS - 1)]
 MAIN = "duet_pool_main"
 
 
@@ -68,7 +73,7 @@ async def _client(address: str, tokens: int, stop: asyncio.Event, streams: list[
             s: dict = {"start": time.monotonic(), "times": [], "error": None}
             streams.append(s)
             try:
-                async for chunk in client.generate(token_ids=PROMPT, max_tokens=tokens, temperature=0,
+                async for chunk in client.generate(token_ids=_prompt(len(streams)), max_tokens=tokens, temperature=0,
                                                    ignore_eos=True, timeout=300):
                     s["times"] += [time.monotonic()] * len(chunk.token_ids)
             except DuetError as e:
@@ -119,7 +124,7 @@ async def _one_run(cluster: Any, d: Any, args: argparse.Namespace) -> dict[str, 
             "router_resumed": d.router.stats()["requests"].get("resumed", 0) - resumed0,
             "resume_s": max(waits, default=0.0), "resume_median_s": statistics.median(waits) if waits else 0.0,
             "pool_full_s": full_at - killed,
-            "tokens_recomputed": sum(len(PROMPT) + n for _, n in affected),
+            "tokens_recomputed": sum(PROMPT_TOKENS + n for _, n in affected),
             "lost": sum(1 for s in streams if s["error"]), "errors": sorted({s["error"] for s in streams if s["error"]})}
 
 
@@ -144,14 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in "abc":
             cluster.add(name, 2, {MAIN: 1000})
-        for i in range(args.runs):
-            d = _deploy(cluster, model, f"duet_node_loss_{i}")
-            try:
+        d = _deploy(cluster, model, "duet_node_loss")
+        try:
+            for _ in range(args.runs):
                 runs.append(asyncio.run(_one_run(cluster, d, args)))
-            finally:
-                d.stop()
-            cluster.restore()
-            print(json.dumps(runs[-1]), flush=True)
+                print(json.dumps(runs[-1]), flush=True)
+                cluster.restore()  # a replacement node: the spare for the next run
+        finally:
+            d.stop()
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -159,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     keys = ("affected", "resume_s", "resume_median_s", "pool_full_s", "tokens_recomputed", "lost")
     summary = {k: statistics.median(r[k] for r in runs) for k in keys}
     result = {"date": time.strftime("%Y-%m-%d"), "model": model, "clients": args.clients, "tokens": args.tokens,
-              "prompt_tokens": len(PROMPT), "runs": runs, "median": summary,
+              "prompt_tokens": PROMPT_TOKENS, "runs": runs, "median": summary,
               "with_migration": "not measured: [migrate] had not landed on main"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
