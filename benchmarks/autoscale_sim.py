@@ -27,7 +27,8 @@ replicas take 120 s to start. Service model: prefill 20 ms + 0.1 ms/token; decod
 
 Metrics: SLO attainment = the fraction of requests whose TTFT and TPOT both meet the SLO (target
 >= 99%); replica-hours / oracle replica-hours (target <= 1.2x); peak replicas / the oracle's peak;
-migrations and the median / p90 time a removed decode replica took to leave; simulator CPU time per run.
+migrations and the median / p90 time a removed decode replica that held requests took to leave
+(idle ones leave at once); simulator CPU time per run.
 benchmarks/autoscale_traces.py runs this on a suite of differently shaped traces.
 
     python -m benchmarks.autoscale_sim                 # full day (~3 min for the three runs)
@@ -83,7 +84,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--prefill-headroom", type=float, default=1.0,
                    help="prefill pool headroom: a small share of the replica-hours, so it holds a burst's worth [1.0]")
     p.add_argument("--short-window-s", type=float, default=30.0, help="SLO autoscaler burst window [30]")
-    p.add_argument("--burst-sigmas", type=float, default=3.0, help="SLO autoscaler burst threshold [3]")
+    p.add_argument("--burst-sigmas", type=float, default=4.0, help="SLO autoscaler burst threshold [4]")
     p.add_argument("--queue-target-scale", type=float, default=1.0,
                    help="baseline's target_ongoing_requests = this x the in-flight count at capacity [1.0]")
     p.add_argument("--capacity-quantile", type=float, default=99.0,
@@ -170,14 +171,15 @@ def run(args: argparse.Namespace, trace: Trace | None = None) -> dict[str, Any]:
         r = sim.run()
         results[name] = r
         peak = int(max(a + b for a, b in zip(r.timeline["prefill.alive"], r.timeline["decode.alive"])))
-        drains = sorted(r.migration.drain_s.get("decode", []))
+        drains = sorted(x for x in r.migration.drain_s.get("decode", []) if x > 0)  # idle ones leave at once
         res["runs"][name] = {
             "slo_attainment": r.attainment, "missed": int((~r.met).sum()), "ttft_p90_s": r.p90("ttft"),
             "tpot_p90_s": r.p90("tpot"), "replica_hours": r.replica_hours,
             "replica_hours_by_pool": {k: v / 3600 for k, v in r.replica_seconds.items()},
             "vs_oracle": r.replica_hours / oracle_hours, "peak_replicas": peak, "peak_vs_oracle": peak / oracle_peak,
             "migrations": r.migration.migrations, "migrated_gb": r.migration.bytes / 1e9,
-            "decode_removed": len(drains), "decode_leave_s_median": drains[len(drains) // 2] if drains else None,
+            "decode_removed": len(r.migration.drain_s.get("decode", [])), "decode_removed_busy": len(drains),
+            "decode_leave_s_median": drains[len(drains) // 2] if drains else None,
             "decode_leave_s_p90": drains[int(0.9 * (len(drains) - 1))] if drains else None,
             "completed": int((~(r.ttft != r.ttft)).sum()), "events": r.events, "wall_s": r.wall_s,
             "cpu_s": r.cpu_s}
@@ -192,11 +194,11 @@ def print_table(res: dict[str, Any]) -> None:
     print(f"trace {res['trace']['name']}: {res['trace']['requests']} requests over {res['trace']['duration_h']:.1f} h;"
           f" oracle {res['oracle']['replica_hours']:.0f} replica-hours, peak {res['oracle']['peak_replicas']} replicas")
     print(f"{'policy':13} {'SLO att.':>9} {'missed':>7} {'rep-hours':>10} {'vs oracle':>9} {'peak/or.':>8} "
-          f"{'leave s':>8} {'cpu s':>6}")
+          f"{'leave s':>8} {'migr.':>6} {'cpu s':>6}")
     for name, r in res["runs"].items():
         leave = f"{r['decode_leave_s_median']:8.1f}" if r["decode_leave_s_median"] is not None else f"{'-':>8}"
         print(f"{name:13} {r['slo_attainment']:9.2%} {r['missed']:7d} {r['replica_hours']:10.0f} {r['vs_oracle']:8.3f}x "
-              f"{r['peak_vs_oracle']:7.2f}x {leave} {r['cpu_s']:6.1f}")
+              f"{r['peak_vs_oracle']:7.2f}x {leave} {r['migrations']:6d} {r['cpu_s']:6.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,11 +6,13 @@ long window     Holt's linear smoothing over every bucket: a level and a trend. 
                 requests stay long (``smoothing_s`` > 0: decode, seconds to minutes) the level has
                 that time constant, alpha = 1 - exp(-bucket_s / smoothing_s): the pool needs capacity
                 for its concurrency, the arrival rate averaged over one residence, not for one bucket.
-short window    the mean of the last ``short_window_s`` (k buckets; at most a third of the window).
-                A *burst* is a short mean above the level by more than ``burst_sigmas`` standard
-                errors, noise = max(Poisson: sqrt(rate / (k bucket_s)), the buckets' own spread /
-                sqrt(k)); then the level is not trusted (it lags a step by its time constant) and the
-                short mean is the rate to plan for. A pool whose new replicas take ``horizon_s`` to
+short window    the last ``short_window_s`` (k buckets; at most a third of the window). A *burst*
+                is the mean of the last j <= k buckets above the level by more than ``burst_sigmas``
+                standard errors for some j (noise = max(Poisson: sqrt(rate / (j bucket_s)), the
+                buckets' own spread / sqrt(j))): one bucket catches a sharp step at once, k buckets
+                a smaller one. Then the level is not trusted (it lags a step by its time constant)
+                and the largest such mean (the one holding the least of the time before the step)
+                is the rate to plan for. A pool whose new replicas take ``horizon_s`` to
                 start and whose requests stay less than that needs, by then, capacity for the rate
                 arriving then -- the short mean is the best estimate of it, the lagging level is not.
 
@@ -85,7 +87,7 @@ class RateEstimate:
 
 
 def estimate_rates(rates: Sequence[float], bucket_s: float, *, horizon_s: float, alpha: float, beta: float,
-                   smoothing_s: float = 0.0, short_window_s: float = 0.0, burst_sigmas: float = 3.0,
+                   smoothing_s: float = 0.0, short_window_s: float = 0.0, burst_sigmas: float = 4.0,
                    stabilise_s: float = math.inf) -> RateEstimate:
     """The two-window estimate of the module docstring."""
     if not rates:
@@ -105,11 +107,19 @@ def estimate_rates(rates: Sequence[float], bucket_s: float, *, horizon_s: float,
     short, burst = level, False
     k = min(round(short_window_s / bucket_s), len(rates) // 3) if short_window_s > 0 and bucket_s > 0 else 0
     if k >= 1:
-        s2, s1, short = (sum(rates[len(rates) - (j + 1) * k:len(rates) - j * k]) / k for j in (2, 1, 0))
-        noise = _noise(rates[:len(rates) - k], max(short, level), k, bucket_s)
-        burst = short > level + burst_sigmas * noise
-        grew = min(short - s1, s1 - s2)
-        rise = min(rise, grew / (k * bucket_s) * horizon_s) if grew > noise else 0.0
+        n = len(rates)
+        s2, s1, short = (sum(rates[n - (j + 1) * k:n - j * k]) / k for j in (2, 1, 0))
+        # A burst: the mean of the last j <= k buckets above the level by burst_sigmas standard
+        # errors, for some j (one bucket catches a sharp step at once, k catch a smaller one);
+        # plan for the largest such mean (the window that holds the least of the time before).
+        means = [sum(rates[n - j:]) / j for j in range(1, k + 1)]
+        high = [mj for j, mj in enumerate(means, 1)
+                if mj > level + burst_sigmas * _noise(rates[:n - k], max(mj, level), j, bucket_s)]
+        burst = bool(high)
+        short = max(high) if high else short
+        grew = min(sum(rates[n - k:]) / k - s1, s1 - s2)
+        rise = min(rise, grew / (k * bucket_s) * horizon_s) if grew > _noise(rates[:n - k], max(s1, level), k,
+                                                                               bucket_s) else 0.0
     forecast = max(0.0, (max(level, short) if burst else level) + rise)
     recent = len(rates) if math.isinf(stabilise_s) else max(1, math.ceil(stabilise_s / bucket_s - 1e-9))
     busiest = max(levels[-recent:]) if smoothing_s > 0 else max(rates[-recent:])

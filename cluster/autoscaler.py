@@ -124,7 +124,7 @@ class AutoscalerConfig:
     down_cooldown_s: float = 300.0
     down_interval_s: float = 60.0
     short_window_s: float = 30.0
-    burst_sigmas: float = 3.0
+    burst_sigmas: float = 4.0
     hold_when_recovering: bool = True
     scale_down: str = "drain"
     migration_s: float = 10.0
@@ -354,7 +354,7 @@ def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics
     want_up, want_down = _clamp(up_target + offset, p), _clamp(down_target + offset, p)
     desired = current
     if want_up > current:
-        if now - mem.last_up >= c.up_cooldown_s:
+        if now - mem.last_up >= c.up_cooldown_s or est.burst:  # a burst grows every round: follow it
             desired = want_up
             mem = replace(mem, last_up=now)
             notes.append(f"scale up {current} -> {desired}")
