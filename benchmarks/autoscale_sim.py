@@ -94,6 +94,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--bandwidth-gbs", type=float, default=MigrationModel().bandwidth_bytes_per_s / 1e9,
                    help="migration: GB/s over a draining replica's link [1.0]")
     p.add_argument("--pause-s", type=float, default=MigrationModel().pause_s, help="migration: pause per request [0.2]")
+    p.add_argument("--rebalance", action="store_true",
+                   help="runs that migrate also rebalance the decode pool (the router's rebalancer; off by default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS / "autoscale_sim.json")
     return p
@@ -166,7 +168,8 @@ def run(args: argparse.Namespace, trace: Trace | None = None) -> dict[str, Any]:
         if name not in policies:
             raise SystemExit(f"--policies: unknown policy {name!r}; choose from {', '.join(POLICIES)}")
         make, mig = policies[name]
-        pools = [SimPool(p, p, SVC, int(sizes[p][0]), args.startup_s, migration=mig) for p in ("prefill", "decode")]
+        pools = [SimPool(p, p, SVC, int(sizes[p][0]), args.startup_s, migration=mig,
+                         rebalance=args.rebalance and mig is not None and p == "decode") for p in ("prefill", "decode")]
         sim = Simulation(trace, pools, slo=SLO, scaling=make(), route_candidates=args.route_candidates, seed=args.seed)
         r = sim.run()
         results[name] = r
@@ -177,7 +180,7 @@ def run(args: argparse.Namespace, trace: Trace | None = None) -> dict[str, Any]:
             "tpot_p90_s": r.p90("tpot"), "replica_hours": r.replica_hours,
             "replica_hours_by_pool": {k: v / 3600 for k, v in r.replica_seconds.items()},
             "vs_oracle": r.replica_hours / oracle_hours, "peak_replicas": peak, "peak_vs_oracle": peak / oracle_peak,
-            "migrations": r.migration.migrations, "migrated_gb": r.migration.bytes / 1e9,
+            "migrations": r.migration.migrations, "rebalanced": r.migration.rebalanced, "migrated_gb": r.migration.bytes / 1e9,
             "decode_removed": len(r.migration.drain_s.get("decode", [])), "decode_removed_busy": len(drains),
             "decode_leave_s_median": drains[len(drains) // 2] if drains else None,
             "decode_leave_s_p90": drains[int(0.9 * (len(drains) - 1))] if drains else None,

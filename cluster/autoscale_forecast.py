@@ -32,12 +32,16 @@ upper           max(forecast, the busiest point of the last ``stabilise_s``: the
 With ``short_window_s`` = 0 and ``stabilise_s`` >= the window, this is the single-window estimate
 the autoscaler used before (kept for comparison: benchmarks/autoscale_traces.py runs it).
 
-Worked example (buckets of 10 s, horizon 60 s, alpha 0.5, beta 0.3, short window 20 s): rates
-[8, 8, 9, 10, 11, 12] -> Holt level 11.4, trend 0.72, sigma 1.08 -> Holt rise 6 x 0.72 - 2 x 1.08 =
-2.2; short means 8, 9.5, 11.5 rise by 1.5 and 2.0 > noise 0.76 (sqrt(11.5 / 20)): confirmed, and
-1.5 per 20 s over 60 s = 4.5 does not bind; 11.5 is not a burst over 11.4. Forecast 11.4 + 2.2 = 13.6.
-A step [8, 8, 8, 8, 32, 32]: short means 8, 8, 32 -- a burst (32 > level + 3 x noise), not a
-confirmed rise: forecast 32 (Holt alone: level 26 + its capped rise).
+Worked examples (buckets of 10 s, alpha 0.5, beta 0.3):
+  a ramp, horizon 60 s, short window 20 s: rates [8, 8, 9, 10, 11, 12] -> Holt level 11.4, rise
+    6 x 0.72 - 2 x 1.08 = 2.15; the short means 8, 9.5, 11.5 rise by 1.5 and 2.0, over the noise
+    0.76 (sqrt(11.5 / 20)): confirmed, and 1.5 per 20 s over 60 s = 4.5 does not bind. Not a
+    burst (11.5 is the level). Forecast 11.4 + 2.15 = 13.6.
+  a step, same settings: [8, 8, 8, 8, 32, 32] -> level 27.8; short means 8, 8, 32: the rise is
+    not confirmed (flat, then one jump): forecast 27.8, where Holt alone says 34.2.
+  a step in a decode pool (smoothing_s 60 s, horizon 120 s, short window 30 s): 20 buckets at 8
+    then 2 at 32 -> the level is 14.7; the last bucket's 32 is far over 14.7 + 4 x sqrt(32 / 10):
+    a burst, forecast 32 (Holt alone: 17.4, two minutes before it catches up).
 """
 
 from __future__ import annotations

@@ -15,15 +15,18 @@ Terms (per pool):
     offset      the reactive correction, in replicas, carried in the autoscaler's state
 
 The algorithm, per pool (prefill, decode and colocated pools independently; drafters follow):
- 1. Forecast the arrival rate ``h = horizon_s`` ahead with Holt's linear smoothing over the
-    window (level alpha, trend beta -- or, for a pool with ``smoothing_s``, a level time constant
-    of that many seconds; sigma = RMS of its one-step errors, the noise it sees). A rise
-    counts only beyond the noise and a fall is never extrapolated (scale-down follows what
-    happened): forecast = level + rise, rise = max(0, trend * h/bucket_s - 2 sigma) capped at the
-    window's own range (of the smoothed level, for a pool with ``smoothing_s``) scaled to h (a step change is not extrapolated as a ramp); upper = max(forecast, the
-    busiest point of the window: the busiest bucket, or the peak smoothed level for a pool with
-    ``smoothing_s``) -- Kubernetes' scale-down stabilisation window, in load space.
-    Use a window of 20+ buckets (e.g. 5 minutes of 10 s): fewer make sigma and the peak noisy.
+ 1. Estimate the arrival rate (cluster/autoscale_forecast.py): a long window -- Holt's linear
+    smoothing over every bucket (level alpha, trend beta -- or, for a pool with ``smoothing_s``,
+    a level time constant of that many seconds) -- and a short one, the last ``short_window_s``.
+    A *burst* (a short mean ``burst_sigmas`` standard errors over the level) is planned for at
+    once instead of waiting for the level to catch up; a rise counts only beyond the noise, only
+    when every short window confirms it (a step is not a ramp) and at most the window's own
+    growth at its pace; a fall is never extrapolated (scale-down follows what happened):
+    forecast = max(level, short if burst) + rise. upper = max(forecast, the busiest point of the
+    stabilisation window: the busiest bucket, or the peak smoothed level for a pool with
+    ``smoothing_s``) -- Kubernetes' scale-down stabilisation window, in load space. The window
+    is the whole metrics window when scale-down drains, horizon_s + migration_s when it
+    migrates (step 4). Use a window of 20+ buckets (e.g. 5 minutes of 10 s).
  2. Predicted replicas: the pool's bottleneck work per second over one replica's capacity for it,
     with headroom: prefill pools count prompt tokens, decode pools output tokens, colocated pools
     the larger of the two (each against the profile's token rate at the SLO); with unknown token
@@ -35,18 +38,27 @@ The algorithm, per pool (prefill, decode and colocated pools independently; draf
     current + ``step`` (offset = max(offset, current - up_target) + step) -- unless replicas are
     starting (their capacity is on the way: wait for it), or arrived less than ``smoothing_s`` ago
     (a decode pool's TPOT is observed at completion, so for one residence time it still describes
-    the pool before they came), or the last reactive step is younger than ``up_cooldown_s``. If every p90 is under ``slack_ratio`` x its SLO and the offset is positive,
+    the pool before they came), or -- with ``hold_when_recovering`` -- the p90 is falling (below
+    the last round's by 2%: the capacity came and the latency, observed at completion, is still
+    catching up; adding more then would lock the overshoot in as an offset), or the last
+    reactive step is younger than ``up_cooldown_s``. If every p90 is under ``slack_ratio`` x its SLO and the offset is positive,
     take ``step`` off it (same cadence); the offset never goes negative, because low latency at low
     load says nothing about the profile being wrong. A window with no arrivals, nothing running
     and nothing queued clears the offset: an idle pool gives no latency samples to show slack, and
     an offset kept through it would hold the pool above its predicted size for ever. step = max(1, round(reactive_step_frac x
     current)): +-1 on small pools, proportionally more on large ones.
- 4. Desired: up_target + offset above current -> scale up at once (subject to ``up_cooldown_s``);
-    down_target + offset below current -> scale down, at most ``max_down_step_frac`` of the pool
-    per decision, only if no SLO is breached, ``down_cooldown_s`` has passed since the last
-    scale-up and ``down_interval_s`` since the last scale-down; cancelling pending replicas only
-    (the target still covers every ready + starting replica) needs no cooldown. Clamp to
-    [min_replicas, max_replicas]. (Level is also capped at the window's peak: Holt overshoots steps.)
+ 4. Desired: up_target + offset above current -> scale up at once (subject to ``up_cooldown_s``,
+    except in a burst, which may grow every round); down_target + offset below current -> scale
+    down, at most ``max_down_step_frac`` of the pool per decision, only if no SLO is breached,
+    ``down_cooldown_s`` has passed since the last scale-up and ``down_interval_s`` since the last
+    scale-down; cancelling pending replicas only (the target still covers every ready + starting
+    replica) needs no cooldown. Clamp to [min_replicas, max_replicas]. (Level is also capped at
+    the window's peak: Holt overshoots steps.) ``scale_down``: ``drain`` (a removed replica
+    finishes its requests, minutes with long generations) keeps those waits; ``migrate`` (it
+    moves them to the replicas that stay and is gone in ``migration_s``) caps each wait at what
+    being wrong costs -- a replica removed too early is back after a start-up, ~horizon_s, so
+    holding one longer than horizon_s + migration_s is never worth it (ski rental's break-even):
+    stabilisation window and cooldown <= horizon_s + migration_s, interval <= migration_s.
  5. Drafter pools: ``ceil(ratio x`` their decode pool's desired``)``, clamped.
 
 Worked example (decode pool, capacity 1.6 req/s at 64 output tokens = 102.4 tok/s per replica,

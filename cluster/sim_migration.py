@@ -19,6 +19,13 @@ remaining generation (minutes, with long outputs). With a ``MigrationModel`` it 
                      has fewer tokens to go, and they finish in place.
     leaves           when nothing is left on it and its last transfer has arrived
 
+The rebalancer (``SimPool.rebalance``, off by default like the router's): every tick, a replica
+holding more than the pool's mean + max(2, mean / 2) decoding sequences sends its surplus over the
+mean, longest first and at the same cost per request, to the replicas furthest below the mean (each
+filled up to it, never past it, so a moved sequence is not moved back). It is what lets replicas
+started for a burst take over the sequences the overloaded ones already hold, instead of serving
+only new arrivals while the old ones stay overloaded until their sequences end.
+
 A migration that finds no ready replica to go to leaves the request where it is (it drains), as the
 real migration leaves a request running on its source when the target cannot take it. The
 target's link and memory are not modelled as limits (each source sends over its own link; targets
@@ -43,14 +50,16 @@ Example::
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from cluster.sim_replica import SimReplica
 
 if TYPE_CHECKING:
-    from cluster.simulator import Simulation
+    from cluster.simulator import Simulation, _Pool
 
 
 def kv_bytes_per_token_of(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
@@ -87,20 +96,23 @@ class MigrationStats:
     """What the run's migrations did: count, bytes moved, and per pool, for each removed replica,
     the seconds from the scale-down decision to the replica leaving (drained or migrated)."""
 
-    migrations: int = 0
+    migrations: int = 0  # all of them: drains and rebalancing
+    rebalanced: int = 0  # of which the rebalancer's
     bytes: float = 0.0
     stall_s: float = 0.0  # sum over migrated requests of the time they made no progress
     drain_s: dict[str, list[float]] = field(default_factory=dict)
 
 
 class Migrator:
-    """Runs the migrations of the simulation's draining replicas. The simulation calls ``start``
-    when a replica of a pool with a MigrationModel starts draining (or gets new work while
-    draining), ``step`` on a MIGRATE_NEXT event and ``arrive`` on a MIGRATE_DONE event."""
+    """Runs the migrations of the simulation's draining replicas, and the rebalancer's. The
+    simulation calls ``start`` when a replica of a pool with a MigrationModel starts draining (or
+    gets new work while draining), ``rebalance`` every tick for a pool with ``rebalance`` on,
+    ``step`` on a MIGRATE_NEXT event and ``arrive`` on a MIGRATE_DONE event."""
 
     def __init__(self, sim: Simulation) -> None:
         self.sim = sim
         self.sending: set[str] = set()  # sources with a transfer in flight
+        self.planned: dict[str, deque[SimReplica]] = {}  # rebalancing: source -> a target per sequence
         self.stats = MigrationStats()
 
     def busy(self, r: SimReplica) -> bool:
@@ -109,11 +121,39 @@ class Migrator:
     def start(self, r: SimReplica) -> None:
         """``r`` drains by migration: re-send its queued prompts, then move its sequences."""
         pool = self.sim.pools[r.pool]
+        self.planned.pop(r.worker_id, None)
         if pool.spec.role != "decode":
             for i in r.take_queued_prefills():
                 self.sim._send_entry(pool, i)
         if not self.busy(r):
             self.step(r)
+
+    def rebalance(self, pool: _Pool) -> None:
+        """The router's rebalancer (module docstring): replicas holding more than the pool's mean
+        + max(2, mean / 2) sequences send their surplus over the mean to the replicas furthest
+        below it, each sent sequence filling the coolest one by one (never above the mean)."""
+        reps = pool.routable
+        if len(reps) < 2:
+            return
+        load = {r.worker_id: len(r.batch) + len(r.waiting) for r in reps}
+        mean = sum(load.values()) / len(reps)
+        hot = sorted((r for r in reps if load[r.worker_id] > mean + max(2.0, mean / 2) and not self.busy(r)
+                      and r.worker_id not in self.planned), key=lambda r: -load[r.worker_id])
+        if not hot:
+            return
+        cool = [(load[r.worker_id], i, r) for i, r in enumerate(reps) if load[r.worker_id] < math.floor(mean)]
+        heapq.heapify(cool)
+        for h in hot:
+            targets: deque[SimReplica] = deque()
+            for _ in range(load[h.worker_id] - math.ceil(mean)):
+                if not cool or cool[0][0] >= math.floor(mean):
+                    break
+                n, i, c = heapq.heappop(cool)
+                targets.append(c)
+                heapq.heappush(cool, (n + 1, i, c))
+            if targets:
+                self.planned[h.worker_id] = targets
+                self.step(h)
 
     def step(self, r: SimReplica) -> None:
         """The source's link is free: move the next sequence, or stop (module docstring)."""
@@ -122,17 +162,28 @@ class Migrator:
         pool = sim.pools[r.pool]
         model = pool.spec.migration
         assert model is not None
-        pick = r.longest_decode(now) if r.state == "draining" else None
-        targets = [t for t in pool.routable if t is not r]
+        if r.state == "draining":
+            targets = [t for t in pool.routable if t is not r]
+        else:  # rebalancing: the planned target, while it still serves
+            plan = self.planned.get(r.worker_id)
+            while plan and plan[0].state != "ready":
+                plan.popleft()
+            if not plan:
+                self.planned.pop(r.worker_id, None)
+                return
+            targets = [plan.popleft()]
+        pick = r.longest_decode(now) if r.state in ("draining", "ready") else None
         if pick is None or not targets:
+            self.planned.pop(r.worker_id, None)
             sim._maybe_leave(r)
             return
         req, left, context = pick
         cost = model.seconds(context)
         if left * r.svc.decode_step_s(max(1, len(r.batch))) <= cost:
+            self.planned.pop(r.worker_id, None)
             sim._maybe_leave(r)  # finishing in place is sooner, for this one and all the rest
             return
-        target = sim._pick(pool, targets, req)
+        target = sim._pick(pool, targets, req) if len(targets) > 1 else targets[0]
         left, context = r.remove_decode(req, now)
         sim._resched(r)
         target.in_flight += 1  # reserved on the target while the KV travels
@@ -140,6 +191,8 @@ class Migrator:
         self.stats.migrations += 1
         self.stats.bytes += model.nbytes(context)
         self.stats.stall_s += cost
+        if r.state != "draining":
+            self.stats.rebalanced += 1
         sim._push_migration(now + cost, r, (target, req, left, context))
 
     def arrive(self, target: SimReplica, req: int, left: float, context: int) -> None:

@@ -75,7 +75,9 @@ class SimulationError(RuntimeError):
 @dataclass(frozen=True)
 class SimPool:
     """One simulated pool. role: colocated | prefill | decode. migration: how a removed replica's
-    running requests move (None: it drains, waiting for them to finish)."""
+    running requests move (None: it drains, waiting for them to finish). rebalance: every tick,
+    replicas far above the pool's mean load move sequences to the ones below it (the router's
+    rebalancer; cluster/sim_migration.py)."""
 
     name: str
     role: str
@@ -85,6 +87,11 @@ class SimPool:
     policy: str = "least_loaded"
     policy_options: dict[str, Any] = field(default_factory=dict, hash=False)
     migration: MigrationModel | None = None
+    rebalance: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rebalance and self.migration is None:
+            raise ValueError(f"pool {self.name!r}: rebalance moves running requests, so it needs a migration model")
 
 
 @dataclass
@@ -363,6 +370,9 @@ class Simulation:
             p.bucket = _Bucket()
         if self.loop is not None:
             self.loop.step(self.now)
+        for p in self.pools.values():
+            if p.spec.rebalance:
+                self.migrator.rebalance(p)
         self._record()
 
     def _record(self) -> None:

@@ -258,3 +258,25 @@ def test_scale_down_by_migration_under_load(topology):
     assert max(migrated.migration.drain_s[name]) < 20 < max(drained.migration.drain_s[name])
     assert migrated.migration.migrations >= 4 and migrated.migration.bytes > 0
     assert migrated.replica_seconds[name] < drained.replica_seconds[name]
+
+
+def test_rebalancer_moves_the_surplus_to_new_replicas_once():
+    """Eight long generations on one decode replica; a second one is asked for at once and is up
+    after 5 s. With the rebalancer the hot replica sends its surplus over the mean (4) to the new
+    one at the next tick, the longest generations first, and nothing moves again (no bouncing):
+    TPOT falls for every request and all complete exactly once."""
+    n = 8
+    tr = Trace("eight", np.zeros(n), np.full(n, 100), np.full(n, 3001))
+    svc = ServiceModel(0.0, 0.0, 0.01, 0.004, 16)  # a step of 8 = 42 ms, of 4 = 26 ms
+    runs = {}
+    for rebalance in (False, True):
+        pools = [SimPool("p", "prefill", svc, 1, startup_s=5.0),
+                 SimPool("d", "decode", svc, 1, startup_s=5.0, migration=MigrationModel(), rebalance=rebalance)]
+        sim = Simulation(tr, pools, slo=SLO, scaling=ShrinkAt("d", 0.0, 2), tick_s=1.0)
+        runs[rebalance] = (sim, sim.run())
+    (plain_sim, plain), (sim, moved) = runs[False], runs[True]
+    assert plain_sim.completed == sim.completed == n
+    assert plain.migration.migrations == 0 and moved.migration.migrations == moved.migration.rebalanced == n // 2
+    assert moved.tpot.max() < plain.tpot.min()
+    with pytest.raises(ValueError, match="needs a migration model"):
+        SimPool("d", "decode", svc, 1, rebalance=True)
