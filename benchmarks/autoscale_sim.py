@@ -3,8 +3,11 @@
 One run, side by side, on the same trace, service model and routing:
     duet          the SLO autoscaler (cluster/autoscaler.py): two-window rate estimate x profiled
                   capacity + reactive, scaling down by migration (the simulator's MigrationModel,
-                  cluster/sim_migration.py: removed replicas move their running requests away)
-    duet-drain    the same policy, scale-down by draining (removed replicas finish their requests)
+                  cluster/sim_migration.py: removed replicas move their running requests away),
+                  with the decode pool's rebalancer on (hot replicas hand sequences to cool ones)
+    duet-migrate  the same, rebalancer off
+    duet-drain    the same policy, scale-down by draining (removed replicas finish their requests),
+                  no migration at all
     today         the SLO autoscaler as it was before scale-down by migration: one rate window
                   (short_window_s 0), no recovery hold, draining, headroom 0.05 / band 0.05 /
                   prefill headroom 1.0 (the values tuned on this file's default day trace)
@@ -12,10 +15,10 @@ One run, side by side, on the same trace, service model and routing:
                   replica, upscale_delay 30 s, downscale_delay 600 s; the target is each pool's mean
                   requests in flight at its profiled capacity (Little's law), i.e. tuned as well as a
                   user with the same profile could; draining
-    queue-migrate the same, scaling down by migration
+    queue-migrate the same, scaling down by migration, rebalancer on
     oracle        the hindsight oracle's schedule played through the simulator (cluster/sim_report.py),
-                  scaling down by migration: checks that the oracle sizes are feasible; its
-                  replica-hours are the yardstick
+                  scaling down by migration, rebalancer on: checks that the oracle sizes are
+                  feasible; its replica-hours are the yardstick
 
 Workload (defaults): a day-long synthetic trace, diurnal 4 -> 20 req/s with bursts (2 per hour,
 x2 for ~5 min), prompts ~1,000 tokens and long generations ~3,000 tokens (log-normal, cv 1):
@@ -59,19 +62,22 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SVC = ServiceModel(prefill_base_s=0.02, prefill_per_token_s=0.0001, decode_base_s=0.02, decode_per_seq_s=0.004,
                    max_batch=16)
 SLO = SLOTargets(ttft_p90_s=1.0, tpot_p90_s=0.06)
-POLICIES = ("duet", "duet-drain", "today", "queue", "queue-migrate", "oracle")
+POLICIES = ("duet", "duet-migrate", "duet-drain", "today", "queue", "queue-migrate", "oracle")
 TODAY = {"headroom": 0.05, "down_band": 0.05, "prefill_headroom": 1.0}  # the shipped tuning, before migration
 
 
-def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+def build_parser(description: str | None = None, *, trace_args: bool = True) -> argparse.ArgumentParser:
+    """This benchmark's arguments; trace_args=False leaves out the ones that pick the trace (for a
+    caller that brings its own traces)."""
     p = argparse.ArgumentParser(description=description or __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hours", type=float, default=24.0, help="trace length (synthetic trace) [24]")
-    p.add_argument("--base-rps", type=float, default=4.0)
-    p.add_argument("--peak-rps", type=float, default=20.0)
-    p.add_argument("--mean-prompt", type=float, default=1000.0)
-    p.add_argument("--mean-output", type=float, default=3000.0)
-    p.add_argument("--burstgpt", type=Path, help="replay a BurstGPT CSV instead of the synthetic trace")
-    p.add_argument("--azure", type=Path, help="replay an Azure LLM inference trace CSV instead")
+    if trace_args:
+        p.add_argument("--hours", type=float, default=24.0, help="trace length (synthetic trace) [24]")
+        p.add_argument("--base-rps", type=float, default=4.0)
+        p.add_argument("--peak-rps", type=float, default=20.0)
+        p.add_argument("--mean-prompt", type=float, default=1000.0)
+        p.add_argument("--mean-output", type=float, default=3000.0)
+        p.add_argument("--burstgpt", type=Path, help="replay a BurstGPT CSV instead of the synthetic trace")
+        p.add_argument("--azure", type=Path, help="replay an Azure LLM inference trace CSV instead")
     p.add_argument("--max-decode", type=int, default=1000, help="decode pool max replicas [1000]")
     p.add_argument("--max-prefill", type=int, default=64)
     p.add_argument("--startup-s", type=float, default=120.0)
@@ -79,10 +85,11 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="replicas each routing decision sees, sampled (power of two choices, as Ray Serve's router) [2]")
     p.add_argument("--policies", default="duet,today,queue,oracle", help=f"comma-separated, of {', '.join(POLICIES)}")
     p.add_argument("--oracle-interval-s", type=float, default=300.0)
-    p.add_argument("--headroom", type=float, default=0.05, help="SLO autoscaler headroom [0.05]")
-    p.add_argument("--down-band", type=float, default=0.05, help="SLO autoscaler scale-down band [0.05]")
-    p.add_argument("--prefill-headroom", type=float, default=1.0,
-                   help="prefill pool headroom: a small share of the replica-hours, so it holds a burst's worth [1.0]")
+    p.add_argument("--headroom", type=float, default=0.1,
+                   help="SLO autoscaler headroom [0.1: chosen on autoscale_traces.py's tuning traces]")
+    p.add_argument("--down-band", type=float, default=0.0, help="SLO autoscaler scale-down band [0.0: likewise]")
+    p.add_argument("--prefill-headroom", type=float, default=0.25,
+                   help="prefill pool headroom: a small share of the replica-hours, so it holds part of a burst [0.25]")
     p.add_argument("--short-window-s", type=float, default=30.0, help="SLO autoscaler burst window [30]")
     p.add_argument("--burst-sigmas", type=float, default=4.0, help="SLO autoscaler burst threshold [4]")
     p.add_argument("--queue-target-scale", type=float, default=1.0,
@@ -94,8 +101,6 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--bandwidth-gbs", type=float, default=MigrationModel().bandwidth_bytes_per_s / 1e9,
                    help="migration: GB/s over a draining replica's link [1.0]")
     p.add_argument("--pause-s", type=float, default=MigrationModel().pause_s, help="migration: pause per request [0.2]")
-    p.add_argument("--rebalance", action="store_true",
-                   help="runs that migrate also rebalance the decode pool (the router's rebalancer; off by default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS / "autoscale_sim.json")
     return p
@@ -155,21 +160,23 @@ def run(args: argparse.Namespace, trace: Trace | None = None) -> dict[str, Any]:
     def queue() -> QueueLengthAutoscaler:
         return QueueLengthAutoscaler((QueueScaling("prefill", inflight_p * args.queue_target_scale, 1, args.max_prefill),
                                       QueueScaling("decode", inflight_d * args.queue_target_scale, 1, args.max_decode)))
-    policies = {  # name -> (policy factory, how removed replicas leave)
-        "duet": (lambda: SLOAutoscaler(config), migration),
-        "duet-drain": (lambda: SLOAutoscaler(_config(args, cap_p, cap_d, residence_d, scale_down="drain")), None),
-        "today": (lambda: SLOAutoscaler(_config(args, cap_p, cap_d, residence_d, today=True)), None),
-        "queue": (queue, None),
-        "queue-migrate": (queue, migration),
-        "oracle": (lambda: OracleScaling(sizes, args.oracle_interval_s, args.startup_s), migration),
+    policies = {  # name -> (policy factory, how removed replicas leave, decode rebalancer on)
+        "duet": (lambda: SLOAutoscaler(config), migration, True),
+        "duet-migrate": (lambda: SLOAutoscaler(config), migration, False),
+        "duet-drain": (lambda: SLOAutoscaler(_config(args, cap_p, cap_d, residence_d, scale_down="drain")), None,
+                       False),
+        "today": (lambda: SLOAutoscaler(_config(args, cap_p, cap_d, residence_d, today=True)), None, False),
+        "queue": (queue, None, False),
+        "queue-migrate": (queue, migration, True),
+        "oracle": (lambda: OracleScaling(sizes, args.oracle_interval_s, args.startup_s), migration, True),
     }
     results = {}
     for name in args.policies.split(","):
         if name not in policies:
             raise SystemExit(f"--policies: unknown policy {name!r}; choose from {', '.join(POLICIES)}")
-        make, mig = policies[name]
+        make, mig, rebalance = policies[name]
         pools = [SimPool(p, p, SVC, int(sizes[p][0]), args.startup_s, migration=mig,
-                         rebalance=args.rebalance and mig is not None and p == "decode") for p in ("prefill", "decode")]
+                         rebalance=rebalance and p == "decode") for p in ("prefill", "decode")]
         sim = Simulation(trace, pools, slo=SLO, scaling=make(), route_candidates=args.route_candidates, seed=args.seed)
         r = sim.run()
         results[name] = r
@@ -180,7 +187,8 @@ def run(args: argparse.Namespace, trace: Trace | None = None) -> dict[str, Any]:
             "tpot_p90_s": r.p90("tpot"), "replica_hours": r.replica_hours,
             "replica_hours_by_pool": {k: v / 3600 for k, v in r.replica_seconds.items()},
             "vs_oracle": r.replica_hours / oracle_hours, "peak_replicas": peak, "peak_vs_oracle": peak / oracle_peak,
-            "migrations": r.migration.migrations, "rebalanced": r.migration.rebalanced, "migrated_gb": r.migration.bytes / 1e9,
+            "migrations": r.migration.migrations, "rebalanced": r.migration.rebalanced,
+            "migrated_gb": r.migration.bytes / 1e9,
             "decode_removed": len(r.migration.drain_s.get("decode", [])), "decode_removed_busy": len(drains),
             "decode_leave_s_median": drains[len(drains) // 2] if drains else None,
             "decode_leave_s_p90": drains[int(0.9 * (len(drains) - 1))] if drains else None,

@@ -2,9 +2,10 @@
 
 Every trace is 6 hours from cluster/sim_trace.py's generator with a fixed seed; each runs the
 policies of benchmarks/autoscale_sim.py side by side (same service model, SLOs, start-up time,
-routing and profiling as there): ``duet`` (the SLO autoscaler scaling down by migration),
-``duet-drain`` (the same policy, draining), ``today`` (the policy before this change: one rate
-window, draining), ``queue`` (Ray Serve's target_ongoing_requests, draining), ``queue-migrate``
+routing and profiling as there): ``duet`` (the SLO autoscaler scaling down by migration, with the
+decode pool's rebalancer), ``duet-migrate`` (no rebalancer), ``duet-drain`` (the same policy,
+draining), ``today`` (the policy before this change: one rate window, draining), ``queue`` (Ray
+Serve's target_ongoing_requests, draining), ``queue-migrate`` (with migration and the rebalancer)
 and the played ``oracle``.
 
 The traces were fixed before any tuning, and split:
@@ -97,11 +98,11 @@ def summarise(per_trace: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = build_parser(__doc__)
+    p = build_parser(__doc__, trace_args=False)
     p.add_argument("--traces", default="eval",
                    help=f"tune | eval | all | comma-separated names of {', '.join(TRACES)} [eval]")
     p.add_argument("--plots", action="store_true", help="also write one timeline PNG per trace beside the JSON")
-    p.set_defaults(out=RESULTS / "autoscale_traces.json", policies="duet,duet-drain,today,queue,oracle")
+    p.set_defaults(out=RESULTS / "autoscale_traces.json", policies="duet,duet-migrate,duet-drain,today,queue,oracle")
     args = p.parse_args(argv)
     names = GROUPS.get(args.traces) or (list(TRACES) if args.traces == "all" else args.traces.split(","))
     if bad := [n for n in names if n not in TRACES]:

@@ -82,7 +82,9 @@ class AutoscalingSection:
     the actuator removes a replica -- ``drain`` (its requests finish there) or ``migrate`` (they
     move to the replicas that stay; use it with an actuator that migrates): with ``migrate`` the
     scale-down waits shrink to what a removal costs (each at most horizon_s + migration_s, the
-    seconds a migration takes to empty a replica; cluster/autoscaler.py). drain_grace_s: how long
+    seconds a migration takes to empty a replica: ~ its running requests x (their KV bytes /
+    link bandwidth + a pause each), 10 s = 16 requests of ~3,000 tokens of a Llama-3-8B-shaped
+    model at 1 GB/s; cluster/autoscaler.py, cluster/sim_migration.py). drain_grace_s: how long
     a removed replica's in-flight requests may take to finish (the rest are resumed elsewhere).
     metrics_urls: the routers' /metrics (``duet router --metrics-port``); omit it when ``duet
     serve`` runs the router itself (it reads that router directly). actuator / kubernetes: see the

@@ -36,8 +36,8 @@ models): ``kv_bytes_per_token`` = 2 (K and V) x 32 layers x 8 KV heads x 128 hea
 (bf16) = 131,072 -- a Llama-3-8B-shaped model; use ``kv_bytes_per_token_of`` for another. The
 bandwidth is 1 GB/s: an order of magnitude under NCCL across nodes (10-50 GB/s on 100-400 Gb/s
 links) and ten times what today's gloo TCP path reaches on the 2-core test machine (4.8% of a
-memcpy that measures 1.2-2.3 GB/s there, issue 22); benchmarks/autoscale_traces.py also runs at
-0.1 GB/s. ``pause_s`` = 0.2 s per request: the source stops the sequence at a step boundary and the
+memcpy that measures 1.2-2.3 GB/s there, issue 22); ``--bandwidth-gbs`` in the autoscaler
+benchmarks changes it. ``pause_s`` = 0.2 s per request: the source stops the sequence at a step boundary and the
 target admits it at its next one (two decode steps, up to 84 ms each at the benchmark's batch of
 16) plus the reserve / send / resume / stream-switch round trips (a few ms each on one host).
 

@@ -87,9 +87,11 @@ def test_shapes_fixed_bursts_and_pareto_lengths():
     assert saw[6] < saw[5] - 3  # the instant drop at the period's end
     onoff = synthetic_trace(shape="on_off", duty=0.25, **kw).rate_series(450.0)  # on for the first 450 s of 1800
     assert onoff[0] == pytest.approx(8, abs=0.6) and all(x == pytest.approx(2, abs=0.4) for x in onoff[1:4])
-    step = synthetic_trace(duration_s=3600, base_rps=5, peak_rps=5, bursts_per_hour=0, bursts=((1200, 600, 4.0),), seed=2)
+    step = synthetic_trace(duration_s=3600, base_rps=5, peak_rps=5, bursts_per_hour=0, bursts=((1200, 600, 4.0),),
+                           seed=2)
     r = step.rate_series(600.0)
-    assert r[2] == pytest.approx(20, rel=0.1) and r[1] == pytest.approx(5, rel=0.15) and r[3] == pytest.approx(5, rel=0.15)
+    assert r[2] == pytest.approx(20, rel=0.1)
+    assert r[1] == pytest.approx(5, rel=0.15) and r[3] == pytest.approx(5, rel=0.15)
     heavy = synthetic_trace(duration_s=3600, base_rps=20, peak_rps=20, bursts_per_hour=0, lengths="pareto",
                             tail_alpha=1.5, mean_output=1000, max_output=1 << 20, seed=3)
     light = synthetic_trace(duration_s=3600, base_rps=20, peak_rps=20, bursts_per_hour=0, mean_output=1000, cv=1.0,
