@@ -185,6 +185,7 @@ class Migrator:
             return
         target = sim._pick(pool, targets, req) if len(targets) > 1 else targets[0]
         left, context = r.remove_decode(req, now)
+        pool.policy.on_request_complete(r.worker_id, str(req))  # the source holds nothing of it any more
         sim._resched(r)
         target.in_flight += 1  # reserved on the target while the KV travels
         self.sending.add(r.worker_id)
