@@ -197,6 +197,9 @@ class Engine:
         if any(not 0 <= t < self.spec.vocab_size for t in ids):
             raise InvalidRequestError("prompt_token_ids", f"every id must be in [0, {self.spec.vocab_size})")
         params.check_vocab(self.spec.vocab_size)
+        if params.structured is not None and not self.eos_token_ids:
+            raise InvalidRequestError("structured", "this model declares no EOS token, so a constrained output "
+                                      "could never end; set eos_token_id in its config.json")
         if params.structured is not None and params.ignore_eos:
             raise InvalidRequestError("ignore_eos", "cannot be combined with structured output (EOS ends the "
                                       "output where the grammar is complete)")
