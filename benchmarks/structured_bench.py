@@ -116,13 +116,13 @@ def compile_times(tokenizer: Any, vocab_size: int, eos: list[int], repeats: int)
     return out
 
 
-def spec_decode(path: str, batch: int, max_tokens: int, repeats: int, kv: int) -> dict[str, Any]:
+def spec_decode(path: str, batch: int, max_tokens: int, repeats: int, kv: int, **engine: Any) -> dict[str, Any]:
     spec = StructuredOutput("json_schema", json.dumps(LONG_SCHEMA))
     prompts = PROMPTS[:batch]
     params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, structured=spec) for _ in prompts]
-    plain = LLM(path, kv_cache_memory_bytes=kv)
-    ngram = LLM(path, kv_cache_memory_bytes=kv,
-                speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    plain = LLM(path, kv_cache_memory_bytes=kv, **engine)
+    ngram = LLM(path, kv_cache_memory_bytes=kv, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+                **engine)
     timed_generate(plain, prompts[:1], params[:1])
     timed_generate(ngram, prompts[:1], params[:1])
     rates: dict[str, list[float]] = {"plain": [], "ngram": []}
@@ -150,19 +150,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="batch sizes (default 1 16)")
     ap.add_argument("--repeats", type=int, default=3, help="alternating repeats per batch (default 3)")
     ap.add_argument("--spec-batch", type=int, default=1, help="batch of the speculative-decoding part (default 1)")
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the embedded SmolLM2-135M-Instruct); "
+                    "e.g. random SmolLM2-shaped weights with SmolLM2's tokenizer on a machine without the model")
+    ap.add_argument("--device", default="cpu", help="engine device (default cpu)")
+    ap.add_argument("--dtype", default="float32", help="engine dtype (default float32)")
     ap.add_argument("--out", type=Path, default=RESULTS / "structured_bench.json")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    path = str(prepare_smollm2())
+    path = args.model or str(prepare_smollm2())
     kv = 256 << 20
-    llm = LLM(path, kv_cache_memory_bytes=kv)
-    result: dict[str, Any] = {"machine": machine_info(), "code": code_version(), "model": "SmolLM2-135M-Instruct",
+    engine = dict(device=args.device, dtype=args.dtype)
+    llm = LLM(path, kv_cache_memory_bytes=kv, **engine)
+    result: dict[str, Any] = {"machine": machine_info(), "code": code_version(), "model": path, **engine,
                               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     result["compile"] = compile_times(llm.tokenizer, llm.engine.spec.vocab_size, sorted(llm.engine.eos_token_ids),
                                       args.repeats)
     result["decode"] = [decode_rates(llm, b, args.max_tokens, args.repeats) for b in args.batches]
     del llm
-    result["spec_decode"] = spec_decode(path, args.spec_batch, args.max_tokens, args.repeats, kv)
+    result["spec_decode"] = spec_decode(path, args.spec_batch, args.max_tokens, args.repeats, kv, **engine)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     logger.info("wrote %s", args.out)
