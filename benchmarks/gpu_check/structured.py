@@ -15,7 +15,7 @@ import time
 from benchmarks.gpu_check import common, models
 
 CUDA_ONLY = False
-BUDGET_S = 90.0
+BUDGET_S = 60.0
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "tag"],
           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "tag": {"enum": ["a", "b", "c"]},
                          "name": {"type": "string", "maxLength": 8}}}
