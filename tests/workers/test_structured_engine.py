@@ -138,11 +138,10 @@ def test_constrained_and_free_share_batches(llm: LLM):
 
 def test_identical_across_preemption(tiny_qwen2_path: Path, llm: LLM):
     """A KV pool too small for the batch preempts (recompute); the matcher follows the tokens."""
-    small = LLM(str(tiny_qwen2_path), num_blocks=8, block_size=8, max_num_batched_tokens=64)
-    params = [SamplingParams(temperature=t, seed=s, max_tokens=40, structured=spec_of(name))
+    small = LLM(str(tiny_qwen2_path), num_blocks=6, block_size=8, max_num_batched_tokens=64)
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=24, structured=spec_of(name))
               for name, t, s in [("array_of_objects", 0.0, None), ("nested_optional", 1.0, 7),
-                                 ("array_of_objects", 1.0, 8), ("nested_optional", 0.0, None),
-                                 ("array_of_objects", 1.0, 9), ("nested_optional", 1.0, 10)]]
+                                 ("array_of_objects", 1.0, 8), ("nested_optional", 1.0, 10)]]
     want = [o.token_ids for o in llm.generate([PROMPT] * len(params), params)]
     got = small.generate([PROMPT] * len(params), params)
     assert small.engine.stats().num_preemptions > 0
