@@ -192,12 +192,16 @@ class RaySection:
 @dataclass(frozen=True)
 class ControllerSection:
     """poll_interval_s: how often each worker actor is probed. start_timeout_s: how long a worker
-    may take to load its engine and serve (serve fails if no worker is up by then). host/port: where
+    may take to load its engine and serve (serve fails if no worker is up by then).
+    placement_timeout_s: with ray.address, how long ``duet serve`` waits for a pool's placement
+    group (an autoscaler may still be adding nodes) before failing with what is missing (an
+    embedded Ray cannot grow: a shortfall fails at once). host/port: where
     the controller serves duet.control.v1.Membership, the member list routers follow (0 = any free
     port; a router in another process or pod is started with ``--membership host:port``)."""
 
     poll_interval_s: float = 1.0
     start_timeout_s: float = 300.0
+    placement_timeout_s: float = 60.0
     host: str = "127.0.0.1"
     port: int = 50052
 
@@ -387,6 +391,7 @@ def _check_ray(r: RaySection, p: str, s: Sources) -> None:
 def _check_controller(c: ControllerSection, p: str, s: Sources) -> None:
     need(c.poll_interval_s > 0, f"{p}.poll_interval_s", c.poll_interval_s, s, "must be > 0 seconds")
     need(c.start_timeout_s > 0, f"{p}.start_timeout_s", c.start_timeout_s, s, "must be > 0 seconds")
+    need(c.placement_timeout_s > 0, f"{p}.placement_timeout_s", c.placement_timeout_s, s, "must be > 0 seconds")
     need(bool(c.host), f"{p}.host", c.host, s, "must be a host or address, e.g. 127.0.0.1 or 0.0.0.0")
     need(0 <= c.port <= 65535, f"{p}.port", c.port, s, "must be in 0..65535 (0 picks a free port)")
 

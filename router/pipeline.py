@@ -14,8 +14,8 @@ Disaggregated routes: the Submit goes to the decode worker with ``remote_prefill
 prefill worker; the decode worker has it prefill and send the KV directly (the router never sees
 KV). ABORTED before the first token means the prefill half failed (prefill worker down or
 restarted, transfer lost or rejected): the prefill worker is reported failed and the request is
-retried with another prefill worker (once, with the default ``max_route_attempts`` of 2); with
-none left it ends with UNAVAILABLE.
+retried colocated on a decode worker (once, with the default ``max_route_attempts`` of 2;
+router/policies/disagg.py); with none left it ends with UNAVAILABLE.
 
 Terms:
     first token  a failure before any token reached the client is retried on another worker
@@ -107,7 +107,7 @@ class Pipeline:
 
     async def _prepare(self, request: duet_pb2.GenerateRequest) -> PreparedRequest:
         size = len(request.prompt) + sum(len(m.content) for m in request.messages.messages)
-        if size > _OFFLOAD_CHARS:
+        if size > _OFFLOAD_CHARS or request.sampling.HasField("structured"):  # a grammar compile may take ms
             return await asyncio.to_thread(prepare_request, request, self.model, self.config)
         return prepare_request(request, self.model, self.config)
 

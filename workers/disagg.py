@@ -22,7 +22,7 @@ Sequence for one request (D = decode worker, P = prefill worker; the router sent
 Failure anywhere before import (P unreachable, P restarted, P's engine full or failing, the
 transfer timing out, a dead peer, a rejected check) raises ``RemotePrefillError``; the Submit
 handler ends the call with ABORTED and its ``finally`` aborts the reservation, so every reserved
-block returns. The router retries ABORTED once on another prefill worker. On P, a cancelled
+block returns. The router retries ABORTED once, colocated on a decode worker. On P, a cancelled
 Prefill call (D died or gave up) aborts the request in P's engine; a send to a dead D fails and
 drops the pair. P holds no blocks while it sends: the export is a copy.
 """
