@@ -21,6 +21,8 @@ Example output::
     pool default: 2 workers
       default-0  10.0.0.5:41231  SERVING  running 1 waiting 0  outstanding 40 tok  KV 3/91 blocks  pid 1234
       default-1  10.0.0.5:40877  SERVING  running 0 waiting 0  outstanding 0 tok   KV 0/91 blocks  pid 1240
+                 migrations: 8 out, 0 in, 0 failed, 36.9 MB; draining
+(the migrations line appears once a worker has migrated or is draining: workers/migration_service.py)
 """
 
 from __future__ import annotations
@@ -111,7 +113,10 @@ def _worker_load(endpoint: str, timeout: float) -> dict[str, Any]:
                      "prefix_cache_hits": r.prefix_cache_hits, "num_preemptions": r.num_preemptions,
                      "spec_method": r.spec_method or "none", "spec_draft_tokens": r.spec_draft_tokens,
                      "spec_accepted_tokens": r.spec_accepted_tokens, "spec_verifies": r.spec_verifies,
-                     "spec_emitted_tokens": r.spec_emitted_tokens, "spec_fallbacks": r.spec_fallbacks}}
+                     "spec_emitted_tokens": r.spec_emitted_tokens, "spec_fallbacks": r.spec_fallbacks,
+                     "migrations_out": r.migrations_out, "migrations_in": r.migrations_in,
+                     "migration_failures": r.migration_failures, "migration_kv_bytes": r.migration_kv_bytes,
+                     "draining": r.draining}}
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -150,6 +155,10 @@ def format_status(status: dict[str, Any]) -> str:
             lines.append(f"  {w['worker_id']:<12} {w['endpoint']:<22} {w['health']:<11} running {ld['num_running']} "
                          f"waiting {ld['num_waiting']}  outstanding {ld['outstanding_tokens']} tok  KV "
                          f"{ld['kv_blocks_used']}/{ld['kv_blocks_total']} blocks  prefix hits {hits}  pid {w['pid']}")
+            if ld.get("migrations_out") or ld.get("migrations_in") or ld.get("migration_failures") or ld.get("draining"):
+                lines.append(f"  {'':<12} migrations: {ld['migrations_out']} out, {ld['migrations_in']} in, "
+                             f"{ld['migration_failures']} failed, {ld['migration_kv_bytes'] / 1e6:.1f} MB"
+                             + ("; draining" if ld["draining"] else ""))
             if ld.get("spec_method", "none") != "none":
                 rate = ld["spec_accepted_tokens"] / max(ld["spec_draft_tokens"], 1)
                 length = ld["spec_emitted_tokens"] / max(ld["spec_verifies"], 1)
