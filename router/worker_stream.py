@@ -101,6 +101,7 @@ async def stream_attempt(prep: PreparedRequest, lease: WorkerLease, prefill: Wor
                 progress.token_ids.extend(ids)
                 if ids:
                     metrics.chunk(progress.clock, lease.pool)
+                    lease.observe_chunk(len(ids), time.monotonic())
                     if prefill is not None:  # the KV arrived: the prefill worker's part is done
                         prefill.call = None
                 if stopped or delta.HasField("finish_reason"):
