@@ -388,7 +388,8 @@ class WorkerDirectory:
         return [{"worker_id": m.worker_id, "endpoint": m.endpoint, "role": m.state.role, "pool": m.pool,
                  "healthy": m.state.healthy, "draining": m.draining,
                  "in_flight": m.state.in_flight_requests, "load_tokens": m.state.load_tokens,
-                 "consecutive_poll_failures": m.failures, "last_error": m.last_error}
+                 "consecutive_poll_failures": m.failures, "last_error": m.last_error,
+                 "requests": sorted(lease.request_id for lease in m.leases if lease.request_id)}
                 for m in self._members.values()]
 
     def load_reports(self) -> list[tuple[str, str, worker_pb2.LoadReport]]:
