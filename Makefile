@@ -70,8 +70,12 @@ qwen-coder: $(STAMP)
 	$(PY) -m workers.models.assets --model Qwen2.5-Coder-0.5B-Instruct --model Qwen2.5-Coder-1.5B-Instruct
 # --- end Qwen2.5-Coder ----------------------------------------------------------------------
 
+# Two pytest workers (pytest-xdist), one test file at a time each (module fixtures are set up once):
+# many tests wait on Ray, subprocesses and sockets, so two workers overlap those waits on 2 cores.
+# PYTEST_WORKERS=0 runs everything in this process (xdist off), e.g. to debug one test.
+PYTEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile) $(ARGS)
 
 serve: model kernels
 	$(VENV)/bin/duet serve $(ARGS)

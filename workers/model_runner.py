@@ -146,10 +146,6 @@ class ModelRunner:
         """Load ``config.model`` (this rank's shard of it inside a gang) and size the KV cache."""
         path = resolve_model(config.model)
         config = resolve_for_process(config, path)  # idempotent: an engine passes a resolved config
-        if config.device.startswith("cuda") and get_group("gang").world_size > 1:
-            raise ConfigError(f"device={config.device!r} in a tensor/expert/sequence-parallel gang: gang collectives "
-                              "do not carry CUDA tensors yet (NCCL gang groups are not wired); set the pool's "
-                              "engine.device to cpu")
         if not config.cpu_kernels:
             set_cpu_kernels_enabled(False)  # process-wide: this process runs one model
         model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,

@@ -26,7 +26,8 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-SECTIONS = ("kernels", "engine_hf", "graphs", "speed", "cpu_kernels", "pd", "spec", "grpc_router")
+SECTIONS = ("kernels", "engine_hf", "graphs", "speed", "cpu_kernels", "pd", "spec", "grpc_router", "gang", "decode_profile")
+DEFAULT_SECTIONS = SECTIONS[:-1]  # decode_profile is a diagnostic: ask for it with --sections
 TOTAL_BUDGET_S = 480.0  # the whole check fits 8 minutes on one GPU
 TAIL_CHARS = 4000
 
@@ -156,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None,
                     help="JSON path (default: $OUT/gpu_check.json when OUT is set, else benchmarks/results/gpu_check.json)")
-    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but decode_profile)")
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                     help="auto: cuda when torch sees a GPU, else cpu (CUDA-only sections are then skipped)")
     ap.add_argument("--tiny", action="store_true", help="2-layer model shapes (quick CPU runs, CI)")

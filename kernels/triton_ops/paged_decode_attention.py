@@ -8,9 +8,11 @@ cannot fill a GPU (few sequences, long contexts), the keys are split into up to 
 >= SPLIT_TOKENS (flash-decoding); each split writes its partial output and lse, and the Triton
 merge_attn_states kernel combines them exactly. The split count comes from the block-table width
 (an upper bound on every context), so no device-to-host sync is needed. Scores and the P.V product are
-broadcast-multiply-and-sum rather than tl.dot, which needs >= 16 rows: a group has 1-8 heads.
-Inputs are cast to fp32 after loading (the interpreter's bf16 arithmetic is wrong; on GPU it is the
-accurate choice anyway); the output is stored in q's dtype, the lse in fp32.
+fp32 ``tl.dot``s (IEEE, not TF32) over a head tile padded to at least 16 rows (tl.dot's minimum; a
+group has 1-8 heads, the padding rows are masked): a broadcast-multiply-and-sum over [heads, keys,
+head dim] would hold a whole 3-D tile in registers, spill it to local memory and run an order of
+magnitude slower. Inputs are cast to fp32 after loading (the interpreter's bf16 arithmetic is wrong;
+on GPU it is the accurate choice anyway); the output is stored in q's dtype, the lse in fp32.
 
 Axes: B sequences, H query heads, G kv heads, D head dim (padded to BD), HP heads per group (padded).
 """
@@ -61,13 +63,13 @@ def _paged_decode_kernel(
         kv_mask = tv[:, None] & dmask[None, :]
         k = tl.load(k_ptr + slot[:, None] * k_ss + g * k_sg + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + slot[:, None] * v_ss + g * v_sg + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [HP, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [HP, BLOCK_N]
         s = tl.where(tv[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: the tile holds >= 1 valid key
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m = m_new
     seen = l > 0
     out = tl.where(seen[:, None], acc / tl.where(seen, l, 1.0)[:, None], 0.0)
@@ -124,7 +126,7 @@ def paged_decode_attention_triton(
         block_tables.stride(0), part_out.stride(0) if num_splits > 1 else 0, part_out.stride(-3),
         part_out.stride(-2), part_lse.stride(0) if num_splits > 1 else 0, part_lse.stride(-2),
         block_size, float(scale), H // G, D, split_len,
-        HP=next_pow2(H // G), BD=next_pow2(D), BLOCK_N=BLOCK_N, WRITE_LSE=return_lse or num_splits > 1,
+        HP=max(16, next_pow2(H // G)), BD=max(16, next_pow2(D)), BLOCK_N=BLOCK_N, WRITE_LSE=return_lse or num_splits > 1,
     )
     if num_splits > 1:
         from kernels.triton_ops.merge_attn_states import merge_attn_states_triton

@@ -22,7 +22,7 @@ LAZY_IMPORTS = [
     "benchmarks.gpu_check.harness", "benchmarks.gpu_check.common", "benchmarks.gpu_check.models",
     "benchmarks.gpu_check.kernels", "benchmarks.gpu_check.engine_hf", "benchmarks.gpu_check.graphs",
     "benchmarks.gpu_check.speed", "benchmarks.gpu_check.pd", "benchmarks.gpu_check.spec",
-    "benchmarks.gpu_check.grpc_router", "benchmarks.gpu_check.worker_proc",
+    "benchmarks.gpu_check.grpc_router", "benchmarks.gpu_check.worker_proc", "benchmarks.gpu_check.gang",
     "workers.engine", "workers.service", "workers.cuda_graphs", "workers.spec_decode.draft_model",
     "workers.spec_decode.drafter", "workers.spec_decode.drafter_service", "workers.scheduler",
     "router.config", "router.server", "protos.duet.worker.v1.worker_pb2_grpc", "protos.duet.v1.duet_pb2_grpc",
@@ -57,7 +57,7 @@ def test_cpu_parts_end_to_end(tmp_path: Path) -> None:
     detail = {k: (v["status"], v.get("error"), v.get("failed_checks"), v.get("log_tail", "")[-1500:])
               for k, v in sections.items()}
     assert r.returncode == 0 and report["ok"], (r.stdout[-3000:], detail)
-    for name in ("kernels", "graphs", "speed"):
+    for name in ("kernels", "graphs", "speed", "gang"):
         assert sections[name]["status"] == "skipped" and "needs CUDA" in sections[name]["reason"]
     for name in ("engine_hf", "pd", "spec", "grpc_router"):
         assert sections[name]["status"] == "pass", detail[name]

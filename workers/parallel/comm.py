@@ -84,11 +84,24 @@ def ring_shift(x: torch.Tensor, out: torch.Tensor, max_numel: int, g: GroupCoord
             dist.irecv(out, g.ranks[(r - 1) % w], group=g.group)]
 
 
+def _host_group(g: GroupCoordinator) -> bool:
+    """True for a gloo-only group (the gang's control channel): it cannot carry CUDA tensors."""
+    return dist.get_backend(g.group) == "gloo"
+
+
 def send_tensor(x: torch.Tensor, dst: int, g: GroupCoordinator) -> None:
+    """Point to point to group rank ``dst``; a CUDA tensor over a gloo group is staged through host memory."""
+    if x.device.type != "cpu" and _host_group(g):
+        x = x.cpu()
     dist.send(x.contiguous(), dst=g.ranks[dst], group=g.group)
 
 
 def recv_tensor(out: torch.Tensor, src: int, g: GroupCoordinator) -> torch.Tensor:
+    """Receive into ``out`` from group rank ``src`` (staged through host memory as send_tensor is)."""
+    if out.device.type != "cpu" and _host_group(g):
+        staged = torch.empty(out.shape, dtype=out.dtype)
+        dist.recv(staged, src=g.ranks[src], group=g.group)
+        return out.copy_(staged)
     dist.recv(out, src=g.ranks[src], group=g.group)
     return out
 

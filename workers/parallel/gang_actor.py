@@ -85,7 +85,8 @@ class GangFollowerActor:
         """Join the gang at ``init_method``, follow the leader until it stops; returns steps run."""
         try:
             self._config = resolve_for_rank(self._config, float(len(self._gpu_ids)))
-            init_parallel_groups(self._parallel, self._rank, init_method, timeout=COLLECTIVE_TIMEOUT)
+            init_parallel_groups(self._parallel, self._rank, init_method, timeout=COLLECTIVE_TIMEOUT,
+                                 device=self._config.device)
             steps = follow(ModelRunner.from_config(self._config), get_group("gang"))
         except BaseException as e:  # noqa: BLE001 - any failure breaks the gang
             _exit_soon(f"rank {self._rank}: {e!r}")
@@ -115,7 +116,7 @@ class GangLeaderActor:
 
     def _make_engine(self, init_method: str) -> Engine:
         """On the engine thread: join the gang, load this rank's shard, build the engine over the gang's runner."""
-        init_parallel_groups(self._parallel, 0, init_method, timeout=COLLECTIVE_TIMEOUT)
+        init_parallel_groups(self._parallel, 0, init_method, timeout=COLLECTIVE_TIMEOUT, device=self._config.device)
         runner = ModelRunner.from_config(self._config)
         moe = getattr(runner.model, "moe_layers", None)
         if moe is None and self._parallel.ep_size > 1:

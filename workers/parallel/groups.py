@@ -15,9 +15,13 @@ Worked example (two processes, EP=2 over gloo)::
     ...
     destroy_parallel_groups()
 
-Backends: nccl when CUDA is present, gloo otherwise. Every collective of these groups fails after
-``timeout`` instead of hanging when a peer dies (gloo notices a closed connection at once; the
-timeout covers a peer that is alive but stuck).
+Backends follow the rank's device (``gang_backend``): a gang on CUDA joins its world with
+``cpu:gloo,cuda:nccl``, so the forward's collectives on GPU tensors run over NCCL and any CPU
+tensor still goes over gloo; a CPU gang uses gloo alone. The gang's control channel (the leader's
+per-step broadcast and the KV gather/scatter to the leader) is always a gloo group: it carries
+pickled messages and host-staged KV, and must not queue behind the forward's NCCL kernels. Every
+collective of these groups fails after ``timeout`` instead of hanging when a peer dies (gloo
+notices a closed connection at once; the timeout covers a peer that is alive but stuck).
 
 Same-host groups on CPU: when every rank of an ep/sp/tp group runs on one host, the group also gets
 a shared-memory communicator (``GroupCoordinator.shm``, workers/parallel/shm_comm.py) and the
@@ -74,8 +78,12 @@ _TRIVIAL = {a: GroupCoordinator(a, 0, 1, (0,), None) for a in (*AXES, "gang")}
 _groups: dict[str, GroupCoordinator] = {}
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"  # one world, each collective dispatched by its tensors' device
+
+
+def gang_backend(device: str) -> str:
+    """The torch.distributed backend of a gang whose ranks run on ``device`` ('cpu', 'cuda', 'cuda:N')."""
+    return CUDA_BACKEND if device.split(":")[0] == "cuda" else "gloo"
 
 
 def init_parallel_groups(
@@ -84,17 +92,23 @@ def init_parallel_groups(
     init_method: str,
     backend: str | None = None,
     timeout: timedelta = timedelta(seconds=30),
+    device: str = "cpu",
     control_timeout: timedelta = timedelta(days=1),
 ) -> None:
     """Join the gang's world (rank ``rank`` of ``config.world_size``) and create every axis group.
-    Collective: every rank of the gang calls it with the same config and init_method."""
+    Collective: every rank of the gang calls it with the same config and init_method. ``device``:
+    where this rank's engine runs (resolved: 'cpu' or 'cuda[:N]'); on CUDA the rank's GPU becomes the
+    current device first (Ray's CUDA_VISIBLE_DEVICES makes it index 0 unless an index is given),
+    as NCCL requires. ``backend`` overrides ``gang_backend(device)``."""
     if _groups:
         raise RuntimeError("parallel groups are already initialised in this process")
     mode = config.comm
     world = config.world_size
     if not 0 <= rank < world:
         raise ConfigError(f"rank={rank}: must be in [0, {world}) for {config}")
-    dist.init_process_group(backend or default_backend(), init_method=init_method, rank=rank, world_size=world,
+    if device.split(":")[0] == "cuda":
+        torch.cuda.set_device(torch.device(device).index or 0)
+    dist.init_process_group(backend or gang_backend(device), init_method=init_method, rank=rank, world_size=world,
                             timeout=timeout)
     mesh = torch.arange(world).view(config.ep_size, config.sp_size, config.tp_size)
     for dim, axis in enumerate(AXES):
@@ -109,10 +123,12 @@ def init_parallel_groups(
     # The gang's control channel (the leader's per-step broadcast): the whole world, with a long
     # timeout, because followers wait on it while the leader idles between requests. A dead peer
     # still fails it at once (gloo sees the closed connection).
-    pg = dist.new_group(list(range(world)), timeout=control_timeout) if world > 1 else None
+    pg = dist.new_group(list(range(world)), timeout=control_timeout, backend="gloo") if world > 1 else None
     _groups["gang"] = GroupCoordinator("gang", rank, world, tuple(range(world)), pg)
     if mode != "gloo" and dist.get_backend() == "gloo":
         _attach_shm(mode, {**{a: timeout for a in AXES}, "gang": control_timeout})
+    elif mode != "gloo":  # on CUDA the axes' tensors go over NCCL; only the control channel is on the host
+        _attach_shm(mode, {"gang": control_timeout})
     logger.info("rank %d/%d joined groups: %s", rank, world,
                 {a: (g.ranks, g.transport) for a, g in _groups.items()})
 

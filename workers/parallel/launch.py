@@ -36,12 +36,13 @@ def free_port() -> int:
 
 
 def _entry(rank: int, fn: Callable, config: ParallelConfig, init_method: str, args: tuple, out: Any,
-           num_threads: int, collective_timeout: float) -> None:
+           num_threads: int, collective_timeout: float, device: str, backend: str | None) -> None:
     import torch
 
     torch.set_num_threads(num_threads)
     try:
-        init_parallel_groups(config, rank, init_method, timeout=timedelta(seconds=collective_timeout))
+        init_parallel_groups(config, rank, init_method, timeout=timedelta(seconds=collective_timeout), device=device,
+                             backend=backend)
         out.put((rank, True, fn(rank, *args)))
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         out.put((rank, False, traceback.format_exc()))
@@ -50,16 +51,23 @@ def _entry(rank: int, fn: Callable, config: ParallelConfig, init_method: str, ar
 
 
 def spawn_gang(fn: Callable, config: ParallelConfig, args: tuple = (), num_threads: int = 1,
-               timeout: float = 300.0, collective_timeout: float = 60.0, comm: str | None = None) -> list[Any]:
+               timeout: float = 300.0, collective_timeout: float = 60.0, comm: str | None = None,
+               devices: list[str] | None = None, backend: str | None = None) -> list[Any]:
     """fn(rank, *args) on every rank of a fresh local gang; returns the results in rank order.
-    ``comm`` overrides ``config.comm`` ('auto', 'shm' or 'gloo')."""
+    ``comm`` overrides ``config.comm`` ('auto', 'shm' or 'gloo'). ``devices``: each rank's device
+    (default cpu), which picks the backend (workers/parallel/groups.py ``gang_backend``) unless
+    ``backend`` names one."""
+    devices = devices or ["cpu"] * config.world_size
+    if len(devices) != config.world_size:
+        raise ValueError(f"devices: {len(devices)} given for a gang of {config.world_size} ranks")
     if comm is not None:
         config = dataclasses.replace(config, comm=comm)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
     procs = [
-        ctx.Process(target=_entry, args=(r, fn, config, init, args, out, num_threads, collective_timeout),
+        ctx.Process(target=_entry, args=(r, fn, config, init, args, out, num_threads, collective_timeout, devices[r],
+                                         backend),
                     daemon=True)
         for r in range(config.world_size)
     ]

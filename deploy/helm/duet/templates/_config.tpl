@@ -131,9 +131,6 @@ but would not behave as the values suggest (one line each; NOTES.txt prints them
 {{- if and (or .slo .profile) (not (and .slo .profile $.Values.autoscaling.duet.enabled)) }}
 - pools[{{ .name }}].slo/profile: Duet's SLO autoscaler scales a pool only with slo, profile and autoscaling.duet.enabled all set; this pool keeps its size (KubeRay's in-tree autoscaler, if on, still adds pods for pending placements)
 {{- end }}
-{{- if and (gt (mul (int .tpSize) (int .epSize) (int .spSize)) 1) (gt (float64 .gpusPerRank) 0.0) (ne (.engine.device | default "auto") "cpu") }}
-- pools[{{ .name }}]: a tensor/expert/sequence-parallel gang on GPUs: gang collectives do not carry CUDA tensors yet (NCCL gang groups are not wired), so its ranks refuse to start on cuda; set engine.device: cpu for this pool
-{{- end }}
 {{- if eq .speculative.method "draft_model" }}{{ $drafting = append $drafting .name }}
 {{- if not .drafterResourcesResolved }}
 - pools[{{ .name }}].speculative.drafterResources is {}: its drafter actors ask for CPUs only, so Ray may put them on any pod with spare CPUs and KubeRay's autoscaler may add another group's pod for them; enable drafters (or name a resource)
