@@ -11,6 +11,8 @@ hand-off:
   decode side   ``reserve(id, prompt, params)`` -> a KVTicket; ``import_kv(id, ticket, kv, ...)``
                 writes the received blocks and decodes on after the first token. ``abort(id)``
                 returns a reservation's blocks.
+Live migration (workers/migration.py): ``pause_request`` / ``migration_kv`` / ``resume_request`` /
+``finish_migrated`` on the source, ``reserve_migration`` / ``import_migration`` on the target.
 Sampling continues exactly: the first token is drawn on the prefill side with the request's full
 params from its seeded generator, whose state travels with it; the rest of the sampler state
 (penalty counts, min_tokens progress) is a function of the token ids, which the decode side holds

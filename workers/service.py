@@ -23,6 +23,11 @@ Disaggregation (workers/disagg.py): a Submit with ``remote_prefill`` reserves KV
 the named worker prefill (the Prefill RPC, worker to worker) and send the blocks over a
 torch.distributed pair group; every worker can serve either half. GetLoad reports transfer counters.
 
+Live migration (workers/migration_service.py, workers/drain.py): Migrate moves a running request to
+another worker (its Submit stream then ends with ``migrated_to``), TakeOver is the target half, a
+Submit with ``migration_id`` attaches to a request migrated here, Drain (and ``stop(grace,
+migrate_to=...)``) moves every running request away. GetLoad reports migration counters.
+
 Worked example::
 
     server = await start_worker_server(EngineConfig(model="SmolLM2-135M-Instruct"), port=50061)
