@@ -146,12 +146,12 @@ class Pipeline:
                 raise RequestError(decision.code, decision.message)
 
     def _migration_route(self, migration: AttemptOutcome | None) -> Route | None:
-        """After a MIGRATED outcome: the target, if the directory knows it (else the usual choice,
-        and the request resumes there by recompute)."""
+        """After a MIGRATED outcome: the target, if the directory knows it and it is healthy (else the
+        usual choice, and the request resumes there by recompute)."""
         if migration is None:
             return None
-        if migration.target_id not in {w.worker_id for w in self.directory.snapshot()}:
-            logger.warning("migration target %s is not a member; resuming by recompute", migration.target_id)
+        if migration.target_id not in {w.worker_id for w in self.directory.snapshot() if w.healthy}:
+            logger.warning("migration target %s is not a healthy member; resuming by recompute", migration.target_id)
             return None
         return Route(decode_id=migration.target_id)
 
