@@ -295,14 +295,16 @@ class EngineLoop:
             torch.set_num_threads(self._num_threads)
         try:
             engine = self._make_engine()
+            layout = engine.kv_layout()  # None: no KV transfer (so no migration either)
+            limits = EngineLimits(engine.max_model_len, engine.spec.vocab_size, layout, engine.config.device,
+                                  model_fingerprint(engine) if layout is not None else "")
         except BaseException as e:  # noqa: BLE001 - handed to start()
             self._start_error = e
             self._deliver([(self._ready, None)])
             self._close(None, None, deque())
             return
         self.snapshot = LoadSnapshot.of(engine)
-        self._deliver([(self._ready, EngineLimits(engine.max_model_len, engine.spec.vocab_size, engine.kv_layout(),
-                                                    engine.config.device, model_fingerprint(engine)))])
+        self._deliver([(self._ready, limits)])
         commands: deque[Command] = deque()
         out: list[Delivery] = []  # answers not yet handed to the event loop
         try:
