@@ -4,7 +4,8 @@ pool, so it can stop in seconds instead of after its longest generation (or its 
 Rounds, until nothing is left or ``timeout_s`` passes: ask every target for its load (GetLoad),
 then migrate each request still here that is decoding to the target with the most free KV blocks
 after what this round already sent it (up to ``MAX_CONCURRENT`` migrations at once; each pauses only
-its own request). A request still in prefill is refused with FAILED_PRECONDITION and simply tried
+its own request). All of a round's requests are asked to pause together, so they pause at the
+same step boundary and the engine calls that follow (reading their KV) wait for no step. A request still in prefill is refused with FAILED_PRECONDITION and simply tried
 again next round; a target that fails (full, unreachable, refusing) is skipped for the rest of
 the round. A request that cannot move stays here and keeps decoding: the caller then stops the
 worker with its grace, and whatever is still left ends UNAVAILABLE, which the router resumes by
@@ -30,7 +31,7 @@ from workers.migration_service import MigrationFailed, Migrator
 
 logger = logging.getLogger(__name__)
 
-MAX_CONCURRENT = 4
+MAX_CONCURRENT = 16
 ROUND_PAUSE_S = 0.05  # between rounds (requests still in prefill get a step or two)
 
 
