@@ -29,7 +29,7 @@ Error mapping (``outcome_from_status``: worker status -> outcome -> client statu
     RESOURCE_EXHAUSTED before the first token            worker queue full: RETRY (not reported); at the
                                                          end RESOURCE_EXHAUSTED
     ABORTED before the first token, disaggregated route  the prefill half failed: prefill worker reported,
-                                                         RETRY with another prefill worker; at the end
+                                                         RETRY colocated on a decode worker; at the end
                                                          UNAVAILABLE
     DEADLINE_EXCEEDED                                     FAIL, DEADLINE_EXCEEDED (the client's deadline is
                                                          the worker call's deadline)
@@ -44,8 +44,8 @@ workers p0, p1)::
     budget.start()                                     # attempt 1 on (d0, p0)
     budget.decide(AttemptOutcome.retry(UNAVAILABLE, "remote prefill failed", "p0", prefill_failed=True),
                   streamed=0)
-    # -> Decision(RETRY); budget.tried == {"p0"}, budget.require_prefill: the next route needs
-    #    another prefill worker
+    # -> Decision(RETRY); budget.tried == {"p0"}, budget.require_prefill: the next route retries a
+    #    failed prefill half (the disaggregated policy runs it colocated on a decode worker)
     budget.start()                                     # attempt 2 on (d0, p1)
     budget.decide(AttemptOutcome.retry(UNAVAILABLE, "remote prefill failed", "p1", prefill_failed=True),
                   streamed=0)
@@ -79,8 +79,8 @@ class AttemptOutcome:
                     is the last attempt), the message naming the worker.
     worker_id       RETRY / RESUME: the worker that failed (the prefill worker when
                     ``prefill_failed``).
-    prefill_failed  only the prefill half of a disaggregated route failed: the next route needs
-                    another prefill worker.
+    prefill_failed  only the prefill half of a disaggregated route failed: the next route is
+                    its retry (router/policies/disagg.py: colocated on a decode worker).
     report          the worker looks dead: the pipeline reports it to the directory (no traffic
                     until a poll succeeds after the cooldown).
     reason          what happened to the worker (the report's text; for RESUME also the message

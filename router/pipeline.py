@@ -14,8 +14,8 @@ Disaggregated routes: the Submit goes to the decode worker with ``remote_prefill
 prefill worker; the decode worker has it prefill and send the KV directly (the router never sees
 KV). ABORTED before the first token means the prefill half failed (prefill worker down or
 restarted, transfer lost or rejected): the prefill worker is reported failed and the request is
-retried with another prefill worker (once, with the default ``max_route_attempts`` of 2); with
-none left it ends with UNAVAILABLE.
+retried colocated on a decode worker (once, with the default ``max_route_attempts`` of 2;
+router/policies/disagg.py); with none left it ends with UNAVAILABLE.
 
 Terms:
     first token  a failure before any token reached the client is retried on another worker
@@ -60,6 +60,7 @@ from router.attempt import Action, AttemptBudget, AttemptOutcome, Decision, Outc
 from router.config import RouterConfig
 from router.policies import NoWorkersAvailable, RouteRequest, RoutingPolicy
 from router.policies.disagg import DisaggRouter, Route
+from router.prefix_pull import PrefixPullPlanner
 from router.preprocess import PreparedRequest, RequestError, ServedModel, prepare_request
 from router.request_metrics import RequestClock, RequestMetrics
 from router.worker_stream import Progress, stream_attempt
@@ -81,6 +82,8 @@ class Pipeline:
         self.policy = policy
         self.router = DisaggRouter(policy, block_size=config.disagg_block_size,
                                    min_prompt_tokens=config.disagg_min_prompt_tokens)
+        self.pull_planner = (PrefixPullPlanner(config.prefix_pull_min_tokens, config.disagg_block_size)
+                             if config.prefix_pull_min_tokens else None)
         self.admission = admission
         self.counts: Counter[str] = Counter()
         self.metrics = metrics or RequestMetrics()  # per-pool latency histograms (router/request_metrics.py)
@@ -162,7 +165,7 @@ class Pipeline:
         prefill = self.directory.begin(chosen.prefill_id, route) if chosen.prefill_id else None
         try:
             async with aclosing(stream_attempt(prep, lease, prefill, progress, deadline, self.metrics,
-                                               migration_id)) as events:
+                                               chosen.pull, migration_id)) as events:
                 async for event in events:
                     if isinstance(event, AttemptOutcome):
                         self._observe(event, lease if not event.prefill_failed else prefill)
@@ -221,6 +224,8 @@ class Pipeline:
                 workers = [replace(w, healthy=False) if w.worker_id in tried else w for w in workers]
             try:
                 chosen = self.router.select(route, workers, require_prefill=require_prefill)
+                if self.pull_planner is not None and chosen.prefill_id is None:
+                    chosen = replace(chosen, pull=self.pull_planner.plan(route, chosen.decode_id, workers))
                 if waited:
                     self.counts["waited_for_worker"] += 1
                 return chosen
@@ -235,6 +240,8 @@ class Pipeline:
 
     def stats(self) -> dict[str, object]:
         return {"requests": dict(self.counts), "admission": self.admission.stats(),
-                "policy_name": self.policy.name, "policy": self.router.counters(), "workers": self.directory.describe(),
+                "policy_name": self.policy.name, "workers": self.directory.describe(),
+                "policy": {**self.router.counters(),
+                           **(self.pull_planner.counters() if self.pull_planner is not None else {})},
                 "worker_stream_failures": self.directory.num_stream_failures}
 

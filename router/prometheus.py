@@ -114,6 +114,11 @@ WORKER_COUNTERS = (
     ("migration_failures", "migration_failures", "migrations that failed (the request stayed where it was)"),
     ("migration_kv_bytes", "migration_kv_bytes", "KV bytes moved by migrations (sent + received)"),
     ("migration_seconds", "migration_seconds", "seconds from pause to confirmation of outgoing migrations"),
+    ("prefix_pulls", "prefix_pulls", "prompt prefixes pulled from another worker instead of recomputed"),
+    ("prefix_pull_blocks", "prefix_pull_blocks", "KV blocks pulled for prompt prefixes"),
+    ("prefix_pull_bytes", "prefix_pull_bytes", "KV bytes pulled for prompt prefixes"),
+    ("prefix_pull_failures", "prefix_pull_failures", "prefix pulls that failed (the prompt was computed instead)"),
+    ("prefix_pulls_served", "prefix_pulls_served", "prefix pulls this worker served as the holder"),
 )
 # ---- speculative decoding (workers/spec_decode/speculator.py) -----------------------------------
 # acceptance rate = rate(duet_worker_spec_accepted_tokens_total) / rate(..._spec_draft_tokens_total);

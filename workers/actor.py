@@ -82,13 +82,14 @@ class WorkerActor:
 
     def info(self) -> dict[str, object]:
         """Identity for status pages: worker id, endpoint, incarnation, context limit (None until
-        started), pid, torch threads."""
+        started), pid, torch threads, the Ray node it runs on (hex id)."""
         return {
             "worker_id": self._worker_id,
             "endpoint": self.endpoint(),
             "incarnation": self._server.incarnation if self._server is not None else None,
             "max_model_len": self._server.limits.max_model_len if self._server is not None else None,
             "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
             "num_threads": self._num_threads,
             "gpu_ids": self._gpu_ids,
             "device": self._config.device,

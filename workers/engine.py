@@ -89,7 +89,7 @@ class Engine:
         limit = self.spec.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit, runner.num_blocks * bs)
         self.block_manager = block_manager or BlockManager(runner.num_blocks, bs, config.cache.enable_prefix_caching)
-        self.scheduler = scheduler or Scheduler(config.scheduler, self.block_manager)
+        self.scheduler = scheduler or Scheduler(config.scheduler, self.block_manager, self.spec.releasable_window)
         self.handoff = handoff or KVHandoff(self.block_manager, runner)
         self.speculator = speculator
         self.migration = migration or Migration(self.block_manager, self.scheduler, runner, speculator)
@@ -137,6 +137,7 @@ class Engine:
         seq = self._new_sequence(request_id, prompt, params, resumed_output_tokens)
         if export_from_block is not None:
             self.handoff.mark_export(seq, export_from_block)
+            self.scheduler.keep_all_blocks(seq.request_id)  # every exported block must be valid
         self._register(seq)
         self.scheduler.add(seq)
         return seq.request_id

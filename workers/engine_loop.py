@@ -26,9 +26,11 @@ import torch
 
 from workers.engine import Engine
 from workers.kv_handoff import KVCapacityError
+from workers.kv_wire import model_fingerprint
 from workers.errors import InvalidRequestError
 from workers.layers.logprobs import TokenLogprob
-from workers.migration import MigrationError, MigrationSnapshot, model_fingerprint
+from workers.migration import MigrationError, MigrationSnapshot
+from workers.migration import model_fingerprint as migration_fingerprint
 from workers.runner import KVLayout, KVTicket, RequestOutput
 from workers.sampling_params import SamplingParams
 
@@ -48,6 +50,7 @@ class EngineLimits:
     kv_layout: KVLayout | None = None  # the KV cache geometry (for disaggregated transfers)
     device: str = "cpu"
     model_fingerprint: str = ""  # workers.migration.model_fingerprint: migration peers must agree
+    kv_fingerprint: int = 0  # workers/kv_wire.py model_fingerprint: what KV transfers carry and check
 
 
 @dataclass(frozen=True)
@@ -139,12 +142,8 @@ class _Import:
 
 @dataclass(frozen=True)
 class _Call:
-    """Run ``fn(engine)`` between steps (migration: pause, read KV, resume, reserve); the reply
-    holds its result, or the typed error it raised (MigrationError, InvalidRequestError,
-    KVCapacityError). Any other error is the engine's failure."""
-
-    fn: Callable[[Engine], Any]
-    reply: asyncio.Future
+    fn: Callable[[Engine], object]  # run on the engine thread between two steps
+    reply: asyncio.Future  # -> its result, or the exception it raised
 
 
 @dataclass(frozen=True)
@@ -169,7 +168,6 @@ class _Handover:
 
 
 Command = _Add | _Abort | _Reserve | _Import | _Call | _Adopt | _Handover
-_TYPED = (MigrationError, InvalidRequestError, KVCapacityError)
 
 
 def _apply_deliveries(deliveries: list[Delivery]) -> None:
@@ -235,9 +233,10 @@ class EngineLoop:
         """Decode side: write a verified transfer and start decoding; outputs arrive on ``sink``."""
         self._post(_Import(request_id, ticket, kv, first_token, generator_state, sink, first_logprob))
 
-    def call(self, fn: Callable[[Engine], Any]) -> asyncio.Future:
-        """Run ``fn(engine)`` on the engine thread between steps; the future holds its result or the
-        typed error it raised (or WorkerUnavailableError when the engine is shutting down)."""
+    def call(self, fn: Callable[[Engine], object]) -> asyncio.Future:
+        """Run ``fn(engine)`` on the engine thread between two steps (for components beside the engine
+        that drive its block manager and runner, e.g. workers/prefix_pull.py). The future holds its
+        result, or the exception it raised (as a value, like ``reserve``); commands run in order."""
         cmd = _Call(fn, self._loop.create_future())
         self._post(cmd)
         return cmd.reply
@@ -296,8 +295,10 @@ class EngineLoop:
         try:
             engine = self._make_engine()
             layout = engine.kv_layout()  # None: no KV transfer (so no migration either)
-            limits = EngineLimits(engine.max_model_len, engine.spec.vocab_size, layout, engine.config.device,
-                                  model_fingerprint(engine) if layout is not None else "")
+            limits = EngineLimits(
+                engine.max_model_len, engine.spec.vocab_size, layout, engine.config.device,
+                migration_fingerprint(engine) if layout is not None else "",
+                model_fingerprint(engine.spec, layout.dtype, engine.config.quantization) if layout is not None else 0)
         except BaseException as e:  # noqa: BLE001 - handed to start()
             self._start_error = e
             self._deliver([(self._ready, None)])
@@ -352,6 +353,12 @@ class EngineLoop:
             except (InvalidRequestError, KVCapacityError) as e:
                 out.append((cmd.reply, e))
             return
+        if isinstance(cmd, _Call):
+            try:
+                out.append((cmd.reply, cmd.fn(engine)))
+            except Exception as e:  # noqa: BLE001 - handed to the caller; the engine state is the fn's to keep
+                out.append((cmd.reply, e))
+            return
         if isinstance(cmd, _Import):
             if cmd.request_id not in {s.request_id for s in engine.reserved()}:  # aborted while in transit
                 out.append((cmd.sink, WorkerUnavailableError(f"request {cmd.request_id} was aborted")))
@@ -362,7 +369,7 @@ class EngineLoop:
             if not first.finished:
                 self._sinks[cmd.request_id] = cmd.sink
             return
-        if isinstance(cmd, (_Call, _Adopt, _Handover)):
+        if isinstance(cmd, (_Adopt, _Handover)):
             self._apply_migration(engine, cmd, out)
             return
         final = engine.abort(cmd.request_id)
@@ -371,13 +378,7 @@ class EngineLoop:
             out.append((sink, final))  # the stream ends normally, with finish_reason ABORT
         out.append((cmd.reply, final is not None))
 
-    def _apply_migration(self, engine: Engine, cmd: _Call | _Adopt | _Handover, out: list[Delivery]) -> None:
-        if isinstance(cmd, _Call):
-            try:
-                out.append((cmd.reply, cmd.fn(engine)))
-            except _TYPED as e:
-                out.append((cmd.reply, e))
-            return
+    def _apply_migration(self, engine: Engine, cmd: _Adopt | _Handover, out: list[Delivery]) -> None:
         if isinstance(cmd, _Adopt):
             if not engine.migration.is_reserved(cmd.request_id):  # aborted while in transit
                 out.append((cmd.reply, WorkerUnavailableError(f"request {cmd.request_id} was aborted")))

@@ -36,11 +36,11 @@ import grpc
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from workers.detokenizer import DetokenizerState
-from workers.disagg import CHANNEL_OPTIONS, Disaggregation
+from workers.disagg import CHANNEL_OPTIONS, Disaggregation, PrefillRejected
 from workers.engine_loop import EngineLimits, EngineLoop, Sink, WorkerUnavailableError
 from workers.errors import InvalidRequestError
 from workers.kv_handoff import KVCapacityError
-from workers.kv_transfer import KVTransferError, PairKey
+from workers.kv_transfer import KVTransferError
 from workers.migration import MigrationError, MigrationSnapshot
 from workers.sampling_params import SamplingParams
 
@@ -164,6 +164,8 @@ class Migrator:
             if isinstance(snap, MigrationError):
                 code = grpc.StatusCode.NOT_FOUND if "not running here" in str(snap) else grpc.StatusCode.FAILED_PRECONDITION
                 raise MigrationFailed(code, str(snap))
+            if isinstance(snap, Exception):
+                raise MigrationFailed(grpc.StatusCode.INTERNAL, f"pausing {request_id}: {snap!r}")
             try:
                 reply = await self._send(snap, target)
             except MigrationFailed as e:
@@ -192,11 +194,10 @@ class Migrator:
 
     async def _send(self, snap: MigrationSnapshot, target: worker_pb2.MigrationTarget) -> worker_pb2.TakeOverResponse:
         """TakeOver + the KV transfer; -> the reservation, with kv_bytes set. Raises MigrationFailed."""
-        sender = self._disagg.sender
         call = self.stub(target.endpoint).TakeOver(worker_pb2.TakeOverRequest(
             request_id=snap.request_id, state=snapshot_to_proto(snap), source_worker_id=self.worker_id,
             source_incarnation=self.incarnation, model_fingerprint=self.fingerprint, kv_layout=self._layout_words,
-            expected_incarnation=target.incarnation, backend=sender.backend), timeout=4 * self.timeout_s)
+            expected_incarnation=target.incarnation, source_endpoint=self.endpoint), timeout=4 * self.timeout_s)
         try:
             first = await asyncio.wait_for(call.read(), self.timeout_s)
             if first is grpc.aio.EOF:
@@ -207,8 +208,12 @@ class Migrator:
             if kv.shape[2] != first.num_blocks:
                 raise MigrationFailed(grpc.StatusCode.FAILED_PRECONDITION,
                                       f"num_blocks: {first.num_blocks} reserved on {target.worker_id}, {kv.shape[2]} held")
-            key = PairKey(self.worker_id, self.incarnation, target.worker_id, first.target_incarnation,
-                          first.pair_generation)
+            try:
+                sender = self._disagg.sender_for(first.backend)
+            except PrefillRejected as e:
+                raise MigrationFailed(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+            key = self._disagg.sender_key(target.worker_id, first.target_incarnation, first.pair_generation,
+                                          first.backend)
             channel = await asyncio.wait_for(asyncio.wrap_future(sender.channel(key, first.kv_store_address)),
                                              self.timeout_s)
             nbytes = await asyncio.get_running_loop().run_in_executor(
@@ -251,13 +256,15 @@ class Migrator:
         if isinstance(ticket, Exception):
             raise MigrationFailed(grpc.StatusCode.UNAVAILABLE, str(ticket))
         receiver, adopted = self._disagg.receiver, False
-        key = receiver.pair_key(request.source_worker_id, request.source_incarnation)
+        backend = self._disagg.backend_for(request.source_endpoint)
+        key = receiver.pair_key(request.source_worker_id, request.source_incarnation, backend)
         expected = receiver.expect(key, ticket.transfer_id, ticket.first_block, ticket.num_blocks)
         try:
             receiver.channel(key)
             yield worker_pb2.TakeOverResponse(transfer_id=ticket.transfer_id, first_block=ticket.first_block,
                                               num_blocks=ticket.num_blocks, kv_store_address=receiver.address,
-                                              pair_generation=key.generation, target_incarnation=self.incarnation)
+                                              pair_generation=key.generation, target_incarnation=self.incarnation,
+                                              backend=backend)
             try:
                 received = await asyncio.wait_for(asyncio.wrap_future(expected), self.timeout_s)
             except (KVTransferError, TimeoutError) as e:
@@ -294,9 +301,8 @@ class Migrator:
             raise MigrationFailed(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"kv_layout: source {list(request.kv_layout)}, this worker {self._layout_words} "
                                   "(layers, block size, kv heads, head dim, dtype)")
-        if request.backend != self._disagg.backend:
-            raise MigrationFailed(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"backend: source sends {request.backend!r}, this worker receives {self._disagg.backend!r}")
+        if not request.source_endpoint:
+            raise MigrationFailed(grpc.StatusCode.INVALID_ARGUMENT, "source_endpoint: required")
 
     def _park(self, rid: str, migration_id: str, token_ids: list[int], sink: Sink) -> None:
         parked = self._parked[rid] = _Parked(migration_id, token_ids, sink)

@@ -205,35 +205,24 @@ def test_target_without_free_blocks_refuses(loop, pair, tokenizer):
 
 
 def test_corrupted_block_is_rejected_and_the_request_continues(loop, pair, tokenizer, monkeypatch):
-    """A value flipped in transit (after the sender computed its checksums): the target rejects the
-    transfer and frees its reservation, the source resumes the request; the next migration (a new
-    pair generation) goes through."""
+    """A value flipped in transit (what arrives differs from what the sender checksummed; whatever
+    the transport, shared memory or gloo): the target rejects the transfer and frees its
+    reservation, the source resumes the request; the next migration (a new pair generation) goes
+    through."""
     from workers import kv_transfer
 
     a, b = pair
-    original = kv_transfer.PairChannel.send
+    original = kv_transfer.KVReceiver._deliver
     corrupted = []
 
-    def send_corrupting(self, layout, transfer_id, first_block, kv):
+    def deliver_corrupted(self, key, tid, first, checks, kv, nbytes, dt):
         if not corrupted:
-            corrupted.append(transfer_id)
-            group = self.group
+            corrupted.append(tid)
+            kv = kv.clone()
+            kv.view(-1)[7] += 1.0
+        return original(self, key, tid, first, checks, kv, nbytes, dt)
 
-            class Flip:  # the payload message arrives with one element changed
-                def send(self, tensors, dst, tag):
-                    if tag == kv_transfer._TAG_PAYLOAD:
-                        t = tensors[0].clone()
-                        t.view(-1)[7] += 1.0
-                        tensors = [t]
-                    return group.send(tensors, dst, tag)
-            self.group = Flip()
-            try:
-                return original(self, layout, transfer_id, first_block, kv)
-            finally:
-                self.group = group
-        return original(self, layout, transfer_id, first_block, kv)
-
-    monkeypatch.setattr(kv_transfer.PairChannel, "send", send_corrupting)
+    monkeypatch.setattr(kv_transfer.KVReceiver, "_deliver", deliver_corrupted)
     _one_request_fault(loop, a, b, tokenizer, target(b), grpc.StatusCode.UNAVAILABLE)
     assert corrupted
 
@@ -282,7 +271,7 @@ def test_source_gone_after_the_target_reserved(loop, pair, tokenizer):
                 call = worker_pb2_grpc.WorkerStub(channel).TakeOver(worker_pb2.TakeOverRequest(
                     request_id="s1", state=snapshot_to_proto(snap), source_worker_id=a.worker_id,
                     source_incarnation=a.incarnation, model_fingerprint=m.fingerprint,
-                    kv_layout=a.limits.kv_layout.as_words(), backend="gloo"))
+                    kv_layout=a.limits.kv_layout.as_words(), source_endpoint=a.endpoint))
                 first = await call.read()
                 box["reserved"] = (await load(b.endpoint)).num_reserved
                 call.cancel()
