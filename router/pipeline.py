@@ -107,7 +107,7 @@ class Pipeline:
 
     async def _prepare(self, request: duet_pb2.GenerateRequest) -> PreparedRequest:
         size = len(request.prompt) + sum(len(m.content) for m in request.messages.messages)
-        if size > _OFFLOAD_CHARS:
+        if size > _OFFLOAD_CHARS or request.sampling.HasField("structured"):  # a grammar compile may take ms
             return await asyncio.to_thread(prepare_request, request, self.model, self.config)
         return prepare_request(request, self.model, self.config)
 

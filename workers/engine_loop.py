@@ -323,8 +323,8 @@ class EngineLoop:
                 if engine.has_unfinished():
                     for o in engine.step():
                         sink = self._sinks.pop(o.request_id, None) if o.finished else self._sinks.get(o.request_id)
-                        if sink is not None:
-                            out.append((sink, o))
+                        if sink is not None:  # a failed request (structured output) ends with its error
+                            out.append((sink, o if o.error is None else o.error))
                 self.snapshot = LoadSnapshot.of(engine)
                 self._deliver(out)
                 out = []

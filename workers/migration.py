@@ -111,6 +111,9 @@ class Migration:
         """Take a running, decoding ``seq`` out of the running set (its blocks stay) and snapshot it."""
         if seq.status is SequenceStatus.PAUSED:
             raise MigrationError(f"{seq.request_id} is already being migrated")
+        if seq.sampling_params.structured is not None:
+            raise MigrationError(f"{seq.request_id} has structured output: its grammar matcher does not migrate "
+                                 "yet (it finishes here)")
         if seq.status is not SequenceStatus.RUNNING or not seq.in_decode:
             raise MigrationError(f"{seq.request_id} is not decoding yet (status {seq.status.value}, "
                                  f"{seq.num_output_tokens} tokens generated): only a decoding request migrates")

@@ -43,6 +43,7 @@ from workers.kv_handoff import KVCapacityError
 from workers.kv_transfer import KVTransferError
 from workers.migration import MigrationError, MigrationSnapshot
 from workers.sampling_params import SamplingParams
+from workers.structured.convert import spec_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,8 @@ def params_to_proto(p: SamplingParams) -> worker_pb2.SamplingParams:
         msg.num_speculative_tokens = p.num_speculative_tokens
     if p.top_logprobs is not None:
         msg.top_logprobs = p.top_logprobs
+    if p.structured is not None:  # the target's grammar matcher follows the request's tokens from there
+        msg.structured.CopyFrom(spec_to_proto(p.structured, worker_pb2.StructuredOutput))
     return msg
 
 

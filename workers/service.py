@@ -68,6 +68,7 @@ from workers.migration_service import MigrationFailed, Migrator
 from workers.prefix_pull import PrefixPull
 from workers.sampling_params import SamplingParams
 from workers.sequence import FinishReason
+from workers.structured.convert import spec_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,8 @@ def to_sampling_params(p: worker_pb2.SamplingParams) -> SamplingParams:
                           presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                           repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
                           min_p=p.min_p, min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias),
-                          top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else None)
+                          top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else None,
+                          structured=spec_from_proto(p.structured) if p.HasField("structured") else None)
 
 
 def _merge(outputs: list[RequestOutput], migrated_to: worker_pb2.MigratedTo | None = None) -> worker_pb2.SubmitResponse:
@@ -111,7 +113,9 @@ def _merge(outputs: list[RequestOutput], migrated_to: worker_pb2.MigratedTo | No
 def _status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, InvalidRequestError):
         code = grpc.StatusCode.ALREADY_EXISTS if error.field == "request_id" else grpc.StatusCode.INVALID_ARGUMENT
-        return code, str(error)
+        # a structured-output spec that failed to compile or a grammar at a dead end (mid-stream):
+        # named as the request's field, like the sampling errors _admit reports
+        return code, f"sampling.{error}" if error.field.startswith("structured") else str(error)
     if isinstance(error, WorkerUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(error)
     if isinstance(error, KVCapacityError):
