@@ -21,7 +21,9 @@ starts a replica created at runtime. ``retire(worker_id)`` takes one away withou
 request: a replica that is not ``up`` (pending, starting, down, failed) has nothing to drain and is
 released at once; an ``up`` one goes
 
-    up --retire--> draining --after drain_settle_s: stop(grace)--> (stop returned) --> released
+    up --retire--> draining --after drain_settle_s: stop(grace, peers)--> (stop returned) --> released
+(``peers``: the pool's other up replicas; the draining one migrates its running requests there
+first, workers/drain.py, so it is empty in seconds instead of after its longest generation)
 
 While ``draining`` it is no member (``members()``), but detailed subscribers (the membership
 service) still list it, flagged ``draining``, so routers stop routing to it while its streams
@@ -81,6 +83,7 @@ class _Replica:
     state: str = "starting"  # starting | up | down | failed | draining
     endpoint: str | None = None
     incarnation: str | None = None
+    node_id: str | None = None  # the Ray node its (leader) actor last ran on, from the probe
     call: Any = None  # the one outstanding ObjectRef (start() or info())
     call_kind: str = ""  # "start" | "probe"
     call_since: float = 0.0
@@ -199,12 +202,20 @@ class Controller:
         self._push(index, push, detailed)
 
     def describe(self) -> list[dict[str, object]]:
-        """One dict per replica: pool, role, worker id, state, endpoint, incarnation, starts, last error."""
+        """One dict per replica: pool, role, worker id, state, endpoint, incarnation, the Ray node
+        its actor last ran on (``node_id``), starts, last error. A replica ``down`` whose node is
+        dead in Ray's view says so in ``last_error`` (an actor error alone does not): "its node
+        1a2b3c4d died (...)"; Ray restarts it once a node with room for its bundle exists."""
+        with self._lock:
+            down = {r.node_id for r in self._replicas if r.state == "down" and r.node_id}
+        dead = _dead_nodes(down)
         with self._lock:
             return [{"pool": r.replica.pool, "role": self.role_of(r.replica.worker_id), "index": r.replica.index,
                      "worker_id": r.replica.worker_id, "state": r.state,
-                     "endpoint": r.endpoint, "incarnation": r.incarnation, "starts": r.starts,
-                     "last_error": r.last_error} for r in self._replicas]
+                     "endpoint": r.endpoint, "incarnation": r.incarnation, "node_id": r.node_id, "starts": r.starts,
+                     "last_error": (f"its node {r.node_id[:8]} died ({r.last_error})"
+                                    if r.state == "down" and r.node_id in dead else r.last_error)}
+                    for r in self._replicas]
 
     def stop(self) -> None:
         """Stop polling (before the pool is shut down, so nothing is restarted meanwhile)."""
@@ -240,9 +251,17 @@ class Controller:
             if r.state != "draining":
                 self._issue_probe(r)
             elif now >= r.drain_at:
-                r.call, r.call_kind, r.call_since = r.replica.actor.stop.remote(r.drain_grace_s), "drain", now
+                peers = self._migration_peers(r)
+                r.call, r.call_kind, r.call_since = r.replica.actor.stop.remote(r.drain_grace_s, peers), "drain", now
         for index, (push, detailed) in enumerate(list(self._subscribers)):
             self._push(index, push, detailed)
+
+    def _migration_peers(self, r: _Replica) -> list[tuple[str, str]]:
+        """(worker id, endpoint) of the up replicas of a draining replica's pool: its running requests
+        migrate there before it stops (live migration; none: they finish within the grace)."""
+        with self._lock:
+            return [(x.replica.worker_id, x.endpoint) for x in self._replicas
+                    if x is not r and x.state == "up" and x.endpoint and x.replica.pool == r.replica.pool]
 
     def _finish(self, r: _Replica) -> None:
         import ray
@@ -275,7 +294,7 @@ class Controller:
         elif r.state != "up" or endpoint != r.endpoint:
             self._set(r, "up", endpoint, "")
         with self._lock:
-            r.incarnation = incarnation
+            r.incarnation, r.node_id = incarnation, result.get("node_id", r.node_id)
 
     def _finish_draining(self, r: _Replica, kind: str, call: Any) -> None:
         """A draining replica's call returned: its stop() (drained: release it), or a probe issued
@@ -353,6 +372,15 @@ class Controller:
             self._pushed[index] = members
         logger.info("controller: membership -> %s", ", ".join(
             f"{m[0]}@{m[1]}{' (draining)' if detailed and m[4] else ''}" for m in members) or "(none)")
+
+
+def _dead_nodes(node_ids: set[str]) -> set[str]:
+    """Which of ``node_ids`` Ray lists as dead (one GCS call; none when the set is empty)."""
+    import ray
+
+    if not node_ids:
+        return set()
+    return {n["NodeID"] for n in ray.nodes() if n["NodeID"] in node_ids and not n["Alive"]}
 
 
 def _first_line(e: BaseException) -> str:

@@ -85,7 +85,6 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._next_index = max((r.index for r in replicas), default=-1) + 1
         self._free_slots: list[int] = []
-        self._placed: set[str] = set()  # worker ids whose own placement group was seen CREATED
         self._shut_down = False
 
     def replica(self, worker_id: str) -> Replica:
@@ -126,15 +125,26 @@ class WorkerPool:
         return replica
 
     def is_placed(self, replica: Replica) -> bool:
-        """Whether the replica's CPUs are reserved (False: pending, no room in the cluster yet)."""
-        if replica.own_placement_group is None or replica.worker_id in self._placed:
-            return True
+        """Whether every bundle of the replica is reserved on a node that is alive now. False: its
+        own group waits for room in the cluster, or its node died and Ray is re-placing its bundles
+        (a placement group RESCHEDULING until a node with room joins): not capacity either way."""
+        import ray
+
+        nodes = self.bundle_nodes(replica)
+        if not all(nodes):
+            return False
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        return all(n in alive for n in nodes)
+
+    def bundle_nodes(self, replica: Replica) -> list[str]:
+        """The Ray node id holding each of the replica's bundles, in rank order ("" for a bundle
+        not placed now)."""
         from ray.util import placement_group_table
 
-        if placement_group_table(replica.own_placement_group).get("state") == "CREATED":
-            self._placed.add(replica.worker_id)
-            return True
-        return False
+        own = replica.own_placement_group
+        first = 0 if own is not None else replica.slot * self.section.gang_size  # type: ignore[operator]
+        where = placement_group_table(own if own is not None else self.placement_group).get("bundles_to_node_id", {})
+        return [where.get(first + rank, "") for rank in range(self.section.gang_size)]
 
     def release(self, replica: Replica) -> None:
         """Kill the replica's actors (no restart) and free its slot or remove its placement group.
@@ -156,7 +166,6 @@ class WorkerPool:
         elif replica.slot is not None:
             with self._lock:
                 self._free_slots.append(replica.slot)
-        self._placed.discard(replica.worker_id)
         logger.info("pool %s: replica %s removed", self.name, replica.worker_id)
 
     def shutdown(self, grace: float = 5.0, timeout: float = 30.0) -> None:
@@ -208,7 +217,12 @@ def create_pool(section: PoolSection, engine_config: Any, namespace: str, *, emb
     replicas: list[Replica] = []
     make_actors = _actor_factory(section, engine_config, namespace, host)
     try:
+        shortfall = None if embedded else strict_shortfall(section, bundle, ray.nodes())
+        if shortfall:
+            logger.warning("%s; waiting up to %.0f s for nodes to join", shortfall, placement_timeout_s)
         ready, _ = ray.wait([pg.ready()], timeout=placement_timeout_s)
+        if not ready and (shortfall := None if embedded else strict_shortfall(section, bundle, ray.nodes())):
+            raise PoolError(f"{shortfall} (waited {placement_timeout_s:.0f} s: controller.placement_timeout_s)")
         if not ready:
             free, total = ray.available_resources(), ray.cluster_resources()
             have = ", ".join(f"{free.get(k, 0):g} {k} free of {total.get(k, 0):g}" for k in bundle)
@@ -346,6 +360,33 @@ def _check_embedded_drafters(section: PoolSection, cluster: dict[str, float]) ->
                 f"pool {section.name!r}: {section.replicas} workers plus their drafter actors need {amount:g} {name}, "
                 f"but the embedded Ray has {cluster.get(name, 0):g}; lower speculative.drafter_cpus or the replicas, "
                 "raise ray.num_cpus, or drop speculative.drafter_resources (an embedded Ray offers no custom ones)")
+
+
+def strict_shortfall(section: PoolSection, bundle: dict[str, float], nodes: list[dict[str, Any]]) -> str | None:
+    """What a STRICT_SPREAD / STRICT_PACK pool lacks in the cluster's *alive* nodes (``ray.nodes()``),
+    counting each node's total resources (not what is free now: other pools' ranks leave); None
+    when the nodes could hold it or the strategy is not strict. STRICT_SPREAD needs one node per
+    bundle (replicas x ranks), each offering a bundle; STRICT_PACK one node offering them all.
+    Example: 4 bundles of {CPU: 1, duet_pool_x: 1}, STRICT_SPREAD, 3 nodes offering duet_pool_x ->
+    "pool 'x': placement_strategy STRICT_SPREAD needs 4 nodes that each offer {CPU: 1, duet_pool_x:
+    1} (one per bundle: 4 replicas x 1 ranks), but 3 alive nodes do (...); add 1 such node ..."."""
+    strategy, count = section.placement_strategy, section.replicas * section.gang_size
+    if strategy not in ("STRICT_SPREAD", "STRICT_PACK"):
+        return None
+    per_node = bundle if strategy == "STRICT_SPREAD" else {k: v * count for k, v in bundle.items()}
+    fits = [n for n in nodes if n.get("Alive") and all(n["Resources"].get(k, 0) >= v for k, v in per_node.items())]
+    needed = count if strategy == "STRICT_SPREAD" else 1
+    if len(fits) >= needed:
+        return None
+    which = ", ".join(f"{n['NodeID'][:8]} ({n.get('NodeManagerAddress', '?')})" for n in fits) or "none"
+    if strategy == "STRICT_SPREAD":
+        return (f"pool {section.name!r}: placement_strategy STRICT_SPREAD needs {count} nodes that each offer "
+                f"{_shape(bundle)} (one per bundle: {section.replicas} replicas x {section.gang_size} ranks), but "
+                f"{len(fits)} alive nodes do: {which}; add {count - len(fits)} such nodes (with KubeRay: raise the "
+                "pool's worker group replicas), lower the pool's replicas, or use placement_strategy SPREAD")
+    return (f"pool {section.name!r}: placement_strategy STRICT_PACK needs one node that offers {_shape(per_node)} "
+            f"(all {count} bundles of {_shape(bundle)}), but no alive node does; add such a node, lower the pool's "
+            "replicas / cpus_per_replica, or use placement_strategy PACK")
 
 
 def _shape(bundle: dict[str, float]) -> str:

@@ -16,7 +16,8 @@
             on another worker by the router.
 
 ``status(pool)`` reads the controller's replica states: up -> ready; starting or down (Ray is
-restarting it) -> starting, unless its placement group is not placed yet -> pending; failed (its
+restarting it) -> starting, unless its bundles are not placed (not yet, or no longer: its node died
+and Ray is re-placing them where there is room, ``WorkerPool.is_placed``) -> pending; failed (its
 start raised; the controller does not retry) -> pending too, since it is asked for and not capacity;
 draining -> draining. ``desired`` is the last ``scale_to`` (initially the configured size).
 

@@ -165,7 +165,8 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
     config = d.config
     for section in config.pools:
         d.pools.append(create_pool(section, config.to_engine_config(section), config.ray.namespace,
-                                   embedded=d.ray.kind == "embedded"))
+                                   embedded=d.ray.kind == "embedded",
+                                   placement_timeout_s=config.controller.placement_timeout_s))
     d.controller = Controller(d.pools, poll_interval_s=config.controller.poll_interval_s,
                               start_timeout_s=config.controller.start_timeout_s)
     d.controller.start()

@@ -7,7 +7,7 @@ How status reaches a running ``duet serve`` (no extra service, nothing to config
     workers   through Ray: join the deployment's Ray cluster as a short-lived driver
               (``--ray-address``, default "auto" = the local Ray that ``duet serve`` started, or
               ``RAY_ADDRESS``), list the named worker actors in the deployment's namespace
-              ("duet"), ask each for ``info()`` (endpoint, incarnation, pid), then ask each
+              ("duet"), ask each for ``info()`` (endpoint, incarnation, pid, Ray node), then ask each
               worker's gRPC endpoint directly for health and ``GetLoad`` (running / waiting
               requests, outstanding tokens, KV blocks used / total, prefix-cache hits).
 A worker whose actor does not answer within the timeout is listed with its error rather than
@@ -19,8 +19,10 @@ Example output::
       policy prefix_aware, in flight 1/128, queued 0/512; requests 12 (rejected 0, cancelled 1),
       2 workers healthy of 2, member list v3
     pool default: 2 workers
-      default-0  10.0.0.5:41231  SERVING  running 1 waiting 0  outstanding 40 tok  KV 3/91 blocks  pid 1234
-      default-1  10.0.0.5:40877  SERVING  running 0 waiting 0  outstanding 0 tok   KV 0/91 blocks  pid 1240
+      default-0  10.0.0.5:41231  SERVING  running 1 waiting 0  outstanding 40 tok  KV 3/91 blocks  pid 1234  node 5c1a09e2
+      default-1  10.0.0.5:40877  SERVING  running 0 waiting 0  outstanding 0 tok   KV 0/91 blocks  pid 1240  node 8f03b7d1
+                 migrations: 8 out, 0 in, 0 failed, 36.9 MB; draining
+(the migrations line appears once a worker has migrated or is draining: workers/migration_service.py)
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def worker_status(namespace: str, timeout: float = 5.0) -> list[dict[str, Any]]:
             entry["error"] = f"actor: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
             workers.append(entry)
             continue
-        entry.update(endpoint=info.get("endpoint"), incarnation=info.get("incarnation"), pid=info.get("pid"))
+        entry.update(endpoint=info.get("endpoint"), incarnation=info.get("incarnation"), pid=info.get("pid"),
+                     node_id=info.get("node_id"))
         if entry["endpoint"] is None:
             entry["error"] = "not serving (starting, or restarted by Ray and not started yet)"
         else:
@@ -111,7 +114,20 @@ def _worker_load(endpoint: str, timeout: float) -> dict[str, Any]:
                      "prefix_cache_hits": r.prefix_cache_hits, "num_preemptions": r.num_preemptions,
                      "spec_method": r.spec_method or "none", "spec_draft_tokens": r.spec_draft_tokens,
                      "spec_accepted_tokens": r.spec_accepted_tokens, "spec_verifies": r.spec_verifies,
-                     "spec_emitted_tokens": r.spec_emitted_tokens, "spec_fallbacks": r.spec_fallbacks}}
+                     "spec_emitted_tokens": r.spec_emitted_tokens, "spec_fallbacks": r.spec_fallbacks,
+                     "kv_transfers_sent": r.kv_transfers_sent, "kv_transfers_received": r.kv_transfers_received,
+                     "kv_bytes_sent": r.kv_bytes_sent, "kv_bytes_received": r.kv_bytes_received,
+                     "kv_transfer_failures": r.kv_transfer_failures, "prefix_pulls": r.prefix_pulls,
+                     "prefix_pull_blocks": r.prefix_pull_blocks, "prefix_pull_bytes": r.prefix_pull_bytes,
+                     "prefix_pull_failures": r.prefix_pull_failures, "prefix_pulls_served": r.prefix_pulls_served,
+                     "migrations_out": r.migrations_out, "migrations_in": r.migrations_in,
+                     "migration_failures": r.migration_failures, "migration_kv_bytes": r.migration_kv_bytes,
+                     "draining": r.draining}}
+
+
+def _node(w: dict[str, Any]) -> str:
+    """`` node 1a2b3c4d``: the first 8 hex digits of the worker's Ray node id (as `ray status` abbreviates)."""
+    return f"  node {w['node_id'][:8]}" if w.get("node_id") else ""
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -149,10 +165,23 @@ def format_status(status: dict[str, Any]) -> str:
             hits = f"{ld['prefix_cache_hits']}/{ld['prefix_cache_queries']}"
             lines.append(f"  {w['worker_id']:<12} {w['endpoint']:<22} {w['health']:<11} running {ld['num_running']} "
                          f"waiting {ld['num_waiting']}  outstanding {ld['outstanding_tokens']} tok  KV "
-                         f"{ld['kv_blocks_used']}/{ld['kv_blocks_total']} blocks  prefix hits {hits}  pid {w['pid']}")
+                         f"{ld['kv_blocks_used']}/{ld['kv_blocks_total']} blocks  prefix hits {hits}  pid {w['pid']}"
+                         f"{_node(w)}")
+            if ld.get("migrations_out") or ld.get("migrations_in") or ld.get("migration_failures") or ld.get("draining"):
+                lines.append(f"  {'':<12} migrations: {ld['migrations_out']} out, {ld['migrations_in']} in, "
+                             f"{ld['migration_failures']} failed, {ld['migration_kv_bytes'] / 1e6:.1f} MB"
+                             + ("; draining" if ld["draining"] else ""))
             if ld.get("spec_method", "none") != "none":
                 rate = ld["spec_accepted_tokens"] / max(ld["spec_draft_tokens"], 1)
                 length = ld["spec_emitted_tokens"] / max(ld["spec_verifies"], 1)
                 lines.append(f"  {'':<12} speculative {ld['spec_method']}: acceptance {rate:.0%}, {length:.2f} tokens "
                              f"per verify, {ld['spec_fallbacks']} fallbacks")
+            if ld.get("kv_transfers_sent") or ld.get("kv_transfers_received") or ld.get("kv_transfer_failures"):
+                lines.append(f"  {'':<12} KV transfers: sent {ld['kv_transfers_sent']} ({ld['kv_bytes_sent'] / 1e6:.1f} "
+                             f"MB), received {ld['kv_transfers_received']} ({ld['kv_bytes_received'] / 1e6:.1f} MB), "
+                             f"{ld['kv_transfer_failures']} failed")
+            if ld.get("prefix_pulls") or ld.get("prefix_pull_failures") or ld.get("prefix_pulls_served"):
+                lines.append(f"  {'':<12} prefix pulls: {ld['prefix_pulls']} pulled ({ld['prefix_pull_blocks']} blocks, "
+                             f"{ld['prefix_pull_bytes'] / 1e6:.1f} MB), {ld['prefix_pull_failures']} fell back to "
+                             f"recompute, {ld['prefix_pulls_served']} served")
     return "\n".join(lines)

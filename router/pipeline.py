@@ -14,8 +14,8 @@ Disaggregated routes: the Submit goes to the decode worker with ``remote_prefill
 prefill worker; the decode worker has it prefill and send the KV directly (the router never sees
 KV). ABORTED before the first token means the prefill half failed (prefill worker down or
 restarted, transfer lost or rejected): the prefill worker is reported failed and the request is
-retried with another prefill worker (once, with the default ``max_route_attempts`` of 2); with
-none left it ends with UNAVAILABLE.
+retried colocated on a decode worker (once, with the default ``max_route_attempts`` of 2;
+router/policies/disagg.py); with none left it ends with UNAVAILABLE.
 
 Terms:
     first token  a failure before any token reached the client is retried on another worker
@@ -60,6 +60,7 @@ from router.attempt import Action, AttemptBudget, AttemptOutcome, Decision, Outc
 from router.config import RouterConfig
 from router.policies import NoWorkersAvailable, RouteRequest, RoutingPolicy
 from router.policies.disagg import DisaggRouter, Route
+from router.prefix_pull import PrefixPullPlanner
 from router.preprocess import PreparedRequest, RequestError, ServedModel, prepare_request
 from router.request_metrics import RequestClock, RequestMetrics
 from router.worker_stream import Progress, stream_attempt
@@ -81,6 +82,8 @@ class Pipeline:
         self.policy = policy
         self.router = DisaggRouter(policy, block_size=config.disagg_block_size,
                                    min_prompt_tokens=config.disagg_min_prompt_tokens)
+        self.pull_planner = (PrefixPullPlanner(config.prefix_pull_min_tokens, config.disagg_block_size)
+                             if config.prefix_pull_min_tokens else None)
         self.admission = admission
         self.counts: Counter[str] = Counter()
         self.metrics = metrics or RequestMetrics()  # per-pool latency histograms (router/request_metrics.py)
@@ -118,14 +121,18 @@ class Pipeline:
             streamed = len(progress.token_ids)
             route = RouteRequest(prep.internal_id, prep.prompt_token_ids + progress.token_ids,
                                  prep.sampling.max_tokens - streamed)
+            migration = budget.take_migration()
             try:
-                chosen = await self._select(route, budget.tried, deadline, budget.require_prefill)
+                chosen = self._migration_route(migration) or \
+                    await self._select(route, budget.tried, deadline, budget.require_prefill)
             except NoWorkersAvailable as e:
                 decision = budget.no_worker(str(e), streamed)
             else:
                 budget.start()
                 outcome: AttemptOutcome | None = None
-                async with aclosing(self._attempt(prep, chosen, route, deadline, progress)) as events:
+                attach = migration.migration_id if migration is not None and chosen.decode_id == migration.target_id \
+                    else ""
+                async with aclosing(self._attempt(prep, chosen, route, deadline, progress, attach)) as events:
                     async for event in events:
                         if isinstance(event, AttemptOutcome):
                             outcome = event
@@ -141,13 +148,24 @@ class Pipeline:
             if decision.action is Action.FAIL:
                 raise RequestError(decision.code, decision.message)
 
+    def _migration_route(self, migration: AttemptOutcome | None) -> Route | None:
+        """After a MIGRATED outcome: the target, if the directory knows it and it is healthy (else the
+        usual choice, and the request resumes there by recompute)."""
+        if migration is None:
+            return None
+        if migration.target_id not in {w.worker_id for w in self.directory.snapshot() if w.healthy}:
+            logger.warning("migration target %s is not a healthy member; resuming by recompute", migration.target_id)
+            return None
+        return Route(decode_id=migration.target_id)
+
     async def _attempt(self, prep: PreparedRequest, chosen: Route, route: RouteRequest, deadline: float | None,
-                       progress: Progress) -> AsyncIterator[duet_pb2.GenerateResponse | AttemptOutcome]:
+                       progress: Progress, migration_id: str = "") -> AsyncIterator[duet_pb2.GenerateResponse | AttemptOutcome]:
         """One attempt on ``chosen`` between its leases; reports a worker its outcome blames."""
         lease = self.directory.begin(chosen.decode_id, route)
         prefill = self.directory.begin(chosen.prefill_id, route) if chosen.prefill_id else None
         try:
-            async with aclosing(stream_attempt(prep, lease, prefill, progress, deadline, self.metrics)) as events:
+            async with aclosing(stream_attempt(prep, lease, prefill, progress, deadline, self.metrics,
+                                               chosen.pull, migration_id)) as events:
                 async for event in events:
                     if isinstance(event, AttemptOutcome):
                         self._observe(event, lease if not event.prefill_failed else prefill)
@@ -179,6 +197,10 @@ class Pipeline:
         if decision.action is Action.RETRY:
             self.counts["retried"] += 1
             logger.warning("request %s: %s; trying another worker", prep.request_id, last)
+        elif decision.action is Action.MIGRATE:
+            self.counts["migrated"] += 1
+            logger.info("request %s: continuing on %s after %d streamed tokens (live migration)", prep.request_id,
+                        budget.migration.target_id if budget.migration else "?", streamed)
         elif decision.action is Action.RESUME:
             self.counts["resumed"] += 1
             logger.warning("request %s: %s; resuming after %d streamed tokens on another worker (%d/%d)",
@@ -202,6 +224,8 @@ class Pipeline:
                 workers = [replace(w, healthy=False) if w.worker_id in tried else w for w in workers]
             try:
                 chosen = self.router.select(route, workers, require_prefill=require_prefill)
+                if self.pull_planner is not None and chosen.prefill_id is None:
+                    chosen = replace(chosen, pull=self.pull_planner.plan(route, chosen.decode_id, workers))
                 if waited:
                     self.counts["waited_for_worker"] += 1
                 return chosen
@@ -216,6 +240,8 @@ class Pipeline:
 
     def stats(self) -> dict[str, object]:
         return {"requests": dict(self.counts), "admission": self.admission.stats(),
-                "policy_name": self.policy.name, "policy": self.router.counters(), "workers": self.directory.describe(),
+                "policy_name": self.policy.name, "workers": self.directory.describe(),
+                "policy": {**self.router.counters(),
+                           **(self.pull_planner.counters() if self.pull_planner is not None else {})},
                 "worker_stream_failures": self.directory.num_stream_failures}
 

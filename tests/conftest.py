@@ -29,8 +29,30 @@ def ray_cluster():
     their ids to ranks that reserve them; there is no CUDA behind them: tests/cluster/test_pool_gpus.py)."""
     import ray
 
-    ray.init(num_cpus=2, num_gpus=2, resources={"duet_test_slot": 2}, include_dashboard=False, log_to_driver=False)
+    ray.init(**SESSION_RAY)
     try:
         yield ray
     finally:
         ray.shutdown()
+
+
+SESSION_RAY = dict(num_cpus=2, num_gpus=2, resources={"duet_test_slot": 2}, include_dashboard=False,
+                   log_to_driver=False)
+
+
+@pytest.fixture(scope="module")
+def session_ray_paused():
+    """For a module that joins a Ray cluster of its own (one Ray per process): the session's Ray,
+    if an earlier module started it, is shut down for the module and started again afterwards."""
+    import ray
+
+    was_up = ray.is_initialized()
+    if was_up:
+        ray.shutdown()
+    try:
+        yield
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        if was_up:
+            ray.init(**SESSION_RAY)

@@ -82,20 +82,26 @@ class WorkerActor:
 
     def info(self) -> dict[str, object]:
         """Identity for status pages: worker id, endpoint, incarnation, context limit (None until
-        started), pid, torch threads."""
+        started), pid, torch threads, the Ray node it runs on (hex id)."""
         return {
             "worker_id": self._worker_id,
             "endpoint": self.endpoint(),
             "incarnation": self._server.incarnation if self._server is not None else None,
             "max_model_len": self._server.limits.max_model_len if self._server is not None else None,
             "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
             "num_threads": self._num_threads,
             "gpu_ids": self._gpu_ids,
             "device": self._config.device,
         }
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """Drain for up to ``grace`` s, abort the rest (UNAVAILABLE), stop serving. Idempotent."""
+    async def stop(self, grace: float = 5.0, migrate_to: list[tuple[str, str]] | None = None) -> None:
+        """Drain for up to ``grace`` s, abort the rest (UNAVAILABLE), stop serving. Idempotent.
+        migrate_to: (worker id, endpoint) of the pool's other workers: the running requests move
+        there first by live migration (workers/drain.py), so the drain takes seconds."""
         server, self._server = self._server, None
         if server is not None:
-            await server.stop(grace)
+            from protos.duet.worker.v1 import worker_pb2
+
+            targets = [worker_pb2.MigrationTarget(worker_id=w, endpoint=e) for w, e in migrate_to or ()]
+            await server.stop(grace, migrate_to=targets)

@@ -13,6 +13,15 @@ free queue and are evicted - their key dropped - only when a new block is needed
 Example (block_size=4): request A = [1 2 3 4 5 6 7 8 9] computes blocks k1=(None,(1,2,3,4)) and
 k2=(k1,(5,6,7,8)). Request B = [1 2 3 4 5 6 7 8 0 0] then starts with num_computed_tokens=8 and
 two shared blocks; only [0 0] is computed.
+
+Sliding windows: when every layer of the model attends only to its last ``window`` keys, the blocks
+wholly before a request's window are dead weight. ``release_leading(request_id, n)`` gives the first
+``n`` blocks of its table back (they keep their prefix-cache keys, so a later prompt with the same
+prefix can still take them until they are evicted) and leaves ``DROPPED_BLOCK`` in their table
+entries, so positions keep their block index. Nothing reads or writes a dropped entry: writes go
+to the newest tokens, and a windowed attention gathers only the slots of its window
+(workers/layers/context_attention.py). Example (block_size=4, window 6): after 13 computed tokens
+the next query (position 13) sees keys 8..13, so blocks 0 and 1 (positions 0..7) go back.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from workers.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 BlockKey = tuple  # (parent BlockKey | None, tuple[int, ...])
+DROPPED_BLOCK = 0  # table entry of a block released out of the window (never read or written)
 
 
 @dataclass
@@ -60,6 +70,8 @@ class BlockManager:
         self._cached: dict[BlockKey, int] = {}  # key -> block id
         self._tables: dict[str, list[int]] = {}  # request id -> block table
         self._num_hashed: dict[str, int] = {}  # request id -> leading blocks already keyed
+        self._last_key: dict[str, BlockKey] = {}  # request id -> key of its last keyed block
+        self._num_dropped: dict[str, int] = {}  # request id -> leading entries released (sliding window)
         self._queries = 0
         self._hits = 0
 
@@ -70,6 +82,10 @@ class BlockManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds: its table less the entries released out of the window."""
+        return len(self._tables.get(request_id, ())) - self._num_dropped.get(request_id, 0)
 
     def stats(self) -> BlockStats:
         return BlockStats(self.num_blocks, len(self._free), len(self._cached), self._queries, self._hits)
@@ -101,6 +117,23 @@ class BlockManager:
             parent = key
         return blocks
 
+    def cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """The cached blocks spelling the longest cached prefix of ``token_ids`` (full blocks only,
+        the last one included; a lookup, not a query: the hit counters are left alone)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        blocks: list[int] = []
+        parent: BlockKey | None = None
+        for i in range(len(token_ids) // bs):
+            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            block_id = self._cached.get(key)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+            parent = key
+        return blocks
+
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Make ``seq``'s table cover ``num_computed_tokens + num_new_tokens`` tokens.
 
@@ -128,6 +161,7 @@ class BlockManager:
         self._tables[seq.request_id] = table
         if cached_blocks:
             self._num_hashed[seq.request_id] = len(cached_blocks)
+            self._last_key[seq.request_id] = self._blocks[cached_blocks[-1]].key
         return True
 
     def _pop_free(self) -> int:
@@ -155,7 +189,9 @@ class BlockManager:
         full = min(min(seq.num_computed_tokens, seq.num_tokens) // bs, len(table))
         if full <= done:
             return
-        parent = self._blocks[table[done - 1]].key if done else None
+        # The parent key is remembered, not read from the block: that block may have been released
+        # out of the window, evicted and reused since.
+        parent = self._last_key.get(seq.request_id) if done else None
         for i in range(done, full):
             block = self._blocks[table[i]]
             key = (parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
@@ -166,6 +202,7 @@ class BlockManager:
                 self._cached.setdefault(key, block.block_id)
             parent = key
         self._num_hashed[seq.request_id] = full
+        self._last_key[seq.request_id] = parent
 
     def trim(self, request_id: str, num_tokens: int) -> int:
         """Roll a table back to the blocks that ``num_tokens`` tokens need (speculative decoding:
@@ -188,19 +225,44 @@ class BlockManager:
             freed += 1
         return freed
 
+    def release_leading(self, request_id: str, num_blocks: int) -> int:
+        """Give back the first ``num_blocks`` blocks of a request's table (those wholly before every
+        layer's sliding window); their entries become DROPPED_BLOCK. Only full, computed blocks may
+        go: with prefix caching they are keyed already (the scheduler keys before it releases).
+        Returns the blocks released by this call."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return 0
+        done = self._num_dropped.get(request_id, 0)
+        num_blocks = min(num_blocks, len(table) - 1)  # the newest block is always being written
+        if num_blocks <= done:
+            return 0
+        assert not self.enable_prefix_caching or num_blocks <= self._num_hashed.get(request_id, 0), \
+            "release only computed blocks"
+        for i in range(done, num_blocks):
+            self._unref(table[i])
+            table[i] = DROPPED_BLOCK
+        self._num_dropped[request_id] = num_blocks
+        return num_blocks - done
+
+    def _unref(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        assert block.ref_count > 0, f"double free of block {block_id}"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+
     def free(self, request_id: str) -> None:
         """Release a request's blocks. Tail blocks enter the free queue first, so they are evicted
         before the shared head of the prefix."""
         table = self._tables.pop(request_id, None)
         self._num_hashed.pop(request_id, None)
+        self._last_key.pop(request_id, None)
+        dropped = self._num_dropped.pop(request_id, 0)
         if table is None:
             return
-        for block_id in reversed(table):
-            block = self._blocks[block_id]
-            assert block.ref_count > 0, f"double free of block {block_id}"
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
+        for block_id in reversed(table[dropped:]):
+            self._unref(block_id)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached key of free blocks (e.g. after weights change)."""

@@ -21,6 +21,7 @@ Axes: T tokens in the step, B single-token chunks, L context, S cache slots, G k
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -48,7 +49,7 @@ from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 from workers.spec_decode.proposer import Draft
 from workers.spec_decode.rejection_sampler import VerifySpan, verify_spans
-from workers.structured.masks import plain_masks, verify_masks
+from workers.structured.masks import MaskWorker, gather_masks, verify_masks
 from workers.structured.matcher import GrammarError, GrammarMatcher
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class ModelRunner:
         self._default_generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._block_offsets = torch.arange(self.block_size)  # metadata is built on CPU, then moved
         self.graphs: DecodeGraphs | None = None  # CUDA graphs for decode-only steps (capture_graphs)
+        self._mask_worker: MaskWorker | None = None  # structured output: masks beside the forward pass
 
     def capture_graphs(self, max_model_len: int, sizes: tuple[int, ...] | None = None,
                        graph_factory: Callable[[], Graph] | None = None) -> None:
@@ -216,7 +218,9 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, drafts: Mapping[str, Draft] | None = None) -> RunnerOutput:
         """Run the step and sample. drafts: the proposer's drafts by request id (their distributions
         q, for sampled requests; the draft ids themselves are the chunks' last num_draft tokens)."""
+        masks = self._start_masks(sched)  # structured output: computed while the forward pass runs
         hidden, sample_rows = self.forward(sched)  # [T, E]
+        results = masks.result() if masks is not None else {}
         if not sample_rows:
             return RunnerOutput({})
         logits = self.model.compute_logits(hidden[[r for r, _ in sample_rows]])  # [N, V]
@@ -238,8 +242,7 @@ class ModelRunner:
         if plain:
             ids = [sample_rows[i][1] for i in plain]
             rows = [self._requests[r].context() for r in ids]
-            allowed, bad = plain_masks(rows, [self._requests[r].matcher for r in ids], logits.shape[1],
-                                       self.sampler.eos_token_ids)  # [N, V] bool or None
+            allowed, bad = gather_masks(ids, results, logits.shape[1])  # [N, V] bool or None
             if bad:
                 errors.update((ids[j], e) for j, e in bad.items())
                 keep = [j for j in range(len(ids)) if j not in bad]
@@ -256,6 +259,20 @@ class ModelRunner:
                 if lps is not None:
                     logprobs[s.request_id] = lps
         return RunnerOutput(out, logprobs, errors)
+
+    def _start_masks(self, sched: SchedulerOutput):
+        """The MaskWorker job of this step's plain sampled rows of structured requests (or None)."""
+        jobs = {}
+        for c in sched.chunks:
+            state = self._requests.get(c.request_id)
+            if c.sample and not c.num_draft and state is not None and state.matcher is not None:
+                jobs[c.request_id] = (state.context(), state.matcher)
+        if not jobs:
+            return None
+        if self._mask_worker is None:
+            self._mask_worker = MaskWorker(self.spec.vocab_size, self.sampler.eos_token_ids,
+                                           threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+        return self._mask_worker.start(jobs)
 
     def _verify_spans(self, spans: list[tuple[int, ScheduledChunk]], drafts: Mapping[str, Draft], vocab_size: int,
                       errors: dict[str, GrammarError]) -> list[VerifySpan]:

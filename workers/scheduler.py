@@ -16,6 +16,16 @@ workers/spec_decode/); such a request's chunk is its last token followed by the 
 in one pass (``num_draft`` rows more to verify). ``commit`` then counts as computed only the last
 token and the drafts the runner accepted, and returns the blocks of rejected drafts to the pool.
 Drafts are cut to fit the step's token budget, and a preempted request's drafts are dropped.
+
+Sliding windows (``window``, given when *every* layer of the model slides: Mistral, Phi-3 with a
+window): after each commit a request's blocks that lie wholly before the window of its next query
+go back to the pool (``BlockManager.release_leading``), so a long generation holds about
+``window / block_size + 1`` blocks instead of its whole context. The next query is at position
+c = num_computed_tokens and sees keys c - window + 1 .. c, so the blocks before
+(c - window + 1) // block_size are released. Models that mix sliding and full layers (Gemma 2/3,
+Qwen with max_window_layers) keep every block: one block table serves all layers, and the full
+layers read the whole context. A prefill-only request whose KV is exported keeps its blocks
+(``keep_all_blocks``): the decode side receives, and prefix-caches, every prompt block.
 """
 
 from __future__ import annotations
@@ -64,9 +74,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, window: int | None = None) -> None:
+        """window: the model's sliding window when every layer slides (None: keep every block)."""
+        assert window is None or window >= 1
         self.config = config
         self.block_manager = block_manager
+        self.window = window
+        self._keep_all: set[str] = set()  # requests whose blocks stay until they finish (exports)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first
         self.num_preemptions = 0  # since start, for stats and metrics
@@ -82,6 +96,10 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
+    def keep_all_blocks(self, request_id: str) -> None:
+        """Never release this request's blocks out of the window (its KV is exported at finish)."""
+        self._keep_all.add(request_id)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -94,6 +112,7 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
+        self._keep_all.discard(seq.request_id)
         self.block_manager.free(seq.request_id)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -203,3 +222,7 @@ class Scheduler:
             else:
                 seq.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
             self.block_manager.cache_computed_blocks(seq)
+            if self.window is not None and seq.request_id not in self._keep_all:
+                first_needed = min(seq.num_computed_tokens, seq.num_tokens) - self.window + 1  # next query's first key
+                if first_needed >= self.block_manager.block_size:
+                    self.block_manager.release_leading(seq.request_id, first_needed // self.block_manager.block_size)

@@ -12,8 +12,12 @@ Algorithm, per request (P = prompt token ids, bs = block_size, load = WorkerStat
     that holds its prefix, which shrinks the KV transfer: only blocks beyond its hits are sent.)
  2. |P| < min_prompt_tokens, or no healthy prefill worker -> colocated on ``decode``
     (short prompts: the transfer and the extra hop cost more than the prefill they save). The
-    second case is a fallback: logged and counted; on a retry (``require_prefill``) it raises
-    NoWorkersAvailable instead (UNAVAILABLE: a transfer already failed once).
+    second case is a fallback: logged and counted. A retry after the prefill half failed
+    (``require_prefill``) runs colocated on ``decode`` (counted as ``retry_colocated``): it needs
+    no other prefill worker and no second transfer. A lost node takes every prefill worker placed
+    on it at once (PACK), the router learns that the others are gone only when their polls fail,
+    and Ray needs a while to re-place them: a retry on "another" prefill worker would fail again
+    or wait, and lose the request.
  3. prefill = argmin over healthy prefill workers of
         cost(p) = (ceil(|P| / bs) - matched_blocks(p))   prompt blocks p still has to compute
                 + load(p) / bs                           work already queued on p, in blocks
@@ -33,6 +37,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from router.policies.base import (
     NoWorkersAvailable,
@@ -44,6 +49,9 @@ from router.policies.base import (
 )
 from router.prefix_tree import PrefixTree, block_hashes
 
+if TYPE_CHECKING:
+    from router.prefix_pull import PullSource
+
 logger = logging.getLogger(__name__)
 
 PREFILL = "prefill"
@@ -52,10 +60,13 @@ MAX_TREE_BLOCKS_PER_WORKER = 4096
 
 @dataclass(frozen=True)
 class Route:
-    """Where a request goes: ``decode_id`` streams it; ``prefill_id`` (None = colocated) computes its prompt."""
+    """Where a request goes: ``decode_id`` streams it; ``prefill_id`` (None = colocated) computes its
+    prompt; ``pull`` (colocated only) names a worker whose cached prompt prefix the decode worker
+    pulls instead of recomputing (router/prefix_pull.py)."""
 
     decode_id: str
     prefill_id: str | None = None
+    pull: PullSource | None = None
 
 
 @dataclass
@@ -67,7 +78,7 @@ class DisaggRouter:
     min_prompt_tokens: int = 256
     tree: PrefixTree = field(default_factory=PrefixTree)
     counts: dict[str, int] = field(default_factory=lambda: {"disagg_routes": 0, "colocated_short": 0,
-                                                             "no_prefill_fallbacks": 0})
+                                                             "no_prefill_fallbacks": 0, "retry_colocated": 0})
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -81,13 +92,16 @@ class DisaggRouter:
         prefills = [w for w in workers if w.role == PREFILL]
         self._forget_departed(prefills)
         healthy = [w for w in prefills if w.healthy]
-        if not require_prefill and len(request.prompt_token_ids) < self.min_prompt_tokens:
+        if require_prefill:
+            self.counts["retry_colocated"] += 1
+            log_fallback(logger, self.counts["retry_colocated"], "request %s: its prefill worker failed; prefilling "
+                         "on decode worker %s", request.request_id, decode_id)
+            return Route(decode_id)
+        if len(request.prompt_token_ids) < self.min_prompt_tokens:
             if prefills:
                 self.counts["colocated_short"] += 1
             return Route(decode_id)
         if not healthy:
-            if require_prefill:
-                raise NoWorkersAvailable(f"no other healthy prefill worker ({len(prefills)} known)")
             if prefills:
                 self.counts["no_prefill_fallbacks"] += 1
                 log_fallback(logger, self.counts["no_prefill_fallbacks"], "request %s: no healthy prefill worker "

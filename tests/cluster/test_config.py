@@ -96,6 +96,8 @@ def test_config_file_from_env_and_ray_address(tmp_path):
      ["pools[0].speculative.draft_vocab_size=100", ">= 256"]),
     (dict(env={}, overrides={"pool.speculative.drafter_threads": -1}),
      ["pools[0].speculative.drafter_threads=-1", ">= 0"]),
+    (dict(env={}, overrides={"controller.placement_timeout_s": 0}),
+     ["controller.placement_timeout_s=0", "must be > 0 seconds"]),
 ])
 def test_bad_values_name_the_key_and_source(kwargs, words):
     with pytest.raises(ClusterConfigError) as err:

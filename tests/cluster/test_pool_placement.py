@@ -145,3 +145,39 @@ def test_pool_with_its_resource_is_placed_and_its_actors_hold_it(ray_cluster, re
     finally:
         pool.shutdown(grace=0)
     assert _eventually(lambda: ray.available_resources().get(SLOT, 0) == 2)
+
+
+def _node(node_id: str, **resources: float) -> dict:
+    return {"NodeID": node_id * 8, "Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": resources}
+
+
+@pytest.mark.parametrize(("strategy", "replicas", "nodes", "words"), [
+    # 3 nodes offer the pool's resource, 4 bundles need 4 distinct nodes
+    ("STRICT_SPREAD", 4, [_node("a", CPU=2, duet_pool_x=9), _node("b", CPU=2, duet_pool_x=9),
+                          _node("c", CPU=2, duet_pool_x=9), _node("d", CPU=8)],
+     ["pool 'x': placement_strategy STRICT_SPREAD needs 4 nodes that each offer {CPU: 1, duet_pool_x: 1} "
+      "(one per bundle: 4 replicas x 1 ranks), but 3 alive nodes do: aaaaaaaa (10.0.0.1), bbbbbbbb",
+      "add 1 such nodes", "use placement_strategy SPREAD"]),
+    # a dead node does not count
+    ("STRICT_SPREAD", 2, [_node("a", CPU=2, duet_pool_x=9), {**_node("b", CPU=2, duet_pool_x=9), "Alive": False}],
+     ["needs 2 nodes", "but 1 alive nodes do: aaaaaaaa"]),
+    ("STRICT_PACK", 3, [_node("a", CPU=2, duet_pool_x=9), _node("b", CPU=2, duet_pool_x=9)],
+     ["pool 'x': placement_strategy STRICT_PACK needs one node that offers {CPU: 3, duet_pool_x: 3} (all 3 bundles"]),
+])
+def test_strict_strategies_name_what_the_alive_nodes_lack(strategy, replicas, nodes, words):
+    from cluster.pools import strict_shortfall
+
+    section = PoolSection(name="x", replicas=replicas, cpus_per_replica=1, placement_strategy=strategy,
+                          resources_per_rank={"duet_pool_x": 1})
+    message = strict_shortfall(section, rank_bundle(section), nodes)
+    for w in words:
+        assert w in message, message
+
+
+@pytest.mark.parametrize("strategy", ["STRICT_SPREAD", "STRICT_PACK", "SPREAD", "PACK"])
+def test_strict_shortfall_is_none_when_the_nodes_suffice_or_the_strategy_is_soft(strategy):
+    from cluster.pools import strict_shortfall
+
+    section = PoolSection(name="x", replicas=2, cpus_per_replica=1, placement_strategy=strategy)
+    nodes = [_node("a", CPU=2), _node("b", CPU=2)] if strategy.startswith("STRICT") else [_node("a", CPU=1)]
+    assert strict_shortfall(section, rank_bundle(section), nodes) is None

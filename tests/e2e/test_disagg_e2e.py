@@ -110,9 +110,8 @@ async def _request_and_kill(d, victim: str, when) -> tuple[DuetError | None, flo
 
 
 def test_prefill_killed_mid_prefill_is_retried_and_frees_reserved_blocks(deployment):
-    # The only prefill worker dies mid-prefill: the router's attempt loop reports it, waits (within
-    # worker_wait_s and the deadline) for a prefill worker it may use, and Ray's restart of prefill-0
-    # comes back in time, so the request completes instead of failing (router/attempt.py).
+    # The only prefill worker dies mid-prefill: the router's attempt loop reports it and retries the
+    # request colocated on the decode worker (router/policies/disagg.py), so it completes.
     d = deployment
     error, after = asyncio.run(_request_and_kill(d, "prefill-0", lambda: _load(d, "decode-0").num_reserved == 1))
     assert error is None and after < 45, (error, after)

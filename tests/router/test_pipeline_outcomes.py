@@ -194,32 +194,30 @@ def test_a_disaggregated_route_names_its_prefill_worker(fake_pipeline):
     assert (rp.worker_id, rp.endpoint, rp.incarnation) == ("p0", "p0:1", "inc-p0")
 
 
-def test_a_failed_prefill_half_is_retried_once_with_another_prefill_worker(fake_pipeline):
+def _prefill_ids(worker) -> list[str | None]:
+    return [r.remote_prefill.worker_id if r.HasField("remote_prefill") else None for r in worker.submitted]
+
+
+def test_a_failed_prefill_half_is_retried_once_colocated_on_the_decode_worker(fake_pipeline):
+    # Not on "another" prefill worker: p1 looks healthy but may have gone with p0's node (the
+    # router learns that only when its polls fail); the decode worker computes the prompt itself.
     expected = baseline(fake_pipeline)
     pipeline, directory = fake_pipeline(roles=DISAGG)
     d0 = directory.workers["d0"]
-    d0.misbehave(bad_prefill={"p0"})
+    d0.misbehave(bad_prefill={"p0", "p1"})
     assert text_and_ids(asyncio.run(collect(pipeline, request()))) == expected
-    assert [r.remote_prefill.worker_id for r in d0.submitted] == ["p0", "p1"]
+    assert _prefill_ids(d0) == ["p0", None]
     assert directory.reported == [("p0", "remote prefill failed: p0")]  # the decode worker is not blamed
     assert pipeline.counts["prefill_failures"] == 1 and pipeline.counts["retried"] == 1
-
-    pipeline, directory = fake_pipeline(roles=DISAGG)
-    directory.workers["d0"].misbehave(bad_prefill={"p0", "p1"})
-    with pytest.raises(RequestError) as info:
-        asyncio.run(collect(pipeline, request()))
-    assert info.value.code is Code.UNAVAILABLE
-    assert info.value.message == "remote prefill failed: p1 (tried 2 worker(s): p0, p1)"
-    assert pipeline.counts["prefill_failures"] == 2
+    assert pipeline.router.counters()["retry_colocated"] == 1  # counted (and logged), never silent
 
 
-def test_a_retry_after_a_prefill_failure_needs_a_prefill_worker(fake_pipeline):
-    pipeline, directory = fake_pipeline(roles={"d0": "decode", "p0": "prefill"}, max_route_attempts=3)
+def test_a_retry_after_a_prefill_failure_runs_colocated_without_a_prefill_worker(fake_pipeline):
+    expected = baseline(fake_pipeline)
+    pipeline, directory = fake_pipeline(roles={"d0": "decode", "p0": "prefill"})
     directory.workers["d0"].misbehave(bad_prefill={"p0"})
-    with pytest.raises(RequestError) as info:  # not silently prefilled on d0 instead
-        asyncio.run(collect(pipeline, request()))
-    assert info.value.code is Code.UNAVAILABLE and "tried 1 worker(s): p0" in info.value.message
-    assert len(directory.workers["d0"].submitted) == 1
+    assert text_and_ids(asyncio.run(collect(pipeline, request()))) == expected
+    assert _prefill_ids(directory.workers["d0"]) == ["p0", None]
 
 
 def test_a_prefill_worker_declared_dead_before_the_first_token_is_retried(fake_pipeline):
@@ -228,7 +226,7 @@ def test_a_prefill_worker_declared_dead_before_the_first_token_is_retried(fake_p
     directory.workers["d0"].misbehave(vanished_prefill={"p0"})
     assert text_and_ids(asyncio.run(collect(pipeline, request()))) == expected
     d0 = directory.workers["d0"]
-    assert [r.remote_prefill.worker_id for r in d0.submitted] == ["p0", "p1"]
+    assert _prefill_ids(d0) == ["p0", None]
     assert d0.cancelled == [d0.submitted[0].request_id]  # the stalled call was cancelled
     assert pipeline.counts["prefill_failures"] == 1 and not directory.reported  # already declared dead
 
@@ -274,3 +272,32 @@ def test_cancelling_the_request_task_cancels_the_worker_call(fake_pipeline):
     asyncio.run(cancel_while_waiting())
     assert w0.cancelled == [w0.submitted[0].request_id] and pipeline.counts["cancelled"] == 1
     assert not directory.reported and pipeline.counts["retried"] == pipeline.counts["resumed"] == 0
+
+
+def test_a_live_migration_continues_on_the_target_from_the_exact_token(fake_pipeline):
+    """The worker's stream ends with migrated_to: the next attempt attaches to the target with the
+    migration id, prompt + streamed tokens and the rest of max_tokens; no budget is spent, nobody
+    is reported, the output is the uninterrupted one."""
+    expected = baseline(fake_pipeline)
+    pipeline, directory = fake_pipeline()
+    directory.workers["w0"].misbehave(migrate_after=(4, "w2", None))
+    assert text_and_ids(asyncio.run(collect(pipeline, request(12)))) == expected
+    attach = directory.workers["w2"].submitted[0]
+    assert attach.migration_id.startswith("mig/") and attach.resumed_output_tokens == 4
+    assert list(attach.prompt_token_ids) == PROMPT + expected[1][:4] and attach.sampling.max_tokens == 8
+    assert pipeline.counts["migrated"] == 1 and pipeline.counts["resumed"] == 0 and not directory.reported
+    assert not directory.workers["w1"].submitted
+
+
+@pytest.mark.parametrize("target, reported", [("w9", None), ("w2", 3)])
+def test_a_migration_that_cannot_be_attached_resumes_by_recompute(fake_pipeline, target, reported):
+    """Target unknown to the directory, or its token count disagrees with what was streamed: the
+    next attempt is a plain resume (no migration id): never a gap or a repeat."""
+    expected = baseline(fake_pipeline)
+    pipeline, directory = fake_pipeline()
+    directory.workers["w0"].misbehave(migrate_after=(4, target, reported))
+    assert text_and_ids(asyncio.run(collect(pipeline, request(12)))) == expected
+    later = [r for w in directory.workers.values() for r in w.submitted if r.resumed_output_tokens]
+    assert later and all(r.migration_id == "" for r in later)
+    assert sorted(r.resumed_output_tokens for r in later)[0] == 4
+    assert pipeline.counts["migrated"] >= 1 and not directory.reported

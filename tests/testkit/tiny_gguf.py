@@ -1,7 +1,13 @@
 """A tiny random Qwen2 GGUF written with the ``gguf`` package: byte-level BPE tokenizer with a few
 merges, Qwen's special tokens and a ChatML template, q/k/v biases, an untied output matrix (as in
-Qwen's Q4_K_M releases), rope base 1e6. All tensors are F32, so the GGUF's model is exactly the
-de-quantized one. Used to test the GGUF -> checkpoint -> engine path without the real 1.6 GB.
+Qwen's Q4_K_M releases), rope base 1e6. By default all tensors are F32, so the GGUF's model is
+exactly the de-quantized one. Used to test the GGUF -> checkpoint -> engine path without the real 1.6 GB.
+
+``linear_type`` stores the linear weights (projections and the output matrix) in a quantized type:
+Q4_0 / Q4_1 / Q5_0 / Q8_0 quantized by the ``gguf`` package, the K-quants (which gguf==0.19.0
+cannot quantize) and any other block type as random valid blocks (random codes and sub-block
+scales, small fp16 super-block scales), whose meaning is what ``gguf.quants.dequantize`` says.
+K-quants need rows of whole 256-weight super-blocks: pass ``hidden=256`` (and ``ffn`` a multiple of 256).
 
 Axes: V vocab, E hidden, I MLP width, H query heads, G kv heads, D head dim.
 """
@@ -18,9 +24,34 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def write_tiny_qwen2_gguf(path: Path, seed: int = 0) -> dict[str, int]:
+# K-quant layouts: (bytes per 256-weight super-block, offsets of its fp16 scales, their magnitude)
+_RANDOM_BLOCKS = {"Q4_K": (144, (0, 2), 2e-4), "Q5_K": (176, (0, 2), 1e-4), "Q6_K": (210, (208,), 5e-5),
+                  "IQ4_NL": (18, (0,), 2e-2)}
+
+
+def quantized_rows(rng: np.random.Generator, w: np.ndarray, kind: str) -> np.ndarray:
+    """Float [N, K] -> the GGUF bytes uint8 [N, row bytes] of a ``kind`` tensor (see the module docstring)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    qtype = GGMLQuantizationType[kind]
+    if kind not in _RANDOM_BLOCKS:
+        return quantize(w, qtype)
+    size, scale_offsets, scale = _RANDOM_BLOCKS[kind]
+    per = 32 if kind == "IQ4_NL" else 256
+    n, k = w.shape
+    assert k % per == 0, f"{kind} rows are whole {per}-weight blocks"
+    blocks = rng.integers(0, 256, size=(n, k // per, size), dtype=np.uint8)
+    for off in scale_offsets:
+        d = (rng.uniform(0.5, 1.5, size=(n, k // per)) * scale).astype(np.float16)
+        blocks[..., off:off + 2] = d.view(np.uint8).reshape(n, k // per, 2)
+    return blocks.reshape(n, -1)
+
+
+def write_tiny_qwen2_gguf(path: Path, seed: int = 0, *, linear_type: str = "F32", hidden: int = E,
+                          ffn: int = I) -> dict[str, int]:
     """Write the GGUF; returns the special tokens' ids."""
-    from gguf import GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     rng = np.random.default_rng(seed)
@@ -30,9 +61,10 @@ def write_tiny_qwen2_gguf(path: Path, seed: int = 0) -> dict[str, int]:
     w = GGUFWriter(str(path), "qwen2")
     w.add_name("tiny qwen2")
     w.add_context_length(128)
-    w.add_embedding_length(E)
+    e, i_, d = hidden, ffn, hidden // H
+    w.add_embedding_length(e)
     w.add_block_count(L)
-    w.add_feed_forward_length(I)
+    w.add_feed_forward_length(i_)
     w.add_head_count(H)
     w.add_head_count_kv(G)
     w.add_rope_freq_base(1e6)
@@ -50,21 +82,28 @@ def write_tiny_qwen2_gguf(path: Path, seed: int = 0) -> dict[str, int]:
     def rand(*shape: int, scale: float = 0.2, offset: float = 0.0) -> np.ndarray:
         return (offset + rng.standard_normal(shape) * scale).astype(np.float32)
 
+    def linear(name: str, rows: int, cols: int) -> None:
+        x = rand(rows, cols)
+        if linear_type == "F32":
+            w.add_tensor(name, x)
+        else:
+            w.add_tensor(name, quantized_rows(rng, x, linear_type), raw_dtype=GGMLQuantizationType[linear_type])
+
     # GGUF tensors are given in numpy (row-major) shape [out, in], like torch's Linear weight.
-    w.add_tensor("token_embd.weight", rand(V, E))
-    w.add_tensor("output_norm.weight", rand(E, scale=0.1, offset=1.0))
-    w.add_tensor("output.weight", rand(V, E))
+    w.add_tensor("token_embd.weight", rand(V, e))
+    w.add_tensor("output_norm.weight", rand(e, scale=0.1, offset=1.0))
+    linear("output.weight", V, e)
     for i in range(L):
         p = f"blk.{i}."
-        w.add_tensor(p + "attn_norm.weight", rand(E, scale=0.1, offset=1.0))
-        w.add_tensor(p + "ffn_norm.weight", rand(E, scale=0.1, offset=1.0))
-        for name, rows in (("attn_q", H * D), ("attn_k", G * D), ("attn_v", G * D)):
-            w.add_tensor(p + name + ".weight", rand(rows, E))
+        w.add_tensor(p + "attn_norm.weight", rand(e, scale=0.1, offset=1.0))
+        w.add_tensor(p + "ffn_norm.weight", rand(e, scale=0.1, offset=1.0))
+        for name, rows in (("attn_q", H * d), ("attn_k", G * d), ("attn_v", G * d)):
+            linear(p + name + ".weight", rows, e)
             w.add_tensor(p + name + ".bias", rand(rows, scale=0.5))
-        w.add_tensor(p + "attn_output.weight", rand(E, H * D))
-        w.add_tensor(p + "ffn_gate.weight", rand(I, E))
-        w.add_tensor(p + "ffn_up.weight", rand(I, E))
-        w.add_tensor(p + "ffn_down.weight", rand(E, I))
+        linear(p + "attn_output.weight", e, H * d)
+        linear(p + "ffn_gate.weight", i_, e)
+        linear(p + "ffn_up.weight", i_, e)
+        linear(p + "ffn_down.weight", e, i_)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -53,4 +53,4 @@ def tiny_qwen2_path(tmp_path_factory, smollm2_path: Path) -> Path:
     output is close to uniform noise (the structured-output tests use it as an adversarial sampler)."""
     from testkit.tp_cases import save_tiny_qwen2
 
-    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), smollm2_path)
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), smollm2_path, eos_token_id=2)

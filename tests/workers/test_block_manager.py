@@ -100,3 +100,27 @@ def test_no_leak_after_many_aborts():
         bm.free(rid)
     assert bm.num_free_blocks == 16
     assert bm.stats().prefix_cache_hits > 0
+
+
+def test_release_leading_frees_window_blocks_keeps_keys_and_frees_the_rest_once():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq("a", list(range(14)))  # 4 blocks, 3 full and keyed
+    admit(bm, a)
+    table = list(bm.block_table("a"))
+    assert bm.release_leading("a", 2) == 2
+    assert bm.block_table("a")[:2] == [0, 0] and bm.block_table("a")[2:] == table[2:]
+    assert bm.num_held_blocks("a") == 2 and bm.num_free_blocks == 6
+    assert bm.release_leading("a", 2) == 0  # idempotent
+    assert bm.release_leading("a", 10) == 1  # never the newest block
+    # released blocks keep their keys: a new request with the same prefix still takes them
+    b = seq("b", list(range(9)))
+    assert admit(bm, b) == table[:2]
+    a.append_token(99)
+    a.append_token(98)  # 16 tokens: the 4th block fills; keys chain from the remembered parent
+    a.num_computed_tokens = 16
+    bm.cache_computed_blocks(a)
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_free_blocks == 8
+    c = seq("c", list(range(14)) + [99, 98, 5])
+    assert admit(bm, c) == table  # the whole chain, 4 blocks, is still cached

@@ -99,3 +99,30 @@ def test_max_num_seqs_and_fifo_admission():
     out = sched.schedule()
     assert [c.request_id for c in out.chunks] == ["r0", "r1"]
     assert [s.request_id for s in sched.waiting] == ["r2", "r3"]
+
+
+def test_sliding_window_releases_blocks_before_the_window():
+    """window 6, block 4: at every step the held blocks cover the next query's window (and its
+    chunk); everything is freed at the end, and exported requests keep every block."""
+    cfg = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=8)
+    bm = BlockManager(32, 4)
+    sched = Scheduler(cfg, bm, window=6)
+    a = Sequence("a", list(range(21)), SamplingParams(), 0)
+    b = Sequence("b", list(range(50, 71)), SamplingParams(), 1)
+    sched.add(a)
+    sched.add(b)
+    sched.keep_all_blocks("b")
+    max_tokens = {"a": 30, "b": 30}
+    while sched.has_unfinished():
+        out = sched.schedule()
+        for c in out.chunks:  # a chunk's window starts at start_pos - 5: blocks from there are held
+            if c.request_id == "a":
+                dropped = len(c.block_table) - bm.num_held_blocks("a")
+                assert dropped == max(0, c.start_pos - 5) // 4
+        finished = fake_step(sched, out, max_tokens)
+        if a.status is SequenceStatus.RUNNING:
+            assert bm.num_held_blocks("a") <= (6 + 8) // 4 + 1
+        if b.status is SequenceStatus.RUNNING:
+            assert bm.num_held_blocks("b") == len(bm.block_table("b"))
+        assert all(s.request_id in max_tokens for s in finished)
+    assert bm.num_free_blocks == 32

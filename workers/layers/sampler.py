@@ -94,9 +94,11 @@ class Sampler:
         allowed: torch.Tensor | None = None,  # [N, V] bool: structured-output masks; None = no row constrained
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """-> (a token per row, its TokenLogprob or None where the row's request asked for none)."""
-        logits = apply_masks(logits, allowed)  # first, so penalties, bias and logprobs all see it
         params = [r.params for r in rows]
         plain = not any(p.processes_logits or p.top_logprobs is not None for p in params)
+        if allowed is not None and not (plain and all(p.greedy for p in params)):
+            logits = logits.float().cpu()  # the CPU path below: mask there (no host -> device copy of it)
+        logits = apply_masks(logits, allowed)  # first, so penalties, bias and logprobs all see it
         if plain and all(p.greedy for p in params):
             return logits.argmax(-1).tolist(), [None] * len(rows)  # on the logits' device, no copy
         processed = self.process(logits, rows)  # [N, V]

@@ -233,13 +233,22 @@ def prepare_gguf_file(gguf: Path, cache_dir: Path | None = None) -> Path:
     sha = sha256_file(gguf)
     source = GGUFSource(f"{gguf.stem}-{sha[:12]}", gguf.stem, str(gguf), sha, size)
     try:
-        return prepare_checkpoint(source, lambda cache: gguf, cache_dir)
+        return prepare_checkpoint(source, lambda cache: _readable_gguf(gguf), cache_dir)
     except (CheckpointError, ModelNotFoundError):
         raise
     except Exception as e:  # noqa: BLE001 - gguf / transformers raise many types for a bad file
         raise CheckpointError(f"GGUF file {str(gguf)!r} cannot be converted ({type(e).__name__}: {e}); it may be "
                               "truncated or of an unsupported architecture: re-download it, or pass a checkpoint "
                               "directory") from None
+
+
+def _readable_gguf(gguf: Path) -> Path:
+    """``gguf`` once it opens and holds only tensor types Duet reads (else one CheckpointError
+    naming the file and what to do); checked before the conversion starts."""
+    from workers.models.gguf_weights import open_gguf  # deferred: imports torch
+
+    open_gguf(gguf)
+    return gguf
 
 
 def gguf_source(path: Path) -> Path | None:
@@ -259,11 +268,11 @@ def gguf_source(path: Path) -> Path | None:
     if isinstance(marker, dict) and isinstance(marker.get("source"), str) and marker["source"].endswith(".gguf"):
         src = Path(marker["source"])  # a checkpoint prepared from a user's .gguf file (prepare_gguf_file)
         try:
-            llama = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type") == "llama"
+            llama = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type") in ("llama", "qwen2")
         except (OSError, ValueError):
             llama = False
         if llama and src.is_file() and src.stat().st_size == marker.get("source_size"):
-            return src  # gguf_weights.py maps llama-architecture tensor names; others quantize the safetensors
+            return src  # gguf_weights.py maps llama / qwen2 tensor names; others quantize the safetensors
     ggufs = sorted(path.glob("*.gguf"))
     return ggufs[0] if len(ggufs) == 1 else None
 

@@ -61,6 +61,14 @@ class ModelSpec:
     routed_scaling_factor: float = 1.0  # routed experts' output multiplier
     router_bias: bool = False  # DeepSeek-V3: e_score_correction_bias shifts the top-k choice, not the weights
 
+    @property
+    def releasable_window(self) -> int | None:
+        """The sliding window when *every* layer slides (KV blocks before it can be released,
+        workers/scheduler.py); None when some layer attends to the whole context."""
+        if self.sliding_window is None or len(set(self.sliding_layers)) < self.num_layers:
+            return None
+        return self.sliding_window
+
     @classmethod
     def from_pretrained(cls, path: Path) -> "ModelSpec":
         from transformers import AutoConfig

@@ -3,10 +3,11 @@
 Tensors are read lazily with safetensors (memory-mapped), cast to the engine dtype and copied into
 the model's own (fused) parameters through each parameter's weight loader.
 
-Quantization ('int8' | 'q4'): the quantized layers quantize the float tensors as they load. For
-'q4', a checkpoint prepared from a GGUF (the embedded SmolLM2) loads from that GGUF instead, its
-Q4_0/Q4_1 tensors repacked as they are (workers/models/gguf_weights.py): the model is then exactly
-the GGUF's, not a re-quantization of its de-quantized copy.
+Quantization ('int8' | 'q4'): the quantized layers quantize the float tensors as they load. A
+checkpoint prepared from a GGUF (the embedded SmolLM2, a user's .gguf file) loads from that GGUF
+instead, its Q4_0 / Q4_1 / Q4_K tensors kept as codes for 'q4' and its Q8_0 ones for 'int8'
+(workers/models/gguf_weights.py, gguf_quants.py): the model is then the GGUF's, not a
+re-quantization of its de-quantized copy.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 from workers.errors import CheckpointError
 from workers.models.assets import gguf_source
 from workers.models.config import ModelSpec
-from workers.models.gguf_weights import iter_gguf
+from workers.models.gguf_weights import has_native_tensors, iter_gguf
 from workers.models.registry import check_spec, model_class
 from workers.parallel.groups import get_group
 
@@ -60,8 +61,10 @@ def load_model(
     cls = model_class(spec)
     with torch.device(device):
         model = cls(spec, quantization).to(dtype)
-    gguf = gguf_source(path) if quantization == "q4" and use_gguf else None
-    weights = iter_gguf(gguf, spec, keep_q4=True) if gguf is not None else iter_safetensors(path, dtype)
+    gguf = gguf_source(path) if quantization != "none" and use_gguf else None
+    if gguf is not None and quantization == "int8" and not has_native_tensors(gguf, "int8"):
+        gguf = None  # no Q8_0 linear weights: the safetensors (the same de-quantized values) load faster
+    weights = iter_gguf(gguf, spec, quantization) if gguf is not None else iter_safetensors(path, dtype)
     try:
         loaded = model.load_weights(weights)
     except KeyError as e:

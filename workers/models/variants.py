@@ -67,8 +67,14 @@ def _mla(cfg: Any) -> dict[str, Any]:
            "deepseek_v3": {"scoring_func": "sigmoid", "router_bias": True}}[cfg.model_type]
     method = getattr(cfg, "topk_method", None)
     grouped = cfg.model_type == "deepseek_v3" or method == "group_limited_greedy"
-    if method not in (None, "greedy", "group_limited_greedy", "noaux_tc"):
-        raise ConfigError(f"topk_method={method!r} is not supported; supported: greedy, group_limited_greedy, noaux_tc")
+    # What each family's router computes (as transformers' modeling): V2 softmax, greedy or
+    # group-limited; V3 sigmoid + correction bias, group-limited (noaux_tc)
+    methods = {"deepseek_v2": ("greedy", "group_limited_greedy"), "deepseek_v3": ("noaux_tc",)}[cfg.model_type]
+    if method not in (None, *methods):
+        raise ConfigError(f"topk_method={method!r} is not supported for {cfg.model_type}; supported: {', '.join(methods)}")
+    scoring = getattr(cfg, "scoring_func", None)
+    if scoring not in (None, moe["scoring_func"]):
+        raise ConfigError(f"scoring_func={scoring!r} is not supported for {cfg.model_type}; supported: {moe['scoring_func']}")
     if (cfg.kv_lora_rank + cfg.qk_rope_head_dim) % 2:
         raise ConfigError(f"kv_lora_rank + qk_rope_head_dim = {cfg.kv_lora_rank + cfg.qk_rope_head_dim}: "
                           "must be even (the latent cache splits it over the K and V planes)")

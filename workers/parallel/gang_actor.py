@@ -174,6 +174,7 @@ class GangLeaderActor:
             "incarnation": self._server.incarnation if self._server is not None else None,
             "max_model_len": self._server.limits.max_model_len if self._server is not None else None,
             "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),  # the leader's (rank 0's) node
             "num_threads": self._num_threads,
             "gang_size": self._parallel.world_size,
             # what carries each axis's collectives: 'shm' (same host), 'gloo'/'nccl', or 'none'

@@ -111,6 +111,16 @@ class GrammarMatcher:
                                                f"does not fit the grammar: {m.get_error() or 'rejected'}")
             self.num_consumed += 1
 
+    def llmatcher(self):
+        """The llguidance matcher (for batched mask calls: workers/structured/masks.py)."""
+        return self._ensure()
+
+    def check_error(self) -> None:
+        """GrammarError if the grammar is in its error state."""
+        m = self._ensure()
+        if m.is_error():
+            raise GrammarError(self.field, f"the grammar failed after {self.num_consumed} tokens: {m.get_error()}")
+
     # ------------------------------------------------------------------ masks
     def mask(self, vocab_size: int) -> np.ndarray:
         """bool [V]: the tokens allowed next. GrammarError when the grammar is in error."""
@@ -161,4 +171,5 @@ def apply_masks(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Ten
     None = no row is constrained (the logits themselves)."""
     if allowed is None:
         return logits
-    return logits.masked_fill(~allowed.to(logits.device, non_blocking=True), float("-inf"))
+    allowed = allowed.to(logits.device, non_blocking=True)
+    return torch.where(allowed, logits, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))

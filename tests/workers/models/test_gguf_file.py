@@ -34,5 +34,5 @@ def test_gguf_path_equals_the_prepared_checkpoint(converted, smollm2_path):
 def test_truncated_gguf_names_the_file(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(_find_smollm2_gguf().read_bytes()[: 1 << 20])
-    with pytest.raises(CheckpointError, match=r"broken.gguf.*cannot be converted.*re-download"):
+    with pytest.raises(CheckpointError, match=r"broken.gguf.*cannot be read.*truncated.*re-download"):
         prepare_gguf_file(bad, tmp_path / "cache")

@@ -132,7 +132,7 @@ def test_gguf_q4_tensors_are_the_checkpoint_bit_for_bit(smollm2_path: Path) -> N
     assert gguf is not None and gguf.suffix == ".gguf"
     ref = dict(iter_safetensors(smollm2_path, torch.float32))
     checked = 0
-    for name, w in iter_gguf(gguf, spec, keep_q4=True):
+    for name, w in iter_gguf(gguf, spec, "q4"):
         if isinstance(w, QuantizedWeight):
             t = w.tensors
             assert torch.equal(dequantize_q4(t["qweight"], t["scales"], t["mins"], w.shape[1]), ref[name]), name

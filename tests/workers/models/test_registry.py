@@ -21,6 +21,12 @@ from workers.models.registry import MODEL_REGISTRY, UnsupportedModelError, check
     ({"model_type": "mistral", "sliding_window": 4096}, {"sp_size": 2}, r"sp_size=2"),
     ({"model_type": "qwen3_moe"}, {"quantization": "q4"}, r"quantization='q4' is not supported; supported: none"),
     ({"model_type": "qwen3"}, {"ep_size": 2}, r"ep_size=2 needs a mixture-of-experts model"),
+    ({"model_type": "deepseek_v2", "topk_method": "noaux_tc"}, {},
+     r"topk_method='noaux_tc' is not supported for deepseek_v2; supported: greedy, group_limited_greedy"),
+    ({"model_type": "deepseek_v3", "scoring_func": "softmax"}, {},
+     r"scoring_func='softmax' is not supported for deepseek_v3; supported: sigmoid"),
+    ({"model_type": "gemma3_text", "layer_types": ["sliding_attention", "chunked_attention"] * 13}, {},
+     r"layer_types \['chunked_attention'\] are not supported; supported: sliding_attention, full_attention"),
 ])
 def test_refusals_name_model_field_and_supported(config, kw, match):
     with pytest.raises(UnsupportedModelError, match=match) as info:

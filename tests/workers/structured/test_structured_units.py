@@ -225,3 +225,26 @@ def test_dead_end_is_an_error_and_shortens_drafts(compiler, tokenizer):
     assert keep == len(yes) - 1 and allowed.shape == (len(yes), V)
     with pytest.raises(GrammarError, match="admits no token"):
         verify_masks(_row(params, yes), m, [EOS], V, eos)
+
+
+def test_mask_worker_equals_inline_masks(compiler, tokenizer):
+    """The engine's background, all-rows-at-once masks equal plain_masks' row-by-row ones."""
+    from workers.structured.masks import MaskWorker, gather_masks
+
+    V, eos = len(tokenizer), frozenset({EOS})
+    grammar = compiler.compile(StructuredOutput("json_schema", '{"type": "object", "properties": {"k": {"enum": ["x"]}}}'))
+    dead = compiler.compile(StructuredOutput("choice", choices=("yes",)))
+    rows = [_row(SamplingParams(structured=grammar.spec), encode(tokenizer, '{"k": ')),
+            _row(SamplingParams(), []),
+            _row(SamplingParams(structured=grammar.spec), []),
+            _row(SamplingParams(min_tokens=9, max_tokens=9, structured=dead.spec), encode(tokenizer, "yes"))]
+    fresh = lambda: [GrammarMatcher(grammar), None, GrammarMatcher(grammar), GrammarMatcher(dead)]  # noqa: E731
+    want, want_errors = plain_masks(rows, fresh(), V, eos)
+    worker = MaskWorker(V, eos, threads=2)
+    matchers = fresh()
+    ids = ["a", "free", "b", "c"]
+    jobs = {rid: (row, m) for rid, row, m in zip(ids, rows, matchers) if m is not None}
+    got, got_errors = gather_masks(ids, worker.start(jobs).result(), V)
+    worker.close()
+    assert torch.equal(got, want) and set(got_errors) == set(want_errors) == {3}
+    assert str(got_errors[3]) == str(want_errors[3])
