@@ -66,6 +66,9 @@ class HermesFormat:
 
     def forced_grammar(self, call_schemas: list[dict[str, Any]], parallel: bool) -> str:
         schema = call_schemas[0] if len(call_schemas) == 1 else {"anyOf": call_schemas}
+        # Compact JSON: no free whitespace inside the call (a sampled model could otherwise emit
+        # whitespace until max_tokens), separators as json.dumps writes them.
+        schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
         start = 'start: call ("\\n" call)*' if parallel else "start: call"
         return f'{start}\ncall: "<tool_call>\\n" %json {json.dumps(schema)} "\\n</tool_call>"\n'
 

@@ -173,3 +173,12 @@ def test_forced_grammar_accepts_valid_calls_only(tok, ll_tokenizer):
     assert not _accepts(one, HERMES.render_call("get_weather", {"city": "x", "days": 0}), tok, ll_tokenizer)
     assert not _accepts(one, HERMES.render_call("delete_all", {}), tok, ll_tokenizer)  # not a tool
     assert not _accepts(one, "Sure! " + call, tok, ll_tokenizer)  # no text around the call
+
+
+def test_forced_grammar_admits_no_free_whitespace(tok, ll_tokenizer):
+    """Compact JSON only: a sampled model must not be able to spend max_tokens on whitespace."""
+    g = HERMES.forced_grammar([_call_schema("get_weather", WEATHER)], parallel=False)
+    call = HERMES.render_call("get_weather", {"city": "Oslo", "days": 3})
+    assert _accepts(g, call, tok, ll_tokenizer)
+    spaced = call.replace('{"name"', '{\n    "name"', 1)
+    assert spaced != call and not _accepts(g, spaced, tok, ll_tokenizer)
