@@ -107,13 +107,14 @@ protos-check: setup
 # installs them into $(GPU_SITE) first. JSON: $$OUT/gpu_check.json when OUT is set, else
 # benchmarks/results/gpu_check.json. Without CUDA the CUDA-only sections are skipped with the reason.
 # ARGS: e.g. --sections kernels,graphs --tiny (see python -m benchmarks.gpu_check --help).
-GPU_WHEEL_PINS := protobuf==7.36.2 grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
+GPU_WHEEL_PINS := protobuf==7.36.2 grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 llguidance==1.9.1 xxhash==4.1.0
 GPU_WHEELS     ?=
 GPU_SITE       ?= /tmp/duet-gpu-site
 
 gpu-wheels:
 	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-	    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu-wheels $(GPU_WHEEL_PINS)
+	    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 \
+	    -d .gpu-wheels $(GPU_WHEEL_PINS)
 
 gpu-check:
 ifneq ($(GPU_WHEELS),)

@@ -55,6 +55,7 @@ class AutoscalePoolSection:
 
 
 ACTUATORS = ("ray", "kubernetes")
+SCALE_DOWN = ("drain", "migrate")  # = cluster.autoscaler.SCALE_DOWN (imported lazily there)
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
@@ -75,9 +76,16 @@ class AutoscalingSection:
     """enabled: run the loop in ``duet serve``. interval_s: one decision round per interval (also
     the metrics bucket). window_buckets: buckets of arrival history (forecast, scale-down window);
     latency_buckets: the most recent buckets the p90s are taken over. horizon_s: how far ahead the
-    arrival rate is forecast. up/down_cooldown_s: between reactive steps / from a scale-up to the
-    next scale-down; down_interval_s between scale-downs. drain_grace_s: how long a removed
-    replica's in-flight requests may take to finish (the rest are resumed elsewhere).
+    arrival rate is forecast (set it to a replica's start-up time). short_window_s: the burst
+    window (0 = off; cluster/autoscale_forecast.py). up/down_cooldown_s: between reactive steps /
+    from a scale-up to the next scale-down; down_interval_s between scale-downs. scale_down: how
+    the actuator removes a replica -- ``drain`` (its requests finish there) or ``migrate`` (they
+    move to the replicas that stay; use it with an actuator that migrates): with ``migrate`` the
+    scale-down waits shrink to what a removal costs (each at most horizon_s + migration_s, the
+    seconds a migration takes to empty a replica: ~ its running requests x (their KV bytes /
+    link bandwidth + a pause each), 10 s = 16 requests of ~3,000 tokens of a Llama-3-8B-shaped
+    model at 1 GB/s; cluster/autoscaler.py, cluster/sim_migration.py). drain_grace_s: how long
+    a removed replica's in-flight requests may take to finish (the rest are resumed elsewhere).
     metrics_urls: the routers' /metrics (``duet router --metrics-port``); omit it when ``duet
     serve`` runs the router itself (it reads that router directly). actuator / kubernetes: see the
     module docstring and KubernetesActuatorSection."""
@@ -87,9 +95,12 @@ class AutoscalingSection:
     window_buckets: int = 30
     latency_buckets: int = 3
     horizon_s: float = 60.0
+    short_window_s: float = 30.0
     up_cooldown_s: float = 30.0
     down_cooldown_s: float = 300.0
     down_interval_s: float = 60.0
+    scale_down: str = "drain"
+    migration_s: float = 10.0
     drain_grace_s: float = 300.0
     metrics_urls: tuple[str, ...] = ()
     pools: tuple[AutoscalePoolSection, ...] = ()
@@ -114,8 +125,11 @@ def check_autoscale_pool(p: AutoscalePoolSection, key: str, s: Sources) -> None:
 def check_autoscaling(a: AutoscalingSection, key: str, s: Sources) -> None:
     for name in ("interval_s", "horizon_s"):
         need(getattr(a, name) > 0, f"{key}.{name}", getattr(a, name), s, "must be > 0 seconds")
-    for name in ("up_cooldown_s", "down_cooldown_s", "down_interval_s", "drain_grace_s"):
+    for name in ("up_cooldown_s", "down_cooldown_s", "down_interval_s", "drain_grace_s", "short_window_s",
+                 "migration_s"):
         need(getattr(a, name) >= 0, f"{key}.{name}", getattr(a, name), s, "must be >= 0 seconds")
+    need(a.scale_down in SCALE_DOWN, f"{key}.scale_down", a.scale_down, s,
+         "must be drain (removed replicas finish their requests) or migrate (they move them to the replicas that stay)")
     need(a.window_buckets >= 2, f"{key}.window_buckets", a.window_buckets, s, "must be >= 2 (20+ is better)")
     need(1 <= a.latency_buckets <= a.window_buckets, f"{key}.latency_buckets", a.latency_buckets, s,
          f"must be between 1 and window_buckets ({a.window_buckets})")
@@ -171,7 +185,9 @@ def to_autoscaler_config(a: AutoscalingSection, roles: dict[str, str]) -> Any:
         for i, p in enumerate(a.pools))
     try:
         return AutoscalerConfig(pools, horizon_s=a.horizon_s, up_cooldown_s=a.up_cooldown_s,
-                                down_cooldown_s=a.down_cooldown_s, down_interval_s=a.down_interval_s)
+                                down_cooldown_s=a.down_cooldown_s, down_interval_s=a.down_interval_s,
+                                short_window_s=a.short_window_s, scale_down=a.scale_down,
+                                migration_s=a.migration_s)
     except AutoscalerConfigError as e:
         raise ClusterConfigError(str(e).replace("autoscaler.", "autoscaling.", 1)) from None
 

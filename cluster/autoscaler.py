@@ -15,15 +15,18 @@ Terms (per pool):
     offset      the reactive correction, in replicas, carried in the autoscaler's state
 
 The algorithm, per pool (prefill, decode and colocated pools independently; drafters follow):
- 1. Forecast the arrival rate ``h = horizon_s`` ahead with Holt's linear smoothing over the
-    window (level alpha, trend beta -- or, for a pool with ``smoothing_s``, a level time constant
-    of that many seconds; sigma = RMS of its one-step errors, the noise it sees). A rise
-    counts only beyond the noise and a fall is never extrapolated (scale-down follows what
-    happened): forecast = level + rise, rise = max(0, trend * h/bucket_s - 2 sigma) capped at the
-    window's own range (of the smoothed level, for a pool with ``smoothing_s``) scaled to h (a step change is not extrapolated as a ramp); upper = max(forecast, the
-    busiest point of the window: the busiest bucket, or the peak smoothed level for a pool with
-    ``smoothing_s``) -- Kubernetes' scale-down stabilisation window, in load space.
-    Use a window of 20+ buckets (e.g. 5 minutes of 10 s): fewer make sigma and the peak noisy.
+ 1. Estimate the arrival rate (cluster/autoscale_forecast.py): a long window -- Holt's linear
+    smoothing over every bucket (level alpha, trend beta -- or, for a pool with ``smoothing_s``,
+    a level time constant of that many seconds) -- and a short one, the last ``short_window_s``.
+    A *burst* (a short mean ``burst_sigmas`` standard errors over the level) is planned for at
+    once instead of waiting for the level to catch up; a rise counts only beyond the noise, only
+    when every short window confirms it (a step is not a ramp) and at most the window's own
+    growth at its pace; a fall is never extrapolated (scale-down follows what happened):
+    forecast = max(level, short if burst) + rise. upper = max(forecast, the busiest point of the
+    stabilisation window: the busiest bucket, or the peak smoothed level for a pool with
+    ``smoothing_s``) -- Kubernetes' scale-down stabilisation window, in load space. The window
+    is the whole metrics window when scale-down drains, horizon_s + migration_s when it
+    migrates (step 4). Use a window of 20+ buckets (e.g. 5 minutes of 10 s).
  2. Predicted replicas: the pool's bottleneck work per second over one replica's capacity for it,
     with headroom: prefill pools count prompt tokens, decode pools output tokens, colocated pools
     the larger of the two (each against the profile's token rate at the SLO); with unknown token
@@ -35,18 +38,27 @@ The algorithm, per pool (prefill, decode and colocated pools independently; draf
     current + ``step`` (offset = max(offset, current - up_target) + step) -- unless replicas are
     starting (their capacity is on the way: wait for it), or arrived less than ``smoothing_s`` ago
     (a decode pool's TPOT is observed at completion, so for one residence time it still describes
-    the pool before they came), or the last reactive step is younger than ``up_cooldown_s``. If every p90 is under ``slack_ratio`` x its SLO and the offset is positive,
+    the pool before they came), or -- with ``hold_when_recovering`` -- the p90 is falling (below
+    the last round's by 2%: the capacity came and the latency, observed at completion, is still
+    catching up; adding more then would lock the overshoot in as an offset), or the last
+    reactive step is younger than ``up_cooldown_s``. If every p90 is under ``slack_ratio`` x its SLO and the offset is positive,
     take ``step`` off it (same cadence); the offset never goes negative, because low latency at low
     load says nothing about the profile being wrong. A window with no arrivals, nothing running
     and nothing queued clears the offset: an idle pool gives no latency samples to show slack, and
     an offset kept through it would hold the pool above its predicted size for ever. step = max(1, round(reactive_step_frac x
     current)): +-1 on small pools, proportionally more on large ones.
- 4. Desired: up_target + offset above current -> scale up at once (subject to ``up_cooldown_s``);
-    down_target + offset below current -> scale down, at most ``max_down_step_frac`` of the pool
-    per decision, only if no SLO is breached, ``down_cooldown_s`` has passed since the last
-    scale-up and ``down_interval_s`` since the last scale-down; cancelling pending replicas only
-    (the target still covers every ready + starting replica) needs no cooldown. Clamp to
-    [min_replicas, max_replicas]. (Level is also capped at the window's peak: Holt overshoots steps.)
+ 4. Desired: up_target + offset above current -> scale up at once (subject to ``up_cooldown_s``,
+    except in a burst, which may grow every round); down_target + offset below current -> scale
+    down, at most ``max_down_step_frac`` of the pool per decision, only if no SLO is breached,
+    ``down_cooldown_s`` has passed since the last scale-up and ``down_interval_s`` since the last
+    scale-down; cancelling pending replicas only (the target still covers every ready + starting
+    replica) needs no cooldown. Clamp to [min_replicas, max_replicas]. (Level is also capped at
+    the window's peak: Holt overshoots steps.) ``scale_down``: ``drain`` (a removed replica
+    finishes its requests, minutes with long generations) keeps those waits; ``migrate`` (it
+    moves them to the replicas that stay and is gone in ``migration_s``) caps each wait at what
+    being wrong costs -- a replica removed too early is back after a start-up, ~horizon_s, so
+    holding one longer than horizon_s + migration_s is never worth it (ski rental's break-even):
+    stabilisation window and cooldown <= horizon_s + migration_s, interval <= migration_s.
  5. Drafter pools: ``ceil(ratio x`` their decode pool's desired``)``, clamped.
 
 Worked example (decode pool, capacity 1.6 req/s at 64 output tokens = 102.4 tok/s per replica,
@@ -66,10 +78,13 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from cluster.actuator import PoolStatus
+from cluster.autoscale_forecast import RateEstimate, estimate_rates, holt_forecast  # noqa: F401 (re-exported)
 from cluster.profile import ReplicaCapacity, SLOTargets
 
 ROLES = ("prefill", "decode", "colocated", "drafter")
+SCALE_DOWN = ("drain", "migrate")
 NEVER = -math.inf
+RECOVERY_MARGIN = 0.02  # a p90 / SLO this much below the last round's is recovering, not noise
 
 
 class AutoscalerConfigError(ValueError):
@@ -120,6 +135,11 @@ class AutoscalerConfig:
     up_cooldown_s: float = 30.0
     down_cooldown_s: float = 300.0
     down_interval_s: float = 60.0
+    short_window_s: float = 30.0
+    burst_sigmas: float = 4.0
+    hold_when_recovering: bool = True
+    scale_down: str = "drain"
+    migration_s: float = 10.0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -134,8 +154,11 @@ def _validate(c: AutoscalerConfig) -> None:
             raise AutoscalerConfigError(f"autoscaler.{key}={value!r}: {fix}")
 
     need(len(c.pools) >= 1, "pools", c.pools, "list at least one pool to scale")
-    for key in ("horizon_s", "up_cooldown_s", "down_cooldown_s", "down_interval_s", "headroom", "down_band", "queue_breach_per_replica"):
+    for key in ("horizon_s", "up_cooldown_s", "down_cooldown_s", "down_interval_s", "headroom", "down_band",
+                "queue_breach_per_replica", "short_window_s", "burst_sigmas", "migration_s"):
         need(getattr(c, key) >= 0, key, getattr(c, key), "must be >= 0")
+    need(c.scale_down in SCALE_DOWN, "scale_down", c.scale_down,
+         "must be drain (removed replicas finish their requests) or migrate (they move them away)")
     for key in ("holt_alpha", "holt_beta", "reactive_step_frac", "max_down_step_frac"):
         need(0 < getattr(c, key) <= 1, key, getattr(c, key), "must be in (0, 1]")
     need(c.breach_ratio > c.slack_ratio > 0, "slack_ratio", c.slack_ratio,
@@ -189,6 +212,7 @@ class PoolMemory:
     last_reactive: float = NEVER
     last_starting: float = NEVER  # last decision that saw replicas starting
     offset: int = 0
+    last_ratio: float | None = None  # the worst p90 / SLO the last round saw (None: too few samples)
 
 
 @dataclass(frozen=True)
@@ -214,24 +238,6 @@ class Decision:
     @property
     def changed(self) -> bool:
         return self.desired != self.current
-
-
-def holt_forecast(series: Sequence[float], alpha: float, beta: float) -> tuple[float, float, float, float, float]:
-    """Holt's linear smoothing over ``series``: (level, trend per step, sigma, peak level, lowest
-    level) after the last value. sigma = RMS of the one-step-ahead forecast errors (the noise as
-    the model sees it); peak / lowest level = the extremes of the level along the way. The level starts at the first value (alpha >= 0.5)
-    or at the series mean (slower smoothing, which a single first value would bias); trend at 0."""
-    if not series:
-        return 0.0, 0.0, 0.0, 0.0, 0.0
-    level = float(series[0]) if alpha >= 0.5 else sum(series) / len(series)
-    trend, sq, peak, low = 0.0, 0.0, level, level
-    for x in series[1:]:
-        prev = level
-        sq += (x - (level + trend)) ** 2
-        level = alpha * x + (1 - alpha) * (level + trend)
-        trend = beta * (level - prev) + (1 - beta) * trend
-        peak, low = max(peak, level), min(low, level)
-    return level, trend, math.sqrt(sq / max(len(series) - 1, 1)), peak, low
 
 
 def decide(config: AutoscalerConfig, now: float, metrics: Mapping[str, PoolMetrics],
@@ -286,24 +292,25 @@ def _latency_ratio(c: AutoscalerConfig, p: PoolScaling, m: PoolMetrics) -> float
     return max(ratios) if ratios else None
 
 
-def _forecast(c: AutoscalerConfig, p: PoolScaling, m: PoolMetrics) -> tuple[float, float]:
-    """(forecast, upper) arrival rates of step 1 of the module docstring."""
-    alpha, beta = c.holt_alpha, c.holt_beta
-    if p.smoothing_s > 0 and m.bucket_s > 0:  # level time constant = the pool's residence time
-        alpha = 1 - math.exp(-m.bucket_s / p.smoothing_s)
-        beta = c.holt_beta * alpha / c.holt_alpha
-    level, trend, sigma, peak, low = holt_forecast(m.arrivals_rps, alpha, beta)
-    if p.smoothing_s > 0:
-        sigma *= math.sqrt(alpha / (2 - alpha))  # the noise of the smoothed level, not of one bucket
-    steps = c.horizon_s / m.bucket_s if m.bucket_s > 0 else 0.0
-    rates = m.arrivals_rps
-    lo_hi = (low, peak) if p.smoothing_s > 0 else (min(rates, default=0.0), max(rates, default=0.0))
-    span = (lo_hi[1] - lo_hi[0]) * steps / len(rates) if rates else 0.0  # growth seen, at this pace
-    rise = min(max(0.0, trend * steps - 2 * sigma), span)
-    level = min(level, max(rates, default=0.0))  # Holt overshoots a step; never past what was seen
-    forecast = max(0.0, level + rise)  # scale up on this
-    busiest = peak if p.smoothing_s > 0 else max(rates, default=0.0)
-    return forecast, max(forecast, busiest)  # scale down only when even the upper rate fits
+def _rates(c: AutoscalerConfig, p: PoolScaling, m: PoolMetrics) -> RateEstimate:
+    """Step 1 of the module docstring (cluster/autoscale_forecast.py)."""
+    return estimate_rates(m.arrivals_rps, m.bucket_s, horizon_s=c.horizon_s, alpha=c.holt_alpha, beta=c.holt_beta,
+                          smoothing_s=p.smoothing_s, short_window_s=c.short_window_s, burst_sigmas=c.burst_sigmas,
+                          stabilise_s=_down_waits(c)[0])
+
+
+def _down_waits(c: AutoscalerConfig) -> tuple[float, float, float]:
+    """(stabilisation window, cooldown after a scale-up, interval between scale-downs) in seconds.
+    Draining is slow and a drained replica is only back after a start-up, so a drain waits long:
+    the whole metrics window, ``down_cooldown_s``, ``down_interval_s``. A migration frees a replica
+    in ``migration_s``; holding one that is not needed is worth it only while it could be needed
+    again sooner than a new one starts (the horizon, = the start-up time): ski rental's
+    break-even, so each wait is at most horizon_s + migration_s, and the next step down waits for
+    the last one's migrations (migration_s)."""
+    if c.scale_down == "migrate":
+        keep = c.horizon_s + c.migration_s
+        return keep, min(c.down_cooldown_s, keep), min(c.down_interval_s, c.migration_s)
+    return math.inf, c.down_cooldown_s, c.down_interval_s
 
 
 def _reactive(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics, st: PoolStatus, mem: PoolMemory,
@@ -314,12 +321,19 @@ def _reactive(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics, s
     ratio = _latency_ratio(c, p, m)
     queue_breach = st.ready > 0 and m.queue_depth > c.queue_breach_per_replica * st.ready
     breach = (ratio is not None and ratio > c.breach_ratio) or queue_breach
+    was = mem.last_ratio
+    recovering = (c.hold_when_recovering and ratio is not None and was is not None
+                  and ratio < was * (1 - RECOVERY_MARGIN) and not queue_breach)
+    if ratio is not None:
+        mem = replace(mem, last_ratio=ratio)
     if breach:
         what = f"p90/SLO {ratio:.2f}" if ratio is not None and ratio > c.breach_ratio else f"queue {m.queue_depth:.0f}"
         if st.starting > 0:
             notes.append(f"breach ({what}), waiting for {st.starting} starting")
         elif now - mem.last_starting < p.smoothing_s:
             notes.append(f"breach ({what}), latency still from before the last replicas arrived")
+        elif recovering:
+            notes.append(f"breach ({what}), recovering (was {was:.2f} last round)")
         elif now - mem.last_reactive >= c.up_cooldown_s:
             # Re-anchor on what is asked now: a breach always means current + step, even when the
             # profile-based target sits below current (the profile over-estimates capacity).
@@ -339,10 +353,12 @@ def _reactive(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics, s
 
 def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics, st: PoolStatus,
                  mem: PoolMemory) -> tuple[Decision, PoolMemory]:
-    forecast, upper = _forecast(c, p, m)
+    est = _rates(c, p, m)
+    forecast = est.forecast
     headroom = c.headroom if p.headroom is None else p.headroom
     up_target = math.ceil(work_replicas(p, m, forecast) * (1 + headroom) - 1e-9)
-    down_target = math.ceil(work_replicas(p, m, upper) * (1 + headroom + c.down_band) - 1e-9)
+    down_target = math.ceil(work_replicas(p, m, est.upper) * (1 + headroom + c.down_band) - 1e-9)
+    _, down_cooldown_s, down_interval_s = _down_waits(c)
     current = st.desired
     notes: list[str] = []
     breach, mem = _reactive(c, p, now, m, st, mem, up_target, notes)
@@ -350,7 +366,7 @@ def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics
     want_up, want_down = _clamp(up_target + offset, p), _clamp(down_target + offset, p)
     desired = current
     if want_up > current:
-        if now - mem.last_up >= c.up_cooldown_s:
+        if now - mem.last_up >= c.up_cooldown_s or est.burst:  # a burst grows every round: follow it
             desired = want_up
             mem = replace(mem, last_up=now)
             notes.append(f"scale up {current} -> {desired}")
@@ -362,17 +378,18 @@ def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics
             notes.append(f"cancel {current - desired} pending")
         elif breach:
             notes.append("hold: SLO breached")
-        elif (wait := max(mem.last_up + c.down_cooldown_s, mem.last_down + c.down_interval_s) - now) > 0:
+        elif (wait := max(mem.last_up + down_cooldown_s, mem.last_down + down_interval_s) - now) > 0:
             notes.append(f"down cooldown ({wait:.0f} s left)")
         else:
             desired = max(want_down, current - max(1, math.ceil(c.max_down_step_frac * current)))
             mem = replace(mem, last_down=now)
-            notes.append(f"scale down {current} -> {desired}")
+            notes.append(f"scale down {current} -> {desired}" + (" (migrate)" if c.scale_down == "migrate" else ""))
     else:
         notes.append("hold")
     if st.pending:
         notes.append(f"{st.pending} pending (no room; not counted as capacity)")
     mem = replace(mem, last_starting=now if st.starting else mem.last_starting)
-    reason = f"forecast {forecast:.2f} req/s -> {up_target} replicas, offset {offset:+d}; " + "; ".join(notes)
+    burst = f" (burst: {est.short:.2f} over level {est.level:.2f})" if est.burst else ""
+    reason = f"forecast {forecast:.2f} req/s{burst} -> {up_target} replicas, offset {offset:+d}; " + "; ".join(notes)
     return Decision(p.pool, current, desired, reason, forecast, up_target, offset, st.capacity_replicas,
                     st.pending), mem

@@ -24,6 +24,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 DEFAULT_TARGET = "localhost:50051"
 
@@ -123,6 +124,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     p.add_argument("--timeout", type=float, default=120.0, help="request deadline in seconds (default 120)")
+    s = p.add_argument_group("structured output (at most one; the output is constrained token by token)")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--json-object", action="store_true", help="any JSON object")
+    g.add_argument("--json-schema", metavar="FILE", help="JSON valid for the JSON schema in FILE")
+    g.add_argument("--regex", metavar="REGEX", help="text matching the regular expression (Rust regex syntax; "
+                   "\\d is Unicode-aware, use [0-9] for ASCII digits)")
+    g.add_argument("--choice", action="append", metavar="TEXT", help="exactly one of these strings (repeatable)")
+    g.add_argument("--grammar", metavar="FILE", help="text parsing with the grammar in FILE (llguidance's Lark "
+                   "dialect, or llama.cpp GBNF)")
     add_client_security(p)
 
 
@@ -227,7 +237,7 @@ def _generate(args: argparse.Namespace) -> int:
     from router.client import stream
 
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+                  seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, structured=structured_spec(args))
     if args.chat:
         kwargs["messages"] = [{"role": "user", "content": args.prompt}]
         prompt = None
@@ -244,6 +254,31 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"[{last.usage.completion_tokens} tokens, {last.finish_reason}; prompt {last.usage.prompt_tokens} "
               f"tokens, {last.usage.cached_prompt_tokens} from the prefix cache]", file=sys.stderr)
     return 0
+
+
+def structured_spec(args: argparse.Namespace):
+    """The StructuredOutput the generate flags ask for (None: free text). Raises InvalidRequestError
+    naming the flag for an unreadable file (the spec itself is checked by the router)."""
+    from workers.errors import InvalidRequestError
+    from workers.structured.spec import StructuredOutput
+
+    def read(flag: str, path: str) -> str:
+        try:
+            return Path(path).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidRequestError(flag, f"cannot read {path!r}: {e}") from None
+
+    if args.json_object:
+        return StructuredOutput("json_object")
+    if args.json_schema is not None:
+        return StructuredOutput("json_schema", read("--json-schema", args.json_schema))
+    if args.regex is not None:
+        return StructuredOutput("regex", args.regex)
+    if args.choice:
+        return StructuredOutput("choice", choices=tuple(args.choice))
+    if args.grammar is not None:
+        return StructuredOutput("grammar", read("--grammar", args.grammar))
+    return None
 
 
 def _status(args: argparse.Namespace) -> int:

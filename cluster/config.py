@@ -99,7 +99,9 @@ EngineSection = derived_section("EngineSection", """Per-worker engine settings (
     device: auto | cpu | cuda (auto: cuda when the pool reserves GPUs with gpus_per_rank and the node
     has CUDA, else cpu; workers/device.py); cuda_graphs / cuda_graph_batch_sizes: decode steps
     replayed from CUDA graphs captured at these batch sizes (default 1, 2, 4, 8, multiples of 8 up to
-    max_num_seqs; each <= max_num_seqs).""", [
+    max_num_seqs; each <= max_num_seqs); kv_transfer_backend: how KV a worker receives from a peer
+    (disaggregated prefill, prefix pull) travels: auto | shm | gloo | nccl (auto: shared memory from
+    a same-host peer with the cache on the CPU, else nccl on CUDA, else gloo; workers/kv_transfer.py).""", [
     ("block_size", Part(CacheConfig, "block_size")),
     ("kv_cache_memory_bytes", Part(CacheConfig, "kv_cache_memory_bytes")),
     ("max_num_batched_tokens", Part(SchedulerConfig, "max_num_batched_tokens")),
@@ -110,6 +112,7 @@ EngineSection = derived_section("EngineSection", """Per-worker engine settings (
     ("device", Part(EngineConfig, "device")),
     ("cuda_graphs", Part(EngineConfig, "cuda_graphs")),
     ("cuda_graph_batch_sizes", Part(EngineConfig, "cuda_graph_batch_sizes")),
+    ("kv_transfer_backend", Part(EngineConfig, "kv_transfer_backend")),
 ])
 
 
@@ -164,11 +167,13 @@ RouterSection = derived_section("RouterSection", """The public gRPC server (``po
     serve TLS only; tls_client_ca_file as well requires client certificates (mTLS); auth_tokens_file
     requires 'authorization: Bearer <token>' on every call but health checks; max_request_bytes
     bounds one request message (int or '4MiB'). disagg_min_prompt_tokens: with a prefill pool,
-    prompts shorter than this run colocated on a decode worker.""", [
+    prompts shorter than this run colocated on a decode worker. prefix_pull_min_tokens: a worker
+    routed a prompt whose prefix of at least this many tokens another worker holds pulls that
+    prefix's KV from it instead of recomputing it (0 = off; router/prefix_pull.py).""", [
     (name, Part(RouterConfig, name)) for name in (
         "host", "port", "http_port", "policy", "policy_options", "max_in_flight", "max_queue", "shutdown_grace_s",
         "tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file", "max_request_bytes",
-        "disagg_min_prompt_tokens")
+        "disagg_min_prompt_tokens", "prefix_pull_min_tokens")
 ], probe={RouterConfig: {"tokenizer_path": "<model>"}})
 
 

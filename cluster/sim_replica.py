@@ -40,7 +40,7 @@ class SimReplica:
     __slots__ = ("worker_id", "pool", "svc", "colocated", "state", "created_at", "ready_at", "left_at",
                  "prefill_queue", "prefill_queued_tokens", "prefilling", "prefill_tokens", "prefill_start", "prefill_end",
                  "v", "t_last", "batch", "sum_join", "sum_finish", "sum_prompt", "waiting", "waiting_tokens",
-                 "version", "in_flight")
+                 "version", "in_flight", "drain_at")
 
     def __init__(self, worker_id: str, pool: str, svc: ServiceModel, colocated: bool, now: float) -> None:
         self.worker_id, self.pool, self.svc, self.colocated = worker_id, pool, svc, colocated
@@ -55,10 +55,11 @@ class SimReplica:
         self.batch: list[tuple[float, int, int, float]] = []  # heap of (finish V, request, prompt, join V)
         self.sum_join = self.sum_finish = 0.0
         self.sum_prompt = 0
-        self.waiting: deque[tuple[int, int, int]] = deque()  # (request, tokens to decode, prompt)
+        self.waiting: deque[tuple[int, float, int]] = deque()  # (request, tokens to decode, prompt)
         self.waiting_tokens = 0
         self.version = 0  # bumps whenever the next decode completion moves (stale events are skipped)
         self.in_flight = 0  # requests on this replica (queued, prefilling, waiting or decoding)
+        self.drain_at = float("inf")  # when the current drain began (inf: not draining)
 
     # -------------------------------------------------------------- clock
     def _step_s(self) -> float:
@@ -114,7 +115,7 @@ class SimReplica:
         self.in_flight -= 1
 
     # -------------------------------------------------------------- decode
-    def join_decode(self, req: int, tokens: int, prompt: int, now: float, *, counted: bool = True) -> None:
+    def join_decode(self, req: int, tokens: float, prompt: int, now: float, *, counted: bool = True) -> None:
         """A sequence with ``tokens`` tokens still to generate joins (or waits for a slot).
         counted=False: it is already in ``in_flight`` (colocated: it was prefilled here)."""
         if counted:
@@ -127,7 +128,7 @@ class SimReplica:
             self.waiting_tokens += tokens
         self.version += 1
 
-    def _admit(self, req: int, tokens: int, prompt: int) -> None:
+    def _admit(self, req: int, tokens: float, prompt: int) -> None:
         finish = self.v + tokens
         heapq.heappush(self.batch, (finish, req, prompt, self.v))
         self.sum_join += self.v
@@ -159,6 +160,57 @@ class SimReplica:
         self.in_flight -= len(done)
         self.version += 1
         return done
+
+    # -------------------------------------------------------------- migration (cluster/sim_migration.py)
+    def longest_decode(self, now: float) -> tuple[int, float, int] | None:
+        """(request, tokens still to generate, context tokens) of the decoding or waiting sequence
+        with the most tokens to go, or None when none is here: the one a drain by migration moves
+        first. Context = the tokens its KV holds: prompt + generated so far."""
+        v = self._v_at(now)
+        best = max(((f - v, req, prompt + round(v - join)) for f, req, prompt, join in self.batch), default=None)
+        for req, tokens, prompt in self.waiting:
+            if best is None or tokens > best[0]:
+                best = (float(tokens), req, prompt)
+        return None if best is None else (best[1], max(0.0, best[0]), best[2])
+
+    def remove_decode(self, req: int, now: float) -> tuple[float, int]:
+        """Take a decoding or waiting sequence off this replica (it migrates): returns (tokens
+        still to generate, context tokens its KV holds = prompt + generated so far). Waiting
+        sequences take the freed batch slot, as when one finishes."""
+        self._advance(now)
+        for i, (finish, r, prompt, join) in enumerate(self.batch):
+            if r == req:
+                self.batch[i] = self.batch[-1]
+                self.batch.pop()
+                heapq.heapify(self.batch)
+                self.sum_finish -= finish
+                self.sum_join -= join
+                self.sum_prompt -= prompt
+                left, context = max(0.0, finish - self.v), prompt + round(self.v - join)
+                break
+        else:
+            i = next(i for i, w in enumerate(self.waiting) if w[0] == req)
+            _, tokens, prompt = self.waiting[i]
+            del self.waiting[i]
+            self.waiting_tokens -= tokens
+            left, context = float(tokens), prompt
+        if not self.batch:
+            self.sum_join = self.sum_finish = 0.0
+        while self.waiting and len(self.batch) < self.svc.max_batch:
+            r, tokens, prompt = self.waiting.popleft()
+            self.waiting_tokens -= tokens
+            self._admit(r, tokens, prompt)
+        self.in_flight -= 1
+        self.version += 1
+        return left, context
+
+    def take_queued_prefills(self) -> list[int]:
+        """Prompts queued here and not started (they go to another replica: nothing computed is lost)."""
+        reqs = [req for req, _ in self.prefill_queue]
+        self.prefill_queue.clear()
+        self.prefill_queued_tokens = 0
+        self.in_flight -= len(reqs)
+        return reqs
 
     # -------------------------------------------------------------- load
     def held_tokens(self, now: float) -> int:

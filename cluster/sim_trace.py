@@ -5,17 +5,28 @@ prompt tokens and output tokens per request.
 
 Synthetic (``synthetic_trace``): a non-homogeneous Poisson process whose rate is
 
-    rate(t) = base_rps + (peak_rps - base_rps) * (1 - cos(2 pi (t - peak_at_s) / period_s + pi)) / 2
-              x burst(t)
+    rate(t) = base_rps + (peak_rps - base_rps) * shape(u)  x  burst(t),   u = ((t - peak_at_s) / period_s) mod 1
 
-i.e. a diurnal cosine from ``base_rps`` (at ``peak_at_s`` - period/2) to ``peak_rps`` (at
-``peak_at_s``), times bursts: burst starts arrive as a Poisson process of ``bursts_per_hour``; each
+with ``shape`` one of
+    cosine      (1 + cos(2 pi u)) / 2: a diurnal cosine from ``base_rps`` (at ``peak_at_s`` -
+                period/2) to ``peak_rps`` (at ``peak_at_s``) -- the default
+    sawtooth    u: a linear ramp from base to peak over each period, then an instant drop back to
+                base at ``peak_at_s`` (+ k periods)
+    on_off      1 while u < ``duty``, else 0: a square wave, ``peak_rps`` for duty x period from
+                ``peak_at_s`` on, ``base_rps`` the rest of each period
+times bursts: random ones -- starts arrive as a Poisson process of ``bursts_per_hour``, each
 multiplies the rate by ``burst_factor`` for an exponentially distributed duration of mean
-``burst_mean_s`` (overlapping bursts multiply). Arrivals are drawn by thinning (Lewis & Shedler):
-candidates at the maximum rate, each kept with probability rate(t) / max. Prompt and output
-lengths are log-normal with the given means and coefficient of variation ``cv`` (sigma^2 =
-ln(1 + cv^2)), rounded and clipped to [1, max]. Everything comes from one numpy Generator seeded
-with ``seed``: the same arguments give the same trace.
+``burst_mean_s`` -- and fixed ones, ``bursts`` = ((start_s, duration_s, factor), ...): a sharp
+step of that factor at a known time. Overlapping bursts multiply. Arrivals are drawn by thinning
+(Lewis & Shedler): candidates at the maximum rate, each kept with probability rate(t) / max.
+
+Lengths (prompt and output alike, each clipped to [1, max] after rounding):
+    lognormal   mean and coefficient of variation ``cv`` (sigma^2 = ln(1 + cv^2)) -- the default
+    pareto      Pareto type I with tail index ``tail_alpha`` (> 1) and the given mean (scale =
+                mean (alpha - 1) / alpha): P(X > x) ~ x^-alpha, a heavy tail (alpha < 2 has infinite
+                variance; the clip to max then lowers the realised mean a little)
+Everything comes from one numpy Generator seeded with ``seed``: the same arguments give the same
+trace (and the defaults give the same trace as before the shapes and fixed bursts existed).
 
 Readers (no download; point them at a local copy):
     BurstGPT (github.com/HPMLL/BurstGPT, ``BurstGPT_*.csv``): columns ``Timestamp`` (seconds from
@@ -36,6 +47,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -76,43 +88,73 @@ class Trace:
         return Trace(self.name, self.t[lo:hi] - start_s, self.prompt[lo:hi], self.output[lo:hi])
 
 
+SHAPES = ("cosine", "sawtooth", "on_off")
+LENGTHS = ("lognormal", "pareto")
+
+
 def synthetic_trace(*, duration_s: float, base_rps: float, peak_rps: float, period_s: float = 86400.0,
                     peak_at_s: float = 50400.0, bursts_per_hour: float = 2.0, burst_factor: float = 2.0,
                     burst_mean_s: float = 300.0, mean_prompt: float = 512.0, mean_output: float = 256.0,
                     cv: float = 1.0, max_prompt: int = 8192, max_output: int = 8192, seed: int = 0,
-                    name: str = "synthetic") -> Trace:
-    """The documented generator (module docstring)."""
+                    name: str = "synthetic", shape: str = "cosine", duty: float = 0.5,
+                    bursts: Sequence[tuple[float, float, float]] = (), lengths: str = "lognormal",
+                    tail_alpha: float = 2.0) -> Trace:
+    """The documented generator (module docstring). Raises ValueError naming a bad argument."""
     if not 0 <= base_rps <= peak_rps or peak_rps <= 0:
         raise ValueError(f"rates: need 0 <= base_rps ({base_rps}) <= peak_rps ({peak_rps}) and peak_rps > 0")
     if duration_s <= 0 or period_s <= 0 or burst_factor < 1 or burst_mean_s <= 0 or bursts_per_hour < 0:
         raise ValueError("duration_s, period_s, burst_mean_s must be > 0, burst_factor >= 1, bursts_per_hour >= 0")
+    if shape not in SHAPES:
+        raise ValueError(f"shape={shape!r}: must be one of {', '.join(SHAPES)}")
+    if not 0 < duty <= 1:
+        raise ValueError(f"duty={duty!r}: must be in (0, 1] (the on share of each on_off period)")
+    if lengths not in LENGTHS:
+        raise ValueError(f"lengths={lengths!r}: must be one of {', '.join(LENGTHS)}")
+    if lengths == "pareto" and not tail_alpha > 1:
+        raise ValueError(f"tail_alpha={tail_alpha!r}: must be > 1 (a Pareto tail with alpha <= 1 has no mean)")
+    for i, b in enumerate(bursts):
+        if len(b) != 3 or b[1] <= 0 or b[2] < 1:
+            raise ValueError(f"bursts[{i}]={b!r}: must be (start_s, duration_s > 0, factor >= 1)")
     rng = np.random.default_rng(seed)
     n_b = rng.poisson(bursts_per_hour * duration_s / 3600.0)
     b_start = np.sort(rng.uniform(0.0, duration_s, n_b))
     b_end = b_start + rng.exponential(burst_mean_s, n_b)
-    max_overlap = _max_overlap(b_start, b_end)
-    lam_max = peak_rps * burst_factor ** max_overlap
+    fixed = np.asarray([(s, s + d, f) for s, d, f in bursts], dtype=np.float64).reshape(-1, 3)
+    lam_max = peak_rps * _max_multiplier(b_start, b_end, burst_factor, fixed)
     n_cand = rng.poisson(lam_max * duration_s)
     cand = np.sort(rng.uniform(0.0, duration_s, n_cand))
-    rate = _diurnal(cand, base_rps, peak_rps, period_s, peak_at_s)
+    rate = base_rps + (peak_rps - base_rps) * _shape(cand, shape, period_s, peak_at_s, duty)
     active = np.searchsorted(b_start, cand, side="right") - np.searchsorted(np.sort(b_end), cand, side="right")
     rate = rate * burst_factor ** active
+    for s, e, f in fixed:
+        rate = np.where((cand >= s) & (cand < e), rate * f, rate)
     keep = rng.uniform(0.0, lam_max, n_cand) < rate
     t = cand[keep]
-    return Trace(name, t, _lognormal(rng, mean_prompt, cv, max_prompt, len(t)),
-                 _lognormal(rng, mean_output, cv, max_output, len(t)))
+    draw = _lognormal if lengths == "lognormal" else _pareto
+    spread = cv if lengths == "lognormal" else tail_alpha
+    return Trace(name, t, draw(rng, mean_prompt, spread, max_prompt, len(t)),
+                 draw(rng, mean_output, spread, max_output, len(t)))
 
 
-def _diurnal(t: np.ndarray, base: float, peak: float, period: float, peak_at: float) -> np.ndarray:
-    return base + (peak - base) * (1 - np.cos(2 * np.pi * (t - peak_at) / period + np.pi)) / 2
+def _shape(t: np.ndarray, shape: str, period: float, peak_at: float, duty: float) -> np.ndarray:
+    """The rate's shape in [0, 1] (module docstring)."""
+    u = np.mod((t - peak_at) / period, 1.0)
+    if shape == "cosine":
+        return (1 + np.cos(2 * np.pi * u)) / 2
+    if shape == "sawtooth":
+        return u
+    return (u < duty).astype(np.float64)
 
 
-def _max_overlap(start: np.ndarray, end: np.ndarray) -> int:
-    events = sorted([(s, 1) for s in start] + [(e, -1) for e in end])
-    best = cur = 0
-    for _, d in events:
-        cur += d
-        best = max(best, cur)
+def _max_multiplier(start: np.ndarray, end: np.ndarray, factor: float, fixed: np.ndarray) -> float:
+    """The largest product of burst factors active at any one time (random bursts multiply by
+    ``factor`` each, fixed ones by their own): it is reached at some burst's start."""
+    starts = np.concatenate([start, fixed[:, 0]])
+    best = 1.0
+    for s in starts:
+        m = factor ** int(np.sum((start <= s) & (end > s)))
+        m *= float(np.prod(fixed[(fixed[:, 0] <= s) & (fixed[:, 1] > s), 2]))
+        best = max(best, m)
     return best
 
 
@@ -121,6 +163,13 @@ def _lognormal(rng: np.random.Generator, mean: float, cv: float, cap: int, n: in
         return np.full(n, max(1, min(cap, round(mean))), dtype=np.int64)
     sigma2 = math.log(1 + cv * cv)
     x = rng.lognormal(math.log(mean) - sigma2 / 2, math.sqrt(sigma2), n)
+    return np.clip(np.rint(x), 1, cap).astype(np.int64)
+
+
+def _pareto(rng: np.random.Generator, mean: float, alpha: float, cap: int, n: int) -> np.ndarray:
+    # numpy's pareto is Lomax (Pareto II, support from 0): (1 + lomax) x scale is Pareto I.
+    scale = mean * (alpha - 1) / alpha
+    x = (1.0 + rng.pareto(alpha, n)) * scale
     return np.clip(np.rint(x), 1, cap).astype(np.int64)
 
 

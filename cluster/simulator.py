@@ -13,8 +13,12 @@ What is simulated, and what is real:
     scaling         the real control loop (cluster/autoscale_loop.py AutoscaleLoop) with any
                     ScalingPolicy -- the SLO autoscaler or the queue-length baseline -- fed by
                     ``SimMetrics`` (the MetricsProvider a Prometheus one replaces) and applied by
-                    ``SimActuator`` (a PoolActuator: replicas start after ``startup_s``, scale-down
-                    drains: a draining replica takes no new request and leaves when idle)
+                    ``SimActuator`` (a PoolActuator: replicas start after ``startup_s``), both in
+                    cluster/sim_control.py
+    scale-down      a removed replica drains (takes no new request, leaves when idle), or, for a
+                    pool with a ``MigrationModel``, migrates its running requests to the replicas
+                    that stay and leaves in seconds (cluster/sim_migration.py: cost per request =
+                    KV bytes / bandwidth + a pause)
 
 Topologies: one ``colocated`` pool (each replica prefills and decodes), or a ``prefill`` pool
 feeding a ``decode`` pool (a request's first token comes from its prefill; it then decodes on a
@@ -22,10 +26,13 @@ decode replica chosen by the decode pool's policy; KV transfer time is taken as 
 
 Events (a heap of (time, seq, kind, ...); O(log n) per event, O(1) events per request plus one per
 autoscaler tick): arrival, prefill done, decode done (lazily invalidated by a per-replica version
-when the batch changes), replica ready, tick. Requests that find no ready replica wait in the
+when the batch changes), replica ready, tick, and for migrations a source's link free / a sequence
+arrived on its target. Requests that find no ready replica wait in the
 pool's router queue (FIFO) and count in ``queue_depth``.
 
 Replica-hours integrate every replica that exists (starting, ready or draining) over time.
+``SimResult.migration`` counts migrations, bytes moved and how long each removed replica took to
+leave.
 
 Example::
 
@@ -48,17 +55,17 @@ from typing import Any
 
 import numpy as np
 
-from cluster.actuator import PoolStatus
 from cluster.autoscale_loop import AutoscaleLoop, ScalingPolicy
-from cluster.autoscaler import PoolMetrics
 from cluster.profile import ServiceModel, SLOTargets
+from cluster.sim_control import SimActuator, SimMetrics, p90
+from cluster.sim_migration import MigrationModel, MigrationStats, Migrator
 from cluster.sim_replica import SimReplica
 from cluster.sim_trace import Trace
 from router.policies import RouteRequest, RoutingPolicy, WorkerState, make_policy
 
 logger = logging.getLogger(__name__)
 
-ARRIVAL, PREFILL_DONE, DECODE_DONE, READY, TICK = range(5)
+ARRIVAL, PREFILL_DONE, DECODE_DONE, READY, TICK, MIGRATE_NEXT, MIGRATE_DONE = range(7)
 
 
 class SimulationError(RuntimeError):
@@ -67,7 +74,10 @@ class SimulationError(RuntimeError):
 
 @dataclass(frozen=True)
 class SimPool:
-    """One simulated pool. role: colocated | prefill | decode."""
+    """One simulated pool. role: colocated | prefill | decode. migration: how a removed replica's
+    running requests move (None: it drains, waiting for them to finish). rebalance: every tick,
+    replicas far above the pool's mean load move sequences to the ones below it (the router's
+    rebalancer; cluster/sim_migration.py)."""
 
     name: str
     role: str
@@ -76,6 +86,12 @@ class SimPool:
     startup_s: float = 60.0
     policy: str = "least_loaded"
     policy_options: dict[str, Any] = field(default_factory=dict, hash=False)
+    migration: MigrationModel | None = None
+    rebalance: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rebalance and self.migration is None:
+            raise ValueError(f"pool {self.name!r}: rebalance moves running requests, so it needs a migration model")
 
 
 @dataclass
@@ -121,6 +137,7 @@ class SimResult:
     wall_s: float
     cpu_s: float  # process CPU time of the run (the wall time on a shared machine is not the cost)
     end_s: float
+    migration: MigrationStats = field(default_factory=MigrationStats)
 
     @property
     def attainment(self) -> float:
@@ -161,6 +178,7 @@ class Simulation:
         self.now = 0.0
         self.completed = 0
         self.actuator = SimActuator(self)
+        self.migrator = Migrator(self)
         self.loop = AutoscaleLoop(scaling, SimMetrics(self), self.actuator, interval_s=tick_s,
                                   clock=lambda: self.now) if scaling is not None else None
         self.timeline: dict[str, list[float]] = {"t": [], "arrival_rps": [], "ttft_p90": [], "tpot_p90": []}
@@ -190,7 +208,8 @@ class Simulation:
         if self.slo.tpot_p90_s is not None:
             met &= np.isnan(tpot) | (tpot <= self.slo.tpot_p90_s)
         return SimResult(ttft, tpot, met, {p.name: p.replica_seconds for p in self.pools.values()},
-                         self.timeline, events, time.perf_counter() - wall, time.process_time() - cpu, self.now)
+                         self.timeline, events, time.perf_counter() - wall, time.process_time() - cpu, self.now,
+                         self.migrator.stats)
 
     def _push(self, t: float, kind: int, a: Any, b: int = 0) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, a, b))
@@ -214,6 +233,10 @@ class Simulation:
                 self._prefill_done(a)
             elif kind == READY:
                 self._ready(a)
+            elif kind == MIGRATE_DONE:
+                self.migrator.arrive(*a)
+            elif kind == MIGRATE_NEXT:
+                self.migrator.step(a)
             else:
                 if self.completed == n:
                     break
@@ -233,10 +256,13 @@ class Simulation:
         self._send_entry(self.entry, i)
 
     def _route(self, pool: _Pool, i: int) -> SimReplica | None:
-        cands = pool.routable
-        if not cands:
+        if not pool.routable:
             pool.queue.append(i)
             return None
+        return self._pick(pool, pool.routable, i)
+
+    def _pick(self, pool: _Pool, cands: list[SimReplica], i: int) -> SimReplica:
+        """The pool's routing policy's choice among ``cands`` (k of them sampled, with route_candidates)."""
         if self.k is not None and len(cands) > self.k:
             cands = self.rng.sample(cands, self.k)
         now = self.now
@@ -272,6 +298,8 @@ class Simulation:
             r.release()
         elif pool.colocated:
             r.join_decode(i, self.output[i] - 1, self.prompt[i], now, counted=False)
+            if r.state == "draining" and pool.spec.migration is not None:
+                self.migrator.start(r)
         else:
             r.release()
             pool.policy.on_request_complete(r.worker_id, str(i))
@@ -314,8 +342,22 @@ class Simulation:
             (self._send_decode if pool.spec.role == "decode" else self._send_entry)(pool, i)
 
     def _maybe_leave(self, r: SimReplica) -> None:
-        if r.state == "draining" and r.idle():
+        if r.state == "draining" and r.idle() and not self.migrator.busy(r):
             self.actuator.remove(self.pools[r.pool], r)
+
+    def schedule_ready(self, r: SimReplica) -> None:
+        """A replica just asked for is ready after its pool's start-up time."""
+        self._push(self.now + self.pools[r.pool].spec.startup_s, READY, r)
+
+    def drain(self, r: SimReplica) -> None:
+        """``r`` was just taken out of routing: it migrates its requests away, or drains."""
+        if self.pools[r.pool].spec.migration is not None:
+            self.migrator.start(r)
+        self._maybe_leave(r)
+
+    def _push_migration(self, t: float, source: SimReplica, arrival: tuple[SimReplica, int, float, int]) -> None:
+        self._push(t, MIGRATE_DONE, arrival)  # arrives before the source's link moves the next one
+        self._push(t, MIGRATE_NEXT, source)
 
     # ------------------------------------------------------------------ ticks
     def _tick(self) -> None:
@@ -328,121 +370,19 @@ class Simulation:
             p.bucket = _Bucket()
         if self.loop is not None:
             self.loop.step(self.now)
+        for p in self.pools.values():
+            if p.spec.rebalance:
+                self.migrator.rebalance(p)
         self._record()
 
     def _record(self) -> None:
         tl, e = self.timeline, self.entry.history[-1]
         tl["t"].append(self.now)
         tl["arrival_rps"].append(e.arrivals / self.tick_s)
-        tl["ttft_p90"].append(_p90(e.ttft))
+        tl["ttft_p90"].append(p90(e.ttft))
         last = (self.decode or self.entry).history[-1]
-        tl["tpot_p90"].append(_p90(last.tpot))
+        tl["tpot_p90"].append(p90(last.tpot))
         for p in self.pools.values():
             tl[f"{p.name}.ready"].append(len(p.routable))
             tl[f"{p.name}.alive"].append(p.alive)
             tl[f"{p.name}.desired"].append(p.desired)
-
-
-def _p90(xs: list[float]) -> float:
-    """The 90th percentile, linearly interpolated (numpy's default), without numpy's overhead on
-    the short per-bucket lists this is called on every tick."""
-    if not xs:
-        return math.nan
-    ys = sorted(xs)
-    pos = 0.9 * (len(ys) - 1)
-    lo = int(pos)
-    return ys[lo] + (ys[min(lo + 1, len(ys) - 1)] - ys[lo]) * (pos - lo)
-
-
-class SimMetrics:
-    """MetricsProvider over the simulation's per-pool buckets (see autoscale_loop.py for the
-    Prometheus metrics each field stands for)."""
-
-    def __init__(self, sim: Simulation) -> None:
-        self.sim = sim
-
-    def windows(self, pools, now: float) -> dict[str, PoolMetrics]:
-        out = {}
-        for name in pools:
-            p = self.sim.pools[name]
-            hist = list(p.history)
-            arrivals = sum(b.arrivals for b in hist)
-            lat = hist[-self.sim.latency_buckets:]
-            ttft = [x for b in lat for x in b.ttft]
-            tpot = [x for b in lat for x in b.tpot]
-            samples = len(tpot) if p.spec.role == "decode" else len(ttft)
-            out[name] = PoolMetrics(
-                bucket_s=self.sim.tick_s, arrivals_rps=[b.arrivals / self.sim.tick_s for b in hist],
-                mean_prompt_tokens=sum(b.prompt for b in hist) / arrivals if arrivals else 0.0,
-                mean_output_tokens=sum(b.output for b in hist) / arrivals if arrivals else 0.0,
-                ttft_p90_s=_p90(ttft) if ttft else None, tpot_p90_s=_p90(tpot) if tpot else None,
-                latency_samples=samples, queue_depth=sum(b.queued for b in lat) / len(lat) if lat else 0.0,
-                in_flight=sum(b.running for b in lat) / len(lat) if lat else 0.0)
-        return out
-
-
-class SimActuator:
-    """PoolActuator over the simulated pools. Scale-up re-admits draining replicas first, then
-    starts new ones (ready after ``startup_s``; beyond ``max_total_replicas`` they are pending until
-    a replica leaves). Scale-down cancels pending, then starting (newest first), then drains the
-    ready replicas with the fewest requests in flight."""
-
-    def __init__(self, sim: Simulation) -> None:
-        self.sim = sim
-
-    def status(self, pool: str) -> PoolStatus:
-        p = self.sim.pools[pool]
-        states = [r.state for r in p.replicas.values()]
-        return PoolStatus(pool, p.desired, states.count("ready"), states.count("starting"), p.pending,
-                          states.count("draining"))
-
-    def scale_to(self, pool: str, replicas: int) -> None:
-        p, now = self.sim.pools[pool], self.sim.now
-        p.desired = replicas
-        live = [r for r in p.replicas.values() if r.state in ("starting", "ready")]
-        have = len(live) + p.pending
-        if replicas > have:
-            for r in [r for r in p.replicas.values() if r.state == "draining"][:replicas - have]:
-                r.state = "ready"
-                p.routable.append(r)
-                have += 1
-            for _ in range(replicas - have):
-                if self._room():
-                    self.sim._push(now + p.spec.startup_s, READY, self.add_replica(p, now))
-                else:
-                    p.pending += 1
-            return
-        drop = have - replicas
-        cancel = min(drop, p.pending)
-        p.pending -= cancel
-        drop -= cancel
-        starting = sorted((r for r in live if r.state == "starting"), key=lambda r: -r.created_at)
-        for r in starting[:drop]:
-            self.remove(p, r)
-        drop -= min(drop, len(starting))
-        for r in sorted((r for r in live if r.state == "ready"), key=lambda r: r.in_flight)[:drop]:
-            r.state = "draining"
-            p.routable.remove(r)
-            self.sim._maybe_leave(r)
-
-    def _room(self) -> bool:
-        total = sum(p.alive for p in self.sim.pools.values())
-        return self.sim.max_total is None or total < self.sim.max_total
-
-    def add_replica(self, p: _Pool, now: float) -> SimReplica:
-        r = SimReplica(f"{p.name}-{p.next_index}", p.name, p.spec.service, p.colocated, now)
-        p.next_index += 1
-        p.replicas[r.worker_id] = r
-        p.count_alive(now, +1)
-        return r
-
-    def remove(self, p: _Pool, r: SimReplica) -> None:
-        assert r.idle(), f"{r.worker_id} removed with {r.in_flight} requests"
-        r.state, r.left_at = "gone", self.sim.now
-        del p.replicas[r.worker_id]
-        p.count_alive(self.sim.now, -1)
-        for q in self.sim.pools.values():  # a freed slot places a pending replica
-            if q.pending and self._room():
-                q.pending -= 1
-                self.sim._push(self.sim.now + q.spec.startup_s, READY, self.add_replica(q, self.sim.now))
-                break

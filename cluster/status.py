@@ -112,7 +112,12 @@ def _worker_load(endpoint: str, timeout: float) -> dict[str, Any]:
                      "prefix_cache_hits": r.prefix_cache_hits, "num_preemptions": r.num_preemptions,
                      "spec_method": r.spec_method or "none", "spec_draft_tokens": r.spec_draft_tokens,
                      "spec_accepted_tokens": r.spec_accepted_tokens, "spec_verifies": r.spec_verifies,
-                     "spec_emitted_tokens": r.spec_emitted_tokens, "spec_fallbacks": r.spec_fallbacks}}
+                     "spec_emitted_tokens": r.spec_emitted_tokens, "spec_fallbacks": r.spec_fallbacks,
+                     "kv_transfers_sent": r.kv_transfers_sent, "kv_transfers_received": r.kv_transfers_received,
+                     "kv_bytes_sent": r.kv_bytes_sent, "kv_bytes_received": r.kv_bytes_received,
+                     "kv_transfer_failures": r.kv_transfer_failures, "prefix_pulls": r.prefix_pulls,
+                     "prefix_pull_blocks": r.prefix_pull_blocks, "prefix_pull_bytes": r.prefix_pull_bytes,
+                     "prefix_pull_failures": r.prefix_pull_failures, "prefix_pulls_served": r.prefix_pulls_served}}
 
 
 def _node(w: dict[str, Any]) -> str:
@@ -162,4 +167,12 @@ def format_status(status: dict[str, Any]) -> str:
                 length = ld["spec_emitted_tokens"] / max(ld["spec_verifies"], 1)
                 lines.append(f"  {'':<12} speculative {ld['spec_method']}: acceptance {rate:.0%}, {length:.2f} tokens "
                              f"per verify, {ld['spec_fallbacks']} fallbacks")
+            if ld.get("kv_transfers_sent") or ld.get("kv_transfers_received") or ld.get("kv_transfer_failures"):
+                lines.append(f"  {'':<12} KV transfers: sent {ld['kv_transfers_sent']} ({ld['kv_bytes_sent'] / 1e6:.1f} "
+                             f"MB), received {ld['kv_transfers_received']} ({ld['kv_bytes_received'] / 1e6:.1f} MB), "
+                             f"{ld['kv_transfer_failures']} failed")
+            if ld.get("prefix_pulls") or ld.get("prefix_pull_failures") or ld.get("prefix_pulls_served"):
+                lines.append(f"  {'':<12} prefix pulls: {ld['prefix_pulls']} pulled ({ld['prefix_pull_blocks']} blocks, "
+                             f"{ld['prefix_pull_bytes'] / 1e6:.1f} MB), {ld['prefix_pull_failures']} fell back to "
+                             f"recompute, {ld['prefix_pulls_served']} served")
     return "\n".join(lines)

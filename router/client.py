@@ -51,6 +51,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
+from workers.structured.convert import spec_to_proto
+from workers.structured.spec import StructuredOutput
 
 DEFAULT_TARGET = "localhost:50051"
 FINISH_REASONS = {duet_pb2.FINISH_REASON_STOP: "stop", duet_pb2.FINISH_REASON_LENGTH: "length",
@@ -139,8 +141,11 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
                   num_speculative_tokens: int | None = None, n: int = 0, presence_penalty: float | None = None,
                   frequency_penalty: float | None = None, repetition_penalty: float | None = None,
                   min_p: float | None = None, min_tokens: int = 0, logit_bias: Mapping[int, float] | None = None,
-                  top_logprobs: int | None = None) -> duet_pb2.GenerateRequest:
-    """The GenerateRequest for these arguments (ValueError if not exactly one prompt form)."""
+                  top_logprobs: int | None = None,
+                  structured: StructuredOutput | None = None) -> duet_pb2.GenerateRequest:
+    """The GenerateRequest for these arguments (ValueError if not exactly one prompt form).
+    structured: constrain the output (JSON schema, regex, choice, grammar; see
+    workers/structured/spec.py), e.g. ``StructuredOutput("choice", choices=("yes", "no"))``."""
     given = [name for name, v in (("prompt", prompt), ("token_ids", token_ids), ("messages", messages))
              if v is not None]
     if len(given) != 1:
@@ -151,6 +156,8 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
         ignore_eos=ignore_eos, num_speculative_tokens=num_speculative_tokens, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, min_p=min_p, min_tokens=min_tokens,
         logit_bias=dict(logit_bias or {}), top_logprobs=top_logprobs)
+    if structured is not None:
+        sampling.structured.CopyFrom(spec_to_proto(structured, duet_pb2.StructuredOutput))
     request = duet_pb2.GenerateRequest(sampling=sampling, model=model, request_id=request_id, n=n)
     if prompt is not None:
         request.prompt = prompt

@@ -96,6 +96,10 @@ class RouterConfig:
     # prompts shorter than this run colocated on the decode worker; the workers' KV block size.
     disagg_min_prompt_tokens: int = 256
     disagg_block_size: int = 16
+    # Prefix pull (router/prefix_pull.py): a colocated route to a worker lacking at least this many
+    # leading prompt tokens that another worker holds has it pull their KV blocks from that worker
+    # instead of recomputing them. 0 = off.
+    prefix_pull_min_tokens: int = 0
     # Shutdown: seconds in-flight streams get to finish on stop().
     shutdown_grace_s: float = 5.0
     # Membership: host:port of the controller's duet.control.v1.Membership service. Set, the router
@@ -172,6 +176,7 @@ class RouterConfig:
         _int_at_least("max_request_bytes", self.max_request_bytes, 1024)
         _int_at_least("disagg_min_prompt_tokens", self.disagg_min_prompt_tokens, 0)
         _int_at_least("disagg_block_size", self.disagg_block_size, 1)
+        _int_at_least("prefix_pull_min_tokens", self.prefix_pull_min_tokens, 0, " (0 = off)")
 
     @property
     def tls(self) -> bool:

@@ -60,6 +60,7 @@ from router.attempt import Action, AttemptBudget, AttemptOutcome, Decision, Outc
 from router.config import RouterConfig
 from router.policies import NoWorkersAvailable, RouteRequest, RoutingPolicy
 from router.policies.disagg import DisaggRouter, Route
+from router.prefix_pull import PrefixPullPlanner
 from router.preprocess import PreparedRequest, RequestError, ServedModel, prepare_request
 from router.request_metrics import RequestClock, RequestMetrics
 from router.worker_stream import Progress, stream_attempt
@@ -81,6 +82,8 @@ class Pipeline:
         self.policy = policy
         self.router = DisaggRouter(policy, block_size=config.disagg_block_size,
                                    min_prompt_tokens=config.disagg_min_prompt_tokens)
+        self.pull_planner = (PrefixPullPlanner(config.prefix_pull_min_tokens, config.disagg_block_size)
+                             if config.prefix_pull_min_tokens else None)
         self.admission = admission
         self.counts: Counter[str] = Counter()
         self.metrics = metrics or RequestMetrics()  # per-pool latency histograms (router/request_metrics.py)
@@ -104,7 +107,7 @@ class Pipeline:
 
     async def _prepare(self, request: duet_pb2.GenerateRequest) -> PreparedRequest:
         size = len(request.prompt) + sum(len(m.content) for m in request.messages.messages)
-        if size > _OFFLOAD_CHARS:
+        if size > _OFFLOAD_CHARS or request.sampling.HasField("structured"):  # a grammar compile may take ms
             return await asyncio.to_thread(prepare_request, request, self.model, self.config)
         return prepare_request(request, self.model, self.config)
 
@@ -147,7 +150,8 @@ class Pipeline:
         lease = self.directory.begin(chosen.decode_id, route)
         prefill = self.directory.begin(chosen.prefill_id, route) if chosen.prefill_id else None
         try:
-            async with aclosing(stream_attempt(prep, lease, prefill, progress, deadline, self.metrics)) as events:
+            async with aclosing(stream_attempt(prep, lease, prefill, progress, deadline, self.metrics,
+                                               chosen.pull)) as events:
                 async for event in events:
                     if isinstance(event, AttemptOutcome):
                         self._observe(event, lease if not event.prefill_failed else prefill)
@@ -202,6 +206,8 @@ class Pipeline:
                 workers = [replace(w, healthy=False) if w.worker_id in tried else w for w in workers]
             try:
                 chosen = self.router.select(route, workers, require_prefill=require_prefill)
+                if self.pull_planner is not None and chosen.prefill_id is None:
+                    chosen = replace(chosen, pull=self.pull_planner.plan(route, chosen.decode_id, workers))
                 if waited:
                     self.counts["waited_for_worker"] += 1
                 return chosen
@@ -216,6 +222,8 @@ class Pipeline:
 
     def stats(self) -> dict[str, object]:
         return {"requests": dict(self.counts), "admission": self.admission.stats(),
-                "policy_name": self.policy.name, "policy": self.router.counters(), "workers": self.directory.describe(),
+                "policy_name": self.policy.name, "workers": self.directory.describe(),
+                "policy": {**self.router.counters(),
+                           **(self.pull_planner.counters() if self.pull_planner is not None else {})},
                 "worker_stream_failures": self.directory.num_stream_failures}
 

@@ -31,6 +31,9 @@ import grpc
 from protos.duet.v1 import duet_pb2
 from protos.duet.worker.v1 import worker_pb2
 from router.config import RouterConfig, RouterConfigError
+from workers.errors import InvalidRequestError
+from workers.structured.convert import spec_from_proto, spec_to_proto
+from workers.structured.grammar import GrammarCompiler
 
 MAX_REQUEST_ID_LEN = 256
 # Sampling limits (the public proto documents them; the worker checks the same ones again).
@@ -57,10 +60,20 @@ def invalid(field: str, message: str) -> RequestError:
 
 @dataclass(frozen=True)
 class ServedModel:
+    """grammars: compiles structured-output specs at the edge (cached), so a bad one is refused
+    here, naming the field, and never reaches a worker (built from the tokenizer when not given)."""
+
     name: str
     tokenizer: Any
     max_model_len: int
     vocab_size: int
+    grammars: GrammarCompiler | None = None
+
+    def __post_init__(self) -> None:
+        if self.grammars is None:
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+            object.__setattr__(self, "grammars", GrammarCompiler(self.tokenizer, self.vocab_size,
+                                                                 [] if eos is None else [eos]))
 
     @classmethod
     def load(cls, config: RouterConfig, tokenizer: Any | None = None) -> ServedModel:
@@ -203,6 +216,8 @@ def _sampling(p: duet_pb2.SamplingParams, model: ServedModel, config: RouterConf
     if p.HasField("num_speculative_tokens") and p.num_speculative_tokens > 64:
         raise invalid("sampling.num_speculative_tokens", f"must be in 0..64 (0 = off), got {p.num_speculative_tokens}")
     extra = _penalties(p, model, max_tokens)
+    if p.HasField("structured"):
+        extra["structured"] = _structured(p, model)
     # Past the context limit the worker ends with LENGTH anyway; clamping keeps load estimates honest.
     max_tokens = min(max_tokens, model.max_model_len - prompt_len)
     extra["min_tokens"] = min(extra["min_tokens"], max_tokens)
@@ -212,6 +227,21 @@ def _sampling(p: duet_pb2.SamplingParams, model: ServedModel, config: RouterConf
         ignore_eos=p.ignore_eos,
         num_speculative_tokens=p.num_speculative_tokens if p.HasField("num_speculative_tokens") else None, **extra)
     return sampling, tuple(p.stop)
+
+
+def _structured(p: duet_pb2.SamplingParams, model: ServedModel) -> worker_pb2.StructuredOutput:
+    """Validate and compile the structured-output spec (cached; bounded by the compiler's time limit).
+    Blocking: the pipeline prepares such requests off the event loop."""
+    try:
+        spec = spec_from_proto(p.structured)
+        if spec is not None:
+            if p.ignore_eos:
+                raise InvalidRequestError("ignore_eos", "cannot be combined with structured output (EOS ends "
+                                                        "the output where the grammar is complete)")
+            model.grammars.compile(spec)
+    except InvalidRequestError as e:
+        raise invalid(f"sampling.{e.field}", str(e)[len(e.field) + 2:]) from None
+    return spec_to_proto(spec, worker_pb2.StructuredOutput)
 
 
 def _penalties(p: duet_pb2.SamplingParams, model: ServedModel, max_tokens: int) -> dict[str, Any]:

@@ -107,6 +107,11 @@ WORKER_COUNTERS = (
     ("kv_bytes_received", "kv_received_bytes", "KV bytes received"),
     ("kv_transfer_failures", "kv_transfer_failures", "failed KV transfers"),
     ("kv_transfer_seconds", "kv_transfer_seconds", "wall time spent in KV transfers"),
+    ("prefix_pulls", "prefix_pulls", "prompt prefixes pulled from another worker instead of recomputed"),
+    ("prefix_pull_blocks", "prefix_pull_blocks", "KV blocks pulled for prompt prefixes"),
+    ("prefix_pull_bytes", "prefix_pull_bytes", "KV bytes pulled for prompt prefixes"),
+    ("prefix_pull_failures", "prefix_pull_failures", "prefix pulls that failed (the prompt was computed instead)"),
+    ("prefix_pulls_served", "prefix_pulls_served", "prefix pulls this worker served as the holder"),
 )
 # ---- speculative decoding (workers/spec_decode/speculator.py) -----------------------------------
 # acceptance rate = rate(duet_worker_spec_accepted_tokens_total) / rate(..._spec_draft_tokens_total);

@@ -32,6 +32,7 @@ import grpc
 from protos.duet.v1 import duet_pb2
 from protos.duet.worker.v1 import worker_pb2
 from router.attempt import PASS_THROUGH, AttemptOutcome, OutcomeKind, outcome_from_status
+from router.prefix_pull import PullSource
 from router.preprocess import PreparedRequest
 from router.request_metrics import RequestClock, RequestMetrics
 from router.workers import WorkerLease
@@ -71,9 +72,10 @@ class Progress:
 
 async def stream_attempt(prep: PreparedRequest, lease: WorkerLease, prefill: WorkerLease | None,
                          progress: Progress, deadline: float | None,
-                         metrics: RequestMetrics) -> AsyncIterator[AttemptEvent]:
+                         metrics: RequestMetrics, pull: PullSource | None = None) -> AsyncIterator[AttemptEvent]:
     """Yield the client's GenerateResponses of one attempt, then exactly one AttemptOutcome (the
-    last event; a FINISHED one carries the last response). ``deadline`` (time.monotonic) bounds the worker call. Raises only
+    last event; a FINISHED one carries the last response). ``deadline`` (time.monotonic) bounds the worker call.
+    ``pull``: the prefix the worker pulls from another one (Submit.prefix_source). Raises only
     asyncio.CancelledError, when the request itself is cancelled."""
     started = time.monotonic()
     timeout = None if deadline is None else max(deadline - started, 0.001)
@@ -82,6 +84,9 @@ async def stream_attempt(prep: PreparedRequest, lease: WorkerLease, prefill: Wor
         state = prefill.state
         request.remote_prefill.CopyFrom(worker_pb2.RemotePrefill(
             worker_id=prefill.worker_id, endpoint=state.endpoint, incarnation=state.incarnation))
+    if pull is not None:
+        request.prefix_source.CopyFrom(worker_pb2.PrefixSource(
+            worker_id=pull.worker_id, endpoint=pull.endpoint, incarnation=pull.incarnation, num_tokens=pull.num_tokens))
     call = lease.stub.Submit(request, timeout=timeout)
     lease.call = call
     if prefill is not None:  # a prefill worker declared dead cancels the call too (it may hang on it)

@@ -117,6 +117,23 @@ class BlockManager:
             parent = key
         return blocks
 
+    def cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """The cached blocks spelling the longest cached prefix of ``token_ids`` (full blocks only,
+        the last one included; a lookup, not a query: the hit counters are left alone)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        blocks: list[int] = []
+        parent: BlockKey | None = None
+        for i in range(len(token_ids) // bs):
+            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            block_id = self._cached.get(key)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+            parent = key
+        return blocks
+
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Make ``seq``'s table cover ``num_computed_tokens + num_new_tokens`` tokens.
 

@@ -27,6 +27,7 @@ DRAFTER_DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 PARALLEL_AXES = ("ep", "sp", "tp")  # mesh order, outermost first (workers/parallel/groups.py)
 COMM_MODES = ("auto", "shm", "gloo")  # ParallelConfig.comm
+KV_BACKENDS = ("auto", "shm", "gloo", "nccl")  # EngineConfig.kv_transfer_backend (workers/kv_transfer.py)
 
 
 @dataclass(frozen=True)
@@ -237,6 +238,10 @@ class EngineConfig:
         device cuda only, tensor parallel 1).
     cuda_graph_batch_sizes: the batch sizes to capture (each in 1..scheduler.max_num_seqs); None =
         1, 2, 4, 8 and multiples of 8 up to max_num_seqs. A batch between two sizes is padded up.
+    kv_transfer_backend: how KV this worker receives (disaggregated prefill, prefix pull) travels:
+        'auto' (shared memory from a peer on the same host when the KV cache is on the CPU, else
+        nccl on CUDA, else gloo), or forced 'shm' | 'gloo' | 'nccl' (nccl needs the cache on CUDA);
+        see workers/kv_transfer.py.
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -252,6 +257,7 @@ class EngineConfig:
     cpu_kernels: bool = True
     cuda_graphs: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    kv_transfer_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_batch_sizes, list):
@@ -277,6 +283,11 @@ class EngineConfig:
                 (self.device.startswith("cuda:") and self.device[5:].isdigit())):
             raise ConfigError(f"device={self.device!r}: must be 'auto', 'cpu' or 'cuda[:N]'")
         capture_sizes(self.cuda_graphs, self.device, self.cuda_graph_batch_sizes, self.scheduler.max_num_seqs)
+        if self.kv_transfer_backend not in KV_BACKENDS:
+            raise ConfigError(f"kv_transfer_backend={self.kv_transfer_backend!r}: must be one of {', '.join(KV_BACKENDS)}")
+        if self.kv_transfer_backend == "nccl" and self.device == "cpu":
+            raise ConfigError("kv_transfer_backend='nccl' with device='cpu': nccl moves KV between GPUs; use auto, "
+                              "shm or gloo, or device cuda")
 
     @property
     def graph_capture_sizes(self) -> tuple[int, ...]:

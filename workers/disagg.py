@@ -5,14 +5,15 @@ Sequence for one request (D = decode worker, P = prefill worker; the router sent
 
     D  engine.reserve          prefix-cache hits + blocks for the rest -> KVTicket
     D  receiver.expect(tid)    register the transfer this request waits for
-    D  receiver.channel(pair)  start (or reuse) the pair's gloo/nccl group rendezvous on D's store;
+    D  receiver.channel(pair)  start (or reuse) the pair's channel rendezvous on D's store (shm when P
+                               is on D's host and the cache on the CPU, else gloo/nccl: ``choose_backend``);
                                once up, the pair's receive loop reads every announced transfer
     D -> P  Prefill(ticket, D's store address, pair key)          [gRPC, worker to worker]
     P  sender.channel(pair)    join the same rendezvous (first time for this pair key only)
     P  engine: compute the prompt (chunked, prefix cache), sample token 1, copy out blocks
        first_block.. and free everything (KVExport)
     P -> D  PrefillResponse #1 (token 1, its logprobs if asked, generator state)
-    P => D  announce, header, per-block (seq, checksum), payload   [torch.distributed, never gRPC]
+    P => D  announce, header, per-block (seq, checksum), payload   [shm ring / gloo / nccl, never gRPC]
     D  receive loop            read + verify (layout, id, range, sequence numbers, checksums) and
                                settle the request's future
     P -> D  PrefillResponse #2 (bytes, seconds)                 "sent"
@@ -37,7 +38,7 @@ import grpc
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from workers.engine_loop import EngineLoop, Sink, WorkerUnavailableError
-from workers.kv_transfer import KVReceiver, KVSender, KVTransferError, PairKey, resolve_kv_backend
+from workers.kv_transfer import KVReceiver, KVSender, KVTransferError, PairKey, choose_backend, resolve_kv_backend
 from workers.runner import KVLayout, KVTicket
 from workers.logprobs_proto import from_proto, to_proto
 from workers.sampling_params import SamplingParams
@@ -67,19 +68,25 @@ class Disaggregation:
 
     def __init__(self, engine: EngineLoop, layout: KVLayout, worker_id: str, incarnation: str, *,
                  host: str = "127.0.0.1", device: str = "cpu", timeout_s: float = 30.0,
-                 kv_backend: str = "auto") -> None:
-        """kv_backend: ``kv_transfer_backend`` of this worker's decode half (workers/kv_transfer.py)."""
+                 kv_backend: str = "auto", fingerprint: int = 0) -> None:
+        """kv_backend: ``kv_transfer_backend`` of this worker's decode half (workers/kv_transfer.py).
+        fingerprint: the model fingerprint (workers/kv_wire.py) every transfer carries and checks."""
         assert layout.holds_all_heads, "a worker's engine holds (or gathers) every kv head"
-        self.backend = resolve_kv_backend(kv_backend, device)
+        self.backend = resolve_kv_backend(kv_backend, device)  # for peers on other hosts
+        self.requested_backend = kv_backend
+        self.device = device
+        self.host = host
+        self.fingerprint = fingerprint
         self.on_cuda = device.startswith("cuda")
         self.worker_id = worker_id
         self.incarnation = incarnation
         self.timeout_s = timeout_s
         self._engine = engine
         self._layout = layout
-        self._senders = {self.backend: KVSender(layout, self.backend, timeout_s)}
-        self.receiver = KVReceiver(layout, worker_id, incarnation, host, self.backend, timeout_s)
+        self._senders = {self.backend: KVSender(layout, self.backend, timeout_s, fingerprint)}
+        self.receiver = KVReceiver(layout, worker_id, incarnation, host, self.backend, timeout_s, fingerprint)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._backends: dict[str, str] = {}  # peer endpoint -> backend (backend_for)
 
     # ------------------------------------------------------------- decode half
     async def decode(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -91,11 +98,13 @@ class Disaggregation:
         ticket = await self._engine.reserve(request_id, prompt, params, resumed_output_tokens)
         if isinstance(ticket, Exception):
             raise ticket
-        key = self.receiver.pair_key(remote.worker_id, remote.incarnation)
+        backend = self.backend_for(remote.endpoint)
+        key = self.receiver.pair_key(remote.worker_id, remote.incarnation, backend)
         expected = self.receiver.expect(key, ticket.transfer_id, ticket.first_block, ticket.num_blocks)
         self.receiver.channel(key)  # start the rendezvous now; P joins when the request reaches it
         call = self._stub(remote.endpoint).Prefill(self._prefill_request(request_id, prompt, sampling, ticket, key,
-                                                                         remote.incarnation, resumed_output_tokens))
+                                                                         remote.incarnation, resumed_output_tokens,
+                                                                         backend))
         try:
             first = await call.read()
             if first is grpc.aio.EOF:
@@ -121,12 +130,39 @@ class Disaggregation:
 
     def _prefill_request(self, request_id: str, prompt: list[int], sampling: worker_pb2.SamplingParams,
                          ticket: KVTicket, key: PairKey, incarnation: str,
-                         resumed_output_tokens: int) -> worker_pb2.PrefillRequest:
+                         resumed_output_tokens: int, backend: str) -> worker_pb2.PrefillRequest:
         return worker_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling, transfer_id=ticket.transfer_id,
             first_block=ticket.first_block, num_blocks=ticket.num_blocks, kv_store_address=self.receiver.address,
             decode_worker_id=self.worker_id, decode_incarnation=self.incarnation, pair_generation=key.generation,
-            expected_incarnation=incarnation, backend=self.backend, resumed_output_tokens=resumed_output_tokens)
+            expected_incarnation=incarnation, backend=backend, resumed_output_tokens=resumed_output_tokens)
+
+    def backend_for(self, peer_endpoint: str) -> str:
+        """The transport for KV this worker receives from the worker at ``peer_endpoint`` (decided
+        once per endpoint: a host name is resolved only the first time)."""
+        backend = self._backends.get(peer_endpoint)
+        if backend is None:
+            backend = self._backends[peer_endpoint] = choose_backend(self.requested_backend, self.device,
+                                                                     peer_endpoint, self.host)
+        return backend
+
+    def sender_for(self, backend: str) -> KVSender:
+        """The sender for a receiver's ``backend`` ('gloo', 'shm' or 'nccl'; nccl only from a CUDA
+        cache). Raises PrefillRejected (FAILED_PRECONDITION) for one this worker cannot send."""
+        if backend not in ("gloo", "nccl", "shm") or (backend == "nccl" and not self.on_cuda):
+            raise PrefillRejected(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"backend: the receiver uses {backend!r}, which this worker cannot send "
+                                  "(nccl needs its cache on CUDA; gloo and shm work from any device)")
+        return self._sender(backend)
+
+    def sender_key(self, receiver_id: str, receiver_incarnation: str, generation: int, backend: str) -> PairKey:
+        """The pair key a receiver named (its id, incarnation, generation and backend)."""
+        return PairKey(self.worker_id, self.incarnation, receiver_id, receiver_incarnation, generation,
+                       "shm" if backend == "shm" else "")
+
+    def stub(self, endpoint: str) -> worker_pb2_grpc.WorkerStub:
+        """A Worker stub for a peer (one channel per endpoint, closed with this object)."""
+        return self._stub(endpoint)
 
     def _stub(self, endpoint: str) -> worker_pb2_grpc.WorkerStub:
         channel = self._channels.get(endpoint)
@@ -141,16 +177,12 @@ class Disaggregation:
         if request.expected_incarnation and request.expected_incarnation != self.incarnation:
             raise PrefillRejected(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"expected_incarnation: this worker is {self.incarnation} (it restarted)")
-        if request.backend not in ("gloo", "nccl") or (request.backend == "nccl" and not self.on_cuda):
-            raise PrefillRejected(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"backend: decode side uses {request.backend!r}, which this worker cannot send "
-                                  "(nccl needs its cache on CUDA; gloo works from any device)")
-        sender = self._sender(request.backend)
+        sender = self.sender_for(request.backend)
         if not request.transfer_id or request.num_blocks < 1 or not request.kv_store_address:
             raise PrefillRejected(grpc.StatusCode.INVALID_ARGUMENT,
                                   "transfer_id, num_blocks and kv_store_address: all required")
-        key = PairKey(self.worker_id, self.incarnation, request.decode_worker_id, request.decode_incarnation,
-                      request.pair_generation)
+        key = self.sender_key(request.decode_worker_id, request.decode_incarnation, request.pair_generation,
+                              request.backend)
         channel_future = sender.channel(key, request.kv_store_address)
         rid, sink = f"prefill/{request.request_id}", asyncio.Queue()
         self._engine.add(rid, list(request.prompt_token_ids), params, sink, export_from_block=request.first_block,
@@ -197,7 +229,7 @@ class Disaggregation:
         """The prefill half's sender for the decode side's backend (one per backend, made on first use)."""
         sender = self._senders.get(backend)
         if sender is None:
-            sender = self._senders[backend] = KVSender(self._layout, backend, self.timeout_s)
+            sender = self._senders[backend] = KVSender(self._layout, backend, self.timeout_s, self.fingerprint)
         return sender
 
     @property

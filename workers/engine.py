@@ -11,6 +11,13 @@ hand-off:
   decode side   ``reserve(id, prompt, params)`` -> a KVTicket; ``import_kv(id, ticket, kv, ...)``
                 writes the received blocks and decodes on after the first token. ``abort(id)``
                 returns a reservation's blocks.
+Structured output (``SamplingParams.structured``): the request's grammar compiles on a background
+thread (workers/structured/grammar.py, cached per spec) while the request waits in a GrammarGate
+(workers/structured/admission.py) instead of the scheduler; the runner masks each sampled token
+with the request's GrammarMatcher, which follows the request's tokens (so preemption, the
+disaggregated hand-off and resends need no extra state). A spec that does not compile, or a
+grammar that admits no token at some step, ends the request with ``RequestOutput.error``.
+
 Sampling continues exactly: the first token is drawn on the prefill side with the request's full
 params from its seeded generator, whose state travels with it; the rest of the sampler state
 (penalty counts, min_tokens progress) is a function of the token ids, which the decode side holds
@@ -30,7 +37,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -50,6 +57,9 @@ from workers.scheduler import Scheduler, SchedulerOutput
 from workers.sequence import FinishReason, Sequence, SequenceStatus
 from workers.spec_decode.proposer import Proposer
 from workers.spec_decode.speculator import Speculator, SpecStats
+from workers.structured.admission import GrammarGate
+from workers.structured.grammar import GrammarCompiler
+from workers.structured.matcher import GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +102,11 @@ class Engine:
         self.eos_token_ids = frozenset(self.spec.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._matchers: dict[str, GrammarMatcher] = {}  # structured-output requests
         self._arrivals = itertools.count()
+        # structured output: built on the first such request (the llguidance tokenizer takes ~0.5 s)
+        self.grammars = GrammarGate(lambda: GrammarCompiler(tokenizer, self.spec.vocab_size,
+                                                            sorted(self.eos_token_ids)))
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, runner: Runner | None = None, tokenizer: Any | None = None,
@@ -134,8 +148,11 @@ class Engine:
         if export_from_block is not None:
             self.handoff.mark_export(seq, export_from_block)
             self.scheduler.keep_all_blocks(seq.request_id)  # every exported block must be valid
-        self._register(seq)
-        self.scheduler.add(seq)
+        matcher = self._register(seq)
+        if matcher is not None:
+            self.grammars.park(seq, matcher, running=False)  # the scheduler gets it once compiled
+        else:
+            self.scheduler.add(seq)
         return seq.request_id
 
     def reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -157,7 +174,11 @@ class Engine:
         seq = self.handoff.complete(request_id, ticket, kv, generator_state)
         out = self._accept(seq, [first_token], [first_logprob] if first_logprob is not None else None)
         if not out.finished:
-            self.scheduler.add_running(seq)
+            matcher = self._matchers.get(request_id)
+            if matcher is not None:  # decodes once compiled; the matcher replays the first token
+                self.grammars.park(seq, matcher, running=True)
+            else:
+                self.scheduler.add_running(seq)
         return out
 
     def _new_sequence(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
@@ -177,17 +198,32 @@ class Engine:
         if any(not 0 <= t < self.spec.vocab_size for t in ids):
             raise InvalidRequestError("prompt_token_ids", f"every id must be in [0, {self.spec.vocab_size})")
         params.check_vocab(self.spec.vocab_size)
+        if params.structured is not None and not self.eos_token_ids:
+            raise InvalidRequestError("structured", "this model declares no EOS token, so a constrained output "
+                                      "could never end; set eos_token_id in its config.json")
+        if params.structured is not None and params.ignore_eos:
+            raise InvalidRequestError("ignore_eos", "cannot be combined with structured output (EOS ends the "
+                                      "output where the grammar is complete)")
         if not 0 <= resumed_output_tokens < len(ids):
             raise InvalidRequestError("resumed_output_tokens", f"must be in [0, {len(ids)}) (fewer than the "
                                       f"prompt's tokens), got {resumed_output_tokens}")
         return Sequence(request_id, ids, params, next(self._arrivals), num_resumed_tokens=resumed_output_tokens)
 
-    def _register(self, seq: Sequence) -> None:
+    def _register(self, seq: Sequence) -> GrammarMatcher | None:
+        """Track ``seq``; -> its grammar matcher (compiling) when it asks for structured output."""
+        structured = seq.sampling_params.structured
+        matcher = self.grammars.matcher(structured) if structured is not None else None
         self._seqs[seq.request_id] = seq
         self._detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
                                                              seq.sampling_params.stop)
-        self.runner.add_request(seq.request_id, seq.sampling_params, seq.token_ids, seq.num_prompt_tokens,
-                                seq.output_start)
+        if matcher is not None:
+            self._matchers[seq.request_id] = matcher
+            self.runner.add_request(seq.request_id, seq.sampling_params, seq.token_ids, seq.num_prompt_tokens,
+                                    seq.output_start, matcher=matcher)
+        else:  # (runners that predate structured output take no matcher argument)
+            self.runner.add_request(seq.request_id, seq.sampling_params, seq.token_ids, seq.num_prompt_tokens,
+                                    seq.output_start)
+        return matcher
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request and free its KV blocks. Returns its final output, or None if unknown."""
@@ -213,12 +249,12 @@ class Engine:
         assert stats.num_free_blocks == stats.num_blocks, "warm-up leaked KV blocks"
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or len(self.grammars) > 0
 
     def stats(self) -> EngineStats:
         s = self.scheduler
         moe = self.runner.moe_stats()
-        return EngineStats(len(s.running), len(s.waiting), s.num_preemptions, self.block_manager.stats(),
+        return EngineStats(len(s.running), len(s.waiting) + len(self.grammars), s.num_preemptions, self.block_manager.stats(),
                            expert_tokens=moe.expert_tokens, ep_rank_tokens=moe.ep_rank_tokens,
                            num_reserved=len(self.handoff.reserved()),
                            spec=self.speculator.stats() if self.speculator is not None else SpecStats())
@@ -233,21 +269,44 @@ class Engine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        failed = self._admit_compiled() if len(self.grammars) else []
         spec = self.speculator
         drafts = spec.draft(self.scheduler.running, self.max_model_len) if spec is not None else {}
         sched = self.scheduler.schedule({rid: d.token_ids for rid, d in drafts.items()})
         if sched.is_empty:
-            return []
+            if not failed and len(self.grammars):
+                self.grammars.wait(0.01)  # only compiles are left: sleep on them, do not spin
+            return failed
         t0 = time.perf_counter()
         result = self.runner.execute(sched, drafts)
+        # grammar dead ends end before the commit (which then skips them: they are no longer running)
+        failed += [self._fail(self._seqs[rid], error) for rid, error in result.errors.items()]
         self.scheduler.commit(sched, result.sampled)
         if spec is not None:
             spec.record(sched, result.sampled, time.perf_counter() - t0)
-        return self._postprocess(sched, result)
+        return failed + self._postprocess(sched, result)
 
     def _postprocess(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         return [self._accept(self._seqs[rid], tokens, result.logprobs.get(rid))
                 for rid, tokens in result.sampled.items()]
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Parked structured requests whose grammar compiled join the scheduler; failed ones end."""
+        failed = []
+        for seq, running, error in self.grammars.take_ready():
+            if error is not None:
+                failed.append(self._fail(seq, error))
+            elif running:
+                self.scheduler.add_running(seq)
+            else:
+                self.scheduler.add(seq)
+        return failed
+
+    def _fail(self, seq: Sequence, error: InvalidRequestError) -> RequestOutput:
+        """End ``seq`` with ``error`` (finish_reason ABORT; its blocks and state are freed)."""
+        logger.info("request %s failed: %s", seq.request_id, error)
+        seq.finish_reason = FinishReason.ABORT
+        return replace(self._finish(seq, [], ""), error=error)
 
     def _accept(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         """Append sampled tokens (several after a verify) one by one with the stop rules; finish the
@@ -277,6 +336,8 @@ class Engine:
         if self.speculator is not None:
             self.speculator.release(seq.request_id)
         self.scheduler.remove(seq)
+        self.grammars.discard(seq.request_id)
+        self._matchers.pop(seq.request_id, None)
         self.runner.remove_request(seq.request_id)
         delta += self._detok.pop(seq.request_id).flush()
         del self._seqs[seq.request_id]

@@ -25,6 +25,7 @@ import torch
 
 from workers.engine import Engine
 from workers.kv_handoff import KVCapacityError
+from workers.kv_wire import model_fingerprint
 from workers.errors import InvalidRequestError
 from workers.layers.logprobs import TokenLogprob
 from workers.runner import KVLayout, KVTicket, RequestOutput
@@ -45,6 +46,7 @@ class EngineLimits:
     vocab_size: int
     kv_layout: KVLayout | None = None  # the KV cache geometry (for disaggregated transfers)
     device: str = "cpu"
+    kv_fingerprint: int = 0  # workers/kv_wire.py model_fingerprint: what KV transfers carry and check
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,13 @@ class _Import:
     first_logprob: TokenLogprob | None = None
 
 
-Command = _Add | _Abort | _Reserve | _Import
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[Engine], object]  # run on the engine thread between two steps
+    reply: asyncio.Future  # -> its result, or the exception it raised
+
+
+Command = _Add | _Abort | _Reserve | _Import | _Call
 
 
 def _apply_deliveries(deliveries: list[Delivery]) -> None:
@@ -150,7 +158,7 @@ def _rejection(cmd: Command, reason: Exception) -> Delivery:
     """The answer to a command the engine thread will never run."""
     if isinstance(cmd, (_Add, _Import)):
         return cmd.sink, reason
-    return (cmd.reply, reason) if isinstance(cmd, _Reserve) else (cmd.reply, False)
+    return (cmd.reply, reason) if isinstance(cmd, (_Reserve, _Call)) else (cmd.reply, False)
 
 
 class EngineLoop:
@@ -200,6 +208,14 @@ class EngineLoop:
         """Decode side: write a verified transfer and start decoding; outputs arrive on ``sink``."""
         self._post(_Import(request_id, ticket, kv, first_token, generator_state, sink, first_logprob))
 
+    def call(self, fn: Callable[[Engine], object]) -> asyncio.Future:
+        """Run ``fn(engine)`` on the engine thread between two steps (for components beside the engine
+        that drive its block manager and runner, e.g. workers/prefix_pull.py). The future holds its
+        result, or the exception it raised (as a value, like ``reserve``); commands run in order."""
+        cmd = _Call(fn, self._loop.create_future())
+        self._post(cmd)
+        return cmd.reply
+
     def abort(self, request_id: str) -> asyncio.Future[bool]:
         """Abort a request (idempotent); the future says whether the engine still had it."""
         cmd = _Abort(request_id, self._loop.create_future())
@@ -246,8 +262,10 @@ class EngineLoop:
             self._close(None, None, deque())
             return
         self.snapshot = LoadSnapshot.of(engine)
-        self._deliver([(self._ready, EngineLimits(engine.max_model_len, engine.spec.vocab_size, engine.kv_layout(),
-                                                    engine.config.device))])
+        layout = engine.kv_layout()
+        fingerprint = model_fingerprint(engine.spec, layout.dtype, engine.config.quantization) if layout else 0
+        self._deliver([(self._ready, EngineLimits(engine.max_model_len, engine.spec.vocab_size, layout,
+                                                    engine.config.device, fingerprint))])
         commands: deque[Command] = deque()
         out: list[Delivery] = []  # answers not yet handed to the event loop
         try:
@@ -265,8 +283,8 @@ class EngineLoop:
                 if engine.has_unfinished():
                     for o in engine.step():
                         sink = self._sinks.pop(o.request_id, None) if o.finished else self._sinks.get(o.request_id)
-                        if sink is not None:
-                            out.append((sink, o))
+                        if sink is not None:  # a failed request (structured output) ends with its error
+                            out.append((sink, o if o.error is None else o.error))
                 self.snapshot = LoadSnapshot.of(engine)
                 self._deliver(out)
                 out = []
@@ -293,6 +311,12 @@ class EngineLoop:
                 out.append((cmd.reply, engine.reserve(cmd.request_id, cmd.prompt_token_ids, cmd.params,
                                                       cmd.resumed_output_tokens)))
             except (InvalidRequestError, KVCapacityError) as e:
+                out.append((cmd.reply, e))
+            return
+        if isinstance(cmd, _Call):
+            try:
+                out.append((cmd.reply, cmd.fn(engine)))
+            except Exception as e:  # noqa: BLE001 - handed to the caller; the engine state is the fn's to keep
                 out.append((cmd.reply, e))
             return
         if isinstance(cmd, _Import):

@@ -1,55 +1,58 @@
-"""KV-cache transfer between a prefill worker and a decode worker over torch.distributed.
+"""KV-cache transfer between a sending worker (prefill, or a prefix holder) and a receiving one
+(decode, or a prefix puller): pairs, their ordered transfer streams, and the transports under them.
 
 Terms:
-    pair        one (prefill worker, decode worker) couple. It owns a 2-rank process group:
-                rank 0 = the prefill worker (it only sends), rank 1 = the decode worker (it only
-                receives). Built lazily on first use, straight from a store (no global
-                ``init_process_group``), so any number of pairs coexist in one process and a third
-                worker joining or leaving never touches an existing pair's group.
-    store       the decode worker hosts a ``TCPStore`` server (``KVReceiver.address``); the prefill
-                worker dials it when a request names it. Each pair rendezvouses under its own
-                ``PrefixStore(pair_key)``.
-    pair key    ``kv/<prefill id>/<prefill incarnation>/<decode id>/<decode incarnation>/<generation>``:
-                a restarted worker (new incarnation) or a pair dropped after a failure (generation
-                + 1, chosen by the decode side) always rendezvouses afresh, never reusing a stale group.
-    transfer    the KV of one request's blocks, identified by a transfer id the decode side chose
-                when it reserved the blocks. Sent as three messages on the pair group:
-                  header     int64[HEADER_WORDS]: magic, version, layout (layers, blocks, block size,
-                             kv heads, head dim, dtype code), first logical block, transfer id bytes
-                  checks     int64[n, 2]: per block its logical index (a sequence number) and a checksum
-                  payload    [L, 2, n, bs, G, D] in the cache dtype
-                The receiver checks the layout against its own cache and the transfer id, first
-                block and count against the reservation, then recomputes every checksum; only a
-                transfer that passes every check is handed to the engine (``ReceivedKV``).
-    checksum    per block, the int64 sum of the raw bit patterns (as int16/int32 words) of all its
-                K/V elements over all layers: one cheap pass that catches truncation, a flipped
-                element and blocks swapped in transit (block i's sum lands under index j).
+    pair        one (sender, receiver) couple. It owns a 2-rank channel: rank 0 = the sender (the
+                ``prefill_*`` fields of its key), rank 1 = the receiver (``decode_*``). Built lazily
+                on first use, straight from a store (no global ``init_process_group``), so any
+                number of pairs coexist in one process and a third worker joining or leaving never
+                touches an existing pair's channel.
+    store       the receiver hosts a ``TCPStore`` server (``KVReceiver.address``); the sender dials it
+                when a request names it. Each pair rendezvouses under its own ``PrefixStore(pair_key)``.
+    pair key    ``kv/<sender id>/<sender incarnation>/<receiver id>/<receiver incarnation>/<generation>``
+                (+ ``/shm`` for a shared-memory pair): a restarted worker (new incarnation) or a pair
+                dropped after a failure (generation + 1, chosen by the receiver) always rendezvouses
+                afresh, never reusing a stale channel.
+    transfer    the KV of one request's blocks, identified by a transfer id the receiver chose when it
+                reserved the blocks. Three messages on the pair's channel: header, per-block
+                checks, payload (the format, checksums and model fingerprint: workers/kv_wire.py).
+                The receiver checks the header (layout and model fingerprint against its own), the
+                transfer id, first block and count against the reservation, then recomputes every
+                checksum; only a transfer that passes every check is handed on (``ReceivedKV``).
+
+Modules: this one holds the public API (KVSender, KVReceiver, PairKey, ReceivedKV); a pair's
+channel and the backend choice are workers/kv_channel.py, the wire format workers/kv_wire.py, the
+shared-memory ring workers/kv_shm.py.
+
+Transports (``kv_transfer_backend``, one of KV_BACKENDS; the receiver picks it and names it in
+the request):
+    shm         a ring in shared memory (workers/kv_shm.py): both workers on one host, host memory.
+    gloo        a 2-rank gloo group over TCP: any two hosts; a CUDA cache stages through pinned host
+                memory on either side (device -> pinned buffer -> gloo -> pinned buffer -> device).
+    nccl        a 2-rank NCCL group: GPU blocks GPU to GPU (both caches on CUDA).
+    auto        per peer: shm when the peer is on this host (its endpoint's address is this worker's,
+                or both are loopback), this worker's cache is on the CPU and the host supports it;
+                otherwise nccl when the cache is on CUDA, else gloo (``choose_backend``).
+A sender serves any shm or gloo request and an nccl one only from a CUDA cache; a shm request from
+another host fails its handshake with an error naming the setting.
 
 Ordering. Transfers on one pair form one ordered stream: the sender holds the pair's lock from
 announcement to payload; before each transfer it *announces* it in the pair's store (key
-``announce/<n>`` = transfer id, n = 1, 2, ...). The decode side runs one receive loop per pair (on
+``announce/<n>`` = transfer id, n = 1, 2, ...). The receiver runs one receive loop per pair (on
 the pair's own thread) that waits for announcement n, reads that whole transfer, dispatches it by
 transfer id to whoever expects it (or discards it: the request ended meanwhile) and moves to n + 1.
 So concurrent requests on one pair may complete in any order, a request that gives up never
 desynchronises the stream (its transfer is still read, then dropped), and no receive is posted for
 a transfer that was never started. A peer that dies mid-transfer shows as an error at once (gloo
-sees the closed connection), a silent one as a timeout.
+sees the closed connection; the shm ring checks the peer process), a silent one as a timeout.
 
-Failure: any error on a pair (timeout, closed peer, bad header, checksum mismatch) fails the
-transfer(s) involved with ``KVTransferError`` and drops the pair's group on that side; the decode
-side bumps the pair generation so the next request rendezvouses a new group.
+Failure: any error on a pair (timeout, closed peer, bad header, another model, checksum mismatch)
+fails the transfer(s) involved with ``KVTransferError`` and drops the pair's channel on that side;
+the receiver bumps the pair generation so the next request rendezvouses a new channel.
 
 Heads: a transfer always carries every kv head of the model (``KVLayout.num_kv_heads``), whatever
 the parallel shapes of the two workers: a gang's runner gathers its ranks' head shards before a
-send and scatters them after a receive (workers/parallel/gang.py), so a TP=2 prefill gang and a
-TP=1 decode worker (or any other pair of shapes) agree on the wire. Both sides check it.
-
-Backend (``kv_transfer_backend``): the decode side picks it and names it in the request.
-``nccl`` sends GPU blocks GPU to GPU (both caches on CUDA, one NCCL group per pair); ``gloo`` sends
-host tensors, and a CUDA cache stages through pinned host memory on either side (device -> pinned
-buffer -> gloo -> pinned buffer -> device): the path for CPU <-> GPU pairs and for GPUs that
-cannot share an NCCL group. ``auto`` = nccl when this worker's cache is on CUDA, else gloo. A
-prefill worker serves any gloo request and an nccl one only from a CUDA cache.
+send and scatters them after a receive (workers/parallel/gang.py). Both sides check it.
 
 Axes: L layers, n blocks in the transfer, bs block size, G kv heads, D head dim.
 """
@@ -60,67 +63,19 @@ import datetime
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
-from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+from torch.distributed import TCPStore
 
+from workers.config import KV_BACKENDS  # noqa: F401 - kv_transfer_backend's one definition, re-exported
+from workers.kv_channel import (PairChannel, PairKey, check_kv_backend, choose_backend,  # noqa: F401 - public API
+                                resolve_kv_backend, same_host)
+from workers.kv_wire import KVTransferError, block_checksums, verify  # noqa: F401 - public API
 from workers.runner import KVLayout
 
 logger = logging.getLogger(__name__)
-
-MAGIC = 0x4455_4554_4B56  # "DUETKV"
-VERSION = 1
-TID_BYTES = 64  # transfer ids are at most this long (utf-8)
-_FIXED = 10  # header words before the transfer id
-HEADER_WORDS = _FIXED + TID_BYTES // 8
-_WORD = {4: torch.int32, 2: torch.int16}
-_TAG_HEADER, _TAG_CHECKS, _TAG_PAYLOAD = 1, 2, 3
-
-
-KV_BACKENDS = ("auto", "nccl", "gloo")
-
-
-def resolve_kv_backend(requested: str, device: str) -> str:
-    """``kv_transfer_backend`` for a worker whose cache is on ``device`` -> 'nccl' or 'gloo'."""
-    if requested not in KV_BACKENDS:
-        raise ValueError(f"kv_transfer_backend={requested!r}: must be one of {', '.join(KV_BACKENDS)}")
-    on_cuda = device.startswith("cuda")
-    if requested == "nccl" and not on_cuda:
-        raise ValueError(f"kv_transfer_backend='nccl' needs the KV cache on CUDA (device={device!r}); use gloo or auto")
-    if requested == "auto":
-        return "nccl" if on_cuda else "gloo"
-    return requested
-
-
-def _staged(kv: torch.Tensor) -> torch.Tensor:
-    """kv in host memory for gloo: a CUDA tensor goes through a pinned buffer (one DMA copy)."""
-    if not kv.is_cuda:
-        return kv.contiguous()
-    host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
-    host.copy_(kv)  # blocking: the buffer is complete before gloo reads it
-    return host
-
-
-class KVTransferError(Exception):
-    """A transfer failed or did not verify; its KV must not be used. The pair has been dropped."""
-
-
-@dataclass(frozen=True)
-class PairKey:
-    """Identity of one pair's process group (see the module docstring)."""
-
-    prefill_id: str
-    prefill_incarnation: str
-    decode_id: str
-    decode_incarnation: str
-    generation: int
-
-    @property
-    def prefix(self) -> str:
-        return (f"kv/{self.prefill_id}/{self.prefill_incarnation}/{self.decode_id}/"
-                f"{self.decode_incarnation}/{self.generation}")
 
 
 @dataclass(frozen=True)
@@ -132,141 +87,6 @@ class ReceivedKV:
     kv: torch.Tensor
     num_bytes: int
     seconds: float
-
-
-def block_checksums(kv: torch.Tensor) -> torch.Tensor:
-    """kv [L, 2, n, bs, G, D] -> [n] int64: per block, the sum of its elements' bit patterns."""
-    words = kv.contiguous().view(_WORD[kv.element_size()])
-    return words.sum(dim=(0, 1, 3, 4, 5), dtype=torch.int64)
-
-
-def _encode_header(layout: KVLayout, transfer_id: str, first_block: int, num_blocks: int) -> torch.Tensor:
-    tid = transfer_id.encode()
-    assert 0 < len(tid) <= TID_BYTES, f"transfer id {transfer_id!r} must be 1..{TID_BYTES} bytes"
-    head = torch.zeros(HEADER_WORDS, dtype=torch.int64)
-    head[:_FIXED] = torch.tensor([MAGIC, VERSION, *layout.as_words(), first_block, num_blocks, len(tid)])
-    raw = torch.zeros(TID_BYTES, dtype=torch.uint8)
-    raw[: len(tid)] = torch.frombuffer(bytearray(tid), dtype=torch.uint8)
-    head[_FIXED:] = raw.view(torch.int64)
-    return head
-
-
-def _decode_header(head: torch.Tensor, layout: KVLayout) -> tuple[str, int, int]:
-    """-> (transfer id, first block, num blocks); raises KVTransferError on a malformed header."""
-    words = head[:_FIXED].tolist()
-    if words[0] != MAGIC or words[1] != VERSION:
-        raise KVTransferError(f"bad transfer header (magic {words[0]:#x}, version {words[1]}): stream out of sync")
-    if words[2:7] != layout.as_words():
-        raise KVTransferError(f"KV layout mismatch: sender {words[2:7]}, receiver {layout.as_words()} "
-                              "(layers, block size, kv heads, head dim, dtype): the workers run different models")
-    first_block, num_blocks, tid_len = words[7:10]
-    if not 0 < tid_len <= TID_BYTES or num_blocks < 1 or first_block < 0:
-        raise KVTransferError(f"bad transfer header (id length {tid_len}, {num_blocks} blocks from {first_block})")
-    tid = bytes(head[_FIXED:].view(torch.uint8)[:tid_len].tolist()).decode(errors="replace")
-    return tid, first_block, num_blocks
-
-
-class PairChannel:
-    """One pair's 2-rank process group. Blocking methods: call them from a thread, not an event loop."""
-
-    def __init__(self, key: PairKey, store: TCPStore, rank: int, timeout_s: float, backend: str,
-                 wait_store: TCPStore | None = None) -> None:
-        """wait_store (rank 1): a store client of its own for the receive loop's blocking waits (a
-        client serialises its calls: a wait on the shared one would block every other pair)."""
-        assert rank in (0, 1)
-        self.key = key
-        self.rank = rank
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.lock = threading.Lock()  # one transfer at a time on this pair
-        self._announced = 0  # rank 0: transfers announced; rank 1: the next one the loop waits for
-        self._closed = threading.Event()
-        # The pair's own thread for blocking sends/receives: a shared pool could fill up with
-        # transfers waiting on each other (both halves in one process) and deadlock until timeout.
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{key.prefill_id}-{key.decode_id}")
-        pstore = self.store = PrefixStore(key.prefix, store)
-        self._wait_store = PrefixStore(key.prefix, wait_store) if wait_store is not None else pstore
-        if backend == "nccl":
-            from torch.distributed import ProcessGroupNCCL
-
-            self.group = ProcessGroupNCCL(pstore, rank, 2)
-        else:
-            self.group = ProcessGroupGloo(pstore, rank, 2, self.timeout)
-        self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
-
-    def close(self) -> None:
-        """Stop using the pair. On the receiving side this also wakes the receive loop (it waits for
-        the next announcement) with an empty announcement, on which it exits."""
-        self._closed.set()
-        if self.rank == 1:
-            try:
-                self.store.set(f"announce/{self._announced}", b"")
-            except Exception:  # noqa: BLE001 - the store is gone: the loop fails on its own
-                pass
-        self.executor.shutdown(wait=False)
-
-    def announce(self, transfer_id: str) -> None:
-        """Rank 0, holding ``lock``: tell the receive loop that the next transfer on the stream is this one."""
-        self._announced += 1
-        self.store.set(f"announce/{self._announced}", transfer_id.encode())
-
-    def receive_loop(self, layout: KVLayout, deliver, fail) -> None:
-        """Rank 1, on ``executor``: for announcement 1, 2, ...: receive that transfer and call
-        ``deliver(transfer id, first block, checks, kv, bytes, seconds)``. On an error call
-        ``fail(error)`` and stop (the pair is unusable). Returns when closed."""
-        wait = datetime.timedelta(seconds=300)  # idle pairs just wait again (TCPStore logs each timeout)
-        while not self._closed.is_set():
-            self._announced += 1
-            while not self._closed.is_set():
-                try:
-                    self._wait_store.wait([f"announce/{self._announced}"], wait)
-                    break
-                except RuntimeError as e:
-                    if "timeout" not in str(e).lower():
-                        fail(e)
-                        return
-            if self._closed.is_set() or not self._wait_store.get(f"announce/{self._announced}"):
-                return
-            start = time.monotonic()
-            try:
-                with self.lock:
-                    tid, first, checks, kv, nbytes = self.receive(layout)
-            except BaseException as e:  # noqa: BLE001 - any failure poisons the pair
-                fail(e)
-                return
-            deliver(tid, first, checks, kv, nbytes, time.monotonic() - start)
-
-    def _wait(self, work) -> None:
-        if not work.wait(self.timeout):
-            raise KVTransferError(f"pair {self.key.prefix}: timed out after {self.timeout.total_seconds():g} s")
-
-    def send(self, layout: KVLayout, transfer_id: str, first_block: int, kv: torch.Tensor) -> int:
-        """Rank 0: send one transfer (caller holds ``lock``). kv [L, 2, n, bs, G, D]. Returns bytes sent."""
-        n = kv.shape[2]
-        assert kv.shape[4] == layout.num_kv_heads, "a transfer carries every kv head (the runner gathers them)"
-        payload = kv.contiguous().to(self.device) if self.device.type == "cuda" else _staged(kv)
-        # checksums of what is sent (the same bits), gathered to the host whatever the device
-        checks = torch.stack([torch.arange(first_block, first_block + n), block_checksums(payload).cpu()], dim=1)  # [n, 2]
-        head = _encode_header(layout, transfer_id, first_block, n)
-        self.announce(transfer_id)
-        for tensor, tag in ((head.to(self.device), _TAG_HEADER), (checks.to(self.device), _TAG_CHECKS),
-                            (payload, _TAG_PAYLOAD)):
-            self._wait(self.group.send([tensor], 1, tag))
-        return head.nbytes + checks.nbytes + payload.nbytes
-
-    def receive(self, layout: KVLayout) -> tuple[str, int, torch.Tensor, torch.Tensor, int]:
-        """Rank 1: receive one whole transfer (caller holds ``lock``).
-        -> (transfer id, first block, checks [n, 2], kv [L, 2, n, bs, G, D], bytes)."""
-        head = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
-        self._wait(self.group.recv([head], 0, _TAG_HEADER))
-        tid, first_block, n = _decode_header(head.cpu(), layout)
-        checks = torch.empty(n, 2, dtype=torch.int64, device=self.device)
-        self._wait(self.group.recv([checks], 0, _TAG_CHECKS))
-        # gloo on a CUDA machine: receive into pinned memory so the engine's copy to its cache is one DMA
-        pin = self.device.type == "cpu" and torch.cuda.is_available()
-        kv = torch.empty(layout.num_layers, 2, n, layout.block_size, layout.num_kv_heads, layout.head_dim,
-                         dtype=layout.dtype, device=self.device, pin_memory=pin)
-        self._wait(self.group.recv([kv], 0, _TAG_PAYLOAD))
-        return tid, first_block, checks.cpu(), kv, head.nbytes + checks.nbytes + kv.nbytes
 
 
 @dataclass
@@ -282,14 +102,18 @@ class TransferStats:
 
 
 class KVSender:
-    """Prefill side: one PairChannel per decode worker, rebuilt when the pair key changes.
+    """Sending side: one PairChannel per receiving worker, rebuilt when the pair key changes.
 
-    ``send`` is blocking (run it on a thread); it builds the pair's group on first use, which
-    waits for the decode side to join the rendezvous (bounded by ``timeout_s``)."""
+    ``send`` is blocking (run it on a thread); it builds the pair's channel on first use, which
+    waits for the receiver to join the rendezvous (bounded by ``timeout_s``). backend: 'gloo',
+    'nccl' or 'shm' (one sender per backend). fingerprint: this worker's model fingerprint
+    (workers/kv_wire.py ``model_fingerprint``); the receiver refuses a transfer with another one."""
 
-    def __init__(self, layout: KVLayout, backend: str = "gloo", timeout_s: float = 30.0) -> None:
+    def __init__(self, layout: KVLayout, backend: str = "gloo", timeout_s: float = 30.0,
+                 fingerprint: int = 0) -> None:
         self.layout = layout
         self.backend = backend
+        self.fingerprint = fingerprint
         self.timeout_s = timeout_s
         self.stats = TransferStats()
         self._lock = threading.Lock()
@@ -313,7 +137,7 @@ class KVSender:
     def _build(self, fut: Future, key: PairKey, address: str) -> None:
         try:
             store = self._store(address)
-            fut.set_result(PairChannel(key, store, 0, self.timeout_s, self.backend))
+            fut.set_result(PairChannel(key, store, 0, self.timeout_s, self.backend, fingerprint=self.fingerprint))
             logger.info("kv pair %s: group ready (prefill side)", key.prefix)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
             self.drop(key)
@@ -380,8 +204,11 @@ class KVReceiver:
     """
 
     def __init__(self, layout: KVLayout, worker_id: str, incarnation: str, host: str = "127.0.0.1",
-                 backend: str = "gloo", timeout_s: float = 30.0) -> None:
+                 backend: str = "gloo", timeout_s: float = 30.0, fingerprint: int = 0) -> None:
+        """backend: 'gloo' or 'nccl', for pairs whose key names none; a key with backend 'shm'
+        (``pair_key(..., backend="shm")``) gets a shared-memory ring. fingerprint: as KVSender's."""
         self.layout = layout
+        self.fingerprint = fingerprint
         self.worker_id = worker_id
         self.incarnation = incarnation
         self.backend = backend
@@ -392,14 +219,17 @@ class KVReceiver:
         self._host = host.strip("[]")
         self.address = f"[{host}]:{self.store.port}" if ":" in host else f"{host}:{self.store.port}"
         self._lock = threading.Lock()
-        self._generations: dict[tuple[str, str], int] = {}
+        self._generations: dict[tuple[str, str, str], int] = {}
         self._channels: dict[PairKey, Future[PairChannel]] = {}
         self._expected: dict[str, _Expected] = {}
 
-    def pair_key(self, prefill_id: str, prefill_incarnation: str) -> PairKey:
+    def pair_key(self, prefill_id: str, prefill_incarnation: str, backend: str | None = None) -> PairKey:
+        """The current key of the pair with this sender; backend 'shm' for a shared-memory pair
+        (None or this receiver's own backend: the default gloo/nccl pair)."""
+        shm = "shm" if backend == "shm" else ""
         with self._lock:
-            gen = self._generations.setdefault((prefill_id, prefill_incarnation), 0)
-        return PairKey(prefill_id, prefill_incarnation, self.worker_id, self.incarnation, gen)
+            gen = self._generations.setdefault((prefill_id, prefill_incarnation, shm), 0)
+        return PairKey(prefill_id, prefill_incarnation, self.worker_id, self.incarnation, gen, shm)
 
     def channel(self, key: PairKey) -> Future[PairChannel]:
         with self._lock:
@@ -414,7 +244,8 @@ class KVReceiver:
         try:
             waiter = TCPStore(self._host, self.store.port, is_master=False, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=self.timeout_s))
-            channel = PairChannel(key, self.store, 1, self.timeout_s, self.backend, wait_store=waiter)
+            channel = PairChannel(key, self.store, 1, self.timeout_s, key.backend or self.backend, wait_store=waiter,
+                                  fingerprint=self.fingerprint)
             channel.executor.submit(channel.receive_loop, self.layout, lambda *a: self._deliver(key, *a),
                                     lambda e: self._drop(key, f"receive failed: {e}"))
             fut.set_result(channel)
@@ -462,18 +293,13 @@ class KVReceiver:
             return f"arrived on pair {key.prefix}, expected on {exp.key.prefix}"
         if first != exp.first_block or n != exp.num_blocks:
             return f"blocks {first}..{first + n - 1} sent, {exp.first_block}..{exp.first_block + exp.num_blocks - 1} reserved"
-        if not torch.equal(checks[:, 0], torch.arange(first, first + n)):
-            return f"block sequence numbers {checks[:, 0].tolist()} out of order"
-        bad = (checks[:, 1] != block_checksums(kv.cpu())).nonzero().view(-1).tolist()
-        if bad:
-            return f"checksum mismatch in block(s) {[first + i for i in bad]}"
-        return None
+        return verify(checks, kv, first)
 
     def _drop(self, key: PairKey, why: str) -> None:
         """Forget the pair's group (next generation) and fail every transfer expected on it."""
         with self._lock:
             _close_channel(self._channels.pop(key, None))
-            ident = (key.prefill_id, key.prefill_incarnation)
+            ident = (key.prefill_id, key.prefill_incarnation, key.backend)
             if self._generations.get(ident) == key.generation:
                 self._generations[ident] = key.generation + 1
             failed = [tid for tid, e in self._expected.items() if e.key == key]

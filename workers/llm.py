@@ -30,6 +30,9 @@ class Completion:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, with top_logprobs set
+    # why the request failed (finish_reason ABORT): structured output whose spec does not compile or
+    # whose grammar admits no token at some step; the message names the field
+    error: str | None = None
 
 
 def engine_config(model: str = "SmolLM2-135M-Instruct", **kwargs) -> EngineConfig:
@@ -82,6 +85,8 @@ class LLM:
                     c.finish_reason = out.finish_reason
                     c.num_prompt_tokens = out.num_prompt_tokens
                     c.num_cached_tokens = out.num_cached_tokens
+                    if out.error is not None:
+                        c.error = str(out.error)
         except BaseException:
             for rid in results:  # leave the engine clean if a prompt was rejected or we were interrupted
                 self.engine.abort(rid)

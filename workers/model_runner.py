@@ -21,6 +21,7 @@ Axes: T tokens in the step, B single-token chunks, L context, S cache slots, G k
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -48,6 +49,8 @@ from workers.sampling_params import SamplingParams
 from workers.scheduler import ScheduledChunk, SchedulerOutput
 from workers.spec_decode.proposer import Draft
 from workers.spec_decode.rejection_sampler import VerifySpan, verify_spans
+from workers.structured.masks import MaskWorker, gather_masks, verify_masks
+from workers.structured.matcher import GrammarError, GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +62,14 @@ SP_MIN_TOKENS_PER_RANK = 8
 @dataclass(frozen=True)
 class _RequestState:
     """A request's sampling state: params, the engine's live token list (prompt + output, read only
-    here), where its generated tokens start (for penalties) and how long its prompt is."""
+    here), where its generated tokens start (for penalties and the grammar), how long its prompt is
+    and, for structured output, its grammar matcher (workers/structured/matcher.py)."""
 
     params: SamplingParams
     token_ids: list[int]
     output_start: int
     num_prompt: int
+    matcher: GrammarMatcher | None = None  # structured output: the request's grammar state
 
     def context(self) -> RowContext:
         return RowContext(self.params, self.token_ids, self.output_start, len(self.token_ids) - self.num_prompt)
@@ -129,6 +134,7 @@ class ModelRunner:
         self._default_generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._block_offsets = torch.arange(self.block_size)  # metadata is built on CPU, then moved
         self.graphs: DecodeGraphs | None = None  # CUDA graphs for decode-only steps (capture_graphs)
+        self._mask_worker: MaskWorker | None = None  # structured output: masks beside the forward pass
 
     def capture_graphs(self, max_model_len: int, sizes: tuple[int, ...] | None = None,
                        graph_factory: Callable[[], Graph] | None = None) -> None:
@@ -167,13 +173,14 @@ class ModelRunner:
 
     # ---------------------------------------------------------- request state
     def add_request(self, request_id: str, params: SamplingParams, token_ids: list[int],
-                    num_prompt: int, output_start: int | None = None) -> None:
+                    num_prompt: int, output_start: int | None = None, matcher: GrammarMatcher | None = None) -> None:
         """token_ids: the request's live token list (the engine appends generated tokens to it; the
         runner only reads it); its first num_prompt are the prompt. output_start: where the tokens
         counted as generated for presence/frequency penalties start (default num_prompt; earlier
-        when a resumed request's prompt ends with tokens generated before)."""
+        when a resumed request's prompt ends with tokens generated before). matcher: structured
+        output (ready before the request is scheduled): its masks constrain every sampled token."""
         start = num_prompt if output_start is None else output_start
-        self._requests[request_id] = _RequestState(params, token_ids, start, num_prompt)
+        self._requests[request_id] = _RequestState(params, token_ids, start, num_prompt, matcher)
         if params.seed is not None:
             self._generators[request_id] = torch.Generator(device="cpu").manual_seed(params.seed)
 
@@ -211,7 +218,9 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, drafts: Mapping[str, Draft] | None = None) -> RunnerOutput:
         """Run the step and sample. drafts: the proposer's drafts by request id (their distributions
         q, for sampled requests; the draft ids themselves are the chunks' last num_draft tokens)."""
+        masks = self._start_masks(sched)  # structured output: computed while the forward pass runs
         hidden, sample_rows = self.forward(sched)  # [T, E]
+        results = masks.result() if masks is not None else {}
         if not sample_rows:
             return RunnerOutput({})
         logits = self.model.compute_logits(hidden[[r for r, _ in sample_rows]])  # [N, V]
@@ -229,24 +238,61 @@ class ModelRunner:
                 i += chunk.num_draft + 1
         out: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprob]] = {}
+        errors: dict[str, GrammarError] = {}  # structured output at a dead end: not sampled
         if plain:
             ids = [sample_rows[i][1] for i in plain]
-            tokens, lps = self.sampler(logits[plain], [self._requests[r].context() for r in ids],
-                                       [self._generator(r) for r in ids])
+            rows = [self._requests[r].context() for r in ids]
+            allowed, bad = gather_masks(ids, results, logits.shape[1])  # [N, V] bool or None
+            if bad:
+                errors.update((ids[j], e) for j, e in bad.items())
+                keep = [j for j in range(len(ids)) if j not in bad]
+                plain, ids, rows = [plain[j] for j in keep], [ids[j] for j in keep], [rows[j] for j in keep]
+                allowed = allowed[keep]
+        if plain:
+            tokens, lps = self.sampler(logits[plain], rows, [self._generator(r) for r in ids], allowed)
             out.update((r, [t]) for r, t in zip(ids, tokens))
             logprobs.update((r, [lp]) for r, lp in zip(ids, lps) if lp is not None)
-        if spans:
-            drafts = drafts or {}
-            vspans = []
-            for i, c in spans:
-                k, rid, d = c.num_draft, c.request_id, drafts.get(c.request_id)
-                q = None if d is None or d.probs is None else d.probs[:k]  # [k, V]
-                vspans.append(VerifySpan(i, self._requests[rid].context(), c.token_ids[-k:], q, self._generator(rid)))
-            for (_, c), (tokens, lps) in zip(spans, verify_spans(self.sampler, logits, vspans)):
-                out[c.request_id] = tokens
+        vspans = self._verify_spans(spans, drafts or {}, logits.shape[1], errors)
+        if vspans:
+            for s, (tokens, lps) in zip(vspans, verify_spans(self.sampler, logits, vspans)):
+                out[s.request_id] = tokens
                 if lps is not None:
-                    logprobs[c.request_id] = lps
-        return RunnerOutput(out, logprobs)
+                    logprobs[s.request_id] = lps
+        return RunnerOutput(out, logprobs, errors)
+
+    def _start_masks(self, sched: SchedulerOutput):
+        """The MaskWorker job of this step's plain sampled rows of structured requests (or None)."""
+        jobs = {}
+        for c in sched.chunks:
+            state = self._requests.get(c.request_id)
+            if c.sample and not c.num_draft and state is not None and state.matcher is not None:
+                jobs[c.request_id] = (state.context(), state.matcher)
+        if not jobs:
+            return None
+        if self._mask_worker is None:
+            self._mask_worker = MaskWorker(self.spec.vocab_size, self.sampler.eos_token_ids,
+                                           threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+        return self._mask_worker.start(jobs)
+
+    def _verify_spans(self, spans: list[tuple[int, ScheduledChunk]], drafts: Mapping[str, Draft], vocab_size: int,
+                      errors: dict[str, GrammarError]) -> list[VerifySpan]:
+        """The verify chunks as VerifySpans (with their grammar masks); a structured request whose
+        grammar is at a dead end goes to ``errors`` instead."""
+        vspans = []
+        for i, c in spans:
+            k, rid, d = c.num_draft, c.request_id, drafts.get(c.request_id)
+            state = self._requests[rid]
+            context, draft, allowed = state.context(), c.token_ids[-k:], None
+            if state.matcher is not None:
+                try:
+                    allowed, k = verify_masks(context, state.matcher, draft, vocab_size, self.sampler.eos_token_ids)
+                except GrammarError as e:
+                    errors[rid] = e
+                    continue
+                draft = draft[:k]
+            q = None if d is None or d.probs is None else d.probs[:k]  # [k, V]
+            vspans.append(VerifySpan(i, context, draft, q, self._generator(rid), allowed, rid))
+        return vspans
 
     def _generator(self, request_id: str) -> torch.Generator:
         return self._generators.get(request_id, self._default_generator)

@@ -35,12 +35,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from workers.errors import InvalidRequestError
 from workers.layers.logprobs import TokenLogprob
 from workers.models.config import ModelSpec
 from workers.sampling_params import SamplingParams
 from workers.scheduler import SchedulerOutput
 from workers.sequence import FinishReason
 from workers.spec_decode.proposer import Draft
+from workers.structured.matcher import GrammarMatcher
 
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
@@ -91,6 +93,9 @@ class RunnerOutput:
     sampled: dict[str, list[int]]
     # request id -> one TokenLogprob per token of ``sampled``, for requests that asked for logprobs
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # request id -> why it could not be sampled (structured output: its grammar admits no token);
+    # such a request is in neither dict above, and the engine ends it with this error
+    errors: dict[str, InvalidRequestError] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,9 @@ class RequestOutput:
     num_cached_tokens: int
     kv_export: KVExport | None = None  # prefill side of a disaggregated request, on its final output
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
+    # set when the request failed mid-way (finished, finish_reason ABORT): structured output whose
+    # spec did not compile or whose grammar admits no token; the message names the field
+    error: InvalidRequestError | None = None
 
 
 @runtime_checkable
@@ -151,10 +159,12 @@ class Runner(Protocol):
     model: Any  # the nn.Module (rank 0's, for a gang): for inspection and tests, not for the engine
 
     def add_request(self, request_id: str, params: SamplingParams, token_ids: list[int], num_prompt: int,
-                    output_start: int | None = None) -> None:
-        """Start tracking a request's sampling state: its params, seeded generator (if any) and the
+                    output_start: int | None = None, matcher: GrammarMatcher | None = None) -> None:
+        """Start tracking a request's sampling state: its params, seeded generator (if any), the
         engine's live token list (read only; the first num_prompt are the prompt, tokens from
-        output_start on count as generated for the penalties)."""
+        output_start on count as generated for the penalties and the grammar) and, for structured
+        output, its grammar matcher (workers/structured/matcher.py; compiled before the request
+        is first scheduled)."""
 
     def remove_request(self, request_id: str) -> None:
         """Forget a request's sampling state (idempotent)."""

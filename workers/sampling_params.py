@@ -9,9 +9,14 @@ stops at 64 tokens or just before the first blank line.
 logits whose repeated tokens are penalised, and reports each token's log-probability (under the
 penalised distribution) with the five most likely alternatives.
 
-Order of the logit processing (workers/layers/penalties.py, then workers/layers/sampler.py):
-repetition penalty -> presence/frequency penalties -> logit_bias -> min_tokens mask ->
-temperature (logprobs are taken here) -> min_p -> top_k -> top_p -> draw.
+``SamplingParams(temperature=1, structured=StructuredOutput("choice", choices=("yes", "no")))``
+samples either "yes" or "no" (then EOS), whatever the model prefers.
+
+Order of the logit processing (workers/structured/, workers/layers/penalties.py, then
+workers/layers/sampler.py): structured-output mask (tokens the grammar does not allow next get
+-inf; EOS only where the grammar accepts) -> repetition penalty -> presence/frequency penalties ->
+logit_bias -> min_tokens mask -> temperature (logprobs are taken here, so they reflect the mask)
+-> min_p -> top_k -> top_p -> draw.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workers.errors import InvalidRequestError
+from workers.structured.spec import StructuredOutput
 
 _MAX_STOP_STRINGS = 16
 _MAX_STOP_STRING_LEN = 256
@@ -50,6 +56,9 @@ class SamplingParams:
     top_logprobs: None = no logprobs; k in [0, 20] = each generated token's logprob and the k most
         likely alternatives (of the distribution after penalties, bias and temperature; greedy
         requests use temperature 1).
+    structured: None = free text; else the output is constrained to the spec (JSON schema, regex,
+        choice, grammar; workers/structured/spec.py). The mask comes first in the logit processing,
+        so a logit_bias or penalty never lets a disallowed token through.
     """
 
     max_tokens: int = 16
@@ -68,6 +77,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     top_logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
@@ -100,6 +110,9 @@ class SamplingParams:
             if not isinstance(t, int) or t < 0:
                 raise InvalidRequestError("stop_token_ids", f"must be integers >= 0, got {t!r}")
         self._check_penalties()
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidRequestError("structured", f"must be a StructuredOutput or None, "
+                                                    f"got {type(self.structured).__name__}")
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -20,8 +20,11 @@ Ending a request early:
                             NOT_SERVING, and the worker refuses new work until it is restarted.
 
 Disaggregation (workers/disagg.py): a Submit with ``remote_prefill`` reserves KV blocks here and has
-the named worker prefill (the Prefill RPC, worker to worker) and send the blocks over a
-torch.distributed pair group; every worker can serve either half. GetLoad reports transfer counters.
+the named worker prefill (the Prefill RPC, worker to worker) and send the blocks over the pair's
+channel (shared memory on one host, else gloo/NCCL); every worker can serve either half. Prefix pull
+(workers/prefix_pull.py): a Submit with ``prefix_source`` first pulls that prefix's KV blocks from
+the worker holding them (its PullPrefix RPC) into this worker's prefix cache. GetLoad reports
+transfer and pull counters.
 
 Worked example::
 
@@ -54,9 +57,11 @@ from workers.kv_handoff import KVCapacityError
 from workers.runner import RequestOutput
 from workers.engine_loop import EngineLimits, EngineLoop, LoadSnapshot, WorkerUnavailableError
 from workers.errors import InvalidRequestError
-from workers.kv_transfer import KV_BACKENDS
+from workers.kv_transfer import check_kv_backend
 from workers.logprobs_proto import to_proto
+from workers.prefix_pull import PrefixPull
 from workers.sampling_params import SamplingParams
+from workers.structured.convert import spec_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +82,8 @@ def to_sampling_params(p: worker_pb2.SamplingParams) -> SamplingParams:
                           presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                           repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
                           min_p=p.min_p, min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias),
-                          top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else None)
+                          top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else None,
+                          structured=spec_from_proto(p.structured) if p.HasField("structured") else None)
 
 
 def _merge(outputs: list[RequestOutput]) -> worker_pb2.SubmitResponse:
@@ -96,7 +102,9 @@ def _merge(outputs: list[RequestOutput]) -> worker_pb2.SubmitResponse:
 def _status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, InvalidRequestError):
         code = grpc.StatusCode.ALREADY_EXISTS if error.field == "request_id" else grpc.StatusCode.INVALID_ARGUMENT
-        return code, str(error)
+        # a structured-output spec that failed to compile or a grammar at a dead end (mid-stream):
+        # named as the request's field, like the sampling errors _admit reports
+        return code, f"sampling.{error}" if error.field.startswith("structured") else str(error)
     if isinstance(error, WorkerUnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(error)
     if isinstance(error, KVCapacityError):
@@ -123,6 +131,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._engine = engine
         self._inflight: set[str] = set()  # request ids with a live Submit handler
         self.disagg: Disaggregation | None = None  # set by start_worker_server
+        self.prefix_pull: PrefixPull | None = None  # set by start_worker_server (with disagg)
 
     @property
     def num_inflight(self) -> int:
@@ -176,6 +185,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 await self.disagg.decode(rid, list(request.prompt_token_ids), params, request.sampling,
                                          request.remote_prefill, sink, request.resumed_output_tokens)
             else:
+                if request.HasField("prefix_source") and self.prefix_pull is not None:
+                    await self.prefix_pull.pull(rid, list(request.prompt_token_ids), request.prefix_source)
                 self._engine.add(rid, list(request.prompt_token_ids), params, sink,
                                  resumed_output_tokens=request.resumed_output_tokens)
             while not finished:
@@ -210,6 +221,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GetLoad(self, request: worker_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.LoadReport:
         transfers = self.disagg.load_fields() if self.disagg is not None else {}
+        if self.prefix_pull is not None:
+            transfers.update(self.prefix_pull.load_fields())
         return worker_pb2.LoadReport(worker_id=self.worker_id, incarnation=self.incarnation,
                                      **dataclasses.asdict(self._engine.snapshot), **transfers)
 
@@ -222,6 +235,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield response
         except (InvalidRequestError, WorkerUnavailableError, PrefillRejected) as e:
             logger.warning("prefill of %s: %s", request.request_id, e)
+            await context.abort(*_status_of(e))
+
+
+    async def PullPrefix(self, request: worker_pb2.PullPrefixRequest,
+                         context: grpc.aio.ServicerContext) -> worker_pb2.PullPrefixResponse:
+        if not self.accepting:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining or shutting down")
+        if self.prefix_pull is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker has no KV transfer set up")
+        try:
+            return await self.prefix_pull.serve(request)
+        except (WorkerUnavailableError, PrefillRejected) as e:
+            logger.warning("prefix pull %s: %s", request.transfer_id, e)
             await context.abort(*_status_of(e))
 
 
@@ -281,19 +307,22 @@ class WorkerServer:
 async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
                               worker_id: str | None = None, *, num_threads: int | None = None,
                               max_inflight: int = 1024, kv_transfer_timeout_s: float = 30.0,
-                              kv_transfer_backend: str = "auto",
+                              kv_transfer_backend: str | None = None,
                               make_engine: Callable[[], Engine] | None = None) -> WorkerServer:
     """Load the engine on its own thread, then serve on ``host:port`` (0 = any free port).
 
     num_threads: torch intra-op threads for the engine thread (match the CPUs reserved for it).
     kv_transfer_timeout_s: bound on every wait on a disaggregation peer (rendezvous, each transfer).
-    kv_transfer_backend: 'auto' | 'nccl' | 'gloo' for KV this worker receives (workers/kv_transfer.py;
-        gloo stages CUDA caches through pinned host memory).
+    kv_transfer_backend: 'auto' | 'shm' | 'gloo' | 'nccl' for KV this worker receives
+        (workers/kv_transfer.py: auto = shm from peers on this host with a CPU cache, else nccl on
+        CUDA, else gloo; gloo and shm stage CUDA caches through pinned host memory); None = the
+        engine config's ``kv_transfer_backend``.
     make_engine: builds the engine on the engine thread (default ``Engine.from_config(engine_config)``; a gang
     leader also joins its process group there, see workers/parallel/gang_actor.py).
     """
-    if kv_transfer_backend not in KV_BACKENDS:  # fails before the engine loads; the device is checked once resolved
-        raise ValueError(f"kv_transfer_backend={kv_transfer_backend!r}: must be one of {', '.join(KV_BACKENDS)}")
+    if kv_transfer_backend is None:
+        kv_transfer_backend = engine_config.kv_transfer_backend
+    check_kv_backend(kv_transfer_backend)  # fails before the engine loads; the device is checked once resolved
     loop = asyncio.get_running_loop()
     build = make_engine or (lambda: Engine.from_config(engine_config))
     engine = EngineLoop(lambda: _warmed_up(build()), loop, num_threads=num_threads)
@@ -304,7 +333,8 @@ async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.
         servicer.disagg = Disaggregation(engine, limits.kv_layout, worker_id, servicer.incarnation,
                                          host=host if host not in ("0.0.0.0", "::", "") else "127.0.0.1",
                                          device=limits.device, timeout_s=kv_transfer_timeout_s,
-                                         kv_backend=kv_transfer_backend)
+                                         kv_backend=kv_transfer_backend, fingerprint=limits.kv_fingerprint)
+        servicer.prefix_pull = PrefixPull(engine, servicer.disagg, limits.kv_layout.block_size, kv_transfer_timeout_s)
     health_servicer = health.aio.HealthServicer()
     # so_reuseport=0: a second worker on a taken port must fail, not silently share it.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])

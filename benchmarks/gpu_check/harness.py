@@ -26,7 +26,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-SECTIONS = ("kernels", "engine_hf", "graphs", "speed", "cpu_kernels", "pd", "spec", "grpc_router", "gang", "decode_profile")
+SECTIONS = ("kernels", "engine_hf", "graphs", "speed", "cpu_kernels", "pd", "spec", "grpc_router", "gang", "structured", "decode_profile")
 DEFAULT_SECTIONS = SECTIONS[:-1]  # decode_profile is a diagnostic: ask for it with --sections
 TOTAL_BUDGET_S = 480.0  # the whole check fits 8 minutes on one GPU
 TAIL_CHARS = 4000

@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from router.policies.base import (
     NoWorkersAvailable,
@@ -48,6 +49,9 @@ from router.policies.base import (
 )
 from router.prefix_tree import PrefixTree, block_hashes
 
+if TYPE_CHECKING:
+    from router.prefix_pull import PullSource
+
 logger = logging.getLogger(__name__)
 
 PREFILL = "prefill"
@@ -56,10 +60,13 @@ MAX_TREE_BLOCKS_PER_WORKER = 4096
 
 @dataclass(frozen=True)
 class Route:
-    """Where a request goes: ``decode_id`` streams it; ``prefill_id`` (None = colocated) computes its prompt."""
+    """Where a request goes: ``decode_id`` streams it; ``prefill_id`` (None = colocated) computes its
+    prompt; ``pull`` (colocated only) names a worker whose cached prompt prefix the decode worker
+    pulls instead of recomputing (router/prefix_pull.py)."""
 
     decode_id: str
     prefill_id: str | None = None
+    pull: PullSource | None = None
 
 
 @dataclass

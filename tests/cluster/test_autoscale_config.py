@@ -44,7 +44,18 @@ def test_valid_section_becomes_the_autoscaler_config(files):
     assert decode.capacity.output_tokens_per_s == 100.0
     assert (prefill.role, prefill.slo.ttft_p90_s, prefill.headroom) == ("prefill", 0.5, 0.3)
     assert a.down_cooldown_s == 120.0 and config.autoscaling.interval_s == 5.0
+    assert (a.scale_down, a.short_window_s) == ("drain", 30.0)  # drain unless the actuator migrates
     assert load_config(env={}).autoscaling.enabled is False  # off by default
+
+
+def test_scale_down_by_migration_reaches_the_autoscaler_config(files):
+    config = load_config(files("""  scale_down: migrate
+  migration_s: 4
+  short_window_s: 20
+  pools:
+    - {pool: decode, slo_tpot_ms: 80, profile: PROFILE}"""), env={})
+    a = config.to_autoscaler_config()
+    assert (a.scale_down, a.migration_s, a.short_window_s) == ("migrate", 4.0, 20.0)
 
 
 @pytest.mark.parametrize("section, message", [
@@ -64,6 +75,8 @@ def test_valid_section_becomes_the_autoscaler_config(files):
     ("  interval_s: 0", r"autoscaling.interval_s=0.0 .*must be > 0 seconds"),
     ("  metrics_urls: [router:9090]", r"autoscaling.metrics_urls\[0\]='router:9090' .*http://router:9090/metrics"),
     ("  pools:\n    - {pool: decode, slo_tpot_ms: -1, profile: PROFILE}", r"slo_tpot_ms=-1.0 .*> 0"),
+    ("  scale_down: kill", r"autoscaling.scale_down='kill' .*must be drain .* or migrate"),
+    ("  migration_s: -1", r"autoscaling.migration_s=-1.0 .*must be >= 0 seconds"),
 ])
 def test_mistakes_name_the_key(files, section, message):
     with pytest.raises(ClusterConfigError, match=message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -231,3 +232,119 @@ def test_idle_window_clears_the_reactive_offset_so_the_pool_scales_down():
     sim2 = Sim(cfg, {"prefill": 1, "decode": 1, "draft": 1})
     sim2.tick(0.0, {"prefill": window(1.0, ttft=0.1), "decode": window(1.0, tpot=0.2)})
     assert sim2.tick(100.0, busy_no_samples)["decode"].offset == 1  # not idle: the offset stays
+
+
+# ------------------------------------------------------------------ bursts, recovery, scale-down by migration
+def decode_only(**kw) -> AutoscalerConfig:
+    """A decode pool whose requests stay ~60 s (smoothing_s), replicas starting in 120 s (horizon)."""
+    pools = (PoolScaling("decode", "decode", SLOTargets(tpot_p90_s=0.05), CAP, min_replicas=1, max_replicas=200,
+                         smoothing_s=60.0),)
+    return AutoscalerConfig(pools=pools, **{"horizon_s": 120.0, **kw})
+
+
+def test_a_burst_is_planned_for_at_once_and_a_step_is_not_a_ramp():
+    """Rates flat at 8 req/s, then a 4x step. The long window's level lags the step by its time
+    constant (smoothing_s = 60 s): alone it would ask for a fraction of the burst now and,
+    extrapolating its own catching-up as a trend, for more than the burst later. The short window
+    sees the step in its first bucket and plans for 32 req/s, no more."""
+    flat = [8.0] * 27
+    new, old = decode_only(), decode_only(short_window_s=0.0)
+    st = {"decode": status("decode", 7)}
+    for after in (1, 2, 3):
+        m = {"decode": window(flat[after:] + [32.0] * after)}
+        d, _ = decide(new, 0.0, m, st, AutoscalerState())
+        assert d["decode"].forecast_rps == pytest.approx(32.0, rel=0.02), after
+        assert "burst" in d["decode"].reason
+        d_old, _ = decide(old, 0.0, m, st, AutoscalerState())
+        assert after > 1 or d_old["decode"].forecast_rps < 20.0  # the level alone lags
+    m = {"decode": window(flat[12:] + [32.0] * 12)}  # 2 minutes into the burst
+    d_old, _ = decide(old, 0.0, m, st, AutoscalerState())
+    d, _ = decide(new, 0.0, m, st, AutoscalerState())
+    assert d_old["decode"].forecast_rps > 34.0  # Holt's trend on the catching-up level overshoots
+    assert d["decode"].forecast_rps <= 32.0 + 1e-9
+
+
+def test_a_ramp_is_still_extrapolated():
+    """A steady ramp rises in every short window: the rise is kept (the worked example's ramp)."""
+    est = decide(decode_only(), 0.0, {"decode": window([8.0 + 0.5 * i for i in range(30)])},
+                 {"decode": status("decode", 10)}, AutoscalerState())[0]["decode"]
+    assert est.forecast_rps > 8.0 + 0.5 * 29 + 1.0
+
+
+def test_a_burst_grows_every_round_despite_the_up_cooldown():
+    sim = Sim(decode_only(up_cooldown_s=30.0), {"decode": 7})
+    flat = [8.0] * 30
+    first = sim.tick(0.0, {"decode": window(flat[1:] + [20.0])})["decode"]
+    second = sim.tick(10.0, {"decode": window(flat[2:] + [20.0, 32.0])})["decode"]
+    assert first.desired > 7 and second.desired > first.desired and "cooldown" not in second.reason
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_poisson_noise_is_not_a_burst(seed):
+    """Poisson arrivals at a steady 9 req/s in 10 s buckets for two hours: the 4-sigma burst
+    test fires on (almost) no window, and the pool never moves down (no oscillation)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    sim = Sim(decode_only(scale_down="migrate"), {"decode": 1})
+    series: list[float] = []
+    bursts, downs = 0, 0
+    for i in range(720):
+        series = (series + [rng.poisson(90) / 10.0])[-30:]
+        d = sim.tick(10.0 * i, {"decode": window(list(series), tpot=0.03)})["decode"]
+        bursts += "burst" in d.reason and i >= 30
+        downs += d.desired < d.current and i >= 60
+    assert bursts <= 2  # one-sided 4 sigma: ~3e-5 per window size tested, 3 sizes a round
+    assert downs == 0
+
+
+def test_breach_while_recovering_adds_nothing():
+    """TPOT is observed when a request completes, so after capacity arrives the p90 keeps showing
+    the overload for a while, falling round by round. A falling breach adds no replica (the
+    capacity already came); one that holds or grows does. today's policy (no recovery hold)
+    would have added one."""
+    falling = [0.09, 0.08, 0.07, 0.06]
+    for hold, expect in ((True, 11), (False, 14)):  # the first breach adds 1; then 1 per round, or none
+        sim = Sim(config(hold_when_recovering=hold), {"prefill": 3, "decode": 10, "draft": 5})
+        for i, tpot in enumerate(falling):
+            d = sim.tick(40.0 * i, {"prefill": window(4.0, ttft=0.2), "decode": window(4.0, tpot=tpot)})["decode"]
+        assert d.desired == expect and ("recovering" in d.reason) == hold
+    sim = Sim(config(), {"prefill": 3, "decode": 10, "draft": 5})
+    for i, tpot in enumerate([0.09, 0.09, 0.095]):
+        d = sim.tick(40.0 * i, {"prefill": window(4.0, ttft=0.2), "decode": window(4.0, tpot=tpot)})["decode"]
+    assert d.desired == 13  # a breach that does not recover: +1 per reactive cooldown
+
+
+def _after_burst(scale_down: str) -> list[tuple[float, int]]:
+    """A 4x burst of 5 minutes over 8 req/s, then the base rate again: (time, desired) each round."""
+    cfg = decode_only(scale_down=scale_down, migration_s=10.0, down_cooldown_s=300.0, down_interval_s=60.0)
+    sim = Sim(cfg, {"decode": 5})
+    series: list[float] = []
+    sizes = []
+    for i in range(150):
+        t = 10.0 * i
+        series = (series + [32.0 if 300 <= t < 600 else 8.0])[-30:]
+        d = sim.tick(t, {"decode": window(list(series), tpot=0.03)})["decode"]
+        sizes.append((t, d.desired))
+    return sizes
+
+
+def test_scale_down_by_migration_follows_a_burst_down_promptly():
+    """After a burst ends (600 s) the migrating pool holds its burst size only while the burst
+    might return sooner than new replicas would start (horizon + migration_s = 130 s, plus the
+    level's decay), then steps down every migration_s; the draining pool waits out its whole
+    window and cooldown first and then steps down once a minute. Neither moves the other way."""
+    base = math.ceil(8.0 * 50 / 100 * 1.1)
+    back = {}
+    for mode in ("migrate", "drain"):
+        sizes = _after_burst(mode)
+        peak = max(n for _, n in sizes)
+        assert peak >= math.ceil(32.0 * 50 / 100 * 1.1) - 1  # the burst was served
+        back[mode] = next(t for t, n in sizes if t > 600 and n <= base + 1) - 600
+        after = [n for t, n in sizes if t >= 600]
+        assert all(b <= a for a, b in zip(after, after[1:])), mode  # monotone down: no oscillation
+    assert back["migrate"] <= 300 and back["drain"] >= 400 and back["migrate"] < back["drain"] / 1.5
+
+
+def test_scale_down_mode_is_validated():
+    with pytest.raises(AutoscalerConfigError, match=r"autoscaler\.scale_down='evict'"):
+        config(scale_down="evict")

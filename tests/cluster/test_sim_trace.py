@@ -78,3 +78,35 @@ def test_slice_and_rate_series():
     assert part.t.min() >= 0 and part.t.max() < 100
     assert len(part) == int(((tr.t >= 100) & (tr.t < 200)).sum())
     assert tr.rate_series(60.0).sum() * 60.0 == pytest.approx(len(tr))
+
+
+def test_shapes_fixed_bursts_and_pareto_lengths():
+    kw = dict(duration_s=7200, base_rps=2, peak_rps=8, period_s=1800, peak_at_s=0, bursts_per_hour=0, seed=4)
+    saw = synthetic_trace(shape="sawtooth", **kw).rate_series(300.0)  # 6 buckets per 30-min ramp
+    assert saw[0] == pytest.approx(2 + 6 * 0.5 / 6, abs=0.6) and saw[5] == pytest.approx(2 + 6 * 5.5 / 6, abs=0.8)
+    assert saw[6] < saw[5] - 3  # the instant drop at the period's end
+    onoff = synthetic_trace(shape="on_off", duty=0.25, **kw).rate_series(450.0)  # on for the first 450 s of 1800
+    assert onoff[0] == pytest.approx(8, abs=0.6) and all(x == pytest.approx(2, abs=0.4) for x in onoff[1:4])
+    step = synthetic_trace(duration_s=3600, base_rps=5, peak_rps=5, bursts_per_hour=0, bursts=((1200, 600, 4.0),),
+                           seed=2)
+    r = step.rate_series(600.0)
+    assert r[2] == pytest.approx(20, rel=0.1)
+    assert r[1] == pytest.approx(5, rel=0.15) and r[3] == pytest.approx(5, rel=0.15)
+    heavy = synthetic_trace(duration_s=3600, base_rps=20, peak_rps=20, bursts_per_hour=0, lengths="pareto",
+                            tail_alpha=1.5, mean_output=1000, max_output=1 << 20, seed=3)
+    light = synthetic_trace(duration_s=3600, base_rps=20, peak_rps=20, bursts_per_hour=0, mean_output=1000, cv=1.0,
+                            max_output=1 << 20, seed=3)
+    assert heavy.output.min() >= 333  # Pareto I's scale: mean (alpha - 1) / alpha
+    assert np.percentile(heavy.output, 99.9) > 2 * np.percentile(light.output, 99.9)  # the heavier tail
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"shape": "square"}, "shape='square'"),
+    ({"duty": 0.0}, "duty=0.0"),
+    ({"lengths": "zipf"}, "lengths='zipf'"),
+    ({"lengths": "pareto", "tail_alpha": 1.0}, "tail_alpha=1.0"),
+    ({"bursts": ((0, 0, 2.0),)}, r"bursts\[0\]"),
+])
+def test_bad_generator_arguments_name_the_argument(kw, message):
+    with pytest.raises(ValueError, match=message):
+        synthetic_trace(duration_s=60, base_rps=1, peak_rps=1, **kw)

@@ -5,9 +5,12 @@ Commands (tuples on ``inbox``), answered on ``outbox``:
         mode "ok": send kv_of(seed, num_blocks); "corrupt": lie about block 1's checksum;
         "stall": announce and send the header, then stop forever (the test kills us or times out).
     ("exit",)
+``backend`` ('gloo' or 'shm') and ``fingerprint`` configure the peer's KVSender.
 """
 
 from __future__ import annotations
+
+import multiprocessing as mp
 
 import torch
 
@@ -21,13 +24,14 @@ def kv_of(seed: int, num_blocks: int) -> torch.Tensor:
     return torch.randn(L, 2, num_blocks, bs, G, D, generator=g).to(dtype)
 
 
-def run_peer(inbox, outbox, timeout_s: float = 10.0) -> None:
+def run_peer(inbox, outbox, timeout_s: float = 10.0, backend: str = "gloo", fingerprint: int = 0) -> None:
     import time
 
-    from workers import kv_transfer
+    from workers import kv_channel
     from workers.kv_transfer import KVLayout, KVSender
 
-    sender = KVSender(KVLayout(*LAYOUT_ARGS), timeout_s=timeout_s)
+    sender = KVSender(KVLayout(*LAYOUT_ARGS), backend=backend, timeout_s=timeout_s, fingerprint=fingerprint)
+    outbox.put(("ready", 0))
     while True:
         cmd = inbox.get()
         if cmd[0] == "exit":
@@ -36,13 +40,13 @@ def run_peer(inbox, outbox, timeout_s: float = 10.0) -> None:
         try:
             channel = sender.channel(key, address).result(timeout=timeout_s)
             kv = kv_of(seed, n)
-            if mode == "corrupt":
-                real = kv_transfer.block_checksums
-                kv_transfer.block_checksums = lambda x: real(x) + torch.tensor([0, 1] + [0] * (x.shape[2] - 2))
+            if mode == "corrupt":  # lie about block 1's checksum
+                real = kv_channel.checks_of
+                kv_channel.checks_of = lambda x, f: real(x, f) + torch.tensor([[0, 0], [0, 1]] + [[0, 0]] * (x.shape[2] - 2))
             if mode == "stall":
-                header = kv_transfer._encode_header(sender.layout, tid, first, n)
+                header = kv_channel.encode_header(sender.layout, sender.fingerprint, tid, first, n)
                 channel.announce(tid)
-                work = channel.group.send([header], 1, 1)  # noqa: F841 - kept alive; never completes the rest
+                channel.transport.send(header, 1)  # then never the rest
                 outbox.put(("stalled", 0))
                 time.sleep(3600)
             nbytes = sender.send(channel, tid, first, kv)
@@ -51,4 +55,30 @@ def run_peer(inbox, outbox, timeout_s: float = 10.0) -> None:
             outbox.put(("error", repr(e)))
         finally:
             if mode == "corrupt":
-                kv_transfer.block_checksums = real
+                kv_channel.checks_of = real
+
+
+class Peer:
+    """The peer process (spawned) and its queues; ``close`` ends it (killing it if it hangs)."""
+
+    def __init__(self, timeout_s: float = 10.0, backend: str = "gloo", fingerprint: int = 0) -> None:
+        ctx = mp.get_context("spawn")
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=run_peer, args=(self.inbox, self.outbox, timeout_s, backend, fingerprint),
+                                daemon=True)
+        self.proc.start()
+        assert self.reply(60) == ("ready", 0)  # imports done: rendezvous timeouts measure the transfer only
+
+    def send(self, key, receiver, tid, first, n, seed, mode="ok") -> None:
+        self.inbox.put(("send", key, receiver.address, tid, first, n, seed, mode))
+
+    def reply(self, timeout: float = 30.0):
+        return self.outbox.get(timeout=timeout)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.inbox.put(("exit",))
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()

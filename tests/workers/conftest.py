@@ -45,3 +45,12 @@ def llm(smollm2_path: Path):
     from workers.llm import LLM
 
     return LLM(str(smollm2_path), kv_cache_memory_bytes=128 << 20)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(tmp_path_factory, smollm2_path: Path) -> Path:
+    """A tiny random Qwen2 (2 layers, hidden 64) with SmolLM2's tokenizer: fast engines whose sampled
+    output is close to uniform noise (the structured-output tests use it as an adversarial sampler)."""
+    from testkit.tp_cases import save_tiny_qwen2
+
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), smollm2_path, eos_token_id=2)

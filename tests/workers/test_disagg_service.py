@@ -1,6 +1,7 @@
 """Disaggregation through the worker gRPC service, in process (no Ray): a decode worker given a
 Submit with ``remote_prefill`` reserves blocks, calls the prefill worker's Prefill RPC and receives
-the KV over a real gloo pair group. Output equals the colocated Submit token for token; counters
+the KV over the pair's channel (the shared-memory ring: both workers run on this host; gloo
+between processes is tests/workers/test_kv_transfer.py's). Output equals the colocated Submit token for token; counters
 show the transfers; failures on the prefill side end the call with ABORTED and return every
 reserved block."""
 

@@ -1,5 +1,6 @@
-"""KV transfer over a real 2-rank gloo group between two processes (tests/testkit/kv_peer.py plays
-the prefill worker; the receiver's per-pair loop reads every announced transfer): transfers arrive
+"""KV transfer between two processes over a real 2-rank gloo group (and, for a killed sender, the
+shared-memory ring; its other cases run in one process: test_kv_shm.py). tests/testkit/kv_peer.py
+plays the sending worker; the receiver's per-pair loop reads every announced transfer. Transfers arrive
 intact and complete in any order; an abandoned transfer is read and discarded without desynchronising
 the pair; a corrupted checksum, a wrong block
 range, a stalled and a killed sender are each detected without a hang, the pair is dropped and the
@@ -7,38 +8,20 @@ next generation works; and a pair's group survives a third worker joining and le
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import re
 import time
 
 import pytest
 import torch
 
-from testkit.kv_peer import LAYOUT_ARGS, kv_of, run_peer
+from testkit.kv_peer import LAYOUT_ARGS, Peer, kv_of
 from workers.kv_transfer import KVLayout, KVReceiver, KVTransferError, block_checksums
 
-CTX = mp.get_context("spawn")
 
-
-class Peer:
-    def __init__(self, timeout_s: float = 10.0) -> None:
-        self.inbox, self.outbox = CTX.Queue(), CTX.Queue()
-        self.proc = CTX.Process(target=run_peer, args=(self.inbox, self.outbox, timeout_s), daemon=True)
-        self.proc.start()
-
-    def send(self, key, receiver, tid, first, n, seed, mode="ok") -> None:
-        self.inbox.put(("send", key, receiver.address, tid, first, n, seed, mode))
-
-    def reply(self, timeout: float = 30.0):
-        return self.outbox.get(timeout=timeout)
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            self.inbox.put(("exit",))
-            self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+@pytest.fixture
+def backend():
+    """The transport of the peer-process tests (the shm ring's own tests: test_kv_shm.py)."""
+    return "gloo"
 
 
 @pytest.fixture
@@ -49,8 +32,8 @@ def receiver():
 
 
 @pytest.fixture
-def peer():
-    p = Peer()
+def peer(backend):
+    p = Peer(backend=backend)
     yield p
     p.close()
 
@@ -65,8 +48,8 @@ def test_checksum_detects_single_flip_and_swapped_blocks():
     assert (block_checksums(swapped) != base).tolist() == [True, True, False]
 
 
-def test_transfers_arrive_intact_in_any_order(receiver, peer):
-    key = receiver.pair_key("prefill-0", "inc-p")
+def test_transfers_arrive_intact_in_any_order(receiver, peer, backend):
+    key = receiver.pair_key("prefill-0", "inc-p", backend)
     futures = {tid: receiver.expect(key, tid, first, n) for tid, first, n in (("a", 0, 3), ("b", 2, 1), ("c", 1, 5))}
     receiver.channel(key)
     for seed, (tid, first, n) in enumerate((("c", 1, 5), ("a", 0, 3), ("b", 2, 1))):
@@ -81,15 +64,15 @@ def test_transfers_arrive_intact_in_any_order(receiver, peer):
 
 @pytest.mark.parametrize("mode,first,problem", [("corrupt", 0, "checksum mismatch in block(s) [1]"),
                                                 ("ok", 1, "blocks 1..3 sent, 0..2 reserved")])
-def test_bad_transfer_rejected_then_next_generation_works(receiver, peer, mode, first, problem):
-    key = receiver.pair_key("prefill-0", "inc-p")
+def test_bad_transfer_rejected_then_next_generation_works(receiver, peer, backend, mode, first, problem):
+    key = receiver.pair_key("prefill-0", "inc-p", backend)
     fut = receiver.expect(key, "t1", 0, 3)
     receiver.channel(key)
     peer.send(key, receiver, "t1", first, 3, 7, mode)
     assert peer.reply()[0] == "sent"
     with pytest.raises(KVTransferError, match=re.escape(problem)):
         fut.result(timeout=10)
-    new_key = receiver.pair_key("prefill-0", "inc-p")
+    new_key = receiver.pair_key("prefill-0", "inc-p", backend)
     assert new_key.generation == key.generation + 1  # dropped: the next request rendezvouses afresh
     fut = receiver.expect(new_key, "t2", 0, 2)
     receiver.channel(new_key)
@@ -98,11 +81,12 @@ def test_bad_transfer_rejected_then_next_generation_works(receiver, peer, mode, 
     assert torch.equal(fut.result(timeout=10).kv, kv_of(8, 2))
 
 
-def test_killed_sender_fails_fast_and_stalled_sender_times_out(receiver):
-    for kill in (True, False):
-        peer = Peer()
+@pytest.mark.parametrize("backend,cases", [("gloo", (True, False)), ("shm", (True,))])
+def test_killed_sender_fails_fast_and_stalled_sender_times_out(receiver, backend, cases):
+    for kill in cases:
+        peer = Peer(backend=backend)
         try:
-            key = receiver.pair_key("prefill-0", "inc-p")
+            key = receiver.pair_key("prefill-0", "inc-p", backend)
             fut = receiver.expect(key, "t", 0, 4)
             peer.send(key, receiver, "t", 0, 4, 1, "stall")
             receiver.channel(key).result(timeout=20)
@@ -114,21 +98,21 @@ def test_killed_sender_fails_fast_and_stalled_sender_times_out(receiver):
                 fut.result(timeout=receiver.timeout_s + 5)
             elapsed = time.monotonic() - start
             assert elapsed < (2.0 if kill else receiver.timeout_s + 3)
-            assert receiver.pair_key("prefill-0", "inc-p").generation == key.generation + 1
+            assert receiver.pair_key("prefill-0", "inc-p", backend).generation == key.generation + 1
         finally:
             peer.close()
 
 
-def test_pair_survives_a_third_worker_joining_and_leaving(receiver, peer):
-    key = receiver.pair_key("prefill-0", "inc-p")
+def test_pair_survives_a_third_worker_joining_and_leaving(receiver, peer, backend):
+    key = receiver.pair_key("prefill-0", "inc-p", backend)
     fut = receiver.expect(key, "before", 0, 2)
     receiver.channel(key)
     peer.send(key, receiver, "before", 0, 2, 1)
     assert peer.reply()[0] == "sent" and fut.result(timeout=10).kv.shape[2] == 2
     channel = receiver.channel(key).result()
 
-    third = Peer()  # another prefill worker joins, transfers once, and dies
-    other = receiver.pair_key("prefill-1", "inc-q")
+    third = Peer(backend=backend)  # another prefill worker joins, transfers once, and dies
+    other = receiver.pair_key("prefill-1", "inc-q", backend)
     fut3 = receiver.expect(other, "third", 0, 1)
     receiver.channel(other)
     third.send(other, receiver, "third", 0, 1, 2)
@@ -136,15 +120,15 @@ def test_pair_survives_a_third_worker_joining_and_leaving(receiver, peer):
     third.proc.kill()
     third.close()
 
-    assert receiver.pair_key("prefill-0", "inc-p") == key and receiver.channel(key).result() is channel
+    assert receiver.pair_key("prefill-0", "inc-p", backend) == key and receiver.channel(key).result() is channel
     fut = receiver.expect(key, "after", 1, 3)
     peer.send(key, receiver, "after", 1, 3, 3)
     assert peer.reply()[0] == "sent"
     assert torch.equal(fut.result(timeout=10).kv, kv_of(3, 3))
 
 
-def test_abandoned_transfer_is_discarded_and_the_stream_stays_in_sync(receiver, peer):
-    key = receiver.pair_key("prefill-0", "inc-p")
+def test_abandoned_transfer_is_discarded_and_the_stream_stays_in_sync(receiver, peer, backend):
+    key = receiver.pair_key("prefill-0", "inc-p", backend)
     receiver.expect(key, "gone", 0, 2)
     fut = receiver.expect(key, "next", 0, 3)
     receiver.channel(key)
@@ -154,4 +138,4 @@ def test_abandoned_transfer_is_discarded_and_the_stream_stays_in_sync(receiver, 
     peer.send(key, receiver, "next", 0, 3, 2)
     assert peer.reply()[0] == "sent"
     assert torch.equal(fut.result(timeout=10).kv, kv_of(2, 3))
-    assert receiver.stats.transfers_received == 1 and receiver.pair_key("prefill-0", "inc-p") == key
+    assert receiver.stats.transfers_received == 1 and receiver.pair_key("prefill-0", "inc-p", backend) == key

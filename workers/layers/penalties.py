@@ -115,12 +115,13 @@ def process_logits(logits: torch.Tensor, rows: Sequence[RowContext], eos_token_i
         logits.index_put_((torch.tensor(ri, device=dev), torch.tensor(ti, device=dev)),
                           torch.tensor(bv, dtype=logits.dtype, device=dev), accumulate=True)
     banned = [(i, t) for i, r in enumerate(rows) if r.num_generated + len(r.drafts) < r.params.min_tokens
-              for t in _stop_ids(r.params, eos_token_ids) if t < V]
+              for t in stop_ids(r.params, eos_token_ids) if t < V]
     if banned:
         ri, ti = zip(*banned)
         logits[torch.tensor(ri, device=dev), torch.tensor(ti, device=dev)] = float("-inf")
     return logits
 
 
-def _stop_ids(params: SamplingParams, eos_token_ids: frozenset[int]) -> set[int]:
+def stop_ids(params: SamplingParams, eos_token_ids: frozenset[int]) -> set[int]:
+    """The ids min_tokens masks: stop_token_ids, and EOS unless ignore_eos."""
     return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))

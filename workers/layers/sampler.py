@@ -1,6 +1,8 @@
 """Sampler: logits of the rows that need a next token -> token ids (and logprobs when asked).
 
-Per row: process the logits (penalties, logit_bias, min_tokens: workers/layers/penalties.py).
+Per row: mask the tokens a structured-output request's grammar does not allow (-inf; the mask
+comes from workers/structured/masks.py, one bool [N, V] for the batch, all True on free rows),
+process the logits (penalties, logit_bias, min_tokens: workers/layers/penalties.py).
 Greedy rows (temperature 0) take the argmax. Other rows: divide by temperature, drop tokens below
 min_p x the top probability, keep the top_k largest logits (if top_k > 0), keep the smallest set
 of tokens whose probability mass reaches top_p (always at least the most likely), renormalise and
@@ -22,6 +24,7 @@ import torch
 from workers.layers.logprobs import TokenLogprob, gather_logprobs
 from workers.layers.penalties import RowContext, process_logits
 from workers.sampling_params import SamplingParams
+from workers.structured.matcher import apply_masks
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -88,10 +91,14 @@ class Sampler:
         logits: torch.Tensor,  # [N, V]
         rows: Sequence[RowContext],
         generators: Sequence[torch.Generator],
+        allowed: torch.Tensor | None = None,  # [N, V] bool: structured-output masks; None = no row constrained
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """-> (a token per row, its TokenLogprob or None where the row's request asked for none)."""
         params = [r.params for r in rows]
         plain = not any(p.processes_logits or p.top_logprobs is not None for p in params)
+        if allowed is not None and not (plain and all(p.greedy for p in params)):
+            logits = logits.float().cpu()  # the CPU path below: mask there (no host -> device copy of it)
+        logits = apply_masks(logits, allowed)  # first, so penalties, bias and logprobs all see it
         if plain and all(p.greedy for p in params):
             return logits.argmax(-1).tolist(), [None] * len(rows)  # on the logits' device, no copy
         processed = self.process(logits, rows)  # [N, V]

@@ -58,6 +58,7 @@ from workers.runner import KVLayout, MoEStats, RunnerOutput
 from workers.sampling_params import SamplingParams
 from workers.scheduler import SchedulerOutput
 from workers.spec_decode.proposer import Draft
+from workers.structured.matcher import GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +125,8 @@ class GangRunner:
         return self.inner.model
 
     def add_request(self, request_id: str, params: SamplingParams, token_ids: list[int], num_prompt: int,
-                    output_start: int | None = None) -> None:
-        self.inner.add_request(request_id, params, token_ids, num_prompt, output_start)
+                    output_start: int | None = None, matcher: GrammarMatcher | None = None) -> None:
+        self.inner.add_request(request_id, params, token_ids, num_prompt, output_start, matcher)
 
     def remove_request(self, request_id: str) -> None:
         self.inner.remove_request(request_id)

@@ -1,7 +1,9 @@
 """Verification of draft tokens: keep the longest correct prefix, then one token of the target's.
 
 Terms (per request, k draft tokens x_1..x_k proposed after the request's last token):
-    p_i   the target's distribution at draft position i (i = 1..k+1), after penalties / logit bias /
+    p_i   the target's distribution at draft position i (i = 1..k+1), after the structured-output
+          mask (the grammar advanced through x_1..x_{i-1}; so a draft the grammar rejects has
+          p_i(x_i) = 0 and is never accepted), penalties / logit bias /
           min_tokens (with x_1..x_{i-1} counted as generated, exactly the history plain decoding
           would have at that position), temperature, min-p / top-k / top-p, from one forward pass
           over [last token, x_1..x_k] (rows 0..k of ``target_logits``).
@@ -37,19 +39,23 @@ from workers.layers.logprobs import TokenLogprob
 from workers.layers.penalties import RowContext
 from workers.layers.sampler import Sampler, logprobs_of, sampling_probs
 from workers.sampling_params import SamplingParams
+from workers.structured.matcher import apply_masks
 
 
 @dataclass(frozen=True)
 class VerifySpan:
     """One request's verify chunk: logits rows first_row..first_row + k, the request's context at
     the chunk's first position, its k drafts, their distributions q ([k, V]; None =
-    deterministic) and the request's generator."""
+    deterministic), the request's generator and, for a structured-output request, the rows'
+    masks ([k + 1, V] bool, row i = what the grammar allows after drafts 1..i)."""
 
     first_row: int
     context: RowContext
     draft: list[int]
     q: torch.Tensor | None
     generator: torch.Generator
+    allowed: torch.Tensor | None = None
+    request_id: str = ""
 
 
 def verify_spans(sampler: Sampler, logits: torch.Tensor,
@@ -59,8 +65,10 @@ def verify_spans(sampler: Sampler, logits: torch.Tensor,
     rows = [replace(s.context, drafts=tuple(s.draft[:j])) for s in spans for j in range(len(s.draft) + 1)]
     index = [s.first_row + j for s in spans for j in range(len(s.draft) + 1)]
     plain = all(r.params.greedy and not r.params.processes_logits and r.params.top_logprobs is None for r in rows)
-    # [R, V]: every verify row, processed per position (plain greedy rows: argmax where they are)
-    processed = logits[index] if plain else sampler.process(logits[index], rows)
+    # [R, V]: every verify row, masked by its grammar (structured output) then processed per position
+    # (plain greedy rows: argmax where they are)
+    masked = apply_masks(logits[index], _stacked_masks(spans, logits.shape[1]))
+    processed = masked if plain else sampler.process(masked, rows)
     argmax = processed.argmax(-1).tolist()
     out: list[tuple[list[int], list[TokenLogprob] | None]] = []
     row = 0
@@ -77,6 +85,14 @@ def verify_spans(sampler: Sampler, logits: torch.Tensor,
         out.append((tokens, lps))
         row += k + 1
     return out
+
+
+def _stacked_masks(spans: list[VerifySpan], vocab_size: int) -> torch.Tensor | None:
+    """The spans' masks as one bool [R, V] (all True for unconstrained spans); None if none has one."""
+    if all(s.allowed is None for s in spans):
+        return None
+    return torch.cat([s.allowed if s.allowed is not None else torch.ones(len(s.draft) + 1, vocab_size, dtype=torch.bool)
+                      for s in spans])
 
 
 def accept_greedy(target_argmax: list[int], draft: list[int]) -> list[int]:

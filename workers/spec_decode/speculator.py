@@ -87,7 +87,7 @@ class Speculator:
         """The step ran: per verified chunk, how many drafts were kept; and the step's cost."""
         drafted = verifies = 0
         for c in sched.chunks:
-            if not c.num_draft:
+            if not c.num_draft or c.request_id not in sampled:  # (not sampled: failed, see RunnerOutput.errors)
                 continue
             emitted = len(sampled[c.request_id])
             self.policy.observe(c.request_id, c.num_draft, emitted - 1)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x64uet/v1/duet.proto\x12\x07\x64uet.v1\"\xdf\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12-\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x11.duet.v1.TokenIdsH\x00\x12)\n\x08messages\x18\x03 \x01(\x0b\x32\x15.duet.v1.ChatMessagesH\x00\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.duet.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\t\n\x01n\x18\x07 \x01(\rB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"6\n\x0c\x43hatMessages\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.duet.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x93\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12#\n\x16num_speculative_tokens\x18\t \x01(\rH\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x01H\x08\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12:\n\nlogit_bias\x18\x0f \x03(\x0b\x32&.duet.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x0ctop_logprobs\x18\x10 \x01(\rH\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0f\n\r_top_logprobs\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe3\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.duet.v1.FinishReasonH\x00\x88\x01\x01\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.duet.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\r\x12\'\n\x08logprobs\x18\x07 \x03(\x0b\x32\x15.duet.v1.TokenLogprobB\x10\n\x0e_finish_reason\"\\\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12)\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x13.duet.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x13\n\x11ListModelsRequest\"8\n\x12ListModelsResponse\x12\"\n\x06models\x18\x01 \x03(\x0b\x32\x12.duet.v1.ModelInfo\"D\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nis_default\x18\x02 \x01(\x08\x12\x15\n\rmax_model_len\x18\x03 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x90\x01\n\x04\x44uet\x12\x41\n\x08Generate\x12\x18.duet.v1.GenerateRequest\x1a\x19.duet.v1.GenerateResponse0\x01\x12\x45\n\nListModels\x12\x1a.duet.v1.ListModelsRequest\x1a\x1b.duet.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x64uet/v1/duet.proto\x12\x07\x64uet.v1\"\xdf\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12-\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x11.duet.v1.TokenIdsH\x00\x12)\n\x08messages\x18\x03 \x01(\x0b\x32\x15.duet.v1.ChatMessagesH\x00\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.duet.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\t\n\x01n\x18\x07 \x01(\rB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"6\n\x0c\x43hatMessages\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.duet.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc2\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12#\n\x16num_speculative_tokens\x18\t \x01(\rH\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x01H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x01H\x08\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12:\n\nlogit_bias\x18\x0f \x03(\x0b\x32&.duet.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x0ctop_logprobs\x18\x10 \x01(\rH\t\x88\x01\x01\x12-\n\nstructured\x18\x11 \x01(\x0b\x32\x19.duet.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0f\n\r_top_logprobs\"\x93\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.duet.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe3\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.duet.v1.FinishReasonH\x00\x88\x01\x01\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.duet.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\r\x12\'\n\x08logprobs\x18\x07 \x03(\x0b\x32\x15.duet.v1.TokenLogprobB\x10\n\x0e_finish_reason\"\\\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12)\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x13.duet.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x13\n\x11ListModelsRequest\"8\n\x12ListModelsResponse\x12\"\n\x06models\x18\x01 \x03(\x0b\x32\x12.duet.v1.ModelInfo\"D\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nis_default\x18\x02 \x01(\x08\x12\x15\n\rmax_model_len\x18\x03 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x90\x01\n\x04\x44uet\x12\x41\n\x08Generate\x12\x18.duet.v1.GenerateRequest\x1a\x19.duet.v1.GenerateResponse0\x01\x12\x45\n\nListModels\x12\x1a.duet.v1.ListModelsRequest\x1a\x1b.duet.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1657
-  _globals['_FINISHREASON']._serialized_end=1777
+  _globals['_FINISHREASON']._serialized_start=1885
+  _globals['_FINISHREASON']._serialized_end=2005
   _globals['_GENERATEREQUEST']._serialized_start=32
   _globals['_GENERATEREQUEST']._serialized_end=255
   _globals['_TOKENIDS']._serialized_start=257
@@ -44,23 +44,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=338
   _globals['_CHATMESSAGE']._serialized_end=382
   _globals['_SAMPLINGPARAMS']._serialized_start=385
-  _globals['_SAMPLINGPARAMS']._serialized_end=1044
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=826
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=874
-  _globals['_USAGE']._serialized_start=1046
-  _globals['_USAGE']._serialized_end=1133
-  _globals['_GENERATERESPONSE']._serialized_start=1136
-  _globals['_GENERATERESPONSE']._serialized_end=1363
-  _globals['_TOKENLOGPROB']._serialized_start=1365
-  _globals['_TOKENLOGPROB']._serialized_end=1457
-  _globals['_TOPLOGPROB']._serialized_start=1459
-  _globals['_TOPLOGPROB']._serialized_end=1506
-  _globals['_LISTMODELSREQUEST']._serialized_start=1508
-  _globals['_LISTMODELSREQUEST']._serialized_end=1527
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1529
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1585
-  _globals['_MODELINFO']._serialized_start=1587
-  _globals['_MODELINFO']._serialized_end=1655
-  _globals['_DUET']._serialized_start=1780
-  _globals['_DUET']._serialized_end=1924
+  _globals['_SAMPLINGPARAMS']._serialized_end=1091
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=873
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=921
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1094
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1241
+  _globals['_CHOICELIST']._serialized_start=1243
+  _globals['_CHOICELIST']._serialized_end=1272
+  _globals['_USAGE']._serialized_start=1274
+  _globals['_USAGE']._serialized_end=1361
+  _globals['_GENERATERESPONSE']._serialized_start=1364
+  _globals['_GENERATERESPONSE']._serialized_end=1591
+  _globals['_TOKENLOGPROB']._serialized_start=1593
+  _globals['_TOKENLOGPROB']._serialized_end=1685
+  _globals['_TOPLOGPROB']._serialized_start=1687
+  _globals['_TOPLOGPROB']._serialized_end=1734
+  _globals['_LISTMODELSREQUEST']._serialized_start=1736
+  _globals['_LISTMODELSREQUEST']._serialized_end=1755
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1757
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1813
+  _globals['_MODELINFO']._serialized_start=1815
+  _globals['_MODELINFO']._serialized_end=1883
+  _globals['_DUET']._serialized_start=2008
+  _globals['_DUET']._serialized_end=2152
 # @@protoc_insertion_point(module_scope)

@@ -19,18 +19,32 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "remote_prefill", "resumed_output_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "remote_prefill", "resumed_output_tokens", "prefix_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     remote_prefill: RemotePrefill
     resumed_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ...) -> None: ...
+    prefix_source: PrefixSource
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ...) -> None: ...
+
+class PrefixSource(_message.Message):
+    __slots__ = ("worker_id", "endpoint", "incarnation", "num_tokens")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    endpoint: str
+    incarnation: str
+    num_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., incarnation: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class RemotePrefill(_message.Message):
     __slots__ = ("worker_id", "endpoint", "incarnation")
@@ -43,7 +57,7 @@ class RemotePrefill(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "num_speculative_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "top_logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "num_speculative_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "top_logprobs", "structured")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +81,7 @@ class SamplingParams(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -83,7 +98,28 @@ class SamplingParams(_message.Message):
     min_tokens: int
     logit_bias: _containers.ScalarMap[int, float]
     top_logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    structured: StructuredOutput
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., top_logprobs: _Optional[int] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("json_object", "json_schema", "regex", "choice", "grammar")
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_object: bool
+    json_schema: str
+    regex: str
+    choice: ChoiceList
+    grammar: str
+    def __init__(self, json_object: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
+
+class ChoiceList(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -173,6 +209,38 @@ class PrefillResponse(_message.Message):
     first_token_logprob: TokenLogprob
     def __init__(self, first_token_id: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., cached_prompt_tokens: _Optional[int] = ..., transfer_done: _Optional[bool] = ..., kv_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., first_token_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...) -> None: ...
 
+class PullPrefixRequest(_message.Message):
+    __slots__ = ("transfer_id", "prefix_token_ids", "first_block", "kv_store_address", "receiver_worker_id", "receiver_incarnation", "pair_generation", "expected_incarnation", "backend")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PAIR_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    prefix_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_block: int
+    kv_store_address: str
+    receiver_worker_id: str
+    receiver_incarnation: str
+    pair_generation: int
+    expected_incarnation: str
+    backend: str
+    def __init__(self, transfer_id: _Optional[str] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., kv_store_address: _Optional[str] = ..., receiver_worker_id: _Optional[str] = ..., receiver_incarnation: _Optional[str] = ..., pair_generation: _Optional[int] = ..., expected_incarnation: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class PullPrefixResponse(_message.Message):
+    __slots__ = ("num_blocks", "kv_bytes", "transfer_seconds")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    kv_bytes: int
+    transfer_seconds: float
+    def __init__(self, num_blocks: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -190,7 +258,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "num_running", "num_waiting", "outstanding_tokens", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers_sent", "kv_bytes_sent", "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfer_seconds", "num_reserved", "expert_tokens", "ep_rank_tokens", "spec_method", "spec_verifies", "spec_draft_tokens", "spec_accepted_tokens", "spec_emitted_tokens", "spec_draft_seconds", "spec_verify_seconds", "spec_fallbacks")
+    __slots__ = ("worker_id", "incarnation", "num_running", "num_waiting", "outstanding_tokens", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers_sent", "kv_bytes_sent", "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfer_seconds", "num_reserved", "expert_tokens", "ep_rank_tokens", "spec_method", "spec_verifies", "spec_draft_tokens", "spec_accepted_tokens", "spec_emitted_tokens", "spec_draft_seconds", "spec_verify_seconds", "spec_fallbacks", "prefix_pulls", "prefix_pull_blocks", "prefix_pull_bytes", "prefix_pull_failures", "prefix_pulls_served")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +288,11 @@ class LoadReport(_message.Message):
     SPEC_DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SPEC_VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PULLS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PULL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PULL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PULL_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_PULLS_SERVED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     num_running: int
@@ -249,4 +322,9 @@ class LoadReport(_message.Message):
     spec_draft_seconds: float
     spec_verify_seconds: float
     spec_fallbacks: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_transfers_received: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_reserved: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., ep_rank_tokens: _Optional[_Iterable[int]] = ..., spec_method: _Optional[str] = ..., spec_verifies: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_emitted_tokens: _Optional[int] = ..., spec_draft_seconds: _Optional[float] = ..., spec_verify_seconds: _Optional[float] = ..., spec_fallbacks: _Optional[int] = ...) -> None: ...
+    prefix_pulls: int
+    prefix_pull_blocks: int
+    prefix_pull_bytes: int
+    prefix_pull_failures: int
+    prefix_pulls_served: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_transfers_received: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_reserved: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., ep_rank_tokens: _Optional[_Iterable[int]] = ..., spec_method: _Optional[str] = ..., spec_verifies: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_emitted_tokens: _Optional[int] = ..., spec_draft_seconds: _Optional[float] = ..., spec_verify_seconds: _Optional[float] = ..., spec_fallbacks: _Optional[int] = ..., prefix_pulls: _Optional[int] = ..., prefix_pull_blocks: _Optional[int] = ..., prefix_pull_bytes: _Optional[int] = ..., prefix_pull_failures: _Optional[int] = ..., prefix_pulls_served: _Optional[int] = ...) -> None: ...

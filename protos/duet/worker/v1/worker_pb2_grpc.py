@@ -55,6 +55,11 @@ class WorkerStub:
                 request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PullPrefix = channel.unary_unary(
+                '/duet.worker.v1.Worker/PullPrefix',
+                request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.PullPrefixRequest.SerializeToString,
+                response_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.PullPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -107,6 +112,23 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullPrefix(self, request, context):
+        """Prefix pull, holder side; only workers call it (for a Submit that has prefix_source). Looks up
+        the blocks of prefix_token_ids in this worker's prefix cache, copies blocks first_block.. out
+        (on its engine thread, between two steps: nothing can evict them meanwhile) and sends them to
+        the puller over the pair's channel (workers/kv_transfer.py, never through this RPC). Answers
+        once the transfer has been sent.
+
+        Status codes:
+        INVALID_ARGUMENT     a bad field (the message names it)
+        FAILED_PRECONDITION  expected_incarnation is not this worker's (it restarted), this worker no
+        longer holds every block of the prefix, or it cannot send on backend
+        UNAVAILABLE          the worker is draining, or the transfer failed (the pair was dropped)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +151,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PullPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullPrefix,
+                    request_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.PullPrefixRequest.FromString,
+                    response_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.PullPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -240,6 +267,33 @@ class Worker:
             '/duet.worker.v1.Worker/Prefill',
             duet_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             duet_dot_worker_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.worker.v1.Worker/PullPrefix',
+            duet_dot_worker_dot_v1_dot_worker__pb2.PullPrefixRequest.SerializeToString,
+            duet_dot_worker_dot_v1_dot_worker__pb2.PullPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,
