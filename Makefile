@@ -74,8 +74,15 @@ qwen-coder: $(STAMP)
 # many tests wait on Ray, subprocesses and sockets, so two workers overlap those waits on 2 cores.
 # PYTEST_WORKERS=0 runs everything in this process (xdist off), e.g. to debug one test.
 PYTEST_WORKERS ?= 2
+# Modules marked `serial` (a real multi-node Ray cluster) run after the rest, in a process of their own.
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 test: setup
-	$(PY) -m pytest $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile) $(ARGS)
+ifeq ($(strip $(ARGS)),)
+	$(PY) -m pytest $(XDIST) -m "not serial"
+	$(PY) -m pytest -m serial
+else
+	$(PY) -m pytest $(XDIST) $(ARGS)
+endif
 
 serve: model kernels
 	$(VENV)/bin/duet serve $(ARGS)

@@ -48,6 +48,10 @@ from router.client import DuetClient, DuetError
 from testkit.multinode import NODE_RESOURCE, LocalCluster
 from testkit.tp_cases import save_tiny_qwen2
 
+# Its own pytest process (`make test` runs `-m serial` after the rest): a multi-node cluster's Ray
+# settings stay in the process that started it, and a later `ray.init` there times out.
+pytestmark = pytest.mark.serial
+
 MAIN, PREFILL, DECODE, DRAFTER = "duet_pool_main", "duet_pool_prefill", "duet_pool_decode", "duet_drafter"
 NODES = {"a": (2, {MAIN: 1000, PREFILL: 1000}), "b": (2, {MAIN: 1000, PREFILL: 1000}),
          "c": (2, {MAIN: 1000, PREFILL: 1000}), "d": (2, {DRAFTER: 1000}), "e": (1, {DECODE: 1000})}

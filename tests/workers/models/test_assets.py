@@ -174,7 +174,7 @@ def test_resolve_broken_gguf_file_names_it(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv("DUET_CACHE_DIR", str(tmp_path / "cache"))
     file = tmp_path / "model.gguf"  # a .gguf file is a model name; this one is 4 bytes
     file.write_bytes(b"GGUF")
-    with pytest.raises(CheckpointError, match="model.gguf.*cannot be converted.*re-download"):
+    with pytest.raises(CheckpointError, match="model.gguf.*cannot be read.*truncated.*re-download"):
         resolve_model(file)
 
 
