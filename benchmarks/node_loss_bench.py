@@ -13,11 +13,12 @@ run goes on until the pool is whole again and every stream in flight at the kill
 
 Figures per run (then medians over ``--runs``, one deployment; a replacement for the killed node
 joins between runs, so there is always a spare):
-    affected            streams in flight at the kill whose next token came later than
-                        max(0.5 s, 10 x their own median inter-token gap before the kill): the ones
-                        the lost worker was serving (cross-checked with the router's ``resumed``)
+    affected            streams the lost worker was serving (the router's ``resumed`` count): of
+                        the streams in flight at the kill, those that waited longest for their
+                        next token
     resume_s            kill -> the last affected stream's first token after the kill (max)
     resume_median_s     the same, median over the affected streams
+    unaffected_max_gap_s  the same for the other streams in flight (the surviving worker's)
     pool_full_s         kill -> the controller lists both replicas up again (Ray re-placed the
                         lost bundle on the spare node and the worker loaded and started)
     tokens_recomputed   sum over affected streams of (prompt + tokens streamed before the kill):
@@ -101,28 +102,28 @@ async def _one_run(cluster: Any, d: Any, args: argparse.Namespace) -> dict[str, 
     node = cluster.name_of(pool.bundle_nodes(pool.replica(victim))[0])
     resumed0 = d.router.stats()["requests"].get("resumed", 0)
     in_flight = [s for s in streams if "end" not in s]
+    restarts = d.controller.num_restarts
     killed = time.monotonic()
     await asyncio.to_thread(cluster.remove, node)
     full_at = None
     while full_at is None or any("end" not in s for s in in_flight):
-        if full_at is None and len(d.controller.members()) == 2:
+        # whole again: Ray restarted the lost worker (the controller saw it and started it) and it serves
+        if full_at is None and d.controller.num_restarts > restarts and len(d.controller.members()) == 2:
             full_at = time.monotonic()
         assert time.monotonic() - killed < 300, "no recovery within 300 s"
         await asyncio.sleep(0.05)
     stop.set()
     await asyncio.gather(*clients)
-    affected = []
-    for s in in_flight:
-        before = [t for t in s["times"] if t < killed]
-        after = [t for t in s["times"] if t >= killed]
-        gaps = [b - a for a, b in zip(before, before[1:])]
-        itl = statistics.median(gaps) if gaps else 0.05
-        if after and after[0] - killed > max(0.5, 10 * itl):
-            affected.append((after[0] - killed, len(before)))
-    waits = [w for w, _ in affected]
+    resumed = d.router.stats()["requests"].get("resumed", 0) - resumed0
+    # (seconds from the kill to the stream's next token, tokens it had before the kill), longest
+    # wait first: the router's ``resumed`` count of them are the lost worker's streams
+    waits = sorted(((next((t for t in s["times"] if t >= killed), s["end"]) - killed,
+                     sum(1 for t in s["times"] if t < killed)) for s in in_flight), reverse=True)
+    affected = waits[:resumed]
     return {"killed_node": node, "worker": victim, "in_flight": len(in_flight), "affected": len(affected),
-            "router_resumed": d.router.stats()["requests"].get("resumed", 0) - resumed0,
-            "resume_s": max(waits, default=0.0), "resume_median_s": statistics.median(waits) if waits else 0.0,
+            "resume_s": max((w for w, _ in affected), default=0.0),
+            "resume_median_s": statistics.median(w for w, _ in affected) if affected else 0.0,
+            "unaffected_max_gap_s": max((w for w, _ in waits[resumed:]), default=0.0),
             "pool_full_s": full_at - killed,
             "tokens_recomputed": sum(PROMPT_TOKENS + n for _, n in affected),
             "lost": sum(1 for s in streams if s["error"]), "errors": sorted({s["error"] for s in streams if s["error"]})}
@@ -161,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         if ray.is_initialized():
             ray.shutdown()
         cluster.shutdown()
-    keys = ("affected", "resume_s", "resume_median_s", "pool_full_s", "tokens_recomputed", "lost")
+    keys = ("affected", "resume_s", "resume_median_s", "unaffected_max_gap_s", "pool_full_s", "tokens_recomputed",
+            "lost")
     summary = {k: statistics.median(r[k] for r in runs) for k in keys}
     result = {"date": time.strftime("%Y-%m-%d"), "model": model, "clients": args.clients, "tokens": args.tokens,
               "prompt_tokens": PROMPT_TOKENS, "runs": runs, "median": summary,

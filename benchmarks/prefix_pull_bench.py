@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
     out = asyncio.run(bench(args))
     print(f"TTFT median: recompute {out['ttft_recompute_median_s'] * 1e3:.0f} ms, pull "
           f"{out['ttft_pull_median_s'] * 1e3:.0f} ms -> {out['pull_vs_recompute']:.2f}x; same tokens: "
-          f"{out['all_same_tokens']}; pulled {out['puller']['prefix_pull_bytes'] / 1e6:.1f} MB per request")
+          f"{out['all_same_tokens']}; pulled {out['puller']['prefix_pull_bytes'] / max(out['puller']['prefix_pulls'], 1) / 1e6:.1f} "
+          "MB per request")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")

@@ -8,6 +8,9 @@
                            elsewhere; the Helm chart's router Deployment runs this)
   duet generate "prompt"   stream one completion from a running router to the terminal
   duet status              the router's health and model, and every worker's health and load
+  duet drain WORKER        move a worker's running requests to its pool's other workers (live KV
+                           migration, nothing recomputed) and stop routing to it; --node-ip drains
+                           every worker on a node (the Helm chart's preStop hook)
   duet bench               serving benchmark: Poisson load over gRPC, TTFT/TPOT/ITL/E2E percentiles,
                            goodput and the router's own overhead (see `duet bench --help`)
   duet profile             measure one replica's capacity at p90 TTFT/TPOT SLOs, save it as a
@@ -172,6 +175,22 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
     add_client_security(p)
 
 
+def _add_drain(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("drain", help="migrate a worker's running requests to its pool's other workers",
+                       description="Join the deployment's Ray cluster (like `duet status`), and ask the worker (or "
+                       "every worker on --node-ip) to stop taking requests and move its running ones, KV and "
+                       "sampler state, to the other serving workers of its pool (live migration: nothing is "
+                       "recomputed, the clients' streams continue). Requests that cannot move keep running there. "
+                       "Exit status 1 if any request is left or a worker could not be drained.")
+    p.add_argument("worker", nargs="?", help="worker id, e.g. decode-1 (see `duet status`)")
+    p.add_argument("--node-ip", help="drain every worker serving on this IP instead (preStop: the pod's IP)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to move the requests (default 60)")
+    p.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"),
+                   help="Ray cluster of the deployment (default $RAY_ADDRESS or 'auto')")
+    p.add_argument("--namespace", default="duet", help="Ray namespace of the workers (default duet)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="duet", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -180,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_router(sub)
     _add_generate(sub)
     _add_status(sub)
+    _add_drain(sub)
     # `duet bench` owns its flags (cluster/bench/serving.py); everything after "bench" goes there.
     sub.add_parser("bench", help="serving benchmark: Poisson load, latency percentiles, goodput, router overhead",
                    add_help=False)
@@ -310,6 +330,35 @@ def _status(args: argparse.Namespace) -> int:
     return 0 if reachable else 1
 
 
+def _drain(args: argparse.Namespace) -> int:
+    import json
+
+    from cluster.drain import DrainError, drain, format_results, select
+    from cluster.status import worker_status
+
+    if (args.worker is None) == (args.node_ip is None):
+        raise DrainError("give exactly one of WORKER or --node-ip")
+    if args.timeout <= 0:
+        raise DrainError(f"--timeout must be > 0, got {args.timeout}")
+    import ray
+
+    from cluster.ray_conn import RayConnectionError
+
+    try:
+        ray.init(address=args.ray_address, namespace=args.namespace, log_to_driver=False,
+                 logging_level=logging.WARNING)
+    except Exception as e:  # noqa: BLE001 - one line, with the address tried
+        raise RayConnectionError(f"no Ray cluster reachable at {args.ray_address!r}: "
+                                 f"{str(e).splitlines()[0][:200]}") from None
+    try:
+        workers = worker_status(args.namespace, 5.0)
+    finally:
+        ray.shutdown()
+    results = drain(select(workers, args.worker, args.node_ip), workers, args.timeout)
+    print(json.dumps(results, indent=2) if args.json else format_results(results))
+    return 0 if all("error" not in r and r["remaining"] == 0 for r in results) else 1
+
+
 def _prepare(args: argparse.Namespace) -> int:
     from workers.models.assets import resolve_model
 
@@ -334,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         return profile_main(argv[lead + 1:])
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
-    handlers = {"serve": _serve, "router": _router, "generate": _generate, "status": _status, "prepare-model": _prepare}
+    handlers = {"serve": _serve, "router": _router, "generate": _generate, "status": _status, "drain": _drain,
+                "prepare-model": _prepare}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:
@@ -360,6 +410,7 @@ def _is_config_error(e: Exception) -> bool:
 def _is_user_error(e: Exception) -> bool:
     """Errors whose message already says what to do: print it, no traceback."""
     from cluster.config import ClusterConfigError
+    from cluster.drain import DrainError
     from cluster.membership_service import MembershipError
     from cluster.pools import PoolError
     from cluster.ray_conn import RayConnectionError
@@ -368,7 +419,7 @@ def _is_user_error(e: Exception) -> bool:
     from router.config import RouterConfigError
     from workers.errors import DuetError
 
-    return isinstance(e, (ClusterConfigError, MembershipError, PoolError, RayConnectionError, ServeError,
+    return isinstance(e, (ClusterConfigError, DrainError, MembershipError, PoolError, RayConnectionError, ServeError,
                           ClientError, RouterConfigError, DuetError))
 
 

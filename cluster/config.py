@@ -169,11 +169,14 @@ RouterSection = derived_section("RouterSection", """The public gRPC server (``po
     bounds one request message (int or '4MiB'). disagg_min_prompt_tokens: with a prefill pool,
     prompts shorter than this run colocated on a decode worker. prefix_pull_min_tokens: a worker
     routed a prompt whose prefix of at least this many tokens another worker holds pulls that
-    prefix's KV from it instead of recomputing it (0 = off; router/prefix_pull.py).""", [
+    prefix's KV from it instead of recomputing it (0 = off; router/prefix_pull.py). rebalance (off by
+    default) and its thresholds: move running requests from the hottest to the coolest decode worker
+    by live KV migration (router/rebalancer.py).""", [
     (name, Part(RouterConfig, name)) for name in (
         "host", "port", "http_port", "policy", "policy_options", "max_in_flight", "max_queue", "shutdown_grace_s",
         "tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file", "max_request_bytes",
-        "disagg_min_prompt_tokens", "prefix_pull_min_tokens")
+        "disagg_min_prompt_tokens", "prefix_pull_min_tokens", "rebalance", "rebalance_interval_s", "rebalance_kv_gap",
+        "rebalance_tpot_ratio", "rebalance_request_cooldown_s")
 ], probe={RouterConfig: {"tokenizer_path": "<model>"}})
 
 

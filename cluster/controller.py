@@ -21,7 +21,9 @@ starts a replica created at runtime. ``retire(worker_id)`` takes one away withou
 request: a replica that is not ``up`` (pending, starting, down, failed) has nothing to drain and is
 released at once; an ``up`` one goes
 
-    up --retire--> draining --after drain_settle_s: stop(grace)--> (stop returned) --> released
+    up --retire--> draining --after drain_settle_s: stop(grace, peers)--> (stop returned) --> released
+(``peers``: the pool's other up replicas; the draining one migrates its running requests there
+first, workers/drain.py, so it is empty in seconds instead of after its longest generation)
 
 While ``draining`` it is no member (``members()``), but detailed subscribers (the membership
 service) still list it, flagged ``draining``, so routers stop routing to it while its streams
@@ -249,9 +251,17 @@ class Controller:
             if r.state != "draining":
                 self._issue_probe(r)
             elif now >= r.drain_at:
-                r.call, r.call_kind, r.call_since = r.replica.actor.stop.remote(r.drain_grace_s), "drain", now
+                peers = self._migration_peers(r)
+                r.call, r.call_kind, r.call_since = r.replica.actor.stop.remote(r.drain_grace_s, peers), "drain", now
         for index, (push, detailed) in enumerate(list(self._subscribers)):
             self._push(index, push, detailed)
+
+    def _migration_peers(self, r: _Replica) -> list[tuple[str, str]]:
+        """(worker id, endpoint) of the up replicas of a draining replica's pool: its running requests
+        migrate there before it stops (live migration; none: they finish within the grace)."""
+        with self._lock:
+            return [(x.replica.worker_id, x.endpoint) for x in self._replicas
+                    if x is not r and x.state == "up" and x.endpoint and x.replica.pool == r.replica.pool]
 
     def _finish(self, r: _Replica) -> None:
         import ray

@@ -21,6 +21,8 @@ Example output::
     pool default: 2 workers
       default-0  10.0.0.5:41231  SERVING  running 1 waiting 0  outstanding 40 tok  KV 3/91 blocks  pid 1234  node 5c1a09e2
       default-1  10.0.0.5:40877  SERVING  running 0 waiting 0  outstanding 0 tok   KV 0/91 blocks  pid 1240  node 8f03b7d1
+                 migrations: 8 out, 0 in, 0 failed, 36.9 MB; draining
+(the migrations line appears once a worker has migrated or is draining: workers/migration_service.py)
 """
 
 from __future__ import annotations
@@ -117,7 +119,10 @@ def _worker_load(endpoint: str, timeout: float) -> dict[str, Any]:
                      "kv_bytes_sent": r.kv_bytes_sent, "kv_bytes_received": r.kv_bytes_received,
                      "kv_transfer_failures": r.kv_transfer_failures, "prefix_pulls": r.prefix_pulls,
                      "prefix_pull_blocks": r.prefix_pull_blocks, "prefix_pull_bytes": r.prefix_pull_bytes,
-                     "prefix_pull_failures": r.prefix_pull_failures, "prefix_pulls_served": r.prefix_pulls_served}}
+                     "prefix_pull_failures": r.prefix_pull_failures, "prefix_pulls_served": r.prefix_pulls_served,
+                     "migrations_out": r.migrations_out, "migrations_in": r.migrations_in,
+                     "migration_failures": r.migration_failures, "migration_kv_bytes": r.migration_kv_bytes,
+                     "draining": r.draining}}
 
 
 def _node(w: dict[str, Any]) -> str:
@@ -162,6 +167,10 @@ def format_status(status: dict[str, Any]) -> str:
                          f"waiting {ld['num_waiting']}  outstanding {ld['outstanding_tokens']} tok  KV "
                          f"{ld['kv_blocks_used']}/{ld['kv_blocks_total']} blocks  prefix hits {hits}  pid {w['pid']}"
                          f"{_node(w)}")
+            if ld.get("migrations_out") or ld.get("migrations_in") or ld.get("migration_failures") or ld.get("draining"):
+                lines.append(f"  {'':<12} migrations: {ld['migrations_out']} out, {ld['migrations_in']} in, "
+                             f"{ld['migration_failures']} failed, {ld['migration_kv_bytes'] / 1e6:.1f} MB"
+                             + ("; draining" if ld["draining"] else ""))
             if ld.get("spec_method", "none") != "none":
                 rate = ld["spec_accepted_tokens"] / max(ld["spec_draft_tokens"], 1)
                 length = ld["spec_emitted_tokens"] / max(ld["spec_verifies"], 1)

@@ -14,6 +14,10 @@ Terms:
                                may continue from prompt + the streamed tokens
                      FAIL      the client gets ``code`` + ``message`` now (bad input passed
                                through, deadline, an error no other worker would fix)
+                     MIGRATED  the worker moved the running request to another worker (live
+                               migration, workers/migration_service.py): the next attempt attaches
+                               to ``target_id`` with ``migration_id`` and continues from the exact
+                               token index; nothing is recomputed and no budget is spent
     budget       the limits of one request (``max_route_attempts`` attempts while nothing was
                  streamed, ``max_resumes`` resumes, and only with ``resume_on_worker_failure``),
                  with the workers tried so far (never picked again for this request).
@@ -64,6 +68,7 @@ class OutcomeKind(enum.Enum):
     RETRY = "retry"
     RESUME = "resume"
     FAIL = "fail"
+    MIGRATED = "migrated"
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,8 @@ class AttemptOutcome:
     reason: str = ""
     finish_reason: str = ""
     response: duet_pb2.GenerateResponse | None = field(default=None, compare=False)
+    target_id: str = ""  # MIGRATED: the worker the request now runs on
+    migration_id: str = ""  # MIGRATED: what the attach sends (SubmitRequest.migration_id)
 
     @classmethod
     def finished(cls, finish_reason: str, response: duet_pb2.GenerateResponse) -> AttemptOutcome:
@@ -110,6 +117,12 @@ class AttemptOutcome:
         """The worker failed (and is reported) after tokens reached the client."""
         return cls(OutcomeKind.RESUME, grpc.StatusCode.UNAVAILABLE, f"worker {worker_id} failed mid-stream ({reason})",
                    worker_id, report=True, reason=reason)
+
+    @classmethod
+    def migrated(cls, worker_id: str, target_id: str, migration_id: str) -> AttemptOutcome:
+        """``worker_id`` handed the running request to ``target_id`` (its stream ended with migrated_to)."""
+        return cls(OutcomeKind.MIGRATED, message=f"migrated from {worker_id} to {target_id}", worker_id=worker_id,
+                   target_id=target_id, migration_id=migration_id)
 
     @classmethod
     def fail(cls, code: grpc.StatusCode, message: str) -> AttemptOutcome:
@@ -151,6 +164,7 @@ class Action(enum.Enum):
     DONE = "done"  # the client has its whole answer
     RETRY = "retried"  # route again from the start (``AttemptBudget.tried`` excluded)
     RESUME = "resumed"  # route again from prompt + streamed tokens
+    MIGRATE = "migrated"  # attach to the migration target (``AttemptBudget.migration``)
     FAIL = "failed"  # raise RequestError(code, message)
 
 
@@ -179,6 +193,8 @@ class AttemptBudget:
     resumes: int = 0
     require_prefill: bool = False  # the last failure was a prefill half: the next route needs one
     last: AttemptOutcome | None = None  # the latest RETRY / RESUME outcome
+    migration: AttemptOutcome | None = None  # set by a MIGRATED outcome, for the next attempt only
+    migrations: int = 0
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> AttemptBudget:
@@ -188,12 +204,21 @@ class AttemptBudget:
     def start(self) -> None:
         self.attempts += 1
 
+    def take_migration(self) -> AttemptOutcome | None:
+        """The MIGRATED outcome the next attempt follows (once), or None."""
+        migration, self.migration = self.migration, None
+        return migration
+
     def decide(self, outcome: AttemptOutcome, streamed: int) -> Decision:
         """The next step after ``outcome``; ``streamed``: tokens that reached the client so far."""
         if outcome.kind is OutcomeKind.FINISHED:
             return Decision(Action.DONE)
         if outcome.kind is OutcomeKind.FAIL:
             return Decision(Action.FAIL, outcome.code, outcome.message)
+        if outcome.kind is OutcomeKind.MIGRATED:
+            self.migration = outcome
+            self.migrations += 1
+            return Decision(Action.MIGRATE)
         if outcome.kind is OutcomeKind.RETRY:
             assert streamed == 0, "a retry from the start after tokens reached the client"
             self.last = outcome

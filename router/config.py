@@ -115,6 +115,15 @@ class RouterConfig:
     auth_tokens_file: str | None = None
     # Largest request message accepted (bytes); larger ones end with RESOURCE_EXHAUSTED unread.
     max_request_bytes: int = 4 << 20
+    # Rebalancer (router/rebalancer.py): every rebalance_interval_s, when a pool's decode workers'
+    # KV usage differs by more than rebalance_kv_gap (a fraction) or their TPOT by more than
+    # rebalance_tpot_ratio (x), move one running request from the hottest to the coolest by live KV
+    # migration; a moved request stays put for rebalance_request_cooldown_s. Off by default.
+    rebalance: bool = False
+    rebalance_interval_s: float = 2.0
+    rebalance_kv_gap: float = 0.3
+    rebalance_tpot_ratio: float = 2.0
+    rebalance_request_cooldown_s: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy_options", MappingProxyType(dict(self.policy_options)))
@@ -174,6 +183,16 @@ class RouterConfig:
             _fail("tls_client_ca_file", self.tls_client_ca_file,
                   "client certificates (mTLS) need TLS: set tls_cert_file and tls_key_file too")
         _int_at_least("max_request_bytes", self.max_request_bytes, 1024)
+        if not isinstance(self.rebalance, bool):
+            _fail("rebalance", self.rebalance, "must be true or false")
+        for name in ("rebalance_interval_s", "rebalance_request_cooldown_s"):
+            value = getattr(self, name)
+            if not _finite(value) or value <= 0:
+                _fail(name, value, "must be a positive number of seconds")
+        if not _finite(self.rebalance_kv_gap) or not 0 < self.rebalance_kv_gap < 1:
+            _fail("rebalance_kv_gap", self.rebalance_kv_gap, "must be in (0, 1): a difference of KV usage fractions")
+        if not _finite(self.rebalance_tpot_ratio) or self.rebalance_tpot_ratio <= 1:
+            _fail("rebalance_tpot_ratio", self.rebalance_tpot_ratio, "must be > 1 (hot TPOT / cool TPOT)")
         _int_at_least("disagg_min_prompt_tokens", self.disagg_min_prompt_tokens, 0)
         _int_at_least("disagg_block_size", self.disagg_block_size, 1)
         _int_at_least("prefix_pull_min_tokens", self.prefix_pull_min_tokens, 0, " (0 = off)")

@@ -121,14 +121,18 @@ class Pipeline:
             streamed = len(progress.token_ids)
             route = RouteRequest(prep.internal_id, prep.prompt_token_ids + progress.token_ids,
                                  prep.sampling.max_tokens - streamed)
+            migration = budget.take_migration()
             try:
-                chosen = await self._select(route, budget.tried, deadline, budget.require_prefill)
+                chosen = self._migration_route(migration) or \
+                    await self._select(route, budget.tried, deadline, budget.require_prefill)
             except NoWorkersAvailable as e:
                 decision = budget.no_worker(str(e), streamed)
             else:
                 budget.start()
                 outcome: AttemptOutcome | None = None
-                async with aclosing(self._attempt(prep, chosen, route, deadline, progress)) as events:
+                attach = migration.migration_id if migration is not None and chosen.decode_id == migration.target_id \
+                    else ""
+                async with aclosing(self._attempt(prep, chosen, route, deadline, progress, attach)) as events:
                     async for event in events:
                         if isinstance(event, AttemptOutcome):
                             outcome = event
@@ -144,14 +148,24 @@ class Pipeline:
             if decision.action is Action.FAIL:
                 raise RequestError(decision.code, decision.message)
 
+    def _migration_route(self, migration: AttemptOutcome | None) -> Route | None:
+        """After a MIGRATED outcome: the target, if the directory knows it and it is healthy (else the
+        usual choice, and the request resumes there by recompute)."""
+        if migration is None:
+            return None
+        if migration.target_id not in {w.worker_id for w in self.directory.snapshot() if w.healthy}:
+            logger.warning("migration target %s is not a healthy member; resuming by recompute", migration.target_id)
+            return None
+        return Route(decode_id=migration.target_id)
+
     async def _attempt(self, prep: PreparedRequest, chosen: Route, route: RouteRequest, deadline: float | None,
-                       progress: Progress) -> AsyncIterator[duet_pb2.GenerateResponse | AttemptOutcome]:
+                       progress: Progress, migration_id: str = "") -> AsyncIterator[duet_pb2.GenerateResponse | AttemptOutcome]:
         """One attempt on ``chosen`` between its leases; reports a worker its outcome blames."""
         lease = self.directory.begin(chosen.decode_id, route)
         prefill = self.directory.begin(chosen.prefill_id, route) if chosen.prefill_id else None
         try:
             async with aclosing(stream_attempt(prep, lease, prefill, progress, deadline, self.metrics,
-                                               chosen.pull)) as events:
+                                               chosen.pull, migration_id)) as events:
                 async for event in events:
                     if isinstance(event, AttemptOutcome):
                         self._observe(event, lease if not event.prefill_failed else prefill)
@@ -183,6 +197,10 @@ class Pipeline:
         if decision.action is Action.RETRY:
             self.counts["retried"] += 1
             logger.warning("request %s: %s; trying another worker", prep.request_id, last)
+        elif decision.action is Action.MIGRATE:
+            self.counts["migrated"] += 1
+            logger.info("request %s: continuing on %s after %d streamed tokens (live migration)", prep.request_id,
+                        budget.migration.target_id if budget.migration else "?", streamed)
         elif decision.action is Action.RESUME:
             self.counts["resumed"] += 1
             logger.warning("request %s: %s; resuming after %d streamed tokens on another worker (%d/%d)",

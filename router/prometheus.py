@@ -96,6 +96,7 @@ WORKER_GAUGES = (
     ("kv_blocks_used", "kv_blocks_used", "KV blocks held by requests"),
     ("kv_blocks_total", "kv_blocks_total", "KV blocks of the worker's cache"),
     ("kv_blocks_cached", "kv_blocks_cached", "KV blocks holding a prefix-cache entry"),
+    ("draining", "draining", "1 while the worker drains (takes no new requests, migrates its running ones)"),
 )
 WORKER_COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "prompt blocks looked up in the prefix cache"),
@@ -107,6 +108,12 @@ WORKER_COUNTERS = (
     ("kv_bytes_received", "kv_received_bytes", "KV bytes received"),
     ("kv_transfer_failures", "kv_transfer_failures", "failed KV transfers"),
     ("kv_transfer_seconds", "kv_transfer_seconds", "wall time spent in KV transfers"),
+    # live migration (workers/migration_service.py)
+    ("migrations_out", "migrations_out", "running requests migrated to another worker (confirmed by the target)"),
+    ("migrations_in", "migrations_in", "running requests taken over from another worker"),
+    ("migration_failures", "migration_failures", "migrations that failed (the request stayed where it was)"),
+    ("migration_kv_bytes", "migration_kv_bytes", "KV bytes moved by migrations (sent + received)"),
+    ("migration_seconds", "migration_seconds", "seconds from pause to confirmation of outgoing migrations"),
     ("prefix_pulls", "prefix_pulls", "prompt prefixes pulled from another worker instead of recomputed"),
     ("prefix_pull_blocks", "prefix_pull_blocks", "KV blocks pulled for prompt prefixes"),
     ("prefix_pull_bytes", "prefix_pull_bytes", "KV bytes pulled for prompt prefixes"),

@@ -60,6 +60,7 @@ from router.pipeline import Pipeline
 from router.policies import make_policy
 from router.preprocess import RequestError, ServedModel
 from router.prometheus import metrics_registry
+from router.rebalancer import RebalanceSettings, Rebalancer
 from router.request_metrics import RequestMetrics
 from router.security import BearerTokenInterceptor, SecurityConfigError, TokenStore, server_credentials
 from router.workers import WorkerDirectory
@@ -166,6 +167,13 @@ class RouterServer:
         self._health_tasks: set[asyncio.Task[None]] = set()
         self.membership: MembershipWatcher | None = None
         self.membership_version = 0
+        self.rebalancer: Rebalancer | None = None
+        if config.rebalance:
+            self.rebalancer = Rebalancer(self.directory, RebalanceSettings(
+                kv_gap=config.rebalance_kv_gap, tpot_ratio=config.rebalance_tpot_ratio,
+                request_cooldown_s=config.rebalance_request_cooldown_s,
+                pair_cooldown_s=max(config.rebalance_interval_s, 3 * config.load_poll_interval_s)),
+                config.rebalance_interval_s)
         self.http: HttpApiServer | None = None
         if config.http:  # the OpenAI-compatible API: same pipeline, auth and metrics, its own port
             # imported here: a router with http_port 0 runs without the HTTP stack (fastapi, uvicorn)
@@ -197,6 +205,8 @@ class RouterServer:
         if self.http is not None:
             await self.http.start()
         await self.directory.set_members(members)
+        if self.rebalancer is not None:
+            self.rebalancer.start()
         if self.config.membership_address is not None:
             self.membership = MembershipWatcher(self.config.membership_address, self._apply_members,
                                                 watcher_name=f"router {self.address}")
@@ -250,6 +260,8 @@ class RouterServer:
     def stats(self) -> dict[str, Any]:
         stats = {**self.pipeline.stats(), "membership_version": self.membership_version,
                  "load_reports": self.directory.load_reports()}
+        if self.rebalancer is not None:  # shown among the request outcome counters
+            stats["requests"] = {**stats["requests"], **self.rebalancer.counts}
         if self.auth is not None:  # shown among the request outcome counters (duet status)
             stats["requests"] = {**stats["requests"], **{f"auth_{k}": v for k, v in self.auth.rejected.items()}}
         return stats
@@ -261,6 +273,8 @@ class RouterServer:
             return
         self._stopped = True
         await self.health.enter_graceful_shutdown()
+        if self.rebalancer is not None:
+            await self.rebalancer.stop()
         if self.membership is not None:
             await self.membership.stop()
         grace = self.config.shutdown_grace_s if grace is None else grace

@@ -57,11 +57,13 @@ class Progress:
     clock: RequestClock
     token_ids: list[int] = field(default_factory=list)
 
-    def submit_request(self, prep: PreparedRequest) -> worker_pb2.SubmitRequest:
+    def submit_request(self, prep: PreparedRequest, migration_id: str = "") -> worker_pb2.SubmitRequest:
         """The worker request: the prepared one, or (resuming) prompt + streamed ids with the rest
         of max_tokens and min_tokens; the streamed ids still count as generated for the penalties
-        (resumed_output_tokens). Context limits hold: prompt + max_tokens was clamped to the context."""
+        (resumed_output_tokens). Context limits hold: prompt + max_tokens was clamped to the context.
+        migration_id: attach to the request migrated to this worker (falls back to the resume there)."""
         request = prep.submit_request()
+        request.migration_id = migration_id
         if self.token_ids:
             request.prompt_token_ids.extend(self.token_ids)
             request.resumed_output_tokens = len(self.token_ids)
@@ -72,14 +74,17 @@ class Progress:
 
 async def stream_attempt(prep: PreparedRequest, lease: WorkerLease, prefill: WorkerLease | None,
                          progress: Progress, deadline: float | None,
-                         metrics: RequestMetrics, pull: PullSource | None = None) -> AsyncIterator[AttemptEvent]:
+                         metrics: RequestMetrics, pull: PullSource | None = None,
+                         migration_id: str = "") -> AsyncIterator[AttemptEvent]:
     """Yield the client's GenerateResponses of one attempt, then exactly one AttemptOutcome (the
     last event; a FINISHED one carries the last response). ``deadline`` (time.monotonic) bounds the worker call.
-    ``pull``: the prefix the worker pulls from another one (Submit.prefix_source). Raises only
-    asyncio.CancelledError, when the request itself is cancelled."""
+    ``pull``: the prefix the worker pulls from another one (Submit.prefix_source). migration_id: this
+    attempt attaches to a request migrated to ``lease``'s worker. Raises only asyncio.CancelledError,
+    when the request itself is cancelled."""
     started = time.monotonic()
     timeout = None if deadline is None else max(deadline - started, 0.001)
-    request = progress.submit_request(prep)
+    request = progress.submit_request(prep, migration_id)
+    streamed_before = len(progress.token_ids)
     if prefill is not None:
         state = prefill.state
         request.remote_prefill.CopyFrom(worker_pb2.RemotePrefill(
@@ -102,6 +107,7 @@ async def stream_attempt(prep: PreparedRequest, lease: WorkerLease, prefill: Wor
                 progress.token_ids.extend(ids)
                 if ids:
                     metrics.chunk(progress.clock, lease.pool)
+                    lease.observe_chunk(len(ids), time.monotonic())
                     if prefill is not None:  # the KV arrived: the prefill worker's part is done
                         prefill.call = None
                 if stopped or delta.HasField("finish_reason"):
@@ -110,6 +116,9 @@ async def stream_attempt(prep: PreparedRequest, lease: WorkerLease, prefill: Wor
                 if ids:
                     yield duet_pb2.GenerateResponse(request_id=prep.request_id, text=text, token_ids=ids,
                                                     logprobs=logprobs)
+                if delta.HasField("migrated_to"):
+                    outcome = _migrated(prep, lease, delta.migrated_to, len(progress.token_ids) - streamed_before)
+                    break
             else:
                 outcome = AttemptOutcome.worker_down(lease.worker_id, "its stream ended without a finish reason",
                                                      len(progress.token_ids))
@@ -141,6 +150,20 @@ def _finish(prep: PreparedRequest, lease: WorkerLease, progress: Progress, delta
     response = duet_pb2.GenerateResponse(request_id=prep.request_id, text=text + progress.detok.flush(),
                                          token_ids=ids, finish_reason=finish, usage=usage, logprobs=logprobs)
     return AttemptOutcome.finished(reason, response)
+
+
+def _migrated(prep: PreparedRequest, lease: WorkerLease, moved: worker_pb2.MigratedTo, attempt_tokens: int
+              ) -> AttemptOutcome:
+    """The MIGRATED outcome; without a migration id when the worker's token count disagrees with
+    what this attempt streamed (the next attempt then resumes by recompute: never a gap or a repeat)."""
+    migration_id = moved.migration_id
+    if moved.num_output_tokens != attempt_tokens:
+        logger.warning("request %s: %s migrated it after %d tokens, %d streamed here; resuming by recompute",
+                       prep.request_id, lease.worker_id, moved.num_output_tokens, attempt_tokens)
+        migration_id = ""
+    logger.info("request %s (internal %s): migrated from %s to %s", prep.request_id, prep.internal_id,
+                lease.worker_id, moved.worker_id)
+    return AttemptOutcome.migrated(lease.worker_id, moved.worker_id, migration_id)
 
 
 def _rpc_error_outcome(prep: PreparedRequest, lease: WorkerLease, prefill: WorkerLease | None, progress: Progress,

@@ -80,6 +80,19 @@ class WorkerLease:
     call: grpc.aio.Call | None = None
     failure: str | None = None
     _member: _Member | None = field(default=None, repr=False)
+    request_id: str = ""  # the worker-side request id (the router's internal id)
+    tokens: int = 0  # prompt + tokens streamed on this lease: what the worker's KV holds (rebalancer)
+    last_chunk: float = 0.0  # time.monotonic() of the latest chunk (TPOT)
+
+    def observe_chunk(self, num_tokens: int, now: float) -> None:
+        """A chunk of ``num_tokens`` arrived: count its tokens, and feed the worker's TPOT estimate
+        (an EWMA of seconds per token between chunks; the rebalancer compares it across workers)."""
+        self.tokens += num_tokens
+        m = self._member
+        if m is not None and self.last_chunk and num_tokens:
+            per_token = (now - self.last_chunk) / num_tokens
+            m.tpot_s = per_token if m.tpot_s is None else 0.8 * m.tpot_s + 0.2 * per_token
+        self.last_chunk = now
 
     @property
     def state(self) -> WorkerState:
@@ -113,6 +126,7 @@ class _Member:
     pool: str = ""
     draining: bool = False
     report: worker_pb2.LoadReport | None = None  # the latest, for the metrics exporter
+    tpot_s: float | None = None  # EWMA of seconds per output token of its streams (WorkerLease.observe_chunk)
 
     def __post_init__(self) -> None:
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
@@ -227,7 +241,8 @@ class WorkerDirectory:
         """Start a lease on ``worker_id`` (just returned by the policy from ``snapshot()``)."""
         m = self._members[worker_id]
         cost = request.cost_tokens
-        lease = WorkerLease(worker_id, m.stub, cost, _member=m)
+        lease = WorkerLease(worker_id, m.stub, cost, _member=m, request_id=request.request_id,
+                            tokens=len(request.prompt_token_ids))
         m.leases.add(lease)
         s = m.state
         m.state = replace(s, in_flight_requests=s.in_flight_requests + 1,
@@ -346,13 +361,35 @@ class WorkerDirectory:
             m.warned.add(key)
             logger.warning(msg, *args)
 
+    # ------------------------------------------------------------- rebalancing
+    def rebalance_view(self) -> list[Any]:
+        """router.rebalancer.WorkerLoad of every healthy, non-draining decode or colocated member
+        that has reported: its KV use, TPOT estimate and the requests streaming from it."""
+        from router.rebalancer import WorkerLoad
+
+        return [WorkerLoad(m.worker_id, m.pool, m.report.kv_blocks_used, m.report.kv_blocks_total,
+                           m.report.kv_block_size or 16, m.tpot_s,
+                           tuple((lease.request_id, lease.tokens) for lease in m.leases
+                                 if lease.request_id and lease.tokens and lease.failure is None))
+                for m in self._members.values()
+                if m.report is not None and m.state.healthy and not m.draining and not m.removed
+                and m.state.role != "prefill"]
+
+    def stub_of(self, worker_id: str) -> worker_pb2_grpc.WorkerStub:
+        return self._members[worker_id].stub
+
+    def migration_target(self, worker_id: str) -> worker_pb2.MigrationTarget:
+        m = self._members[worker_id]
+        return worker_pb2.MigrationTarget(worker_id=m.worker_id, endpoint=m.endpoint, incarnation=m.state.incarnation)
+
     # ------------------------------------------------------------- introspection
     def describe(self) -> list[dict[str, object]]:
         """One dict per member (for status pages and tests)."""
         return [{"worker_id": m.worker_id, "endpoint": m.endpoint, "role": m.state.role, "pool": m.pool,
                  "healthy": m.state.healthy, "draining": m.draining,
                  "in_flight": m.state.in_flight_requests, "load_tokens": m.state.load_tokens,
-                 "consecutive_poll_failures": m.failures, "last_error": m.last_error}
+                 "consecutive_poll_failures": m.failures, "last_error": m.last_error,
+                 "requests": sorted(lease.request_id for lease in m.leases if lease.request_id)}
                 for m in self._members.values()]
 
     def load_reports(self) -> list[tuple[str, str, worker_pb2.LoadReport]]:

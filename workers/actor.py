@@ -95,8 +95,13 @@ class WorkerActor:
             "device": self._config.device,
         }
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """Drain for up to ``grace`` s, abort the rest (UNAVAILABLE), stop serving. Idempotent."""
+    async def stop(self, grace: float = 5.0, migrate_to: list[tuple[str, str]] | None = None) -> None:
+        """Drain for up to ``grace`` s, abort the rest (UNAVAILABLE), stop serving. Idempotent.
+        migrate_to: (worker id, endpoint) of the pool's other workers: the running requests move
+        there first by live migration (workers/drain.py), so the drain takes seconds."""
         server, self._server = self._server, None
         if server is not None:
-            await server.stop(grace)
+            from protos.duet.worker.v1 import worker_pb2
+
+            targets = [worker_pb2.MigrationTarget(worker_id=w, endpoint=e) for w, e in migrate_to or ()]
+            await server.stop(grace, migrate_to=targets)

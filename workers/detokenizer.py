@@ -14,9 +14,22 @@ piece of a stop string.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 _PROMPT_CONTEXT = 5  # prompt tokens kept as left context for the first output token
+
+
+@dataclass(frozen=True)
+class DetokenizerState:
+    """Everything an ``IncrementalDetokenizer`` carries between tokens (a migrated request's
+    detokenizer continues on another worker exactly where it was: same window, held-back text)."""
+
+    ids: list[int]
+    prefix_offset: int
+    read_offset: int
+    text: str
+    emitted: int
 
 
 class IncrementalDetokenizer:
@@ -51,6 +64,17 @@ class IncrementalDetokenizer:
             self.text = self.text[: min(hits)]
             return self.flush(), True
         return self._emit(len(self.text) - self._partial_stop_suffix()), False
+
+    def state(self) -> DetokenizerState:
+        return DetokenizerState(list(self.ids), self.prefix_offset, self.read_offset, self.text, self.emitted)
+
+    def restore(self, state: DetokenizerState) -> None:
+        """Continue from ``state`` (taken from a detokenizer with the same tokenizer and stop strings)."""
+        if not 0 <= state.prefix_offset <= state.read_offset <= len(state.ids) or not 0 <= state.emitted <= len(state.text):
+            raise ValueError(f"detokenizer state out of range: offsets {state.prefix_offset}/{state.read_offset} of "
+                             f"{len(state.ids)} ids, {state.emitted} of {len(state.text)} chars emitted")
+        self.ids, self.prefix_offset, self.read_offset = list(state.ids), state.prefix_offset, state.read_offset
+        self.text, self.emitted = state.text, state.emitted
 
     def flush(self) -> str:
         """Everything not yet emitted (called when the request finishes)."""

@@ -11,6 +11,8 @@ hand-off:
   decode side   ``reserve(id, prompt, params)`` -> a KVTicket; ``import_kv(id, ticket, kv, ...)``
                 writes the received blocks and decodes on after the first token. ``abort(id)``
                 returns a reservation's blocks.
+Live migration (workers/migration.py): ``pause_request`` / ``migration_kv`` / ``resume_request`` /
+``finish_migrated`` on the source, ``reserve_migration`` / ``import_migration`` on the target.
 Structured output (``SamplingParams.structured``): the request's grammar compiles on a background
 thread (workers/structured/grammar.py, cached per spec) while the request waits in a GrammarGate
 (workers/structured/admission.py) instead of the scheduler; the runner masks each sampled token
@@ -49,6 +51,7 @@ from workers.device import resolve_for_process
 from workers.errors import InvalidRequestError
 from workers.kv_handoff import KVCapacityError, KVHandoff
 from workers.layers.logprobs import TokenLogprob
+from workers.migration import Migration, MigrationError, MigrationSnapshot
 from workers.model_runner import ModelRunner
 from workers.models.assets import resolve_model
 from workers.runner import KVExport, KVLayout, KVTicket, RequestOutput, Runner, RunnerOutput
@@ -81,7 +84,7 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig, runner: Runner, tokenizer: Any, *, block_manager: BlockManager | None = None,
                  scheduler: Scheduler | None = None, handoff: KVHandoff | None = None,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, migration: Migration | None = None) -> None:
         """Assemble an engine from its parts; the defaults build the block manager (sized by the
         runner's ``num_blocks``), the scheduler and the hand-off over them. A runner that cannot
         hold a whole model's KV (one rank of a gang, see workers/runner.py) is refused."""
@@ -99,6 +102,7 @@ class Engine:
         self.scheduler = scheduler or Scheduler(config.scheduler, self.block_manager, self.spec.releasable_window)
         self.handoff = handoff or KVHandoff(self.block_manager, runner)
         self.speculator = speculator
+        self.migration = migration or Migration(self.block_manager, self.scheduler, runner, speculator)
         self.eos_token_ids = frozenset(self.spec.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -256,16 +260,70 @@ class Engine:
         moe = self.runner.moe_stats()
         return EngineStats(len(s.running), len(s.waiting) + len(self.grammars), s.num_preemptions, self.block_manager.stats(),
                            expert_tokens=moe.expert_tokens, ep_rank_tokens=moe.ep_rank_tokens,
-                           num_reserved=len(self.handoff.reserved()),
+                           num_reserved=len(self.reserved()),
                            spec=self.speculator.stats() if self.speculator is not None else SpecStats())
 
     def reserved(self) -> list[Sequence]:
-        """Decode side: sequences holding reserved blocks while their KV is in transit."""
-        return self.handoff.reserved()
+        """Decode side (and migration targets): sequences holding reserved blocks while their KV is in transit."""
+        return self.handoff.reserved() + self.migration.reserved()
 
     def kv_layout(self) -> KVLayout:
         """What this engine sends and receives in a disaggregated hand-off: every kv head."""
         return self.runner.kv_layout()
+
+    # ------------------------------------------------------------- migration
+    def pause_request(self, request_id: str) -> MigrationSnapshot:
+        """Source: hold a decoding request at this step boundary and snapshot it (workers/migration.py).
+        Raises MigrationError when it is unknown or not decoding."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise MigrationError(f"{request_id} is not running here (finished, aborted or unknown)")
+        return self.migration.pause(seq, self._detok[request_id])
+
+    def migration_kv(self, request_id: str, first_block: int) -> torch.Tensor:
+        """Source: a paused request's K/V of blocks first_block.. ([L, 2, n, bs, G, D])."""
+        return self.migration.read_kv(request_id, first_block)
+
+    def resume_request(self, request_id: str) -> bool:
+        """Source: the migration failed; the paused request decodes on here. False if it ended meanwhile."""
+        return self.migration.resume(request_id)
+
+    def finish_migrated(self, request_id: str) -> RequestOutput:
+        """Source: the target took the request over; free everything here. The final output has
+        no tokens and finish reason MIGRATED."""
+        seq = self.migration.take_paused(request_id)
+        seq.finish_reason = FinishReason.MIGRATED
+        return self._finish(seq, [], "")
+
+    def reserve_migration(self, snapshot: MigrationSnapshot) -> KVTicket:
+        """Target: register a request from ``snapshot`` and reserve blocks for its KV (prefix hits
+        first). Raises InvalidRequestError (bad snapshot, over this engine's limits; the field is
+        named), KVCapacityError (no room)."""
+        try:
+            snapshot.check()
+        except MigrationError as e:
+            raise InvalidRequestError("migration", str(e)) from None
+        if snapshot.params.structured is not None:
+            raise InvalidRequestError("sampling.structured", "structured-output requests do not migrate yet")
+        seq = self._new_sequence(snapshot.request_id, snapshot.prompt_token_ids, snapshot.params,
+                                 snapshot.num_resumed_tokens)
+        if len(snapshot.token_ids) >= self.max_model_len or any(not 0 <= t < self.spec.vocab_size
+                                                                for t in snapshot.output_token_ids):
+            raise InvalidRequestError("output_token_ids", f"{len(snapshot.token_ids)} tokens with ids < "
+                                      f"{self.spec.vocab_size} needed; this worker's context is {self.max_model_len}")
+        seq.token_ids.extend(snapshot.output_token_ids)
+        ticket = self.migration.reserve(seq, snapshot)
+        self._register(seq)
+        if snapshot.detokenizer is not None:
+            self._detok[seq.request_id].restore(snapshot.detokenizer)
+        if self.speculator is not None:  # a draft model re-prefills prompt + outputs while the KV is in transit
+            self.speculator.prefetch(seq)
+        return ticket
+
+    def import_migration(self, request_id: str, ticket: KVTicket, kv: torch.Tensor,
+                         snapshot: MigrationSnapshot) -> None:
+        """Target: write the received blocks (verified) and decode on from the snapshot's state."""
+        self.migration.complete(request_id, ticket, kv, snapshot)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -333,6 +391,7 @@ class Engine:
         export = self.handoff.export(seq, new_ids, aborted=seq.finish_reason is FinishReason.ABORT,
                                      first_logprob=logprobs[0] if logprobs else None)
         self.handoff.release(seq.request_id)
+        self.migration.release(seq.request_id)
         if self.speculator is not None:
             self.speculator.release(seq.request_id)
         self.scheduler.remove(seq)

@@ -20,6 +20,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,6 +29,8 @@ from workers.kv_handoff import KVCapacityError
 from workers.kv_wire import model_fingerprint
 from workers.errors import InvalidRequestError
 from workers.layers.logprobs import TokenLogprob
+from workers.migration import MigrationError, MigrationSnapshot
+from workers.migration import model_fingerprint as migration_fingerprint
 from workers.runner import KVLayout, KVTicket, RequestOutput
 from workers.sampling_params import SamplingParams
 
@@ -46,6 +49,7 @@ class EngineLimits:
     vocab_size: int
     kv_layout: KVLayout | None = None  # the KV cache geometry (for disaggregated transfers)
     device: str = "cpu"
+    model_fingerprint: str = ""  # workers.migration.model_fingerprint: migration peers must agree
     kv_fingerprint: int = 0  # workers/kv_wire.py model_fingerprint: what KV transfers carry and check
 
 
@@ -142,7 +146,28 @@ class _Call:
     reply: asyncio.Future  # -> its result, or the exception it raised
 
 
-Command = _Add | _Abort | _Reserve | _Import | _Call
+@dataclass(frozen=True)
+class _Adopt:
+    """Migration target: import a reserved request's verified KV and decode on; outputs go to ``sink``."""
+
+    request_id: str
+    ticket: KVTicket
+    kv: torch.Tensor  # [L, 2, n, bs, G, D], verified
+    snapshot: MigrationSnapshot
+    sink: Sink
+    reply: asyncio.Future  # -> True, or WorkerUnavailableError (aborted while in transit)
+
+
+@dataclass(frozen=True)
+class _Handover:
+    """Migration source: the target took the paused request over; finish it here (MIGRATED: its
+    Submit stream gets the final output) and free it."""
+
+    request_id: str
+    reply: asyncio.Future  # -> True, or MigrationError (it ended meanwhile)
+
+
+Command = _Add | _Abort | _Reserve | _Import | _Call | _Adopt | _Handover
 
 
 def _apply_deliveries(deliveries: list[Delivery]) -> None:
@@ -158,7 +183,7 @@ def _rejection(cmd: Command, reason: Exception) -> Delivery:
     """The answer to a command the engine thread will never run."""
     if isinstance(cmd, (_Add, _Import)):
         return cmd.sink, reason
-    return (cmd.reply, reason) if isinstance(cmd, (_Reserve, _Call)) else (cmd.reply, False)
+    return (cmd.reply, reason) if isinstance(cmd, (_Reserve, _Call, _Adopt, _Handover)) else (cmd.reply, False)
 
 
 class EngineLoop:
@@ -216,6 +241,19 @@ class EngineLoop:
         self._post(cmd)
         return cmd.reply
 
+    def adopt(self, request_id: str, ticket: KVTicket, kv: torch.Tensor, snapshot: MigrationSnapshot,
+              sink: Sink) -> asyncio.Future:
+        """Migration target: write the verified KV and decode on; outputs arrive on ``sink``."""
+        cmd = _Adopt(request_id, ticket, kv, snapshot, sink, self._loop.create_future())
+        self._post(cmd)
+        return cmd.reply
+
+    def hand_over(self, request_id: str) -> asyncio.Future:
+        """Migration source: finish the paused request as MIGRATED (its sink gets the final output)."""
+        cmd = _Handover(request_id, self._loop.create_future())
+        self._post(cmd)
+        return cmd.reply
+
     def abort(self, request_id: str) -> asyncio.Future[bool]:
         """Abort a request (idempotent); the future says whether the engine still had it."""
         cmd = _Abort(request_id, self._loop.create_future())
@@ -256,16 +294,18 @@ class EngineLoop:
             torch.set_num_threads(self._num_threads)
         try:
             engine = self._make_engine()
+            layout = engine.kv_layout()  # None: no KV transfer (so no migration either)
+            limits = EngineLimits(
+                engine.max_model_len, engine.spec.vocab_size, layout, engine.config.device,
+                migration_fingerprint(engine) if layout is not None else "",
+                model_fingerprint(engine.spec, layout.dtype, engine.config.quantization) if layout is not None else 0)
         except BaseException as e:  # noqa: BLE001 - handed to start()
             self._start_error = e
             self._deliver([(self._ready, None)])
             self._close(None, None, deque())
             return
         self.snapshot = LoadSnapshot.of(engine)
-        layout = engine.kv_layout()
-        fingerprint = model_fingerprint(engine.spec, layout.dtype, engine.config.quantization) if layout else 0
-        self._deliver([(self._ready, EngineLimits(engine.max_model_len, engine.spec.vocab_size, layout,
-                                                    engine.config.device, fingerprint))])
+        self._deliver([(self._ready, limits)])
         commands: deque[Command] = deque()
         out: list[Delivery] = []  # answers not yet handed to the event loop
         try:
@@ -329,11 +369,33 @@ class EngineLoop:
             if not first.finished:
                 self._sinks[cmd.request_id] = cmd.sink
             return
+        if isinstance(cmd, (_Adopt, _Handover)):
+            self._apply_migration(engine, cmd, out)
+            return
         final = engine.abort(cmd.request_id)
         sink = self._sinks.pop(cmd.request_id, None)
         if final is not None and sink is not None:
             out.append((sink, final))  # the stream ends normally, with finish_reason ABORT
         out.append((cmd.reply, final is not None))
+
+    def _apply_migration(self, engine: Engine, cmd: _Adopt | _Handover, out: list[Delivery]) -> None:
+        if isinstance(cmd, _Adopt):
+            if not engine.migration.is_reserved(cmd.request_id):  # aborted while in transit
+                out.append((cmd.reply, WorkerUnavailableError(f"request {cmd.request_id} was aborted")))
+                return
+            engine.import_migration(cmd.request_id, cmd.ticket, cmd.kv, cmd.snapshot)
+            self._sinks[cmd.request_id] = cmd.sink
+            out.append((cmd.reply, True))
+            return
+        try:
+            final = engine.finish_migrated(cmd.request_id)
+        except MigrationError as e:
+            out.append((cmd.reply, e))
+            return
+        sink = self._sinks.pop(cmd.request_id, None)
+        if sink is not None:
+            out.append((sink, final))
+        out.append((cmd.reply, True))
 
     def _close(self, engine: Engine | None, error: BaseException | None, unapplied: deque) -> None:
         """Abort what is left, answer every command not run, and tell the loop the thread is done."""

@@ -60,6 +60,7 @@ _LINE = 64
 _WRITTEN, _READ, _SENDER_CLOSED, _RECEIVER_CLOSED = 1, 2, 3, 4  # header lines (int64 each)
 _DATA = 4096  # data offset (page aligned)
 SPIN_S = 50e-6
+SLEEP_S = 2e-3  # longest futex sleep mid-transfer (the peer's wake normally ends it sooner)
 
 
 def same_host_possible() -> bool:
@@ -209,7 +210,7 @@ class ShmRing:
                     raise KVTransferError(f"the peer process (pid {self.peer_pid}) died mid-transfer")
                 if now - t0 > self.timeout_s:
                     raise KVTransferError(f"no progress on the shm ring for {self.timeout_s:g} s (peer stalled)")
-            _futex_wait(self._addr[line], seen, LIVENESS_S)
+            _futex_wait(self._addr[line], seen, SLEEP_S)  # short: a wake-up the kernel misses costs little
             seen = int(lines[line])
 
 

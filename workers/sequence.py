@@ -25,6 +25,7 @@ from workers.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not admitted yet, or preempted (recomputed on resume)
     RUNNING = "running"
+    PAUSED = "paused"  # held at a step boundary while its KV and state move to another worker
     FINISHED = "finished"
 
 
@@ -32,6 +33,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # cancelled by the caller
+    MIGRATED = "migrated"  # continued on another worker (workers/migration.py); not a client-visible reason
 
 
 @dataclass(eq=False)

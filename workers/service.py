@@ -26,6 +26,11 @@ channel (shared memory on one host, else gloo/NCCL); every worker can serve eith
 the worker holding them (its PullPrefix RPC) into this worker's prefix cache. GetLoad reports
 transfer and pull counters.
 
+Live migration (workers/migration_service.py, workers/drain.py): Migrate moves a running request to
+another worker (its Submit stream then ends with ``migrated_to``), TakeOver is the target half, a
+Submit with ``migration_id`` attaches to a request migrated here, Drain (and ``stop(grace,
+migrate_to=...)``) moves every running request away. GetLoad reports migration counters.
+
 Worked example::
 
     server = await start_worker_server(EngineConfig(model="SmolLM2-135M-Instruct"), port=50061)
@@ -59,8 +64,10 @@ from workers.engine_loop import EngineLimits, EngineLoop, LoadSnapshot, WorkerUn
 from workers.errors import InvalidRequestError
 from workers.kv_transfer import check_kv_backend
 from workers.logprobs_proto import to_proto
+from workers.migration_service import MigrationFailed, Migrator
 from workers.prefix_pull import PrefixPull
 from workers.sampling_params import SamplingParams
+from workers.sequence import FinishReason
 from workers.structured.convert import spec_from_proto
 
 logger = logging.getLogger(__name__)
@@ -86,12 +93,16 @@ def to_sampling_params(p: worker_pb2.SamplingParams) -> SamplingParams:
                           structured=spec_from_proto(p.structured) if p.HasField("structured") else None)
 
 
-def _merge(outputs: list[RequestOutput]) -> worker_pb2.SubmitResponse:
-    """Several queued step outputs of one request as one message (the last may be the final one)."""
+def _merge(outputs: list[RequestOutput], migrated_to: worker_pb2.MigratedTo | None = None) -> worker_pb2.SubmitResponse:
+    """Several queued step outputs of one request as one message (the last may be the final one;
+    one that ended MIGRATED carries ``migrated_to`` instead of a finish reason)."""
     msg = worker_pb2.SubmitResponse(token_ids=[t for o in outputs for t in o.new_token_ids],
                                     logprobs=[to_proto(lp) for o in outputs for lp in o.new_logprobs or ()])
     last = outputs[-1]
-    if last.finished:
+    if last.finish_reason is FinishReason.MIGRATED:
+        assert migrated_to is not None, "a migrated request's source knows where it went"
+        msg.migrated_to.CopyFrom(migrated_to)
+    elif last.finished:
         msg.finish_reason = worker_pb2.FinishReason.Value(f"FINISH_REASON_{last.finish_reason.name}")
         msg.usage.CopyFrom(worker_pb2.Usage(prompt_tokens=last.num_prompt_tokens,
                                             completion_tokens=last.num_output_tokens,
@@ -111,7 +122,7 @@ def _status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room to reserve KV blocks: {error}"
     if isinstance(error, RemotePrefillError):
         return grpc.StatusCode.ABORTED, f"remote prefill failed: {error}"
-    if isinstance(error, PrefillRejected):
+    if isinstance(error, (PrefillRejected, MigrationFailed)):
         return error.code, str(error)
     return grpc.StatusCode.INTERNAL, f"worker error: {error!r}"
 
@@ -131,15 +142,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._engine = engine
         self._inflight: set[str] = set()  # request ids with a live Submit handler
         self.disagg: Disaggregation | None = None  # set by start_worker_server
+        self.migrator: Migrator | None = None  # set by start_worker_server (with disagg)
+        self.on_drain: Callable[[], object] | None = None  # set by WorkerServer: health NOT_SERVING
         self.prefix_pull: PrefixPull | None = None  # set by start_worker_server (with disagg)
 
     @property
     def num_inflight(self) -> int:
         return len(self._inflight)
 
+    def inflight_ids(self) -> set[str]:
+        return set(self._inflight)
+
+    def _attaching(self, request: worker_pb2.SubmitRequest | worker_pb2.PrefillRequest) -> bool:
+        """A Submit that attaches to a request migrated here (taken even while draining: it runs here already)."""
+        return bool(getattr(request, "migration_id", "")) and self.migrator is not None and \
+            self.migrator.is_parked(request.request_id)
+
     def _check(self, request: worker_pb2.SubmitRequest | worker_pb2.PrefillRequest) -> tuple[grpc.StatusCode, str] | None:
         rid, ids, lim = request.request_id, request.prompt_token_ids, self.limits
-        if not self.accepting:
+        if not self.accepting and not self._attaching(request):
             return grpc.StatusCode.UNAVAILABLE, "worker is draining or shutting down"
         if not rid:
             return grpc.StatusCode.INVALID_ARGUMENT, "request_id: must not be empty"
@@ -176,11 +197,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.SubmitResponse]:
         params = await self._admit(request, context)
         rid = request.request_id
-        sink: Sink = asyncio.Queue()
+        attached = self.migrator.attach(rid, request.migration_id, list(request.prompt_token_ids)) \
+            if request.migration_id and self.migrator is not None else None
+        sink: Sink = attached if attached is not None else asyncio.Queue()
         self._inflight.add(rid)
         finished = False
         try:
-            if request.HasField("remote_prefill"):
+            if attached is not None:
+                logger.info("request %s: attached to its migrated run here", rid)
+            elif request.HasField("remote_prefill"):
                 assert self.disagg is not None
                 await self.disagg.decode(rid, list(request.prompt_token_ids), params, request.sampling,
                                          request.remote_prefill, sink, request.resumed_output_tokens)
@@ -198,7 +223,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     finished = True  # the engine no longer holds the request
                     await context.abort(*_status_of(error))
                 finished = items[-1].finished
-                yield _merge(items)
+                migrated = items[-1].finish_reason is FinishReason.MIGRATED
+                yield _merge(items, self.migrator.migrated_to(rid) if migrated and self.migrator else None)
         except (InvalidRequestError, KVCapacityError, RemotePrefillError) as e:  # from the disaggregated path
             logger.warning("request %s: %s", rid, e)
             finished = True
@@ -223,8 +249,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         transfers = self.disagg.load_fields() if self.disagg is not None else {}
         if self.prefix_pull is not None:
             transfers.update(self.prefix_pull.load_fields())
+        migrations = self.migrator.load_fields() if self.migrator is not None else {}
         return worker_pb2.LoadReport(worker_id=self.worker_id, incarnation=self.incarnation,
-                                     **dataclasses.asdict(self._engine.snapshot), **transfers)
+                                     **dataclasses.asdict(self._engine.snapshot), **transfers, **migrations)
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PrefillResponse]:
@@ -250,6 +277,44 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             logger.warning("prefix pull %s: %s", request.transfer_id, e)
             await context.abort(*_status_of(e))
 
+    async def Migrate(self, request: worker_pb2.MigrateRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.MigrateResponse:
+        if self.migrator is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker has no KV transfer set up")
+        if request.request_id not in self._inflight:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: {request.request_id!r} is not in flight here")
+        try:
+            return await self.migrator.migrate(request.request_id, request.target)
+        except MigrationFailed as e:
+            await context.abort(e.code, str(e))
+
+    async def TakeOver(self, request: worker_pb2.TakeOverRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.TakeOverResponse]:
+        if self.migrator is None or not self.accepting:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining, shutting down or has no KV transfer")
+        try:
+            async for response in self.migrator.take_over(request):
+                yield response
+        except MigrationFailed as e:
+            logger.warning("take-over of %s: %s", request.request_id, e)
+            await context.abort(e.code, str(e))
+
+    async def Drain(self, request: worker_pb2.DrainRequest,
+                    context: grpc.aio.ServicerContext) -> worker_pb2.DrainResponse:
+        return await self.drain(list(request.targets), request.timeout_s or 60.0)
+
+    async def drain(self, targets: list[worker_pb2.MigrationTarget], timeout_s: float) -> worker_pb2.DrainResponse:
+        """Stop taking new requests and migrate the running ones to ``targets`` (workers/drain.py)."""
+        from workers.drain import drain
+
+        self.accepting = False
+        if self.on_drain is not None:
+            await self.on_drain()
+        if self.migrator is None:
+            return worker_pb2.DrainResponse(remaining=len(self._inflight))
+        self.migrator.draining = True
+        return await drain(self.migrator, self.inflight_ids, targets, timeout_s)
+
 
 class WorkerServer:
     """A running worker: gRPC server + servicer + engine thread. Build with ``start_worker_server``."""
@@ -262,6 +327,7 @@ class WorkerServer:
         self._server, self._engine, self._health = server, engine, health_servicer
         self._stopped = False
         engine.done.add_done_callback(self._on_engine_exit)
+        servicer.on_drain = health_servicer.enter_graceful_shutdown
 
     @property
     def worker_id(self) -> str:
@@ -281,23 +347,28 @@ class WorkerServer:
             self.servicer.accepting = False
             asyncio.ensure_future(self._health.enter_graceful_shutdown())
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """Stop accepting (NOT_SERVING, new Submits UNAVAILABLE), let in-flight streams finish for up
-        to ``grace`` s, abort the rest (status UNAVAILABLE), stop the gRPC server and join the engine
-        thread. Idempotent."""
+    async def stop(self, grace: float = 5.0, migrate_to: list[worker_pb2.MigrationTarget] | None = None) -> None:
+        """Stop accepting (NOT_SERVING, new Submits UNAVAILABLE), with ``migrate_to`` first migrate
+        the running requests there (workers/drain.py, within ``grace``), let the in-flight streams
+        left finish for the rest of ``grace`` s, abort the rest (status UNAVAILABLE), stop the gRPC
+        server and join the engine thread. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
         self.servicer.accepting = False
         await self._health.enter_graceful_shutdown()
-        deadline = loop.time() + grace
+        if migrate_to and self.servicer.num_inflight:
+            await self.servicer.drain(migrate_to, grace)
         while self.servicer.num_inflight and loop.time() < deadline:
             await asyncio.sleep(0.02)
         if self.servicer.num_inflight:
             logger.info("worker %s: aborting %d in-flight requests", self.worker_id, self.servicer.num_inflight)
         self._engine.stop()
         await self._engine.wait_closed()
+        if self.servicer.migrator is not None:
+            await self.servicer.migrator.close()
         if self.servicer.disagg is not None:
             await self.servicer.disagg.close()
         await self._server.stop(grace=1.0)  # the aborted streams send their UNAVAILABLE status
@@ -307,7 +378,7 @@ class WorkerServer:
 async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
                               worker_id: str | None = None, *, num_threads: int | None = None,
                               max_inflight: int = 1024, kv_transfer_timeout_s: float = 30.0,
-                              kv_transfer_backend: str | None = None,
+                              kv_transfer_backend: str | None = None, migration_attach_timeout_s: float = 30.0,
                               make_engine: Callable[[], Engine] | None = None) -> WorkerServer:
     """Load the engine on its own thread, then serve on ``host:port`` (0 = any free port).
 
@@ -317,6 +388,8 @@ async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.
         (workers/kv_transfer.py: auto = shm from peers on this host with a CPU cache, else nccl on
         CUDA, else gloo; gloo and shm stage CUDA caches through pinned host memory); None = the
         engine config's ``kv_transfer_backend``.
+    migration_attach_timeout_s: how long a request migrated here decodes without the router attaching
+        before it is aborted (workers/migration_service.py).
     make_engine: builds the engine on the engine thread (default ``Engine.from_config(engine_config)``; a gang
     leader also joins its process group there, see workers/parallel/gang_actor.py).
     """
@@ -350,6 +423,10 @@ async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     endpoint = _host_port(host, bound)
+    if servicer.disagg is not None:
+        servicer.migrator = Migrator(engine, servicer.disagg, limits, worker_id, servicer.incarnation, endpoint,
+                                     to_sampling_params, timeout_s=kv_transfer_timeout_s,
+                                     attach_timeout_s=migration_attach_timeout_s)
     logger.info("worker %s serving on %s (max_model_len %d)", worker_id, endpoint, limits.max_model_len)
     return WorkerServer(server, servicer, engine, health_servicer, endpoint)
 

@@ -8,6 +8,10 @@ Endpoints (OpenAI's paths and JSON; errors as router/http_api/errors.py):
     GET  /health                200 while at least one worker is healthy, 503 otherwise (open: no token)
     GET  /metrics               the router's Prometheus metrics, each with a model_name label
 
+Both POST endpoints take structured-output fields (router/http_api/structured.py); chat also takes
+tools (router/http_api/tools.py: the plan; chat_prompt.py: the prompt; tool_output.py: the
+``tool_calls`` in responses).
+
 Security is the gRPC API's (router/security.py): with a tokens file every path but /health needs
 ``Authorization: Bearer <token>``: the /v1 paths the ``generate`` scope, /metrics ``admin`` (as
 duet.control.v1.RouterAdmin, which serves the same counters). TLS is the server's
@@ -42,10 +46,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protos.duet.v1 import duet_pb2
-from router.http_api import convert
+from router.http_api import convert, structured
+from router.http_api.chat_prompt import ChatPrompt
 from router.http_api.errors import OpenAIError, from_pydantic, from_request_error, invalid
 from router.http_api.render import Renderer, TokenText
 from router.http_api.schemas import ChatCompletionRequest, CompletionRequest
+from router.http_api.tool_output import ToolOutput
+from router.http_api.tools import make_plan
 from router.http_api.streaming import DONE, ClientGone, EventStreamResponse, sse, until_disconnect
 from router.fanout import FanOut
 from router.preprocess import RequestError, ServedModel
@@ -74,6 +81,7 @@ def create_app(ctx: HttpContext) -> FastAPI:
     app = FastAPI(title="Duet OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     model = ctx.model
     token_text = TokenText(model.tokenizer)
+    chat_prompt = ChatPrompt(model.tokenizer)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, e: OpenAIError) -> JSONResponse:
@@ -132,10 +140,23 @@ def create_app(ctx: HttpContext) -> FastAPI:
         body = await _parse(request, ChatCompletionRequest, ctx.max_request_bytes)
         convert.check_model(body.model, model.name)
         rid = uuid.uuid4().hex
-        greq = convert.chat_request(body, rid, model.max_model_len)
-        renderer = Renderer(chat=True, request_id=rid, model=model.name, token_text=token_text, logprobs=body.logprobs)
+        constraint = structured.from_request(body)
+        plan = make_plan(body, chat_prompt.fmt, constraint)
+        greq = convert.chat_request(body, rid, model.max_model_len, chat_prompt, plan, constraint)
+        tools = None
+        if plan is not None and plan.parse:
+            fmt, max_calls = plan.fmt, plan.max_calls
+            tools = lambda: ToolOutput(fmt, max_calls)  # noqa: E731
+        renderer = Renderer(chat=True, request_id=rid, model=model.name, token_text=token_text, logprobs=body.logprobs,
+                            tools=tools)
+        sent = plan.structured if plan is not None and plan.structured is not None else constraint
+
+        def rename(param: str) -> str:  # the pipeline names what the request became; name what was sent
+            if param == "prompt":  # a chat rendered here goes as prompt_token_ids
+                return "messages"
+            return sent.rename(param) if sent is not None else param
         return await _answer(request, ctx.generator, greq, renderer, body.stream,
-                             bool(body.stream_options and body.stream_options.include_usage))
+                             bool(body.stream_options and body.stream_options.include_usage), rename)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -143,11 +164,13 @@ def create_app(ctx: HttpContext) -> FastAPI:
         body = await _parse(request, CompletionRequest, ctx.max_request_bytes)
         convert.check_model(body.model, model.name)
         rid = uuid.uuid4().hex
-        greq = convert.completion_request(body, rid)
+        constraint = structured.from_request(body)
+        greq = convert.completion_request(body, rid, constraint)
         renderer = Renderer(chat=False, request_id=rid, model=model.name, token_text=token_text,
                             logprobs=body.logprobs is not None)
         return await _answer(request, ctx.generator, greq, renderer, body.stream,
-                             bool(body.stream_options and body.stream_options.include_usage))
+                             bool(body.stream_options and body.stream_options.include_usage),
+                             constraint.rename if constraint is not None else None)
 
     return app
 
@@ -182,11 +205,11 @@ def _too_large(size: int, limit: int) -> OpenAIError:
 
 
 async def _answer(request: Request, generator: FanOut, greq: duet_pb2.GenerateRequest, renderer: Renderer,
-                  stream: bool, include_usage: bool) -> Response:
+                  stream: bool, include_usage: bool, rename: Callable[[str], str] | None) -> Response:
     generation = generator.generate(greq)
     if not stream:
         try:
-            return JSONResponse(await until_disconnect(request.receive, _collect(generation, renderer)))
+            return JSONResponse(await until_disconnect(request.receive, _collect(generation, renderer, rename)))
         except ClientGone:
             logger.info("request %s: the HTTP client disconnected; cancelled", greq.request_id)
             return Response(status_code=499)
@@ -197,24 +220,26 @@ async def _answer(request: Request, generator: FanOut, greq: duet_pb2.GenerateRe
         return Response(status_code=499)
     except RequestError as e:
         await generation.aclose()
-        raise from_request_error(e) from None
+        raise from_request_error(e, rename) from None
     except StopAsyncIteration:  # the pipeline always ends with a finish; be safe anyway
         first = None
-    return EventStreamResponse(_events(generation, first, renderer, include_usage, greq.request_id))
+    return EventStreamResponse(_events(generation, first, renderer, include_usage, greq.request_id, rename))
 
 
-async def _collect(generation: AsyncIterator[duet_pb2.GenerateResponse], renderer: Renderer) -> dict[str, Any]:
+async def _collect(generation: AsyncIterator[duet_pb2.GenerateResponse], renderer: Renderer,
+                   rename: Callable[[str], str] | None) -> dict[str, Any]:
     async with aclosing(generation) as responses:
         try:
             async for r in responses:
                 renderer.add(r)
         except RequestError as e:
-            raise from_request_error(e) from None
+            raise from_request_error(e, rename) from None
     return renderer.response()
 
 
 async def _events(generation: AsyncIterator[duet_pb2.GenerateResponse], first: duet_pb2.GenerateResponse | None,
-                  renderer: Renderer, include_usage: bool, request_id: str) -> AsyncIterator[bytes]:
+                  renderer: Renderer, include_usage: bool, request_id: str,
+                  rename: Callable[[str], str] | None) -> AsyncIterator[bytes]:
     started = time.monotonic()
     async with aclosing(generation) as responses:
         try:
@@ -228,7 +253,7 @@ async def _events(generation: AsyncIterator[duet_pb2.GenerateResponse], first: d
                     yield sse(_with_usage(chunk, include_usage))
         except RequestError as e:
             logger.info("request %s: stream failed after %.1f s: %s", request_id, time.monotonic() - started, e.message)
-            yield sse(from_request_error(e).body())
+            yield sse(from_request_error(e, rename).body())
             yield DONE
             return
         except Exception:  # a router bug: log it whole, tell the client no more than that

@@ -26,6 +26,7 @@ maps through ``from_request_error``: the same validation answers both APIs, only
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -75,8 +76,10 @@ def unsupported(param: str, message: str) -> OpenAIError:
     return OpenAIError(400, f"{param}: {message}", param=param, code="unsupported_parameter")
 
 
-def from_request_error(e: RequestError) -> OpenAIError:
-    """The HTTP answer for a pipeline RequestError (see the module docstring's table)."""
+def from_request_error(e: RequestError, rename: Callable[[str], str] | None = None) -> OpenAIError:
+    """The HTTP answer for a pipeline RequestError (see the module docstring's table). ``rename``
+    maps the field the pipeline named to the one this request sent (e.g. ``structured.regex`` ->
+    ``guided_regex``)."""
     status, type_, code = _BY_GRPC.get(e.code, (500, "server_error", None))
     m = _FIELD_RE.match(e.message)
     param = None
@@ -88,6 +91,8 @@ def from_request_error(e: RequestError) -> OpenAIError:
         for proto_name, ours in _PARAM_RENAMES.items():
             if param == proto_name or param.startswith((proto_name + "[", proto_name + ".")):
                 param = ours + param[len(proto_name):]
+        if rename is not None:
+            param = rename(param)
         message = f"{param}: {e.message[m.end():]}"
     if status == 400 and param in ("prompt", "messages") and "limit is" in e.message:
         code = "context_length_exceeded"
@@ -101,7 +106,7 @@ def from_pydantic(errors: list[dict[str, Any]]) -> OpenAIError:
     kind = first.get("type", "")
     if kind == "extra_forbidden":
         return unsupported(param, "unknown or unsupported field (Duet answers text chat and completions; "
-                                  "tools, function calling, audio and images are not supported)")
+                                  "functions/function_call (use tools), audio and images are not supported)")
     if kind == "missing":
         return invalid(param, "required field is missing", code="missing_required_parameter")
     message = str(first.get("msg", "invalid value"))

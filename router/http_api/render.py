@@ -8,6 +8,10 @@ Terms:
               the choices, prompt_tokens_details.cached_tokens the largest count any choice's
               worker served from its prefix cache.
 
+Tool calls (chat with a ToolPlan that parses calls): each choice's text goes through a ToolOutput
+(router/http_api/tool_output.py), which splits it into ``content`` and ``tool_calls``; a choice that
+called a tool and stopped by itself ends with ``finish_reason: "tool_calls"``.
+
 Logprob token strings: ``token`` is the token's text and ``bytes`` its exact UTF-8 bytes (for a
 byte-level BPE tokenizer a token may hold part of a character: its ``token`` then shows U+FFFD, its
 ``bytes`` the real bytes, as OpenAI does).
@@ -23,10 +27,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from protos.duet.v1 import duet_pb2
+from router.http_api.tool_output import ToolOutput
 
 FINISH = {duet_pb2.FINISH_REASON_STOP: "stop", duet_pb2.FINISH_REASON_LENGTH: "length",
           duet_pb2.FINISH_REASON_ABORT: "abort"}
@@ -84,6 +90,8 @@ class Choice:
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
     text_offset: int = 0
+    tools: ToolOutput | None = None
+    message: dict[str, Any] | None = None  # content and tool_calls of a whole response with tools
 
 
 @dataclass
@@ -105,9 +113,11 @@ class UsageTotal:
 
 class Renderer:
     """Turns one request's GenerateResponses into OpenAI JSON. ``chat``: chat.completion(.chunk)
-    objects, else text_completion; ``logprobs``: whether the request asked for them."""
+    objects, else text_completion; ``logprobs``: whether the request asked for them; ``tools``: makes
+    each choice's ToolOutput when the output is parsed for tool calls."""
 
-    def __init__(self, *, chat: bool, request_id: str, model: str, token_text: TokenText, logprobs: bool) -> None:
+    def __init__(self, *, chat: bool, request_id: str, model: str, token_text: TokenText, logprobs: bool,
+                 tools: Callable[[], ToolOutput] | None = None) -> None:
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
@@ -116,6 +126,19 @@ class Renderer:
         self.want_logprobs = logprobs
         self.choices: dict[int, Choice] = {}
         self.usage = UsageTotal()
+        self.tools = tools
+
+    def _choice(self, index: int) -> Choice:
+        c = self.choices.get(index)
+        if c is None:
+            c = self.choices[index] = Choice(tools=self.tools() if self.tools is not None else None)
+        return c
+
+    def _finish(self, r: duet_pb2.GenerateResponse, c: Choice) -> None:
+        c.finish_reason = FINISH.get(r.finish_reason, "abort")
+        if c.finish_reason == "stop" and c.tools is not None and c.tools.called:
+            c.finish_reason = "tool_calls"
+        self.usage.add(r.usage)
 
     # -- streaming ------------------------------------------------------------------------------
 
@@ -125,16 +148,16 @@ class Renderer:
         with empty content: the client sees progress at the pace tokens are generated, as over
         gRPC."""
         first = r.index not in self.choices
-        c = self.choices.setdefault(r.index, Choice())
+        c = self._choice(r.index)
         final = r.HasField("finish_reason")
+        fields = c.tools.delta(r.text, final) if c.tools is not None else {"content": r.text}
         if final:
-            c.finish_reason = FINISH.get(r.finish_reason, "abort")
-            self.usage.add(r.usage)
+            self._finish(r, c)
         logprobs = self._logprobs(r, c) if self.want_logprobs else None
         if not (r.token_ids or r.text or final or first):
             return None
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": r.text} if first else {"content": r.text}
+            delta: dict[str, Any] = {"role": "assistant", **fields} if first else fields
             choice = {"index": r.index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason}
             return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                     "choices": [choice]}
@@ -151,14 +174,15 @@ class Renderer:
     # -- whole responses -------------------------------------------------------------------------
 
     def add(self, r: duet_pb2.GenerateResponse) -> None:
-        c = self.choices.setdefault(r.index, Choice())
+        c = self._choice(r.index)
         c.texts.append(r.text)
         if self.want_logprobs:
             lp = self._logprobs(r, c)
             c.logprobs.append(lp)
         if r.HasField("finish_reason"):
-            c.finish_reason = FINISH.get(r.finish_reason, "abort")
-            self.usage.add(r.usage)
+            if c.tools is not None:
+                c.message = c.tools.message("".join(c.texts))
+            self._finish(r, c)
 
     def response(self) -> dict[str, Any]:
         choices = []
@@ -167,8 +191,11 @@ class Renderer:
             text = "".join(c.texts)
             logprobs = self._merge_logprobs(c.logprobs) if self.want_logprobs else None
             if self.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+                message = {"role": "assistant", "content": text, "refusal": None}
+                if c.tools is not None:  # the choice ended (the pipeline always ends a choice with a finish)
+                    message.update(c.message if c.message is not None else c.tools.message(text))
+                choices.append({"index": index, "message": message, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason})
             else:
                 choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",

@@ -1,13 +1,17 @@
 """Request bodies of the OpenAI-compatible HTTP API (pydantic), following OpenAI's published schemas
 for ``POST /v1/chat/completions`` and ``POST /v1/completions``, plus vLLM's common extensions
-(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``).
+(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+and the structured-output fields ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar`` and ``structured_outputs``).
 
 Validation is strict and closed: a JSON string where a number belongs is a 400 (no coercion), and
-a field this API does not implement -- ``tools``, ``tool_choice``, ``functions``, ``audio``,
-``modalities``, image / audio / file content parts, ``response_format`` other than text, ``echo``,
+a field this API does not implement -- ``functions`` / ``function_call`` (OpenAI's deprecated
+predecessors of tools), ``audio``, ``modalities``, image / audio / file content parts, ``echo``,
 ``suffix``, ``best_of`` > n, and anything unknown -- is a 400 that names it, never silently
-ignored. Fields accepted and deliberately without effect: ``user`` (OpenAI's abuse-tracking id) and
-a message's ``name``.
+ignored. Fields accepted and deliberately without effect: ``user`` (OpenAI's abuse-tracking id), a
+message's ``name``, and ``response_format.json_schema.strict`` (schemas are always enforced
+strictly). What the structured-output and tool fields mean: router/http_api/structured.py and
+router/http_api/tools.py.
 
 Ranges are OpenAI's where it has one (penalties [-2, 2], logit_bias values [-100, 100],
 top_logprobs 0..20); ``logprobs`` of completions accepts 0..20 as vLLM does (OpenAI: 0..5). The
@@ -17,7 +21,9 @@ Example::
 
     ChatCompletionRequest.model_validate_json(
         '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}],'
-        ' "max_completion_tokens": 32, "temperature": 0, "logprobs": true, "top_logprobs": 3}')
+        ' "max_completion_tokens": 32, "temperature": 0, "logprobs": true, "top_logprobs": 3,'
+        ' "response_format": {"type": "json_schema", "json_schema": {"name": "answer",'
+        ' "schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}}')
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
@@ -47,8 +53,54 @@ class StreamOptions(_Closed):
     continuous_usage_stats: Literal[False] | None = None
 
 
-class ResponseFormat(_Closed):
-    type: Literal["text"]  # json_object / json_schema (structured output) are not supported
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for schema and function names
+JsonValue = dict[str, Any]
+
+
+class TextFormat(_Closed):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Closed):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Closed):
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    description: str | None = None
+    schema_: JsonValue = Field(alias="schema")
+    strict: bool | None = None  # accepted: the schema is always enforced strictly
+
+
+class JsonSchemaFormat(_Closed):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+_FORMAT_TAGS = {"text": "Text", "json_object": "JsonObject", "json_schema": "JsonSchema"}
+
+
+def _format_tag(v: Any) -> str | None:
+    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return _FORMAT_TAGS.get(kind) if isinstance(kind, str) else None
+
+
+# Capitalised tags: error paths leave them out (errors.loc_to_param), so they name the client's fields.
+ResponseFormat = Annotated[
+    Annotated[TextFormat, Tag("Text")] | Annotated[JsonObjectFormat, Tag("JsonObject")]
+    | Annotated[JsonSchemaFormat, Tag("JsonSchema")],
+    Discriminator(_format_tag, custom_error_type="invalid_format_type",
+                  custom_error_message="type must be one of 'text', 'json_object', 'json_schema'")]
+
+
+class StructuredOutputs(_Closed):
+    """vLLM's ``structured_outputs`` (its newer form of the guided_* fields): set exactly one."""
+
+    json_: JsonValue | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Sampling(_Closed):
@@ -72,6 +124,13 @@ class _Sampling(_Closed):
     user: str | None = None  # accepted, no effect
     ignore_eos: bool = False
     stop_token_ids: list[NonNegInt] | None = None
+    # Structured output (router/http_api/structured.py): at most one of these is set.
+    response_format: ResponseFormat | None = None
+    guided_json: JsonValue | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
     @classmethod
@@ -113,21 +172,56 @@ class TextPart(_Closed):
     text: str
 
 
-class ChatMessage(BaseModel):
-    """One message. Content is a string or a list of text parts (joined); other part types and
-    tool-call fields are rejected by ChatCompletionRequest with the item's path."""
+class CalledFunction(_Closed):
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str  # JSON text of an object, as OpenAI returns it
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+
+class MessageToolCall(_Closed):
+    """A call an earlier assistant turn made (as the response's ``tool_calls`` returned it)."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class ChatMessage(_Closed):
+    """One message. Content is a string or a list of text parts (joined); other part types are
+    rejected by convert.py with the item's path. Assistant turns may carry ``tool_calls``, and
+    ``tool`` turns (a call's result) a ``tool_call_id``."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None  # accepted, no effect
-    # Round-tripped assistant messages of the SDK carry these as null: accepted only when empty.
-    tool_calls: list[Any] | None = None
-    function_call: Any | None = None
+    tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+    # Round-tripped assistant messages of the SDK carry these as null: accepted only when empty.
+    function_call: Any | None = None
     refusal: str | None = None
     audio: Any | None = None
+
+
+class FunctionDef(_Closed):
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    description: str | None = None
+    parameters: JsonValue | None = None  # a JSON schema of an object; absent = no arguments
+    strict: bool | None = None  # accepted: forced calls are always enforced strictly
+
+
+class ToolDef(_Closed):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(_Closed):
+    name: str
+
+
+class NamedToolChoice(_Closed):
+    """``tool_choice`` naming a function (tools.py validates it, so its errors name tool_choice)."""
+
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -136,9 +230,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: PosInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
-    # Accepted when they ask for nothing beyond text: false / null.
-    parallel_tool_calls: Literal[False] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none | auto | required | NamedToolChoice (tools.py)
+    parallel_tool_calls: bool | None = None  # unset = true, as OpenAI
+    # Accepted when it asks for nothing: false / null.
     store: Literal[False] | None = None
 
     @model_validator(mode="after")

@@ -36,7 +36,7 @@ class FakeWorker:
     def info(self) -> dict[str, object]:
         return {"endpoint": self.endpoint, "incarnation": self.incarnation, "pid": os.getpid()}
 
-    async def stop(self, grace: float = 0.0) -> None:
+    async def stop(self, grace: float = 0.0, migrate_to: list | None = None) -> None:
         self.endpoint = None
 
 

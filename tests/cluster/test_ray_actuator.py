@@ -32,6 +32,7 @@ class DrainingFake:
         self.endpoint: str | None = None
         self.busy_s = 0.0
         self.stopped_with: float | None = None
+        self.migrate_to: list | None = None
 
     async def start(self) -> str:
         self.endpoint = f"127.0.0.1:{10000 + os.getpid() % 50000}"
@@ -46,10 +47,13 @@ class DrainingFake:
     def stop_grace(self) -> float | None:
         return self.stopped_with
 
-    async def stop(self, grace: float = 0.0) -> None:
+    def stop_migrate_to(self) -> list | None:
+        return self.migrate_to
+
+    async def stop(self, grace: float = 0.0, migrate_to: list | None = None) -> None:
         import asyncio
 
-        self.stopped_with = grace
+        self.stopped_with, self.migrate_to = grace, migrate_to
         await asyncio.sleep(self.busy_s)
         self.endpoint = None
 
@@ -112,6 +116,8 @@ def test_scale_up_pending_drain_and_slot_reuse(scaled):
     _wait(lambda: any(d[0] == "fake-1" and d[3:] == ("fake", True) for p in list(pushes) for d in p), 10,
           "a push listing fake-1 as draining")
     _wait(lambda: ray.get(fake1.actor.stop_grace.remote()) == 42.0, 10, "stop(drain grace) after the settle time")
+    # its running requests migrate to the pool's other up replica (live migration) before it stops
+    assert [w for w, _ in ray.get(fake1.actor.stop_migrate_to.remote())] == ["fake-0"]
     _wait(lambda: "fake-1" not in {r["worker_id"] for r in controller.describe()}, 30, "fake-1 released")
     assert controller.num_drained == 1 and placement_group_table(fake1.own_placement_group)["state"] == "REMOVED"
     with pytest.raises(ray.exceptions.RayActorError):

@@ -275,3 +275,28 @@ def test_bad_values_are_rejected_with_a_clear_message(helm, sets, message):
     r = run_helm(helm, *args)
     assert r.returncode != 0, f"rendered: {sets}"
     assert message in r.stderr, r.stderr
+
+
+def test_worker_pods_drain_by_live_migration_before_they_stop(helm):
+    """Every pool's worker pods (not drafter pods) get a preStop hook running `duet drain` for the
+    pod's IP, with a termination grace that covers it; workerDrain.enabled=false removes it."""
+    objs = by_kind(render(helm, CHART / "ci" / "disaggregated-values.yaml", "workerDrain.timeoutSeconds=45"))
+    groups = one(objs, "RayCluster", f"{RELEASE}-duet")["spec"]["workerGroupSpecs"]
+    assert {g["groupName"] for g in groups} >= {"drafters"} and len(groups) >= 3
+    for g in groups:
+        pod = g["template"]["spec"]
+        container = pod["containers"][0]
+        if g["groupName"] == "drafters":
+            assert "lifecycle" not in container and "terminationGracePeriodSeconds" not in pod
+            continue
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[:2] == ["/bin/sh", "-c"]
+        assert 'duet drain --node-ip "$DUET_POD_IP" --timeout 45' in command[2]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["DUET_POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert pod["terminationGracePeriodSeconds"] == 75
+    off = by_kind(render(helm, None, "workerDrain.enabled=false"))
+    for g in one(off, "RayCluster", f"{RELEASE}-duet")["spec"]["workerGroupSpecs"]:
+        assert "lifecycle" not in g["template"]["spec"]["containers"][0]
+    r = run_helm(helm, "template", RELEASE, str(CHART), "--set", "workerDrain.timeoutSeconds=0")
+    assert r.returncode != 0 and "/workerDrain/timeoutSeconds" in r.stderr

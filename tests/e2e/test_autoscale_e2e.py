@@ -2,11 +2,13 @@
 decode pool of one 1-CPU SmolLM2 worker and ``autoscaling`` on (2 s rounds, short windows and
 cooldowns). A load ramp makes the autoscaler add a decode replica (a new actor in its own placement
 group, which loads, warms up and joins the router); when the ramp stops, a trickle of requests
-goes on while the autoscaler removes the replica again -- listed as draining, its in-flight
-requests finish, then its actor is killed -- and every request of the run completes with all its
-tokens. To be sure the drain has a request to wait for, one long request is sent straight to the
-new worker's internal endpoint (so the router's metrics, and the autoscaler, never see it): it is
-still streaming when the drain begins, and it completes, with every token, before the actor goes.
+goes on while the autoscaler removes the replica again -- listed as draining, its running
+requests migrate to the other replica (live KV migration), then its actor is killed -- and every
+request of the run completes with all its tokens. To be sure the drain has a request to move, one
+long request is sent straight to the new worker's internal endpoint (so the router's metrics, and
+the autoscaler, never see it): it is still streaming when the drain begins, moves to decode-0
+(its stream ends with ``migrated_to`` and the client attaches there, as the router does) and
+completes there with every token, before the drained actor is released.
 
 The profile says one replica sustains 2 req/s of 16 output tokens (32 tokens/s at the SLO); the
 ramp sends 4 req/s of 16 tokens (two replicas' worth, by the profile), the trickle one 48-token
@@ -108,25 +110,38 @@ class Load:
 
 
 class Direct:
-    """One long greedy request straight to a worker's internal endpoint, on a thread."""
+    """One long greedy request straight to a worker's internal endpoint, on a thread; it follows a
+    migration (``migrated_to``) to the target, like the router."""
 
     def __init__(self, endpoint: str) -> None:
         self.tokens, self.finish, self.error, self.ended_at = 0, None, "", None
+        self.migrated_to: list[str] = []
         self.started = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(endpoint,), daemon=True)
         self._thread.start()
 
     def _run(self, endpoint: str) -> None:
-        request = worker_pb2.SubmitRequest(
-            request_id="direct-long", prompt_token_ids=[504, 3575, 282, 4649, 314],
-            sampling=worker_pb2.SamplingParams(max_tokens=LONG, temperature=0, top_p=1, ignore_eos=True))
+        prompt, ids, migration_id = [504, 3575, 282, 4649, 314], [], ""
         try:
-            with grpc.insecure_channel(endpoint) as channel:
-                for msg in worker_pb2_grpc.WorkerStub(channel).Submit(request, timeout=300):
-                    self.tokens += len(msg.token_ids)
-                    self.started.set()
-                    if msg.HasField("finish_reason"):
-                        self.finish = msg.finish_reason
+            while True:
+                request = worker_pb2.SubmitRequest(
+                    request_id="direct-long", prompt_token_ids=prompt + ids, resumed_output_tokens=len(ids),
+                    migration_id=migration_id, sampling=worker_pb2.SamplingParams(
+                        max_tokens=LONG - len(ids), temperature=0, top_p=1, ignore_eos=True))
+                moved = None
+                with grpc.insecure_channel(endpoint) as channel:
+                    for msg in worker_pb2_grpc.WorkerStub(channel).Submit(request, timeout=300):
+                        ids += msg.token_ids
+                        self.tokens = len(ids)
+                        self.started.set()
+                        if msg.HasField("finish_reason"):
+                            self.finish = msg.finish_reason
+                        if msg.HasField("migrated_to"):
+                            moved = msg.migrated_to
+                if moved is None:
+                    break
+                self.migrated_to.append(moved.worker_id)
+                endpoint, migration_id = moved.endpoint, moved.migration_id
         except grpc.RpcError as e:
             self.error = f"{e.code().name}: {e.details()}"
         self.ended_at = time.monotonic()
@@ -165,12 +180,11 @@ def test_ramp_adds_a_decode_replica_and_it_drains_away_after(deployment):
         _wait(lambda: "decode-1" in drained, 120, "decode-1 to drain")
         assert direct.ended_at is None, f"the long request ended before the drain began ({direct.tokens} tokens)"
         _wait(lambda: d.controller.num_drained == 1, 240, "decode-1 to finish draining and be removed")
-        released_by = time.monotonic()
         direct.join()
     finally:
         load.stop()
     assert (direct.finish, direct.tokens, direct.error) == (worker_pb2.FINISH_REASON_LENGTH, LONG, "")
-    assert direct.ended_at <= released_by  # it finished before the worker was released
+    assert direct.migrated_to == ["decode-0"]  # the drain moved it (live migration), it finished there
     assert "decode-1" in drained  # listed as draining (routers stopped sending it work) before it left
     st = d.actuator.status("decode")
     assert (st.desired, st.ready, st.starting, st.pending, st.draining) == (1, 1, 0, 0, 0)

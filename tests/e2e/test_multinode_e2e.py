@@ -12,10 +12,12 @@ random-weight model (greedy references from the in-process engine). Three deploy
 the other, share the cluster:
 
     spec    pool ``main``: 2 replicas SPREAD on duet_pool_main, each with a drafter actor on
-            duet_drafter. Placement; a serving worker's node removed mid-stream; the drafter node
-            removed.
+            duet_drafter. Placement; a serving worker's node removed mid-stream (Ray re-places it
+            on a node with room); the same with no room left (pending until a node returns); the
+            drafter node removed.
     pd      pool ``prefill``: 2 replicas PACK on duet_pool_prefill; pool ``decode``: 1 replica on
-            duet_pool_decode. Placement; the prefill node removed with requests in flight.
+            duet_pool_decode. Placement; the prefill node removed while a request is in prefill
+            (retried colocated on the decode worker, router/policies/disagg.py).
     tp      pool ``main``: 1 replica, a tp_size=2 gang SPREAD over two nodes. One rank's node
             removed mid-stream; the gang re-forms.
 

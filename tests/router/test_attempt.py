@@ -156,3 +156,14 @@ def test_budget_reads_its_limits_from_the_router_config():
     config = RouterConfig(tokenizer_path="/nonexistent", max_route_attempts=4, max_resumes=1,
                           resume_on_worker_failure=False, worker_wait_s=2.5)
     assert AttemptBudget.from_config(config) == AttemptBudget(4, 1, False, 2.5)
+
+
+def test_a_migrated_outcome_is_followed_once_and_spends_no_budget():
+    from router.attempt import Action, AttemptBudget, AttemptOutcome
+
+    budget = AttemptBudget(max_route_attempts=1, max_resumes=0, resume_on_worker_failure=False, worker_wait_s=0)
+    budget.start()
+    outcome = AttemptOutcome.migrated("w0", "w1", "mig/1")
+    assert budget.decide(outcome, streamed=5).action is Action.MIGRATE
+    assert budget.take_migration() == outcome and budget.take_migration() is None
+    assert budget.resumes == 0 and not budget.tried and budget.migrations == 1

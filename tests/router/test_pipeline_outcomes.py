@@ -272,3 +272,32 @@ def test_cancelling_the_request_task_cancels_the_worker_call(fake_pipeline):
     asyncio.run(cancel_while_waiting())
     assert w0.cancelled == [w0.submitted[0].request_id] and pipeline.counts["cancelled"] == 1
     assert not directory.reported and pipeline.counts["retried"] == pipeline.counts["resumed"] == 0
+
+
+def test_a_live_migration_continues_on_the_target_from_the_exact_token(fake_pipeline):
+    """The worker's stream ends with migrated_to: the next attempt attaches to the target with the
+    migration id, prompt + streamed tokens and the rest of max_tokens; no budget is spent, nobody
+    is reported, the output is the uninterrupted one."""
+    expected = baseline(fake_pipeline)
+    pipeline, directory = fake_pipeline()
+    directory.workers["w0"].misbehave(migrate_after=(4, "w2", None))
+    assert text_and_ids(asyncio.run(collect(pipeline, request(12)))) == expected
+    attach = directory.workers["w2"].submitted[0]
+    assert attach.migration_id.startswith("mig/") and attach.resumed_output_tokens == 4
+    assert list(attach.prompt_token_ids) == PROMPT + expected[1][:4] and attach.sampling.max_tokens == 8
+    assert pipeline.counts["migrated"] == 1 and pipeline.counts["resumed"] == 0 and not directory.reported
+    assert not directory.workers["w1"].submitted
+
+
+@pytest.mark.parametrize("target, reported", [("w9", None), ("w2", 3)])
+def test_a_migration_that_cannot_be_attached_resumes_by_recompute(fake_pipeline, target, reported):
+    """Target unknown to the directory, or its token count disagrees with what was streamed: the
+    next attempt is a plain resume (no migration id): never a gap or a repeat."""
+    expected = baseline(fake_pipeline)
+    pipeline, directory = fake_pipeline()
+    directory.workers["w0"].misbehave(migrate_after=(4, target, reported))
+    assert text_and_ids(asyncio.run(collect(pipeline, request(12)))) == expected
+    later = [r for w in directory.workers.values() for r in w.submitted if r.resumed_output_tokens]
+    assert later and all(r.migration_id == "" for r in later)
+    assert sorted(r.resumed_output_tokens for r in later)[0] == 4
+    assert pipeline.counts["migrated"] >= 1 and not directory.reported

@@ -67,3 +67,24 @@ def test_worker_spec_decode_counters_are_exported():
                  'duet_worker_spec_verifies_total{pool="dec",worker_id="w0"} 10.0',
                  'duet_worker_spec_fallbacks_total{pool="dec",worker_id="w0"} 2.0'):
         assert line in text, f"{line!r} missing from:\n{text}"
+
+
+def test_worker_migration_counters_are_exported():
+    """Live migration counters (LoadReport) become per-worker Prometheus counters; draining a gauge."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from protos.duet.worker.v1 import worker_pb2
+    from router.prometheus import WorkerLoadCollector
+
+    report = worker_pb2.LoadReport(worker_id="w0", migrations_out=3, migrations_in=1, migration_failures=2,
+                                   migration_kv_bytes=4096, migration_seconds=0.5, draining=True)
+    registry = CollectorRegistry()
+    registry.register(WorkerLoadCollector(lambda: {"load_reports": [("w0", "dec", report)]}))
+    text = generate_latest(registry).decode()
+    for line in ('duet_worker_migrations_out_total{pool="dec",worker_id="w0"} 3.0',
+                 'duet_worker_migrations_in_total{pool="dec",worker_id="w0"} 1.0',
+                 'duet_worker_migration_failures_total{pool="dec",worker_id="w0"} 2.0',
+                 'duet_worker_migration_kv_bytes_total{pool="dec",worker_id="w0"} 4096.0',
+                 'duet_worker_migration_seconds_total{pool="dec",worker_id="w0"} 0.5',
+                 'duet_worker_draining{pool="dec",worker_id="w0"} 1.0'):
+        assert line in text, f"{line!r} missing from:\n{text}"

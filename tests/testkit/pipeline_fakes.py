@@ -39,6 +39,9 @@ class Cue:
     bad_prefill: set[str] = field(default_factory=set)  # ABORTED when remote_prefill names one
     vanished_prefill: set[str] = field(default_factory=set)  # ... or stall until the directory declares it dead
     hang_after: int | None = None  # stop streaming until cancelled
+    # (n, target id, reported count): after n tokens the worker hands the request to the target (live
+    # migration): its last message carries migrated_to with num_output_tokens = reported count (n if None)
+    migrate_after: tuple[int, str, int | None] | None = None
 
 
 class FakeCall:
@@ -81,6 +84,13 @@ class FakeCall:
                 if cue.fail is not None and k >= cue.fail_after:
                     raise rpc_error(*cue.fail)
                 if cue.end_after is not None and k >= cue.end_after:
+                    return
+                if cue.migrate_after is not None and k == cue.migrate_after[0]:
+                    n, target, reported = cue.migrate_after
+                    self._done = True
+                    yield worker_pb2.SubmitResponse(migrated_to=worker_pb2.MigratedTo(
+                        worker_id=target, endpoint=f"{target}:1", migration_id=f"mig/{request.request_id}",
+                        num_output_tokens=n if reported is None else reported))
                     return
                 if cue.declare_dead is not None and k == cue.declare_dead[0]:
                     w.directory.declare_dead(cue.declare_dead[1], f"worker {cue.declare_dead[1]} stopped answering")

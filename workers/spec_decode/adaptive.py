@@ -141,5 +141,13 @@ class DraftLengthPolicy:
     def release(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
+    def request_state(self, request_id: str) -> tuple[float, int]:
+        """(acceptance, steps at zero) of one request: what its next choices depend on (migration)."""
+        st = self._requests.get(request_id, _Request())
+        return st.acceptance, st.steps_at_zero
+
+    def set_request_state(self, request_id: str, state: tuple[float, int]) -> None:
+        self._requests[request_id] = _Request(float(state[0]), int(state[1]))
+
     def acceptance(self, request_id: str) -> float:
         return self._requests.get(request_id, _Request()).acceptance

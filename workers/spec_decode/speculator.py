@@ -105,6 +105,14 @@ class Speculator:
     def prefetch(self, seq: Sequence) -> None:
         self.proposer.prefetch(seq.request_id, seq.token_ids, seq.sampling_params)
 
+    def request_state(self, request_id: str) -> tuple[float, int]:
+        """One request's draft-length state (workers/migration.py carries it to another worker, so a
+        seeded request drafts, and so draws, exactly as it would have here)."""
+        return self.policy.request_state(request_id)
+
+    def set_request_state(self, request_id: str, state: tuple[float, int]) -> None:
+        self.policy.set_request_state(request_id, state)
+
     def release(self, request_id: str) -> None:
         self._drafted_before.discard(request_id)
         self.policy.release(request_id)

@@ -200,6 +200,11 @@ resources use the form KubeRay documents: resources: '"{\"drafter\": 8}"'. */}}
       affinity:
         {{- toYaml . | nindent 8 }}
       {{- end }}
+      {{- $drain := and $v.workerDrain.enabled (ne $g.role "drafter") }}
+      {{- if $drain }}
+      # the preStop drain (live migration) plus a margin for Ray to stop
+      terminationGracePeriodSeconds: {{ add (int $v.workerDrain.timeoutSeconds) 30 }}
+      {{- end }}
       containers:
         - name: ray-worker
           image: {{ include "duet.image" .root }}
@@ -208,6 +213,18 @@ resources use the form KubeRay documents: resources: '"{\"drafter\": 8}"'. */}}
             {{- toYaml $v.securityContext | nindent 12 }}
           env:
             {{- include "duet.env" .root | nindent 12 }}
+            {{- if $drain }}
+            - name: DUET_POD_IP
+              valueFrom: {fieldRef: {fieldPath: status.podIP}}
+            {{- end }}
+          {{- if $drain }}
+          # Before the pod stops (scale-down, node drain, rolling upgrade): move the running requests of
+          # this pod's workers to their pools' other workers by live KV migration (`duet drain`).
+          lifecycle:
+            preStop:
+              exec:
+                command: ["/bin/sh", "-c", "duet drain --node-ip \"$DUET_POD_IP\" --timeout {{ int $v.workerDrain.timeoutSeconds }} || true"]
+          {{- end }}
           resources:
             requests:
               cpu: {{ int $g.podCpus | quote }}

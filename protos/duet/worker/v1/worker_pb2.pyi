@@ -19,20 +19,22 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "remote_prefill", "resumed_output_tokens", "prefix_source")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "remote_prefill", "resumed_output_tokens", "migration_id", "prefix_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     remote_prefill: RemotePrefill
     resumed_output_tokens: int
+    migration_id: str
     prefix_source: PrefixSource
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ..., migration_id: _Optional[str] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ...) -> None: ...
 
 class PrefixSource(_message.Message):
     __slots__ = ("worker_id", "endpoint", "incarnation", "num_tokens")
@@ -132,16 +134,156 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "usage", "logprobs")
+    __slots__ = ("token_ids", "finish_reason", "usage", "logprobs", "migrated_to")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATED_TO_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     usage: Usage
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    migrated_to: MigratedTo
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., migrated_to: _Optional[_Union[MigratedTo, _Mapping]] = ...) -> None: ...
+
+class MigratedTo(_message.Message):
+    __slots__ = ("worker_id", "endpoint", "incarnation", "migration_id", "num_output_tokens")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    endpoint: str
+    incarnation: str
+    migration_id: str
+    num_output_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., incarnation: _Optional[str] = ..., migration_id: _Optional[str] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
+
+class MigrationTarget(_message.Message):
+    __slots__ = ("worker_id", "endpoint", "incarnation")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    endpoint: str
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class MigrateRequest(_message.Message):
+    __slots__ = ("request_id", "target")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    target: MigrationTarget
+    def __init__(self, request_id: _Optional[str] = ..., target: _Optional[_Union[MigrationTarget, _Mapping]] = ...) -> None: ...
+
+class MigrateResponse(_message.Message):
+    __slots__ = ("migration_id", "blocks_sent", "kv_bytes", "seconds")
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    migration_id: str
+    blocks_sent: int
+    kv_bytes: int
+    seconds: float
+    def __init__(self, migration_id: _Optional[str] = ..., blocks_sent: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class MigrationState(_message.Message):
+    __slots__ = ("prompt_token_ids", "output_token_ids", "sampling", "num_computed_tokens", "num_resumed_tokens", "num_cached_tokens", "generator_state", "detok_ids", "detok_prefix_offset", "detok_read_offset", "detok_text", "detok_emitted", "spec_acceptance", "spec_steps_at_zero")
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATOR_STATE_FIELD_NUMBER: _ClassVar[int]
+    DETOK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DETOK_PREFIX_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DETOK_READ_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DETOK_TEXT_FIELD_NUMBER: _ClassVar[int]
+    DETOK_EMITTED_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_STEPS_AT_ZERO_FIELD_NUMBER: _ClassVar[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    num_computed_tokens: int
+    num_resumed_tokens: int
+    num_cached_tokens: int
+    generator_state: bytes
+    detok_ids: _containers.RepeatedScalarFieldContainer[int]
+    detok_prefix_offset: int
+    detok_read_offset: int
+    detok_text: str
+    detok_emitted: int
+    spec_acceptance: float
+    spec_steps_at_zero: int
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_resumed_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., detok_ids: _Optional[_Iterable[int]] = ..., detok_prefix_offset: _Optional[int] = ..., detok_read_offset: _Optional[int] = ..., detok_text: _Optional[str] = ..., detok_emitted: _Optional[int] = ..., spec_acceptance: _Optional[float] = ..., spec_steps_at_zero: _Optional[int] = ...) -> None: ...
+
+class TakeOverRequest(_message.Message):
+    __slots__ = ("request_id", "state", "source_worker_id", "source_incarnation", "model_fingerprint", "kv_layout", "expected_incarnation", "source_endpoint")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    state: MigrationState
+    source_worker_id: str
+    source_incarnation: str
+    model_fingerprint: str
+    kv_layout: _containers.RepeatedScalarFieldContainer[int]
+    expected_incarnation: str
+    source_endpoint: str
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[MigrationState, _Mapping]] = ..., source_worker_id: _Optional[str] = ..., source_incarnation: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_layout: _Optional[_Iterable[int]] = ..., expected_incarnation: _Optional[str] = ..., source_endpoint: _Optional[str] = ...) -> None: ...
+
+class TakeOverResponse(_message.Message):
+    __slots__ = ("transfer_id", "first_block", "num_blocks", "kv_store_address", "pair_generation", "target_incarnation", "backend", "resumed", "kv_bytes")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PAIR_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    first_block: int
+    num_blocks: int
+    kv_store_address: str
+    pair_generation: int
+    target_incarnation: str
+    backend: str
+    resumed: bool
+    kv_bytes: int
+    def __init__(self, transfer_id: _Optional[str] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_store_address: _Optional[str] = ..., pair_generation: _Optional[int] = ..., target_incarnation: _Optional[str] = ..., backend: _Optional[str] = ..., resumed: _Optional[bool] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("targets", "timeout_s")
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    targets: _containers.RepeatedCompositeFieldContainer[MigrationTarget]
+    timeout_s: float
+    def __init__(self, targets: _Optional[_Iterable[_Union[MigrationTarget, _Mapping]]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("migrated", "failed", "remaining", "seconds")
+    MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    migrated: int
+    failed: int
+    remaining: int
+    seconds: float
+    def __init__(self, migrated: _Optional[int] = ..., failed: _Optional[int] = ..., remaining: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_logprobs")
@@ -258,7 +400,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "num_running", "num_waiting", "outstanding_tokens", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers_sent", "kv_bytes_sent", "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfer_seconds", "num_reserved", "expert_tokens", "ep_rank_tokens", "spec_method", "spec_verifies", "spec_draft_tokens", "spec_accepted_tokens", "spec_emitted_tokens", "spec_draft_seconds", "spec_verify_seconds", "spec_fallbacks", "prefix_pulls", "prefix_pull_blocks", "prefix_pull_bytes", "prefix_pull_failures", "prefix_pulls_served")
+    __slots__ = ("worker_id", "incarnation", "num_running", "num_waiting", "outstanding_tokens", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers_sent", "kv_bytes_sent", "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfer_seconds", "num_reserved", "expert_tokens", "ep_rank_tokens", "spec_method", "spec_verifies", "spec_draft_tokens", "spec_accepted_tokens", "spec_emitted_tokens", "spec_draft_seconds", "spec_verify_seconds", "spec_fallbacks", "migrations_out", "migrations_in", "migration_failures", "migration_kv_bytes", "migration_seconds", "draining", "prefix_pulls", "prefix_pull_blocks", "prefix_pull_bytes", "prefix_pull_failures", "prefix_pulls_served")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +430,12 @@ class LoadReport(_message.Message):
     SPEC_DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SPEC_VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_OUT_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_IN_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PULLS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PULL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PULL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -322,9 +470,15 @@ class LoadReport(_message.Message):
     spec_draft_seconds: float
     spec_verify_seconds: float
     spec_fallbacks: int
+    migrations_out: int
+    migrations_in: int
+    migration_failures: int
+    migration_kv_bytes: int
+    migration_seconds: float
+    draining: bool
     prefix_pulls: int
     prefix_pull_blocks: int
     prefix_pull_bytes: int
     prefix_pull_failures: int
     prefix_pulls_served: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_transfers_received: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_reserved: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., ep_rank_tokens: _Optional[_Iterable[int]] = ..., spec_method: _Optional[str] = ..., spec_verifies: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_emitted_tokens: _Optional[int] = ..., spec_draft_seconds: _Optional[float] = ..., spec_verify_seconds: _Optional[float] = ..., spec_fallbacks: _Optional[int] = ..., prefix_pulls: _Optional[int] = ..., prefix_pull_blocks: _Optional[int] = ..., prefix_pull_bytes: _Optional[int] = ..., prefix_pull_failures: _Optional[int] = ..., prefix_pulls_served: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_transfers_received: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_reserved: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., ep_rank_tokens: _Optional[_Iterable[int]] = ..., spec_method: _Optional[str] = ..., spec_verifies: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_emitted_tokens: _Optional[int] = ..., spec_draft_seconds: _Optional[float] = ..., spec_verify_seconds: _Optional[float] = ..., spec_fallbacks: _Optional[int] = ..., migrations_out: _Optional[int] = ..., migrations_in: _Optional[int] = ..., migration_failures: _Optional[int] = ..., migration_kv_bytes: _Optional[int] = ..., migration_seconds: _Optional[float] = ..., draining: _Optional[bool] = ..., prefix_pulls: _Optional[int] = ..., prefix_pull_blocks: _Optional[int] = ..., prefix_pull_bytes: _Optional[int] = ..., prefix_pull_failures: _Optional[int] = ..., prefix_pulls_served: _Optional[int] = ...) -> None: ...

@@ -55,6 +55,21 @@ class WorkerStub:
                 request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/duet.worker.v1.Worker/Migrate',
+                request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.MigrateResponse.FromString,
+                _registered_method=True)
+        self.TakeOver = channel.unary_stream(
+                '/duet.worker.v1.Worker/TakeOver',
+                request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.TakeOverRequest.SerializeToString,
+                response_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.TakeOverResponse.FromString,
+                _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/duet.worker.v1.Worker/Drain',
+                request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+                _registered_method=True)
         self.PullPrefix = channel.unary_unary(
                 '/duet.worker.v1.Worker/PullPrefix',
                 request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.PullPrefixRequest.SerializeToString,
@@ -112,6 +127,50 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Migrate(self, request, context):
+        """Live migration (workers/migration_service.py): move the in-flight request request_id, which
+        must be decoding, to the worker named in target, with its KV blocks and sampler state, without
+        recomputing anything. The request is paused here at a step boundary, the target reserves
+        blocks (TakeOver), the blocks travel over the pair's torch.distributed group, the target
+        resumes it; then this worker frees it and ends its Submit stream with ``migrated_to`` (the
+        router attaches to the target and the client's stream continues from the same token index).
+        OK: the request now runs on the target. Any error: it still runs here, as if never asked.
+
+        Status codes:
+        NOT_FOUND            request_id is not in flight here (finished, aborted or unknown)
+        FAILED_PRECONDITION  the request is not decoding yet or is already migrating; or the target
+        refused: a different model or KV layout, a context too long for it
+        RESOURCE_EXHAUSTED   the target has no free KV blocks for it
+        UNAVAILABLE          the target is unreachable, restarted, or the transfer failed
+        INVALID_ARGUMENT     a bad field (the message names it)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TakeOver(self, request, context):
+        """Target side of a migration; only a migrating source calls it. Streams exactly two messages:
+        the reservation (which blocks to send and where to rendezvous), then, once the blocks arrived,
+        verified and the request decodes here, ``resumed``. Cancelling the call before the second
+        message aborts the reservation. A resumed request waits here (decoding) for the router's
+        Submit with ``migration_id``; one nobody attaches to within the attach timeout is aborted.
+        Status codes as Migrate's (FAILED_PRECONDITION for a mismatched model, RESOURCE_EXHAUSTED
+        without room, UNAVAILABLE while draining or when the transfer failed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Drain: stop taking new requests (health NOT_SERVING) and migrate every running request to
+        the given targets (requests still in prefill are migrated once they decode), until none is
+        left or timeout_s passes. Returns what happened; the caller then stops the worker (any request
+        left is ended UNAVAILABLE, and the router resumes it by recompute).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PullPrefix(self, request, context):
         """Prefix pull, holder side; only workers call it (for a Submit that has prefix_source). Looks up
         the blocks of prefix_token_ids in this worker's prefix cache, copies blocks first_block.. out
@@ -151,6 +210,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.MigrateRequest.FromString,
+                    response_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.MigrateResponse.SerializeToString,
+            ),
+            'TakeOver': grpc.unary_stream_rpc_method_handler(
+                    servicer.TakeOver,
+                    request_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.TakeOverRequest.FromString,
+                    response_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.TakeOverResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
             ),
             'PullPrefix': grpc.unary_unary_rpc_method_handler(
                     servicer.PullPrefix,
@@ -267,6 +341,87 @@ class Worker:
             '/duet.worker.v1.Worker/Prefill',
             duet_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             duet_dot_worker_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.worker.v1.Worker/Migrate',
+            duet_dot_worker_dot_v1_dot_worker__pb2.MigrateRequest.SerializeToString,
+            duet_dot_worker_dot_v1_dot_worker__pb2.MigrateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeOver(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/duet.worker.v1.Worker/TakeOver',
+            duet_dot_worker_dot_v1_dot_worker__pb2.TakeOverRequest.SerializeToString,
+            duet_dot_worker_dot_v1_dot_worker__pb2.TakeOverResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.worker.v1.Worker/Drain',
+            duet_dot_worker_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+            duet_dot_worker_dot_v1_dot_worker__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
