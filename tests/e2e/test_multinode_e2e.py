@@ -57,7 +57,7 @@ NODES = {"a": (2, {MAIN: 1000, PREFILL: 1000}), "b": (2, {MAIN: 1000, PREFILL: 1
          "c": (2, {MAIN: 1000, PREFILL: 1000}), "d": (2, {DRAFTER: 1000}), "e": (1, {DECODE: 1000})}
 PROMPT = [1, 504, 3575, 282, 4649, 314, 2023, 30]
 LONG_PROMPT = PROMPT * 75  # 600 tokens: disaggregated (router.disagg_min_prompt_tokens below)
-PD_CHUNK = 16  # the P/D pools' tokens per step: a long prompt's prefill takes many steps, so the node can go mid-prefill
+PD_CHUNK = 4  # the P/D pools' tokens per step: a long prompt's prefill takes 150 steps, so the node can go mid-prefill
 STREAM_TOKENS = 280  # long enough to be mid-stream when the node goes
 SHORT_TOKENS = 24
 KV_BYTES = 16 << 20
@@ -383,19 +383,22 @@ def test_prefill_node_loss_loses_no_request(healed, cluster, reference):
     d = healed
     node = _nodes_of(d, cluster, "prefill")["prefill-0"][0]  # PACK: both prefill workers are there
 
-    decode = dict(d.controller.members())["decode-0"]
+    members = dict(d.controller.members())
+    decode, prefills = members["decode-0"], [members["prefill-0"], members["prefill-1"]]
     failures = _stats(d).get("prefill_failures", 0)
 
     async def run() -> list[list[int]]:
-        tasks = [asyncio.ensure_future(_stream(d.address, LONG_PROMPT, SHORT_TOKENS)) for _ in range(3)]
-        # the decode worker has reserved blocks for a prompt the prefill node is computing
-        await asyncio.to_thread(_wait, lambda: _load(decode).num_reserved >= 1, 60, "a request in prefill")
+        # 8 long prompts queue on the two prefill workers, PD_CHUNK tokens a step: seconds of prefill
+        # work, so most of it is still to run when the node goes however quickly the first one starts
+        tasks = [asyncio.ensure_future(_stream(d.address, LONG_PROMPT, SHORT_TOKENS)) for _ in range(8)]
+        await asyncio.to_thread(_wait, lambda: any(r.num_running + r.num_waiting for r in map(_load, prefills)),
+                                60, "a request in prefill")
         await asyncio.to_thread(cluster.remove, node)
         more = [asyncio.ensure_future(_stream(d.address, LONG_PROMPT, SHORT_TOKENS)) for _ in range(2)]
         return await asyncio.gather(*tasks, *more)
 
     outs = asyncio.run(run())
-    assert outs == [reference[(len(LONG_PROMPT), SHORT_TOKENS)]] * 5
+    assert outs == [reference[(len(LONG_PROMPT), SHORT_TOKENS)]] * 10
     assert _stats(d).get("prefill_failures", 0) > failures  # some were in prefill when the node went
     # the decode worker holds nothing for the dead prefill peer
     _wait(lambda: _idle(_load(decode)), 30, "decode-0 to free its reservations")
