@@ -36,3 +36,23 @@ def test_truncated_gguf_names_the_file(tmp_path):
     bad.write_bytes(_find_smollm2_gguf().read_bytes()[: 1 << 20])
     with pytest.raises(CheckpointError, match=r"broken.gguf.*cannot be read.*truncated.*re-download"):
         prepare_gguf_file(bad, tmp_path / "cache")
+
+
+def test_fast_reader_reads_what_the_plain_reader_reads():
+    # open_gguf's reader slices an ndarray view of the memory map instead of the np.memmap itself
+    import numpy as np
+    from gguf import GGUFReader
+
+    from workers.models.gguf_weights import open_gguf
+
+    path = _find_smollm2_gguf()
+    fast, plain = open_gguf(path), GGUFReader(str(path))
+    assert list(fast.fields) == list(plain.fields) and fast.data_offset == plain.data_offset
+    for key, field in plain.fields.items():
+        got = fast.fields[key]
+        assert got.types == field.types and got.data == field.data, key
+        assert all(np.array_equal(a, b) for a, b in zip(got.parts, field.parts, strict=True)), key
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in fast.tensors] == \
+        [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in plain.tensors]
+    for a, b in zip(fast.tensors, plain.tensors, strict=True):
+        assert type(a.data) is np.ndarray and a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
