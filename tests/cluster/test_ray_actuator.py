@@ -8,7 +8,6 @@ group is reused. The real workers go through the same path in tests/e2e/test_aut
 from __future__ import annotations
 
 import os
-import time
 import uuid
 
 import pytest
@@ -20,6 +19,7 @@ from cluster.config import PoolSection
 from cluster.controller import Controller
 from cluster.pools import Replica, WorkerPool
 from cluster.ray_actuator import RayActuator
+from testkit.waiting import wait_until as _wait
 
 NAMESPACE = "duet_ray_actuator_test"
 
@@ -62,13 +62,6 @@ def _factory(worker_id: str, pg, first_bundle: int):
     return DrainingFake.options(
         name=worker_id, namespace=NAMESPACE, num_cpus=1, max_restarts=0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle)).remote(), ()
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from cluster.config import load_config
 from cluster.serve import start_deployment
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import DuetClient
+from testkit.waiting import wait_until as _wait
 
 NAMESPACE = "duet_autoscale_e2e"
 TOKENS = 16
@@ -149,13 +150,6 @@ class Direct:
 
     def join(self) -> None:
         self._thread.join(300)
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(0.2)
 
 
 def test_ramp_adds_a_decode_replica_and_it_drains_away_after(deployment):

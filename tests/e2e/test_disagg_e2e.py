@@ -24,6 +24,7 @@ from cluster.config import load_config
 from cluster.serve import start_deployment
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import DuetClient, DuetError
+from testkit.waiting import wait_until as _wait
 
 KV_BYTES = 128 << 20
 NAMESPACE = "duet_disagg_e2e"
@@ -74,13 +75,6 @@ def _load(d, worker_id: str) -> worker_pb2.LoadReport:
 
 def _healthy(d, worker_id: str) -> bool:
     return any(w["worker_id"] == worker_id and w["healthy"] for w in d.router.stats()["workers"])
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(0.02)
 
 
 async def _tokens(address: str, prompts: list[str]) -> list[list[int]]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import grpc
 import pytest
@@ -23,6 +22,7 @@ from cluster.config import load_config
 from cluster.serve import start_deployment
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import DuetClient
+from testkit.waiting import wait_until as _wait
 
 NAMESPACE = "duet_migration_e2e"
 PROMPTS = [f"Story {i}: once upon a time, in a land far away," for i in range(8)]
@@ -69,13 +69,6 @@ class Streams:
         self._thread.join(300)
         assert not self._thread.is_alive() and not self.errors, self.errors
         return self.tokens
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(0.05)
 
 
 def _load(endpoint: str) -> worker_pb2.LoadReport:

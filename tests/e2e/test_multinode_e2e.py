@@ -47,6 +47,7 @@ from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import DuetClient, DuetError
 from testkit.multinode import NODE_RESOURCE, LocalCluster
 from testkit.tp_cases import save_tiny_qwen2
+from testkit.waiting import wait_until as _wait
 
 # Its own pytest process (`make test` runs `-m serial` after the rest): a multi-node cluster's Ray
 # settings stay in the process that started it, and a later `ray.init` there times out.
@@ -184,13 +185,6 @@ def healed(request, cluster, deployments):
 
 
 # --------------------------------------------------------------------------------------- helpers
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(0.1)
-
-
 def _load(endpoint: str) -> worker_pb2.LoadReport:
     with grpc.insecure_channel(endpoint) as channel:
         return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import time
 
 import grpc
 import pytest
@@ -22,6 +21,7 @@ from cluster.serve import Deployment, start_deployment
 from cluster.status import worker_status
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import DuetClient, DuetError, complete
+from testkit.waiting import wait_until as _wait
 
 PROMPT = "The capital of France is"
 LONG_PROMPT = ("Here is a long story about a lighthouse keeper who lived on a small island in the north sea, "
@@ -60,13 +60,6 @@ def deployment(ray_cluster, smollm2_path, reference):
 def _load(endpoint: str) -> worker_pb2.LoadReport:
     with grpc.insecure_channel(endpoint) as channel:
         return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
-
-
-def _wait(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(0.1)
 
 
 def _idle(d: Deployment) -> bool:
