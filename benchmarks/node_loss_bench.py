@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                         "alternating (default both)")
     p.add_argument("--runs", type=int, default=3, help="runs per mode")
     p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--tokens", type=int, default=192,
+                   help="output tokens per request (192: streams outlive the drain's settle time, so some migrate)")
     p.add_argument("--warmup", type=float, default=6.0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
