@@ -8,8 +8,10 @@ Setup: tests/testkit/multinode.py's LocalCluster: a head without CPUs (this proc
 controller) and worker nodes a, b, c of {CPU: 2, duet_pool_main: 1000}; ``duet serve`` joins it
 (ray.address) with pool ``main`` of 2 replicas x 1 CPU, SPREAD on duet_pool_main (so c is the
 spare with room). Load: ``--clients`` closed-loop clients, each streaming greedy requests of
-``--tokens`` output tokens (ignore_eos) back to back. After ``--warmup`` s the worker with the most
-running requests (the victim) loses its node, in one of two ways (``--mode``):
+``--tokens`` output tokens (ignore_eos; long enough that the victim's streams outlive a drain's
+``drain_settle_s`` and so are migrated rather than finished in place) back to back. After
+``--warmup`` s the worker with the most running requests (the victim) loses its node, in one of
+two ways (``--mode``):
 
     kill    its node is killed (raylet, object store and its actors, no grace); Ray re-places the
             lost bundle on the spare node, the controller starts the restarted worker, and the
@@ -34,8 +36,10 @@ first point, so for a killed worker the stall starts at the kill):
     resume_s            t0 -> the end of the last affected stream's stall (max): when every affected
                         stream streams again
     resume_median_s     the same, median over the affected streams
-    stall_max_s         the longest stall of an affected stream (drain: the migration's pause)
+    stall_max_s         the longest stall of an affected stream (drain: the migration's pause; a
+                        drained stream never stops, so resume_s is when that pause ended, <= drained_s)
     unaffected_max_gap_s  the longest stall of the other streams in flight (the surviving worker's)
+    steady_gap_s        the median time between two tokens of a stream before t0 (the undisturbed pace)
     pool_full_s         t0 -> the controller lists two serving replicas again (kill: the restarted
                         one; drain: the one the actuator added after the node was removed)
     drained_s           drain only: t0 -> the victim is released (migrated and stopped)
@@ -67,7 +71,7 @@ MODES = ("kill", "drain")
 DRAIN_SETTLE_S = 1.0  # = RayActuator's default: routers hear "draining" before the worker refuses work
 DRAIN_GRACE_S = 60.0  # how long a migration may take before the rest is aborted (resumed by the router)
 KEYS = ("affected", "migrated", "resumed", "resume_s", "resume_median_s", "stall_max_s", "unaffected_max_gap_s",
-        "pool_full_s", "tokens_recomputed", "lost")
+        "steady_gap_s", "pool_full_s", "tokens_recomputed", "lost")
 
 
 def _prompt(i: int) -> list[int]:
@@ -130,12 +134,14 @@ def stall(times: list[float], end: float, t0: float) -> tuple[float, float, int]
 def figures(in_flight: list[dict], streams: list[dict], t0: float, migrated: int, resumed: int) -> dict[str, Any]:
     """The run's figures (module docstring) from the client-side token times and the router's counts."""
     stalls = sorted((stall(s["times"], s["end"], t0) for s in in_flight), reverse=True)
+    before = [b - a for s in streams for a, b in zip(s["times"], s["times"][1:], strict=False) if a < b < t0]
     affected = stalls[:migrated + resumed]
     ends = [e - t0 for _, e, _ in affected]
     return {"in_flight": len(in_flight), "affected": len(affected), "migrated": migrated, "resumed": resumed,
             "resume_s": max(ends, default=0.0), "resume_median_s": statistics.median(ends) if ends else 0.0,
             "stall_max_s": max((g for g, _, _ in affected), default=0.0),
             "unaffected_max_gap_s": max((g for g, _, _ in stalls[len(affected):]), default=0.0),
+            "steady_gap_s": statistics.median(before) if before else 0.0,
             "tokens_recomputed": sum(PROMPT_TOKENS + n for _, _, n in affected[:resumed]),
             "lost": sum(1 for s in streams if s["error"]), "errors": sorted({s["error"] for s in streams if s["error"]})}
 
@@ -195,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="kill the victim's node, drain it by live migration first, or both (default)")
     p.add_argument("--runs", type=int, default=3, help="runs per mode")
     p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--tokens", type=int, default=192,
+                   help="output tokens per request: long enough that streams outlive the drain's settle")
     p.add_argument("--warmup", type=float, default=6.0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
