@@ -1,7 +1,7 @@
 """Recovery after losing a whole Ray node under steady load (a real multi-node Ray on this host),
 and after draining one on purpose with live KV migration.
 
-    python -m benchmarks.node_loss_bench                  # SmolLM2, both modes, 3 runs each (~5 min)
+    python -m benchmarks.node_loss_bench                  # SmolLM2, both modes, 3 runs each (~7 min)
     python -m benchmarks.node_loss_bench --mode kill --runs 1 --clients 2
 
 Setup: tests/testkit/multinode.py's LocalCluster: a head without CPUs (this process: router,
