@@ -17,8 +17,8 @@ What it measures, one side at a time, in one run:
            int8       quantization int8 from the float32 checkpoint
            fp32       no quantization
     for each: load time (median of --repeats loads), batch-1 and batch-8 decode tok/s
-    ((N - 1) * B / (T_N - T_1), T_k the wall time of a B-prompt generate with k new tokens, median
-    over repeats) and perplexity on tests/data/public_domain_sample.txt (its first --ppl-tokens tokens).
+    (the tokens after each prompt's first / the time of the steps that made them, median over
+    repeats) and perplexity on tests/data/public_domain_sample.txt (its first --ppl-tokens tokens).
 Writes benchmarks/results/gguf_native_<model>.json. The machine may be shared: the JSON records
 the load average at each side.
 """
@@ -78,18 +78,22 @@ def conversion_errors(gguf: Path) -> dict[str, dict[str, float]]:
 
 
 def decode_rate(engine: Engine, prompts: list[list[int]], n: int, repeats: int) -> float:
-    def wall(k: int) -> float:
-        params = SamplingParams(temperature=0, max_tokens=k, ignore_eos=True)
-        t0 = time.perf_counter()
+    """Decode tokens/s of a batch: the prompts are prefilled (and give their first token) first, then
+    the steps that generate the other n - 1 tokens of each are timed; median over repeats."""
+    def rate() -> float:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         for p in prompts:
             engine.add_request(None, p, params)
+        while engine.has_unfinished() and any(not s.output_token_ids for s in engine.scheduler.running) \
+                or engine.scheduler.waiting:
+            engine.step()  # prefill until every sequence has its first token
+        t0 = time.perf_counter()
+        done = sum(len(s.output_token_ids) for s in engine.scheduler.running)
         while engine.has_unfinished():
             engine.step()
-        return time.perf_counter() - t0
+        return (n * len(prompts) - done) / (time.perf_counter() - t0)
 
-    t1 = statistics.median(wall(1) for _ in range(repeats))
-    tn = statistics.median(wall(n) for _ in range(repeats))
-    return (n - 1) * len(prompts) / (tn - t1)
+    return statistics.median(rate() for _ in range(repeats))
 
 
 def run_side(path: Path, quantization: str, use_gguf: bool, ids: list[int], args) -> dict:
