@@ -125,26 +125,8 @@ def int8_from_q8_0(raw: torch.Tensor, K: int) -> QuantizedWeight:
     return QuantizedWeight("int8", (N, K), {"qweight": codes.contiguous(), "scales": scales.contiguous()})
 
 
-def _dequantize_q5_0(raw: np.ndarray) -> torch.Tensor:
-    """Q5_0 blocks (fp16 d, 32 high bits, 16 bytes of low nibbles: 22 bytes per 32 weights) -> fp32,
-    the whole tensor in a few vectorized ops: w[j] = (low nibble j | bit j of the high bits << 4) - 16,
-    times d, with low nibbles 0-15 in the bytes' low halves and 16-31 in their high halves.
-    Q5_0 holds most linear weights of K-quant files whose width is not a multiple of 256, and the
-    ``gguf`` package's de-quantizer walks it in small row groups; equal to it (test_gguf_quants.py)."""
-    blocks = torch.from_numpy(np.ascontiguousarray(raw)).reshape(-1, 22)
-    d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [M, 1]
-    high = blocks[:, 2:6].contiguous().view(torch.int32).long() & 0xFFFFFFFF  # [M, 1], little-endian
-    qs = blocks[:, 6:22]
-    low = torch.cat([qs & 0x0F, qs >> 4], dim=1).long()  # [M, 32]
-    bits = (high >> torch.arange(32)) & 1
-    return ((low | (bits << 4)) - 16).float() * d
-
-
 def dequantize_raw(raw: np.ndarray, kind: str, shape: list[int]) -> torch.Tensor:
-    """A GGUF tensor of any supported type -> fp32 [shape] (the ``gguf`` package's de-quantizer, or
-    an equal vectorized one for Q5_0)."""
-    if kind == "Q5_0":
-        return _dequantize_q5_0(raw).reshape(shape)
+    """A GGUF tensor of any supported type -> fp32 [shape] (the ``gguf`` package's de-quantizer)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 

@@ -123,19 +123,3 @@ def test_unsupported_type_is_one_line_naming_the_file(tmp_path):
         prepare_gguf_file(path, tmp_path / "cache")
     msg = str(e.value)
     assert "\n" not in msg and "odd.gguf" in msg and "IQ4_NL" in msg and "Q4_K" in msg
-
-
-def test_vectorized_q5_0_equals_the_gguf_package():
-    # dequantize_raw's own Q5_0 path against gguf's de-quantizer: real quantized rows (every code,
-    # both nibble halves and all 32 high bits in use) plus a row of zeros (d = 0)
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize as gguf_quantize
-
-    from workers.models.gguf_quants import dequantize_raw
-
-    rng = np.random.default_rng(0)
-    x = np.concatenate([rng.standard_normal((7, 96)) * rng.uniform(0.01, 10, (7, 1)), np.zeros((1, 96))])
-    raw = gguf_quantize(x.astype(np.float32), GGMLQuantizationType.Q5_0)
-    want = dequantize(raw, GGMLQuantizationType.Q5_0)
-    got = dequantize_raw(raw, "Q5_0", [8, 96])
-    assert got.dtype == torch.float32 and torch.equal(got, torch.from_numpy(np.asarray(want, dtype=np.float32)))
