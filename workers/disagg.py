@@ -114,6 +114,8 @@ class Disaggregation:
             if done is grpc.aio.EOF or not done.transfer_done:
                 raise RemotePrefillError(f"prefill worker {remote.worker_id} did not confirm the transfer")
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # the request itself (e.g. a grammar that admits
+                raise PrefillRejected(e.code(), e.details()) from None  # no first token): no retry helps
             raise RemotePrefillError(f"prefill worker {remote.worker_id}: {e.code().name}: {e.details()}") from None
         except (KVTransferError, TimeoutError) as e:
             raise RemotePrefillError(f"KV transfer from {remote.worker_id} failed: {e or 'timed out'}") from None

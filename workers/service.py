@@ -225,7 +225,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 finished = items[-1].finished
                 migrated = items[-1].finish_reason is FinishReason.MIGRATED
                 yield _merge(items, self.migrator.migrated_to(rid) if migrated and self.migrator else None)
-        except (InvalidRequestError, KVCapacityError, RemotePrefillError) as e:  # from the disaggregated path
+        except (InvalidRequestError, KVCapacityError, RemotePrefillError, PrefillRejected) as e:  # disaggregated path
             logger.warning("request %s: %s", rid, e)
             finished = True
             try:  # free its blocks first, then answer

@@ -145,3 +145,24 @@ def test_prefill_failure_aborts_and_returns_reserved_blocks(loop, pair, tokenize
     assert error.code() == grpc.StatusCode.ABORTED and "remote prefill failed" in error.details()
     assert d_load.kv_blocks_used == 0 and d_load.num_reserved == 0
     assert p_load.kv_blocks_used == 0 and p_load.num_running == p_load.num_waiting == 0
+
+
+def test_a_grammar_without_a_first_token_is_invalid_argument_on_both_routes(loop, pair, tokenizer):
+    # the regex (a{0}) admits only the empty string and min_tokens forbids ending there: the first token,
+    # computed on the prefill worker when disaggregated, has no allowed value; the client gets the
+    # same INVALID_ARGUMENT naming the field either way (not ABORTED, which the router would retry)
+    prefill, decode = pair
+    params = sampling(max_tokens=4, min_tokens=1, structured=worker_pb2.StructuredOutput(regex="a{0}"))
+
+    async def go(rp):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await submit(decode.endpoint, f"dead-{rp is not None}", tokenizer.encode(LONG), params, rp)
+        return info.value
+
+    for rp in (None, remote(prefill)):
+        error = run(loop, go(rp))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (rp, error.details())
+        assert error.details().startswith("sampling.structured.regex: the grammar admits no token"), error.details()
+    d_load, p_load = run(loop, load(decode.endpoint)), run(loop, load(prefill.endpoint))
+    assert d_load.kv_blocks_used == 0 and d_load.num_reserved == 0
+    assert p_load.kv_blocks_used == 0 and p_load.num_running == p_load.num_waiting == 0
