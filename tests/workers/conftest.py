@@ -54,3 +54,13 @@ def tiny_qwen2_path(tmp_path_factory, smollm2_path: Path) -> Path:
     from testkit.tp_cases import save_tiny_qwen2
 
     return save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), smollm2_path, eos_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One asyncio loop per module, for the tests that run worker servers in this process."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()

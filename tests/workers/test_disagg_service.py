@@ -21,13 +21,6 @@ from test_worker_service import PROMPTS, run, sampling
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def pair(loop, smollm2_path):
     config = EngineConfig(model=str(smollm2_path), cache=CacheConfig(kv_cache_memory_bytes=32 << 20),
                           scheduler=SchedulerConfig(max_num_batched_tokens=64))

@@ -27,13 +27,6 @@ from test_worker_service import PROMPTS, run, sampling
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def pair(loop, smollm2_path):
     def config(kv_bytes: int) -> EngineConfig:
         return EngineConfig(model=str(smollm2_path), cache=CacheConfig(kv_cache_memory_bytes=kv_bytes),

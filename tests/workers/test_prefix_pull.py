@@ -117,13 +117,6 @@ def test_released_reservation_and_evicted_prefix_leave_nothing(tiny_llama):
 
 
 # ---------------------------------------------------------------------- through the service
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
 def run(loop, coro, timeout: float = 120):
     return loop.run_until_complete(asyncio.wait_for(coro, timeout))
 

@@ -91,13 +91,6 @@ async def wait_idle(stub, timeout: float = 30.0) -> worker_pb2.LoadReport:
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def worker(loop, smollm2_path):
     server = run(loop, start_worker_server(engine_config(smollm2_path), worker_id="w-test"), timeout=120)
     yield server
