@@ -16,7 +16,7 @@ Live migration (workers/migration.py): ``pause_request`` / ``migration_kv`` / ``
 Structured output (``SamplingParams.structured``): the request's grammar compiles on a background
 thread (workers/structured/grammar.py, cached per spec) while the request waits in a GrammarGate
 (workers/structured/admission.py) instead of the scheduler; the runner masks each sampled token
-with the request's GrammarMatcher, which follows the request's tokens (so preemption, the
+with the request's GrammarMatcher, which follows the request's tokens (so preemption, migration, the
 disaggregated hand-off and resends need no extra state). A spec that does not compile, or a
 grammar that admits no token at some step, ends the request with ``RequestOutput.error``.
 
@@ -178,12 +178,18 @@ class Engine:
         seq = self.handoff.complete(request_id, ticket, kv, generator_state)
         out = self._accept(seq, [first_token], [first_logprob] if first_logprob is not None else None)
         if not out.finished:
-            matcher = self._matchers.get(request_id)
-            if matcher is not None:  # decodes once compiled; the matcher replays the first token
-                self.grammars.park(seq, matcher, running=True)
-            else:
-                self.scheduler.add_running(seq)
+            self._start_decoding(seq)
         return out
+
+    def _start_decoding(self, seq: Sequence) -> None:
+        """A sequence whose KV has arrived (disaggregated decode, migration target) joins the running
+        set; one with a grammar waits in the GrammarGate until it compiles, then its new matcher
+        replays the generated tokens before its first mask."""
+        matcher = self._matchers.get(seq.request_id)
+        if matcher is not None:
+            self.grammars.park(seq, matcher, running=True)
+        else:
+            self.scheduler.add_running(seq)
 
     def _new_sequence(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                       resumed_output_tokens: int = 0) -> Sequence:
@@ -278,6 +284,8 @@ class Engine:
         seq = self._seqs.get(request_id)
         if seq is None:
             raise MigrationError(f"{request_id} is not running here (finished, aborted or unknown)")
+        if request_id in self.grammars:
+            raise MigrationError(f"{request_id} is waiting for its grammar to compile: only a decoding request migrates")
         return self.migration.pause(seq, self._detok[request_id])
 
     def migration_kv(self, request_id: str, first_block: int) -> torch.Tensor:
@@ -303,8 +311,6 @@ class Engine:
             snapshot.check()
         except MigrationError as e:
             raise InvalidRequestError("migration", str(e)) from None
-        if snapshot.params.structured is not None:
-            raise InvalidRequestError("sampling.structured", "structured-output requests do not migrate yet")
         seq = self._new_sequence(snapshot.request_id, snapshot.prompt_token_ids, snapshot.params,
                                  snapshot.num_resumed_tokens)
         if len(snapshot.token_ids) >= self.max_model_len or any(not 0 <= t < self.spec.vocab_size
@@ -322,8 +328,9 @@ class Engine:
 
     def import_migration(self, request_id: str, ticket: KVTicket, kv: torch.Tensor,
                          snapshot: MigrationSnapshot) -> None:
-        """Target: write the received blocks (verified) and decode on from the snapshot's state."""
-        self.migration.complete(request_id, ticket, kv, snapshot)
+        """Target: write the received blocks (verified) and decode on from the snapshot's state (a
+        structured request once its grammar has compiled and replayed the generated tokens)."""
+        self._start_decoding(self.migration.complete(request_id, ticket, kv, snapshot))
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:

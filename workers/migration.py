@@ -28,6 +28,11 @@ calls ``prefetch``, as for a disaggregated request, so the drafter works while t
 transit): its KV does not travel. The draft-length policy's per-request state does, so a seeded
 request drafts (and draws) on the target exactly as on the source.
 
+Structured output: the grammar matcher does not travel either. The target compiles the request's
+spec (from its sampling params) while the KV is in transit and parks the request in its
+GrammarGate, as a disaggregated decode side does; the new matcher replays the generated tokens
+before its first mask (workers/structured/matcher.py: its state is a function of the tokens).
+
 Sequence (S source, T target; each call runs on that engine's thread)::
 
     snap = S.pause_request("r1")                # PAUSED at a step boundary
@@ -111,9 +116,6 @@ class Migration:
         """Take a running, decoding ``seq`` out of the running set (its blocks stay) and snapshot it."""
         if seq.status is SequenceStatus.PAUSED:
             raise MigrationError(f"{seq.request_id} is already being migrated")
-        if seq.sampling_params.structured is not None:
-            raise MigrationError(f"{seq.request_id} has structured output: its grammar matcher does not migrate "
-                                 "yet (it finishes here)")
         if seq.status is not SequenceStatus.RUNNING or not seq.in_decode:
             raise MigrationError(f"{seq.request_id} is not decoding yet (status {seq.status.value}, "
                                  f"{seq.num_output_tokens} tokens generated): only a decoding request migrates")
@@ -176,8 +178,9 @@ class Migration:
                         len(cached) * bm.block_size)
 
     def complete(self, request_id: str, ticket: KVTicket, kv: torch.Tensor, snapshot: MigrationSnapshot) -> Sequence:
-        """Write the received K/V (kv [L, 2, n, bs, G, D], verified), restore the sampler and draft
-        state, and admit the sequence to the running set in decode."""
+        """Write the received K/V (kv [L, 2, n, bs, G, D], verified) and restore the sampler and draft
+        state. -> the sequence, ready to decode: the engine admits it (to the running set, or first
+        to its GrammarGate when it has a grammar matcher)."""
         seq = self._reserved.pop(request_id)
         assert kv.shape[2] == ticket.num_blocks, "transfer size was verified against the ticket"
         table = self.block_manager.block_table(request_id)
@@ -188,7 +191,6 @@ class Migration:
             self.runner.set_generator_state(request_id, snapshot.generator_state)
         if self.speculator is not None and snapshot.spec_state is not None:
             self.speculator.set_request_state(request_id, snapshot.spec_state)
-        self.scheduler.add_running(seq)
         return seq
 
     def is_reserved(self, request_id: str) -> bool:

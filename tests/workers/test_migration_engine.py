@@ -2,16 +2,18 @@
 engine, their KV and state moved to another, decoding on there. Tokens must equal an unmigrated
 run's, token for token: greedy, seeded sampling, penalties + min_tokens + stop strings, several
 requests in flight, target prefix-cache hits (fewer blocks sent), n-gram and draft-model
-speculation. Nothing leaks on either side; bad snapshots and a full target are refused, typed.
+speculation, JSON-schema structured output (the target's matcher replays the tokens). Nothing leaks on either side; bad snapshots and a full target are refused, typed.
 
 The hand-over is in-process (the tensor moves directly); tests/workers/test_migration_service.py
 sends it between two worker servers over the real transfer path."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from workers.llm import LLM
 from workers.migration import MigrationError
 from workers.sampling_params import SamplingParams
 from workers.sequence import FinishReason, Sequence
+from workers.structured.spec import StructuredOutput
 
 from testkit.greedy import PROMPTS
 
@@ -253,3 +256,46 @@ def test_speculative_requests_migrate_identically(pair, smollm2_path: Path, toke
     finally:
         for server, _ in servers:
             server.stop(grace=0)
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "colors"],
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 10},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                    "minItems": 1, "maxItems": 3}}}
+
+
+def test_structured_requests_migrate_identically(pair, tokenizer):
+    """A JSON-schema-constrained request moves mid-value: the target compiles the spec while the KV
+    is in transit and its matcher replays the generated tokens, so the output equals the
+    unmigrated run's and validates; a failed migration resumes on the source with its matcher."""
+    src, dst = pair
+    ids = tokenizer.encode("Describe a person as JSON with a name, an age and favourite colors:")
+    spec = StructuredOutput("json_schema", json.dumps(PERSON))
+    params = [SamplingParams(temperature=0, max_tokens=60, structured=spec),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=60, structured=spec)]
+    want = reference(src, [ids, ids], params)
+    for tokens in want:  # both complete (EOS where the grammar accepts), so the check is meaningful
+        jsonschema.validate(json.loads(tokenizer.decode(tokens, skip_special_tokens=True)), PERSON)
+    got, sent = migrated_run(src, dst, [ids, ids], params, after=[4, 7])
+    assert got == want and all(n >= 1 for n in sent)
+    assert not src._matchers and not dst._matchers and len(src.grammars) == len(dst.grammars) == 0
+
+    # refused while its grammar compiles (a fresh spec: not cached); after a failed migration the
+    # request decodes on at the source with the matcher it had
+    other = StructuredOutput("json_schema", json.dumps({**PERSON, "required": ["colors", "name", "age"]}))
+    src.add_request("s", ids, replace(params[0], structured=other))
+    with pytest.raises(MigrationError, match="grammar to compile"):
+        src.pause_request("s")
+    out = []
+    while len(out) < 5:
+        out += [t for o in src.step() for t in o.new_token_ids]
+    snap = src.pause_request("s")
+    ticket = dst.reserve_migration(snap)
+    assert dst.abort("s").finish_reason is FinishReason.ABORT  # the transfer failed
+    assert src.resume_request("s")
+    while src.has_unfinished():
+        out += [t for o in src.step() for t in o.new_token_ids]
+    jsonschema.validate(json.loads(tokenizer.decode(out, skip_special_tokens=True)), PERSON)
+    assert ticket.num_blocks >= 1
+    assert_clean(src, dst)
