@@ -12,6 +12,7 @@ import torch
 
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
+from testkit.tiny_families import hf_generate
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, vocab_size=49152)
@@ -35,15 +36,6 @@ def _save_tiny(tmp: Path, smollm2_path: Path, arch: str, **extra) -> Path:
     return out
 
 
-def _hf_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize(
     "arch, extra",
     [
@@ -64,4 +56,4 @@ def test_variant_matches_hf(tmp_path, smollm2_path, arch, extra):
     assert (spec.rope_scaling is not None) == ("rope_scaling" in extra)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        assert out.token_ids == _hf_greedy(path, prompt, 12)
+        assert out.token_ids == hf_generate(path, prompt, 12)
