@@ -126,7 +126,7 @@ def _config(args: argparse.Namespace, cap_p, cap_d, residence_d: float, *, today
         PoolScaling("prefill", "prefill", SLOTargets(ttft_p90_s=SLO.ttft_p90_s), cap_p, 1, args.max_prefill,
                     headroom=knobs["prefill_headroom"]),
         PoolScaling("decode", "decode", SLOTargets(tpot_p90_s=SLO.tpot_p90_s), cap_d, 1, args.max_decode,
-                    smoothing_s=residence_d)),
+                    smoothing_s=residence_d, fed_by=None if today else "prefill")),
         horizon_s=args.startup_s, headroom=knobs["headroom"], down_band=knobs["down_band"],
         **({"short_window_s": 0.0, "hold_when_recovering": False, "scale_down": "drain"} if today else new))
 
