@@ -35,6 +35,9 @@ burst cap       a pool fed by another (a decode pool behind its prefill pool) pl
                 not a rate that will go on arriving; planned for as one, it sizes the pool for
                 several times what comes next, and the scale-down waits then hold that size.
 forecast        max(level, short mean if burst) + rise: what scale-up sizes for.
+noise           the level's standard error under Poisson arrivals, sqrt(level / bucket_s x
+                alpha / (2 - alpha)): the autoscaler scales up on a forecast (not a burst) only
+                past what the pool is sized for by more than this (cluster/autoscaler.py step 2).
 upper           max(forecast, the busiest point of the last ``stabilise_s``: the busiest bucket, or
                 the peak level for a smoothing pool): what must fit before anything is removed --
                 Kubernetes' scale-down stabilisation window, in load space.
@@ -98,6 +101,7 @@ class RateEstimate:
     rise: float
     forecast: float
     upper: float
+    noise: float = 0.0  # standard error of the level under Poisson arrivals
 
 
 def estimate_rates(rates: Sequence[float], bucket_s: float, *, horizon_s: float, alpha: float, beta: float,
@@ -142,7 +146,10 @@ def estimate_rates(rates: Sequence[float], bucket_s: float, *, horizon_s: float,
     forecast = max(0.0, (max(level, short) if burst else level) + rise)
     recent = len(rates) if math.isinf(stabilise_s) else max(1, math.ceil(stabilise_s / bucket_s - 1e-9))
     busiest = max(levels[-recent:]) if smoothing_s > 0 else max(rates[-recent:])
-    return RateEstimate(level, short, burst, rise, forecast, max(forecast, busiest))
+    # An exponential average with weight alpha over buckets of Poisson counts at rate r has
+    # variance r / bucket_s x alpha / (2 - alpha).
+    noise = math.sqrt(max(level, 0.0) / bucket_s * alpha / (2 - alpha)) if bucket_s > 0 else 0.0
+    return RateEstimate(level, short, burst, rise, forecast, max(forecast, busiest), noise)
 
 
 def _noise(before: Sequence[float], rate: float, k: int, bucket_s: float) -> float:

@@ -32,9 +32,12 @@ The algorithm, per pool (prefill, decode and colocated pools independently; draf
  2. Predicted replicas: the pool's bottleneck work per second over one replica's capacity for it,
     with headroom: prefill pools count prompt tokens, decode pools output tokens, colocated pools
     the larger of the two (each against the profile's token rate at the SLO); with unknown token
-    means, requests/s.  up_target = ceil(work(forecast) * (1 + headroom)),  down_target =
-    ceil(work(upper) * (1 + headroom + down_band)): the gap between them -- the band plus the
-    window's peak over its level -- is the hysteresis that keeps a noisy, steady load from flapping.
+    means, requests/s.  up_target = ceil(work(forecast) * (1 + headroom)), acted on only if
+    the target at forecast - noise is above current too (noise = the level's standard error
+    under Poisson arrivals: a flicker of the level is no reason to grow; a burst needs no such
+    check),  down_target = ceil(work(upper) * (1 + headroom + down_band)): the gap between them
+    -- the noise, the band and the window's peak over its level -- is the hysteresis that keeps
+    a noisy, steady load from flapping.
  3. Reactive correction: if a p90 exceeds ``breach_ratio`` x its SLO (or the queue holds more than
     ``queue_breach_per_replica`` requests per ready replica), set the offset so that the target is
     current + ``step`` (offset = max(offset, current - up_target) + step) -- unless replicas are
@@ -376,6 +379,12 @@ def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics
     forecast = est.forecast
     headroom = c.headroom if p.headroom is None else p.headroom
     up_target = math.ceil(work_replicas(p, m, forecast) * (1 + headroom) - 1e-9)
+    # Scale up on evidence: the pool grows only if it would at the forecast less one standard
+    # error of the level (a burst passed its own test). Otherwise every upward flicker of the
+    # level adds replicas that the scale-down then holds for its window, and the pool rides the
+    # top of its noise. When it grows, it grows to up_target. A burst or an SLO breach is
+    # evidence enough.
+    evident = math.ceil(work_replicas(p, m, max(0.0, forecast - est.noise)) * (1 + headroom) - 1e-9)
     down_target = math.ceil(work_replicas(p, m, est.upper) * (1 + headroom + c.down_band) - 1e-9)
     _, down_cooldown_s, down_interval_s = _down_waits(c, p)
     current = st.desired
@@ -384,7 +393,7 @@ def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics
     offset = mem.offset
     want_up, want_down = _clamp(up_target + offset, p), _clamp(down_target + offset, p)
     desired = current
-    if want_up > current:
+    if want_up > current and (est.burst or breach or _clamp(evident + offset, p) > current):
         if now - mem.last_up >= c.up_cooldown_s or est.burst:  # a burst grows every round: follow it
             desired = want_up
             mem = replace(mem, last_up=now)
