@@ -34,8 +34,8 @@ The algorithm, per pool (prefill, decode and colocated pools independently; draf
     the larger of the two (each against the profile's token rate at the SLO); with unknown token
     means, requests/s.  up_target = ceil(work(forecast) * (1 + headroom)), acted on only if
     the target at forecast - noise is above current too (noise = the level's standard error
-    under Poisson arrivals: a flicker of the level is no reason to grow; a burst needs no such
-    check),  down_target = ceil(work(upper) * (1 + headroom + down_band)): the gap between them
+    under Poisson arrivals, for a pool with ``smoothing_s``: a flicker of the level is no reason
+    to grow; a burst or a breach needs no such check),  down_target = ceil(work(upper) * (1 + headroom + down_band)): the gap between them
     -- the noise, the band and the window's peak over its level -- is the hysteresis that keeps
     a noisy, steady load from flapping.
  3. Reactive correction: if a p90 exceeds ``breach_ratio`` x its SLO (or the queue holds more than
@@ -384,7 +384,11 @@ def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics
     # level adds replicas that the scale-down then holds for its window, and the pool rides the
     # top of its noise. When it grows, it grows to up_target. A burst or an SLO breach is
     # evidence enough.
-    evident = math.ceil(work_replicas(p, m, max(0.0, forecast - est.noise)) * (1 + headroom) - 1e-9)
+    # Only for a pool whose level averages over its residence (smoothing_s > 0): a per-bucket
+    # pool (prefill: sub-second requests, few cheap replicas) is meant to follow each bucket, and
+    # holding its growth back by a bucket's noise delays it at the onset of every step.
+    noise = est.noise if p.smoothing_s > 0 else 0.0
+    evident = math.ceil(work_replicas(p, m, max(0.0, forecast - noise)) * (1 + headroom) - 1e-9)
     down_target = math.ceil(work_replicas(p, m, est.upper) * (1 + headroom + c.down_band) - 1e-9)
     _, down_cooldown_s, down_interval_s = _down_waits(c, p)
     current = st.desired
