@@ -2,7 +2,8 @@
 
 One run, side by side, on the same trace, service model and routing:
     duet          the SLO autoscaler (cluster/autoscaler.py): two-window rate estimate x profiled
-                  capacity + reactive, scaling down by migration (the simulator's MigrationModel,
+                  capacity + reactive, the decode pool ``fed_by`` the prefill pool (its bursts
+                  capped at what prefill admits), scaling down by migration (the simulator's MigrationModel,
                   cluster/sim_migration.py: removed replicas move their running requests away),
                   with the decode pool's rebalancer on (hot replicas hand sequences to cool ones)
     duet-migrate  the same, rebalancer off
