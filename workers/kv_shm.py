@@ -5,7 +5,11 @@ picks it; the wire format is workers/kv_wire.py).
 Why. Over gloo, KV between two processes of one host goes through loopback TCP: the kernel copies
 every byte twice and the stream is cut into small packets. Through a shared ring the sender copies
 each byte once into memory the receiver maps, and the receiver copies it once out, in large chunks
-that run side by side (the sender fills chunk k + 1 while the receiver drains chunk k).
+that run side by side (the sender fills chunk k + 1 while the receiver drains chunk k). A KV
+payload goes as a *block stream* (``send_blocks`` / ``recv_blocks``): block by block, each copied
+straight from the sender's tensor into the ring and hashed there while its bytes are still in the
+CPU cache, then copied out into the receiver's tensor and hashed again from the ring, so the
+per-block checksums (workers/kv_wire.py) cost no extra pass over memory on either side.
 
 Terms:
     segment   one file per pair under /dev/shm (``duet-shm-<creator pid>-kv-<random>``), created by
