@@ -127,6 +127,13 @@ class _GroupTransport:
     def send(self, tensor: torch.Tensor, tag: int) -> None:
         self._wait(self.group.send([tensor], 1, tag))
 
+    def start_send(self, tensor: torch.Tensor, tag: int):
+        """Begin sending (the group's own threads move the bytes); ``finish`` waits for it."""
+        return self.group.send([tensor], 1, tag)
+
+    def finish(self, work) -> None:
+        self._wait(work)
+
     def recv(self, out: torch.Tensor, tag: int) -> None:
         self._wait(self.group.recv([out], 0, tag))
 
@@ -242,9 +249,10 @@ class PairChannel:
         self.transport.send(head.to(self.device), _TAG_HEADER)
         if isinstance(self.transport, ShmRing):
             checks = checks_of(payload, first_block, self.transport.send_blocks(payload, _TAG_PAYLOAD))
-        else:
+        else:  # hash the payload while the group sends it (both only read it)
+            work = self.transport.start_send(payload, _TAG_PAYLOAD)
             checks = checks_of(payload, first_block)  # [n, 2] of what is sent (the same bits), on the host
-            self.transport.send(payload, _TAG_PAYLOAD)
+            self.transport.finish(work)
         self.transport.send(checks.to(self.device), _TAG_CHECKS)
         return head.nbytes + checks.nbytes + payload.nbytes
 
