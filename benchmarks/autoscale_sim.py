@@ -2,7 +2,8 @@
 
 One run, side by side, on the same trace, service model and routing:
     duet          the SLO autoscaler (cluster/autoscaler.py): two-window rate estimate x profiled
-                  capacity + reactive, scaling down by migration (the simulator's MigrationModel,
+                  capacity + reactive, the decode pool ``fed_by`` the prefill pool (its bursts
+                  capped at what prefill admits), scaling down by migration (the simulator's MigrationModel,
                   cluster/sim_migration.py: removed replicas move their running requests away),
                   with the decode pool's rebalancer on (hot replicas hand sequences to cool ones)
     duet-migrate  the same, rebalancer off
@@ -126,7 +127,7 @@ def _config(args: argparse.Namespace, cap_p, cap_d, residence_d: float, *, today
         PoolScaling("prefill", "prefill", SLOTargets(ttft_p90_s=SLO.ttft_p90_s), cap_p, 1, args.max_prefill,
                     headroom=knobs["prefill_headroom"]),
         PoolScaling("decode", "decode", SLOTargets(tpot_p90_s=SLO.tpot_p90_s), cap_d, 1, args.max_decode,
-                    smoothing_s=residence_d)),
+                    smoothing_s=residence_d, fed_by=None if today else "prefill")),
         horizon_s=args.startup_s, headroom=knobs["headroom"], down_band=knobs["down_band"],
         **({"short_window_s": 0.0, "hold_when_recovering": False, "scale_down": "drain"} if today else new))
 

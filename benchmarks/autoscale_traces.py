@@ -29,9 +29,28 @@ The traces were fixed before any tuning, and split:
         eval-heavy-tail  3 -> 9 req/s with random 2x bursts (1 per hour, ~5 min); Pareto lengths
                          (tail index 1.5: a few very long generations), prompts ~1,000, outputs
                          ~1,500 (seed 105)
+    held-out    (2026-11-27) written and committed before the second round of tuning, which used
+                the seven traces above (all seen by then); run once, after that tuning was frozen,
+                and reported whatever they show
+        hold-double-peak    two cosine days in 6 h (period 3 h): 2 -> 9 -> 2 -> 9 -> 2 req/s,
+                            peaks at 1.5 h and 4.5 h, mild random bursts (0.5 per hour, x1.5,
+                            ~5 min); prompts ~1,500, outputs ~1,000 (seed 201)
+        hold-ramps          irregular gradual 3x ramps, 3 <-> 9 req/s: up over 30 min, down over
+                            40, up over 20, down over 30, up over 40, down over 20, with 10-20
+                            min plateaus between; narrow lengths (cv 0.5), prompts ~800, outputs
+                            ~2,000 (seed 202)
+        hold-night-morning  a long low night (1 -> 1.45 req/s over 3 h), then a morning rise to
+                            10 req/s over 1.5 h, easing to 9.1 by 6 h; wide lengths (cv 2),
+                            prompts ~1,200, outputs ~1,800 (seed 203)
+        hold-random-bursts  flat 4 req/s with random bursts of varying size (2 per hour, x1.5 to
+                            x3 each, ~400 s); prompts ~1,000, outputs ~1,500 (seed 204)
+        hold-rag            retrieval-style lengths: long prompts ~4,000 (cv 0.5), short outputs
+                            ~400; a cosine 3 -> 8 req/s peaking at 2 h (period 6 h), random 2x
+                            bursts (1 per hour, ~5 min) (seed 205)
 
     python -m benchmarks.autoscale_traces                        # the evaluation traces (~10 min CPU)
     python -m benchmarks.autoscale_traces --traces tune          # the tuning traces
+    python -m benchmarks.autoscale_traces --traces holdout       # the held-out traces
     python -m benchmarks.autoscale_traces --traces eval-on-off --policies duet,queue --bandwidth-gbs 0.1
 
 Writes benchmarks/results/autoscale_traces.json (one entry per trace: autoscale_sim.py's result
@@ -70,8 +89,23 @@ TRACES: dict[str, dict[str, Any]] = {
     "eval-heavy-tail": dict(base_rps=3, peak_rps=9, period_s=12 * H, peak_at_s=3 * H, bursts_per_hour=1,
                             burst_factor=2, burst_mean_s=300, lengths="pareto", tail_alpha=1.5, mean_prompt=1000,
                             mean_output=1500, seed=105),
+    "hold-double-peak": dict(base_rps=2, peak_rps=9, period_s=3 * H, peak_at_s=1.5 * H, bursts_per_hour=0.5,
+                             burst_factor=1.5, burst_mean_s=300, mean_prompt=1500, mean_output=1000, seed=201),
+    "hold-ramps": dict(base_rps=3, peak_rps=9, shape="piecewise", bursts_per_hour=0, cv=0.5, mean_prompt=800,
+                       mean_output=2000, seed=202,
+                       knots=((0, 0), (1800, 0), (3600, 1), (4800, 1), (7200, 0), (8400, 0), (9600, 1), (11400, 1),
+                              (13200, 0), (14400, 0), (16800, 1), (18000, 1), (19200, 0), (21600, 0))),
+    "hold-night-morning": dict(base_rps=1, peak_rps=10, shape="piecewise", bursts_per_hour=0, cv=2.0,
+                               mean_prompt=1200, mean_output=1800, seed=203,
+                               knots=((0, 0), (3 * H, 0.05), (4.5 * H, 1.0), (6 * H, 0.9))),
+    "hold-random-bursts": dict(base_rps=4, peak_rps=4, bursts_per_hour=2, burst_factor=1.5, burst_factor_max=3.0,
+                               burst_mean_s=400, mean_prompt=1000, mean_output=1500, seed=204),
+    "hold-rag": dict(base_rps=3, peak_rps=8, period_s=6 * H, peak_at_s=2 * H, bursts_per_hour=1, burst_factor=2,
+                     burst_mean_s=300, cv=0.5, mean_prompt=4000, mean_output=400, seed=205),
 }
-GROUPS = {"tune": [k for k in TRACES if k.startswith("tune-")], "eval": [k for k in TRACES if k.startswith("eval-")]}
+ROLES = {"tune-": "tuning", "eval-": "evaluation", "hold-": "held-out"}
+GROUPS = {"tune": [k for k in TRACES if k.startswith("tune-")], "eval": [k for k in TRACES if k.startswith("eval-")],
+          "holdout": [k for k in TRACES if k.startswith("hold-")]}
 TARGET_ATTAINMENT, TARGET_COST = 0.99, 1.2
 
 
@@ -100,20 +134,20 @@ def summarise(per_trace: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser(__doc__, trace_args=False)
     p.add_argument("--traces", default="eval",
-                   help=f"tune | eval | all | comma-separated names of {', '.join(TRACES)} [eval]")
+                   help=f"tune | eval | holdout | all | comma-separated names of {', '.join(TRACES)} [eval]")
     p.add_argument("--plots", action="store_true", help="also write one timeline PNG per trace beside the JSON")
     p.set_defaults(out=RESULTS / "autoscale_traces.json", policies="duet,duet-migrate,duet-drain,today,queue,oracle")
     args = p.parse_args(argv)
     names = GROUPS.get(args.traces) or (list(TRACES) if args.traces == "all" else args.traces.split(","))
     if bad := [n for n in names if n not in TRACES]:
-        p.error(f"--traces: unknown trace(s) {bad}; choose from {', '.join(TRACES)} or tune / eval / all")
+        p.error(f"--traces: unknown trace(s) {bad}; choose from {', '.join(TRACES)} or tune / eval / holdout / all")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     per_trace: dict[str, dict[str, Any]] = {}
     for name in names:
         res = run(args, make_trace(name))
         results, sizes = res.pop("_results"), res.pop("_sizes")
         res["trace"]["generator"] = {**SIX_HOURS, **TRACES[name]}
-        res["trace"]["role"] = "tuning" if name.startswith("tune-") else "evaluation"
+        res["trace"]["role"] = ROLES[name[:5]]
         per_trace[name] = res
         print_table(res)
         print()

@@ -177,11 +177,16 @@ def to_autoscaler_config(a: AutoscalingSection, roles: dict[str, str]) -> Any:
     from cluster.autoscaler import AutoscalerConfig, AutoscalerConfigError, PoolScaling
     from cluster.profile import SLOTargets
 
+    # A P/D deployment's decode pools are fed by its prefill pool: with exactly one scaled, a
+    # decode pool's bursts are planned for at most what it admits (cluster/autoscale_forecast.py).
+    prefill = [p.pool for p in a.pools if roles[p.pool] == "prefill"]
+    fed_by = prefill[0] if len(prefill) == 1 else None
     pools = tuple(
         PoolScaling(p.pool, roles[p.pool], SLOTargets(_seconds(p.slo_ttft_ms) if roles[p.pool] != "decode" else None,
                                                       _seconds(p.slo_tpot_ms) if roles[p.pool] != "prefill" else None),
                     _load(p, f"autoscaling.pools[{i}]", {}).capacity, p.min_replicas, p.max_replicas,
-                    smoothing_s=p.smoothing_s, headroom=p.headroom)
+                    smoothing_s=p.smoothing_s, headroom=p.headroom,
+                    fed_by=fed_by if roles[p.pool] == "decode" else None)
         for i, p in enumerate(a.pools))
     try:
         return AutoscalerConfig(pools, horizon_s=a.horizon_s, up_cooldown_s=a.up_cooldown_s,

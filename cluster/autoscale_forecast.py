@@ -16,6 +16,9 @@ short window    the last ``short_window_s`` (k buckets; at most a third of the w
                 start and whose requests stay less than that needs, by then, capacity for the rate
                 arriving then -- the short mean is the best estimate of it, the lagging level is not.
 
+level           Holt's level, never above the window's busiest bucket and, with the short window
+                on, never below its quietest bucket: Holt overshoots a step both ways (after a
+                drop its falling trend carries the level below what still arrives)
 rise            growth expected over the horizon: Holt's trend x horizon less 2 sigma of its noise,
                 at most the growth seen across the window at its own pace (a step is not a ramp).
                 With the short window on, growth must also be *confirmed*: each of the last three
@@ -24,7 +27,17 @@ rise            growth expected over the horizon: Holt's trend x horizon less 2 
                 is then flat, so it is never extrapolated (Holt's trend after a 4x step would add
                 another ~1.4x on top); a ramp rises in every short window and is.
 
+burst cap       a pool fed by another (a decode pool behind its prefill pool) plans a burst for at
+                most what the feeding pool admits (``burst_cap``, its own forecast): when a
+                prefill pool that fell behind catches up, it releases its backlog into the
+                decode pool in one or two buckets at several times the real arrival rate. That
+                backlog is a batch of requests (the level, the pool's concurrency, counts them),
+                not a rate that will go on arriving; planned for as one, it sizes the pool for
+                several times what comes next, and the scale-down waits then hold that size.
 forecast        max(level, short mean if burst) + rise: what scale-up sizes for.
+noise           the level's standard error under Poisson arrivals, sqrt(level / bucket_s x
+                alpha / (2 - alpha)): the autoscaler scales up on a forecast (not a burst) only
+                past what the pool is sized for by more than this (cluster/autoscaler.py step 2).
 upper           max(forecast, the busiest point of the last ``stabilise_s``: the busiest bucket, or
                 the peak level for a smoothing pool): what must fit before anything is removed --
                 Kubernetes' scale-down stabilisation window, in load space.
@@ -88,12 +101,14 @@ class RateEstimate:
     rise: float
     forecast: float
     upper: float
+    noise: float = 0.0  # standard error of the level under Poisson arrivals
 
 
 def estimate_rates(rates: Sequence[float], bucket_s: float, *, horizon_s: float, alpha: float, beta: float,
                    smoothing_s: float = 0.0, short_window_s: float = 0.0, burst_sigmas: float = 4.0,
-                   stabilise_s: float = math.inf) -> RateEstimate:
-    """The two-window estimate of the module docstring."""
+                   stabilise_s: float = math.inf, burst_cap: float = math.inf) -> RateEstimate:
+    """The two-window estimate of the module docstring. burst_cap: the most a burst is planned
+    for (a pool fed by another can be sent no more than that one admits)."""
     if not rates:
         return RateEstimate(0.0, 0.0, False, 0.0, 0.0, 0.0)
     base_alpha = alpha
@@ -112,6 +127,7 @@ def estimate_rates(rates: Sequence[float], bucket_s: float, *, horizon_s: float,
     k = min(round(short_window_s / bucket_s), len(rates) // 3) if short_window_s > 0 and bucket_s > 0 else 0
     if k >= 1:
         n = len(rates)
+        level = max(level, min(rates[n - k:]))  # nor below what the short window saw (Holt's undershoot)
         s2, s1, short = (sum(rates[n - (j + 1) * k:n - j * k]) / k for j in (2, 1, 0))
         # A burst: the mean of the last j <= k buckets above the level by burst_sigmas standard
         # errors, for some j (one bucket catches a sharp step at once, k catch a smaller one);
@@ -121,13 +137,19 @@ def estimate_rates(rates: Sequence[float], bucket_s: float, *, horizon_s: float,
                 if mj > level + burst_sigmas * _noise(rates[:n - k], max(mj, level), j, bucket_s)]
         burst = bool(high)
         short = max(high) if high else short
+        if burst:
+            short = max(level, min(short, burst_cap))
+            burst = short > level  # capped to the level: nothing beyond what it already counts
         grew = min(sum(rates[n - k:]) / k - s1, s1 - s2)
         rise = min(rise, grew / (k * bucket_s) * horizon_s) if grew > _noise(rates[:n - k], max(s1, level), k,
                                                                                bucket_s) else 0.0
     forecast = max(0.0, (max(level, short) if burst else level) + rise)
     recent = len(rates) if math.isinf(stabilise_s) else max(1, math.ceil(stabilise_s / bucket_s - 1e-9))
     busiest = max(levels[-recent:]) if smoothing_s > 0 else max(rates[-recent:])
-    return RateEstimate(level, short, burst, rise, forecast, max(forecast, busiest))
+    # An exponential average with weight alpha over buckets of Poisson counts at rate r has
+    # variance r / bucket_s x alpha / (2 - alpha).
+    noise = math.sqrt(max(level, 0.0) / bucket_s * alpha / (2 - alpha)) if bucket_s > 0 else 0.0
+    return RateEstimate(level, short, burst, rise, forecast, max(forecast, busiest), noise)
 
 
 def _noise(before: Sequence[float], rate: float, k: int, bucket_s: float) -> float:

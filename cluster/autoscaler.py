@@ -25,14 +25,19 @@ The algorithm, per pool (prefill, decode and colocated pools independently; draf
     forecast = max(level, short if burst) + rise. upper = max(forecast, the busiest point of the
     stabilisation window: the busiest bucket, or the peak smoothed level for a pool with
     ``smoothing_s``) -- Kubernetes' scale-down stabilisation window, in load space. The window
-    is the whole metrics window when scale-down drains, horizon_s + migration_s when it
-    migrates (step 4). Use a window of 20+ buckets (e.g. 5 minutes of 10 s).
+    is the whole metrics window when scale-down drains, horizon_s + migration_s - smoothing_s
+    when it migrates (step 4). Use a window of 20+ buckets (e.g. 5 minutes of 10 s). A decode
+    pool ``fed_by`` a prefill pool plans a burst for at most that pool's forecast: a backlog the
+    prefill pool releases when it catches up is a batch, not a rate.
  2. Predicted replicas: the pool's bottleneck work per second over one replica's capacity for it,
     with headroom: prefill pools count prompt tokens, decode pools output tokens, colocated pools
     the larger of the two (each against the profile's token rate at the SLO); with unknown token
-    means, requests/s.  up_target = ceil(work(forecast) * (1 + headroom)),  down_target =
-    ceil(work(upper) * (1 + headroom + down_band)): the gap between them -- the band plus the
-    window's peak over its level -- is the hysteresis that keeps a noisy, steady load from flapping.
+    means, requests/s.  up_target = ceil(work(forecast) * (1 + headroom)), acted on only if
+    the target at forecast - noise is above current too (noise = the level's standard error
+    under Poisson arrivals, for a pool with ``smoothing_s``: a flicker of the level is no reason
+    to grow; a burst or a breach needs no such check),  down_target = ceil(work(upper) * (1 + headroom + down_band)): the gap between them
+    -- the noise, the band and the window's peak over its level -- is the hysteresis that keeps
+    a noisy, steady load from flapping.
  3. Reactive correction: if a p90 exceeds ``breach_ratio`` x its SLO (or the queue holds more than
     ``queue_breach_per_replica`` requests per ready replica), set the offset so that the target is
     current + ``step`` (offset = max(offset, current - up_target) + step) -- unless replicas are
@@ -58,7 +63,10 @@ The algorithm, per pool (prefill, decode and colocated pools independently; draf
     moves them to the replicas that stay and is gone in ``migration_s``) caps each wait at what
     being wrong costs -- a replica removed too early is back after a start-up, ~horizon_s, so
     holding one longer than horizon_s + migration_s is never worth it (ski rental's break-even):
-    stabilisation window and cooldown <= horizon_s + migration_s, interval <= migration_s.
+    stabilisation window and cooldown <= horizon_s + migration_s, interval <= migration_s. The
+    smoothed level of a pool with ``smoothing_s`` already holds a past peak for about that long
+    (an average over smoothing_s forgets a drop at that pace), so its window is the rest:
+    max(0, horizon_s + migration_s - smoothing_s).
  5. Drafter pools: ``ceil(ratio x`` their decode pool's desired``)``, clamped.
 
 Worked example (decode pool, capacity 1.6 req/s at 64 output tokens = 102.4 tok/s per replica,
@@ -102,7 +110,9 @@ class PoolScaling:
     0 = react per bucket with ``holt_alpha`` (prefill pools, whose requests stay sub-second).
     headroom: this pool's headroom (None = the config's): a pool that is a small share of the
     cost (prefill, next to long decodes) can cheaply hold enough spare to ride out a burst while
-    new replicas start."""
+    new replicas start.
+    fed_by: for a decode pool, the prefill pool whose output is its input (None = not known):
+    a burst the decode pool sees is planned for at most that pool's forecast (step 1)."""
 
     pool: str
     role: str
@@ -114,6 +124,7 @@ class PoolScaling:
     ratio: float = 1.0
     smoothing_s: float = 0.0
     headroom: float | None = None
+    fed_by: str | None = None
 
 
 @dataclass(frozen=True)
@@ -179,6 +190,11 @@ def _validate(c: AutoscalerConfig) -> None:
                  f"must name a decode pool of this config ({[q.pool for q in c.pools if q.role == 'decode']})")
             need(p.ratio > 0, f"{k}.ratio", p.ratio, "must be > 0 (drafter replicas per decode replica)")
             continue
+        if p.fed_by is not None:
+            src = next((q for q in c.pools if q.pool == p.fed_by), None)
+            need(p.role == "decode" and src is not None and src.role == "prefill", f"{k}.fed_by", p.fed_by,
+                 f"must name a prefill pool of this config ({[q.pool for q in c.pools if q.role == 'prefill']}) "
+                 "and be set on a decode pool only")
         need(p.capacity is not None, f"{k}.capacity", None, "needs a capacity profile (`duet profile`)")
         if p.role in ("prefill", "colocated"):
             need(p.slo.ttft_p90_s is not None, f"{k}.slo.ttft_p90_s", None, f"a {p.role} pool needs a TTFT target")
@@ -251,8 +267,11 @@ def decide(config: AutoscalerConfig, now: float, metrics: Mapping[str, PoolMetri
             continue
         if p.pool not in metrics or p.pool not in status:
             raise KeyError(f"pool {p.pool!r}: no {'metrics' if p.pool not in metrics else 'status'} this tick")
+        cap = math.inf
+        if p.fed_by is not None and p.fed_by in metrics:  # step 1's burst cap: what the feeding pool admits
+            cap = _rates(config, config.pool(p.fed_by), metrics[p.fed_by]).forecast
         decisions[p.pool], memory[p.pool] = _decide_pool(config, p, now, metrics[p.pool], status[p.pool],
-                                                         state.of(p.pool))
+                                                         state.of(p.pool), cap)
     for p in config.pools:
         if p.role == "drafter":
             lead = decisions[p.follows]  # type: ignore[index]
@@ -292,24 +311,27 @@ def _latency_ratio(c: AutoscalerConfig, p: PoolScaling, m: PoolMetrics) -> float
     return max(ratios) if ratios else None
 
 
-def _rates(c: AutoscalerConfig, p: PoolScaling, m: PoolMetrics) -> RateEstimate:
+def _rates(c: AutoscalerConfig, p: PoolScaling, m: PoolMetrics, burst_cap: float = math.inf) -> RateEstimate:
     """Step 1 of the module docstring (cluster/autoscale_forecast.py)."""
     return estimate_rates(m.arrivals_rps, m.bucket_s, horizon_s=c.horizon_s, alpha=c.holt_alpha, beta=c.holt_beta,
                           smoothing_s=p.smoothing_s, short_window_s=c.short_window_s, burst_sigmas=c.burst_sigmas,
-                          stabilise_s=_down_waits(c)[0])
+                          stabilise_s=_down_waits(c, p)[0], burst_cap=burst_cap)
 
 
-def _down_waits(c: AutoscalerConfig) -> tuple[float, float, float]:
+def _down_waits(c: AutoscalerConfig, p: PoolScaling) -> tuple[float, float, float]:
     """(stabilisation window, cooldown after a scale-up, interval between scale-downs) in seconds.
     Draining is slow and a drained replica is only back after a start-up, so a drain waits long:
     the whole metrics window, ``down_cooldown_s``, ``down_interval_s``. A migration frees a replica
     in ``migration_s``; holding one that is not needed is worth it only while it could be needed
     again sooner than a new one starts (the horizon, = the start-up time): ski rental's
     break-even, so each wait is at most horizon_s + migration_s, and the next step down waits for
-    the last one's migrations (migration_s)."""
+    the last one's migrations (migration_s). The stabilisation window of a pool whose level
+    averages over ``smoothing_s`` is shorter by that much: after a drop, the level itself holds
+    the old load for ~smoothing_s (the replica-seconds an exponential average keeps of a step are
+    its time constant), and the two holds together make the break-even."""
     if c.scale_down == "migrate":
         keep = c.horizon_s + c.migration_s
-        return keep, min(c.down_cooldown_s, keep), min(c.down_interval_s, c.migration_s)
+        return max(0.0, keep - p.smoothing_s), min(c.down_cooldown_s, keep), min(c.down_interval_s, c.migration_s)
     return math.inf, c.down_cooldown_s, c.down_interval_s
 
 
@@ -352,20 +374,30 @@ def _reactive(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics, s
 
 
 def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics, st: PoolStatus,
-                 mem: PoolMemory) -> tuple[Decision, PoolMemory]:
-    est = _rates(c, p, m)
+                 mem: PoolMemory, burst_cap: float = math.inf) -> tuple[Decision, PoolMemory]:
+    est = _rates(c, p, m, burst_cap)
     forecast = est.forecast
     headroom = c.headroom if p.headroom is None else p.headroom
     up_target = math.ceil(work_replicas(p, m, forecast) * (1 + headroom) - 1e-9)
+    # Scale up on evidence: the pool grows only if it would at the forecast less one standard
+    # error of the level (a burst passed its own test). Otherwise every upward flicker of the
+    # level adds replicas that the scale-down then holds for its window, and the pool rides the
+    # top of its noise. When it grows, it grows to up_target. A burst or an SLO breach is
+    # evidence enough.
+    # Only for a pool whose level averages over its residence (smoothing_s > 0): a per-bucket
+    # pool (prefill: sub-second requests, few cheap replicas) is meant to follow each bucket, and
+    # holding its growth back by a bucket's noise delays it at the onset of every step.
+    noise = est.noise if p.smoothing_s > 0 else 0.0
+    evident = math.ceil(work_replicas(p, m, max(0.0, forecast - noise)) * (1 + headroom) - 1e-9)
     down_target = math.ceil(work_replicas(p, m, est.upper) * (1 + headroom + c.down_band) - 1e-9)
-    _, down_cooldown_s, down_interval_s = _down_waits(c)
+    _, down_cooldown_s, down_interval_s = _down_waits(c, p)
     current = st.desired
     notes: list[str] = []
     breach, mem = _reactive(c, p, now, m, st, mem, up_target, notes)
     offset = mem.offset
     want_up, want_down = _clamp(up_target + offset, p), _clamp(down_target + offset, p)
     desired = current
-    if want_up > current:
+    if want_up > current and (est.burst or breach or _clamp(evident + offset, p) > current):
         if now - mem.last_up >= c.up_cooldown_s or est.burst:  # a burst grows every round: follow it
             desired = want_up
             mem = replace(mem, last_up=now)

@@ -14,9 +14,13 @@ with ``shape`` one of
                 base at ``peak_at_s`` (+ k periods)
     on_off      1 while u < ``duty``, else 0: a square wave, ``peak_rps`` for duty x period from
                 ``peak_at_s`` on, ``base_rps`` the rest of each period
+    piecewise   linear between ``knots`` = ((t_s, level in [0, 1]), ...) in time order, flat before
+                the first and after the last (not periodic: ``period_s`` and ``peak_at_s`` are
+                unused): any day profile, e.g. a long low night then a morning rise, or ramps
 times bursts: random ones -- starts arrive as a Poisson process of ``bursts_per_hour``, each
-multiplies the rate by ``burst_factor`` for an exponentially distributed duration of mean
-``burst_mean_s`` -- and fixed ones, ``bursts`` = ((start_s, duration_s, factor), ...): a sharp
+multiplies the rate by ``burst_factor`` (or, with ``burst_factor_max``, by a factor drawn
+uniformly from [burst_factor, burst_factor_max] per burst) for an exponentially distributed
+duration of mean ``burst_mean_s`` -- and fixed ones, ``bursts`` = ((start_s, duration_s, factor), ...): a sharp
 step of that factor at a known time. Overlapping bursts multiply. Arrivals are drawn by thinning
 (Lewis & Shedler): candidates at the maximum rate, each kept with probability rate(t) / max.
 
@@ -88,7 +92,7 @@ class Trace:
         return Trace(self.name, self.t[lo:hi] - start_s, self.prompt[lo:hi], self.output[lo:hi])
 
 
-SHAPES = ("cosine", "sawtooth", "on_off")
+SHAPES = ("cosine", "sawtooth", "on_off", "piecewise")
 LENGTHS = ("lognormal", "pareto")
 
 
@@ -98,7 +102,8 @@ def synthetic_trace(*, duration_s: float, base_rps: float, peak_rps: float, peri
                     cv: float = 1.0, max_prompt: int = 8192, max_output: int = 8192, seed: int = 0,
                     name: str = "synthetic", shape: str = "cosine", duty: float = 0.5,
                     bursts: Sequence[tuple[float, float, float]] = (), lengths: str = "lognormal",
-                    tail_alpha: float = 2.0) -> Trace:
+                    tail_alpha: float = 2.0, knots: Sequence[tuple[float, float]] = (),
+                    burst_factor_max: float | None = None) -> Trace:
     """The documented generator (module docstring). Raises ValueError naming a bad argument."""
     if not 0 <= base_rps <= peak_rps or peak_rps <= 0:
         raise ValueError(f"rates: need 0 <= base_rps ({base_rps}) <= peak_rps ({peak_rps}) and peak_rps > 0")
@@ -112,6 +117,12 @@ def synthetic_trace(*, duration_s: float, base_rps: float, peak_rps: float, peri
         raise ValueError(f"lengths={lengths!r}: must be one of {', '.join(LENGTHS)}")
     if lengths == "pareto" and not tail_alpha > 1:
         raise ValueError(f"tail_alpha={tail_alpha!r}: must be > 1 (a Pareto tail with alpha <= 1 has no mean)")
+    if shape == "piecewise" and (not knots or any(len(k) != 2 or not 0 <= k[1] <= 1 for k in knots)
+                                 or any(b[0] <= a[0] for a, b in zip(knots, knots[1:]))):
+        raise ValueError(f"knots={tuple(knots)!r}: shape='piecewise' needs ((t_s, level in [0, 1]), ...) "
+                         "with strictly increasing t_s")
+    if burst_factor_max is not None and not burst_factor_max >= burst_factor:
+        raise ValueError(f"burst_factor_max={burst_factor_max!r}: must be >= burst_factor ({burst_factor}), or None")
     for i, b in enumerate(bursts):
         if len(b) != 3 or b[1] <= 0 or b[2] < 1:
             raise ValueError(f"bursts[{i}]={b!r}: must be (start_s, duration_s > 0, factor >= 1)")
@@ -119,11 +130,18 @@ def synthetic_trace(*, duration_s: float, base_rps: float, peak_rps: float, peri
     n_b = rng.poisson(bursts_per_hour * duration_s / 3600.0)
     b_start = np.sort(rng.uniform(0.0, duration_s, n_b))
     b_end = b_start + rng.exponential(burst_mean_s, n_b)
-    fixed = np.asarray([(s, s + d, f) for s, d, f in bursts], dtype=np.float64).reshape(-1, 3)
+    if burst_factor_max is not None:
+        # Drawn only when asked for, so that traces without it keep their random stream (and values).
+        b_factor = rng.uniform(burst_factor, burst_factor_max, n_b)
+        fixed = np.asarray([*zip(b_start, b_end, b_factor), *((s, s + d, f) for s, d, f in bursts)],
+                           dtype=np.float64).reshape(-1, 3)
+        b_start = b_end = np.zeros(0)  # each random burst is now a fixed one with its own factor
+    else:
+        fixed = np.asarray([(s, s + d, f) for s, d, f in bursts], dtype=np.float64).reshape(-1, 3)
     lam_max = peak_rps * _max_multiplier(b_start, b_end, burst_factor, fixed)
     n_cand = rng.poisson(lam_max * duration_s)
     cand = np.sort(rng.uniform(0.0, duration_s, n_cand))
-    rate = base_rps + (peak_rps - base_rps) * _shape(cand, shape, period_s, peak_at_s, duty)
+    rate = base_rps + (peak_rps - base_rps) * _shape(cand, shape, period_s, peak_at_s, duty, knots)
     active = np.searchsorted(b_start, cand, side="right") - np.searchsorted(np.sort(b_end), cand, side="right")
     rate = rate * burst_factor ** active
     for s, e, f in fixed:
@@ -136,8 +154,11 @@ def synthetic_trace(*, duration_s: float, base_rps: float, peak_rps: float, peri
                  draw(rng, mean_output, spread, max_output, len(t)))
 
 
-def _shape(t: np.ndarray, shape: str, period: float, peak_at: float, duty: float) -> np.ndarray:
+def _shape(t: np.ndarray, shape: str, period: float, peak_at: float, duty: float,
+           knots: Sequence[tuple[float, float]] = ()) -> np.ndarray:
     """The rate's shape in [0, 1] (module docstring)."""
+    if shape == "piecewise":
+        return np.interp(t, [k[0] for k in knots], [k[1] for k in knots])
     u = np.mod((t - peak_at) / period, 1.0)
     if shape == "cosine":
         return (1 + np.cos(2 * np.pi * u)) / 2

@@ -43,6 +43,7 @@ def test_valid_section_becomes_the_autoscaler_config(files):
     assert (decode.role, decode.slo.tpot_p90_s, decode.slo.ttft_p90_s, decode.max_replicas) == ("decode", 0.08, None, 6)
     assert decode.capacity.output_tokens_per_s == 100.0
     assert (prefill.role, prefill.slo.ttft_p90_s, prefill.headroom) == ("prefill", 0.5, 0.3)
+    assert (decode.fed_by, prefill.fed_by) == ("prefill", None)  # the one scaled prefill pool feeds decode
     assert a.down_cooldown_s == 120.0 and config.autoscaling.interval_s == 5.0
     assert (a.scale_down, a.short_window_s) == ("drain", 30.0)  # drain unless the actuator migrates
     assert load_config(env={}).autoscaling.enabled is False  # off by default
@@ -56,6 +57,7 @@ def test_scale_down_by_migration_reaches_the_autoscaler_config(files):
     - {pool: decode, slo_tpot_ms: 80, profile: PROFILE}"""), env={})
     a = config.to_autoscaler_config()
     assert (a.scale_down, a.migration_s, a.short_window_s) == ("migrate", 4.0, 20.0)
+    assert a.pool("decode").fed_by is None  # no scaled prefill pool: no burst cap
 
 
 @pytest.mark.parametrize("section, message", [

@@ -100,12 +100,37 @@ def test_shapes_fixed_bursts_and_pareto_lengths():
     assert np.percentile(heavy.output, 99.9) > 2 * np.percentile(light.output, 99.9)  # the heavier tail
 
 
+def test_piecewise_shape_interpolates_its_knots():
+    tr = synthetic_trace(duration_s=7200, base_rps=2, peak_rps=10, shape="piecewise", bursts_per_hour=0, seed=5,
+                         knots=((1800, 0.0), (3600, 1.0), (5400, 0.5)))
+    r = tr.rate_series(600.0)  # flat 2 before the first knot, a ramp to 10, down to 6, flat after the last
+    assert all(x == pytest.approx(2, abs=0.35) for x in r[:3])
+    assert r[3] == pytest.approx(2 + 8 * 1 / 6, abs=0.5) and r[5] == pytest.approx(2 + 8 * 5 / 6, abs=0.6)
+    assert r[6] == pytest.approx(10 - 4 * 1 / 6, abs=0.6) and all(x == pytest.approx(6, abs=0.5) for x in r[9:])
+
+
+def test_random_bursts_of_varying_size():
+    kw = dict(duration_s=36000, base_rps=10, peak_rps=10, bursts_per_hour=1, burst_mean_s=600, seed=7)
+    fixed = synthetic_trace(burst_factor=2.0, **kw)
+    varied = synthetic_trace(burst_factor=1.5, burst_factor_max=3.0, **kw)
+    assert synthetic_trace(burst_factor=2.0, burst_factor_max=None, **kw).t.tobytes() == fixed.t.tobytes()
+    # Minutes inside a burst, as a factor over the base: spread over [1.5, 3] (overlaps multiply).
+    peaks = np.asarray([x / 10 for x in varied.rate_series(60.0) if x > 13])
+    assert np.mean(peaks < 1.7) > 0.15 and np.mean((peaks > 2.5) & (peaks < 3.1)) > 0.1
+    fixed_peaks = np.asarray([x / 10 for x in fixed.rate_series(60.0) if x > 13])
+    assert np.mean(fixed_peaks < 1.7) < 0.1 and np.mean((fixed_peaks > 2.5) & (fixed_peaks < 3.1)) < 0.05
+
+
 @pytest.mark.parametrize("kw, message", [
     ({"shape": "square"}, "shape='square'"),
     ({"duty": 0.0}, "duty=0.0"),
     ({"lengths": "zipf"}, "lengths='zipf'"),
     ({"lengths": "pareto", "tail_alpha": 1.0}, "tail_alpha=1.0"),
     ({"bursts": ((0, 0, 2.0),)}, r"bursts\[0\]"),
+    ({"shape": "piecewise"}, "knots=()"),
+    ({"shape": "piecewise", "knots": ((0, 0), (0, 1))}, "strictly increasing"),
+    ({"shape": "piecewise", "knots": ((0, 0), (10, 1.5))}, "knots="),
+    ({"burst_factor": 2.0, "burst_factor_max": 1.5}, "burst_factor_max=1.5"),
 ])
 def test_bad_generator_arguments_name_the_argument(kw, message):
     with pytest.raises(ValueError, match=message):
