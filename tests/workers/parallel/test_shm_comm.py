@@ -26,7 +26,8 @@ from workers.parallel import shm_comm, shm_segment
 from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
 
-pytestmark = pytest.mark.skipif(not shm_segment.supported(), reason="shared-memory collectives need x86-64 Linux")
+pytestmark = [pytest.mark.skipif(not shm_segment.supported(), reason="shared-memory collectives need x86-64 Linux"),
+              pytest.mark.heavy]  # heavy: scheduled first (tests/conftest.py)
 
 
 @pytest.mark.parametrize("tp", [2, 3])
