@@ -27,30 +27,9 @@ def _xdist_worker_threads() -> int | None:
 if (_threads := _xdist_worker_threads()) is not None:
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
-from collections import Counter
-
 import pytest
 
 from workers.models.assets import prepare_smollm2
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    # `--dist loadfile` hands files out by decreasing number of tests unless told otherwise, which
-    # leaves the few-test, minute-long files (deployments, gangs) for the end, one worker running
-    # them while the other idles: keep the order pytest_collection_modifyitems gives instead.
-    if getattr(config.option, "dist", "no") in ("loadfile", "loadscope"):
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files marked ``heavy`` first (in collection order), then the rest by decreasing number of
-    tests (what xdist would do): the longest work starts first and the many short files even out
-    the workers' ends. A stable sort on per-file keys keeps each file's tests together, in order."""
-    files = [item.nodeid.split("::", 1)[0] for item in items]
-    counts = Counter(files)
-    heavy = {f for f, item in zip(files, items) if item.get_closest_marker("heavy")}
-    order = {id(item): (1, -counts[f]) if f not in heavy else (0, 0) for f, item in zip(files, items)}
-    items.sort(key=lambda item: order[id(item)])
 
 
 @pytest.fixture(scope="session")

@@ -16,10 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.heavy  # scheduled first (tests/conftest.py)
-
 REPO = Path(__file__).resolve().parents[2]
 
 LAZY_IMPORTS = [

@@ -19,8 +19,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-pytestmark = pytest.mark.heavy  # scheduled first (tests/conftest.py)
-
 DUET = [sys.executable, "-m", "cluster.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,8 +18,6 @@ from cluster.sim_trace import Trace, synthetic_trace
 from cluster.simulator import SimPool, Simulation
 from router.policies.round_robin import RoundRobinPolicy
 
-pytestmark = pytest.mark.heavy  # scheduled first (tests/conftest.py)
-
 SVC = ServiceModel(prefill_base_s=0.02, prefill_per_token_s=0.0002, decode_base_s=0.02, decode_per_seq_s=0.001,
                    max_batch=32)
 SLO = SLOTargets(ttft_p90_s=1.0, tpot_p90_s=0.06)

@@ -34,8 +34,6 @@ from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import DuetClient
 from testkit.waiting import wait_until as _wait
 
-pytestmark = pytest.mark.heavy  # scheduled first (tests/conftest.py)
-
 NAMESPACE = "duet_autoscale_e2e"
 TOKENS = 16
 LONG = 1500  # tokens of the request the drain must wait for (~20+ s here)

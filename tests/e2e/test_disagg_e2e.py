@@ -26,8 +26,6 @@ from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import DuetClient, DuetError
 from testkit.waiting import wait_until as _wait
 
-pytestmark = pytest.mark.heavy  # scheduled first (tests/conftest.py)
-
 KV_BYTES = 128 << 20
 NAMESPACE = "duet_disagg_e2e"
 STORY = ("A lighthouse keeper lived on a small island in the north sea, and every night he climbed the "

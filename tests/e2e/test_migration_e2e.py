@@ -24,8 +24,6 @@ from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import DuetClient
 from testkit.waiting import wait_until as _wait
 
-pytestmark = pytest.mark.heavy  # scheduled first (tests/conftest.py)
-
 NAMESPACE = "duet_migration_e2e"
 PROMPTS = [f"Story {i}: once upon a time, in a land far away," for i in range(8)]
 

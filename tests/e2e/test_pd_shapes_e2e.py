@@ -23,8 +23,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.heavy  # scheduled first (tests/conftest.py)
-
 DRIVER = Path(__file__).with_name("pd_shapes_driver.py")
 ROOT = Path(__file__).resolve().parents[2]
 KV = 32 << 20

@@ -13,8 +13,6 @@ import pytest
 
 from benchmarks.reliability_bench import chaos, leftovers, soak, start
 
-pytestmark = pytest.mark.heavy  # scheduled first (tests/conftest.py)
-
 NAMESPACE = "duet_reliability_e2e"
 
 

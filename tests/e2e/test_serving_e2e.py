@@ -23,8 +23,6 @@ from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import DuetClient, DuetError, complete
 from testkit.waiting import wait_until as _wait
 
-pytestmark = pytest.mark.heavy  # scheduled first (tests/conftest.py)
-
 PROMPT = "The capital of France is"
 LONG_PROMPT = ("Here is a long story about a lighthouse keeper who lived on a small island in the north sea, "
                "and every night he climbed the stairs to light the lamp. One night")

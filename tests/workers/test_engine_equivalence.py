@@ -6,14 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
 
 from testkit.greedy import NEW_TOKENS, PROMPTS, check
-
-pytestmark = pytest.mark.heavy  # scheduled first (tests/conftest.py)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 

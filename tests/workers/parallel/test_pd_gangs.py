@@ -19,8 +19,6 @@ from testkit.pd_cases import build, colocated, decode_imports, gang_decode, gang
 from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
 
-pytestmark = pytest.mark.heavy  # scheduled first (tests/conftest.py)
-
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], list(range(100, 150)), [7, 8], list(range(300, 341))]
 MAX_TOKENS = 8
 

@@ -43,8 +43,6 @@ from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
 from workers.parallel.sharding import Shard, attention_shard, even_shard, vocab_shard
 
-pytestmark = pytest.mark.heavy  # scheduled first (tests/conftest.py)
-
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], list(range(100, 150)), [7, 8], [1, 9906, 28, 601, 314, 2714]]
 MAX_TOKENS = 24
 TP2 = ParallelConfig(tp_size=2)

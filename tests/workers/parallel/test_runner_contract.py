@@ -18,8 +18,6 @@ from testkit.pd_cases import build, contract_rank, contract_suite, max_rel_diff
 from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
 
-pytestmark = pytest.mark.heavy  # scheduled first (tests/conftest.py)
-
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], list(range(100, 150)), [7, 8]]
 MAX_TOKENS = 6
 

@@ -27,8 +27,6 @@ from workers.layers.ring_attention import full_attention_lse, zigzag_pieces
 from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
 
-pytestmark = pytest.mark.heavy  # scheduled first (tests/conftest.py)
-
 PROMPT = [(i * 37 + 11) % 4000 + 20 for i in range(90)]
 CUT = 40
 PROMPTS = [list(range(100, 150)), PROMPT, [7, 8]]

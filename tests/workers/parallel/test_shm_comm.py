@@ -26,8 +26,7 @@ from workers.parallel import shm_comm, shm_segment
 from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
 
-pytestmark = [pytest.mark.skipif(not shm_segment.supported(), reason="shared-memory collectives need x86-64 Linux"),
-              pytest.mark.heavy]  # heavy: scheduled first (tests/conftest.py)
+pytestmark = pytest.mark.skipif(not shm_segment.supported(), reason="shared-memory collectives need x86-64 Linux")
 
 
 @pytest.mark.parametrize("tp", [2, 3])

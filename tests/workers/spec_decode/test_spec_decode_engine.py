@@ -18,8 +18,6 @@ from workers.spec_decode.drafter_service import endpoint_connector, serve_drafte
 
 from testkit.greedy import PROMPTS
 
-pytestmark = pytest.mark.heavy  # scheduled first (tests/conftest.py)
-
 # Repetitive and code prompts (where drafts get accepted) next to the shared ones (where few are).
 SPEC_PROMPTS = PROMPTS + [
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",

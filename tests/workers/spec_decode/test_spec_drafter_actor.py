@@ -19,8 +19,6 @@ from workers.spec_decode.drafter import DraftResult
 from workers.spec_decode.drafter_service import endpoint_connector, serve_drafter
 from workers.spec_decode.proposer import DraftAsk
 
-pytestmark = pytest.mark.heavy  # scheduled first (tests/conftest.py)
-
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
            "<|im_start|>user\nCopy this list: apples, pears, plums, apples, pears, plums<|im_end|>\n"
            "<|im_start|>assistant\n"]
