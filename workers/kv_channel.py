@@ -20,6 +20,7 @@ import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
 from workers.config import KV_BACKENDS
+from workers.kv_buffers import RecvBuffers
 from workers.kv_shm import ShmRing, attach_ring, offer_ring, same_host_possible
 from workers.kv_wire import HEADER_WORDS, KVTransferError, checks_of, decode_header, encode_header
 from workers.runner import KVLayout
@@ -126,6 +127,13 @@ class _GroupTransport:
     def send(self, tensor: torch.Tensor, tag: int) -> None:
         self._wait(self.group.send([tensor], 1, tag))
 
+    def start_send(self, tensor: torch.Tensor, tag: int):
+        """Begin sending (the group's own threads move the bytes); ``finish`` waits for it."""
+        return self.group.send([tensor], 1, tag)
+
+    def finish(self, work) -> None:
+        self._wait(work)
+
     def recv(self, out: torch.Tensor, tag: int) -> None:
         self._wait(self.group.recv([out], 0, tag))
 
@@ -137,12 +145,16 @@ class PairChannel:
     """One pair's channel. Blocking methods: call them from a thread, not an event loop."""
 
     def __init__(self, key: PairKey, store: TCPStore, rank: int, timeout_s: float, backend: str,
-                 wait_store: TCPStore | None = None, fingerprint: int = 0) -> None:
+                 wait_store: TCPStore | None = None, fingerprint: int = 0,
+                 buffers: RecvBuffers | None = None) -> None:
         """wait_store (rank 1): a store client of its own for the receive loop's blocking waits (a
         client serialises its calls: a wait on the shared one would block every other pair).
-        fingerprint: this worker's model fingerprint (workers/kv_wire.py), sent and checked."""
+        fingerprint: this worker's model fingerprint (workers/kv_wire.py), sent and checked.
+        buffers (rank 1): the receiver's pool of reusable host buffers for payloads (None: a fresh
+        tensor per transfer)."""
         assert rank in (0, 1)
         self.key = key
+        self.buffers = buffers
         self.rank = rank
         self.backend = backend
         self.fingerprint = fingerprint
@@ -192,7 +204,8 @@ class PairChannel:
 
     def receive_loop(self, layout: KVLayout, deliver, fail) -> None:
         """Rank 1, on ``executor``: for announcement 1, 2, ...: receive that transfer and call
-        ``deliver(transfer id, first block, checks, kv, bytes, seconds)``. On an error call
+        ``deliver(transfer id, first block, checks, kv, bytes, seconds, hashes)`` (hashes: as
+        ``receive`` returns them). On an error call
         ``fail(error)`` and stop (the pair is unusable). Returns when closed."""
         try:
             self._receive_loop(layout, deliver, fail)
@@ -217,36 +230,53 @@ class PairChannel:
             start = time.monotonic()
             try:
                 with self.lock:
-                    tid, first, checks, kv, nbytes = self.receive(layout)
+                    tid, first, checks, kv, nbytes, hashes = self.receive(layout)
             except BaseException as e:  # noqa: BLE001 - any failure poisons the pair
                 fail(e)
                 return
-            deliver(tid, first, checks, kv, nbytes, time.monotonic() - start)
+            deliver(tid, first, checks, kv, nbytes, time.monotonic() - start, hashes)
+            del kv  # the consumer's alone now: its buffer is reusable once the consumer drops it
 
     def send(self, layout: KVLayout, transfer_id: str, first_block: int, kv: torch.Tensor) -> int:
-        """Rank 0: send one transfer (caller holds ``lock``). kv [L, 2, n, bs, G, D]. Returns bytes sent."""
+        """Rank 0: send one transfer (caller holds ``lock``). kv [L, 2, n, bs, G, D]. Returns bytes sent.
+        Over shm each block is hashed while it is copied into the ring (``ShmRing.send_blocks``);
+        over gloo/NCCL the whole payload is hashed on the host. The same checksums either way."""
         n = kv.shape[2]
         assert kv.shape[4] == layout.num_kv_heads, "a transfer carries every kv head (the runner gathers them)"
         payload = kv.contiguous().to(self.device) if self.device.type == "cuda" else _staged(kv)
-        checks = checks_of(payload, first_block)  # [n, 2] of what is sent (the same bits), on the host
         head = encode_header(layout, self.fingerprint, transfer_id, first_block, n)
         self.announce(transfer_id)
-        for tensor, tag in ((head.to(self.device), _TAG_HEADER), (checks.to(self.device), _TAG_CHECKS),
-                            (payload, _TAG_PAYLOAD)):
-            self.transport.send(tensor, tag)
+        self.transport.send(head.to(self.device), _TAG_HEADER)
+        if isinstance(self.transport, ShmRing):
+            checks = checks_of(payload, first_block, self.transport.send_blocks(payload, _TAG_PAYLOAD))
+        else:  # hash the payload while the group sends it (both only read it)
+            work = self.transport.start_send(payload, _TAG_PAYLOAD)
+            checks = checks_of(payload, first_block)  # [n, 2] of what is sent (the same bits), on the host
+            self.transport.finish(work)
+        self.transport.send(checks.to(self.device), _TAG_CHECKS)
         return head.nbytes + checks.nbytes + payload.nbytes
 
-    def receive(self, layout: KVLayout) -> tuple[str, int, torch.Tensor, torch.Tensor, int]:
-        """Rank 1: receive one whole transfer (caller holds ``lock``).
-        -> (transfer id, first block, checks [n, 2], kv [L, 2, n, bs, G, D], bytes)."""
+    def receive(self, layout: KVLayout) -> tuple[str, int, torch.Tensor, torch.Tensor, int, list[int] | None]:
+        """Rank 1: receive one whole transfer (caller holds ``lock``). -> (transfer id, first block,
+        checks [n, 2], kv [L, 2, n, bs, G, D], bytes, hashes): hashes are the block checksums of the
+        payload as it arrived when the transport computed them on the way (shm), else None."""
         head = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
         self.transport.recv(head, _TAG_HEADER)
         tid, first_block, n = decode_header(head.cpu(), layout, self.fingerprint)
+        shape = (layout.num_layers, 2, n, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        if self.device.type == "cuda":
+            kv = torch.empty(shape, dtype=layout.dtype, device=self.device)
+        elif torch.cuda.is_available():  # a host transport on a CUDA machine: pinned, one DMA into the cache
+            kv = torch.empty(shape, dtype=layout.dtype, pin_memory=True)
+        elif self.buffers is not None:
+            kv = self.buffers.take(shape, layout.dtype)
+        else:
+            kv = torch.empty(shape, dtype=layout.dtype)
+        hashes = None
+        if isinstance(self.transport, ShmRing):
+            hashes = self.transport.recv_blocks(kv, _TAG_PAYLOAD)
+        else:
+            self.transport.recv(kv, _TAG_PAYLOAD)
         checks = torch.empty(n, 2, dtype=torch.int64, device=self.device)
         self.transport.recv(checks, _TAG_CHECKS)
-        # host transports on a CUDA machine: receive into pinned memory so the copy to the cache is one DMA
-        pin = self.device.type == "cpu" and torch.cuda.is_available()
-        kv = torch.empty(layout.num_layers, 2, n, layout.block_size, layout.num_kv_heads, layout.head_dim,
-                         dtype=layout.dtype, device=self.device, pin_memory=pin)
-        self.transport.recv(kv, _TAG_PAYLOAD)
-        return tid, first_block, checks.cpu(), kv, head.nbytes + checks.nbytes + kv.nbytes
+        return tid, first_block, checks.cpu(), kv, head.nbytes + checks.nbytes + kv.nbytes, hashes

@@ -5,7 +5,11 @@ picks it; the wire format is workers/kv_wire.py).
 Why. Over gloo, KV between two processes of one host goes through loopback TCP: the kernel copies
 every byte twice and the stream is cut into small packets. Through a shared ring the sender copies
 each byte once into memory the receiver maps, and the receiver copies it once out, in large chunks
-that run side by side (the sender fills chunk k + 1 while the receiver drains chunk k).
+that run side by side (the sender fills chunk k + 1 while the receiver drains chunk k). A KV
+payload goes as a *block stream* (``send_blocks`` / ``recv_blocks``): block by block, each copied
+straight from the sender's tensor into the ring and hashed there while its bytes are still in the
+CPU cache, then copied out into the receiver's tensor and hashed again from the ring, so the
+per-block checksums (workers/kv_wire.py) cost no extra pass over memory on either side.
 
 Terms:
     segment   one file per pair under /dev/shm (``duet-shm-<creator pid>-kv-<random>``), created by
@@ -48,14 +52,16 @@ from datetime import timedelta
 
 import numpy as np
 import torch
+import xxhash
 
-from workers.kv_wire import KVTransferError
+from workers.kv_wire import KVTransferError, signed64
 from workers.parallel.shm_comm import LIVENESS_S, _futex_wait, _futex_wake
 from workers.parallel.shm_segment import PREFIX, SHM_DIR, alive, node_key, pid_namespace, supported, sweep_stale
 
 RING_MAGIC = 0x4455_4554_4B56_5348  # "DUETKVSH"
 DEFAULT_CAPACITY = 32 << 20  # ring bytes per pair
 CHUNK = 4 << 20  # most bytes copied per counter update (so the two sides overlap)
+ALIGN = 64  # a block of a block stream starts on a cache line
 _LINE = 64
 _WRITTEN, _READ, _SENDER_CLOSED, _RECEIVER_CLOSED = 1, 2, 3, 4  # header lines (int64 each)
 _DATA = 4096  # data offset (page aligned)
@@ -89,6 +95,7 @@ class ShmRing:
         self._lines = np.ndarray((5,), dtype=np.int64, buffer=self._mm, offset=0, strides=(_LINE,))
         self._addr = [self._lines.ctypes.data + _LINE * i for i in range(5)]
         self._data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=_DATA, count=capacity)
+        self._bytes = np.frombuffer(self._mm, dtype=np.uint8, offset=_DATA, count=capacity)  # for hashing
         self.peer_pid: int | None = None  # None: another pid namespace, liveness by timeout only
 
     # ------------------------------------------------------------------ lifecycle
@@ -129,7 +136,7 @@ class ShmRing:
         if self._mm is None:
             return
         self.mark_closed()
-        self._lines = self._data = None
+        self._lines = self._data = self._bytes = None
         try:
             self._mm.close()
         except BufferError:  # a received tensor never views the ring (it is copied out): should not happen
@@ -156,6 +163,81 @@ class ShmRing:
             raise KVTransferError(f"shm stream out of sync: frame {frame.tolist()}, expected tag {tag} "
                                   f"with {out.nbytes} bytes")
         self._read(out.view(-1).view(torch.uint8))
+
+    # ------------------------------------------------------------------ block streams
+    def send_blocks(self, kv: torch.Tensor, tag: int) -> list[int]:
+        """Rank 0: kv [L, 2, n, ...] (CPU) as one message, block by block: block i is the L * 2
+        pieces ``kv[:, :, i]`` in order, copied straight from ``kv`` into the ring (no staging copy)
+        and hashed there with XXH3-64 right after, while its bytes are still in the cache (the value
+        ``block_checksums`` gives for that block). Returns the n hashes (signed, as on the wire).
+        A block larger than a quarter of the ring goes through a staging copy and the byte stream.
+        Copies are numpy's (one thread, a memmove per contiguous run): torch's parallel strided copy
+        is much slower for these shapes when the cores are busy."""
+        blocks = _bytes_of(kv)  # [L, 2, n, ..., D * itemsize] uint8
+        n, shape = blocks.shape[2], blocks[:, :, 0].shape
+        nb = blocks[:, :, 0].size
+        self._write(torch.tensor([tag, n * nb], dtype=torch.int64).view(torch.uint8))
+        hashes = []
+        for i in range(n):
+            if nb > self.capacity // 4:
+                stage = np.ascontiguousarray(blocks[:, :, i]).reshape(-1)
+                hashes.append(signed64(xxhash.xxh3_64_intdigest(stage)))
+                self._write(torch.from_numpy(stage))
+                continue
+            pos, step = self._claim(nb, for_write=True)
+            ring = self._bytes[pos : pos + nb]
+            np.copyto(ring.reshape(shape), blocks[:, :, i])
+            hashes.append(signed64(xxhash.xxh3_64_intdigest(ring)))
+            self._lines[_WRITTEN] += step  # publish after the copy (x86-64 store order)
+            _futex_wake(self._addr[_WRITTEN])
+        return hashes
+
+    def recv_blocks(self, out: torch.Tensor, tag: int) -> list[int]:
+        """Rank 1: the next message, sent by ``send_blocks``, into ``out`` [L, 2, n, ...] (CPU):
+        each block is copied out of the ring into ``out[:, :, i]`` and the ring's bytes of it are
+        hashed right after, before the sender may reuse them. Returns the n hashes of what arrived."""
+        blocks = _bytes_of(out)
+        n, shape = blocks.shape[2], blocks[:, :, 0].shape
+        nb = blocks[:, :, 0].size
+        frame = torch.empty(2, dtype=torch.int64)
+        self._read(frame.view(torch.uint8))
+        if frame.tolist() != [tag, n * nb]:
+            raise KVTransferError(f"shm stream out of sync: frame {frame.tolist()}, expected tag {tag} "
+                                  f"with {n * nb} bytes")
+        hashes = []
+        stage = np.empty(nb, dtype=np.uint8) if nb > self.capacity // 4 else None
+        for i in range(n):
+            if stage is not None:
+                self._read(torch.from_numpy(stage))
+                hashes.append(signed64(xxhash.xxh3_64_intdigest(stage)))
+                np.copyto(blocks[:, :, i], stage.reshape(shape))
+                continue
+            pos, step = self._claim(nb, for_write=False)
+            ring = self._bytes[pos : pos + nb]
+            np.copyto(blocks[:, :, i], ring.reshape(shape))
+            hashes.append(signed64(xxhash.xxh3_64_intdigest(ring)))
+            self._lines[_READ] += step  # the bytes are ours: the sender may overwrite them
+            _futex_wake(self._addr[_READ])
+        return hashes
+
+    def _claim(self, nb: int, for_write: bool) -> tuple[int, int]:
+        """The ring position of the next block of ``nb`` bytes of a block stream and the counter step
+        that passes it, after waiting until the ring has room (sender) or holds it (receiver). Both
+        sides skip the same bytes: up to the next cache line, or to the ring's start when the block
+        would not fit before its end (so each block is one contiguous piece of the ring)."""
+        lines, cap = self._live(), self.capacity
+        at = int(lines[_WRITTEN if for_write else _READ])
+        pos = at % cap
+        pad = -pos % ALIGN
+        if pos + pad + nb > cap:
+            pad = cap - pos
+        step = pad + nb
+        if for_write:
+            if cap - (at - int(lines[_READ])) < step:
+                self._wait(_READ, int(lines[_READ]), lambda: cap - (at - int(lines[_READ])) >= step)
+        elif int(lines[_WRITTEN]) - at < step:
+            self._wait(_WRITTEN, int(lines[_WRITTEN]), lambda: int(lines[_WRITTEN]) - at >= step)
+        return (pos + pad) % cap, step
 
     def _write(self, src: torch.Tensor) -> None:
         lines, cap = self._live(), self.capacity
@@ -212,6 +294,12 @@ class ShmRing:
                     raise KVTransferError(f"no progress on the shm ring for {self.timeout_s:g} s (peer stalled)")
             _futex_wait(self._addr[line], seen, SLEEP_S)  # short: a wake-up the kernel misses costs little
             seen = int(lines[line])
+
+
+def _bytes_of(kv: torch.Tensor) -> np.ndarray:
+    """A CPU tensor whose last dimension is contiguous, as a numpy uint8 view of the same memory
+    (any dtype, bfloat16 included: its last dimension counts bytes)."""
+    return kv.view(torch.uint8).numpy()
 
 
 # ---------------------------------------------------------------------- handshake

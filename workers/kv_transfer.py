@@ -70,6 +70,7 @@ import torch
 from torch.distributed import TCPStore
 
 from workers.config import KV_BACKENDS  # noqa: F401 - kv_transfer_backend's one definition, re-exported
+from workers.kv_buffers import RecvBuffers
 from workers.kv_channel import (PairChannel, PairKey, check_kv_backend, choose_backend,  # noqa: F401 - public API
                                 resolve_kv_backend, same_host)
 from workers.kv_wire import KVTransferError, block_checksums, verify  # noqa: F401 - public API
@@ -222,6 +223,7 @@ class KVReceiver:
         self._generations: dict[tuple[str, str, str], int] = {}
         self._channels: dict[PairKey, Future[PairChannel]] = {}
         self._expected: dict[str, _Expected] = {}
+        self.buffers = RecvBuffers()  # payload buffers, reused once their consumer dropped them
 
     def pair_key(self, prefill_id: str, prefill_incarnation: str, backend: str | None = None) -> PairKey:
         """The current key of the pair with this sender; backend 'shm' for a shared-memory pair
@@ -245,7 +247,7 @@ class KVReceiver:
             waiter = TCPStore(self._host, self.store.port, is_master=False, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=self.timeout_s))
             channel = PairChannel(key, self.store, 1, self.timeout_s, key.backend or self.backend, wait_store=waiter,
-                                  fingerprint=self.fingerprint)
+                                  fingerprint=self.fingerprint, buffers=self.buffers)
             channel.executor.submit(channel.receive_loop, self.layout, lambda *a: self._deliver(key, *a),
                                     lambda e: self._drop(key, f"receive failed: {e}"))
             fut.set_result(channel)
@@ -267,14 +269,14 @@ class KVReceiver:
             self._expected.pop(transfer_id, None)
 
     def _deliver(self, key: PairKey, tid: str, first: int, checks: torch.Tensor, kv: torch.Tensor, nbytes: int,
-                 dt: float) -> None:
+                 dt: float, hashes: list[int] | None = None) -> None:
         """The receive loop's hand-off: verify a transfer and settle its Future (or discard it)."""
         with self._lock:
             exp = self._expected.pop(tid, None)
         if exp is None:
             logger.info("kv transfer %s arrived but is no longer expected (request ended); discarded", tid)
             return
-        problem = self._verify(exp, key, first, checks, kv)
+        problem = self._verify(exp, key, first, checks, kv, hashes)
         if problem is not None:
             logger.warning("kv transfer %s rejected: %s", tid, problem)
             exp.future.set_exception(KVTransferError(f"transfer {tid} rejected: {problem}"))
@@ -287,13 +289,14 @@ class KVReceiver:
         exp.future.set_result(ReceivedKV(tid, first, kv, nbytes, dt))
 
     @staticmethod
-    def _verify(exp: _Expected, key: PairKey, first: int, checks: torch.Tensor, kv: torch.Tensor) -> str | None:
+    def _verify(exp: _Expected, key: PairKey, first: int, checks: torch.Tensor, kv: torch.Tensor,
+                hashes: list[int] | None) -> str | None:
         n = kv.shape[2]
         if exp.key != key:
             return f"arrived on pair {key.prefix}, expected on {exp.key.prefix}"
         if first != exp.first_block or n != exp.num_blocks:
             return f"blocks {first}..{first + n - 1} sent, {exp.first_block}..{exp.first_block + exp.num_blocks - 1} reserved"
-        return verify(checks, kv, first)
+        return verify(checks, kv, first, hashes)
 
     def _drop(self, key: PairKey, why: str) -> None:
         """Forget the pair's group (next generation) and fail every transfer expected on it."""
@@ -316,6 +319,7 @@ class KVReceiver:
                 _close_channel(fut)
             self._channels.clear()
             expected, self._expected = list(self._expected.values()), {}
+        self.buffers.clear()
         for e in expected:
             if not e.future.done():
                 e.future.set_exception(KVTransferError("receiver closed"))

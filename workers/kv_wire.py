@@ -6,8 +6,11 @@ Messages of one transfer, in order:
     header     int64[HEADER_WORDS]: magic, version, layout (layers, block size, kv heads, head dim,
                dtype code), model fingerprint, first logical block, block count, transfer id length,
                then the transfer id's bytes
-    checks     int64[n, 2]: per block its logical index (a sequence number) and its checksum
-    payload    [L, 2, n, bs, G, D] in the cache dtype
+    payload    [L, 2, n, bs, G, D] in the cache dtype (over gloo/NCCL as one tensor; the shm ring
+               carries it block by block, ``ShmRing.send_blocks``, with the same values)
+    checks     int64[n, 2]: per block its logical index (a sequence number) and its checksum. Sent
+               after the payload so that a sender can hash each block while it copies it out
+               (the shm ring does); the receiver checks it against what arrived.
 
 Checksum: per block, XXH3-64 (the ``xxhash`` library) of the block's raw bytes over all its layers,
 K before V, layer by layer (the L * 2 contiguous pieces [bs, G, D] of block i, hashed as one
@@ -44,7 +47,7 @@ import xxhash
 from workers.runner import KVLayout
 
 MAGIC = 0x4455_4554_4B56  # "DUETKV"
-VERSION = 2  # 2: XXH3 checksums and the model fingerprint
+VERSION = 3  # 2: XXH3 checksums and the model fingerprint; 3: checks after the payload
 TID_BYTES = 64  # transfer ids are at most this long (utf-8)
 _FIXED = 11  # header words before the transfer id
 HEADER_WORDS = _FIXED + TID_BYTES // 8
@@ -63,7 +66,8 @@ def model_fingerprint(spec: object, dtype: torch.dtype | str, quantization: str 
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
 
 
-def _signed(h: int) -> int:
+def signed64(h: int) -> int:
+    """An unsigned 64-bit hash as the int64 with the same bits (how checks carry it)."""
     return h - (1 << 64) if h >= 1 << 63 else h
 
 
@@ -77,7 +81,7 @@ def block_checksums(kv: torch.Tensor) -> torch.Tensor:
         h = xxhash.xxh3_64()
         for piece in rows[:, i]:
             h.update(piece)
-        out.append(_signed(h.intdigest()))
+        out.append(signed64(h.intdigest()))
     return torch.tensor(out, dtype=torch.int64)
 
 
@@ -114,18 +118,23 @@ def decode_header(head: torch.Tensor, layout: KVLayout, fingerprint: int) -> tup
     return tid, first_block, num_blocks
 
 
-def checks_of(kv: torch.Tensor, first_block: int) -> torch.Tensor:
-    """[n, 2] int64: (logical block index, checksum) per block of kv [L, 2, n, bs, G, D]."""
+def checks_of(kv: torch.Tensor, first_block: int, hashes: list[int] | None = None) -> torch.Tensor:
+    """[n, 2] int64: (logical block index, checksum) per block of kv [L, 2, n, bs, G, D].
+    hashes: the blocks' checksums when the caller computed them already (``ShmRing.send_blocks``)."""
     n = kv.shape[2]
-    return torch.stack([torch.arange(first_block, first_block + n), block_checksums(kv)], dim=1)
+    sums = block_checksums(kv) if hashes is None else torch.tensor(hashes, dtype=torch.int64)
+    return torch.stack([torch.arange(first_block, first_block + n), sums], dim=1)
 
 
-def verify(checks: torch.Tensor, kv: torch.Tensor, first_block: int) -> str | None:
-    """None if ``checks`` match kv's blocks first_block..; else what is wrong (for the error)."""
+def verify(checks: torch.Tensor, kv: torch.Tensor, first_block: int, hashes: list[int] | None = None) -> str | None:
+    """None if ``checks`` match kv's blocks first_block..; else what is wrong (for the error).
+    hashes: the checksums of the blocks as they arrived, when the transport computed them while
+    receiving (``ShmRing.recv_blocks``); otherwise they are computed from kv here."""
     n = kv.shape[2]
     if checks.shape != (n, 2) or not torch.equal(checks[:, 0], torch.arange(first_block, first_block + n)):
         return f"block sequence numbers {checks[:, 0].tolist()} out of order"
-    bad = (checks[:, 1] != block_checksums(kv)).nonzero().view(-1).tolist()
+    sums = block_checksums(kv) if hashes is None else torch.tensor(hashes, dtype=torch.int64)
+    bad = (checks[:, 1] != sums).nonzero().view(-1).tolist()
     if bad:
         return f"checksum mismatch in block(s) {[first_block + i for i in bad]}"
     return None

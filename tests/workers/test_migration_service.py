@@ -208,12 +208,14 @@ def test_corrupted_block_is_rejected_and_the_request_continues(loop, pair, token
     original = kv_transfer.KVReceiver._deliver
     corrupted = []
 
-    def deliver_corrupted(self, key, tid, first, checks, kv, nbytes, dt):
+    def deliver_corrupted(self, key, tid, first, checks, kv, nbytes, dt, hashes=None):
         if not corrupted:
             corrupted.append(tid)
             kv = kv.clone()
             kv.view(-1)[7] += 1.0
-        return original(self, key, tid, first, checks, kv, nbytes, dt)
+            if hashes is not None:  # the shm ring hashed the bytes as they arrived: these bytes
+                hashes = kv_transfer.block_checksums(kv).tolist()
+        return original(self, key, tid, first, checks, kv, nbytes, dt, hashes)
 
     monkeypatch.setattr(kv_transfer.KVReceiver, "_deliver", deliver_corrupted)
     _one_request_fault(loop, a, b, tokenizer, target(b), grpc.StatusCode.UNAVAILABLE)
