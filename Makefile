@@ -72,6 +72,8 @@ qwen-coder: $(STAMP)
 
 # Two pytest workers (pytest-xdist), one test file at a time each (module fixtures are set up once):
 # many tests wait on Ray, subprocesses and sockets, so two workers overlap those waits on 2 cores.
+# Each worker's torch (and what it starts) gets CPUs / workers OpenMP threads (tests/conftest.py):
+# two workers each spinning a thread per core would take turns and run CPU-bound tests several times slower.
 # PYTEST_WORKERS=0 runs everything in this process (xdist off), e.g. to debug one test.
 PYTEST_WORKERS ?= 2
 # Modules marked `serial` (a real multi-node Ray cluster) run after the rest, in a process of their own.

@@ -10,6 +10,23 @@ from pathlib import Path
 # tensors) -- so set it for the whole session, before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _xdist_worker_threads() -> int | None:
+    """Torch threads for one pytest-xdist worker: the CPUs shared out among the workers (None outside
+    xdist). Each worker otherwise starts one OpenMP thread per CPU, so ``-n 2`` on 2 cores runs 4
+    spinning threads on 2 cores and a CPU-bound test takes several times as long as alone."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if workers < 1:
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // workers)
+
+
+# Before torch is first imported: OpenMP reads it once; subprocesses (gang ranks, Ray, gpu-check's
+# sections) inherit it. An explicit OMP_NUM_THREADS wins.
+if (_threads := _xdist_worker_threads()) is not None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+
 import pytest
 
 from workers.models.assets import prepare_smollm2
