@@ -109,7 +109,10 @@ def test_pruned_drafts_stay_in_the_kept_set_and_the_context(pruned_drafter):
 def _with_pruned(path, endpoint, overlap=True):
     spec = SpeculativeConfig(method="draft_model", draft_model=str(path), num_speculative_tokens=4, overlap=overlap,
                              adaptive=False, draft_vocab_size=KEEP)
-    return make(path, speculative=spec, proposer=DraftModelProposer(endpoint_connector(endpoint), overlap=overlap))
+    # a generous call timeout: the test is about the pruned drafter's tokens, and a drafter call
+    # slowed past the 2 s default on a loaded machine would fall back and skip the drafts checked here
+    return make(path, speculative=spec, proposer=DraftModelProposer(endpoint_connector(endpoint), timeout_s=30.0,
+                                                                    overlap=overlap))
 
 
 def test_pruned_drafter_greedy_equals_plain(smollm2_path, pruned_drafter):
