@@ -125,7 +125,7 @@ class _GroupTransport:
             raise KVTransferError(f"pair {self.key.prefix}: timed out after {self.timeout.total_seconds():g} s")
 
     def send(self, tensor: torch.Tensor, tag: int) -> None:
-        self._wait(self.group.send([tensor], 1, tag))
+        self.finish(self.start_send(tensor, tag))
 
     def start_send(self, tensor: torch.Tensor, tag: int):
         """Begin sending (the group's own threads move the bytes); ``finish`` waits for it."""

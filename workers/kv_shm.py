@@ -173,13 +173,12 @@ class ShmRing:
         A block larger than a quarter of the ring goes through a staging copy and the byte stream.
         Copies are numpy's (one thread, a memmove per contiguous run): torch's parallel strided copy
         is much slower for these shapes when the cores are busy."""
-        blocks = _bytes_of(kv)  # [L, 2, n, ..., D * itemsize] uint8
-        n, shape = blocks.shape[2], blocks[:, :, 0].shape
-        nb = blocks[:, :, 0].size
+        blocks, shape, nb, staged = self._block_stream(kv)
+        n = blocks.shape[2]
         self._write(torch.tensor([tag, n * nb], dtype=torch.int64).view(torch.uint8))
         hashes = []
         for i in range(n):
-            if nb > self.capacity // 4:
+            if staged:
                 stage = np.ascontiguousarray(blocks[:, :, i]).reshape(-1)
                 hashes.append(signed64(xxhash.xxh3_64_intdigest(stage)))
                 self._write(torch.from_numpy(stage))
@@ -196,16 +195,15 @@ class ShmRing:
         """Rank 1: the next message, sent by ``send_blocks``, into ``out`` [L, 2, n, ...] (CPU):
         each block is copied out of the ring into ``out[:, :, i]`` and the ring's bytes of it are
         hashed right after, before the sender may reuse them. Returns the n hashes of what arrived."""
-        blocks = _bytes_of(out)
-        n, shape = blocks.shape[2], blocks[:, :, 0].shape
-        nb = blocks[:, :, 0].size
+        blocks, shape, nb, staged = self._block_stream(out)
+        n = blocks.shape[2]
         frame = torch.empty(2, dtype=torch.int64)
         self._read(frame.view(torch.uint8))
         if frame.tolist() != [tag, n * nb]:
             raise KVTransferError(f"shm stream out of sync: frame {frame.tolist()}, expected tag {tag} "
                                   f"with {n * nb} bytes")
         hashes = []
-        stage = np.empty(nb, dtype=np.uint8) if nb > self.capacity // 4 else None
+        stage = np.empty(nb, dtype=np.uint8) if staged else None
         for i in range(n):
             if stage is not None:
                 self._read(torch.from_numpy(stage))
@@ -219,6 +217,14 @@ class ShmRing:
             self._lines[_READ] += step  # the bytes are ours: the sender may overwrite them
             _futex_wake(self._addr[_READ])
         return hashes
+
+    def _block_stream(self, kv: torch.Tensor) -> tuple[np.ndarray, tuple[int, ...], int, bool]:
+        """kv [L, 2, n, ...] (CPU, last dim contiguous) -> (its uint8 numpy view [L, 2, n, ...,
+        D * itemsize], one block's shape in that view, one block's bytes, whether blocks go through
+        a staging copy: those larger than a quarter of the ring)."""
+        blocks = kv.view(torch.uint8).numpy()  # any dtype, bfloat16 included: the last dim counts bytes
+        one = blocks[:, :, 0]
+        return blocks, one.shape, one.size, one.size > self.capacity // 4
 
     def _claim(self, nb: int, for_write: bool) -> tuple[int, int]:
         """The ring position of the next block of ``nb`` bytes of a block stream and the counter step
@@ -294,12 +300,6 @@ class ShmRing:
                     raise KVTransferError(f"no progress on the shm ring for {self.timeout_s:g} s (peer stalled)")
             _futex_wait(self._addr[line], seen, SLEEP_S)  # short: a wake-up the kernel misses costs little
             seen = int(lines[line])
-
-
-def _bytes_of(kv: torch.Tensor) -> np.ndarray:
-    """A CPU tensor whose last dimension is contiguous, as a numpy uint8 view of the same memory
-    (any dtype, bfloat16 included: its last dimension counts bytes)."""
-    return kv.view(torch.uint8).numpy()
 
 
 # ---------------------------------------------------------------------- handshake

@@ -118,12 +118,16 @@ def decode_header(head: torch.Tensor, layout: KVLayout, fingerprint: int) -> tup
     return tid, first_block, num_blocks
 
 
+def _checksums(kv: torch.Tensor, hashes: list[int] | None) -> torch.Tensor:
+    """int64[n]: the given per-block hashes, or ``block_checksums(kv)`` when there are none."""
+    return block_checksums(kv) if hashes is None else torch.tensor(hashes, dtype=torch.int64)
+
+
 def checks_of(kv: torch.Tensor, first_block: int, hashes: list[int] | None = None) -> torch.Tensor:
     """[n, 2] int64: (logical block index, checksum) per block of kv [L, 2, n, bs, G, D].
     hashes: the blocks' checksums when the caller computed them already (``ShmRing.send_blocks``)."""
     n = kv.shape[2]
-    sums = block_checksums(kv) if hashes is None else torch.tensor(hashes, dtype=torch.int64)
-    return torch.stack([torch.arange(first_block, first_block + n), sums], dim=1)
+    return torch.stack([torch.arange(first_block, first_block + n), _checksums(kv, hashes)], dim=1)
 
 
 def verify(checks: torch.Tensor, kv: torch.Tensor, first_block: int, hashes: list[int] | None = None) -> str | None:
@@ -133,8 +137,7 @@ def verify(checks: torch.Tensor, kv: torch.Tensor, first_block: int, hashes: lis
     n = kv.shape[2]
     if checks.shape != (n, 2) or not torch.equal(checks[:, 0], torch.arange(first_block, first_block + n)):
         return f"block sequence numbers {checks[:, 0].tolist()} out of order"
-    sums = block_checksums(kv) if hashes is None else torch.tensor(hashes, dtype=torch.int64)
-    bad = (checks[:, 1] != sums).nonzero().view(-1).tolist()
+    bad = (checks[:, 1] != _checksums(kv, hashes)).nonzero().view(-1).tolist()
     if bad:
         return f"checksum mismatch in block(s) {[first_block + i for i in bad]}"
     return None
