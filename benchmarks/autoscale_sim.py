@@ -1,10 +1,10 @@
 """Autoscaling benchmark in the cluster simulator: Duet's SLO autoscaler vs a queue-length autoscaler.
 
 One run, side by side, on the same trace, service model and routing:
-    duet          the SLO autoscaler (cluster/autoscaler.py): two-window rate estimate x profiled
+    duet          the SLO autoscaler (cluster/autoscale/slo.py): two-window rate estimate x profiled
                   capacity + reactive, the decode pool ``fed_by`` the prefill pool (its bursts
                   capped at what prefill admits), scaling down by migration (the simulator's MigrationModel,
-                  cluster/sim_migration.py: removed replicas move their running requests away),
+                  cluster/sim/migration.py: removed replicas move their running requests away),
                   with the decode pool's rebalancer on (hot replicas hand sequences to cool ones)
     duet-migrate  the same, rebalancer off
     duet-drain    the same policy, scale-down by draining (removed replicas finish their requests),
@@ -12,12 +12,12 @@ One run, side by side, on the same trace, service model and routing:
     today         the SLO autoscaler as it was before scale-down by migration: one rate window
                   (short_window_s 0), no recovery hold, draining, headroom 0.05 / band 0.05 /
                   prefill headroom 1.0 (the values tuned on this file's default day trace)
-    queue         Ray Serve's default policy (cluster/queue_autoscaler.py): target_ongoing_requests per
+    queue         Ray Serve's default policy (cluster/autoscale/queue_length.py): target_ongoing_requests per
                   replica, upscale_delay 30 s, downscale_delay 600 s; the target is each pool's mean
                   requests in flight at its profiled capacity (Little's law), i.e. tuned as well as a
                   user with the same profile could; draining
     queue-migrate the same, scaling down by migration, rebalancer on
-    oracle        the hindsight oracle's schedule played through the simulator (cluster/sim_report.py),
+    oracle        the hindsight oracle's schedule played through the simulator (cluster/sim/report.py),
                   scaling down by migration, rebalancer on: checks that the oracle sizes are
                   feasible; its replica-hours are the yardstick
 
@@ -50,14 +50,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster.autoscale_loop import SLOAutoscaler
-from cluster.autoscaler import AutoscalerConfig, PoolScaling
-from cluster.profile import ServiceModel, SLOTargets
-from cluster.queue_autoscaler import QueueLengthAutoscaler, QueueScaling
-from cluster.sim_migration import MigrationModel
-from cluster.sim_report import OracleScaling, oracle_schedule, plot_timeline, sim_capacity
-from cluster.sim_trace import Trace, read_azure, read_burstgpt, synthetic_trace
-from cluster.simulator import SimPool, Simulation
+from cluster.autoscale.loop import SLOAutoscaler
+from cluster.autoscale.slo import AutoscalerConfig, PoolScaling
+from cluster.autoscale.profile import ServiceModel, SLOTargets
+from cluster.autoscale.queue_length import QueueLengthAutoscaler, QueueScaling
+from cluster.sim.pool import MigrationModel
+from cluster.sim.report import OracleScaling, oracle_schedule, plot_timeline, sim_capacity
+from cluster.sim.trace import Trace, read_azure, read_burstgpt, synthetic_trace
+from cluster.sim.pool import SimPool
+from cluster.sim.simulator import Simulation
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SVC = ServiceModel(prefill_base_s=0.02, prefill_per_token_s=0.0001, decode_base_s=0.02, decode_per_seq_s=0.004,
@@ -216,7 +217,7 @@ def print_table(res: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("cluster.autoscale_loop").setLevel(logging.WARNING)
+    logging.getLogger("cluster.autoscale.loop").setLevel(logging.WARNING)
     res = run(args)
     results, sizes = res.pop("_results"), res.pop("_sizes")
     print_table(res)

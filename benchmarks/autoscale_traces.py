@@ -1,6 +1,6 @@
 """The autoscaler on differently shaped traces it was not tuned on (issue 22, item 3).
 
-Every trace is 6 hours from cluster/sim_trace.py's generator with a fixed seed; each runs the
+Every trace is 6 hours from cluster/sim/trace.py's generator with a fixed seed; each runs the
 policies of benchmarks/autoscale_sim.py side by side (same service model, SLOs, start-up time,
 routing and profiling as there): ``duet`` (the SLO autoscaler scaling down by migration, with the
 decode pool's rebalancer), ``duet-migrate`` (no rebalancer), ``duet-drain`` (the same policy,
@@ -68,8 +68,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.autoscale_sim import RESULTS, SLO, build_parser, print_table, run
-from cluster.sim_report import plot_timeline
-from cluster.sim_trace import Trace, synthetic_trace
+from cluster.sim.report import plot_timeline
+from cluster.sim.trace import Trace, synthetic_trace
 
 H = 3600.0
 SIX_HOURS = {"duration_s": 6 * H}

@@ -130,8 +130,8 @@ def run_configuration(name: str, pools: dict[str, Any], args: argparse.Namespace
     import yaml
 
     from benchmarks.engine_throughput import QuietGate
-    from cluster.config import load_config
-    from cluster.serve import start_deployment
+    from cluster.config.duet import load_config
+    from cluster.deploy.serve import start_deployment
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "duet.yaml"
@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from cluster.bench.load_gen import build_workload
     from cluster.bench.report import code_version as _code_version, machine as _machine
-    from workers.models.assets import resolve_model
+    from workers.models.assets.resolve import resolve_model
 
     if args.quick:
         args.rates, args.num_requests = "0.5,1", 8

@@ -75,7 +75,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # runnable as a plain script from anywhere
 
 from workers.llm import LLM  # noqa: E402
-from workers.models.assets import prepare_smollm2  # noqa: E402
+from workers.models.assets.prepare import prepare_smollm2  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
 
 logger = logging.getLogger("benchmarks.engine_throughput")

@@ -11,7 +11,7 @@ What it measures, one side at a time, in one run:
     error ||W_engine - W_gguf|| / ||W_gguf|| of the weight the engine's layer holds against the
     ``gguf`` package's de-quantization of the same tensor (the file's meaning), per engine format;
   * the one-time preparation of the .gguf file (config + tokenizer from its metadata, float32
-    copy in the cache; workers/models/assets.py prepare_gguf_file);
+    copy in the cache; workers/models/assets/prepare.py prepare_gguf_file);
   * sides  q4-gguf    quantization q4 loading the file's Q4_K codes (Q6_K converted once)
            q4-convert quantization q4 quantizing the de-quantized float32 checkpoint (today's path)
            int8       quantization int8 from the float32 checkpoint
@@ -42,16 +42,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from workers.config import EngineConfig  # noqa: E402
-from workers.engine import Engine  # noqa: E402
+from workers.engine.engine import Engine  # noqa: E402
 from workers.layers.quant_linear import QuantizedWeight, quantize  # noqa: E402
 from workers.llm import engine_config  # noqa: E402
-from workers.model_runner import ModelRunner, cache_blocks  # noqa: E402
-from workers.models.assets import gguf_source, resolve_model  # noqa: E402
+from workers.engine.model_runner import ModelRunner, cache_blocks  # noqa: E402
+from workers.models.assets.resolve import resolve_model
+from workers.models.checkpoint import gguf_source  # noqa: E402
 from workers.models.config import ModelSpec  # noqa: E402
 from workers.models.gguf_quants import dequantize_raw, native_weight  # noqa: E402
 from workers.models.gguf_weights import hf_name, open_gguf  # noqa: E402
 from workers.models.loader import load_model  # noqa: E402
-from workers.models.qwen_assets import QWEN_MODELS, joined_gguf  # noqa: E402
+from workers.models.assets.qwen import QWEN_MODELS, joined_gguf  # noqa: E402
 from workers.models.scoring import perplexity  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
 

@@ -65,7 +65,7 @@ import kernels  # noqa: E402
 from kernels.varlen_paged_attention import tree_visibility  # noqa: E402
 from workers.layers import attention as attention_mod  # noqa: E402
 from workers.llm import LLM  # noqa: E402
-from workers.models.assets import prepare_smollm2  # noqa: E402
+from workers.models.assets.prepare import prepare_smollm2  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
 
 logger = logging.getLogger("benchmarks.kernels_bench")

@@ -47,7 +47,7 @@ LAYOUT = (30, 16, 3, 64, torch.float32)  # SmolLM2-135M: layers, block size, kv 
 
 
 def _sender(inbox, outbox, backend: str, num_blocks: int) -> None:
-    from workers.kv_transfer import KVLayout, KVSender
+    from workers.kv.transfer import KVLayout, KVSender
 
     sender = KVSender(KVLayout(*LAYOUT), backend, timeout_s=60.0)
     L, bs, G, D, dtype = LAYOUT
@@ -68,7 +68,7 @@ def _sender(inbox, outbox, backend: str, num_blocks: int) -> None:
 
 
 def run_backend(backend: str, num_blocks: int, reps: int) -> dict:
-    from workers.kv_transfer import KVLayout, KVReceiver
+    from workers.kv.transfer import KVLayout, KVReceiver
 
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()

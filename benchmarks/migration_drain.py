@@ -2,7 +2,7 @@
 
     python -m benchmarks.migration_drain [--requests 8] [--context 1000] [--remaining 192] [--repeats 3]
 
-Two worker servers (workers/service.py, in this process, no Ray; SmolLM2 on CPU), A and B. Each
+Two worker servers (workers/server/service.py, in this process, no Ray; SmolLM2 on CPU), A and B. Each
 trial starts ``--requests`` greedy requests on A with ``--context`` - 8 prompt tokens (distinct
 prompts from cluster/bench/data/serving_prompts.txt) and ``--remaining`` + 8 max_tokens; once every
 request has streamed 8 tokens (so each holds ``--context`` tokens of KV and is decoding), A is
@@ -97,7 +97,7 @@ class Client:
 
 async def trial(mode: str, config: Any, prompts: list[list[int]], max_tokens: int, tag: str) -> dict[str, Any]:
     from protos.duet.worker.v1 import worker_pb2
-    from workers.service import start_worker_server
+    from workers.server.service import start_worker_server
 
     a = await start_worker_server(config, worker_id=f"drain-a-{tag}", kv_transfer_timeout_s=60)
     b = await start_worker_server(config, worker_id=f"drain-b-{tag}", kv_transfer_timeout_s=60)
@@ -145,7 +145,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from workers.config import CacheConfig, EngineConfig
-    from workers.models.assets import resolve_model
+    from workers.models.assets.resolve import resolve_model
 
     path = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -1,4 +1,4 @@
-"""MoE benchmark on the upcycled SmolLM2 Mixtral (8 experts, top-2; workers/models/upcycle.py):
+"""MoE benchmark on the upcycled SmolLM2 Mixtral (8 experts, top-2; workers/models/assets/upcycle.py):
 
   1. EP=1 vs EP=2 decode tokens/s at batch 1 and 16: EP=1 with 1 and with 2 torch threads, EP=2 as
      two ranks with 1 thread each (the same 2 cores as EP=1 x 2), gloo over loopback. On a machine
@@ -76,8 +76,8 @@ def _rank_rows(engine) -> torch.Tensor:
 def throughput_rank(rank: int, path: str, batches: list[int], max_tokens: int, repeats: int) -> dict | None:
     """Decode step times at each batch size; traffic counters (every rank returns its own)."""
     from workers.llm import LLM, engine_config
-    from workers.model_runner import ModelRunner
-    from workers.parallel.gang import GangRunner, follow
+    from workers.engine.model_runner import ModelRunner
+    from workers.engine.gang_runner import GangRunner, follow
 
     kw = dict(kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
     runner = ModelRunner.from_config(engine_config(path, **kw))
@@ -108,9 +108,9 @@ def throughput_rank(rank: int, path: str, batches: list[int], max_tokens: int, r
 def rebalance_rank(rank: int, path: str, max_tokens: int) -> dict | None:
     """Skewed set with the home placement, then with the rebalancer's placement; loads, step times, tokens."""
     from workers.llm import LLM, engine_config
-    from workers.model_runner import ModelRunner
+    from workers.engine.model_runner import ModelRunner
     from workers.parallel.eplb import RebalanceConfig, Rebalancer, imbalance
-    from workers.parallel.gang import GangRunner, follow
+    from workers.engine.gang_runner import GangRunner, follow
 
     kw = dict(kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
     runner = ModelRunner.from_config(engine_config(path, **kw))
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats (a smoke run)")
     parser.add_argument("--out", type=Path, default=None)
     a = parser.parse_args(argv)
-    from workers.models.upcycle import upcycle
+    from workers.models.assets.upcycle import upcycle
 
     torch.set_num_threads(2)
     path = str(upcycle())

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from workers.config import CacheConfig, EngineConfig
-    from workers.engine import Engine
+    from workers.engine.engine import Engine
 
     torch.set_num_threads(args.threads)
     cache = CacheConfig(kv_cache_memory_bytes=256 << 20)

@@ -16,10 +16,10 @@ two ways (``--mode``):
     kill    its node is killed (raylet, object store and its actors, no grace); Ray re-places the
             lost bundle on the spare node, the controller starts the restarted worker, and the
             router resumes the victim's streams on the other worker by recompute.
-    drain   the path of ``duet drain`` / the autoscaler's scale-down (cluster/ray_actuator.py):
+    drain   the path of ``duet drain`` / the autoscaler's scale-down (cluster/deploy/ray_actuator.py):
             ``Controller.retire`` lists the victim as draining (routers stop routing to it), and
             after ``drain_settle_s`` its ``stop(grace, peers)`` migrates its running requests with
-            their KV to the other worker (live migration, workers/drain.py), then the controller
+            their KV to the other worker (live migration, workers/handoff/drain.py), then the controller
             releases it. Then its node is removed (as a machine taken out for maintenance) and the
             actuator scales the pool back to 2 (``RayActuator.scale_to``: the freed slot, re-placed
             on the spare node).
@@ -80,8 +80,8 @@ def _prompt(i: int) -> list[int]:
 
 
 def _deploy(cluster: Any, model: str, namespace: str) -> Any:
-    from cluster.config import load_config
-    from cluster.serve import start_deployment
+    from cluster.config.duet import load_config
+    from cluster.deploy.serve import start_deployment
 
     config = load_config(env={}, overrides={
         "model.name": model, "ray.address": cluster.address, "ray.namespace": namespace, "pool.name": "main",
@@ -215,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO_ROOT / "tests"))
     import ray
 
-    from cluster.ray_actuator import RayActuator
+    from cluster.deploy.ray_actuator import RayActuator
     from testkit.multinode import LocalCluster
-    from workers.models.assets import prepare_smollm2
+    from workers.models.assets.prepare import prepare_smollm2
 
     model = args.model or str(prepare_smollm2())
     cluster = LocalCluster()

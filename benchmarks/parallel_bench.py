@@ -111,8 +111,8 @@ def bench_rank(rank: int, model: str, mode: str, settings: dict[str, Any]) -> di
     import torch
 
     from workers.llm import LLM, engine_config
-    from workers.model_runner import ModelRunner
-    from workers.parallel.gang import GangRunner, follow
+    from workers.engine.model_runner import ModelRunner
+    from workers.engine.gang_runner import GangRunner, follow
 
     gang = get_group("gang")
     pids: list[Any] = [os.getpid()]

@@ -66,7 +66,7 @@ async def load(server):
 async def bench(args) -> dict:
     from protos.duet.worker.v1 import worker_pb2
     from workers.llm import engine_config
-    from workers.service import start_worker_server
+    from workers.server.service import start_worker_server
 
     config = engine_config(args.model, kv_cache_memory_bytes=args.kv_cache_mib << 20, max_num_batched_tokens=512)
     servers = [await start_worker_server(config, worker_id=f"w{i}", num_threads=1) for i in range(2)]

@@ -8,7 +8,7 @@ Run from the repository root::
     make bench-llamacpp-env                                # once, ~15-25 min: the llama.cpp columns
 
 Sides (one at a time, never concurrently, 2 threads each):
-    duet-fp32   Duet on the float32 checkpoint (the GGUF de-quantized once, workers/models/assets.py)
+    duet-fp32   Duet on the float32 checkpoint (the GGUF de-quantized once, workers/models/assets/prepare.py)
     duet-int8   the same with ``quantization='int8'`` (per-channel int8 weights, fp32 activations, int8 LM head)
     duet-q4     ``quantization='q4'``: the GGUF's own Q4_1 codes repacked (int8 LM head)
     duet-q4-modules  duet-q4 with fused_decode=False: decode steps through the per-layer modules
@@ -71,7 +71,8 @@ from benchmarks.engine_throughput import (  # noqa: E402
     record,
 )
 from workers.llm import LLM  # noqa: E402
-from workers.models.assets import SMOLLM2_NAME, gguf_source, prepare_smollm2  # noqa: E402
+from workers.models.assets.prepare import prepare_smollm2
+from workers.models.checkpoint import SMOLLM2_NAME, gguf_source  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
 
 logger = logging.getLogger("benchmarks.quant_decode")

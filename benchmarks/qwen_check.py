@@ -37,7 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from workers.llm import LLM  # noqa: E402
-from workers.models.assets import resolve_model  # noqa: E402
+from workers.models.assets.resolve import resolve_model  # noqa: E402
 from workers.models.loader import load_model  # noqa: E402
 from workers.models.scoring import next_token_logits  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402

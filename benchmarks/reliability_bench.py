@@ -63,8 +63,8 @@ NAMESPACE = "duet_reliability"
 def start(workers: int, *, max_in_flight: int = 128, max_queue: int = 512, namespace: str = NAMESPACE,
           kv_bytes: int = 64 << 20) -> Any:
     """A deployment on the current (or a new embedded) Ray: ``workers`` x 1 CPU, round robin."""
-    from cluster.config import load_config
-    from cluster.serve import start_deployment
+    from cluster.config.duet import load_config
+    from cluster.deploy.serve import start_deployment
 
     config = load_config(env={}, overrides={
         "pool.replicas": workers, "pool.cpus_per_replica": 1, "pool.engine.kv_cache_memory_bytes": kv_bytes,

@@ -2,12 +2,12 @@
 
 Side by side in one run:
     profile   this machine's capacity profile: ``--profile FILE`` (from ``duet profile``), or measured
-              here the way ``duet profile`` does (cluster/profiler.py: a 1-worker deployment, Poisson
+              here the way ``duet profile`` does (cluster/bench/profiler.py: a 1-worker deployment, Poisson
               load at ``--profile-rates``, the service model fitted from it)
     real      a separate 1-worker run at ``--rates`` with another seed -- held out from the fit --
               through the router (cluster/bench/serving.py): each request's send time, prompt
               tokens, output tokens and streamed chunk times
-    sim       cluster/simulator.py, one colocated replica with the profile's service model, replaying
+    sim       cluster/sim/simulator.py, one colocated replica with the profile's service model, replaying
               exactly those arrivals (same times, same prompt and output lengths)
 
 The deployments run with the prefix cache off: the simulator does not model it, and the
@@ -56,9 +56,10 @@ import numpy as np
 
 from benchmarks.engine_throughput import CpuLoadMeter, QuietGate
 from cluster.bench.metrics import percentile
-from cluster.profile import Profile, ServiceModel, SLOTargets, load_profile, save_profile
-from cluster.sim_trace import Trace
-from cluster.simulator import SimPool, Simulation
+from cluster.autoscale.profile import Profile, ServiceModel, SLOTargets, load_profile, save_profile
+from cluster.sim.trace import Trace
+from cluster.sim.pool import SimPool
+from cluster.sim.simulator import Simulation
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ def _others_load(gate: QuietGate) -> float:
 
 
 def measure_profile(args: argparse.Namespace, load: dict[str, float], gate: QuietGate) -> Profile:
-    from cluster.profiler import profile_from_rates
+    from cluster.bench.profiler import profile_from_rates
 
     load["profile"] = _others_load(gate)
     res = _bench(args, args.profile_rates, args.profile_requests, args.seed)

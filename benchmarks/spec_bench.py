@@ -188,7 +188,7 @@ def _hf_generate(model, ids: list[int], max_tokens: int, assistant=None) -> tupl
 def part_pair(args) -> dict[str, Any]:
     import ray
 
-    from workers.models.assets import resolve_model
+    from workers.models.assets.resolve import resolve_model
 
     try:
         target_path, draft_path = resolve_model(args.target), resolve_model(args.draft)

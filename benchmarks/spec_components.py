@@ -28,9 +28,9 @@ import torch
 
 from benchmarks.engine_throughput import QuietGate, code_version, machine_info, quiet_median, record
 from workers.config import CacheConfig, EngineConfig
-from workers.models.assets import resolve_model
+from workers.models.assets.resolve import resolve_model
 from workers.sampling_params import SamplingParams
-from workers.scheduler import ScheduledChunk, SchedulerOutput
+from workers.engine.scheduler import ScheduledChunk, SchedulerOutput
 from workers.spec_decode.draft_vocab import PrunedHead, draft_token_ids
 from workers.spec_decode.drafter import DraftEngine, DraftItem
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from benchmarks.engine_throughput import CpuLoadMeter, code_version, machine_info  # noqa: E402
 from workers.config import SpeculativeConfig  # noqa: E402
 from workers.llm import LLM  # noqa: E402
-from workers.models.assets import prepare_smollm2  # noqa: E402
+from workers.models.assets.prepare import prepare_smollm2  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
 from workers.structured.grammar import GrammarCompiler, build_tokenizer  # noqa: E402
 from workers.structured.spec import StructuredOutput  # noqa: E402

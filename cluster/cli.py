@@ -29,6 +29,8 @@ import os
 import sys
 from pathlib import Path
 
+from cluster.client_args import add_client_security, client_security
+
 DEFAULT_TARGET = "localhost:50051"
 
 # serve flag -> (dotted config key, type, help). Unset flags leave the key to the file/env/default.
@@ -139,26 +141,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     add_client_security(p)
 
 
-def add_client_security(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("router security (a router started with TLS or --auth-tokens-file)")
-    g.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
-    g.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA (implies --tls)")
-    g.add_argument("--tls-cert", metavar="PEM", help="client certificate, for a router that requires one (mTLS)")
-    g.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
-    g.add_argument("--tls-server-name", metavar="NAME", help="name to check the router's certificate against")
-    g.add_argument("--token", default=os.environ.get("DUET_TOKEN"),
-                   help="bearer token sent as 'authorization: Bearer <token>' (default $DUET_TOKEN)")
-
-
-def client_security(args: argparse.Namespace):
-    """(ClientTLS | None, token | None) from the flags of add_client_security."""
-    from router.client import ClientTLS
-
-    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name):
-        return None, args.token
-    return ClientTLS(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name), args.token
-
-
 def _add_status(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="router health and every worker's health and load",
                        description="Ask the router (--target) for health and models, and join the deployment's "
@@ -203,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     # `duet bench` owns its flags (cluster/bench/serving.py); everything after "bench" goes there.
     sub.add_parser("bench", help="serving benchmark: Poisson load, latency percentiles, goodput, router overhead",
                    add_help=False)
-    # `duet profile` owns its flags too (cluster/profiler.py).
+    # `duet profile` owns its flags too (cluster/bench/profiler.py).
     sub.add_parser("profile", help="measure one replica's capacity at the SLOs and save it for the autoscaler",
                    add_help=False)
     prep = sub.add_parser("prepare-model", help="convert/locate the model and print its checkpoint path")
@@ -212,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cluster.config import load_config
-    from cluster.preflight import preflight
+    from cluster.config.duet import load_config
+    from cluster.deploy.preflight import preflight
 
     keys = {key: flag for flag, (key, _, _) in SERVE_FLAGS.items()}
     sources: dict[str, str] = {}
@@ -222,7 +204,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.dry_run:
         import yaml
 
-        from cluster.cpu_share import resolve_cpus
+        from cluster.deploy.cpu_share import resolve_cpus
 
         preflight(config, sources)  # the model checks `duet serve` runs before starting anything
         if config.ray.address is None:
@@ -230,14 +212,14 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"duet: embedded on this machine: {note}", file=sys.stderr)
         sys.stdout.write(yaml.safe_dump(config.to_dict(), sort_keys=False))
         return 0
-    from cluster.serve import run_foreground
+    from cluster.deploy.serve import run_foreground
 
     return run_foreground(config, with_router=not args.no_router, sources=sources)
 
 
 def _router(args: argparse.Namespace) -> int:
-    from cluster.config import load_config
-    from cluster.router_main import run_router_foreground
+    from cluster.config.duet import load_config
+    from cluster.deploy.router_main import run_router_foreground
 
     keys = {key: flag for flag, (key, _, _) in ROUTER_FLAGS.items()}
     config = load_config(args.config, overrides={k: getattr(args, k) for k in keys}, flag_names=keys)
@@ -248,7 +230,7 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def config_error(message: str) -> Exception:
-    from cluster.config import ClusterConfigError
+    from cluster.config.duet import ClusterConfigError
 
     return ClusterConfigError(message)
 
@@ -304,7 +286,7 @@ def structured_spec(args: argparse.Namespace):
 def _status(args: argparse.Namespace) -> int:
     import json
 
-    from cluster.status import format_status, router_status, worker_status
+    from cluster.deploy.status import format_status, router_status, worker_status
 
     tls, token = client_security(args)
     status: dict[str, object] = {"router": router_status(args.target, args.timeout, tls=tls, token=token),
@@ -333,8 +315,8 @@ def _status(args: argparse.Namespace) -> int:
 def _drain(args: argparse.Namespace) -> int:
     import json
 
-    from cluster.drain import DrainError, drain, format_results, select
-    from cluster.status import worker_status
+    from cluster.deploy.drain import DrainError, drain, format_results, select
+    from cluster.deploy.status import worker_status
 
     if (args.worker is None) == (args.node_ip is None):
         raise DrainError("give exactly one of WORKER or --node-ip")
@@ -342,7 +324,7 @@ def _drain(args: argparse.Namespace) -> int:
         raise DrainError(f"--timeout must be > 0, got {args.timeout}")
     import ray
 
-    from cluster.ray_conn import RayConnectionError
+    from cluster.deploy.ray_conn import RayConnectionError
 
     try:
         ray.init(address=args.ray_address, namespace=args.namespace, log_to_driver=False,
@@ -360,7 +342,7 @@ def _drain(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from workers.models.assets import resolve_model
+    from workers.models.assets.resolve import resolve_model
 
     print(resolve_model(args.model))
     return 0
@@ -378,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.bench.serving import main as bench_main
 
             return bench_main(argv[lead + 1:])
-        from cluster.profiler import main as profile_main
+        from cluster.bench.profiler import main as profile_main
 
         return profile_main(argv[lead + 1:])
     args = build_parser().parse_args(argv)
@@ -402,19 +384,19 @@ def _configure_logging(verbose: bool) -> None:
 
 
 def _is_config_error(e: Exception) -> bool:
-    from cluster.config import ClusterConfigError
+    from cluster.config.duet import ClusterConfigError
 
     return isinstance(e, ClusterConfigError)
 
 
 def _is_user_error(e: Exception) -> bool:
     """Errors whose message already says what to do: print it, no traceback."""
-    from cluster.config import ClusterConfigError
-    from cluster.drain import DrainError
-    from cluster.membership_service import MembershipError
-    from cluster.pools import PoolError
-    from cluster.ray_conn import RayConnectionError
-    from cluster.serve import ServeError
+    from cluster.config.duet import ClusterConfigError
+    from cluster.deploy.drain import DrainError
+    from cluster.deploy.membership_service import MembershipError
+    from cluster.deploy.pools import PoolError
+    from cluster.deploy.ray_conn import RayConnectionError
+    from cluster.deploy.serve import ServeError
     from router.client import DuetError as ClientError
     from router.config import RouterConfigError
     from workers.errors import DuetError

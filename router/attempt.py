@@ -15,7 +15,7 @@ Terms:
                      FAIL      the client gets ``code`` + ``message`` now (bad input passed
                                through, deadline, an error no other worker would fix)
                      MIGRATED  the worker moved the running request to another worker (live
-                               migration, workers/migration_service.py): the next attempt attaches
+                               migration, workers/handoff/migration_service.py): the next attempt attaches
                                to ``target_id`` with ``migration_id`` and continues from the exact
                                token index; nothing is recomputed and no budget is spent
     budget       the limits of one request (``max_route_attempts`` attempts while nothing was

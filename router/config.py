@@ -96,7 +96,7 @@ class RouterConfig:
     # prompts shorter than this run colocated on the decode worker; the workers' KV block size.
     disagg_min_prompt_tokens: int = 256
     disagg_block_size: int = 16
-    # Prefix pull (router/prefix_pull.py): a colocated route to a worker lacking at least this many
+    # Prefix pull (router/policies/prefix_pull.py): a colocated route to a worker lacking at least this many
     # leading prompt tokens that another worker holds has it pull their KV blocks from that worker
     # instead of recomputing them. 0 = off.
     prefix_pull_min_tokens: int = 0

@@ -60,7 +60,7 @@ from router.attempt import Action, AttemptBudget, AttemptOutcome, Decision, Outc
 from router.config import RouterConfig
 from router.policies import NoWorkersAvailable, RouteRequest, RoutingPolicy
 from router.policies.disagg import DisaggRouter, Route
-from router.prefix_pull import PrefixPullPlanner
+from router.policies.prefix_pull import PrefixPullPlanner
 from router.preprocess import PreparedRequest, RequestError, ServedModel, prepare_request
 from router.request_metrics import RequestClock, RequestMetrics
 from router.worker_stream import Progress, stream_attempt

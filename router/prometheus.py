@@ -108,7 +108,7 @@ WORKER_COUNTERS = (
     ("kv_bytes_received", "kv_received_bytes", "KV bytes received"),
     ("kv_transfer_failures", "kv_transfer_failures", "failed KV transfers"),
     ("kv_transfer_seconds", "kv_transfer_seconds", "wall time spent in KV transfers"),
-    # live migration (workers/migration_service.py)
+    # live migration (workers/handoff/migration_service.py)
     ("migrations_out", "migrations_out", "running requests migrated to another worker (confirmed by the target)"),
     ("migrations_in", "migrations_in", "running requests taken over from another worker"),
     ("migration_failures", "migration_failures", "migrations that failed (the request stayed where it was)"),
@@ -120,7 +120,7 @@ WORKER_COUNTERS = (
     ("prefix_pull_failures", "prefix_pull_failures", "prefix pulls that failed (the prompt was computed instead)"),
     ("prefix_pulls_served", "prefix_pulls_served", "prefix pulls this worker served as the holder"),
 )
-# ---- speculative decoding (workers/spec_decode/speculator.py) -----------------------------------
+# ---- speculative decoding (workers/engine/speculator.py) -----------------------------------
 # acceptance rate = rate(duet_worker_spec_accepted_tokens_total) / rate(..._spec_draft_tokens_total);
 # tokens per verify = rate(..._spec_emitted_tokens_total) / rate(..._spec_verifies_total). All stay 0
 # on workers without speculation.

@@ -1,5 +1,5 @@
 """Rebalancer: move running requests from the hottest decode worker to the coolest by live KV
-migration (workers/migration_service.py), when their load diverges. Off by default
+migration (workers/handoff/migration_service.py), when their load diverges. Off by default
 (``RouterConfig.rebalance``).
 
 Policy (``plan``, pure: load numbers in, moves out). Per worker: KV usage u = blocks used / total

@@ -32,7 +32,7 @@ import grpc
 from protos.duet.v1 import duet_pb2
 from protos.duet.worker.v1 import worker_pb2
 from router.attempt import PASS_THROUGH, AttemptOutcome, OutcomeKind, outcome_from_status
-from router.prefix_pull import PullSource
+from router.policies.prefix_pull import PullSource
 from router.preprocess import PreparedRequest
 from router.request_metrics import RequestClock, RequestMetrics
 from router.workers import WorkerLease

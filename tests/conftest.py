@@ -30,7 +30,7 @@ if (_threads := _xdist_worker_threads()) is not None:
 
 import pytest
 
-from workers.models.assets import prepare_smollm2
+from workers.models.assets.prepare import prepare_smollm2
 
 
 @pytest.fixture(scope="session")
@@ -43,8 +43,8 @@ def smollm2_path() -> Path:
 def ray_cluster():
     """One local Ray cluster per test session (2 CPUs, no dashboard), always shut down. It offers
     two units of the custom resource ``duet_test_slot`` (what a node of one pool offers in a
-    multi-pool cluster; tests/cluster/test_pool_placement.py) and two logical GPUs (Ray assigns
-    their ids to ranks that reserve them; there is no CUDA behind them: tests/cluster/test_pool_gpus.py)."""
+    multi-pool cluster; tests/cluster/deploy/test_pool_placement.py) and two logical GPUs (Ray assigns
+    their ids to ranks that reserve them; there is no CUDA behind them: tests/cluster/deploy/test_pool_gpus.py)."""
     import ray
 
     _start_session_ray()

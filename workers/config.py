@@ -3,7 +3,7 @@
 Every field error names the field, the value and the limit, so a user can fix a YAML file or a flag
 without reading code. Messages start with ``<key>=<value>: `` where ``key`` is the field's path from
 the ``EngineConfig`` (``cache.block_size``, ``speculative.method``, ``quantization``); the cluster
-config (cluster/config.py) builds its sections from these types and renames that leading key to the
+config (cluster/config/duet.py) builds its sections from these types and renames that leading key to the
 YAML key (``pools[0].engine.block_size``), so each check is written once, here.
 
 This module does not import torch (the cluster config imports it for ``duet serve --dry-run``).
@@ -27,7 +27,7 @@ DRAFTER_DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 PARALLEL_AXES = ("ep", "sp", "tp")  # mesh order, outermost first (workers/parallel/groups.py)
 COMM_MODES = ("auto", "shm", "gloo")  # ParallelConfig.comm
-KV_BACKENDS = ("auto", "shm", "gloo", "nccl")  # EngineConfig.kv_transfer_backend (workers/kv_transfer.py)
+KV_BACKENDS = ("auto", "shm", "gloo", "nccl")  # EngineConfig.kv_transfer_backend (workers/kv/transfer.py)
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,7 @@ class EngineConfig:
         ('SmolLM2-135M-Instruct').
     device: 'auto' (cuda when this process holds GPUs - a Ray rank the GPUs Ray assigned it, any
         other process the GPUs torch sees - else cpu), 'cpu' or 'cuda[:N]'; resolved once at engine
-        start by workers/device.py, and 'cuda' on a node without CUDA is refused there.
+        start by workers/engine/device.py, and 'cuda' on a node without CUDA is refused there.
     dtype: 'auto' (the checkpoint's torch_dtype on CUDA, float32 on CPU or with quantization),
         float32, bfloat16 or float16.
     max_model_len: context limit (prompt + output); None = the model's own limit.
@@ -234,14 +234,14 @@ class EngineConfig:
         (workers/models/decode_stack.py; bit-identical to the module path); False for A/B runs.
     cpu_kernels: the C++ CPU kernels (kernels/_build.py); False makes every op use its torch
         reference. Applied to the whole worker process when the engine is built.
-    cuda_graphs: replay decode-only steps from CUDA graphs captured at start (workers/cuda_graphs.py;
+    cuda_graphs: replay decode-only steps from CUDA graphs captured at start (workers/engine/cuda_graphs.py;
         device cuda only, tensor parallel 1).
     cuda_graph_batch_sizes: the batch sizes to capture (each in 1..scheduler.max_num_seqs); None =
         1, 2, 4, 8 and multiples of 8 up to max_num_seqs. A batch between two sizes is padded up.
     kv_transfer_backend: how KV this worker receives (disaggregated prefill, prefix pull) travels:
         'auto' (shared memory from a peer on the same host when the KV cache is on the CPU, else
         nccl on CUDA, else gloo), or forced 'shm' | 'gloo' | 'nccl' (nccl needs the cache on CUDA);
-        see workers/kv_transfer.py.
+        see workers/kv/transfer.py.
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -296,14 +296,14 @@ class EngineConfig:
 
     @property
     def resolved(self) -> bool:
-        """device and dtype name concrete values (not 'auto'; see workers/device.py)."""
+        """device and dtype name concrete values (not 'auto'; see workers/engine/device.py)."""
         return self.device != "auto" and self.dtype != "auto"
 
     @property
     def torch_dtype(self) -> torch.dtype:
         import torch
 
-        # Engines resolve 'auto' first (workers/device.py, resolve_for_process); a config used without
+        # Engines resolve 'auto' first (workers/engine/device.py, resolve_for_process); a config used without
         # a checkpoint (a bare ModelRunner in tests) takes float32, what 'auto' gives on CPU.
         return torch.float32 if self.dtype == "auto" else getattr(torch, self.dtype)
 

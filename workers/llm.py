@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
-from workers.engine import Engine
-from workers.layers.logprobs import TokenLogprob
+from workers.build import build_engine
+from workers.models.assets.resolve import resolve_model
+from workers.sample.logprobs import TokenLogprob
 from workers.sampling_params import SamplingParams
-from workers.sequence import FinishReason
+from workers.engine.sequence import FinishReason
 
 Prompt = str | list[int]
 
@@ -50,13 +51,13 @@ class LLM:
     CacheConfig / SchedulerConfig fields (block_size, num_blocks, kv_cache_memory_bytes,
     enable_prefix_caching, max_num_batched_tokens, max_num_seqs), plus speculative (a
     SpeculativeConfig), proposer (a ready speculative-decoding proposer, see Engine) and runner
-    (a ready workers.runner.Runner, e.g. a gang leader's GangRunner; default: load the model)."""
+    (a ready workers.engine.runner.Runner, e.g. a gang leader's GangRunner; default: load the model)."""
 
     def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs) -> None:
         proposer = kwargs.pop("proposer", None)
         runner = kwargs.pop("runner", None)
-        self.config = engine_config(model, **kwargs)
-        self.engine = Engine.from_config(self.config, runner=runner, proposer=proposer)
+        self.config = engine_config(str(resolve_model(model)), **kwargs)  # the edge: a name becomes a checkpoint dir
+        self.engine = build_engine(self.config, runner=runner, proposer=proposer)
         self.tokenizer = self.engine.tokenizer
 
     def generate(

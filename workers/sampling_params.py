@@ -12,8 +12,8 @@ penalised distribution) with the five most likely alternatives.
 ``SamplingParams(temperature=1, structured=StructuredOutput("choice", choices=("yes", "no")))``
 samples either "yes" or "no" (then EOS), whatever the model prefers.
 
-Order of the logit processing (workers/structured/, workers/layers/penalties.py, then
-workers/layers/sampler.py): structured-output mask (tokens the grammar does not allow next get
+Order of the logit processing (workers/structured/, workers/sample/penalties.py, then
+workers/sample/sampler.py): structured-output mask (tokens the grammar does not allow next get
 -inf; EOS only where the grammar accepts) -> repetition penalty -> presence/frequency penalties ->
 logit_bias -> min_tokens mask -> temperature (logprobs are taken here, so they reflect the mask)
 -> min_p -> top_k -> top_p -> draw.

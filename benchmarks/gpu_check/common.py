@@ -32,7 +32,7 @@ def checkpoint(ctx: Ctx, shape: str, dtype: torch.dtype) -> Path:
 def engine(path: Path, ctx: Ctx, dtype: torch.dtype, *, max_num_seqs: int = 64, cuda_graphs: bool = False,
            graph_sizes: tuple[int, ...] | None = None, kv_bytes: int | None = None, speculative=None):
     from workers.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-    from workers.engine import Engine
+    from workers.build import build_engine
 
     cfg = EngineConfig(model=str(path), dtype=dname(dtype), device=ctx.device, max_model_len=1024,
                        cache=CacheConfig(kv_cache_memory_bytes=kv_bytes or kv_budget(ctx)),
@@ -40,7 +40,7 @@ def engine(path: Path, ctx: Ctx, dtype: torch.dtype, *, max_num_seqs: int = 64, 
                                                  max_num_seqs=max_num_seqs),
                        cuda_graphs=cuda_graphs, cuda_graph_batch_sizes=graph_sizes,
                        speculative=speculative or SpeculativeConfig())
-    return Engine.from_config(cfg)
+    return build_engine(cfg)
 
 
 def kv_budget(ctx: Ctx) -> int:
@@ -100,7 +100,7 @@ def strict_fp32() -> None:
 
 
 class WorkerProcess:
-    """A Duet worker gRPC service (workers/service.py) in its own process, without Ray."""
+    """A Duet worker gRPC service (workers/server/service.py) in its own process, without Ray."""
 
     def __init__(self, path: Path, ctx: Ctx, dtype: torch.dtype, kv_backend: str = "auto", name: str = "w",
                  timeout_s: float = 120.0) -> None:

@@ -24,7 +24,7 @@ NEW_TOKENS = 32
 @torch.inference_mode()
 def duet_logits(eng, ids: list[int]) -> torch.Tensor:
     """Logits [T, V] at every position of one fresh prefill of ``ids`` through the engine's runner."""
-    from workers.scheduler import ScheduledChunk
+    from workers.engine.scheduler import ScheduledChunk
 
     bs = eng.runner.block_size
     chunk = ScheduledChunk("tf", list(ids), 0, list(range(-(-len(ids) // bs))), True)

@@ -31,9 +31,9 @@ def _config(path: str, device: str):
 
 def gang_rank(rank: int, path: str, devices: list[str], prompts: list[list[int]]) -> dict | None:
     """One rank: load this rank's shard on its device; the leader generates, the others follow."""
-    from workers.engine import Engine
-    from workers.model_runner import ModelRunner
-    from workers.parallel.gang import GangRunner, follow
+    from workers.build import build_engine
+    from workers.engine.model_runner import ModelRunner
+    from workers.engine.gang_runner import GangRunner, follow
     from workers.parallel.groups import get_group
 
     common.strict_fp32()
@@ -45,7 +45,7 @@ def gang_rank(rank: int, path: str, devices: list[str], prompts: list[list[int]]
         return None
     gang = GangRunner(runner, get_group("gang"))
     try:
-        tokens = common.greedy(Engine.from_config(cfg, runner=gang), prompts, NEW)
+        tokens = common.greedy(build_engine(cfg, runner=gang), prompts, NEW)
     finally:
         gang.stop()
     import torch.distributed as dist
@@ -54,12 +54,12 @@ def gang_rank(rank: int, path: str, devices: list[str], prompts: list[list[int]]
 
 
 def _one(shape: str, axis: str, ctx) -> dict:
-    from workers.engine import Engine
+    from workers.build import build_engine
     from workers.parallel.groups import CUDA_BACKEND, ParallelConfig
     from workers.parallel.launch import spawn_gang
 
     path = common.checkpoint(ctx, shape, torch.float32)
-    ref_eng = Engine.from_config(_config(str(path), ctx.device))
+    ref_eng = build_engine(_config(str(path), ctx.device))
     prompts = models.prompts(4, ref_eng.spec.vocab_size, 9, 60, seed=11)
     ref = common.greedy(ref_eng, prompts, NEW)
     del ref_eng

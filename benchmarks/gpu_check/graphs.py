@@ -1,4 +1,4 @@
-"""CUDA graphs on vs off (workers/cuda_graphs.py): identical greedy tokens, and decode tok/s at
+"""CUDA graphs on vs off (workers/engine/cuda_graphs.py): identical greedy tokens, and decode tok/s at
 batch 1, 8 and 64 (Qwen2.5-0.5B shape, bf16, random weights; target: graphs >= 1.5x eager at batch 1)."""
 
 from __future__ import annotations

@@ -53,9 +53,9 @@ def run(ctx) -> dict:
     server, endpoint = serve_drafter(drafter)
     try:
         proposer = DraftModelProposer(endpoint_connector(endpoint), spec_cfg.draft_timeout_s, spec_cfg.overlap)
-        from workers.engine import Engine
+        from workers.build import build_engine
 
-        eng = Engine.from_config(spec_engine_cfg, proposer=proposer)
+        eng = build_engine(spec_engine_cfg, proposer=proposer)
         got = common.greedy(eng, prompts, NEW)
         _, spec_rate = _timed(eng, ctx, prompts[:1], "s")
         stats = eng.stats().spec

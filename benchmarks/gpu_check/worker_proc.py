@@ -13,7 +13,7 @@ from pathlib import Path
 
 async def serve(args: argparse.Namespace) -> None:
     from workers.config import CacheConfig, EngineConfig, SchedulerConfig
-    from workers.service import start_worker_server
+    from workers.server.service import start_worker_server
 
     cfg = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=1024,
                        cache=CacheConfig(kv_cache_memory_bytes=args.kv_bytes),

@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON path (default ./{DEFAULT_OUT}); the PNG "
                    "goes next to it")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG (drawn only when matplotlib is installed)")
-    from cluster.cli import add_client_security  # the same flags as `duet generate`
+    from cluster.client_args import add_client_security  # the same flags as `duet generate`
 
     add_client_security(p)
     p.add_argument("--quick", action="store_true", help="smoke run: rates 2,inf, 8 requests, 6 overhead pairs, 40 echo pairs")
@@ -178,7 +178,7 @@ async def measure_rates(senders: list[Sender], requests: list[BenchRequest], rat
 
 async def run_phases(args: argparse.Namespace, target: str, worker_endpoint: str | None,
                      requests: list[BenchRequest], rates: list[float], slo: SLO) -> dict[str, Any]:
-    from cluster.cli import client_security
+    from cluster.client_args import client_security
     from router.client import open_channel
 
     tls, token = client_security(args)
@@ -219,7 +219,7 @@ async def run_phases(args: argparse.Namespace, target: str, worker_endpoint: str
 def _tokenizer(model: str) -> Any:
     from transformers import AutoTokenizer
 
-    from workers.models.assets import resolve_model
+    from workers.models.assets.resolve import resolve_model
 
     return AutoTokenizer.from_pretrained(str(resolve_model(model)))
 
@@ -236,7 +236,7 @@ def _rate_json(rate: float) -> float | str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from workers.models.assets import resolve_model
+    from workers.models.assets.resolve import resolve_model
 
     if args.quick:
         args.rates, args.num_requests, args.overhead_requests = "2,inf", 8, min(args.overhead_requests, 6)
@@ -267,8 +267,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.target is not None:
         res.update(asyncio.run(run_phases(args, args.target, args.worker_endpoint, requests, rates, slo)))
     else:
-        from cluster.config import load_config
-        from cluster.serve import start_deployment
+        from cluster.config.duet import load_config
+        from cluster.deploy.serve import start_deployment
 
         overrides = {"model.name": args.model, "router.port": 0, "router.http_port": _free_port(),
                      "controller.port": 0, "pool.replicas": 1,

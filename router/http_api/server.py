@@ -4,7 +4,7 @@ It runs no loop, thread or process of its own: ``start()`` binds the port (a bus
 RouterConfigError naming ``http_port``) and starts uvicorn's listener on the running loop, so a
 request handler calls the same Pipeline object the gRPC servicer does, on the same loop. uvicorn's
 ``serve()`` is not used because it installs its own SIGINT/SIGTERM handlers in the main thread; the
-router's owner handles signals (cluster/serve.py, router/server.py).
+router's owner handles signals (cluster/deploy/serve.py, router/server.py).
 
 TLS: the router's certificate and key; with a client CA, client certificates are required (mTLS),
 as on the gRPC port.

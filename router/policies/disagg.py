@@ -50,7 +50,7 @@ from router.policies.base import (
 from router.prefix_tree import PrefixTree, block_hashes
 
 if TYPE_CHECKING:
-    from router.prefix_pull import PullSource
+    from router.policies.prefix_pull import PullSource
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ MAX_TREE_BLOCKS_PER_WORKER = 4096
 class Route:
     """Where a request goes: ``decode_id`` streams it; ``prefill_id`` (None = colocated) computes its
     prompt; ``pull`` (colocated only) names a worker whose cached prompt prefix the decode worker
-    pulls instead of recomputing (router/prefix_pull.py)."""
+    pulls instead of recomputing (router/policies/prefix_pull.py)."""
 
     decode_id: str
     prefill_id: str | None = None

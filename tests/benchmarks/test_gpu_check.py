@@ -23,8 +23,8 @@ LAZY_IMPORTS = [
     "benchmarks.gpu_check.kernels", "benchmarks.gpu_check.engine_hf", "benchmarks.gpu_check.graphs",
     "benchmarks.gpu_check.speed", "benchmarks.gpu_check.pd", "benchmarks.gpu_check.spec",
     "benchmarks.gpu_check.grpc_router", "benchmarks.gpu_check.worker_proc", "benchmarks.gpu_check.gang",
-    "workers.engine", "workers.service", "workers.cuda_graphs", "workers.spec_decode.draft_model",
-    "workers.spec_decode.drafter", "workers.spec_decode.drafter_service", "workers.scheduler",
+    "workers.engine.engine", "workers.server.service", "workers.engine.cuda_graphs", "workers.spec_decode.draft_model",
+    "workers.spec_decode.drafter", "workers.spec_decode.drafter_service", "workers.engine.scheduler",
     "router.config", "router.server", "protos.duet.worker.v1.worker_pb2_grpc", "protos.duet.v1.duet_pb2_grpc",
     "kernels",
 ]

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from benchmarks.sim_vs_real import Tolerance, bootstrap_p90, compare, real_latencies, simulate, trace_from_records
-from cluster.profile import ServiceModel, SLOTargets
+from cluster.autoscale.profile import ServiceModel, SLOTargets
 
 SVC = ServiceModel(prefill_base_s=0.05, prefill_per_token_s=0.001, decode_base_s=0.02, decode_per_seq_s=0.005)
 

@@ -1,9 +1,9 @@
 """The chart's pools (deploy/helm/duet): every pool value reaches the Duet config key it stands for
-(loaded by cluster.config.load_config), a replica's gang (epSize * spSize * tpSize ranks) sizes its
+(loaded by cluster.config.duet.load_config), a replica's gang (epSize * spSize * tpSize ranks) sizes its
 worker pod, the drafters group and the pools' drafter_resources meet in Ray's scheduler, and bad
 values are refused with a message naming the value.
 
-Terms: a *rank* is one Ray actor in its own placement-group bundle (cluster/pools.py rank_bundle:
+Terms: a *rank* is one Ray actor in its own placement-group bundle (cluster/deploy/pools.py rank_bundle:
 cpus_per_replica CPUs, gpus_per_rank GPUs, resources_per_rank); a *replica* (one endpoint) is a gang
 of ep_size * sp_size * tp_size ranks; the chart gives each replica one worker pod holding its whole
 gang, and each pool's group a custom Ray resource duet_pool_<name> that only the pool's ranks ask for.
@@ -17,7 +17,7 @@ import pytest
 import yaml
 from testkit.helm_tools import CHART, RELEASE, by_kind, loaded_config, one, ray_node_types, render, run_helm
 
-from cluster.pools import rank_bundle
+from cluster.deploy.pools import rank_bundle
 
 # poolDefaults value (dotted) -> (a --set of it, relative to poolDefaults, other than the default;
 # the PoolSection attribute it sets; what that attribute then holds). Every poolDefaults leaf is

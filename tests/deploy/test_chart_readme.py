@@ -74,7 +74,7 @@ def test_values_the_code_does_not_use_yet_say_so():
 
 def test_gpus_and_pool_placement_are_no_longer_reported_as_unwired():
     """gpusPerRank reaches gpus_per_rank and each pool's ranks ask for the pool's own Ray resource
-    (cluster/pools.py rank_bundle): neither the README's "Not yet wired" nor NOTES warns about them."""
+    (cluster/deploy/pools.py rank_bundle): neither the README's "Not yet wired" nor NOTES warns about them."""
     readme = (CHART / "README.md").read_text()
     not_wired = readme[readme.index("## Not yet wired"):readme.index("## Values")]
     notes = (CHART / "templates" / "_config.tpl").read_text()

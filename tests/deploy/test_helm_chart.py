@@ -6,7 +6,7 @@ worked example (ci/colocated, ci/disaggregated with CPU drafters, ci/moe with EP
   --strict: unknown fields are errors), and so does every RayCluster pod template (as a PodTemplate);
 * the RayCluster holds to the subset of KubeRay's ray.io/v1 CRD listed in KUBERAY_* below, and
   Ray's own KubeRay autoscaler reads from it the resources each group's pods offer;
-* the ConfigMap's duet.yaml loads with Duet's own loader (cluster.config.load_config), and what it
+* the ConfigMap's duet.yaml loads with Duet's own loader (cluster.config.duet.load_config), and what it
   says matches the objects (ports, probes, the router's --membership target, worker groups, each
   pool's own Ray resource: Ray's autoscaler packs exactly one gang's rank bundles into a pod);
 * values the code does not use yet are listed in NOTES.
@@ -26,7 +26,7 @@ import pytest
 import yaml
 from testkit.helm_tools import CHART, NAMESPACE, RELEASE, VARIANTS, by_kind, loaded_config, one, ray_node_types, render, run_helm
 
-from cluster.config import load_config
+from cluster.config.duet import load_config
 
 K8S_VERSION = "1.35.0"  # helm 4.1.4's client version; kubernetes-validate 1.37.0 ships its schemas
 CORE_KINDS = {"ConfigMap", "Deployment", "Service", "NetworkPolicy", "PodDisruptionBudget", "ServiceAccount", "Role",
@@ -131,7 +131,7 @@ def test_raycluster_uses_only_documented_kuberay_fields(variant):
 def test_configmap_loads_with_duets_loader_and_matches_the_objects(variant, tmp_path):
     from ray.autoscaler._private.resource_demand_scheduler import get_bin_pack_residual
 
-    from cluster.pools import rank_bundle
+    from cluster.deploy.pools import rank_bundle
 
     name, values_file, by_kind = variant
     config = loaded_config(by_kind, tmp_path)

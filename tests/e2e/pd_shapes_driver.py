@@ -1,6 +1,6 @@
 """Driver for tests/e2e/test_pd_shapes_e2e.py, run as its own process: it needs more Ray CPUs than
 the test session's 2-CPU cluster offers (a prefill and a decode pool of several ranks each), so it
-starts `duet serve`'s deployment (cluster.serve.start_deployment) on an embedded Ray of its own,
+starts `duet serve`'s deployment (cluster.deploy.serve.start_deployment) on an embedded Ray of its own,
 runs the checks, stops everything and prints one JSON line with what it saw.
 
     python tests/e2e/pd_shapes_driver.py CONFIG.yaml MODEL_DIR PAIRS_JSON
@@ -88,8 +88,8 @@ def main(config_path: str, model: str, pairs_json: str) -> None:
     logging.basicConfig(level=logging.WARNING)
     from transformers import AutoTokenizer
 
-    from cluster.config import load_config
-    from cluster.serve import start_deployment
+    from cluster.config.duet import load_config
+    from cluster.deploy.serve import start_deployment
 
     pairs = json.loads(pairs_json)
     prompts = prompts_for(3)

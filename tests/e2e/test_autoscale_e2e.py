@@ -15,7 +15,7 @@ ramp sends 4 req/s of 16 tokens (two replicas' worth, by the profile), the trick
 request every 3 s (half of one, also in the busiest 2 s bucket of a window; each takes seconds,
 so the drained replica often still streams one when it is told to drain). The profile is written by the test rather than measured (``duet profile``), so the scaling
 does not depend on how busy this shared machine is; the sizing arithmetic is that of
-cluster/autoscaler.py, on live metrics from the router.
+cluster/autoscale/slo.py, on live metrics from the router.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import time
 import grpc
 import pytest
 
-from cluster.config import load_config
-from cluster.serve import start_deployment
+from cluster.config.duet import load_config
+from cluster.deploy.serve import start_deployment
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import DuetClient
 from testkit.waiting import wait_until as _wait

@@ -1,5 +1,5 @@
 """Disaggregated serving end to end on the session's local Ray cluster: a prefill pool and a decode
-pool of one 1-CPU worker each (cluster.serve.start_deployment), the router pairing them, driven
+pool of one 1-CPU worker each (cluster.deploy.serve.start_deployment), the router pairing them, driven
 through the public gRPC API.
 
 Checks, in file order on one deployment: greedy output equals the colocated engine's token for
@@ -20,8 +20,8 @@ import grpc
 import pytest
 import ray
 
-from cluster.config import load_config
-from cluster.serve import start_deployment
+from cluster.config.duet import load_config
+from cluster.deploy.serve import start_deployment
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import DuetClient, DuetError
 from testkit.waiting import wait_until as _wait

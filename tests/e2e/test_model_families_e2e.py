@@ -1,4 +1,4 @@
-"""Every architecture family through ``duet serve`` (cluster.serve.start_deployment on the session's
+"""Every architecture family through ``duet serve`` (cluster.deploy.serve.start_deployment on the session's
 local Ray): a tiny random-weight checkpoint per family (tests/testkit/tiny_families.py: Qwen3 with
 q/k norms + YaRN, Qwen3-MoE, Mistral with a sliding window shorter than the prompt, Gemma 2 with
 soft-capping and alternating sliding/global layers, Gemma 3 text, Phi-3 with LongRoPE, DeepSeek-V3
@@ -19,8 +19,8 @@ import grpc
 import httpx
 import pytest
 
-from cluster.config import load_config
-from cluster.serve import start_deployment
+from cluster.config.duet import load_config
+from cluster.deploy.serve import start_deployment
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from tests.testkit.tiny_families import CASES, NEW, PROMPTS, hf_generate, save_tiny
 

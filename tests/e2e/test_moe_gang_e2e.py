@@ -15,8 +15,8 @@ import grpc
 import pytest
 import ray
 
-from cluster.config import load_config
-from cluster.serve import start_deployment
+from cluster.config.duet import load_config
+from cluster.deploy.serve import start_deployment
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import DuetClient, DuetError, complete
 

@@ -6,7 +6,7 @@ store and worker processes, with the custom resources the Helm chart gives its w
     d         {CPU: 2, duet_drafter: 1000}                               the drafter node
     e         {CPU: 1, duet_pool_decode: 1000}                           the decode node
 
-``duet serve`` joins it with ``ray.address`` (cluster.serve.start_deployment), as it joins a real
+``duet serve`` joins it with ``ray.address`` (cluster.deploy.serve.start_deployment), as it joins a real
 cluster, and every behaviour is driven end to end through the router's public gRPC API with a tiny
 random-weight model (greedy references from the in-process engine). Three deployments, one after
 the other, share the cluster:
@@ -38,11 +38,11 @@ import grpc
 import pytest
 import ray
 
-from cluster.config import load_config
-from cluster.pools import PoolError
-from cluster.ray_actuator import RayActuator
-from cluster.serve import Deployment, start_deployment
-from cluster.status import format_status, worker_status
+from cluster.config.duet import load_config
+from cluster.deploy.pools import PoolError
+from cluster.deploy.ray_actuator import RayActuator
+from cluster.deploy.serve import Deployment, start_deployment
+from cluster.deploy.status import format_status, worker_status
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import DuetClient, DuetError
 from testkit.multinode import NODE_RESOURCE, LocalCluster

@@ -1,4 +1,4 @@
-"""The official ``openai`` SDK against a real ``duet serve`` (cluster.serve.start_deployment on the
+"""The official ``openai`` SDK against a real ``duet serve`` (cluster.deploy.serve.start_deployment on the
 session's local Ray: one SmolLM2 worker, the router with its HTTP API on a free port), as an
 application written for OpenAI would use it with only the base URL changed. Answers equal the gRPC
 API's for the same request; logprobs of greedy tokens equal log_softmax of an independent HF
@@ -18,8 +18,8 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.config import load_config
-from cluster.serve import start_deployment
+from cluster.config.duet import load_config
+from cluster.deploy.serve import start_deployment
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import complete

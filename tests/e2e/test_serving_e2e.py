@@ -1,5 +1,5 @@
 """Duet serving end to end on the session's local Ray cluster: the whole stack in this process
-(cluster.serve.start_deployment: a pool of 2 WorkerActors x 1 CPU, the controller, the router on a
+(cluster.deploy.serve.start_deployment: a pool of 2 WorkerActors x 1 CPU, the controller, the router on a
 free port), driven through the public gRPC API exactly as a client would.
 
 Tests run in file order on one deployment (it takes ~20 s to start); the worker-kill test and
@@ -16,9 +16,9 @@ import grpc
 import pytest
 import ray
 
-from cluster.config import load_config
-from cluster.serve import Deployment, start_deployment
-from cluster.status import worker_status
+from cluster.config.duet import load_config
+from cluster.deploy.serve import Deployment, start_deployment
+from cluster.deploy.status import worker_status
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import DuetClient, DuetError, complete
 from testkit.waiting import wait_until as _wait

@@ -9,9 +9,9 @@ import gc
 
 import pytest
 
-from cluster.config import load_config
-from cluster.serve import start_deployment
-from cluster.status import format_status, worker_status
+from cluster.config.duet import load_config
+from cluster.deploy.serve import start_deployment
+from cluster.deploy.status import format_status, worker_status
 from router.client import complete
 
 PROMPT = ("<|im_start|>user\nCopy this list: apples, pears, plums, apples, pears, plums<|im_end|>\n"

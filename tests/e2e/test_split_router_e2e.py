@@ -18,8 +18,8 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.config import load_config
-from cluster.serve import start_deployment
+from cluster.config.duet import load_config
+from cluster.deploy.serve import start_deployment
 from router.client import complete
 
 ROOT = Path(__file__).resolve().parents[2]

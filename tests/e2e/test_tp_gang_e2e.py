@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import load_config
-from cluster.serve import start_deployment
+from cluster.config.duet import load_config
+from cluster.deploy.serve import start_deployment
 from router.client import complete
 
 PROMPT = [1, 504, 3575, 282, 4649, 314]

@@ -18,7 +18,7 @@ from testkit.router_fakes import LoopThread, free_port
 from router.config import RouterConfig
 from router.server import serve_router
 from workers.config import CacheConfig, EngineConfig
-from workers.service import start_worker_server
+from workers.server.service import start_worker_server
 
 MODEL = "SmolLM2-135M-Instruct"
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]

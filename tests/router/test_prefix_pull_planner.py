@@ -1,4 +1,4 @@
-"""The router's prefix-pull planner (router/prefix_pull.py): whom a chosen worker pulls a prompt
+"""The router's prefix-pull planner (router/policies/prefix_pull.py): whom a chosen worker pulls a prompt
 prefix from (the healthy worker holding the most of it, when that beats what the chosen worker
 holds by at least min_tokens, always leaving the last prompt token to compute), forgetting workers
 that left or restarted; config validation; and the pipeline putting the pull into the Submit."""
@@ -12,7 +12,7 @@ import pytest
 from protos.duet.v1 import duet_pb2
 from router.config import RouterConfig, RouterConfigError
 from router.policies.base import PolicyConfigError, RouteRequest, WorkerState
-from router.prefix_pull import PrefixPullPlanner, PullSource
+from router.policies.prefix_pull import PrefixPullPlanner, PullSource
 
 BS = 16
 

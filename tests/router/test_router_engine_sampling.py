@@ -12,7 +12,7 @@ from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from router.config import RouterConfig
 from router.server import serve_router
 from workers.config import CacheConfig, EngineConfig
-from workers.service import start_worker_server
+from workers.server.service import start_worker_server
 
 PROMPT = ("A lighthouse keeper lived alone on a small island in the north sea. Every evening he climbed the "
           "stairs, wound the clockwork and lit the lamp, and every morning he wrote one line in his log. ") * 2

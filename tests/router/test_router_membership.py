@@ -1,4 +1,4 @@
-"""Membership over gRPC (the controller's duet.control.v1.Membership service, cluster/membership_service.py,
+"""Membership over gRPC (the controller's duet.control.v1.Membership service, cluster/deploy/membership_service.py,
 followed by router/membership.py) and the router's RouterAdmin stats, against in-process fake workers."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import grpc
 import pytest
 from testkit.router_fakes import members, wait_until
 
-from cluster.membership_service import MembershipError, MembershipServicer, serve_membership
+from cluster.deploy.membership_service import MembershipError, MembershipServicer, serve_membership
 from protos.duet.control.v1 import control_pb2, control_pb2_grpc
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from router.config import RouterConfig, RouterConfigError
@@ -18,7 +18,7 @@ from router.server import serve_router
 
 
 class FakeController:
-    """What serve_membership needs of cluster.controller.Controller: subscribe(push), role_of(id)."""
+    """What serve_membership needs of cluster.deploy.controller.Controller: subscribe(push), role_of(id)."""
 
     def __init__(self, initial: list[tuple[str, str]]) -> None:
         self.members = list(initial)

@@ -131,7 +131,7 @@ def test_token_store_keeps_digests_only_and_scopes_by_method(pki):
 
 
 def test_cluster_config_carries_security_to_the_router_and_names_bad_keys(pki, tmp_path):
-    from cluster.config import ClusterConfigError, load_config
+    from cluster.config.duet import ClusterConfigError, load_config
 
     env = {"DUET_TLS_CERT_FILE": str(pki / "server.pem"), "DUET_TLS_KEY_FILE": str(pki / "server.key"),
            "DUET_AUTH_TOKENS_FILE": str(pki / "tokens")}
@@ -162,8 +162,9 @@ def test_duet_cli_generate_and_status_with_tls_and_token(smollm2_path, tok, pool
         denied = subprocess.run(base, capture_output=True, text=True, timeout=60, env=env)
         assert denied.returncode != 0 and "UNAUTHENTICATED" in denied.stderr and "Traceback" not in denied.stderr
         # what `duet status` shows of the router, with the same client settings
-        from cluster.cli import build_parser, client_security
-        from cluster.status import router_status
+        from cluster.cli import build_parser
+        from cluster.client_args import client_security
+        from cluster.deploy.status import router_status
 
         args = build_parser().parse_args(["status", "--target", r.address, "--tls-ca", str(pki / "ca.pem"),
                                           "--token", ADMIN_TOKEN])

@@ -16,7 +16,7 @@ from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from router.config import RouterConfig
 from router.server import serve_router
 from workers.config import CacheConfig, EngineConfig
-from workers.service import start_worker_server
+from workers.server.service import start_worker_server
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "population"],
           "properties": {"city": {"type": "string", "maxLength": 20},

@@ -6,9 +6,9 @@ import torch
 
 from testkit.mixtral_tiny import prefill_logits
 from workers.llm import LLM, engine_config
-from workers.model_runner import ModelRunner
+from workers.engine.model_runner import ModelRunner
 from workers.parallel.expert_placement import ExpertPlacement
-from workers.parallel.gang import GangRunner, follow
+from workers.engine.gang_runner import GangRunner, follow
 from workers.parallel.groups import get_group
 from workers.sampling_params import SamplingParams
 

@@ -53,10 +53,10 @@ def one(kinds: dict[str, list[dict]], kind: str, name: str | None = None) -> dic
 
 
 def loaded_config(kinds: dict[str, list[dict]], tmp_path: Path, env: dict[str, str] | None = None):
-    """The rendered ConfigMap's duet.yaml, loaded by Duet's own loader (cluster.config.load_config).
+    """The rendered ConfigMap's duet.yaml, loaded by Duet's own loader (cluster.config.duet.load_config).
     Every key of the ConfigMap becomes a file in tmp_path, as the pods mount it at /etc/duet (the
     config's /etc/duet/ paths, e.g. autoscaling profiles, are pointed there)."""
-    from cluster.config import load_config
+    from cluster.config.duet import load_config
 
     for key, text in one(kinds, "ConfigMap")["data"].items():
         (tmp_path / key).write_text(text.replace("/etc/duet/", f"{tmp_path}/") if key == "duet.yaml" else text)

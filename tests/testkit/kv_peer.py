@@ -27,8 +27,8 @@ def kv_of(seed: int, num_blocks: int) -> torch.Tensor:
 def run_peer(inbox, outbox, timeout_s: float = 10.0, backend: str = "gloo", fingerprint: int = 0) -> None:
     import time
 
-    from workers import kv_channel
-    from workers.kv_transfer import KVLayout, KVSender
+    from workers.kv import channel as kv_channel
+    from workers.kv.transfer import KVLayout, KVSender
 
     sender = KVSender(KVLayout(*LAYOUT_ARGS), backend=backend, timeout_s=timeout_s, fingerprint=fingerprint)
     outbox.put(("ready", 0))

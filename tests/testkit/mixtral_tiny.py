@@ -39,7 +39,7 @@ def prefill_logits(engine, prompts: list[list[int]]) -> torch.Tensor:
     """All positions' logits [sum(len), V] of a fresh prefill of ``prompts`` in one step (uses the
     engine's ModelRunner -- or the ModelRunner passed as ``engine`` -- and its KV cache directly:
     call on an idle engine)."""
-    from workers.scheduler import ScheduledChunk
+    from workers.engine.scheduler import ScheduledChunk
 
     runner = getattr(engine, "runner", engine)
     bs = runner.block_size

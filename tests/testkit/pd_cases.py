@@ -8,12 +8,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from workers.engine import Engine
+from workers.build import build_engine
+from workers.engine.engine import Engine
 from workers.llm import engine_config
-from workers.model_runner import ModelRunner
-from workers.parallel.gang import GangRunner, follow
+from workers.engine.model_runner import ModelRunner
+from workers.engine.gang_runner import GangRunner, follow
 from workers.parallel.groups import get_group
-from workers.runner import KVExport, Runner
+from workers.engine.runner import KVExport, Runner
 from workers.sampling_params import SamplingParams
 
 SMALL = {"kv_cache_memory_bytes": 8 << 20, "block_size": 8, "max_num_batched_tokens": 32}
@@ -27,7 +28,7 @@ def build(path: str, rank: int = 0, gang: bool = False) -> tuple[Engine | None, 
     if rank != 0:
         return None, runner
     top: Runner = GangRunner(runner, get_group("gang")) if gang else runner
-    return Engine.from_config(config, runner=top), runner
+    return build_engine(config, runner=top), runner
 
 
 def params_for(i: int, max_tokens: int) -> SamplingParams:

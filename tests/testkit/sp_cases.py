@@ -6,7 +6,7 @@ import torch
 
 from testkit.ep_cases import generate
 from testkit.tp_cases import make_llm, make_runner, run_gang, transports
-from workers.scheduler import ScheduledChunk
+from workers.engine.scheduler import ScheduledChunk
 
 
 @torch.inference_mode()

@@ -10,8 +10,8 @@ import torch
 from testkit.ep_cases import generate
 from testkit.mixtral_tiny import prefill_logits
 from workers.llm import LLM, engine_config
-from workers.model_runner import ModelRunner
-from workers.parallel.gang import GangRunner, follow
+from workers.engine.model_runner import ModelRunner
+from workers.engine.gang_runner import GangRunner, follow
 from workers.parallel.groups import get_group
 
 TINY_QWEN2 = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

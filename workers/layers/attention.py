@@ -15,15 +15,14 @@ call), then attends:
   - sequence-parallel prefill chunks (the last rows of the step, ``meta.ring``): each rank holds
     its zigzag pieces of a long chunk and attends by ring attention over the sp group
     (workers/layers/ring_attention.py), which also fills its cache with the other ranks' K/V.
-The metadata is built once per step (AttentionMetadata) and shared by all layers.
+The metadata is built once per step (AttentionMetadata, workers/layers/attention_metadata.py) and
+shared by all layers.
 
 Axes: T tokens in the step, B decode sequences, L context length, S cache slots
 (num_blocks * block_size), H query heads, G kv heads, D head dim.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,33 +31,10 @@ from torch import nn
 from kernels.paged_decode_attention import paged_decode_attention
 from kernels.rotary_and_cache_write import rotary_and_cache_write
 from kernels.varlen_paged_attention import varlen_kernel_available, varlen_paged_attention
+from workers.layers.attention_metadata import AttentionMetadata, PrefillSpan
 from workers.layers.context_attention import context_attention
-from workers.layers.ring_attention import RingChunk, ring_attention
+from workers.layers.ring_attention import ring_attention
 from workers.parallel.groups import get_group
-
-
-@dataclass(frozen=True)
-class PrefillSpan:
-    q_start: int  # first row of this chunk in the flat batch
-    q_end: int
-    context_slots: torch.Tensor | None  # [L] slots of the whole context; None if start_pos == 0
-    mask: torch.Tensor | None  # [q_len, L] bool, True = may attend; None if start_pos == 0
-
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    block_size: int
-    slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
-    num_decodes: int  # the first num_decodes tokens are decodes, one per sequence
-    decode_block_tables: torch.Tensor | None  # [B, max_blocks] int32, padded with 0
-    decode_context_lens: torch.Tensor | None  # [B] int32, including the new token
-    prefills: list[PrefillSpan]
-    # The same prefill chunks as one varlen batch (rows num_decodes.. of the step), for the kernel:
-    prefill_block_tables: torch.Tensor | None = None  # [P, max_blocks] int32, padded with 0
-    prefill_cu_seqlens: torch.Tensor | None = None  # [P + 1] int32, rows relative to num_decodes
-    prefill_context_lens: torch.Tensor | None = None  # [P] int32: chunk start + chunk length
-    # Sequence parallel: chunks split over the sp ranks, after every other row of the step.
-    ring: tuple[RingChunk, ...] = ()
 
 
 class PagedAttention(nn.Module):

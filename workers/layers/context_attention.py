@@ -17,12 +17,10 @@ of one chunk.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # attention.py imports this module
-    from workers.layers.attention import AttentionMetadata
+from workers.layers.attention_metadata import AttentionMetadata
 
 
 def sequence_slots(meta: AttentionMetadata) -> Iterator[tuple[int, int, torch.Tensor]]:

@@ -25,7 +25,7 @@ import math
 import torch
 from torch import nn
 
-from workers.layers.attention import AttentionMetadata
+from workers.layers.attention_metadata import AttentionMetadata
 from workers.layers.context_attention import context_attention
 from workers.layers.linear import Linear
 from workers.layers.norm import RMSNorm

@@ -64,7 +64,7 @@ class ModelSpec:
     @property
     def releasable_window(self) -> int | None:
         """The sliding window when *every* layer slides (KV blocks before it can be released,
-        workers/scheduler.py); None when some layer attends to the whole context."""
+        workers/engine/scheduler.py); None when some layer attends to the whole context."""
         if self.sliding_window is None or len(set(self.sliding_layers)) < self.num_layers:
             return None
         return self.sliding_window

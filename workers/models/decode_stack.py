@@ -1,6 +1,6 @@
 """Decode steps of a Llama-family model through the fused C++ decoder stack (kernels/decoder_stack.py).
 
-``fused_stack(model)`` decides once per model whether its layers can run fused and, if so, builds
+``fused_stack(model, layer_types)`` decides once per model whether its layers can run fused and, if so, builds
 the stack over the model's own weight tensors (referenced, not copied, so in-place reloads are
 seen). Eligible: CPU fp32 activations, one tensor-parallel rank, every layer a dense ``LlamaMLP``
 with fp32, int8 or q4 projections, and the C++ kernels loaded. ``LlamaForCausalLM.forward`` then
@@ -40,10 +40,13 @@ def _linear(m: nn.Module) -> StackLinearWeights | None:
     return None
 
 
-def fused_stack(model: nn.Module) -> Any | None:
-    """The C++ decoder stack for ``model`` (a LlamaForCausalLM), or None when it is not eligible."""
-    from workers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP  # they import this module
+def fused_stack(model: nn.Module, layer_types: tuple[type, type, type]) -> Any | None:
+    """The C++ decoder stack for ``model`` (a LlamaForCausalLM), or None when it is not eligible.
 
+    layer_types: the exact (decoder layer, MLP, attention) classes the stack reproduces, passed by
+    the model family (workers/models/llama.py ``FUSED_STACK_TYPES``); a layer of any other class,
+    a subclass included, keeps the module path."""
+    decoder_layer_type, mlp_type, attention_type = layer_types
     if not model.fused_decode or get_group("tp").world_size != 1:
         return None
     inner = model.model
@@ -53,7 +56,7 @@ def fused_stack(model: nn.Module) -> Any | None:
     layers = []
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if type(layer) is not LlamaDecoderLayer or type(mlp) is not LlamaMLP or type(attn) is not LlamaAttention:
+        if type(layer) is not decoder_layer_type or type(mlp) is not mlp_type or type(attn) is not attention_type:
             return None
         if hasattr(attn, "q_norm") or attn.attn.window is not None or attn.attn.softcap is not None \
                 or attn.attn.scale != attn.d**-0.5 or not isinstance(mlp.act, SiluAndMul):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.layers.attention import AttentionMetadata
+from workers.layers.attention_metadata import AttentionMetadata
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
 from workers.models.config import ModelSpec

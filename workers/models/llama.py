@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from workers.layers.activation import gated_activation
-from workers.layers.attention import AttentionMetadata, PagedAttention
+from workers.layers.attention import PagedAttention
+from workers.layers.attention_metadata import AttentionMetadata
 from workers.layers.linear import MergedColumnParallelLinear
 from workers.layers.quant_linear import QuantLinear, QuantMergedLinear
 from workers.layers.quant_parallel import QuantParallelLMHead, column_parallel, row_parallel
@@ -119,6 +120,10 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+# The classes the fused C++ decode stack reproduces exactly (workers/models/decode_stack.py).
+FUSED_STACK_TYPES = (LlamaDecoderLayer, LlamaMLP, LlamaAttention)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, spec: ModelSpec, make_layer: Callable[[ModelSpec, int], nn.Module]) -> None:
         super().__init__()
@@ -169,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.model.rotary.lookup(positions, h.dtype)  # [T, D/2] each
         if meta.num_decodes == h.shape[0] > 0 and not meta.ring:  # decode-only step: the fused stack if eligible
             if self._stack is None:
-                self._stack = fused_stack(self) or False
+                self._stack = fused_stack(self, FUSED_STACK_TYPES) or False
             if self._stack:
                 return self._stack.forward(h, cos, sin, kv_caches, meta.slot_mapping, meta.decode_block_tables,
                                            meta.decode_context_lens, meta.block_size)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from workers.errors import CheckpointError
-from workers.models.assets import gguf_source
+from workers.models.checkpoint import gguf_source
 from workers.models.config import ModelSpec
 from workers.models.gguf_weights import has_native_tensors, iter_gguf
 from workers.models.registry import check_spec, model_class

@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from workers.layers.attention import AttentionMetadata, PrefillSpan
+from workers.layers.attention_metadata import AttentionMetadata, PrefillSpan
 from workers.models.config import ModelSpec
 
 

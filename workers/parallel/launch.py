@@ -1,6 +1,6 @@
 """Run a function on a gang of local processes (one per rank) joined in one torch.distributed
 world: the harness behind the expert-parallel tests and benchmarks. (Serving gangs are Ray actors;
-see workers/parallel/gang.py for what each rank does.)
+see workers/engine/gang_runner.py for what each rank does.)
 
 Worked example::
 

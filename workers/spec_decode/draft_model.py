@@ -36,7 +36,7 @@ from workers.config import EngineConfig, SpeculativeConfig
 from workers.errors import ConfigError
 from workers.sampling_params import SamplingParams
 from workers.spec_decode.drafter_service import GRPC_OPTIONS
-from workers.spec_decode.proposer import Draft, DraftAsk, ProposerStats
+from workers.engine.proposer import Draft, DraftAsk, ProposerStats
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class DraftModelProposer:
 
         if not ray.is_initialized():
             raise ConfigError("speculative.method='draft_model' runs the drafter as a Ray actor: start the engine "
-                              "inside Ray (duet serve does), or pass a proposer to Engine.from_config(...)")
+                              "inside Ray (duet serve does), or pass a proposer to build_engine(...) (workers/build.py)")
         actor = DrafterActor.options(num_cpus=spec.drafter_cpus, resources=dict(spec.drafter_resources),
                                      max_restarts=-1).remote(spec.draft_model, spec.draft_quantization, engine,
                                                              vocab_size, spec.draft_vocab_size,

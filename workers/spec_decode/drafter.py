@@ -11,7 +11,7 @@ tokens' blocks go back to the pool (``BlockManager.trim``); rejected drafts cost
 With ``draft_vocab_size`` the drafter scores only the most frequent tokens and each request's own
 context tokens (draft_vocab.py): drafts stay inside that set and verification keeps the output exact.
 
-Sampling follows the target's rule per request (workers/spec_decode/rejection_sampler.py's
+Sampling follows the target's rule per request (workers/sample/rejection_sampler.py's
 ``target_probs``): greedy requests get argmax drafts, others draw from q with the request's draft
 generator and the distributions q travel back for the rejection rule.
 
@@ -29,17 +29,17 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import set_cpu_kernels_enabled
-from workers.block_manager import BlockManager
+from workers.engine.block_manager import BlockManager
 from workers.config import CacheConfig, EngineConfig
-from workers.model_runner import ModelRunner, kv_bytes_per_block
-from workers.device import resolve_for_process
-from workers.models.assets import resolve_model
+from workers.engine.model_runner import ModelRunner, kv_bytes_per_block
+from workers.engine.device import resolve_for_process
+from workers.models.checkpoint import checkpoint_dir
 from workers.models.loader import load_model
 from workers.sampling_params import SamplingParams
-from workers.scheduler import ScheduledChunk, SchedulerOutput
-from workers.sequence import Sequence
+from workers.engine.scheduler import ScheduledChunk, SchedulerOutput
+from workers.engine.sequence import Sequence
 from workers.spec_decode.draft_vocab import ContextVocab, PrunedHead, draft_token_ids, expand
-from workers.spec_decode.rejection_sampler import target_probs
+from workers.sample.rejection_sampler import target_probs
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class DraftEngine:
     the most frequent tokens (0 = all)."""
 
     def __init__(self, config: EngineConfig, vocab_size: int | None = None, draft_vocab_size: int = 0) -> None:
-        path = resolve_model(config.model)
+        path = checkpoint_dir(config.model)
         config = resolve_for_process(config, path)
         if not config.cpu_kernels:
             set_cpu_kernels_enabled(False)  # process-wide: the drafter actor runs one engine

@@ -1,5 +1,5 @@
 """The drafter's Ray actor shell: a DraftEngine behind the Drafter service (drafter_service.py) in
-its own Ray worker process; lifecycle only, like workers/actor.py.
+its own Ray worker process; lifecycle only, like workers/server/actor.py.
 
 Worked example (what draft_model.DraftModelProposer does)::
 
@@ -17,6 +17,7 @@ import ray
 import torch
 
 from workers.config import EngineConfig
+from workers.models.assets.resolve import resolve_model
 from workers.spec_decode.drafter import DraftEngine
 from workers.spec_decode.drafter_service import serve_drafter
 
@@ -40,7 +41,8 @@ class DrafterActor:
     def start(self) -> str:
         """Load the draft model and serve; returns the endpoint. Idempotent."""
         if self._server is None:
-            engine = DraftEngine.for_target(*self._args)
+            draft_model, *rest = self._args  # a name or Hub id becomes a checkpoint directory here, at the edge
+            engine = DraftEngine.for_target(str(resolve_model(draft_model)), *rest)
             self._server, self._endpoint = serve_drafter(engine, ray.util.get_node_ip_address())
             logger.info("drafter serving on %s", self._endpoint)
         return self._endpoint

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from workers.config import EngineConfig, SpeculativeConfig
-from workers.spec_decode.proposer import Proposer
+from workers.engine.proposer import Proposer
 
 
 def make_proposer(spec: SpeculativeConfig, engine: EngineConfig, vocab_size: int) -> Proposer:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 
-from workers.spec_decode.proposer import Draft, DraftAsk, ProposerStats
+from workers.engine.proposer import Draft, DraftAsk, ProposerStats
 from workers.sampling_params import SamplingParams
 
 

@@ -2,7 +2,7 @@
 
 Terms:
     generated   the request's tokens that the grammar covers: everything from ``output_start``
-                (workers/sequence.py) on, so a resumed request's earlier tokens count too.
+                (workers/engine/sequence.py) on, so a resumed request's earlier tokens count too.
     sync        the matcher follows the request's live token list: before each mask it consumes
                 the generated tokens it has not seen yet. Whatever appended them (this engine's
                 sampler, the prefill worker's first token, a router resend, a migration) the
@@ -112,7 +112,7 @@ class GrammarMatcher:
             self.num_consumed += 1
 
     def llmatcher(self):
-        """The llguidance matcher (for batched mask calls: workers/structured/masks.py)."""
+        """The llguidance matcher (for batched mask calls: workers/sample/grammar_masks.py)."""
         return self._ensure()
 
     def check_error(self) -> None:

@@ -15,10 +15,10 @@ from workers.config import CacheConfig, EngineConfig
 from workers.layers import attention as attention_mod
 from workers.layers.attention import PagedAttention
 from workers.llm import LLM
-from workers.model_runner import ModelRunner
+from workers.engine.model_runner import ModelRunner
 from workers.models.config import ModelSpec
 from workers.sampling_params import SamplingParams
-from workers.scheduler import ScheduledChunk
+from workers.engine.scheduler import ScheduledChunk
 
 from testkit.greedy import NEW_TOKENS, PROMPTS, check
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from workers.llm import LLM, engine_config
-from workers.model_runner import ModelRunner
-from workers.parallel.gang import GangRunner, follow
+from workers.engine.model_runner import ModelRunner
+from workers.engine.gang_runner import GangRunner, follow
 from workers.parallel.groups import get_group
 from workers.sampling_params import SamplingParams
 

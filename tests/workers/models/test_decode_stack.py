@@ -17,6 +17,7 @@ from testkit.mixtral_tiny import save_tiny_mixtral
 
 from workers.llm import LLM
 from workers.models.decode_stack import fused_stack
+from workers.models.llama import FUSED_STACK_TYPES
 from workers.sampling_params import SamplingParams
 
 PROMPTS = [list(range(100, 120)), list(range(300, 303)), list(range(1000, 1041)), [1, 504, 3575, 282, 4649, 314]]
@@ -57,7 +58,7 @@ def test_fused_decode_is_bit_identical(smollm2_path: Path, monkeypatch: pytest.M
 def test_moe_models_keep_the_module_path(tmp_path: Path, smollm2_path: Path) -> None:
     path = save_tiny_mixtral(tmp_path / "mixtral", smollm2_path)
     llm = LLM(str(path), kv_cache_memory_bytes=8 << 20, block_size=8)
-    assert fused_stack(llm.engine.runner.model) is None
+    assert fused_stack(llm.engine.runner.model, FUSED_STACK_TYPES) is None
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
 

@@ -8,7 +8,7 @@ import pytest
 
 from tests.workers.models.conftest import hf_generate
 from tests.workers.models.test_architectures import CASES, NEW, PROMPTS
-from tests.workers.test_disagg_engine import disagg_run
+from tests.workers.engine.test_disagg_engine import disagg_run
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
 

@@ -1,5 +1,5 @@
 """dtype 'auto' on a real checkpoint: the recorded dtype is read, and a half-precision checkpoint runs
-float32 on CPU (the resolution rules themselves: tests/workers/test_device.py)."""
+float32 on CPU (the resolution rules themselves: tests/workers/engine/test_device.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from workers.config import EngineConfig
 from workers.errors import ConfigError
-from workers.device import checkpoint_dtype
+from workers.engine.device import checkpoint_dtype
 
 
 def _ckpt(tmp_path, **cfg):

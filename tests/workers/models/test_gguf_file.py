@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from workers.errors import CheckpointError
-from workers.models.assets import _find_smollm2_gguf, gguf_source, prepare_gguf_file
+from workers.models.assets.prepare import prepare_gguf_file
+from workers.models.checkpoint import find_smollm2_gguf, gguf_source
 from workers.sampling_params import SamplingParams
 
 PROMPT = [1, 504, 3575, 282, 4649, 314]
@@ -16,7 +17,7 @@ PROMPT = [1, 504, 3575, 282, 4649, 314]
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    gguf = _find_smollm2_gguf()
+    gguf = find_smollm2_gguf()
     return gguf, prepare_gguf_file(gguf, tmp_path_factory.mktemp("cache"))
 
 
@@ -33,7 +34,7 @@ def test_gguf_path_equals_the_prepared_checkpoint(converted, smollm2_path):
 
 def test_truncated_gguf_names_the_file(tmp_path):
     bad = tmp_path / "broken.gguf"
-    bad.write_bytes(_find_smollm2_gguf().read_bytes()[: 1 << 20])
+    bad.write_bytes(find_smollm2_gguf().read_bytes()[: 1 << 20])
     with pytest.raises(CheckpointError, match=r"broken.gguf.*cannot be read.*truncated.*re-download"):
         prepare_gguf_file(bad, tmp_path / "cache")
 
@@ -45,7 +46,7 @@ def test_fast_reader_reads_what_the_plain_reader_reads():
 
     from workers.models.gguf_weights import open_gguf
 
-    path = _find_smollm2_gguf()
+    path = find_smollm2_gguf()
     fast, plain = open_gguf(path), GGUFReader(str(path))
     assert list(fast.fields) == list(plain.fields) and fast.data_offset == plain.data_offset
     for key, field in plain.fields.items():

@@ -95,7 +95,8 @@ def test_served_from_the_gguf_file_alone_loads_codes(tmp_path, kind):
     metadata, prepared into a cache) with the type's engine quantization: the weights come from the
     file's codes (each layer equals the native conversion), and it generates."""
     from workers.llm import LLM
-    from workers.models.assets import gguf_source, prepare_gguf_file
+    from workers.models.assets.prepare import prepare_gguf_file
+    from workers.models.checkpoint import gguf_source
     from workers.models.gguf_quants import native_weight
     from workers.sampling_params import SamplingParams
 
@@ -115,7 +116,7 @@ def test_served_from_the_gguf_file_alone_loads_codes(tmp_path, kind):
 
 
 def test_unsupported_type_is_one_line_naming_the_file(tmp_path):
-    from workers.models.assets import prepare_gguf_file
+    from workers.models.assets.prepare import prepare_gguf_file
 
     path = tmp_path / "odd.gguf"
     write_tiny_qwen2_gguf(path, linear_type="IQ4_NL")

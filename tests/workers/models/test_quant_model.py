@@ -32,7 +32,7 @@ from kernels.quant_formats import dequantize_q4, quantize_int8
 from workers.config import EngineConfig
 from workers.errors import ConfigError
 from workers.layers.quant_linear import QuantizedWeight, QuantLinear, QuantMergedLinear, quantize
-from workers.models.assets import gguf_source
+from workers.models.checkpoint import gguf_source
 from workers.models.config import ModelSpec
 from workers.models.gguf_weights import iter_gguf
 from workers.models.loader import iter_safetensors, load_model

@@ -1,4 +1,4 @@
-"""Sliding-window block release (workers/scheduler.py, BlockManager.release_leading) on a tiny
+"""Sliding-window block release (workers/engine/scheduler.py, BlockManager.release_leading) on a tiny
 Mistral whose every layer slides: a long generation holds only the blocks of its window, gives the
 same greedy tokens as the engine that keeps every block (and as transformers), and leaks nothing.
 A prefill-only request keeps its blocks for the export, so a decode side that prefix-caches the
@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 
 from tests.workers.models.conftest import hf_generate, save_tiny
-from tests.workers.test_disagg_engine import disagg_run
-from workers.block_manager import BlockManager
-from workers.engine import Engine
+from tests.workers.engine.test_disagg_engine import disagg_run
+from workers.engine.block_manager import BlockManager
+from workers.engine.engine import Engine
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler
+from workers.engine.scheduler import Scheduler
 
 WINDOW, BS = 8, 4
 PROMPT = list(range(100, 130))  # 30 tokens: longer than the window, several chunks

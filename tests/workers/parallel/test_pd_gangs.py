@@ -1,6 +1,6 @@
 """Disaggregated prefill/decode between workers of different parallel shapes, at the engine level
 (real gangs of spawned processes over gloo; the hand-off crosses processes as the same model-wide
-tensors the wire carries, see workers/kv_transfer.py). Each case prefills on one shape, decodes on
+tensors the wire carries, see workers/kv/transfer.py). Each case prefills on one shape, decodes on
 another, and must produce the single-process colocated engine's tokens, greedy and seeded:
   - P tp2 -> D tp1 and P tp1 -> D tp2 with SmolLM2 (3 kv heads: rank 0 holds 2, rank 1 holds 1, so
     the gang gathers and scatters uneven head shards);

@@ -38,7 +38,7 @@ from testkit.quant_tp_cases import (
 )
 from testkit.tp_cases import TINY_QWEN2, make_llm, save_tiny_qwen2
 from workers.layers.quant_linear import QuantizedWeight, QuantLinear, QuantMergedLinear, quantize
-from workers.models.assets import gguf_source
+from workers.models.checkpoint import gguf_source
 from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
 from workers.parallel.sharding import Shard, attention_shard, even_shard, vocab_shard

@@ -1,4 +1,4 @@
-"""The Runner contract (workers/runner.py): one engine-level suite run against a ModelRunner in
+"""The Runner contract (workers/engine/runner.py): one engine-level suite run against a ModelRunner in
 this process and against GangRunners of real gangs (spawned processes over gloo): layout and sizes,
 greedy and seeded generation, an exact KV round trip through write_blocks/read_blocks, the sampling
 generator's state, and a disaggregated hand-off from the engine to itself. Every runner must pass

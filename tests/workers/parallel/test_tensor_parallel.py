@@ -1,7 +1,7 @@
 """Tensor parallelism as real processes (gloo): TP gangs against the single-process engine.
 
 Each gang computes the all-position logits of a batched prefill and then greedy continuations
-with rank 0 scheduling and broadcasting each step (workers/parallel/gang.py), the LM head
+with rank 0 scheduling and broadcasting each step (workers/engine/gang_runner.py), the LM head
 gathering the sampled rows' logits to rank 0. Cases:
   - SmolLM2 (real weights; 9 query heads, 3 kv heads) at TP=2: GQA groups stay whole, so the split
     is uneven (rank 0: 2 kv heads / 6 query heads, rank 1: 1 / 3) and the KV cache of each rank

@@ -10,14 +10,15 @@ import time
 import pytest
 import ray
 
+from workers.build import build_engine
 from workers.config import CacheConfig, EngineConfig, SpeculativeConfig
-from workers.engine import Engine
+from workers.engine.engine import Engine
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
 from workers.spec_decode.draft_model import DraftModelProposer
 from workers.spec_decode.drafter import DraftResult
 from workers.spec_decode.drafter_service import endpoint_connector, serve_drafter
-from workers.spec_decode.proposer import DraftAsk
+from workers.engine.proposer import DraftAsk
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
            "<|im_start|>user\nCopy this list: apples, pears, plums, apples, pears, plums<|im_end|>\n"
@@ -33,7 +34,7 @@ def spec_engine(ray_cluster, smollm2_path):
     spec = SpeculativeConfig(method="draft_model", draft_model=str(smollm2_path), draft_quantization="int8",
                              num_speculative_tokens=4, draft_timeout_s=5.0,
                              adaptive=False)  # always draft: these tests are about the drafter's lifecycle
-    engine = Engine.from_config(EngineConfig(model=str(smollm2_path), cache=CacheConfig(kv_cache_memory_bytes=32 << 20),
+    engine = build_engine(EngineConfig(model=str(smollm2_path), cache=CacheConfig(kv_cache_memory_bytes=32 << 20),
                                              speculative=spec))
     yield engine
     actor = engine.speculator.proposer.actor

@@ -17,7 +17,7 @@ import pytest
 from workers.config import SpeculativeConfig
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
-from workers.sequence import FinishReason
+from workers.engine.sequence import FinishReason
 from workers.spec_decode.draft_model import DraftModelProposer
 from workers.spec_decode.drafter import DraftEngine
 from workers.spec_decode.drafter_service import endpoint_connector, serve_drafter

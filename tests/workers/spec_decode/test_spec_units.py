@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.block_manager import BlockManager
+from workers.engine.block_manager import BlockManager
 from workers.config import SchedulerConfig
 from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler
-from workers.sequence import Sequence
-from workers.spec_decode.adaptive import DraftLengthPolicy
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import Sequence
+from workers.engine.draft_length import DraftLengthPolicy
 from workers.spec_decode.ngram import NgramProposer, lookup
-from workers.spec_decode.proposer import DraftAsk
-from workers.spec_decode.rejection_sampler import accept_greedy, accept_sampled, target_probs
+from workers.engine.proposer import DraftAsk
+from workers.sample.rejection_sampler import accept_greedy, accept_sampled, target_probs
 
 
 # ------------------------------------------------------------------ greedy rule
@@ -220,9 +220,9 @@ def test_adaptive_is_timing_free_for_reproducible_requests():
 # ------------------------------------------------------- verification with penalties
 def test_verify_spans_applies_penalties_per_position():
     """Row j sees drafts[:j] as generated: a presence penalty rejects a draft repeating an earlier one."""
-    from workers.layers.penalties import RowContext
-    from workers.layers.sampler import Sampler
-    from workers.spec_decode.rejection_sampler import VerifySpan, verify_spans
+    from workers.sample.penalties import RowContext
+    from workers.sample.sampler import Sampler
+    from workers.sample.rejection_sampler import VerifySpan, verify_spans
 
     logits = torch.zeros(3, 10)
     logits[:, 3], logits[:, 4] = 1.0, 0.5  # every row prefers 3, then 4

@@ -17,12 +17,12 @@ import torch
 from protos.duet.v1 import duet_pb2
 from protos.duet.worker.v1 import worker_pb2
 from workers.errors import InvalidRequestError
-from workers.layers.penalties import RowContext
+from workers.sample.penalties import RowContext
 from workers.sampling_params import SamplingParams
 from workers.structured import grammar as grammar_mod
 from workers.structured.convert import spec_from_proto, spec_to_proto
 from workers.structured.grammar import GrammarCompiler
-from workers.structured.masks import plain_masks, verify_masks
+from workers.sample.grammar_masks import plain_masks, verify_masks
 from workers.structured.matcher import GrammarError, GrammarMatcher, apply_masks, rebuild_matcher, unpack_bitmask
 from workers.structured.spec import StructuredOutput
 
@@ -229,7 +229,7 @@ def test_dead_end_is_an_error_and_shortens_drafts(compiler, tokenizer):
 
 def test_mask_worker_equals_inline_masks(compiler, tokenizer):
     """The engine's background, all-rows-at-once masks equal plain_masks' row-by-row ones."""
-    from workers.structured.masks import MaskWorker, gather_masks
+    from workers.sample.grammar_masks import MaskWorker, gather_masks
 
     V, eos = len(tokenizer), frozenset({EOS})
     grammar = compiler.compile(StructuredOutput("json_schema", '{"type": "object", "properties": {"k": {"enum": ["x"]}}}'))

@@ -1,5 +1,5 @@
 {{/*
-The ONE place where chart values become Duet's config (cluster/config.py, loaded by `duet serve`
+The ONE place where chart values become Duet's config (cluster/config/duet.py, loaded by `duet serve`
 on the Ray head and by `duet router`). Only keys the loader of this Duet version accepts are
 emitted; a value the code does not use yet is listed by "duet.notWired" (NOTES.txt prints it) and
 documented as "not yet used" in README.md. When the code grows a key, extend the dicts in
@@ -142,7 +142,7 @@ but would not behave as the values suggest (one line each; NOTES.txt prints them
 {{- end }}
 {{- end }}
 
-{{/* The router's security settings: environment of the router container only (cluster/config.py
+{{/* The router's security settings: environment of the router container only (cluster/config/duet.py
 reads DUET_TLS_* and DUET_AUTH_TOKENS_FILE), so the shared ConfigMap names no file that exists only
 in router pods. */}}
 {{- define "duet.routerSecurityEnv" -}}

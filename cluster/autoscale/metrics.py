@@ -1,0 +1,170 @@
+"""PrometheusWindows: the autoscaler's MetricsProvider over the routers' Prometheus metrics.
+
+Each round (``windows(pools, now)``, called every ``interval_s`` by cluster/autoscale/loop.py) reads
+the cumulative metrics the routers export (router/request_metrics.py, router/prometheus.py) from
+one or more *sources* -- a router's registry in this process (``registry_source``) or its /metrics
+URL (``http_source``) -- and keeps the last ``window_buckets`` + 1 readings. A pool's window is the
+difference of consecutive readings:
+
+    arrivals_rps[i]        increase of duet_requests_arrived_total{pool} between readings i, i+1 / dt
+    mean_prompt_tokens     increase of duet_request_prompt_tokens _sum / _count over the window
+    mean_output_tokens     the same for duet_request_output_tokens
+    ttft_p90_s, tpot_p90_s histogram_quantile(0.9) of the bucket increases over the last
+                           ``latency_buckets`` readings (None when nothing was observed)
+    latency_samples        requests observed there (TPOT's count for decode pools, TTFT's otherwise)
+    queue_depth, in_flight duet_requests_queued / duet_requests_running{pool}, mean of those readings
+
+Several routers: counters and histograms are summed over sources (each router counts its own
+requests); the per-pool gauges come from the workers' load reports, which every router sees the
+same, so the largest reading is taken, not the sum. A source that fails is skipped for the round
+with a warning. Until two readings exist there is no window and ``windows`` returns nothing: the
+loop holds every pool (see AutoscaleLoop.step).
+
+histogram_quantile follows Prometheus': find the bucket where the cumulative count crosses
+q x total and interpolate linearly inside it (from 0 for the first bucket); a quantile in the +Inf
+bucket is the largest finite bound. Example: buckets le=0.05: 10, le=0.1: 90, +Inf: 100 ->
+rank 90 -> inside (0.05, 0.1] at (90 - 10) / (90 - 10) -> 0.1.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import urllib.request
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.autoscale.slo import PoolMetrics
+
+logger = logging.getLogger(__name__)
+
+Source = Callable[[], Iterable[Metric]]
+_COUNTERS = {"duet_requests_arrived_total": "arrived",
+             "duet_request_prompt_tokens_sum": "prompt_sum", "duet_request_prompt_tokens_count": "prompt_count",
+             "duet_request_output_tokens_sum": "output_sum", "duet_request_output_tokens_count": "output_count"}
+_HISTOGRAMS = {"duet_time_to_first_token_seconds_bucket": "ttft", "duet_time_per_output_token_seconds_bucket": "tpot"}
+_GAUGES = {"duet_requests_queued": "queued", "duet_requests_running": "running"}
+
+
+@dataclass
+class PoolReading:
+    """One pool's cumulative numbers at one reading."""
+
+    counters: dict[str, float] = field(default_factory=dict)
+    buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # histogram -> le -> cumulative count
+    gauges: dict[str, float] = field(default_factory=dict)
+
+
+def registry_source(collect: Callable[[], Iterable[Metric]]) -> Source:
+    """A source over an in-process registry's ``collect`` (e.g. router.prometheus.metrics_registry)."""
+    return collect
+
+
+def http_source(url: str, timeout_s: float = 5.0) -> Source:
+    """A source scraping a Prometheus text endpoint, e.g. http://router:9090/metrics."""
+    def scrape() -> Iterable[Metric]:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - an operator-given URL
+            return list(text_string_to_metric_families(response.read().decode()))
+    return scrape
+
+
+def read_pools(families_per_source: Sequence[Iterable[Metric]]) -> dict[str, PoolReading]:
+    """Fold every source's samples into one PoolReading per ``pool`` label."""
+    pools: dict[str, PoolReading] = {}
+    for families in families_per_source:
+        for family in families:
+            for sample in family.samples:
+                pool = sample.labels.get("pool")
+                if pool is None:
+                    continue
+                r = pools.setdefault(pool, PoolReading())
+                if sample.name in _COUNTERS:
+                    key = _COUNTERS[sample.name]
+                    r.counters[key] = r.counters.get(key, 0.0) + sample.value
+                elif sample.name in _HISTOGRAMS:
+                    le = float(sample.labels["le"])
+                    b = r.buckets.setdefault(_HISTOGRAMS[sample.name], {})
+                    b[le] = b.get(le, 0.0) + sample.value
+                elif sample.name in _GAUGES:
+                    key = _GAUGES[sample.name]
+                    r.gauges[key] = max(r.gauges.get(key, 0.0), sample.value)
+    return pools
+
+
+def histogram_quantile(q: float, buckets: Mapping[float, float]) -> float | None:
+    """Prometheus' histogram_quantile over cumulative ``{le: count}`` (module docstring); None if empty."""
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return None
+    rank = q * buckets[bounds[-1]]
+    lower, below = 0.0, 0.0
+    for le in bounds:
+        count = buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return lower if lower > 0 else None
+            return lower + (le - lower) * ((rank - below) / (count - below) if count > below else 1.0)
+        lower, below = le, count
+    return lower
+
+
+def _delta(new: Mapping[float, float], old: Mapping[float, float]) -> dict[float, float]:
+    return {le: max(0.0, v - old.get(le, 0.0)) for le, v in new.items()}
+
+
+class PrometheusWindows:
+    """MetricsProvider (cluster/autoscale/loop.py) over ``sources``; see the module docstring."""
+
+    def __init__(self, sources: Sequence[Source], *, window_buckets: int = 30, latency_buckets: int = 3) -> None:
+        if not sources:
+            raise ValueError("PrometheusWindows needs at least one metrics source (a router)")
+        if window_buckets < 1 or not 1 <= latency_buckets <= window_buckets:
+            raise ValueError(f"window_buckets={window_buckets}, latency_buckets={latency_buckets}: need "
+                             "1 <= latency_buckets <= window_buckets")
+        self.sources = list(sources)
+        self.window_buckets, self.latency_buckets = window_buckets, latency_buckets
+        self.readings: deque[tuple[float, dict[str, PoolReading]]] = deque(maxlen=window_buckets + 1)
+
+    def windows(self, pools: Sequence[str], now: float) -> dict[str, PoolMetrics]:
+        read = []
+        for source in self.sources:
+            try:
+                read.append(list(source()))
+            except Exception as e:  # noqa: BLE001 - one router down must not stop scaling on the others
+                logger.warning("autoscaler metrics: a source failed (%s: %s); skipping it this round",
+                               type(e).__name__, e)
+        if not read:
+            return {}
+        self.readings.append((now, read_pools(read)))
+        if len(self.readings) < 2:
+            return {}
+        return {pool: self._window(pool) for pool in pools}
+
+    def _window(self, pool: str) -> PoolMetrics:
+        rs = [(t, r.get(pool, PoolReading())) for t, r in self.readings]
+        rates = []
+        for (t0, a), (t1, b) in zip(rs, rs[1:]):
+            dt = t1 - t0
+            rates.append(max(0.0, b.counters.get("arrived", 0.0) - a.counters.get("arrived", 0.0)) / dt if dt > 0 else 0.0)
+        first, last = rs[0][1].counters, rs[-1][1].counters
+
+        def mean(kind: str) -> float:
+            n = last.get(f"{kind}_count", 0.0) - first.get(f"{kind}_count", 0.0)
+            return (last.get(f"{kind}_sum", 0.0) - first.get(f"{kind}_sum", 0.0)) / n if n > 0 else 0.0
+
+        lat_old, lat_new = rs[max(0, len(rs) - 1 - self.latency_buckets)][1], rs[-1][1]
+        ttft = _delta(lat_new.buckets.get("ttft", {}), lat_old.buckets.get("ttft", {}))
+        tpot = _delta(lat_new.buckets.get("tpot", {}), lat_old.buckets.get("tpot", {}))
+        n_ttft, n_tpot = max(ttft.values(), default=0.0), max(tpot.values(), default=0.0)
+        recent = [r for _, r in rs[-self.latency_buckets:]]
+        return PoolMetrics(
+            bucket_s=(rs[-1][0] - rs[0][0]) / (len(rs) - 1), arrivals_rps=rates,
+            mean_prompt_tokens=mean("prompt"), mean_output_tokens=mean("output"),
+            ttft_p90_s=histogram_quantile(0.9, ttft), tpot_p90_s=histogram_quantile(0.9, tpot),
+            latency_samples=int(n_tpot if n_tpot > 0 else n_ttft),
+            queue_depth=sum(r.gauges.get("queued", 0.0) for r in recent) / len(recent),
+            in_flight=sum(r.gauges.get("running", 0.0) for r in recent) / len(recent))

@@ -1,0 +1,210 @@
+"""The ``autoscaling`` section of the Duet config: turns the SLO autoscaler on in ``duet serve``.
+
+Built and checked with the rest of the config (cluster/config/duet.py; every error names the key, its
+source and the fix), then turned into the decision function's ``AutoscalerConfig``
+(cluster/autoscale/slo.py) by ``to_autoscaler_config``. Terms are the autoscaler's; per pool:
+
+    slo_ttft_ms / slo_tpot_ms   p90 targets: prefill pools scale on TTFT, decode pools on TPOT,
+                                colocated pools on both (each role needs its targets)
+    profile                     a capacity profile of one replica (``duet profile --out FILE``)
+    min_replicas / max_replicas bounds (min >= 1: a pool at zero would serve nothing)
+
+Example (YAML)::
+
+    autoscaling:
+      enabled: true
+      interval_s: 10
+      pools:
+        - {pool: decode, slo_tpot_ms: 100, profile: profiles/smollm2.json, min_replicas: 1, max_replicas: 4}
+      # on Kubernetes without KubeRay's in-tree autoscaler (the Helm chart renders this):
+      actuator: kubernetes
+      kubernetes: {raycluster: duet-duet, namespace: serving}
+
+actuator: who applies the decisions (cluster/deploy/kuberay_actuator.py ``make_actuator``):
+    ray         this process's Ray cluster: worker actors are added (placement groups wait for
+                room) and drained; the capacity itself is someone else's (KubeRay's in-tree
+                autoscaler, or a fixed cluster)
+    kubernetes  the same, plus the pool's KubeRay worker group is resized to match (one pod per
+                replica, as the chart lays pools out): pods first on the way up, pods last (after
+                the drain) on the way down
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster.config.sources import ClusterConfigError, Sources, need, source_of
+
+
+@dataclass(frozen=True)
+class AutoscalePoolSection:
+    """How one pool of ``pools`` scales (module docstring). smoothing_s / headroom: see
+    cluster/autoscale/slo.py PoolScaling (0 / null = the defaults)."""
+
+    pool: str = ""
+    min_replicas: int = 1
+    max_replicas: int = 8
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    profile: str | None = None
+    smoothing_s: float = 0.0
+    headroom: float | None = None
+
+
+ACTUATORS = ("ray", "kubernetes")
+SCALE_DOWN = ("drain", "migrate")  # = cluster.autoscale.slo.SCALE_DOWN (imported lazily there)
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class KubernetesActuatorSection:
+    """Where the ``kubernetes`` actuator finds its RayCluster. raycluster: the RayCluster's name
+    (the chart's ``<release>-duet``). namespace: its namespace; empty = this pod's own (read from
+    the service account, ``/var/run/secrets/kubernetes.io/serviceaccount/namespace``). Credentials:
+    the pod's service account (in-cluster config), else the current kubeconfig context."""
+
+    raycluster: str = ""
+    namespace: str = ""
+
+
+@dataclass(frozen=True)
+class AutoscalingSection:
+    """enabled: run the loop in ``duet serve``. interval_s: one decision round per interval (also
+    the metrics bucket). window_buckets: buckets of arrival history (forecast, scale-down window);
+    latency_buckets: the most recent buckets the p90s are taken over. horizon_s: how far ahead the
+    arrival rate is forecast (set it to a replica's start-up time). short_window_s: the burst
+    window (0 = off; cluster/autoscale/forecast.py). up/down_cooldown_s: between reactive steps /
+    from a scale-up to the next scale-down; down_interval_s between scale-downs. scale_down: how
+    the actuator removes a replica -- ``drain`` (its requests finish there) or ``migrate`` (they
+    move to the replicas that stay; use it with an actuator that migrates): with ``migrate`` the
+    scale-down waits shrink to what a removal costs (each at most horizon_s + migration_s, the
+    seconds a migration takes to empty a replica: ~ its running requests x (their KV bytes /
+    link bandwidth + a pause each), 10 s = 16 requests of ~3,000 tokens of a Llama-3-8B-shaped
+    model at 1 GB/s; cluster/autoscale/slo.py, cluster/sim/migration.py). drain_grace_s: how long
+    a removed replica's in-flight requests may take to finish (the rest are resumed elsewhere).
+    metrics_urls: the routers' /metrics (``duet router --metrics-port``); omit it when ``duet
+    serve`` runs the router itself (it reads that router directly). actuator / kubernetes: see the
+    module docstring and KubernetesActuatorSection."""
+
+    enabled: bool = False
+    interval_s: float = 10.0
+    window_buckets: int = 30
+    latency_buckets: int = 3
+    horizon_s: float = 60.0
+    short_window_s: float = 30.0
+    up_cooldown_s: float = 30.0
+    down_cooldown_s: float = 300.0
+    down_interval_s: float = 60.0
+    scale_down: str = "drain"
+    migration_s: float = 10.0
+    drain_grace_s: float = 300.0
+    metrics_urls: tuple[str, ...] = ()
+    pools: tuple[AutoscalePoolSection, ...] = ()
+    actuator: str = "ray"
+    kubernetes: KubernetesActuatorSection = field(default_factory=KubernetesActuatorSection)
+
+
+def check_autoscale_pool(p: AutoscalePoolSection, key: str, s: Sources) -> None:
+    need(bool(p.pool), f"{key}.pool", p.pool, s, "must name a pool of `pools` to scale")
+    need(1 <= p.min_replicas <= p.max_replicas, f"{key}.min_replicas", p.min_replicas, s,
+         f"must be >= 1 and <= max_replicas ({p.max_replicas})")
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        v = getattr(p, name)
+        need(v is None or v > 0, f"{key}.{name}", v, s, "must be a number of milliseconds > 0, or null")
+    need(p.smoothing_s >= 0, f"{key}.smoothing_s", p.smoothing_s, s, "must be >= 0 seconds (0 = per bucket)")
+    need(p.headroom is None or p.headroom >= 0, f"{key}.headroom", p.headroom, s, "must be >= 0, or null")
+    need(p.profile is not None and Path(p.profile).expanduser().is_file(), f"{key}.profile", p.profile, s,
+         "must be a capacity profile file; measure one with `duet profile --out FILE`")
+    _load(p, key, s)
+
+
+def check_autoscaling(a: AutoscalingSection, key: str, s: Sources) -> None:
+    for name in ("interval_s", "horizon_s"):
+        need(getattr(a, name) > 0, f"{key}.{name}", getattr(a, name), s, "must be > 0 seconds")
+    for name in ("up_cooldown_s", "down_cooldown_s", "down_interval_s", "drain_grace_s", "short_window_s",
+                 "migration_s"):
+        need(getattr(a, name) >= 0, f"{key}.{name}", getattr(a, name), s, "must be >= 0 seconds")
+    need(a.scale_down in SCALE_DOWN, f"{key}.scale_down", a.scale_down, s,
+         "must be drain (removed replicas finish their requests) or migrate (they move them to the replicas that stay)")
+    need(a.window_buckets >= 2, f"{key}.window_buckets", a.window_buckets, s, "must be >= 2 (20+ is better)")
+    need(1 <= a.latency_buckets <= a.window_buckets, f"{key}.latency_buckets", a.latency_buckets, s,
+         f"must be between 1 and window_buckets ({a.window_buckets})")
+    for i, url in enumerate(a.metrics_urls):
+        need(url.startswith(("http://", "https://")), f"{key}.metrics_urls[{i}]", url, s,
+             "must be a router's metrics URL, e.g. http://router:9090/metrics")
+    _check_actuator(a, key, s)
+    names = [p.pool for p in a.pools]
+    need(len(set(names)) == len(names), f"{key}.pools", names, s, "each pool may be listed once")
+    need(not a.enabled or bool(a.pools), f"{key}.pools", names, s,
+         "autoscaling is enabled but lists no pool to scale; add one (pool, SLO, profile, bounds)")
+
+
+def _check_actuator(a: AutoscalingSection, key: str, s: Sources) -> None:
+    need(a.actuator in ACTUATORS, f"{key}.actuator", a.actuator, s, f"must be one of {', '.join(ACTUATORS)}")
+    k = a.kubernetes
+    if a.actuator != "kubernetes":
+        need(k == KubernetesActuatorSection(), f"{key}.kubernetes.raycluster", k.raycluster, s,
+             "is only read with actuator: kubernetes; set autoscaling.actuator=kubernetes or remove it")
+        return
+    need(bool(_DNS_SUBDOMAIN.match(k.raycluster)), f"{key}.kubernetes.raycluster", k.raycluster, s,
+         "must name the RayCluster whose worker groups host the pools (the Helm chart's <release>-duet)")
+    need(k.namespace == "" or bool(_DNS_LABEL.match(k.namespace)), f"{key}.kubernetes.namespace", k.namespace, s,
+         "must be a Kubernetes namespace name, or empty for this pod's own namespace")
+
+
+def check_against_pools(a: AutoscalingSection, roles: dict[str, str], sizes: dict[str, int], s: Sources) -> None:
+    """Each scaled pool exists, starts within its bounds and has the SLOs its role scales on (the
+    rest of DuetConfig's checks)."""
+    for i, p in enumerate(a.pools):
+        key = f"autoscaling.pools[{i}]"
+        need(p.pool in roles, f"{key}.pool", p.pool, s, f"must be one of the configured pools ({', '.join(roles)})")
+        need(p.min_replicas <= sizes[p.pool] <= p.max_replicas, f"{key}.min_replicas", p.min_replicas, s,
+             f"pool {p.pool!r} starts with {sizes[p.pool]} replicas (its `replicas`), outside "
+             f"[min_replicas, max_replicas] = [{p.min_replicas}, {p.max_replicas}]; make them agree")
+        role = roles[p.pool]
+        need(role == "decode" or p.slo_ttft_ms is not None, f"{key}.slo_ttft_ms", None, s,
+             f"pool {p.pool!r} is a {role} pool: it scales on TTFT; set a p90 target in ms")
+        need(role == "prefill" or p.slo_tpot_ms is not None, f"{key}.slo_tpot_ms", None, s,
+             f"pool {p.pool!r} is a {role} pool: it scales on time per output token; set a p90 target in ms")
+
+
+def to_autoscaler_config(a: AutoscalingSection, roles: dict[str, str]) -> Any:
+    """The decision function's ``cluster.autoscale.slo.AutoscalerConfig`` for this section."""
+    from cluster.autoscale.slo import AutoscalerConfig, AutoscalerConfigError, PoolScaling
+    from cluster.autoscale.profile import SLOTargets
+
+    # A P/D deployment's decode pools are fed by its prefill pool: with exactly one scaled, a
+    # decode pool's bursts are planned for at most what it admits (cluster/autoscale/forecast.py).
+    prefill = [p.pool for p in a.pools if roles[p.pool] == "prefill"]
+    fed_by = prefill[0] if len(prefill) == 1 else None
+    pools = tuple(
+        PoolScaling(p.pool, roles[p.pool], SLOTargets(_seconds(p.slo_ttft_ms) if roles[p.pool] != "decode" else None,
+                                                      _seconds(p.slo_tpot_ms) if roles[p.pool] != "prefill" else None),
+                    _load(p, f"autoscaling.pools[{i}]", {}).capacity, p.min_replicas, p.max_replicas,
+                    smoothing_s=p.smoothing_s, headroom=p.headroom,
+                    fed_by=fed_by if roles[p.pool] == "decode" else None)
+        for i, p in enumerate(a.pools))
+    try:
+        return AutoscalerConfig(pools, horizon_s=a.horizon_s, up_cooldown_s=a.up_cooldown_s,
+                                down_cooldown_s=a.down_cooldown_s, down_interval_s=a.down_interval_s,
+                                short_window_s=a.short_window_s, scale_down=a.scale_down,
+                                migration_s=a.migration_s)
+    except AutoscalerConfigError as e:
+        raise ClusterConfigError(str(e).replace("autoscaler.", "autoscaling.", 1)) from None
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1e3
+
+
+def _load(p: AutoscalePoolSection, key: str, s: Sources) -> Any:
+    from cluster.autoscale.profile import ProfileError, load_profile
+
+    try:
+        return load_profile(Path(p.profile).expanduser())  # type: ignore[arg-type]
+    except ProfileError as e:
+        raise ClusterConfigError(f"{key}.profile={p.profile!r} ({source_of(f'{key}.profile', s)}): {e}") from None

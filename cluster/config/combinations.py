@@ -1,0 +1,57 @@
+"""Checks across sections: which pool roles, parallel sizes, quantization, speculation and placement
+can work together. Each refusal names both keys and says what to change; a key's own range, and
+combinations inside one lower-layer config, are checked by their owner (workers/config.py: e.g.
+model.quantization needs model.dtype float32, a quantized drafter needs float32 too), not here.
+Combinations that depend on the model (tp_size vs its heads, ep_size vs its experts, quantized
+tp splits on 32-feature blocks) are checked once the model is resolved (cluster/deploy/preflight.py).
+
+Called by cluster/config/duet.py once every section is built, so ``duet serve --dry-run`` refuses the
+same combinations as ``duet serve``. The Helm chart refuses the ones it can tell from its values
+(values.schema.json and templates/_config.tpl).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cluster.config.sources import Sources, need, source_of
+
+
+def check_combinations(c: Any, s: Sources) -> None:
+    """``c``: the DuetConfig being built."""
+    for i, pool in enumerate(c.pools):
+        p = f"pools[{i}]"
+        _check_role(pool, p, s)
+        _check_embedded_resources(c, pool, p, s)
+        _check_pool_device(pool, p, s)
+
+
+def _check_pool_device(pool: Any, p: str, s: Sources) -> None:
+    """A pool that asks for CUDA must reserve GPUs (Ray gives a rank no GPU otherwise)."""
+    dev = pool.engine.device
+    need(not dev.startswith("cuda") or pool.gpus_per_rank > 0, f"{p}.engine.device", dev, s,
+         f"{p}.gpus_per_rank is 0: a rank gets no GPU; set {p}.gpus_per_rank (e.g. 1) or device to auto / cpu")
+    draft = pool.speculative.drafter_device
+    need(draft != "cuda" or pool.gpus_per_rank > 0 or dev.startswith("cuda"), f"{p}.speculative.drafter_device",
+         draft, s, f"{p}.gpus_per_rank is 0: a drafter on cuda beside a CPU target gets no GPU; use cpu or auto")
+
+
+def _check_role(pool: Any, p: str, s: Sources) -> None:
+    need(pool.speculative.method == "none" or pool.role != "prefill", f"{p}.speculative.method",
+         pool.speculative.method, s,
+         f"with {p}.role='prefill' ({source_of(f'{p}.role', s)}): a prefill pool produces one token per request; "
+         "speculate on the decode pool")
+
+
+def _check_embedded_resources(c: Any, pool: Any, p: str, s: Sources) -> None:
+    """An embedded Ray (ray.address unset) offers CPUs (and this machine's GPUs) only: a custom
+    resource asked for there could never be placed."""
+    if c.ray.address is not None:
+        return
+    embedded = f"with ray.address unset ({source_of('ray.address', s)}): an embedded Ray offers no custom resources"
+    need(not pool.resources_per_rank, f"{p}.resources_per_rank", dict(pool.resources_per_rank), s,
+         f"{embedded}; set ray.address to a cluster whose nodes offer them, or drop them")
+    need(pool.speculative.method != "draft_model" or not pool.speculative.drafter_resources,
+         f"{p}.speculative.drafter_resources", dict(pool.speculative.drafter_resources), s,
+         f"{embedded}; set ray.address to a cluster with drafter nodes, or drop them (the drafter then "
+         "runs on this machine's CPUs)")

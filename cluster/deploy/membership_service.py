@@ -1,0 +1,142 @@
+"""The controller's duet.control.v1.Membership service: routers follow the member list over gRPC.
+
+``serve_membership(controller, host, port)`` subscribes to the controller (cluster/deploy/controller.py)
+and serves ``Watch``: each watcher gets the current list at once, then the full list after every
+change. Each member carries its role and pool; a replica the autoscaler is draining stays listed
+with ``draining`` set (routers send it nothing new and let its streams finish) until it is gone. A watch is one long-lived server stream parked on a condition variable, so a thread of
+the server's pool per watcher (``max_watchers``; routers are few). Stopping the service ends every
+stream (the routers then keep their last list and reconnect, see router/membership.py).
+
+The same server answers grpc.health.v1 (service "" and "duet.control.v1.Membership"): SERVING
+from the moment it listens -- which ``duet serve`` reaches only once its workers are up, so a
+Kubernetes startup probe on this port waits out model loading -- and NOT_SERVING once stopping.
+
+Example::
+
+    service = serve_membership(controller, "127.0.0.1", 50052)
+    service.address          # "127.0.0.1:50052"; routers run with --membership 127.0.0.1:50052
+    service.stop()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cluster.deploy.controller import Controller, MemberDetails, Members
+from protos.duet.control.v1 import control_pb2, control_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+MEMBERSHIP_SERVICE = control_pb2.DESCRIPTOR.services_by_name["Membership"].full_name  # "duet.control.v1.Membership"
+
+
+class MembershipError(RuntimeError):
+    """The membership service could not listen; the message names the setting to change."""
+
+
+class MembershipServicer(control_pb2_grpc.MembershipServicer):
+    """Holds the latest list (and its version) and wakes every parked Watch when it changes."""
+
+    def __init__(self, role_of: Callable[[str], str] = lambda worker_id: "colocated") -> None:
+        self._role_of = role_of  # worker id -> pool role, sent with each member
+        self._cond = threading.Condition()
+        self._version = 0
+        self._message = control_pb2.MemberList()
+        self._members: Members | None = None
+        self._closed = False
+        self.num_watchers = 0
+
+    def publish(self, members: Members | MemberDetails) -> None:
+        """The controller's subscriber: called with the full list after every change, as
+        (worker_id, endpoint) pairs or ``Controller.member_details()`` entries (role, pool, draining)."""
+        with self._cond:
+            if members == self._members:
+                return
+            self._members = list(members)
+            self._version += 1
+            self._message = control_pb2.MemberList(version=self._version, members=[self._member(m) for m in members])
+            self._cond.notify_all()
+
+    def _member(self, m: tuple) -> control_pb2.Member:
+        if len(m) == 2:
+            return control_pb2.Member(worker_id=m[0], endpoint=m[1], role=self._role_of(m[0]))
+        worker_id, endpoint, role, pool, draining = m
+        return control_pb2.Member(worker_id=worker_id, endpoint=endpoint, role=role, pool=pool, draining=draining)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def Watch(self, request: control_pb2.WatchRequest, context: grpc.ServicerContext) -> Iterator[control_pb2.MemberList]:
+        who = request.watcher or context.peer()
+        context.add_callback(self._wake)  # the watcher went away: stop parking
+        with self._cond:
+            self.num_watchers += 1
+        logger.info("membership: %s is watching", who)
+        seen = 0
+        try:
+            while True:
+                with self._cond:
+                    while (self._version == seen or self._members is None) and not self._closed and context.is_active():
+                        self._cond.wait(timeout=5.0)
+                    if self._closed or not context.is_active():
+                        return
+                    seen, message = self._version, self._message
+                yield message
+        finally:
+            with self._cond:
+                self.num_watchers -= 1
+            logger.info("membership: %s stopped watching", who)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+class MembershipService:
+    """A started Membership server (``serve_membership``)."""
+
+    def __init__(self, server: grpc.Server, servicer: MembershipServicer, health_servicer: health.HealthServicer,
+                 host: str, port: int) -> None:
+        self._server = server
+        self.servicer = servicer
+        self.health = health_servicer
+        self.port = port
+        connect_host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
+        self.address = f"[{connect_host}]:{port}" if ":" in connect_host and not connect_host.startswith("[") \
+            else f"{connect_host}:{port}"
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.servicer.close()
+        self._server.stop(grace).wait(grace + 5)
+
+
+def serve_membership(controller: Controller, host: str, port: int, *, max_watchers: int = 16) -> MembershipService:
+    """Listen on host:port (0 = any free port) and follow ``controller``'s member list."""
+    servicer = MembershipServicer(controller.role_of)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_watchers, thread_name_prefix="duet-membership"),
+                         options=[("grpc.so_reuseport", 0)])
+    control_pb2_grpc.add_MembershipServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bind = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(bind)
+    except RuntimeError as e:
+        raise MembershipError(f"controller.port={port}: cannot listen on {bind} ({e}); is another `duet serve` "
+                              "running? pick another --controller-port (0 = any free port)") from None
+    server.start()
+    controller.subscribe(servicer.publish, detailed=True)
+    for name in ("", MEMBERSHIP_SERVICE):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    service = MembershipService(server, servicer, health_servicer, host, bound)
+    logger.info("membership service on %s", service.address)
+    return service

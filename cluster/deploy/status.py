@@ -1,0 +1,187 @@
+"""``duet status``: what a running deployment consists of, asked from the outside.
+
+How status reaches a running ``duet serve`` (no extra service, nothing to configure):
+    router    --target host:port: grpc health, ListModels and duet.control.v1.RouterAdmin
+              GetRouterStats (in flight / queued, request outcomes, its view of each worker) on
+              the public port.
+    workers   through Ray: join the deployment's Ray cluster as a short-lived driver
+              (``--ray-address``, default "auto" = the local Ray that ``duet serve`` started, or
+              ``RAY_ADDRESS``), list the named worker actors in the deployment's namespace
+              ("duet"), ask each for ``info()`` (endpoint, incarnation, pid, Ray node), then ask each
+              worker's gRPC endpoint directly for health and ``GetLoad`` (running / waiting
+              requests, outstanding tokens, KV blocks used / total, prefix-cache hits).
+A worker whose actor does not answer within the timeout is listed with its error rather than
+hiding it.
+
+Example output::
+
+    router 127.0.0.1:50051: SERVING, model SmolLM2-135M-Instruct (context 1456)
+      policy prefix_aware, in flight 1/128, queued 0/512; requests 12 (rejected 0, cancelled 1),
+      2 workers healthy of 2, member list v3
+    pool default: 2 workers
+      default-0  10.0.0.5:41231  SERVING  running 1 waiting 0  outstanding 40 tok  KV 3/91 blocks  pid 1234  node 5c1a09e2
+      default-1  10.0.0.5:40877  SERVING  running 0 waiting 0  outstanding 0 tok   KV 0/91 blocks  pid 1240  node 8f03b7d1
+                 migrations: 8 out, 0 in, 0 failed, 36.9 MB; draining
+(the migrations line appears once a worker has migrated or is draining: workers/handoff/migration_service.py)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_WORKER_NAME = re.compile(r"^(?P<pool>[a-z][a-z0-9_]*)-(?P<index>\d+)$")
+
+
+def router_status(target: str, timeout: float = 5.0, *, tls: Any = None, token: str | None = None) -> dict[str, Any]:
+    """Health and models of the router at ``target`` (an ``error`` key if unreachable). tls: a
+    router.client.ClientTLS; token: a bearer token with the admin scope (RouterAdmin needs it)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from protos.duet.control.v1 import control_pb2, control_pb2_grpc
+    from protos.duet.v1 import duet_pb2, duet_pb2_grpc
+    from router.admin import stats_from_proto
+    from router.client import auth_metadata, open_channel
+
+    out: dict[str, Any] = {"target": target}
+    md = auth_metadata(token)
+    with open_channel(target, tls=tls, aio=False) as channel:
+        try:
+            r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            out["health"] = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+            models = duet_pb2_grpc.DuetStub(channel).ListModels(duet_pb2.ListModelsRequest(), timeout=timeout,
+                                                                metadata=md)
+            out["models"] = [{"name": m.name, "max_model_len": m.max_model_len} for m in models.models]
+            stats = control_pb2_grpc.RouterAdminStub(channel).GetRouterStats(control_pb2.GetRouterStatsRequest(),
+                                                                              timeout=timeout, metadata=md)
+            out["stats"] = stats_from_proto(stats)
+        except grpc.RpcError as e:
+            out["error"] = f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+    return out
+
+
+def worker_status(namespace: str, timeout: float = 5.0) -> list[dict[str, Any]]:
+    """Every Duet worker actor in ``namespace`` with its info, health and load. Ray must be
+    initialised in this process (``duet status`` connects first)."""
+    import ray
+
+    named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
+    workers = []
+    for name in sorted(named, key=_sort_key):
+        m = _WORKER_NAME.match(name)
+        if m is None:
+            continue
+        entry: dict[str, Any] = {"pool": m.group("pool"), "worker_id": name}
+        try:
+            info = ray.get(ray.get_actor(name, namespace=namespace).info.remote(), timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - dead, restarting or slow: report, don't hide
+            entry["error"] = f"actor: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+            workers.append(entry)
+            continue
+        entry.update(endpoint=info.get("endpoint"), incarnation=info.get("incarnation"), pid=info.get("pid"),
+                     node_id=info.get("node_id"))
+        if entry["endpoint"] is None:
+            entry["error"] = "not serving (starting, or restarted by Ray and not started yet)"
+        else:
+            entry.update(_worker_load(entry["endpoint"], timeout))
+        workers.append(entry)
+    return workers
+
+
+def _sort_key(name: str) -> tuple[str, int]:
+    m = _WORKER_NAME.match(name)
+    return (m.group("pool"), int(m.group("index"))) if m else (name, -1)
+
+
+def _worker_load(endpoint: str, timeout: float) -> dict[str, Any]:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
+
+    with grpc.insecure_channel(endpoint) as channel:
+        try:
+            h = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="duet.worker.v1.Worker"), timeout=timeout)
+            r = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            return {"error": f"gRPC: {e.code().name}: {e.details()}"}  # type: ignore[attr-defined]
+    return {"health": health_pb2.HealthCheckResponse.ServingStatus.Name(h.status),
+            "load": {"num_running": r.num_running, "num_waiting": r.num_waiting,
+                     "outstanding_tokens": r.outstanding_tokens, "kv_blocks_used": r.kv_blocks_used,
+                     "kv_blocks_total": r.kv_blocks_total, "prefix_cache_queries": r.prefix_cache_queries,
+                     "prefix_cache_hits": r.prefix_cache_hits, "num_preemptions": r.num_preemptions,
+                     "spec_method": r.spec_method or "none", "spec_draft_tokens": r.spec_draft_tokens,
+                     "spec_accepted_tokens": r.spec_accepted_tokens, "spec_verifies": r.spec_verifies,
+                     "spec_emitted_tokens": r.spec_emitted_tokens, "spec_fallbacks": r.spec_fallbacks,
+                     "kv_transfers_sent": r.kv_transfers_sent, "kv_transfers_received": r.kv_transfers_received,
+                     "kv_bytes_sent": r.kv_bytes_sent, "kv_bytes_received": r.kv_bytes_received,
+                     "kv_transfer_failures": r.kv_transfer_failures, "prefix_pulls": r.prefix_pulls,
+                     "prefix_pull_blocks": r.prefix_pull_blocks, "prefix_pull_bytes": r.prefix_pull_bytes,
+                     "prefix_pull_failures": r.prefix_pull_failures, "prefix_pulls_served": r.prefix_pulls_served,
+                     "migrations_out": r.migrations_out, "migrations_in": r.migrations_in,
+                     "migration_failures": r.migration_failures, "migration_kv_bytes": r.migration_kv_bytes,
+                     "draining": r.draining}}
+
+
+def _node(w: dict[str, Any]) -> str:
+    """`` node 1a2b3c4d``: the first 8 hex digits of the worker's Ray node id (as `ray status` abbreviates)."""
+    return f"  node {w['node_id'][:8]}" if w.get("node_id") else ""
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """Human-readable text of ``{"router": ..., "workers": [...] | None, "ray_error": ...}``."""
+    lines = []
+    r = status.get("router")
+    if r is not None:
+        if "error" in r:
+            lines.append(f"router {r['target']}: unreachable ({r['error']})")
+        else:
+            models = ", ".join(f"{m['name']} (context {m['max_model_len']})" for m in r.get("models", []))
+            lines.append(f"router {r['target']}: {r['health']}, model {models or '(none)'}")
+            st = r.get("stats")
+            if st is not None:
+                healthy = sum(w["healthy"] for w in st["workers"])
+                lines.append(f"  policy {st['policy']}, in flight {st['in_flight']}/{st['max_in_flight']}, queued "
+                             f"{st['queued']}/{st['max_queue']}; requests {st['requests']} (rejected {st['rejected']}, "
+                             f"cancelled {st['cancelled']}), {healthy} workers healthy of {len(st['workers'])}, "
+                             f"member list v{st['membership_version']}")
+    if status.get("ray_error"):
+        lines.append(f"workers: unknown ({status['ray_error']})")
+    workers = status.get("workers")
+    if workers is not None and not workers:
+        lines.append(f"workers: none in Ray namespace {status.get('namespace')!r} (is `duet serve` running there?)")
+    pools: dict[str, list[dict[str, Any]]] = {}
+    for w in workers or []:
+        pools.setdefault(w["pool"], []).append(w)
+    for pool, members in pools.items():
+        lines.append(f"pool {pool}: {len(members)} workers")
+        for w in members:
+            if "error" in w:
+                lines.append(f"  {w['worker_id']:<12} {w.get('endpoint') or '-':<22} {w['error']}")
+                continue
+            ld = w["load"]
+            hits = f"{ld['prefix_cache_hits']}/{ld['prefix_cache_queries']}"
+            lines.append(f"  {w['worker_id']:<12} {w['endpoint']:<22} {w['health']:<11} running {ld['num_running']} "
+                         f"waiting {ld['num_waiting']}  outstanding {ld['outstanding_tokens']} tok  KV "
+                         f"{ld['kv_blocks_used']}/{ld['kv_blocks_total']} blocks  prefix hits {hits}  pid {w['pid']}"
+                         f"{_node(w)}")
+            if ld.get("migrations_out") or ld.get("migrations_in") or ld.get("migration_failures") or ld.get("draining"):
+                lines.append(f"  {'':<12} migrations: {ld['migrations_out']} out, {ld['migrations_in']} in, "
+                             f"{ld['migration_failures']} failed, {ld['migration_kv_bytes'] / 1e6:.1f} MB"
+                             + ("; draining" if ld["draining"] else ""))
+            if ld.get("spec_method", "none") != "none":
+                rate = ld["spec_accepted_tokens"] / max(ld["spec_draft_tokens"], 1)
+                length = ld["spec_emitted_tokens"] / max(ld["spec_verifies"], 1)
+                lines.append(f"  {'':<12} speculative {ld['spec_method']}: acceptance {rate:.0%}, {length:.2f} tokens "
+                             f"per verify, {ld['spec_fallbacks']} fallbacks")
+            if ld.get("kv_transfers_sent") or ld.get("kv_transfers_received") or ld.get("kv_transfer_failures"):
+                lines.append(f"  {'':<12} KV transfers: sent {ld['kv_transfers_sent']} ({ld['kv_bytes_sent'] / 1e6:.1f} "
+                             f"MB), received {ld['kv_transfers_received']} ({ld['kv_bytes_received'] / 1e6:.1f} MB), "
+                             f"{ld['kv_transfer_failures']} failed")
+            if ld.get("prefix_pulls") or ld.get("prefix_pull_failures") or ld.get("prefix_pulls_served"):
+                lines.append(f"  {'':<12} prefix pulls: {ld['prefix_pulls']} pulled ({ld['prefix_pull_blocks']} blocks, "
+                             f"{ld['prefix_pull_bytes'] / 1e6:.1f} MB), {ld['prefix_pull_failures']} fell back to "
+                             f"recompute, {ld['prefix_pulls_served']} served")
+    return "\n".join(lines)

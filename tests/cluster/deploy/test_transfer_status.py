@@ -1,0 +1,32 @@
+"""`duet status` and /metrics show KV transfers and prefix pulls: the status text gains a line per
+worker that moved KV or pulled prefixes, and every worker counter the metrics exporter reads is a
+LoadReport field."""
+
+from __future__ import annotations
+
+from cluster.deploy.status import format_status
+from protos.duet.worker.v1 import worker_pb2
+from router.prometheus import WORKER_COUNTERS
+
+
+def _worker(**load) -> dict:
+    base = dict(num_running=0, num_waiting=0, outstanding_tokens=0, kv_blocks_used=0, kv_blocks_total=10,
+                prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0, spec_method="none")
+    return {"pool": "p", "worker_id": "w1", "endpoint": "h:1", "health": "SERVING", "pid": 1, "load": base | load}
+
+
+def test_status_shows_transfers_and_pulls_only_when_there_are_some():
+    quiet = format_status({"workers": [_worker()]})
+    assert "prefix pulls" not in quiet and "KV transfers" not in quiet
+    busy = format_status({"workers": [_worker(
+        kv_transfers_sent=1, kv_transfers_received=2, kv_bytes_sent=5_000_000, kv_bytes_received=3_000_000,
+        kv_transfer_failures=1, prefix_pulls=2, prefix_pull_blocks=250, prefix_pull_bytes=4_000_000,
+        prefix_pull_failures=1, prefix_pulls_served=3)]})
+    assert "KV transfers: sent 1 (5.0 MB), received 2 (3.0 MB), 1 failed" in busy
+    assert "prefix pulls: 2 pulled (250 blocks, 4.0 MB), 1 fell back to recompute, 3 served" in busy
+
+
+def test_every_exported_worker_counter_is_a_load_report_field():
+    fields = set(worker_pb2.LoadReport.DESCRIPTOR.fields_by_name)
+    names = [f for f, _, _ in WORKER_COUNTERS]
+    assert {"prefix_pulls", "prefix_pull_bytes", "prefix_pull_failures"} <= set(names) and set(names) <= fields

@@ -1,0 +1,397 @@
+"""Engine: requests in, token deltas out. ``step()`` is schedule -> run -> postprocess.
+
+The engine is built from injected parts (workers/build.py ``build_engine`` assembles today's
+single-process one): a Runner (workers/engine/runner.py: ``ModelRunner`` in one process, ``GangRunner`` for a TP / EP /
+SP gang), the block manager and scheduler, the KV hand-off (workers/engine/kv_handoff.py) and, when
+speculating, a Speculator. It keeps the requests (sequences, detokenizers), ``add_request`` /
+``abort`` / ``step`` / ``stats``, and delegates the disaggregated prefill/decode state to the
+hand-off:
+  prefill side  ``add_request(..., export_from_block=k)``: the final output carries the K/V of
+                prompt blocks k.. (``kv_export``).
+  decode side   ``reserve(id, prompt, params)`` -> a KVTicket; ``import_kv(id, ticket, kv, ...)``
+                writes the received blocks and decodes on after the first token. ``abort(id)``
+                returns a reservation's blocks.
+Live migration (workers/engine/migration.py): ``pause_request`` / ``migration_kv`` / ``resume_request`` /
+``finish_migrated`` on the source, ``reserve_migration`` / ``import_migration`` on the target.
+Structured output (``SamplingParams.structured``): the request's grammar compiles on a background
+thread (workers/structured/grammar.py, cached per spec) while the request waits in a GrammarGate
+(workers/engine/grammar_gate.py) instead of the scheduler; the runner masks each sampled token
+with the request's GrammarMatcher, which follows the request's tokens (so preemption, migration, the
+disaggregated hand-off and resends need no extra state). A spec that does not compile, or a
+grammar that admits no token at some step, ends the request with ``RequestOutput.error``.
+
+Sampling continues exactly: the first token is drawn on the prefill side with the request's full
+params from its seeded generator, whose state travels with it; the rest of the sampler state
+(penalty counts, min_tokens progress) is a function of the token ids, which the decode side holds
+(prompt + first token); the first token's logprobs travel with it.
+
+Worked example::
+
+    engine = build_engine(EngineConfig(model=str(resolve_model("SmolLM2-135M-Instruct"))))
+    engine.add_request("r1", "The capital of France is", SamplingParams(temperature=0, max_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step():
+            print(out.request_id, repr(out.new_text), out.finish_reason)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from workers.engine.block_manager import BlockManager, BlockStats
+from workers.config import EngineConfig
+from workers.detokenizer import IncrementalDetokenizer
+from workers.errors import InvalidRequestError
+from workers.engine.kv_handoff import KVCapacityError, KVHandoff
+from workers.sample.logprobs import TokenLogprob
+from workers.engine.migration import Migration, MigrationError, MigrationSnapshot
+from workers.engine.runner import KVExport, KVLayout, KVTicket, RequestOutput, Runner, RunnerOutput
+from workers.sampling_params import SamplingParams
+from workers.engine.scheduler import Scheduler, SchedulerOutput
+from workers.engine.sequence import FinishReason, Sequence, SequenceStatus
+from workers.engine.speculator import Speculator, SpecStats
+from workers.engine.grammar_gate import GrammarGate
+from workers.structured.grammar import GrammarCompiler
+from workers.structured.matcher import GrammarMatcher
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Engine", "EngineStats", "KVCapacityError", "KVExport", "KVTicket", "RequestOutput"]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    blocks: BlockStats
+    expert_tokens: tuple[int, ...] = ()  # MoE: assignments per expert, summed over layers
+    ep_rank_tokens: tuple[int, ...] = ()  # MoE: assignments computed per expert-parallel rank
+    num_reserved: int = 0  # decode side: reservations waiting for their KV transfer
+    spec: SpecStats = SpecStats()  # speculative decoding counters (method "none" when off)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, runner: Runner, tokenizer: Any, *, block_manager: BlockManager | None = None,
+                 scheduler: Scheduler | None = None, handoff: KVHandoff | None = None,
+                 speculator: Speculator | None = None, migration: Migration | None = None) -> None:
+        """Assemble an engine from its parts; the defaults build the block manager (sized by the
+        runner's ``num_blocks``), the scheduler and the hand-off over them. A runner that cannot
+        hold a whole model's KV (one rank of a gang, see workers/engine/runner.py) is refused."""
+        assert runner.kv_layout().holds_all_heads, "an engine's runner holds every kv head (one TP rank does not)"
+        self.config = config
+        self.runner = runner
+        self.spec = runner.spec
+        self.tokenizer = tokenizer
+        bs = runner.block_size
+        # Context limit: the model's, the user's, and what the whole KV pool can hold (so one
+        # request alone always fits and preemption can always make progress).
+        limit = self.spec.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit, runner.num_blocks * bs)
+        self.block_manager = block_manager or BlockManager(runner.num_blocks, bs, config.cache.enable_prefix_caching)
+        self.scheduler = scheduler or Scheduler(config.scheduler, self.block_manager, self.spec.releasable_window)
+        self.handoff = handoff or KVHandoff(self.block_manager, runner)
+        self.speculator = speculator
+        self.migration = migration or Migration(self.block_manager, self.scheduler, runner, speculator)
+        self.eos_token_ids = frozenset(self.spec.eos_token_ids)
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._matchers: dict[str, GrammarMatcher] = {}  # structured-output requests
+        self._arrivals = itertools.count()
+        # structured output: built on the first such request (the llguidance tokenizer takes ~0.5 s)
+        self.grammars = GrammarGate(lambda: GrammarCompiler(tokenizer, self.spec.vocab_size,
+                                                            sorted(self.eos_token_ids)))
+
+    # -------------------------------------------------------------- requests
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams, *,
+                    export_from_block: int | None = None, resumed_output_tokens: int = 0) -> str:
+        """Queue a request; returns its id. Raises InvalidRequestError for bad input.
+
+        export_from_block: prefill only (disaggregated): produce just the first token (sampled with
+        the request's full params: penalties, min_tokens), then put the K/V of prompt blocks
+        export_from_block.. on the final output (workers/engine/kv_handoff.py).
+        resumed_output_tokens: the prompt's last that many tokens were generated by an earlier run of
+        this request (they count as generated for the penalties; see workers/engine/sequence.py)."""
+        seq = self._new_sequence(request_id, prompt, params, resumed_output_tokens)
+        if export_from_block is not None:
+            self.handoff.mark_export(seq, export_from_block)
+            self.scheduler.keep_all_blocks(seq.request_id)  # every exported block must be valid
+        matcher = self._register(seq)
+        if matcher is not None:
+            self.grammars.park(seq, matcher, running=False)  # the scheduler gets it once compiled
+        else:
+            self.scheduler.add(seq)
+        return seq.request_id
+
+    def reserve(self, request_id: str, prompt: list[int], params: SamplingParams,
+                resumed_output_tokens: int = 0) -> KVTicket:
+        """Decode side: take prefix-cache hits and allocate blocks for the rest of the prompt.
+        Raises InvalidRequestError for bad input, KVCapacityError if the blocks are not free."""
+        seq = self._new_sequence(request_id, prompt, params, resumed_output_tokens)
+        ticket = self.handoff.reserve(seq)
+        self._register(seq)
+        if self.speculator is not None:  # the drafter computes its prompt KV while ours is in transit
+            self.speculator.prefetch(seq)
+        return ticket
+
+    def import_kv(self, request_id: str, ticket: KVTicket, kv: torch.Tensor, first_token: int,
+                  generator_state: bytes | None, first_logprob: TokenLogprob | None = None) -> RequestOutput:
+        """Decode side: write a reservation's received blocks (kv [L, 2, n, bs, G, D], already
+        verified) and start decoding after ``first_token`` (with its logprobs, if the request asked
+        for them). Returns the first token's output."""
+        seq = self.handoff.complete(request_id, ticket, kv, generator_state)
+        out = self._accept(seq, [first_token], [first_logprob] if first_logprob is not None else None)
+        if not out.finished:
+            self._start_decoding(seq)
+        return out
+
+    def _start_decoding(self, seq: Sequence) -> None:
+        """A sequence whose KV has arrived (disaggregated decode, migration target) joins the running
+        set; one with a grammar waits in the GrammarGate until it compiles, then its new matcher
+        replays the generated tokens before its first mask."""
+        matcher = self._matchers.get(seq.request_id)
+        if matcher is not None:
+            self.grammars.park(seq, matcher, running=True)
+        else:
+            self.scheduler.add_running(seq)
+
+    def _new_sequence(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
+                      resumed_output_tokens: int = 0) -> Sequence:
+        request_id = request_id if request_id is not None else f"req-{next(self._arrivals)}"
+        if request_id in self._seqs:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"{len(ids)} tokens; the limit is {self.max_model_len - 1} (context {self.max_model_len} "
+                f"including at least one output token)",
+            )
+        if any(not 0 <= t < self.spec.vocab_size for t in ids):
+            raise InvalidRequestError("prompt_token_ids", f"every id must be in [0, {self.spec.vocab_size})")
+        params.check_vocab(self.spec.vocab_size)
+        if params.structured is not None and not self.eos_token_ids:
+            raise InvalidRequestError("structured", "this model declares no EOS token, so a constrained output "
+                                      "could never end; set eos_token_id in its config.json")
+        if params.structured is not None and params.ignore_eos:
+            raise InvalidRequestError("ignore_eos", "cannot be combined with structured output (EOS ends the "
+                                      "output where the grammar is complete)")
+        if not 0 <= resumed_output_tokens < len(ids):
+            raise InvalidRequestError("resumed_output_tokens", f"must be in [0, {len(ids)}) (fewer than the "
+                                      f"prompt's tokens), got {resumed_output_tokens}")
+        return Sequence(request_id, ids, params, next(self._arrivals), num_resumed_tokens=resumed_output_tokens)
+
+    def _register(self, seq: Sequence) -> GrammarMatcher | None:
+        """Track ``seq``; -> its grammar matcher (compiling) when it asks for structured output."""
+        structured = seq.sampling_params.structured
+        matcher = self.grammars.matcher(structured) if structured is not None else None
+        self._seqs[seq.request_id] = seq
+        self._detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                                             seq.sampling_params.stop)
+        if matcher is not None:
+            self._matchers[seq.request_id] = matcher
+            self.runner.add_request(seq.request_id, seq.sampling_params, seq.token_ids, seq.num_prompt_tokens,
+                                    seq.output_start, matcher=matcher)
+        else:  # (runners that predate structured output take no matcher argument)
+            self.runner.add_request(seq.request_id, seq.sampling_params, seq.token_ids, seq.num_prompt_tokens,
+                                    seq.output_start)
+        return matcher
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request and free its KV blocks. Returns its final output, or None if unknown."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        seq.finish_reason = FinishReason.ABORT
+        return self._finish(seq, [], "")
+
+    def warm_up(self) -> None:
+        """Run one short greedy request (an 8-token prompt, 4 tokens out) through prefill, decode and
+        sampling, so the first real request does not pay first-call costs (kernel loading, allocator
+        growth, OpenMP thread start: tens of ms). Call it before serving, with nothing in flight.
+        The prompt is shorter than a KV block (up to 8 tokens), so it leaves nothing in the prefix
+        cache unless blocks are tiny."""
+        assert not self._seqs, "warm_up() with requests in flight"
+        n = max(1, min(8, self.max_model_len - 5, self.config.cache.block_size - 1))
+        rid = self.add_request("__warm_up__", [(i + 1) % self.spec.vocab_size for i in range(n)],
+                               SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        while rid in self._seqs:
+            self.step()
+        stats = self.block_manager.stats()
+        assert stats.num_free_blocks == stats.num_blocks, "warm-up leaked KV blocks"
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or len(self.grammars) > 0
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        moe = self.runner.moe_stats()
+        return EngineStats(len(s.running), len(s.waiting) + len(self.grammars), s.num_preemptions, self.block_manager.stats(),
+                           expert_tokens=moe.expert_tokens, ep_rank_tokens=moe.ep_rank_tokens,
+                           num_reserved=len(self.reserved()),
+                           spec=self.speculator.stats() if self.speculator is not None else SpecStats())
+
+    def reserved(self) -> list[Sequence]:
+        """Decode side (and migration targets): sequences holding reserved blocks while their KV is in transit."""
+        return self.handoff.reserved() + self.migration.reserved()
+
+    def kv_layout(self) -> KVLayout:
+        """What this engine sends and receives in a disaggregated hand-off: every kv head."""
+        return self.runner.kv_layout()
+
+    # ------------------------------------------------------------- migration
+    def pause_request(self, request_id: str) -> MigrationSnapshot:
+        """Source: hold a decoding request at this step boundary and snapshot it (workers/engine/migration.py).
+        Raises MigrationError when it is unknown or not decoding."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise MigrationError(f"{request_id} is not running here (finished, aborted or unknown)")
+        if request_id in self.grammars:
+            raise MigrationError(f"{request_id} is waiting for its grammar to compile: only a decoding request migrates")
+        return self.migration.pause(seq, self._detok[request_id])
+
+    def migration_kv(self, request_id: str, first_block: int) -> torch.Tensor:
+        """Source: a paused request's K/V of blocks first_block.. ([L, 2, n, bs, G, D])."""
+        return self.migration.read_kv(request_id, first_block)
+
+    def resume_request(self, request_id: str) -> bool:
+        """Source: the migration failed; the paused request decodes on here. False if it ended meanwhile."""
+        return self.migration.resume(request_id)
+
+    def finish_migrated(self, request_id: str) -> RequestOutput:
+        """Source: the target took the request over; free everything here. The final output has
+        no tokens and finish reason MIGRATED."""
+        seq = self.migration.take_paused(request_id)
+        seq.finish_reason = FinishReason.MIGRATED
+        return self._finish(seq, [], "")
+
+    def reserve_migration(self, snapshot: MigrationSnapshot) -> KVTicket:
+        """Target: register a request from ``snapshot`` and reserve blocks for its KV (prefix hits
+        first). Raises InvalidRequestError (bad snapshot, over this engine's limits; the field is
+        named), KVCapacityError (no room)."""
+        try:
+            snapshot.check()
+        except MigrationError as e:
+            raise InvalidRequestError("migration", str(e)) from None
+        seq = self._new_sequence(snapshot.request_id, snapshot.prompt_token_ids, snapshot.params,
+                                 snapshot.num_resumed_tokens)
+        if len(snapshot.token_ids) >= self.max_model_len or any(not 0 <= t < self.spec.vocab_size
+                                                                for t in snapshot.output_token_ids):
+            raise InvalidRequestError("output_token_ids", f"{len(snapshot.token_ids)} tokens with ids < "
+                                      f"{self.spec.vocab_size} needed; this worker's context is {self.max_model_len}")
+        seq.token_ids.extend(snapshot.output_token_ids)
+        ticket = self.migration.reserve(seq, snapshot)
+        self._register(seq)
+        if snapshot.detokenizer is not None:
+            self._detok[seq.request_id].restore(snapshot.detokenizer)
+        if self.speculator is not None:  # a draft model re-prefills prompt + outputs while the KV is in transit
+            self.speculator.prefetch(seq)
+        return ticket
+
+    def import_migration(self, request_id: str, ticket: KVTicket, kv: torch.Tensor,
+                         snapshot: MigrationSnapshot) -> None:
+        """Target: write the received blocks (verified) and decode on from the snapshot's state (a
+        structured request once its grammar has compiled and replayed the generated tokens)."""
+        self._start_decoding(self.migration.complete(request_id, ticket, kv, snapshot))
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        failed = self._admit_compiled() if len(self.grammars) else []
+        spec = self.speculator
+        drafts = spec.draft(self.scheduler.running, self.max_model_len) if spec is not None else {}
+        sched = self.scheduler.schedule({rid: d.token_ids for rid, d in drafts.items()})
+        if sched.is_empty:
+            if not failed and len(self.grammars):
+                self.grammars.wait(0.01)  # only compiles are left: sleep on them, do not spin
+            return failed
+        t0 = time.perf_counter()
+        result = self.runner.execute(sched, drafts)
+        # grammar dead ends end before the commit (which then skips them: they are no longer running)
+        failed += [self._fail(self._seqs[rid], error) for rid, error in result.errors.items()]
+        self.scheduler.commit(sched, result.sampled)
+        if spec is not None:
+            spec.record(sched, result.sampled, time.perf_counter() - t0)
+        return failed + self._postprocess(sched, result)
+
+    def _postprocess(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        return [self._accept(self._seqs[rid], tokens, result.logprobs.get(rid))
+                for rid, tokens in result.sampled.items()]
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Parked structured requests whose grammar compiled join the scheduler; failed ones end."""
+        failed = []
+        for seq, running, error in self.grammars.take_ready():
+            if error is not None:
+                failed.append(self._fail(seq, error))
+            elif running:
+                self.scheduler.add_running(seq)
+            else:
+                self.scheduler.add(seq)
+        return failed
+
+    def _fail(self, seq: Sequence, error: InvalidRequestError) -> RequestOutput:
+        """End ``seq`` with ``error`` (finish_reason ABORT; its blocks and state are freed)."""
+        logger.info("request %s failed: %s", seq.request_id, error)
+        seq.finish_reason = FinishReason.ABORT
+        return replace(self._finish(seq, [], ""), error=error)
+
+    def _accept(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+        """Append sampled tokens (several after a verify) one by one with the stop rules; finish the
+        request at the first that ends it (tokens after it, and their logprobs, are dropped)."""
+        p = seq.sampling_params
+        detok = self._detok[seq.request_id]
+        new_ids: list[int] = []
+        delta = ""
+        for token in tokens:
+            seq.append_token(token)
+            new_ids.append(token)
+            text, stopped = detok.add(token)
+            delta += text
+            if stopped or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+                seq.finish_reason = FinishReason.STOP
+            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = FinishReason.LENGTH
+            if seq.finish_reason is not None:
+                return self._finish(seq, new_ids, delta, logprobs and logprobs[: len(new_ids)])
+        return self._output(seq, new_ids, delta, logprobs=logprobs)
+
+    def _finish(self, seq: Sequence, new_ids: list[int], delta: str,
+                logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+        export = self.handoff.export(seq, new_ids, aborted=seq.finish_reason is FinishReason.ABORT,
+                                     first_logprob=logprobs[0] if logprobs else None)
+        self.handoff.release(seq.request_id)
+        self.migration.release(seq.request_id)
+        if self.speculator is not None:
+            self.speculator.release(seq.request_id)
+        self.scheduler.remove(seq)
+        self.grammars.discard(seq.request_id)
+        self._matchers.pop(seq.request_id, None)
+        self.runner.remove_request(seq.request_id)
+        delta += self._detok.pop(seq.request_id).flush()
+        del self._seqs[seq.request_id]
+        seq.status = SequenceStatus.FINISHED
+        return self._output(seq, new_ids, delta, export, logprobs)
+
+    @staticmethod
+    def _output(seq: Sequence, new_ids: list[int], delta: str, export: KVExport | None = None,
+                logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_ids,
+            new_text=delta,
+            finished=seq.finish_reason is not None,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            kv_export=export,
+            new_logprobs=logprobs,
+        )

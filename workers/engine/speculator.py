@@ -1,0 +1,127 @@
+"""Speculator: the engine's side of speculative decoding, between the scheduler and the proposer.
+
+Each step, before scheduling, ``draft`` asks the adaptive policy how many tokens each decoding
+request should draft (capped by its per-request setting, its remaining max_tokens and the context
+limit), gets drafts from the proposer, and hands them to the scheduler. After the runner has
+verified them, ``record`` feeds the outcome back (acceptance per request, the step's time vs the
+drafts it carried) and counts the metrics the worker reports.
+
+Terms: a *verify* is one request's chunk with drafts in a step; *accepted* counts drafts kept;
+*emitted* counts tokens appended by verifies (accepted + the target's own token).
+acceptance_rate = accepted / drafted; mean_accepted_length = emitted / verifies (tokens per target
+pass for speculating requests; 1.0 would be plain decoding).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from workers.config import SpeculativeConfig
+from workers.engine.scheduler import SchedulerOutput
+from workers.engine.sequence import Sequence
+from workers.engine.draft_length import DraftLengthPolicy
+from workers.engine.proposer import Draft, DraftAsk, Proposer
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    method: str = "none"
+    num_verifies: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    draft_seconds: float = 0.0  # waiting for drafts
+    verify_seconds: float = 0.0  # target steps that verified drafts
+    num_fallbacks: int = 0  # requests that went without drafts because the drafter failed
+    num_reattaches: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.num_emitted_tokens / self.num_verifies if self.num_verifies else 0.0
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, config: SpeculativeConfig) -> None:
+        self.proposer = proposer
+        self.config = config
+        self.policy = DraftLengthPolicy(config.num_speculative_tokens, config.adaptive)
+        self._verifies = self._drafted = self._accepted = self._emitted = 0
+        self._draft_s = self._verify_s = 0.0
+        self._drafted_before: set[str] = set()  # requests past their first draft (which computes a prompt)
+
+    def draft(self, running: Iterable[Sequence], max_model_len: int) -> dict[str, Draft]:
+        """Drafts for the running requests that are decoding and want speculation this step."""
+        asks = []
+        decoding = [seq for seq in running if seq.in_decode]
+        for seq in decoding:
+            p = seq.sampling_params
+            wanted = self.config.num_speculative_tokens
+            if p.num_speculative_tokens is not None:
+                wanted = min(wanted, p.num_speculative_tokens)
+            # the drafts and the target's own token must fit max_tokens and the context limit
+            limit = min(wanted, p.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens)
+            k = self.policy.choose(seq.request_id, limit, len(decoding), reproducible=p.seed is not None)
+            if k > 0:
+                asks.append(DraftAsk(seq.request_id, seq.token_ids, k, p))
+        if not asks:
+            return {}
+        t0 = time.perf_counter()
+        drafts = self.proposer.propose(asks)
+        dt = time.perf_counter() - t0
+        self._draft_s += dt
+        # Fit the draft cost on steady-state calls only: a request's first call also computes its
+        # prompt on the drafter, a one-off that says nothing about the cost of a draft token.
+        steady = all(a.request_id in self._drafted_before for a in asks)
+        self._drafted_before.update(a.request_id for a in asks)
+        if drafts and steady:
+            self.policy.observe_draft(sum(len(d.token_ids) for d in drafts.values()) / len(drafts), dt)
+        return drafts
+
+    def record(self, sched: SchedulerOutput, sampled: Mapping[str, list[int]], seconds: float) -> None:
+        """The step ran: per verified chunk, how many drafts were kept; and the step's cost."""
+        drafted = verifies = 0
+        for c in sched.chunks:
+            if not c.num_draft or c.request_id not in sampled:  # (not sampled: failed, see RunnerOutput.errors)
+                continue
+            emitted = len(sampled[c.request_id])
+            self.policy.observe(c.request_id, c.num_draft, emitted - 1)
+            verifies += 1
+            drafted += c.num_draft
+            self._accepted += emitted - 1
+            self._emitted += emitted
+        self._verifies += verifies
+        self._drafted += drafted
+        if verifies:
+            self._verify_s += seconds
+        if all(len(c.token_ids) == 1 + c.num_draft and c.sample for c in sched.chunks):  # decode-only step
+            self.policy.observe_step(sched.num_tokens, seconds)
+
+    def prefetch(self, seq: Sequence) -> None:
+        self.proposer.prefetch(seq.request_id, seq.token_ids, seq.sampling_params)
+
+    def request_state(self, request_id: str) -> tuple[float, int]:
+        """One request's draft-length state (workers/engine/migration.py carries it to another worker, so a
+        seeded request drafts, and so draws, exactly as it would have here)."""
+        return self.policy.request_state(request_id)
+
+    def set_request_state(self, request_id: str, state: tuple[float, int]) -> None:
+        self.policy.set_request_state(request_id, state)
+
+    def release(self, request_id: str) -> None:
+        self._drafted_before.discard(request_id)
+        self.policy.release(request_id)
+        self.proposer.release(request_id)
+
+    def stats(self) -> SpecStats:
+        ps = self.proposer.stats()
+        return SpecStats(self.config.method, self._verifies, self._drafted, self._accepted, self._emitted,
+                         self._draft_s, self._verify_s, ps.fallbacks, ps.reattaches)
+
+    def close(self) -> None:
+        self.proposer.close()

@@ -1,0 +1,6 @@
+"""What hosts an engine in a worker process: the internal gRPC service and the Ray actor shells.
+
+    service.py      duet.worker.v1.Worker and grpc health over one EngineLoop
+    actor.py        WorkerActor: lifecycle only; resolves the model (the edge) and serves
+    gang_actor.py   the actors of a TP / EP / SP gang: a leader that serves, followers that follow
+"""

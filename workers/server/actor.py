@@ -1,0 +1,118 @@
+"""The Ray actor shell around one worker: lifecycle only, no engine logic.
+
+Ray owns the process (placement, restarts); ``workers.server.service`` owns everything else (the engine
+thread, the gRPC service, health). The actor is async, so the gRPC server runs inside the actor's
+own event loop and the actor stays responsive to ``endpoint()`` / ``stop()`` while it serves.
+
+Threads: torch's intra-op thread count is set to the CPUs Ray reserved for the actor (at least 1),
+both here and on the engine thread. On a small machine this matters a lot: two processes each
+running as many OpenMP threads as there are cores slow torch down by an order of magnitude
+(OpenMP threads spin-wait for each other on oversubscribed cores), so threads must match the
+reservation.
+
+Worked example (from the cluster side)::
+
+    actor = WorkerActor.options(num_cpus=1, max_restarts=-1).remote(EngineConfig(), "decode-0")
+    endpoint = ray.get(actor.start.remote())       # "10.0.0.5:41231": the router dials this
+    ...
+    ray.get(actor.stop.remote())                    # drain, abort the rest, stop serving
+    ray.kill(actor)
+
+After a Ray restart the actor comes back *not serving* (``__init__`` runs again, ``start`` does
+not): whoever owns the pool calls ``start()`` again and learns the new endpoint (the port is chosen
+afresh unless one was given) and, from GetLoad, the new incarnation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+
+import ray
+import torch
+
+from workers.config import EngineConfig
+from workers.engine.device import resolve_for_rank
+from workers.models.assets.resolve import resolve_model
+from workers.server.service import WorkerServer, start_worker_server
+
+logger = logging.getLogger(__name__)
+
+
+def rank_config(config: EngineConfig, gpus: float) -> EngineConfig:
+    """A rank's engine config, ready to build on: the model name resolved to a checkpoint directory
+    here, at the edge (it may prepare or download it once per node; engines never do), then device and
+    dtype resolved against the ``gpus`` GPUs Ray assigned (a pool reserving GPUs on a node without
+    CUDA is refused, naming the key)."""
+    config = dataclasses.replace(config, model=str(resolve_model(config.model)))
+    return resolve_for_rank(config, gpus)
+
+
+@ray.remote(num_cpus=1)
+class WorkerActor:
+    """One engine behind the internal gRPC service, in its own Ray worker process.
+
+    host: address to bind and advertise; default the node's IP (``ray.util.get_node_ip_address()``).
+    port: 0 picks a free port.
+    """
+
+    def __init__(self, engine_config: EngineConfig, worker_id: str, host: str | None = None, port: int = 0) -> None:
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
+        self._num_threads = max(1, int(cpus))
+        torch.set_num_threads(self._num_threads)
+        self._config = engine_config
+        self._gpu_ids = [str(g) for g in ray.get_gpu_ids()]  # what Ray assigned (it sets CUDA_VISIBLE_DEVICES)
+        self._worker_id = worker_id
+        self._host = host or ray.util.get_node_ip_address()
+        self._port = port
+        self._server: WorkerServer | None = None
+
+    async def start(self) -> str:
+        """Load the engine and serve; returns the endpoint ("host:port"). Idempotent."""
+        if self._server is None:
+            self._config = await asyncio.to_thread(rank_config, self._config, float(len(self._gpu_ids)))
+            self._server = await start_worker_server(
+                self._config, self._host, self._port, self._worker_id, num_threads=self._num_threads
+            )
+            logger.info("actor %s: %d torch threads, serving on %s", self._worker_id, self._num_threads,
+                        self._server.endpoint)
+        return self._server.endpoint
+
+    def rank_device(self) -> dict[str, object]:
+        """The GPUs Ray assigned this worker and the device its engine config asks for."""
+        return {"rank": 0, "gpu_ids": self._gpu_ids, "device": self._config.device}
+
+    def ready(self) -> bool:
+        """True once ``start()`` has finished and until ``stop()``."""
+        return self._server is not None
+
+    def endpoint(self) -> str | None:
+        return self._server.endpoint if self._server is not None else None
+
+    def info(self) -> dict[str, object]:
+        """Identity for status pages: worker id, endpoint, incarnation, context limit (None until
+        started), pid, torch threads, the Ray node it runs on (hex id)."""
+        return {
+            "worker_id": self._worker_id,
+            "endpoint": self.endpoint(),
+            "incarnation": self._server.incarnation if self._server is not None else None,
+            "max_model_len": self._server.limits.max_model_len if self._server is not None else None,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "num_threads": self._num_threads,
+            "gpu_ids": self._gpu_ids,
+            "device": self._config.device,
+        }
+
+    async def stop(self, grace: float = 5.0, migrate_to: list[tuple[str, str]] | None = None) -> None:
+        """Drain for up to ``grace`` s, abort the rest (UNAVAILABLE), stop serving. Idempotent.
+        migrate_to: (worker id, endpoint) of the pool's other workers: the running requests move
+        there first by live migration (workers/handoff/drain.py), so the drain takes seconds."""
+        server, self._server = self._server, None
+        if server is not None:
+            from protos.duet.worker.v1 import worker_pb2
+
+            targets = [worker_pb2.MigrationTarget(worker_id=w, endpoint=e) for w, e in migrate_to or ()]
+            await server.stop(grace, migrate_to=targets)
