@@ -143,6 +143,13 @@ class SpeculativeConfig:
     drafter_threads: compute threads of the drafter actor; 0 = its drafter_cpus. On a machine where
         target and drafter share the cores, overlap off and both using all cores (time sharing)
         can beat splitting the cores between them (benchmarks/README.md, spec_bench).
+    drafter_pool: the name of a ``role: drafter`` pool (the cluster config's) whose replicas this
+        pool's requests draft on: the router picks a replica per request (many targets share one,
+        one target's requests spread over several) and each replica batches the rounds of every
+        target. method must be draft_model, with draft_model unset (the drafter pool names its
+        model); the draft_* and drafter_* settings above are then the pool's (``drafter`` section),
+        except draft_timeout_s and overlap, which stay the target's. None: a private drafter actor
+        per worker (draft_model), as above.
     """
 
     KEY_PREFIX: ClassVar[str] = "speculative."  # how this type's messages spell its keys
@@ -161,6 +168,7 @@ class SpeculativeConfig:
     draft_vocab_size: int = 0
     drafter_threads: int = 0
     drafter_device: str = "auto"
+    drafter_pool: str | None = None
 
     def __post_init__(self) -> None:
         if self.drafter_device not in DRAFTER_DEVICES:
@@ -175,9 +183,16 @@ class SpeculativeConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"speculative.ngram_min={self.ngram_min}, ngram_max={self.ngram_max}: "
                               "need 1 <= ngram_min <= ngram_max")
-        if self.method == "draft_model" and not self.draft_model:
+        if self.method == "draft_model" and not self.draft_model and not self.drafter_pool:
             raise ConfigError("speculative.method='draft_model' needs speculative.draft_model (a checkpoint dir "
-                              "or model name with the target's tokenizer)")
+                              "or model name with the target's tokenizer) or speculative.drafter_pool (a drafter "
+                              "pool's name)")
+        if self.drafter_pool is not None and self.method != "draft_model":
+            raise ConfigError(f"speculative.drafter_pool={self.drafter_pool!r}: needs speculative.method='draft_model', "
+                              f"not {self.method!r}")
+        if self.drafter_pool is not None and self.draft_model:
+            raise ConfigError(f"speculative.draft_model={self.draft_model!r}: unset it with speculative.drafter_pool="
+                              f"{self.drafter_pool!r} (the drafter pool names its model)")
         if self.draft_quantization not in QUANTIZATIONS:
             raise ConfigError(f"speculative.draft_quantization={self.draft_quantization!r}: must be one of "
                               f"{', '.join(QUANTIZATIONS)}")
@@ -208,6 +223,42 @@ class SpeculativeConfig:
         if device == "cpu" or self.draft_quantization != "none":
             return device, "float32"  # CPU kernels and quantized layers run float32 activations
         return device, target_dtype
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """What each replica of a drafter pool runs (``role: drafter`` pools; workers/spec_decode/): one
+    continuous-batching DraftEngine serving the draft rounds of every target routed to it.
+
+    model: the draft checkpoint or model name; it must share the target's tokenizer (``duet serve``
+        refuses one that does not, naming both models).
+    quantization: the drafter's weights: none | int8 | q4 (quantized runs float32 activations).
+    threads: torch threads of a replica; 0 = the CPUs it reserves (the pool's cpus_per_replica).
+    draft_vocab_size: score only this many of the tokenizer's most frequent tokens (a pruned LM head,
+        workers/spec_decode/draft_vocab.py; output unchanged); 0 = all.
+    idle_timeout_s: a request with no round for this long is freed (its target died, or it moved
+        somewhere that never came back); finished and aborted requests are freed at once.
+    The replica's device, KV budget and block size are the pool's ``engine`` settings.
+    """
+
+    KEY_PREFIX: ClassVar[str] = "drafter."  # how this type's messages spell its keys
+
+    model: str | None = None
+    quantization: str = "none"
+    threads: int = 0
+    draft_vocab_size: int = 0
+    idle_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"drafter.quantization={self.quantization!r}: must be one of {', '.join(QUANTIZATIONS)}")
+        if self.threads < 0:
+            raise ConfigError(f"drafter.threads={self.threads}: must be >= 0 (0 = the CPUs a replica reserves)")
+        if self.draft_vocab_size != 0 and self.draft_vocab_size < MIN_DRAFT_VOCAB:
+            raise ConfigError(f"drafter.draft_vocab_size={self.draft_vocab_size}: must be 0 (the full vocabulary) "
+                              f"or >= {MIN_DRAFT_VOCAB}, e.g. 32768")
+        if not self.idle_timeout_s > 0:
+            raise ConfigError(f"drafter.idle_timeout_s={self.idle_timeout_s}: must be > 0 seconds")
 
 
 @dataclass(frozen=True)

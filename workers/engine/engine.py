@@ -369,8 +369,8 @@ class Engine:
                                      first_logprob=logprobs[0] if logprobs else None)
         self.handoff.release(seq.request_id)
         self.migration.release(seq.request_id)
-        if self.speculator is not None:
-            self.speculator.release(seq.request_id)
+        if self.speculator is not None:  # a migrated request keeps its (shared) drafter state for the target
+            self.speculator.release(seq.request_id, handed_over=seq.finish_reason is FinishReason.MIGRATED)
         self.scheduler.remove(seq)
         self.grammars.discard(seq.request_id)
         self._matchers.pop(seq.request_id, None)
