@@ -53,6 +53,7 @@ from workers.spec_decode.drafter_link import DrafterLink, LinkDown
 logger = logging.getLogger(__name__)
 
 RECONNECT_INTERVAL_S = 1.0
+LINK_IDLE_S = 30.0  # a pool replica's stream with no request for this long is closed (and its slot forgotten)
 PRIVATE = ""  # the slot key of the worker's own drafter (pool replicas are keyed by endpoint)
 
 # connect(): start a (re)connection; returns a poll function that gives the endpoint when ready,
@@ -87,6 +88,7 @@ class _Slot:
     attached_before: bool = False
     incarnation: str = ""
     requests: set[str] = field(default_factory=set)
+    idle_since: float = 0.0  # when its last request left (pool replicas: closed after LINK_IDLE_S)
 
 
 class DraftModelProposer:
@@ -206,6 +208,7 @@ class DraftModelProposer:
     def propose(self, asks: list[DraftAsk]) -> dict[str, Draft]:
         t0 = time.perf_counter()
         self._stats.calls += 1
+        self._close_idle()
         try:
             groups: dict[str, list[DraftAsk]] = {}
             for a in asks:
@@ -380,7 +383,19 @@ class DraftModelProposer:
         slot = self._slots.get(st.slot)
         if slot is not None:
             slot.requests.discard(request_id)
+            if not slot.requests:
+                slot.idle_since = time.monotonic()
         return slot
+
+    def _close_idle(self) -> None:
+        """Close the streams of pool replicas no request has used for LINK_IDLE_S (a replica that
+        left the pool, or traffic that moved elsewhere): none stays open for nothing."""
+        now = time.monotonic()
+        for key, slot in list(self._slots.items()):
+            if key != PRIVATE and not slot.requests and now - slot.idle_since > LINK_IDLE_S:
+                if slot.link is not None:
+                    slot.link.close(wait_s=0.5)
+                del self._slots[key]
 
     def stats(self) -> ProposerStats:
         self._stats.extra["links"] = sum(s.link is not None and s.link.alive for s in self._slots.values())
