@@ -12,7 +12,9 @@ Sections (see ``cluster/duet.example.yaml`` for a documented file):
     model       what every worker serves: name or checkpoint path, dtype, max_model_len
     pools       worker pools, each sized and placed on its own; role colocated (each worker prefills
                 and decodes), or a disaggregated pair of pools: prefill (computes prompts and sends
-                their KV) + decode (streams tokens); see router/policies/disagg.py
+                their KV) + decode (streams tokens); see router/policies/disagg.py; or drafter (replicas
+                of a draft model that colocated / decode pools name in speculative.drafter_pool: the
+                router hands each speculative request one of them; workers/spec_decode/)
     router      the public gRPC server and HTTP API: host, port, http_port, routing policy + options,
                 admission limits
     ray         where the workers run: an existing cluster (``address``) or an embedded local one
@@ -65,20 +67,29 @@ from cluster.config.sources import (
     set_key,
 )
 from router.config import RouterConfig  # pure Python
-from workers.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig  # no torch
+from workers.config import (  # no torch
+    CacheConfig,
+    DrafterConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 __all__ = ["ClusterConfigError", "DuetConfig", "load_config"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 PLACEMENT_STRATEGIES = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
-ROLES = ("colocated", "prefill", "decode")
+ROLES = ("colocated", "prefill", "decode", "drafter")
+TARGET_ROLES = ("colocated", "decode")  # pools whose workers stream tokens (and may speculate)
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
 # ---------------------------------------------------------------------------------- sections
 # model, pools[i].engine, the pools' parallel sizes and router are the worker and router config
 # types' own fields under their YAML names (cluster/config/derive.py): their types, defaults and
-# checks are defined once, there. pools[i].speculative *is* workers.config.SpeculativeConfig.
+# checks are defined once, there. pools[i].speculative *is* workers.config.SpeculativeConfig, and
+# pools[i].drafter (role drafter) *is* workers.config.DrafterConfig.
 ModelSection = derived_section("ModelSection", """What every worker serves (workers.config.EngineConfig).
     name: 'SmolLM2-135M-Instruct' (embedded default) or a local HF checkpoint directory; each worker
     resolves it on its own node. dtype: auto | float32 | bfloat16 | float16 (auto: the checkpoint's
@@ -134,6 +145,12 @@ PoolSection = derived_section("PoolSection", """One worker pool: ``replicas`` re
     replica, not the pool; PACK fills one node first (fewer nodes to keep up); STRICT_* make that a
     hard requirement. max_restarts: how often Ray restarts a dead worker (-1 = forever).
 
+    role drafter: the pool's replicas are drafter replicas (workers/spec_decode/drafter_actor.py), one
+    rank each, running ``drafter`` (workers.config.DrafterConfig: model, quantization, threads, ...)
+    on the pool's engine.device with its engine.kv_cache_memory_bytes and block_size; colocated and
+    decode pools name it in speculative.drafter_pool. Placement, restarts, status and metrics work
+    as for any pool (e.g. resources_per_rank {duet_pool_drafters: 1} puts them on CPU-only nodes).
+
     Parallelism (workers.config.ParallelConfig): each replica is a gang of ep_size * sp_size *
     tp_size ranks. ep_size holds a share of an MoE model's experts per rank; tp_size shards every
     layer (heads, MLP width, vocabulary); sp_size splits long prefill chunks over ranks (ring
@@ -155,6 +172,7 @@ PoolSection = derived_section("PoolSection", """One worker pool: ``replicas`` re
     ("sp_size", Part(ParallelConfig, "sp_size")),
     ("comm", Part(ParallelConfig, "comm")),
     ("speculative", (SpeculativeConfig, field(default_factory=SpeculativeConfig))),
+    ("drafter", (DrafterConfig, field(default_factory=DrafterConfig))),
     ("gpus_per_rank", (float, field(default=0.0))),
     ("resources_per_rank", (Mapping[str, float], field(default_factory=dict, hash=False))),
 ], namespace={"gang_size": property(_gang_size), "parallel": property(_parallel)})
@@ -162,6 +180,8 @@ PoolSection = derived_section("PoolSection", """One worker pool: ``replicas`` re
 RouterSection = derived_section("RouterSection", """The public gRPC server (``port``) and OpenAI-compatible
     HTTP API (``http_port``, 0 = off) (router.config.RouterConfig).
     policy: round_robin | least_loaded | prefix_aware, with its keyword options in policy_options.
+    drafter_policy (+ drafter_policy_options): how a speculative request's drafter replica is picked
+    (router/policies/drafter.py): least_loaded_affinity, option fanout (replicas per target, 4).
     max_in_flight: requests streamed at once; max_queue: admitted requests waiting for a slot (beyond
     both: RESOURCE_EXHAUSTED). Security (router/security.py): tls_cert_file + tls_key_file (PEM)
     serve TLS only; tls_client_ca_file as well requires client certificates (mTLS); auth_tokens_file
@@ -173,7 +193,7 @@ RouterSection = derived_section("RouterSection", """The public gRPC server (``po
     default) and its thresholds: move running requests from the hottest to the coolest decode worker
     by live KV migration (router/rebalancer.py).""", [
     (name, Part(RouterConfig, name)) for name in (
-        "host", "port", "http_port", "policy", "policy_options", "max_in_flight", "max_queue", "shutdown_grace_s",
+        "host", "port", "http_port", "policy", "policy_options", "drafter_policy", "drafter_policy_options", "max_in_flight", "max_queue", "shutdown_grace_s",
         "tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file", "max_request_bytes",
         "disagg_min_prompt_tokens", "prefix_pull_min_tokens", "rebalance", "rebalance_interval_s", "rebalance_kv_gap",
         "rebalance_tpot_ratio", "rebalance_request_cooldown_s")
@@ -232,6 +252,20 @@ class DuetConfig:
                             scheduler=SchedulerConfig(**owner_kwargs(e, SchedulerConfig)),
                             speculative=pool.speculative)
 
+    def to_drafter_engine_config(self, pool: PoolSection) -> EngineConfig:
+        """The ``workers.config.EngineConfig`` of a drafter pool's replicas (its ``drafter`` model and
+        quantization on its ``engine`` device, KV budget and block size; float32 when quantized)."""
+        d, e = pool.drafter, pool.engine
+        return EngineConfig(model=d.model or "", quantization=d.quantization,
+                            dtype="float32" if d.quantization != "none" else "auto",
+                            device=e.device, fused_decode=e.fused_decode, cpu_kernels=e.cpu_kernels,
+                            cache=CacheConfig(block_size=e.block_size, kv_cache_memory_bytes=e.kv_cache_memory_bytes))
+
+    @property
+    def target_pools(self) -> tuple[PoolSection, ...]:
+        """The pools that serve requests (every role but drafter)."""
+        return tuple(p for p in self.pools if p.role != "drafter")
+
     def to_router_config(self, tokenizer_path: str, max_model_len: int | None = None, **extra: Any) -> RouterConfig:
         """The ``router.config.RouterConfig``. tokenizer_path: the resolved checkpoint directory;
         max_model_len: the workers' effective limit (default: ``model.max_model_len``); extra:
@@ -239,7 +273,8 @@ class DuetConfig:
         return RouterConfig(
             tokenizer_path=tokenizer_path, model_name=Path(self.model.name).name,
             max_model_len=max_model_len if max_model_len is not None else self.model.max_model_len,
-            **owner_kwargs(self.router, RouterConfig), disagg_block_size=self.pool.engine.block_size, **extra)
+            **owner_kwargs(self.router, RouterConfig), disagg_block_size=self.target_pools[0].engine.block_size,
+            **extra)
 
     def to_autoscaler_config(self):
         """The ``cluster.autoscale.slo.AutoscalerConfig`` of the ``autoscaling`` section."""
@@ -346,7 +381,8 @@ def _check_pool(pool: PoolSection, p: str, s: Sources) -> None:
     need(bool(_NAME_RE.match(pool.name)), f"{p}.name", pool.name, s,
          "must be lower-case letters, digits and '_', starting with a letter (it names the actors)")
     need(pool.role in ROLES, f"{p}.role", pool.role, s,
-         f"must be one of {', '.join(ROLES)} (prefill + decode pools make a disaggregated deployment)")
+         f"must be one of {', '.join(ROLES)} (prefill + decode pools make a disaggregated deployment; drafter "
+         "pools serve the drafts of the pools that name them in speculative.drafter_pool)")
     need(pool.replicas >= 1, f"{p}.replicas", pool.replicas, s, "must be >= 1")
     need(pool.cpus_per_replica is None or pool.cpus_per_replica >= 1, f"{p}.cpus_per_replica",
          pool.cpus_per_replica, s, "must be >= 1 (it is also the worker's torch thread count), or null to use "
@@ -406,7 +442,7 @@ def _check_duet(c: DuetConfig, p: str, s: Sources) -> None:
     roles = {pool.role for pool in c.pools}
     need(bool(roles & {"colocated", "decode"}), "pools", names, s,
          "needs a colocated or decode pool to stream tokens (a prefill pool only computes prompts)")
-    sizes = {pool.engine.block_size for pool in c.pools}
+    sizes = {pool.engine.block_size for pool in c.target_pools}
     need(len(sizes) == 1, "pools", names, s,
          f"every pool must use the same engine.block_size (KV blocks move between them), got {sorted(sizes)}")
     for i, pool in enumerate(c.pools):
@@ -417,14 +453,20 @@ def _check_duet(c: DuetConfig, p: str, s: Sources) -> None:
 
 
 def _check_engine_config(c: DuetConfig, i: int, s: Sources) -> None:
-    """Build pool i's EngineConfig: the engine's checks across model, engine and speculative keys."""
+    """Build pool i's EngineConfig: the engine's checks across model, engine and speculative keys (a
+    drafter pool's: across its drafter and engine keys)."""
     pool = c.pools[i]
+    if pool.role == "drafter" and not pool.drafter.model:
+        return  # refused by check_combinations, naming drafter.model
     try:
-        c.to_engine_config(pool)
+        c.to_drafter_engine_config(pool) if pool.role == "drafter" else c.to_engine_config(pool)
     except ValueError as e:
         if not is_lower_config_error(e):
             raise
         keys = {**keymap(c.model, "model"), **keymap(pool.engine, f"pools[{i}].engine")}
+        if pool.role == "drafter":
+            keys.update({"model": (f"pools[{i}].drafter.model", pool.drafter.model),
+                         "quantization": (f"pools[{i}].drafter.quantization", pool.drafter.quantization)})
         keys.update({f"speculative.{f.name}": (f"pools[{i}].speculative.{f.name}", getattr(pool.speculative, f.name))
                      for f in dataclasses.fields(SpeculativeConfig)})
         raise lower_error(e, keys, s) from None
