@@ -253,10 +253,10 @@ class DraftEngine:
         self._last_used[rid] = self._clock()
         self._complete(job.result, done)
         waiting = self._waiting.get(rid)
-        if waiting:
+        while waiting and rid not in self._jobs:  # (an item that resyncs at once lets the next one start)
             self._start(*waiting.popleft())
-            if not waiting:
-                del self._waiting[rid]
+        if waiting is not None and not waiting:
+            del self._waiting[rid]
 
     def _sync(self, item: DraftItem) -> Sequence | None:
         """Roll the request's context back to what the item keeps and append the rest; None if the
