@@ -278,7 +278,13 @@ class DuetConfig:
 
     def to_autoscaler_config(self):
         """The ``cluster.autoscale.slo.AutoscalerConfig`` of the ``autoscaling`` section."""
-        return to_autoscaler_config(self.autoscaling, {p.name: p.role for p in self.pools})
+        return to_autoscaler_config(self.autoscaling, {p.name: p.role for p in self.pools}, self.drafter_leaders)
+
+    @property
+    def drafter_leaders(self) -> dict[str, list[str]]:
+        """Drafter pool -> the pools drafting on it (their speculative.drafter_pool)."""
+        return {d.name: [p.name for p in self.pools if p.speculative.drafter_pool == d.name]
+                for d in self.pools if d.role == "drafter"}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what ``duet serve --dry-run`` prints as YAML)."""
@@ -449,7 +455,7 @@ def _check_duet(c: DuetConfig, p: str, s: Sources) -> None:
         _check_engine_config(c, i, s)
     check_combinations(c, s)
     check_against_pools(c.autoscaling, {pool.name: pool.role for pool in c.pools},
-                        {pool.name: pool.replicas for pool in c.pools}, s)
+                        {pool.name: pool.replicas for pool in c.pools}, s, c.drafter_leaders)
 
 
 def _check_engine_config(c: DuetConfig, i: int, s: Sources) -> None:

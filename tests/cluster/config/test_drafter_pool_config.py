@@ -115,3 +115,51 @@ def test_preflight_refuses_a_drafter_whose_tokenizer_cannot_serve_the_target(smo
     same = load_config(_yaml(tmp_path, GOOD.replace("SmolLM2-135M-Instruct", str(smollm2_path))), env={},
                        overrides={"model.name": str(smollm2_path)})
     assert preflight(same).model_path == smollm2_path
+
+
+PROFILE = {"format": "duet-profile/1", "model": "SmolLM2-135M-Instruct", "pool_type": "decode",
+           "slo": {"tpot_p90_s": 0.1}, "capacity": {"requests_per_s": 2.0, "mean_output_tokens": 50.0}}
+
+
+def _autoscaled(tmp_path: Path, pools: str) -> Path:
+    (tmp_path / "p.json").write_text(json.dumps(PROFILE))
+    return _yaml(tmp_path, GOOD.replace("replicas: 3", "replicas: 1") + f"""autoscaling:
+  enabled: true
+  pools:
+{pools.replace('PROFILE', str(tmp_path / 'p.json'))}
+""")
+
+
+def test_a_drafter_pool_autoscales_following_the_pool_drafting_on_it(tmp_path):
+    c = load_config(_autoscaled(tmp_path, """    - {pool: main, slo_ttft_ms: 500, slo_tpot_ms: 80, profile: PROFILE, max_replicas: 8}
+    - {pool: drafters, ratio: 0.5, min_replicas: 1, max_replicas: 4}"""), env={})
+    a = c.to_autoscaler_config()
+    d = a.pool("drafters")
+    assert (d.role, d.follows, d.ratio, d.min_replicas, d.max_replicas) == ("drafter", "main", 0.5, 1, 4)
+    from cluster.autoscale.slo import AutoscalerState, PoolMetrics, PoolStatus, decide
+
+    m = PoolMetrics(bucket_s=10.0, arrivals_rps=[9.0] * 6, mean_prompt_tokens=100, mean_output_tokens=50)
+    decisions, _ = decide(a, 0.0, {"main": m}, {"main": PoolStatus("main", 1, 1, 0, 0),
+                                                 "drafters": PoolStatus("drafters", 1, 1, 0, 0)}, AutoscalerState())
+    lead = decisions["main"].desired
+    assert lead > 1 and decisions["drafters"].desired == min(4, -(-lead // 2))  # ceil(0.5 x main's)
+
+
+@pytest.mark.parametrize("pools, words", [
+    ("    - {pool: main, slo_ttft_ms: 500, slo_tpot_ms: 80, profile: PROFILE}\n    - {pool: drafters, max_replicas: 4}",
+     ["autoscaling.pools[1].profile=None"]),  # a drafter pool without ratio is scaled like a target: needs a profile
+    ("    - {pool: main, slo_ttft_ms: 500, slo_tpot_ms: 80, profile: PROFILE}\n"
+     "    - {pool: drafters, ratio: 0.5, slo_tpot_ms: 80, profile: PROFILE}", None),
+    ("    - {pool: drafters, ratio: 0.5, max_replicas: 4}",
+     ["autoscaling.pools[0].pool='drafters'", "drafting on it: main; autoscaled: drafters"]),
+    ("    - {pool: main, slo_ttft_ms: 500, slo_tpot_ms: 80, profile: PROFILE, ratio: 2}",
+     ["autoscaling.pools[0].ratio=2.0", "ratio is for drafter pools only"]),
+])
+def test_drafter_autoscaling_mistakes_name_the_key(tmp_path, pools, words):
+    if words is None:  # SLOs and a profile on a ratio-following drafter pool are simply unused: accepted
+        load_config(_autoscaled(tmp_path, pools), env={})
+        return
+    with pytest.raises(ClusterConfigError) as err:
+        load_config(_autoscaled(tmp_path, pools), env={})
+    for w in words:
+        assert w in str(err.value), str(err.value)

@@ -89,8 +89,10 @@ def test_context_vocab_adds_the_requests_rare_tokens(smollm2_path):
     torch.testing.assert_close(lg0, engine.runner.model.compute_logits(hidden[:1])[0, ids0], rtol=1e-4, atol=1e-4)
 
 
-def test_pruned_drafts_stay_in_the_kept_set_and_the_context(pruned_drafter):
-    engine, _ = pruned_drafter
+def test_pruned_drafts_stay_in_the_kept_set_and_the_context(smollm2_path):
+    # an engine of its own: the fixture's is driven by its server's scheduler thread (one thread per engine)
+    engine = DraftEngine(EngineConfig(model=str(smollm2_path), quantization="int8",
+                                      cache=CacheConfig(kv_cache_memory_bytes=16 << 20)), draft_vocab_size=KEEP)
     kept = set(engine.head.ids.tolist())
     prompts = [list(range(100 + 50 * i, 130 + 50 * i)) + [40001 + i] for i in range(2)]  # one rare token each
     items = [DraftItem(f"v{i}", 0, prompts[i], 6, p)
