@@ -6,8 +6,8 @@ keys (``router.port``, ``pool.engine.block_size``; cluster/config/sources.py); t
 validated once, here (pydantic for each value, then the checks across keys), and every error names
 the key, the value, where the value came from, and what to change::
 
-    >>> load_config(overrides={"router.port": "70000"}, env={})
-    ClusterConfigError: router.port='70000' (from flag --port): must be in 0..65535 (0 picks a free port)
+    >>> load_config(overrides={"router.port": "70000"}, flag_names={"router.port": "--port"}, env={})
+    ClusterConfigError: router.port=70000 (from flag --port): must be in 0..65535 (0 picks a free port)
 
 Sections (see ``cluster/duet.example.yaml`` for a documented file, docs/reference/settings.md for
 every key with its env var and flag):
@@ -43,15 +43,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, StrictFloat, StrictInt, ValidationError
+from pydantic import BeforeValidator, Field, ValidationError
 
 from cluster.config.autoscale import AutoscalingSection, check_against_pools, check_autoscaling, to_autoscaler_config
 from cluster.config.combinations import check_combinations
 from cluster.config.derive import ByteCount, Part, Section, check_derived, derived_section, keymap, owner_kwargs
 from cluster.config.sources import (
     ClusterConfigError,
-    EnvSource,
-    FlagSource,
+    KeySource,
     Sources,
     is_lower_config_error,
     lower_error,
@@ -151,9 +150,10 @@ PoolSection = derived_section("PoolSection", """One worker pool: ``replicas`` re
         default_factory=SpeculativeConfig, description="Speculative decoding (workers.config.SpeculativeConfig); "
         "colocated and decode pools only."))),
     ("gpus_per_rank", (float, Field(0.0, description="GPUs each rank reserves (a fraction below 1 shares a GPU)."))),
-    ("resources_per_rank", (Mapping[str, StrictInt | StrictFloat], Field(default_factory=dict, description="Custom Ray resources per "
+    ("resources_per_rank", (Mapping[str, Any], Field(default_factory=dict, description="Custom Ray resources per "
                             "rank, e.g. {duet_pool_decode: 1} where only the decode pool's nodes offer it, so no rank "
-                            "lands on another pool's (or the drafters') nodes and an autoscaler adds the right ones."))),
+                            "lands on another pool's (or the drafters') nodes and an autoscaler adds the right ones.",
+                            json_schema_extra={"additionalProperties": {"type": "number", "exclusiveMinimum": 0}}))),
 ], base=_Pool)
 
 RouterSection = derived_section("RouterSection", "The public gRPC server and OpenAI-compatible HTTP API "
@@ -338,9 +338,14 @@ def load_config(path: str | os.PathLike[str] | None = None, *, overrides: Mappin
         raw = read_yaml(DuetConfig, Path(path))
         mark_sources(raw, "", f"{path}", sources)
     pools = raw.get("pools")
-    env_vars = {s.env: (key, s.parse) for key, s in SWITCHES.items() if s.env}
-    for layer in (EnvSource(DuetConfig, env, env_vars, len(pools) if isinstance(pools, list) and pools else 1),
-                  FlagSource(DuetConfig, overrides or {}, flag_names or {})):
+    num_pools = len(pools) if isinstance(pools, list) and pools else 1
+    env_values = [(key.replace("[*]", f"[{i}]"), switch.parse(env[switch.env]), f"env {switch.env}")
+                  for key, switch in SWITCHES.items() if switch.env and env.get(switch.env)
+                  for i in range(num_pools if "[*]" in key else 1)]
+    flags = flag_names or {}
+    flag_values = [(key, value, f"flag {flags.get(key, key)}") for key, value in (overrides or {}).items()
+                   if value is not None]
+    for layer in (KeySource(DuetConfig, env_values), KeySource(DuetConfig, flag_values)):
         raw = merge(raw, layer())
         sources.update(layer.sources)
     try:
@@ -388,7 +393,8 @@ def _check_placement_resources(pool: PoolSection, p: str, s: Sources) -> None:
         need(bool(name.strip()), key, given, s, "must map Ray resource names to amounts, e.g. {duet_pool_decode: 1}")
         need(name not in ("CPU", "GPU"), key, given, s, f"{name} has its own key: set cpus_per_replica / gpus_per_rank "
              "instead")
-        need(amount > 0, key, given, s, f"{name}: amounts must be numbers > 0")
+        need(isinstance(amount, (int, float)) and not isinstance(amount, bool) and 0 < amount < float("inf"),
+             key, given, s, f"{name}: amounts must be numbers > 0")
 
 
 def _check_router(r: RouterSection, p: str, s: Sources) -> None:

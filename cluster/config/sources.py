@@ -4,8 +4,8 @@ Terms:
     dotted key  a value's address: ``router.port``, ``pools[0].engine.block_size``; ``pool.x`` is
                 an alias of ``pools[0].x`` (env and flags address the one pool that way).
     layer       one source's values as nested plain data: the YAML file (pydantic-settings'
-                ``YamlConfigSettingsSource``), the environment (``EnvSource``: the variables the
-                settings declare, cluster/config/duet.py ``SWITCHES``), the flags (``FlagSource``).
+                ``YamlConfigSettingsSource``), the environment (the variables the settings
+                declare, cluster/config/duet.py ``SWITCHES``) and the flags (each a ``KeySource``).
     sources     dotted key -> where its value came from ("duet.yaml", "env DUET_PORT",
                 "flag --port"); every error message quotes it, so the user knows what to edit.
 
@@ -23,7 +23,7 @@ import dataclasses
 import re
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,47 +57,21 @@ def read_yaml(settings: type[BaseModel], path: Path) -> dict[str, Any]:
     return data
 
 
-class EnvSource(PydanticBaseSettingsSource):
-    """The declared environment variables as a layer. switches: env var -> (dotted key, parse);
-    a key under ``pools[*]`` applies to each of ``num_pools`` pools."""
+class KeySource(PydanticBaseSettingsSource):
+    """A layer of values addressed by dotted keys: the environment's or the flags' (``load_config``).
+    values: (dotted key, value, where it came from) in order; ``sources`` gets each key's origin."""
 
-    def __init__(self, settings: type[BaseModel], env: Mapping[str, str],
-                 switches: Mapping[str, tuple[str, Callable[[str], Any]]], num_pools: int) -> None:
+    def __init__(self, settings: type[BaseModel], values: Iterable[tuple[str, Any, str]]) -> None:
         super().__init__(settings)  # type: ignore[arg-type]
-        self.env, self.switches, self.num_pools = env, switches, num_pools
-        self.sources: Sources = {}
+        self.values, self.sources = list(values), {}
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # per-field API: unused
         raise NotImplementedError
 
     def __call__(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for var, (key, parse) in self.switches.items():
-            value = self.env.get(var)
-            if value in (None, ""):
-                continue
-            keys = [key.replace("[*]", f"[{i}]") for i in range(self.num_pools)] if "[*]" in key else [key]
-            for k in keys:
-                set_key(out, k, parse(value), self.sources, f"env {var}")
-        return out
-
-
-class FlagSource(PydanticBaseSettingsSource):
-    """Command-line flags (dotted key -> value; None = not given) as a layer."""
-
-    def __init__(self, settings: type[BaseModel], overrides: Mapping[str, Any], flag_names: Mapping[str, str]) -> None:
-        super().__init__(settings)  # type: ignore[arg-type]
-        self.overrides, self.flag_names = overrides, flag_names
-        self.sources: Sources = {}
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # per-field API: unused
-        raise NotImplementedError
-
-    def __call__(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in self.overrides.items():
-            if value is not None:
-                set_key(out, key, value, self.sources, f"flag {self.flag_names.get(key, key)}")
+        for key, value, source in self.values:
+            set_key(out, key, value, self.sources, source)
         return out
 
 
@@ -187,8 +161,7 @@ def validation_error(e: ValidationError, model: type[BaseModel], sources: Source
         return ClusterConfigError(f"{key} ({source_of(key, sources)}): unknown key in {parent or 'the config'}; "
                                   f"known keys: {known}")
     if kind == "value_error" and is_lower_config_error(err.get("ctx", {}).get("error")):
-        given = value if isinstance(value, dict) else {}
-        keymap = {n: (f"{key}.{n}", given.get(n, _default(model, loc, n))) for n in _fields(model, loc)}
+        keymap = {n: (f"{key}.{n}", None) for n in _fields(model, loc)}
         return lower_error(err["ctx"]["error"], keymap, sources, getattr(_node(model, loc), "KEY_PREFIX", ""))
     hint = _hint(model, loc)
     if kind == "literal_error":
@@ -227,12 +200,6 @@ def _fields(model: type[BaseModel], loc: list[Any]) -> list[str]:
     if isinstance(tp, type) and issubclass(tp, BaseModel):
         return list(tp.model_fields)
     return [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
-
-
-def _default(model: type[BaseModel], loc: list[Any], name: str) -> Any:
-    tp = _node(model, loc)
-    return next((f.default for f in dataclasses.fields(tp) if f.name == name), None) if dataclasses.is_dataclass(tp) \
-        else None
 
 
 def _hint(model: type[BaseModel], loc: list[Any]) -> str | None:
