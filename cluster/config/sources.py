@@ -152,7 +152,7 @@ _CONSTRAINTS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<
 def validation_error(e: ValidationError, model: type[BaseModel], sources: Sources) -> ClusterConfigError:
     """The ClusterConfigError for pydantic's first error in validating ``model`` (module docstring)."""
     err = e.errors(include_url=False)[0]
-    loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "lax-", "json-")))]
+    loc = [p for p in err["loc"] if not _is_tag(p)]
     key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
     kind, value = err["type"], err["input"]
     if kind in ("extra_forbidden", "unexpected_keyword_argument"):
@@ -174,6 +174,11 @@ def validation_error(e: ValidationError, model: type[BaseModel], sources: Source
     else:
         what = _PHRASES.get(kind) or err["msg"]
     return error(key, value, sources, what)
+
+
+def _is_tag(part: Any) -> bool:
+    """A part of pydantic's error location that names a validator or a union member, not a key."""
+    return isinstance(part, str) and (part in ("int", "float", "str", "bool", "none") or bool(re.search(r"[\[\]-]", part)))
 
 
 def _node(model: Any, loc: list[Any]) -> Any:

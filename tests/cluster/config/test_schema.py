@@ -98,3 +98,16 @@ def test_drafter_resources_schema_is_what_the_owner_checks(tmp_path):
         except ClusterConfigError:
             loaded = False
         assert loaded == allowed, amount
+
+
+def test_serve_flags_and_their_help_come_from_the_settings():
+    from cluster.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    actions = {flag: a for a in serve._actions for flag in a.option_strings}
+    for key, switch in SWITCHES.items():
+        if switch.flag:
+            action = actions[switch.flag]
+            assert action.dest == key and action.default is None  # unset flags leave the key to file/env/default
+            assert f"[{switch.env}]" in action.help, switch.flag
+    assert actions["--replicas"].help.startswith("the first pool: ")
