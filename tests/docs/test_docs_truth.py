@@ -382,3 +382,16 @@ def _defaults_merged(data: dict) -> dict:
             return {**base, **{k: merge(base.get(k), v) for k, v in over.items()}}
         return over
     return merge(yaml.safe_load((CHART / "values.yaml").read_text()), data)
+
+
+# ----------------------------------------------------------------------------- measured figures
+_FIGURE = re.compile(r"\b\d[\d.,]*\s*(?:tok/s|tokens/s|GB/s|ms/token|ms per token|x faster|% faster)")
+
+
+def test_measured_figures_live_only_in_benchmarks_readme():
+    """Throughput and speed-up figures go to benchmarks/README.md, dated; the docs link there. (The
+    CLI reference is the commands' own --help, whose targets such as "< 0.2 ms/token" are not figures.)"""
+    pages = [p for p in sorted((ROOT / "docs").rglob("*.md")) if p != ROOT / "docs" / "reference" / "cli.md"]
+    bad = [f"{_where(doc, n)}: {m.group(0)}" for doc in [ROOT / "README.md", *pages]
+           for n, line in _lines(doc) for m in _FIGURE.finditer(line)]
+    assert not bad, "measured figures outside benchmarks/README.md (link to it instead):\n  " + "\n  ".join(bad)
