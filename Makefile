@@ -6,8 +6,7 @@ STAMP  := $(VENV)/.duet-setup.stamp
 ARGS   ?=
 
 .PHONY: setup model kernels helm test serve bench bench-quant bench-llamacpp-env protos protos-check clean qwen-coder \
-        settings settings-check \
-        gpu-check gpu-wheels
+        settings settings-check gpu-check gpu-wheels docs docs-serve
 
 # Everything `make test` needs; serving needs only the venv, the model and the kernels (no npm/helm).
 setup: model kernels helm
@@ -101,6 +100,14 @@ bench-quant: setup
 # (ignored by git), niced; ~15-25 min of 2 cores. Never touches .venv.
 bench-llamacpp-env:
 	benchmarks/llamacpp_env.sh portable native
+
+# The documentation site (mkdocs.yml, docs/) into site/; --strict fails on a broken link or anchor between
+# pages (tests/docs/ runs the same build in `make test`). docs-serve previews it (8000 is the router's HTTP port).
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
+
+docs-serve: $(STAMP)
+	$(PY) -m mkdocs serve --strict -a 127.0.0.1:8001
 
 # Regenerate the gRPC stubs from protos/**/*.proto (commit the result); protos-check fails on drift.
 protos: setup
