@@ -133,7 +133,7 @@ PoolSection = derived_section("PoolSection", """One worker pool: ``replicas`` re
                                                      "null to use what the machine offers"}))),
     ("placement_strategy", (Literal[PLACEMENT_STRATEGIES], Field("SPREAD", description="SPREAD puts bundles on "
                             "different nodes when it can (losing a node loses one replica, not the pool); PACK fills "
-                            "one node first; STRICT_* make that a hard requirement."))),
+                            "one node first; STRICT_SPREAD / STRICT_PACK require it."))),
     ("max_restarts", (int, Field(-1, ge=-1, description="How often Ray restarts a dead worker (-1 = forever).",
                       json_schema_extra={"hint": "must be -1 (forever) or >= 0"}))),
     ("engine", (EngineSection, Field(default_factory=EngineSection, description="Per-worker engine settings."))),
