@@ -250,6 +250,8 @@ class DrafterConfig:
     idle_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.model is not None and not self.model.strip():
+            raise ConfigError(f"drafter.model={self.model!r}: must name a model or a checkpoint directory (or null)")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"drafter.quantization={self.quantization!r}: must be one of {', '.join(QUANTIZATIONS)}")
         if self.threads < 0:
