@@ -27,8 +27,9 @@ drafter re-prefills its own small cache on the target from prompt + generated to
 calls ``prefetch``, as for a disaggregated request, so the drafter works while the KV is in
 transit): its KV does not travel. A drafter pool's replica keeps the request's state by request id:
 the snapshot names it, the target drafts there from its first step, and the prefetch finds the
-context already held (nothing recomputed); the source leaves that state in place. The draft-length policy's per-request state does, so a seeded
-request drafts (and draws) on the target exactly as on the source.
+context already held (nothing recomputed); the source leaves that state in place. The draft-length
+policy's per-request state travels, so a seeded request drafts (and draws) on the target exactly
+as on the source.
 
 Structured output: the grammar matcher does not travel either. The target compiles the request's
 spec (from its sampling params) while the KV is in transit and parks the request in its
@@ -57,8 +58,8 @@ from workers.engine.kv_handoff import KVCapacityError
 from workers.engine.runner import KVTicket, Runner
 from workers.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.proposer import DrafterRef
+from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.speculator import Speculator
 
 
