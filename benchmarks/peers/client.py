@@ -2,7 +2,8 @@
 
 Every server gets the same AIPerf run per concurrency: streaming ``/v1/completions``
 (``--endpoint-type completions --streaming``), synthetic prompts of exactly ``input_tokens`` tokens
-(stddev 0, SmolLM2's tokenizer from the model directory), exactly ``output_tokens`` output tokens
+(stddev 0, SmolLM2's tokenizer from the model directory, offered to AIPerf as a Hub cache entry
+by ``tokenizer_cache``), exactly ``output_tokens`` output tokens
 (``max_tokens`` plus ``ignore_eos: true`` and ``min_tokens``, stddev 0), ``concurrency`` streams
 kept busy for ``duration_s`` seconds after ``warmup`` requests, the same random seed for all, the
 client pinned to its own core (``taskset -c <client_cores>``).
@@ -16,8 +17,9 @@ Figures (AIPerf's definitions; the summary file is ``profile_export_aiperf.json`
 
 Example::
 
+    hub_cache, repo = tokenizer_cache(model_dir, Path("/tmp/hf"))   # run AIPerf with HF_HUB_CACHE=hub_cache
     argv = aiperf_argv(Load(concurrency=8), aiperf=Path(".bench-envs/aiperf/bin/aiperf"),
-                       url="http://127.0.0.1:8123", tokenizer=model_dir, artifacts=Path("/tmp/a"))
+                       url="http://127.0.0.1:8123", tokenizer=repo, artifacts=Path("/tmp/a"))
     point = parse_summary(json.loads((Path("/tmp/a") / SUMMARY_FILE).read_text()))
 """
 
@@ -46,6 +48,7 @@ class Load:
     seed: int = 29
     client_cores: str = "1"
     grace_s: float = 60.0  # how long AIPerf waits for requests in flight when the duration ends
+    client_workers: int = 1
 
 
 @dataclass
@@ -73,21 +76,49 @@ class Point:
         return asdict(self)
 
 
-def aiperf_argv(load: Load, *, aiperf: Path, url: str, tokenizer: Path, artifacts: Path) -> list[str]:
+TOKENIZER_REPO = "bench-peers/SmolLM2-135M-Instruct"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json",
+                   "special_tokens_map.json", "chat_template.jinja")
+
+
+def tokenizer_cache(model_dir: Path, root: Path) -> tuple[Path, str]:
+    """A Hugging Face Hub cache under ``root`` holding ``model_dir``'s tokenizer files (symlinks) as
+    the snapshot of ``TOKENIZER_REPO``; returns (HF_HUB_CACHE, repo id).
+
+    Why: offline (no hub is reachable), AIPerf 0.13 resolves every tokenizer name through
+    ``snapshot_download(local_files_only=True)``, which rejects a plain directory path; online it
+    would ask the hub. A cache entry is what its offline path can load."""
+    entry = root / ("models--" + TOKENIZER_REPO.replace("/", "--"))
+    snap = entry / "snapshots" / "local"
+    snap.mkdir(parents=True, exist_ok=True)
+    (entry / "refs").mkdir(exist_ok=True)
+    (entry / "refs" / "main").write_text("local")
+    for name in TOKENIZER_FILES:
+        src, dst = model_dir / name, snap / name
+        if src.is_file():
+            if dst.is_symlink() or dst.exists():
+                dst.unlink()
+            dst.symlink_to(src.resolve())
+    return root, TOKENIZER_REPO
+
+
+def aiperf_argv(load: Load, *, aiperf: Path, url: str, tokenizer: str, artifacts: Path) -> list[str]:
     """AIPerf's ``profile`` command for one point (see the module docstring)."""
     return [
         "taskset", "-c", load.client_cores, str(aiperf), "profile",
         "--model", MODEL_ID, "--url", url, "--endpoint-type", "completions", "--streaming",
-        "--tokenizer", str(tokenizer),
+        "--tokenizer", tokenizer,
         "--synthetic-input-tokens-mean", str(load.input_tokens), "--synthetic-input-tokens-stddev", "0",
         "--output-tokens-mean", str(load.output_tokens), "--output-tokens-stddev", "0",
         "--extra-inputs", "ignore_eos:true", "--extra-inputs", f"min_tokens:{load.output_tokens}",
         "--concurrency", str(load.concurrency),
         "--benchmark-duration", f"{load.duration_s:g}", "--benchmark-grace-period", f"{load.grace_s:g}",
-        "--warmup-request-count", str(load.warmup_requests),
         "--random-seed", str(load.seed), "--artifact-dir", str(artifacts),
+        # One worker and one record processor: the client shares one core, and 64 streams of a
+        # ~100 tok/s server are far from what one asyncio worker can drive.
+        "--workers-max", str(load.client_workers), "--record-processors", "1",
         "--ui-type", "none",
-    ]
+    ] + (["--warmup-request-count", str(load.warmup_requests)] if load.warmup_requests else [])
 
 
 def _stat(summary: dict[str, Any], metric: str, key: str) -> float | None:

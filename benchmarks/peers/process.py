@@ -121,7 +121,7 @@ class ServerProcess:
         return self
 
     def __enter__(self) -> ServerProcess:
-        return self.start()
+        return self if self.proc is not None else self.start()  # started already: only the stop is owed
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -159,7 +159,7 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self, grace_s: float = 20.0) -> None:
+    def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM the process group, wait up to grace_s, then SIGKILL the group and every
         descendant seen; idempotent."""
         if self.proc is None:
@@ -172,7 +172,7 @@ class ServerProcess:
         try:
             self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            logger.warning("%s did not stop in %.0f s after SIGTERM: SIGKILL", self.argv[0], grace_s)
+            logger.warning("%s did not stop in %.0f s after SIGTERM: SIGKILL", self.log_path.name, grace_s)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
         for pid, started in self._seen.items():

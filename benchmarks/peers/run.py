@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.peers import report
-from benchmarks.peers.client import SUMMARY_FILE, Load, Point, aiperf_argv, parse_summary
+from benchmarks.peers.client import SUMMARY_FILE, Load, Point, aiperf_argv, parse_summary, tokenizer_cache
 from benchmarks.peers.process import ServerFailed, ServerProcess, free_port, machine_busy_s, tree_cpu_s
 from benchmarks.peers.servers import (
     ALL_SERVERS, DEFAULT_SERVERS, DUET_DTYPES, MODEL_ID, MissingPeer, Paths, ServerSpec, parse_servers, server_spec,
@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="threads of each server (default 1)")
     p.add_argument("--server-cores", default="0", help="taskset cores of each server (default 0)")
     p.add_argument("--client-cores", default="1", help="taskset cores of the client (default 1)")
+    p.add_argument("--start-attempts", type=int, default=3, help="tries to start each server (default 3)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up requests per server (default: the top concurrency)")
     p.add_argument("--aiperf", type=Path, default=REPO / ".bench-envs" / "aiperf" / "bin" / "aiperf")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_peers.json")
@@ -128,13 +129,15 @@ def loadavg_1m() -> float:
     return os.getloadavg()[0]
 
 
-def measure(spec: ServerSpec, server: ServerProcess, load: Load, aiperf: Path, tokenizer: Path,
+def measure(spec: ServerSpec, server: ServerProcess, load: Load, aiperf: Path, model_dir: Path,
             workdir: Path) -> Point:
     """One AIPerf run against a healthy server, with the load it ran under."""
     artifacts = workdir / f"{spec.name}-c{load.concurrency}"
     shutil.rmtree(artifacts, ignore_errors=True)
-    argv = aiperf_argv(load, aiperf=aiperf, url=server.url, tokenizer=tokenizer, artifacts=artifacts)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    hub_cache, repo = tokenizer_cache(model_dir, workdir / "hf-cache")
+    argv = aiperf_argv(load, aiperf=aiperf, url=server.url, tokenizer=repo, artifacts=artifacts)
+    env = dict(os.environ, HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
     la0, busy0, srv0, t0 = loadavg_1m(), machine_busy_s(), tree_cpu_s(server.proc.pid), time.monotonic()
     log = workdir / f"{spec.name}-c{load.concurrency}.aiperf.log"
     with log.open("wb") as f:
@@ -169,29 +172,51 @@ def measure(spec: ServerSpec, server: ServerProcess, load: Load, aiperf: Path, t
     return point
 
 
-def run_server(spec: ServerSpec, args: argparse.Namespace, tokenizer: Path, workdir: Path) -> list[Point]:
-    port = free_port()
-    server = ServerProcess(spec.argv(port), spec.environ(), workdir / f"{spec.name}.server.log", port,
-                           spec.health_path, cwd=REPO)
-    points: list[Point] = []
+def start_healthy(spec: ServerSpec, args: argparse.Namespace, workdir: Path) -> tuple[ServerProcess, str]:
+    """A started, healthy and warmed-up server, or ServerFailed after ``args.start_attempts`` tries
+    (each at a fresh port; a failed try is stopped before the next). Retrying matters on a busy
+    machine: Ray gives its raylet a fixed 30 s to register, which a loaded core can miss."""
     top = max(args.concurrency)
-    with server:
+    errors: list[str] = []
+    for attempt in range(1, args.start_attempts + 1):
+        port = free_port()
+        server = ServerProcess(spec.argv(port), spec.environ(), workdir / f"{spec.name}.server.{attempt}.log", port,
+                               spec.health_path, cwd=REPO)
+        server.start()
         try:
             up = server.wait_healthy(spec.startup_timeout_s)
             warm = warm_up(server.url, args.warmup if args.warmup is not None else top, args.output_tokens,
                            min(top, 8))
-            logger.info("%s: healthy after %.0f s, warm-up %.0f s", spec.name, up, warm)
+            return server, f"healthy after {up:.0f} s (try {attempt}), warm-up {warm:.0f} s"
         except (ServerFailed, OSError, ValueError) as e:
-            msg = f"start or warm-up failed: {e}"
-            logger.error("%s: %s", spec.name, msg)
-            return [Point(spec.name, c, failure=msg) for c in args.concurrency]
+            server.stop()
+            errors.append(f"try {attempt}: {e}")
+            logger.warning("%s: start or warm-up failed (try %d of %d): %s", spec.name, attempt,
+                           args.start_attempts, str(e).splitlines()[0])
+        except BaseException:
+            server.stop()
+            raise
+    raise ServerFailed("; ".join(errors))
+
+
+def run_server(spec: ServerSpec, args: argparse.Namespace, model_dir: Path, workdir: Path) -> list[Point]:
+    """Every concurrency of ``args`` against one server, started and always stopped here."""
+    try:
+        server, how_started = start_healthy(spec, args, workdir)
+    except ServerFailed as e:
+        msg = f"start or warm-up failed: {e}"
+        logger.error("%s: %s", spec.name, msg)
+        return [Point(spec.name, c, failure=msg) for c in args.concurrency]
+    logger.info("%s: %s", spec.name, how_started)
+    points: list[Point] = []
+    with server:  # stops it on every way out
         for c in args.concurrency:
             load = Load(concurrency=c, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
                         duration_s=args.duration, client_cores=args.client_cores)
             if not server.alive():
                 points.append(Point(spec.name, c, failure=f"server exited; log tail:\n{server.log_tail(10)}"))
                 continue
-            p = measure(spec, server, load, args.aiperf, tokenizer, workdir)
+            p = measure(spec, server, load, args.aiperf, model_dir, workdir)
             logger.info("%s c=%d: %s; load %s", spec.name, c, report.cell(p.json()), p.load)
             points.append(p)
     return points

@@ -81,7 +81,7 @@ class ServerSpec:
     how: str = ""  # e.g. "1 thread (core 0), 64 slots, Q4_1 GGUF"
     cores: str = "0"
     health_path: str = "/v1/models"
-    startup_timeout_s: float = 300.0
+    startup_timeout_s: float = 900.0  # generous: a loaded 2-core machine starts Ray and the workers slowly
     drop_env: tuple[str, ...] = ()  # variables (a trailing "*" = a prefix) the server must not inherit
 
     def argv(self, port: int) -> list[str]:
@@ -144,7 +144,7 @@ def server_spec(name: str, paths: Paths, *, threads: int, slots: int, cores: str
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
         how = f"{cpu}, {VLLM_DTYPES[dtype]}, max {slots} seqs, continuous batching"
-        return ServerSpec(name, kind, dtype, cmd, env, how, cores, startup_timeout_s=600.0)
+        return ServerSpec(name, kind, dtype, cmd, env, how, cores)
     if not paths.llama_server.exists():
         raise MissingPeer(f"{name}: {paths.llama_server} is missing: run `benchmarks/peers/envs.sh llamacpp`")
     if paths.gguf is None:
