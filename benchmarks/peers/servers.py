@@ -138,13 +138,15 @@ def server_spec(name: str, paths: Paths, *, threads: int, slots: int, cores: str
                "--model", str(paths.model_dir), "--served-model-name", MODEL_ID,
                "--dtype", VLLM_DTYPES[dtype], "--max-num-seqs", str(slots),
                "--max-model-len", str(ctx_per_slot * 2), "--host", "127.0.0.1", "--port", "{port}",
-               "--disable-log-requests", "--uvicorn-log-level", "warning")
+               "--uvicorn-log-level", "warning")
         env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": cores,
                "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "OMP_NUM_THREADS": str(threads),
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
         how = f"{cpu}, {VLLM_DTYPES[dtype]}, max {slots} seqs, continuous batching"
-        return ServerSpec(name, kind, dtype, cmd, env, how, cores)
+        # Its first start compiles the model (torch.compile, cached in ~/.cache/vllm): 14 min on one
+        # loaded core here.
+        return ServerSpec(name, kind, dtype, cmd, env, how, cores, startup_timeout_s=1800.0)
     if not paths.llama_server.exists():
         raise MissingPeer(f"{name}: {paths.llama_server} is missing: run `benchmarks/peers/envs.sh llamacpp`")
     if paths.gguf is None:
