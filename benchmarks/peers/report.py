@@ -14,6 +14,7 @@ Example row::
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,21 @@ def _fmt(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def short_failure(msg: str) -> str:
+    """A table-sized reason for a point without figures (the JSON keeps the whole message)."""
+    if m := re.search(r"completed=(\d+), cancelled=(\d+)", msg):
+        return f"failed: {m[1]} requests done, {m[2]} cancelled after the grace period"
+    if msg.startswith("start or warm-up failed"):
+        return "failed: did not start (see the JSON)"
+    if "server died" in msg or "server exited" in msg:
+        return "failed: the server died (see the JSON)"
+    return "failed (see the JSON)"
+
+
 def cell(p: dict[str, Any]) -> str:
     """"52.8 (15 ms)"; "failed: <why>" when the point has no figures."""
     if p.get("failure"):
-        return f"failed: {p['failure'][:60]}"
+        return short_failure(p["failure"])
     text = f"{_fmt(p.get('output_tok_s'))} ({_fmt(p.get('itl_p50_ms'), 0)} ms"
     if p.get("errors"):
         text += f"; {p['errors']} of {p['errors'] + p.get('requests', 0)} failed"

@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_peers.json")
     p.add_argument("--merge", action="store_true", help="keep the points of --out that this run does not measure")
     p.add_argument("--dry-run", action="store_true", help="print each server's command line and exit")
+    p.add_argument("--report", action="store_true", help="print the tables of --out (and redraw its plot) and exit")
     return p
 
 
@@ -249,6 +250,18 @@ def git_commit() -> str:
     return r.stdout.strip() or "unknown"
 
 
+def print_tables(result: dict[str, Any], out: Path) -> None:
+    """Redraw the plot beside ``out`` and print the three tables."""
+    why = report.write_plot(result, out.with_suffix(".png"))
+    run = result["run"]
+    print(f"\nSmolLM2-135M-Instruct, {run['threads']} thread(s) per server on core(s) {run['server_cores']}, "
+          f"AIPerf on core(s) {run['client_cores']}; {run['cpu_model']}; {run['date']} (commit {run['commit']})\n")
+    print(report.main_table(result) + "\n")
+    print(report.latency_table(result) + "\n")
+    print(report.verdict_table(result["verdict"]) + "\n")
+    print(f"JSON: {out}" + (f"; {why}" if why else f"; plot: {out.with_suffix('.png')}"))
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -261,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         names = select_servers(args.servers, args.duet_dtypes)
     except ValueError as e:
         build_parser().error(str(e))
+    if args.report:
+        result = json.loads(args.out.read_text())
+        result["verdict"] = report.verdict(result)
+        print_tables(result, args.out)
+        return 0
     paths = default_paths()
     top = max(args.concurrency)
 
@@ -308,13 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         result = report.merge(json.loads(args.out.read_text()), result)
     result["verdict"] = report.verdict(result)
     report.write_json(result, args.out)
-    why = report.write_plot(result, args.out.with_suffix(".png"))
-    print(f"\nSmolLM2-135M-Instruct, {args.threads} thread(s) per server on core(s) {args.server_cores}, "
-          f"AIPerf on core(s) {args.client_cores}; {run_info['cpu_model']}; {run_info['date']} (commit {run_info['commit']})\n")
-    print(report.main_table(result) + "\n")
-    print(report.latency_table(result) + "\n")
-    print(report.verdict_table(result["verdict"]) + "\n")
-    print(f"JSON: {args.out}" + (f"; {why}" if why else f"; plot: {args.out.with_suffix('.png')}"))
+    print_tables(result, args.out)
     return 0
 
 

@@ -100,8 +100,12 @@ def test_main_table_has_a_cell_per_point_and_says_how_each_server_ran():
 
 
 def test_a_failed_point_says_why():
-    assert report.cell(Point("vllm-bf16", 8, failure="start or warm-up failed: exited with 1").json()).startswith(
-        "failed: start or warm-up failed")
+    def cell(msg: str) -> str:
+        return report.cell(Point("vllm-bf16", 8, failure=msg).json())
+    assert cell("start or warm-up failed: exited with 1") == "failed: did not start (see the JSON)"
+    assert cell("aiperf wrote no profile_export_aiperf.json (rc 1; log x): completed=0, cancelled=64, errors=0 "
+                "| sessions") == "failed: 0 requests done, 64 cancelled after the grace period"
+    assert cell("server died during the point; log tail: ...") == "failed: the server died (see the JSON)"
 
 
 def test_verdict_compares_duet_s_best_with_the_best_peer():
@@ -138,3 +142,15 @@ def test_json_and_plot_are_written(tmp_path: Path):
     assert json.loads((tmp_path / "out" / "bench_peers.json").read_text()) == result
     assert report.write_plot(result, tmp_path / "out" / "bench_peers.png") is None
     assert (tmp_path / "out" / "bench_peers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_flag_prints_the_tables_of_a_result(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    from benchmarks.peers.run import main
+
+    result = _result()
+    result["run"].update(server_cores="0", client_cores="1", commit="abc1234")
+    report.write_json(result, tmp_path / "r.json")
+    assert main(["--report", "--out", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| duet-q4 (1 thread (core 0), q4) | 60.0 (15 ms) | 100.0 (261 ms) |" in out
+    assert "| 32 | duet-q4 | vllm-bf16 | 0.56x |" in out and (tmp_path / "r.png").exists()
