@@ -2,7 +2,8 @@
 
 ``main_table`` is the issue's table: one row per server with how it ran, one column per
 concurrency, each cell "output tok/s (ITL p50 ms)", with the failed / reset connections after a
-semicolon when there were any. ``latency_table`` gives TTFT p50/p99 and ITL p99 per point.
+semicolon when there were any. ``latency_table`` gives TTFT p50/p99, ITL p99, the server's CPU per
+output token and the load per point.
 ``verdict`` compares Duet's best dtype with the best peer at each concurrency (the issue's target:
 >= 1.2x the tokens/s with p50 ITL no worse).
 
@@ -75,10 +76,19 @@ def main_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def cpu_ms_per_token(p: dict[str, Any]) -> float | None:
+    """CPU the server's whole process tree used during the point (client start-up and drain included)
+    per output token the client received: what a token costs the server, far less sensitive than
+    tokens/s to how much of its core others took."""
+    tokens = (p.get("output_tokens_mean") or 0) * p.get("requests", 0)
+    cpu = p.get("load", {}).get("server_cpu_s")
+    return None if not tokens or cpu is None else 1000.0 * cpu / tokens
+
+
 def latency_table(result: dict[str, Any]) -> str:
     by, cs = points_by(result), concurrencies(result)
-    lines = ["| server | streams | TTFT p50 / p99 ms | ITL p50 / p99 ms | requests | failed (reset) | load 1-min avg | others' CPU |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| server | streams | TTFT p50 / p99 ms | ITL p50 / p99 ms | requests | failed (reset) | server CPU ms / output token | load 1-min avg | others' CPU |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for server in result.get("servers", list(by)):
         for c in cs:
             p = by.get(server, {}).get(c)
@@ -88,7 +98,8 @@ def latency_table(result: dict[str, Any]) -> str:
             lines.append(
                 f"| {server} | {c} | {_fmt(p.get('ttft_p50_ms'), 0)} / {_fmt(p.get('ttft_p99_ms'), 0)} | "
                 f"{_fmt(p.get('itl_p50_ms'), 0)} / {_fmt(p.get('itl_p99_ms'), 0)} | {p.get('requests', 0)} | "
-                f"{p.get('errors', 0)} ({p.get('resets', 0)}) | {_fmt(load.get('loadavg_1m_start'))}-{_fmt(load.get('loadavg_1m_end'))} | "
+                f"{p.get('errors', 0)} ({p.get('resets', 0)}) | {_fmt(cpu_ms_per_token(p), 1)} | "
+                f"{_fmt(load.get('loadavg_1m_start'))}-{_fmt(load.get('loadavg_1m_end'))} | "
                 f"{_fmt(load.get('others_cores'), 2)} cores |")
     return "\n".join(lines)
 

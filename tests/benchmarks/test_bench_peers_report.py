@@ -99,6 +99,13 @@ def test_main_table_has_a_cell_per_point_and_says_how_each_server_ran():
     assert "| duet-q4 | 32 |" in report.latency_table(_result())
 
 
+def test_cpu_per_token_is_the_server_tree_s_cpu_over_the_tokens_received():
+    p = Point("duet-q4", 8, output_tok_s=10.0, requests=16, output_tokens_mean=64.0,
+              load={"server_cpu_s": 20.48}).json()
+    assert report.cpu_ms_per_token(p) == 1000.0 * 20.48 / (16 * 64.0)
+    assert report.cpu_ms_per_token(Point("duet-q4", 8).json()) is None  # no tokens, no figure
+
+
 def test_a_failed_point_says_why():
     def cell(msg: str) -> str:
         return report.cell(Point("vllm-bf16", 8, failure=msg).json())
