@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a server may take to become healthy (default: 900; vLLM 1800, it compiles first)")
     p.add_argument("--start-attempts", type=int, default=3, help="tries to start each server (default 3)")
     p.add_argument("--warmup", type=int, default=8, help="full-length warm-up requests per server, up to 8 at a time (default 8)")
+    p.add_argument("--llamacpp-repack", action="store_true",
+                   help="let llama-server repack weights (its AMX path; segfaults on this AMX machine, so off by default)")
     p.add_argument("--aiperf", type=Path, default=REPO / ".bench-envs" / "aiperf" / "bin" / "aiperf")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_peers.json")
     p.add_argument("--merge", action="store_true", help="keep the points of --out that this run does not measure")
@@ -283,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     top = max(args.concurrency)
 
     def spec_of(name: str) -> ServerSpec:  # at the server's turn: a peer built meanwhile is found
-        return server_spec(name, paths, threads=args.threads, slots=top, cores=args.server_cores)
+        return server_spec(name, paths, threads=args.threads, slots=top, cores=args.server_cores,
+                           llamacpp_repack=args.llamacpp_repack)
 
     if args.dry_run:
         for name in names:

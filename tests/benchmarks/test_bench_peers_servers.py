@@ -85,6 +85,9 @@ def test_llamacpp_has_a_slot_per_stream_and_continuous_batching(paths: Paths):
     assert _flag(argv, "--parallel") == "64" and "--cont-batching" in argv
     assert _flag(argv, "-c") == str(64 * 256) and _flag(argv, "--alias") == MODEL_ID
     assert spec.health_path == "/health" and "64 slots" in spec.how
+    assert "--no-repack" in argv  # its AMX path crashes on an AMX machine
+    assert "--no-repack" not in server_spec("llamacpp-q4_1", paths, threads=1, slots=8, cores="0",
+                                            llamacpp_repack=True).argv(port=9003)
 
 
 def test_a_missing_peer_says_which_command_makes_it(paths: Paths):
