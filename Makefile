@@ -77,13 +77,19 @@ qwen-coder: $(STAMP)
 # PYTEST_WORKERS=0 runs everything in this process (xdist off), e.g. to debug one test.
 PYTEST_WORKERS ?= 2
 # Modules marked `serial` (a real multi-node Ray cluster) run after the rest, in a process of their own.
+# The serial phase runs even when the first one failed, and the target fails if either did (any
+# non-zero pytest exit, including 5: "no tests collected"); the last line names both exit codes.
+# PYTEST: the command both phases run (tests/test_suite_scheduling.py puts a fake one here).
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+PYTEST ?= $(PY) -m pytest
 test: setup
 ifeq ($(strip $(ARGS)),)
-	$(PY) -m pytest $(XDIST) -m "not serial"
-	$(PY) -m pytest -m serial
+	@first=0; $(PYTEST) $(XDIST) -m "not serial" || first=$$?; \
+	serial=0; $(PYTEST) -m serial || serial=$$?; \
+	echo "make test: not-serial phase exited $$first, serial phase exited $$serial"; \
+	[ $$first -eq 0 ] && [ $$serial -eq 0 ]
 else
-	$(PY) -m pytest $(XDIST) $(ARGS)
+	$(PYTEST) $(XDIST) $(ARGS)
 endif
 
 serve: model kernels
