@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.duet-setup.stamp
 ARGS   ?=
 
-.PHONY: setup model kernels helm test serve bench bench-quant bench-llamacpp-env protos protos-check clean qwen-coder \
+.PHONY: setup model kernels helm test client-wheel serve bench bench-quant bench-llamacpp-env protos protos-check clean qwen-coder \
         gpu-check gpu-wheels docs docs-serve
 
 # Everything `make test` needs; serving needs only the venv, the model and the kernels (no npm/helm).
@@ -91,6 +91,11 @@ ifeq ($(strip $(ARGS)),)
 else
 	$(PYTEST) $(XDIST) $(ARGS)
 endif
+
+# The client alone as a wheel in dist/ (clients/python: router/client.py and the duet.v1 stubs; it needs
+# only grpcio and protobuf, no torch or Ray); pip fetches setuptools to build it.
+client-wheel:
+	$(PYTHON) -m pip wheel --no-deps -w dist ./clients/python
 
 serve: model kernels
 	$(VENV)/bin/duet serve $(ARGS)
