@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.duet-setup.stamp
 ARGS   ?=
 
 .PHONY: setup model kernels helm test client-wheel serve bench bench-quant bench-llamacpp-env protos protos-check clean qwen-coder \
-        gpu-check gpu-wheels docs docs-serve
+        settings settings-check gpu-check gpu-wheels docs docs-serve
 
 # Everything `make test` needs; serving needs only the venv, the model and the kernels (no npm/helm).
 setup: model kernels helm
@@ -126,6 +126,14 @@ protos: setup
 
 protos-check: setup
 	$(PY) -m protos.generate --check
+
+# Regenerate what comes from the config models (cluster/config/schema.py): docs/reference/settings.md,
+# deploy/helm/duet/values.schema.json and its README table (commit them); settings-check fails on drift.
+settings: $(STAMP)
+	$(PY) -m cluster.config.schema --write
+
+settings-check: $(STAMP)
+	$(PY) -m cluster.config.schema --check
 
 # --- GPU check (benchmarks/gpu_check/) -------------------------------------------------------
 # Proves the GPU path on one GPU in <= 8 minutes without Ray or network, with the machine's own
