@@ -6,11 +6,15 @@ process the logits (penalties, logit_bias, min_tokens: workers/sample/penalties.
 Greedy rows (temperature 0) take the argmax. Other rows: divide by temperature, drop tokens below
 min_p x the top probability, keep the top_k largest logits (if top_k > 0), keep the smallest set
 of tokens whose probability mass reaches top_p (always at least the most likely), renormalise and
-draw with the request's own generator. A request with a seed owns a generator seeded with it, so
-its draws do not depend on what else is in the batch. Logprobs (workers/sample/logprobs.py) are
-log_softmax of the temperature-scaled processed logits (temperature 1 for greedy rows).
+draw with the request's own generator (workers/sample/draw.py: one uniform per row, inverse CDF).
+A request with a seed owns a generator seeded with it, so its draws do not depend on what else is
+in the batch. Logprobs (workers/sample/logprobs.py) are log_softmax of the temperature-scaled
+processed logits (temperature 1 for greedy rows).
 
-Every step is a tensor op over the batch; only the draws loop over rows (one generator each).
+Work a row does not ask for is skipped: no copy or processing pass when no row has penalties,
+bias, min_tokens or logprobs; min_p / top_k / top_p passes only when some row sets them; the
+argmax only over greedy rows. Every step is a tensor op over the batch; the only loop over rows
+draws one uniform per seeded request from its generator.
 
 Axes: N rows, V vocabulary.
 """
@@ -21,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from workers.sample.draw import draw
 from workers.sample.logprobs import TokenLogprob, gather_logprobs
 from workers.sample.penalties import RowContext, process_logits
 from workers.sampling_params import SamplingParams
@@ -102,12 +107,18 @@ class Sampler:
         if plain and all(p.greedy for p in params):
             return logits.argmax(-1).tolist(), [None] * len(rows)  # on the logits' device, no copy
         processed = self.process(logits, rows)  # [N, V]
-        tokens = processed.argmax(-1).tolist()  # [N]
+        tokens = [0] * len(rows)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if greedy:
+            picked = processed.argmax(-1) if not sampled else processed[greedy].argmax(-1)  # [G]
+            for i, t in zip(greedy, picked.tolist()):
+                tokens[i] = t
         if sampled:
-            probs = sampling_probs(processed[sampled], [params[i] for i in sampled])  # [S, V]
-            for j, i in enumerate(sampled):
-                tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
+            rows_s = processed if not greedy else processed[sampled]  # [S, V]
+            probs = sampling_probs(rows_s, [params[i] for i in sampled])  # [S, V]
+            for i, t in zip(sampled, draw(probs, [generators[i] for i in sampled])):
+                tokens[i] = t
         want = [i for i, p in enumerate(params) if p.top_logprobs is not None]
         out: list[TokenLogprob | None] = [None] * len(rows)
         if want:
