@@ -101,11 +101,16 @@ EngineSection = derived_section("EngineSection", """Per-worker engine settings (
     replayed from CUDA graphs captured at these batch sizes (default 1, 2, 4, 8, multiples of 8 up to
     max_num_seqs; each <= max_num_seqs); kv_transfer_backend: how KV a worker receives from a peer
     (disaggregated prefill, prefix pull) travels: auto | shm | gloo | nccl (auto: shared memory from
-    a same-host peer with the cache on the CPU, else nccl on CUDA, else gloo; workers/kv/transfer.py).""", [
+    a same-host peer with the cache on the CPU, else nccl on CUDA, else gloo; workers/kv/transfer.py);
+    target_itl_ms: null = the fixed max_num_batched_tokens per step, a number = prompt chunks sized
+    so a step takes about that long (workers/engine/token_budget.py); omp_wait_policy: passive |
+    active | runtime, how the worker's idle OpenMP threads wait, and niceness (0; null = Ray's 15):
+    the worker process's thread settings (workers/server/threads.py).""", [
     ("block_size", Part(CacheConfig, "block_size")),
     ("kv_cache_memory_bytes", Part(CacheConfig, "kv_cache_memory_bytes")),
     ("max_num_batched_tokens", Part(SchedulerConfig, "max_num_batched_tokens")),
     ("max_num_seqs", Part(SchedulerConfig, "max_num_seqs")),
+    ("target_itl_ms", Part(SchedulerConfig, "target_itl_ms")),
     ("enable_prefix_caching", Part(CacheConfig, "enable_prefix_caching")),
     ("fused_decode", Part(EngineConfig, "fused_decode")),
     ("cpu_kernels", Part(EngineConfig, "cpu_kernels")),
@@ -113,6 +118,8 @@ EngineSection = derived_section("EngineSection", """Per-worker engine settings (
     ("cuda_graphs", Part(EngineConfig, "cuda_graphs")),
     ("cuda_graph_batch_sizes", Part(EngineConfig, "cuda_graph_batch_sizes")),
     ("kv_transfer_backend", Part(EngineConfig, "kv_transfer_backend")),
+    ("omp_wait_policy", Part(EngineConfig, "omp_wait_policy")),
+    ("niceness", Part(EngineConfig, "niceness")),
 ])
 
 
