@@ -51,7 +51,7 @@ from workers.errors import InvalidRequestError
 from workers.engine.kv_handoff import KVCapacityError, KVHandoff
 from workers.sample.logprobs import TokenLogprob
 from workers.engine.migration import Migration, MigrationError, MigrationSnapshot
-from workers.engine.runner import KVExport, KVLayout, KVTicket, RequestOutput, Runner, RunnerOutput
+from workers.engine.runner import KVExport, KVLayout, KVTicket, RequestOutput, Runner, RunnerOutput, RunnerTiming
 from workers.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -62,7 +62,34 @@ from workers.structured.matcher import GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineStats", "KVCapacityError", "KVExport", "KVTicket", "RequestOutput"]
+__all__ = ["Engine", "EngineStats", "KVCapacityError", "KVExport", "KVTicket", "RequestOutput", "StepTiming"]
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Where one ``step()`` spent its wall-clock time (time.perf_counter seconds), and its shape.
+
+    schedule_s     grammar admissions, drafts (speculative decoding) and the scheduler's choice
+    execute_s      the runner: inputs, forward pass, logits, sampling (split in ``runner`` when the
+                   runner measures it: workers/engine/runner.py RunnerTiming)
+    commit_s       the scheduler's commit (computed tokens, prefix-cache blocks, draft rollback)
+    postprocess_s  stop rules, detokenization, the outputs
+    num_decode_rows  rows computed for requests past their prompt (one each; verify chunks 1 + drafts)
+    num_prefill_tokens  prompt (and recomputed) tokens computed in the step
+    On CUDA the runner's parts are launch times until something waits for the device (sampling does).
+    """
+
+    schedule_s: float
+    execute_s: float
+    commit_s: float
+    postprocess_s: float
+    num_decode_rows: int
+    num_prefill_tokens: int
+    runner: RunnerTiming | None = None
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.execute_s + self.commit_s + self.postprocess_s
 
 
 @dataclass(frozen=True)
@@ -104,6 +131,7 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._matchers: dict[str, GrammarMatcher] = {}  # structured-output requests
         self._arrivals = itertools.count()
+        self.last_step: StepTiming | None = None  # the latest step that ran the model
         # structured output: built on the first such request (the llguidance tokenizer takes ~0.5 s)
         self.grammars = GrammarGate(lambda: GrammarCompiler(tokenizer, self.spec.vocab_size,
                                                             sorted(self.eos_token_ids)))
@@ -304,6 +332,7 @@ class Engine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         failed = self._admit_compiled() if len(self.grammars) else []
         spec = self.speculator
         drafts = spec.draft(self.scheduler.running, self.max_model_len) if spec is not None else {}
@@ -312,14 +341,21 @@ class Engine:
             if not failed and len(self.grammars):
                 self.grammars.wait(0.01)  # only compiles are left: sleep on them, do not spin
             return failed
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         result = self.runner.execute(sched, drafts)
+        t2 = time.perf_counter()
         # grammar dead ends end before the commit (which then skips them: they are no longer running)
         failed += [self._fail(self._seqs[rid], error) for rid, error in result.errors.items()]
         self.scheduler.commit(sched, result.sampled)
         if spec is not None:
-            spec.record(sched, result.sampled, time.perf_counter() - t0)
-        return failed + self._postprocess(sched, result)
+            spec.record(sched, result.sampled, time.perf_counter() - t1)
+        t3 = time.perf_counter()
+        outputs = failed + self._postprocess(sched, result)
+        decode_rows, prefill_tokens = sched.token_split()
+        self.last_step = StepTiming(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, decode_rows, prefill_tokens,
+                                    result.timing)
+        self.scheduler.observe(decode_rows, prefill_tokens, self.last_step.total_s)
+        return outputs
 
     def _postprocess(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         return [self._accept(self._seqs[rid], tokens, result.logprobs.get(rid))
