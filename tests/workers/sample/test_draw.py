@@ -128,3 +128,17 @@ def test_sampler_rows_reproduce_in_any_batch():
     assert batched == alone
     rev, _ = _sample(logits.flip(0), params[::-1], seeds[::-1])
     assert rev[::-1] == batched
+
+
+def test_a_row_without_filters_is_untouched_by_its_neighbours_filters():
+    """Each filter pass runs on the rows that set it only: a plain row's weights are bit-identical
+    alone and beside rows with min-p / top-k / top-p (so its draw cannot depend on the batch)."""
+    from workers.sample.sampler import sampling_weights
+
+    logits = torch.randn(4, 4096, generator=torch.Generator().manual_seed(5)) * 4
+    plain = SamplingParams(temperature=0.9)
+    alone = sampling_weights(logits[:1], [plain])
+    crowd = sampling_weights(logits, [plain, SamplingParams(temperature=0.9, top_p=0.5),
+                                      SamplingParams(temperature=0.9, top_k=5), SamplingParams(min_p=0.1)])
+    assert torch.equal(alone[0], crowd[0])
+    assert (crowd[2] > 0).sum() == 5 and (crowd[0] > 0).sum() == 4096
