@@ -46,7 +46,7 @@ import torch
 
 from workers.engine.block_manager import BlockManager, BlockStats
 from workers.config import EngineConfig
-from workers.detokenizer import IncrementalDetokenizer
+from workers.detokenizer import IncrementalDetokenizer, add_batch, batch_decoder
 from workers.errors import InvalidRequestError
 from workers.engine.kv_handoff import KVCapacityError, KVHandoff
 from workers.sample.logprobs import TokenLogprob
@@ -129,6 +129,7 @@ class Engine:
         self.eos_token_ids = frozenset(self.spec.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._decode_batch = batch_decoder(tokenizer)  # one tokenizer call per step (workers/detokenizer.py)
         self._matchers: dict[str, GrammarMatcher] = {}  # structured-output requests
         self._arrivals = itertools.count()
         self.last_step: StepTiming | None = None  # the latest step that ran the model
@@ -358,7 +359,12 @@ class Engine:
         return outputs
 
     def _postprocess(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
-        return [self._accept(self._seqs[rid], tokens, result.logprobs.get(rid))
+        """Each sampled request's tokens through the stop rules. The usual one token per request is
+        detokenized for all requests at once (one batched decode); a verify's several go one by one."""
+        ones = [rid for rid, tokens in result.sampled.items() if len(tokens) == 1]
+        texts = dict(zip(ones, add_batch([self._detok[rid] for rid in ones], [result.sampled[rid][0] for rid in ones],
+                                         self._decode_batch)))
+        return [self._accept(self._seqs[rid], tokens, result.logprobs.get(rid), texts.get(rid))
                 for rid, tokens in result.sampled.items()]
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -379,9 +385,12 @@ class Engine:
         seq.finish_reason = FinishReason.ABORT
         return replace(self._finish(seq, [], ""), error=error)
 
-    def _accept(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+    def _accept(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None,
+                detokenized: tuple[str, bool] | None = None) -> RequestOutput:
         """Append sampled tokens (several after a verify) one by one with the stop rules; finish the
-        request at the first that ends it (tokens after it, and their logprobs, are dropped)."""
+        request at the first that ends it (tokens after it, and their logprobs, are dropped).
+        detokenized: the single token's (text, stopped), already added to the request's detokenizer."""
+        assert detokenized is None or len(tokens) == 1
         p = seq.sampling_params
         detok = self._detok[seq.request_id]
         new_ids: list[int] = []
@@ -389,7 +398,7 @@ class Engine:
         for token in tokens:
             seq.append_token(token)
             new_ids.append(token)
-            text, stopped = detok.add(token)
+            text, stopped = detokenized if detokenized is not None else detok.add(token)
             delta += text
             if stopped or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
                 seq.finish_reason = FinishReason.STOP
