@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.duet-setup.stamp
 ARGS   ?=
 
 .PHONY: setup model kernels helm test serve bench bench-quant bench-llamacpp-env protos protos-check clean qwen-coder \
-        gpu-check gpu-wheels
+        settings settings-check gpu-check gpu-wheels docs docs-serve
 
 # Everything `make test` needs; serving needs only the venv, the model and the kernels (no npm/helm).
 setup: model kernels helm
@@ -101,12 +101,28 @@ bench-quant: setup
 bench-llamacpp-env:
 	benchmarks/llamacpp_env.sh portable native
 
+# The documentation site (mkdocs.yml, docs/) into site/; --strict fails on a broken link or anchor between
+# pages (tests/docs/ runs the same build in `make test`). docs-serve previews it (8000 is the router's HTTP port).
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
+
+docs-serve: $(STAMP)
+	$(PY) -m mkdocs serve --strict -a 127.0.0.1:8001
+
 # Regenerate the gRPC stubs from protos/**/*.proto (commit the result); protos-check fails on drift.
 protos: setup
 	$(PY) -m protos.generate
 
 protos-check: setup
 	$(PY) -m protos.generate --check
+
+# Regenerate what comes from the config models (cluster/config/schema.py): docs/reference/settings.md,
+# deploy/helm/duet/values.schema.json and its README table (commit them); settings-check fails on drift.
+settings: $(STAMP)
+	$(PY) -m cluster.config.schema --write
+
+settings-check: $(STAMP)
+	$(PY) -m cluster.config.schema --check
 
 # --- GPU check (benchmarks/gpu_check/) -------------------------------------------------------
 # Proves the GPU path on one GPU in <= 8 minutes without Ray or network, with the machine's own
