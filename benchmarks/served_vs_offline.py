@@ -69,7 +69,7 @@ from workers.config import EngineConfig
 from workers.models.assets.resolve import resolve_model
 from workers.sampling_params import SamplingParams
 from workers.server.threads import apply
-a = json.loads(sys.argv[1])
+a = json.loads(sys.stdin.read())
 config = EngineConfig(model=str(resolve_model(a["model"])), quantization=a["quant"])
 apply(config, a["cpus"])
 engine = build_engine(config)
@@ -107,7 +107,7 @@ def offline(args: argparse.Namespace, n: int, work: list[list[int]], warm: list[
     payload = {"model": args.model, "quant": args.quant, "cpus": args.cpus, "temperature": args.temperature,
                "output_tokens": args.output_tokens, "n": n, "prompts": work, "warmup": warm}
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    out = subprocess.run([sys.executable, "-c", _OFFLINE, json.dumps(payload)], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", _OFFLINE], input=json.dumps(payload), env=env, capture_output=True,
                          text=True, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     return {"tokens": r["tokens"], "wall_s": r["wall_s"], "tokens_per_s": r["tokens"] / r["wall_s"],
