@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.duet-setup.stamp
 ARGS   ?=
 
-.PHONY: setup model kernels helm test serve bench bench-quant bench-llamacpp-env bench-peers bench-peers-env protos protos-check clean qwen-coder \
+.PHONY: setup model kernels helm test client-wheel serve bench bench-quant bench-llamacpp-env bench-peers bench-peers-env protos protos-check clean qwen-coder \
         settings settings-check gpu-check gpu-wheels docs docs-serve
 
 # Everything `make test` needs; serving needs only the venv, the model and the kernels (no npm/helm).
@@ -77,14 +77,25 @@ qwen-coder: $(STAMP)
 # PYTEST_WORKERS=0 runs everything in this process (xdist off), e.g. to debug one test.
 PYTEST_WORKERS ?= 2
 # Modules marked `serial` (a real multi-node Ray cluster) run after the rest, in a process of their own.
+# The serial phase runs even when the first one failed, and the target fails if either did (any
+# non-zero pytest exit, including 5: "no tests collected"); the last line names both exit codes.
+# PYTEST: the command both phases run (tests/test_suite_scheduling.py puts a fake one here).
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+PYTEST ?= $(PY) -m pytest
 test: setup
 ifeq ($(strip $(ARGS)),)
-	$(PY) -m pytest $(XDIST) -m "not serial"
-	$(PY) -m pytest -m serial
+	@first=0; $(PYTEST) $(XDIST) -m "not serial" || first=$$?; \
+	serial=0; $(PYTEST) -m serial || serial=$$?; \
+	echo "make test: not-serial phase exited $$first, serial phase exited $$serial"; \
+	[ $$first -eq 0 ] && [ $$serial -eq 0 ]
 else
-	$(PY) -m pytest $(XDIST) $(ARGS)
+	$(PYTEST) $(XDIST) $(ARGS)
 endif
+
+# The client alone as a wheel in dist/ (clients/python: router/client.py and the duet.v1 stubs; it needs
+# only grpcio and protobuf, no torch or Ray); pip fetches setuptools to build it.
+client-wheel:
+	$(PYTHON) -m pip wheel --no-deps -w dist ./clients/python
 
 serve: model kernels
 	$(VENV)/bin/duet serve $(ARGS)

@@ -28,6 +28,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 PARALLEL_AXES = ("ep", "sp", "tp")  # mesh order, outermost first (workers/parallel/groups.py)
 COMM_MODES = ("auto", "shm", "gloo")  # ParallelConfig.comm
 KV_BACKENDS = ("auto", "shm", "gloo", "nccl")  # EngineConfig.kv_transfer_backend (workers/kv/transfer.py)
+OMP_WAIT_POLICIES = ("passive", "active", "runtime")  # EngineConfig.omp_wait_policy (workers/server/threads.py)
 
 
 @dataclass(frozen=True)
@@ -63,14 +64,25 @@ class SchedulerConfig:
 
     max_num_batched_tokens: tokens computed per step (decode tokens + prefill chunk tokens).
     max_num_seqs: sequences running at once (default: 64, or the token budget if smaller).
+    target_itl_ms: None (default) = every step may take max_num_batched_tokens tokens; a number =
+        prompt chunks are sized so a step takes about this many milliseconds after its decodes, by
+        a cost model measured on this engine (workers/engine/token_budget.py), with
+        max_num_batched_tokens still the cap: inter-token latency stays near the target under load,
+        new prompts take more (smaller) steps.
     """
 
     KEY_PREFIX: ClassVar[str] = "scheduler."  # how this type's messages spell its keys
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int | None = None
+    target_itl_ms: float | None = None
 
     def __post_init__(self) -> None:
+        if self.target_itl_ms is not None and (isinstance(self.target_itl_ms, bool)
+                                               or not isinstance(self.target_itl_ms, (int, float))
+                                               or not 0 < self.target_itl_ms < float("inf")):
+            raise ConfigError(f"scheduler.target_itl_ms={self.target_itl_ms!r}: must be a number of milliseconds "
+                              "> 0 (e.g. 50), or null for the fixed max_num_batched_tokens budget")
         if self.max_num_seqs is None:
             object.__setattr__(self, "max_num_seqs", min(64, max(self.max_num_batched_tokens, 1)))
         if self.max_num_batched_tokens < 1:
@@ -295,6 +307,16 @@ class EngineConfig:
         'auto' (shared memory from a peer on the same host when the KV cache is on the CPU, else
         nccl on CUDA, else gloo), or forced 'shm' | 'gloo' | 'nccl' (nccl needs the cache on CUDA);
         see workers/kv/transfer.py.
+    omp_wait_policy: what an idle OpenMP thread of the worker process does (set in its environment
+        at start, workers/server/threads.py): 'passive' (default) sleeps at once, so a thread the
+        OS descheduled (another process took its core) never leaves the others spinning at every
+        barrier; 'active' spins (a little lower latency per parallel region where every worker
+        owns its cores outright); 'runtime' leaves the OpenMP runtime's default (libgomp: spin
+        ~300k iterations first) or what the environment already says.
+    niceness: the worker process's nice value (0 default; None = Ray's default for worker processes,
+        15, under which the router, Ray's daemons and any other process preempt the engine).
+        Lowering a process's niceness below its parent's needs CAP_SYS_NICE (root); duet serve
+        starts each worker with it (Ray's RAY_worker_niceness in the actor's runtime_env).
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -311,6 +333,8 @@ class EngineConfig:
     cuda_graphs: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     kv_transfer_backend: str = "auto"
+    omp_wait_policy: str = "passive"
+    niceness: int | None = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_batch_sizes, list):
@@ -338,6 +362,12 @@ class EngineConfig:
         capture_sizes(self.cuda_graphs, self.device, self.cuda_graph_batch_sizes, self.scheduler.max_num_seqs)
         if self.kv_transfer_backend not in KV_BACKENDS:
             raise ConfigError(f"kv_transfer_backend={self.kv_transfer_backend!r}: must be one of {', '.join(KV_BACKENDS)}")
+        if self.omp_wait_policy not in OMP_WAIT_POLICIES:
+            raise ConfigError(f"omp_wait_policy={self.omp_wait_policy!r}: must be one of {', '.join(OMP_WAIT_POLICIES)}")
+        if self.niceness is not None and (isinstance(self.niceness, bool) or not isinstance(self.niceness, int)
+                                          or not -20 <= self.niceness <= 19):
+            raise ConfigError(f"niceness={self.niceness!r}: must be an integer in [-20, 19] (0 = normal priority), "
+                              "or null for Ray's default (15)")
         if self.kv_transfer_backend == "nccl" and self.device == "cpu":
             raise ConfigError("kv_transfer_backend='nccl' with device='cpu': nccl moves KV between GPUs; use auto, "
                               "shm or gloo, or device cuda")

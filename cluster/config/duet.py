@@ -96,6 +96,7 @@ EngineSection = derived_section("EngineSection", "Per-worker engine settings (wo
     ("kv_cache_memory_bytes", Part(CacheConfig, "kv_cache_memory_bytes", type=ByteCount)),
     ("max_num_batched_tokens", Part(SchedulerConfig, "max_num_batched_tokens")),
     ("max_num_seqs", Part(SchedulerConfig, "max_num_seqs")),
+    ("target_itl_ms", Part(SchedulerConfig, "target_itl_ms")),
     ("enable_prefix_caching", Part(CacheConfig, "enable_prefix_caching")),
     ("fused_decode", Part(EngineConfig, "fused_decode")),
     ("cpu_kernels", Part(EngineConfig, "cpu_kernels")),
@@ -103,6 +104,8 @@ EngineSection = derived_section("EngineSection", "Per-worker engine settings (wo
     ("cuda_graphs", Part(EngineConfig, "cuda_graphs")),
     ("cuda_graph_batch_sizes", Part(EngineConfig, "cuda_graph_batch_sizes")),
     ("kv_transfer_backend", Part(EngineConfig, "kv_transfer_backend")),
+    ("omp_wait_policy", Part(EngineConfig, "omp_wait_policy")),
+    ("niceness", Part(EngineConfig, "niceness")),
 ])
 
 

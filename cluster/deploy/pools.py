@@ -256,7 +256,8 @@ def _actor_factory(section: PoolSection, engine_config: Any, namespace: str, hos
 
     def make(worker_id: str, pg: Any, first_bundle: int) -> tuple[Any, tuple[Any, ...]]:
         options = dict(
-            name=worker_id, namespace=namespace, **rank_actor_options(section), max_restarts=section.max_restarts,
+            name=worker_id, namespace=namespace, **rank_actor_options(section, engine_config),
+            max_restarts=section.max_restarts,
             max_task_retries=0,  # a call lost with its process is reported, never silently re-run
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle))
         try:
@@ -298,7 +299,7 @@ def _create_gang(section: PoolSection, engine_config: Any, host: str | None, pg:
     parallel = section.parallel
     followers = tuple(
         GangFollowerActor.options(
-            **rank_actor_options(section), max_restarts=section.max_restarts, max_task_retries=0,
+            **rank_actor_options(section, engine_config), max_restarts=section.max_restarts, max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + r),
         ).remote(engine_config, parallel, r)
         for r in range(1, ranks)
@@ -331,11 +332,18 @@ def rank_bundle(section: PoolSection) -> dict[str, float]:
     return bundle
 
 
-def rank_actor_options(section: PoolSection) -> dict[str, Any]:
+def rank_actor_options(section: PoolSection, engine_config: Any | None = None) -> dict[str, Any]:
     """The Ray actor options of one rank (a plain worker, a gang's leader or follower): exactly its
-    bundle, so GPUs are assigned to it (CUDA_VISIBLE_DEVICES) and the custom resources are held."""
-    return {"num_cpus": _cpus(section), "num_gpus": section.gpus_per_rank,
-            "resources": dict(section.resources_per_rank)}
+    bundle, so GPUs are assigned to it (CUDA_VISIBLE_DEVICES) and the custom resources are held;
+    with ``engine_config``, the process environment its thread settings need at start (OpenMP
+    wait policy, niceness: workers/server/threads.py)."""
+    options: dict[str, Any] = {"num_cpus": _cpus(section), "num_gpus": section.gpus_per_rank,
+                               "resources": dict(section.resources_per_rank)}
+    if engine_config is not None:
+        from workers.server.threads import process_env
+
+        options["runtime_env"] = {"env_vars": process_env(engine_config)}
+    return options
 
 
 def _cpus(section: PoolSection) -> int:
