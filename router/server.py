@@ -58,6 +58,7 @@ from router.membership import MembershipWatcher
 from router.fanout import FanOut
 from router.pipeline import Pipeline
 from router.policies import make_policy
+from router.prefix_index import PrefixIndex
 from router.preprocess import RequestError, ServedModel
 from router.prometheus import metrics_registry
 from router.rebalancer import RebalanceSettings, Rebalancer
@@ -148,12 +149,17 @@ class RouterServer:
     def __init__(self, config: RouterConfig, model: ServedModel) -> None:
         self.config = config
         self.health = health.aio.HealthServicer()
+        # The workers' reported prefix-cache holdings: the directory's polls feed it, the policy reads it
+        # (router/prefix_index.py), so every router of a deployment routes on the same holdings.
+        self.prefix_index = PrefixIndex()
         self.directory = WorkerDirectory(
             poll_interval_s=config.load_poll_interval_s, poll_timeout_s=config.load_poll_timeout_s,
             failure_threshold=config.worker_failure_threshold,
-            stream_failure_cooldown_s=config.stream_failure_cooldown_s, on_health_change=self._on_health_change)
+            stream_failure_cooldown_s=config.stream_failure_cooldown_s, on_health_change=self._on_health_change,
+            prefix_index=self.prefix_index)
         self.metrics = RequestMetrics()  # per-pool histograms; router/prometheus.py exports them
-        self.pipeline = Pipeline(config, model, self.directory, make_policy(config.policy, **config.policy_options),
+        policy = make_policy(config.policy, self.prefix_index, **config.policy_options)
+        self.pipeline = Pipeline(config, model, self.directory, policy,
                                  AdmissionController(config.max_in_flight, config.max_queue), self.metrics)
         self.auth = BearerTokenInterceptor(TokenStore.load(config.auth_tokens_file)) if config.auth_tokens_file else None
         self._credentials = (server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
