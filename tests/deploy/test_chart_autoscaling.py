@@ -25,7 +25,6 @@ SLO_VALUES = CHART / "ci" / "slo-values.yaml"
     (["autoscaling.duet.actuator=ray"],
      "autoscaling.duet.actuator=ray needs autoscaling.enableInTreeAutoscaling=true"),
     (["router.metrics.enabled=false"], "autoscaling.duet.enabled=true needs router.metrics.enabled=true"),
-    (["router.replicas=2"], "autoscaling.duet.enabled=true needs router.replicas=1 (it is 2)"),
     (["pools[0].profile=null", "pools[1].profile=null"], "no pool has both `slo` and `profile`"),
 ])
 def test_bad_autoscaling_values_are_rejected_with_a_clear_message(helm, sets, message):
