@@ -72,14 +72,24 @@ def test_streams_resume_on_another_router_with_identical_output(smollm2_path, to
         while min(seen) < 2 and not errors and time.monotonic() < deadline:
             time.sleep(0.01)
         assert min(seen) >= 2 and max(seen) < MAX_TOKENS, (seen, errors)  # every stream is mid-way
+        at_kill = list(seen)
         doomed.stop(0)  # the router dies: its streams end now
         for t in threads:
             t.join(300)
         assert not errors, errors
-        for (prompt, sampling), e, g in zip(cases, expected, got):
-            assert g.token_ids == e.token_ids, (prompt, sampling)
-            assert g.text == e.text and g.finish_reason == e.finish_reason == "length"
-            assert g.usage.completion_tokens == MAX_TOKENS
+        # Equal to the unbroken run, except where a seeded draw flipped at a near-tie because 8 streams
+        # shared a batch (batched logits differ in the last bits; benchmarks/README.md, issue 30):
+        # such a divergence must precede the kill, so the resume had no part in it.
+        diverged = []
+        for (prompt, sampling), e, g, at in zip(cases, expected, got, at_kill):
+            assert g.finish_reason == e.finish_reason == "length" and g.usage.completion_tokens == MAX_TOKENS
+            if g.token_ids == e.token_ids:
+                assert g.text == e.text
+                continue
+            first = next(i for i, (a, b) in enumerate(zip(g.token_ids, e.token_ids)) if a != b)
+            assert "seed" in sampling and first < at, (prompt, sampling, at, e.token_ids, g.token_ids)
+            diverged.append(prompt)
+        assert len(diverged) < len(cases) // 4, diverged
         stats = standby.stats()["requests"]
         assert stats.get("client_resumes", 0) == len(cases)
     finally:
