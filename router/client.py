@@ -39,7 +39,10 @@ already received (duet.v1.ResumeFrom), up to ``max_resumes`` times; the stream g
 token index, without a gap or a repeat, and under greedy sampling or a seed with the same tokens an
 unbroken stream gets (the router continues from prompt + those tokens; the worker's seeded generator
 skips the draws already made). Before the first token a dead router's request simply goes to the
-next one. Requests with ``n`` > 1 are not resumed mid-stream (their error reaches the caller)::
+next one. A router that drains (SIGTERM) hands its remaining streams off the same way, marked so
+(trailing metadata ``duet-handoff``) that the client resumes them even with one target: behind a
+Kubernetes Service the next connection reaches another router. Requests with ``n`` > 1 are not
+resumed mid-stream (their error reaches the caller)::
 
     async with DuetClient(["10.0.0.3:50051", "10.0.0.4:50051"]) as client: ...
     text = generate_text("Hi", target=["localhost:50051", "localhost:50052"], seed=7, temperature=0.8)
@@ -80,6 +83,9 @@ DEFAULT_TARGET = "localhost:50051"
 DEFAULT_MAX_RESUMES = 3
 # What a stream ends with when its router (not the request) failed: resume it on another router.
 ROUTER_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+# Trailing metadata of a stream its draining router handed off (router/server.py): resume it even
+# with one target (behind a Service, the next connection reaches another router).
+HANDOFF_METADATA_KEY = "duet-handoff"
 Targets = str | Sequence[str]
 FINISH_REASONS = {duet_pb2.FINISH_REASON_STOP: "stop", duet_pb2.FINISH_REASON_LENGTH: "length",
                   duet_pb2.FINISH_REASON_ABORT: "abort"}
@@ -237,7 +243,9 @@ class _Resumption:
     def next_request(self, index: int, e: grpc.RpcError) -> duet_pb2.GenerateRequest | None:
         """The request to send to router ``index + 1`` after ``e`` on router ``index``, or None (raise)."""
         code = e.code()  # type: ignore[attr-defined]
-        if (len(self.targets) < 2 or code not in ROUTER_FAILURES or self.moves >= self.max_resumes
+        trailers = e.trailing_metadata() or ()  # type: ignore[attr-defined]
+        handed_off = any(k == HANDOFF_METADATA_KEY for k, _ in trailers)
+        if ((len(self.targets) < 2 and not handed_off) or code not in ROUTER_FAILURES or self.moves >= self.max_resumes
                 or (self.token_ids and self.request.n > 1) or self.remaining() == 0.0):
             return None
         self.moves += 1

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import argparse
 import asyncio
 import contextlib
+from contextlib import aclosing
 import logging
 import signal
 import threading
@@ -113,10 +114,18 @@ def add_duet_service(servicer: DuetServicer, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(DUET_SERVICE, handlers)
 
 
+# Trailing metadata of a stream a draining router hands off: "continue me on another router"
+# (router/client.py resumes it there with duet.v1.ResumeFrom, also when it knows this one router only:
+# behind a Service the next connection reaches another).
+HANDOFF_METADATA_KEY = "duet-handoff"
+
+
 class DuetServicer(duet_pb2_grpc.DuetServicer):
     def __init__(self, pipeline: Pipeline, max_n: int = 1) -> None:
         self.pipeline = pipeline
         self.fanout = FanOut(pipeline, max_n)  # GenerateRequest.n: router/fanout.py
+        self.handoff = asyncio.Event()  # set while draining: single-choice streams end at their next message
+        self.num_handed_off = 0
 
     async def Generate(self, request: duet_pb2.GenerateRequest | MalformedRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[duet_pb2.GenerateResponse]:
@@ -124,15 +133,26 @@ class DuetServicer(duet_pb2_grpc.DuetServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
+        handed_off = False
         try:
-            async for response in self.fanout.generate(request, deadline=deadline):
-                yield response
+            async with aclosing(self.fanout.generate(request, deadline=deadline)) as stream:
+                async for response in stream:
+                    yield response
+                    if self.handoff.is_set() and (request.n or 1) == 1 and not response.HasField("finish_reason"):
+                        handed_off = True
+                        break  # closing the stream cancels the worker call
         except RequestError as e:
             logger.info("request %s: %s %s", request.request_id or "(unnamed)", e.code.name, e.message)
             await context.abort(e.code, e.message)
         except Exception:  # a router bug: log it whole, tell the client no more than INTERNAL
             logger.exception("request %s: internal router error", request.request_id or "(unnamed)")
             await context.abort(grpc.StatusCode.INTERNAL, "internal router error (see the router's log)")
+        if handed_off:
+            self.num_handed_off += 1
+            logger.info("request %s: handed off (the router is draining)", request.request_id or "(unnamed)")
+            context.set_trailing_metadata(((HANDOFF_METADATA_KEY, "1"),))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this router is draining: continue the stream on "
+                                "another router (duet.v1.ResumeFrom)")
 
     async def ListModels(self, request: duet_pb2.ListModelsRequest | MalformedRequest,
                          context: grpc.aio.ServicerContext) -> duet_pb2.ListModelsResponse:
@@ -192,7 +212,8 @@ class RouterServer:
                 config.max_request_bytes)))
 
     async def _start(self, members: Members) -> None:
-        add_duet_service(DuetServicer(self.pipeline, self.config.max_n), self._server)
+        self.servicer = DuetServicer(self.pipeline, self.config.max_n)
+        add_duet_service(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         control_pb2_grpc.add_RouterAdminServicer_to_server(RouterAdminServicer(self.stats), self._server)
         reflection.enable_server_reflection([DUET_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME],
@@ -274,8 +295,11 @@ class RouterServer:
         return stats
 
     async def stop(self, grace: float | None = None) -> None:
-        """NOT_SERVING at once, let in-flight streams finish for ``grace`` seconds
-        (default config.shutdown_grace_s), then cancel the rest and close worker channels."""
+        """Drain: NOT_SERVING and no new calls at once; in-flight streams get half of ``grace``
+        seconds (default config.shutdown_grace_s) to finish here; single-choice gRPC streams still
+        running then are handed off (they end with UNAVAILABLE and trailing metadata
+        ``duet-handoff``, and the Duet client resumes them on another router at the exact token
+        index); whatever is left at ``grace`` is cancelled; worker channels close."""
         if self._stopped:
             return
         self._stopped = True
@@ -286,9 +310,16 @@ class RouterServer:
             await self.membership.stop()
         grace = self.config.shutdown_grace_s if grace is None else grace
         stops = [self._server.stop(grace)] + ([self.http.stop(grace)] if self.http is not None else [])
+        handoff = asyncio.ensure_future(self._hand_off_after(grace / 2))
         await asyncio.gather(*stops)
+        handoff.cancel()
         await self.directory.close()
         logger.info("router on %s stopped", self.address)
+
+    async def _hand_off_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        logger.info("router on %s: handing off the streams still running to the other routers", self.address)
+        self.servicer.handoff.set()
 
     async def wait_for_termination(self) -> None:
         await self._server.wait_for_termination()

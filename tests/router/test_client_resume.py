@@ -137,3 +137,54 @@ def test_bad_resumes_are_refused(smollm2_path, tok, worker, field, change, messa
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details()
     finally:
         router.stop(0)
+
+
+def test_a_draining_router_hands_its_streams_off(smollm2_path, tok, worker):
+    """stop(grace) (what SIGTERM runs): no new calls, streams still running at half the grace end with
+    the hand-off mark, and the client resumes them on the other router: same tokens, no error."""
+    from router import client as client_module
+    from router import server as server_module
+
+    assert client_module.HANDOFF_METADATA_KEY == server_module.HANDOFF_METADATA_KEY
+    standby = _router(smollm2_path, tok, worker)
+    draining = _router(smollm2_path, tok, worker)
+    try:
+        prompts = PROMPTS[:3]
+        expected = [complete(p, target=standby.address, max_tokens=48, temperature=0.0, ignore_eos=True, timeout=300)
+                    for p in prompts]
+        got: list = [None] * len(prompts)
+        seen = [0] * len(prompts)
+        errors: list[str] = []
+
+        def run(i: int) -> None:
+            chunks = []
+            try:
+                # the hand-off ends the stream with UNAVAILABLE + duet-handoff: the client resumes it
+                for c in stream(prompts[i], target=[draining.address, standby.address], max_tokens=48,
+                                temperature=0.0, ignore_eos=True, timeout=300):
+                    chunks.append(c)
+                    seen[i] += len(c.token_ids)
+                got[i] = collect(chunks)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 300
+        while min(seen) < 1 and not errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert min(seen) >= 1 and max(seen) < 48, (seen, errors)
+        started = time.monotonic()
+        draining.stop(grace=1.0)  # hands off at 0.5 s
+        assert time.monotonic() - started < 5.0
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+        assert [g.text for g in got] == [e.text for e in expected]
+        assert draining.server.servicer.num_handed_off == len(prompts)
+        assert standby.stats()["requests"].get("client_resumes", 0) == len(prompts)
+    finally:
+        draining.stop(0)
+        standby.stop(0)
