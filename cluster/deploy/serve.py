@@ -242,7 +242,7 @@ def _start_autoscaler(d: Deployment) -> None:
                                  d.actuator, interval_s=a.interval_s)
     d.autoscaler.start()
     logger.info("duet: autoscaling %s every %g s (metrics from %s)", ", ".join(p.pool for p in a.pools), a.interval_s,
-                ", ".join(a.metrics_urls) or "this router")
+                ", ".join(a.metrics_urls) or f"the {len(d.routers)} router(s) of this process")
 
 
 def _embedded_cpus(conn: RayConnection) -> int | None:

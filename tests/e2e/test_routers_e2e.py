@@ -5,6 +5,7 @@ router with exactly the output of an unbroken run."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -21,16 +22,51 @@ STEM = ("A lighthouse keeper lived alone on a small island in the north sea. Eve
 MAX_TOKENS = 16
 
 
+PROFILE = {"format": "duet-profile/1", "model": "SmolLM2-135M-Instruct", "pool_type": "colocated",
+           "slo": {"ttft_p90_s": 5.0, "tpot_p90_s": 2.0},
+           "capacity": {"requests_per_s": 2.0, "mean_prompt_tokens": 8.0, "mean_output_tokens": 16.0}}
+
+
 @pytest.fixture(scope="module")
-def deployment(ray_cluster, smollm2_path):
-    config = load_config(env={}, overrides={
-        "model.name": str(smollm2_path), "pool.replicas": 2, "pool.cpus_per_replica": 1,
-        "pool.engine.kv_cache_memory_bytes": "64MiB", "router.port": 0, "router.http_port": 0, "router.replicas": 2,
+def deployment(ray_cluster, smollm2_path, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("routers")
+    (tmp / "profile.json").write_text(json.dumps(PROFILE))
+    # SLO autoscaling on, bounded to the pool's size (it reads and decides, never resizes here)
+    (tmp / "duet.yaml").write_text(f"""
+pools:
+  - {{name: chat, replicas: 2, cpus_per_replica: 1, engine: {{kv_cache_memory_bytes: 67108864}}}}
+autoscaling:
+  enabled: true
+  interval_s: 1
+  window_buckets: 4
+  latency_buckets: 2
+  pools:
+    - {{pool: chat, slo_ttft_ms: 5000, slo_tpot_ms: 2000, profile: {tmp / 'profile.json'}, min_replicas: 2,
+       max_replicas: 2}}
+""")
+    config = load_config(tmp / "duet.yaml", env={}, overrides={
+        "model.name": str(smollm2_path), "router.port": 0, "router.http_port": 0, "router.replicas": 2,
         "controller.port": 0, "ray.namespace": NAMESPACE, "controller.poll_interval_s": 0.2,
         "controller.start_timeout_s": 240})
     d = start_deployment(config, router_overrides=dict(load_poll_interval_s=0.1, load_poll_timeout_s=2.0))
     yield d
     d.stop()
+
+
+def test_the_autoscaler_reads_every_router(deployment):
+    d = deployment
+    provider = d.autoscaler.provider
+    assert len(provider.sources) == 2
+    for i in range(4):  # 3 requests through router 0, 1 through router 1
+        complete(f"Hello {i}", target=d.routers[0 if i < 3 else 1].address, max_tokens=2, temperature=0, timeout=120)
+
+    def arrived() -> float:
+        _, reading = provider.readings[-1]
+        return sum(pools["chat"].counters.get("arrived", 0.0) for pools in reading.values() if "chat" in pools)
+
+    wait_until(lambda: bool(provider.readings) and len(provider.readings[-1][1]) == 2 and arrived() == 4.0, what="both routers' counts",
+               timeout=10)
+    wait_until(lambda: "chat" in d.autoscaler.last, what="a decision on the pool", timeout=10)
 
 
 def test_routers_share_workers_and_prefix_holdings(deployment):
