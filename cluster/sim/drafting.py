@@ -73,10 +73,11 @@ class Drafting:
             if drafter is None:
                 pool.spec_counters.fallbacks += 1
                 return 1.0, 0
-        wait = self._wait(r, sp, extra=(drafter, 1))
-        b = len(r.batch) + 1
-        step = r.verify_step_s() + r.svc.decode_per_seq_s * (1 + sp.verify_token_cost * sp.k)
-        gain = rate - 1 - (b / step) * (r.svc.decode_per_seq_s * sp.verify_token_cost * sp.k + wait / b)
+        # The wait stalls every sequence of the batch, so the request pays for the wait it adds
+        # (all of it when nothing drafts here yet), in the batch's tokens per step.
+        added = self._wait(r, sp, extra=(drafter, 1)) - (self._wait(r, sp) if r.n_spec else 0.0)
+        step = r.verify_step_s() + r.svc.decode_per_seq_s + r.wait_s  # with this request decoding plainly
+        gain = rate - 1 - (r.rate_sum + 1) * (r.svc.decode_per_seq_s * sp.verify_token_cost * sp.k + added) / step
         if gain <= MARGIN:
             pool.spec_counters.declined += 1
             return 1.0, 0

@@ -24,11 +24,16 @@ The model, per target replica (cluster/sim/replica.py does the clock):
                      wait = max over its drafters of  p L_hidden + (1 - p) L,  L_hidden = max(0, L - T_verify)
     tokens       a speculating request gains E = (1 - a^(k+1)) / (1 - a) tokens per step
     choice       a request speculates (on the least-loaded drafter replica with room, the real
-                 router policy router/policies/drafter.py) only if the engine's adaptive rule
-                 (workers/engine/draft_length.py) says it pays at join:
-                     E - 1 - (B / T(B)) x (decode_per_seq_s x kappa k + wait / B) > 0.02
-                 else, or with no drafter replica with room (pool saturated or empty), it decodes
-                 plainly for its whole life (counted in ``fallbacks``)
+                 router policy router/policies/drafter.py) only if it pays at join, counting what
+                 it costs the whole batch: the added verify cost and the wait it adds (all of the
+                 round when nothing drafts there yet) stall every sequence, so with T the step,
+                 R the batch's tokens per step and dW the added wait
+                     E - 1 - (R + 1) x (decode_per_seq_s x kappa k + dW) / T > 0.02
+                 (the engine's rule, workers/engine/draft_length.py, charges a request only its
+                 1/B share of the wait: right when the whole batch drafts, too little when one
+                 request would make the batch wait alone); else, or with no drafter replica with
+                 room (pool saturated or empty), it decodes plainly for its whole life (counted
+                 in ``declined`` / ``fallbacks``)
     staleness    a target's wait is recomputed at its own events (a request joins or finishes
                  there): a change in a shared drafter's rows reaches the other targets at their
                  next event, not at once (each target has an event every few steps under load)
