@@ -152,3 +152,36 @@ def test_a_pool_without_drafting_samples_has_no_draft_window():
     provider = PrometheusWindows([lambda: []], window_buckets=2, latency_buckets=1)
     provider.windows(["decode"], now=0.0)
     assert provider.windows(["decode"], now=10.0)["decode"].draft is None
+
+
+def test_the_router_exporters_names_are_the_ones_read():
+    """Over the router's real exporter (router/prometheus.py), through the text format a scrape
+    returns: a drafter replica's DrafterLoad and a target's LoadReport land in the draft windows."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from protos.duet.drafter.v1 import drafter_pb2
+    from protos.duet.worker.v1 import worker_pb2
+    from router.prometheus import metrics_registry
+
+    state = {"compute": 0.0, "verifies": 0}
+
+    def snapshot():
+        d = drafter_pb2.DrafterLoad(num_requests=7, compute_seconds=state["compute"])
+        w = worker_pb2.LoadReport(spec_verifies=state["verifies"], spec_draft_tokens=4 * state["verifies"],
+                                  spec_accepted_tokens=3 * state["verifies"], spec_emitted_tokens=4 * state["verifies"],
+                                  spec_draft_seconds=0.01 * state["verifies"], spec_verify_seconds=0.04 * state["verifies"])
+        return {"requests": {}, "admission": {"in_flight": 0, "queued": 0, "max_in_flight": 1, "max_queue": 1,
+                                              "admitted": 0, "rejected": 0},
+                "policy": {}, "workers": [], "worker_stream_failures": 0, "load_reports": [("w0", "decode", w)],
+                "drafter_reports": [("d0", "draft", d)]}
+    registry = metrics_registry(snapshot)
+    scrape = lambda: list(text_string_to_metric_families(generate_latest(registry).decode()))  # noqa: E731
+    provider = PrometheusWindows([scrape], window_buckets=2, latency_buckets=1)
+    provider.windows(["draft", "decode"], now=0.0)
+    state.update(compute=4.0, verifies=100)
+    w = provider.windows(["draft", "decode"], now=10.0)
+    assert w["draft"].draft.rows == 7 and w["draft"].draft.busy == estimate(0.4, rel=1e-9, why="4 s over 10 s")
+    spec = w["decode"].draft
+    assert (spec.verifies, spec.draft_tokens, spec.accepted_tokens, spec.emitted_tokens) == (100, 400, 300, 400)
+    assert draft_speedup(spec, 0.0) == estimate(4 * 0.8, rel=1e-9, why="E 4, wait 1 s of 5 s: closed form")
