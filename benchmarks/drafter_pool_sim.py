@@ -71,7 +71,7 @@ from cluster.autoscale.profile import ReplicaCapacity, ServiceModel, SLOTargets
 from cluster.autoscale.slo import AutoscalerConfig, PoolScaling
 from cluster.sim.pool import SimPool
 from cluster.sim.report import oracle_schedule, sim_capacity
-from cluster.sim.simulator import Simulation
+from cluster.sim.simulator import Simulation, SimulationError
 from cluster.sim.spec import DraftCost, SpecModel
 from cluster.sim.trace import Trace, synthetic_trace
 
@@ -122,13 +122,17 @@ def arm_pools(arm: str, speed: float, decode: int, drafters: int, prefill: int, 
 def decode_capacity(arm: str, speed: float, mean_prompt: float, mean_output: float, seed: int,
                     requests: int = 3000, iters: int = 10, quantile: float = 99.0) -> ReplicaCapacity:
     """One decode replica's rate at which the ``quantile`` TPOT meets the SLO (module docstring)."""
-    hi = SVC.max_batch / (SVC.decode_step_s(SVC.max_batch) * max(mean_output - 1, 1)) * (K + 1) * 1.5
+    hi = SVC.max_batch / (SVC.decode_step_s(SVC.max_batch) * max(mean_output - 1, 1)) * (K + 1)  # > any E
     lo = 0.0
     for _ in range(iters):
         rate = (lo + hi) / 2
         tr = synthetic_trace(duration_s=requests / rate, base_rps=rate, peak_rps=rate, bursts_per_hour=0,
                              mean_prompt=mean_prompt, mean_output=mean_output, seed=seed)
-        res = Simulation(tr, arm_pools(arm, speed, 1, 8, 1, AMPLE, 0.0), slo=SLO, seed=seed).run()
+        try:  # an overloaded replica never drains its queue: not meeting the SLO, found out sooner
+            res = Simulation(tr, arm_pools(arm, speed, 1, 8, 1, AMPLE, 0.0), slo=SLO, seed=seed, max_drain_s=600).run()
+        except SimulationError:
+            hi = rate
+            continue
         tpot = res.tpot[~np.isnan(res.tpot)]
         if float(np.percentile(tpot, quantile)) <= SLO.tpot_p90_s:  # type: ignore[operator]
             lo = rate

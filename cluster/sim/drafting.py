@@ -123,8 +123,8 @@ class Drafting:
         for d, n in uses.items():
             if n <= 0:
                 continue
-            if d is None:  # the private drafter batches this replica's rows only
-                cost, rows = sp.private, n
+            if d is None:  # the private drafter batches this replica's drafting batch rows only
+                cost, rows = sp.private, r.n_spec + (extra[1] if extra and extra[0] is None else 0)
             else:
                 cost, rows = self.pools[d.pool].spec.draft, d.in_flight + (extra[1] if extra and extra[0] is d else 0)
             assert cost is not None
