@@ -22,8 +22,11 @@ Calibration (what is measured, and where; nothing here ran on a GPU):
                   benchmarks/results/drafter_pool_bench.json ``overhead.median_remote_beyond_compute_s``,
                   2026-11-28). S > 1 are NOT measured: what a drafter S times faster would give (more
                   cores per replica, a smaller drafter); they show where the CPU pool starts to pay.
-    acceptance    0.85 mean per token (the pair runs measured 0.83-0.94 with the 0.5B drafter,
-                  benchmarks/README.md pair table), Beta-spread per request, k = 4
+    acceptance    a per-token acceptance of 0.85 (mean; Beta-spread per request) at k = 4 gives
+                  3.67 tokens per verify, inside the 3.4-4.4 the 0.5B pair measured at batch 1
+                  (benchmarks/README.md pair table). Its accepted / drafted is then 0.67, under the
+                  0.83-0.94 measured there over shorter windows (2.8-3.9 drafts per verify), so the
+                  drafts here are if anything worse than measured
     GPU target    NOT measured (no GPU here): benchmarks/autoscale_sim.py's GPU-class replica,
                   prefill 20 ms + 0.1 ms / token, decode step 20 ms + 4 ms per sequence, batch 16,
                   TTFT p90 <= 1 s, TPOT p90 <= 60 ms; verifying a draft token costs 0.05 of a decode
