@@ -61,7 +61,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +181,7 @@ def run_scale(n: int, arms: list[tuple[str, float]], args: argparse.Namespace,
     for arm, speed in arms:
         name = arm if arm == "plain" else f"{arm}-x{speed:g}"
         cap_d = caps[(arm, speed)]
-        residence = mo * SLO.tpot_p90_s * 0.5  # ~ a request's stay in decode (output x typical TPOT)
+        residence = mo * (SLO.tpot_p90_s or 0.0) * 0.5  # ~ a request's stay in decode (output x typical TPOT)
         cfg = autoscaler(arm, speed, cap_p, cap_d, residence, 4 * n)
         init = max(1, int(sizes["decode"][0]))
         pools = arm_pools(arm, speed, init, max(1, init // 4), max(1, int(sizes["prefill"][0])))

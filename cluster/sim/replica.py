@@ -38,8 +38,12 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from typing import TYPE_CHECKING
 
 from cluster.autoscale.profile import ServiceModel
+
+if TYPE_CHECKING:
+    from cluster.sim.spec import SpecCounters
 
 
 class SimReplica:
@@ -77,7 +81,7 @@ class SimReplica:
         self.n_spec = 0  # sequences in the batch that draft
         self.wait_s = 0.0  # per step, waiting for drafts (cluster/sim/spec.py)
         self.verify_token_cost = 0.0
-        self.counters = None  # a cluster.sim.spec.SpecCounters, or None (no accounting)
+        self.counters: SpecCounters | None = None  # None: no accounting
         self.v_counted = 0.0  # V up to which the counters have been integrated
 
     # -------------------------------------------------------------- clock
@@ -103,7 +107,8 @@ class SimReplica:
     def _count(self, now: float) -> float:
         v = self._v_at(now)
         if self.counters is not None and v > self.v_counted:
-            self.counters.add(self, v - self.v_counted)
+            self.counters.add(v - self.v_counted, self.rate_sum, len(self.batch), self.n_spec, self.k_sum,
+                              self.wait_s, self.verify_step_s())
             self.v_counted = v
         return v
 

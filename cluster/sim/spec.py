@@ -54,10 +54,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from cluster.sim.replica import SimReplica
 
 
 @dataclass(frozen=True)
@@ -118,18 +114,20 @@ class SpecCounters:
     declined: int = 0  # requests whose drafts would not pay at join
     speculated: int = 0
 
-    def add(self, r: SimReplica, steps: float) -> None:
-        self.tokens += steps * r.rate_sum
-        if r.n_spec:
-            # every speculating sequence gains rate - 1 over its own token; rate_sum - (B - n_spec)
-            # is the speculating sequences' tokens per step
-            spec_tokens = r.rate_sum - (len(r.batch) - r.n_spec)
-            self.verifies += steps * r.n_spec
-            self.draft_tokens += steps * r.k_sum
+    def add(self, steps: float, tokens_per_step: float, batch: int, drafting: int, drafts_per_step: int,
+            wait_s: float, verify_step_s: float) -> None:
+        """``steps`` steps of a batch of ``batch`` sequences, ``drafting`` of them speculating
+        (``drafts_per_step`` drafts in all), ``tokens_per_step`` tokens per step over the batch."""
+        self.tokens += steps * tokens_per_step
+        if drafting:
+            # the speculating sequences' tokens per step: all of the batch's less one per plain sequence
+            spec_tokens = tokens_per_step - (batch - drafting)
+            self.verifies += steps * drafting
+            self.draft_tokens += steps * drafts_per_step
             self.emitted_tokens += steps * spec_tokens
-            self.accepted_tokens += steps * (spec_tokens - r.n_spec)
-            self.draft_wait_s += steps * r.wait_s
-            self.verify_s += steps * r.verify_step_s()
+            self.accepted_tokens += steps * (spec_tokens - drafting)
+            self.draft_wait_s += steps * wait_s
+            self.verify_s += steps * verify_step_s
 
     def merge(self, other: SpecCounters) -> None:
         for key in self.__dataclass_fields__:

@@ -15,7 +15,7 @@ from cluster.sim.pool import SimPool
 from cluster.sim.simulator import Simulation
 from cluster.sim.spec import DraftCost, SpecModel
 from cluster.sim.trace import Trace, synthetic_trace
-from testkit.tolerance import SECONDS_FP64, estimate
+from testkit.tolerance import estimate
 
 SVC = ServiceModel(prefill_base_s=0.02, prefill_per_token_s=0.0002, decode_base_s=0.02, decode_per_seq_s=0.004,
                    max_batch=16)
