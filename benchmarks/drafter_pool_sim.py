@@ -145,10 +145,10 @@ def decode_capacity(arm: str, speed: float, mean_prompt: float, mean_output: flo
     return ReplicaCapacity(lo, mean_prompt, mean_output)
 
 
-def make_trace(scale: float, hours: float) -> Trace:
-    g = dict(TRACES[TRACE])
+def make_trace(scale: float, hours: float, name: str = TRACE) -> Trace:
+    g = dict(TRACES[name])
     g["base_rps"], g["peak_rps"] = g["base_rps"] * scale, g["peak_rps"] * scale
-    return synthetic_trace(name=f"{TRACE} x{scale:.3g}", duration_s=hours * 3600, **g)
+    return synthetic_trace(name=f"{name} x{scale:.3g}", duration_s=hours * 3600, **g)
 
 
 def autoscaler(arm: str, speed: float, cap_p: ReplicaCapacity, cap_d: ReplicaCapacity, residence_d: float,
@@ -166,11 +166,9 @@ def autoscaler(arm: str, speed: float, cap_p: ReplicaCapacity, cap_d: ReplicaCap
 
 def run_scale(n: int, arms: list[tuple[str, float]], args: argparse.Namespace,
               caps: dict[tuple[str, float], ReplicaCapacity]) -> dict[str, Any]:
-    probe = make_trace(1.0, 0.5)
-    mp, mo = float(probe.prompt.mean()), float(probe.output.mean())
     cap_plain = caps[("plain", 1.0)]
-    scale = n * cap_plain.requests_per_s / TRACES[TRACE]["peak_rps"]
-    trace = make_trace(scale, args.hours)
+    scale = n * cap_plain.requests_per_s / TRACES[args.trace]["peak_rps"]
+    trace = make_trace(scale, args.hours, args.trace)
     mp, mo = float(trace.prompt.mean()), float(trace.output.mean())
     cap_p, _ = sim_capacity(SVC, "prefill", SLO, mean_prompt=mp, mean_output=mo, seed=args.seed, quantile=99.0)
     out: dict[str, Any] = {"replicas": n, "rate_scale": scale, "requests": len(trace),
@@ -225,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scales", default="10,100,1000", help="target decode replicas at the peak [10,100,1000]")
     p.add_argument("--speeds", default="1,8,32", help="drafter speed factors over the measured one [1,8,32]")
     p.add_argument("--hours", type=float, default=3.0, help="trace length [3: one double-peak day]")
+    p.add_argument("--trace", default=TRACE, choices=sorted(TRACES),
+                   help=f"benchmarks/autoscale_traces.py trace, rates scaled to each size [{TRACE}]")
     p.add_argument("--cpu-cost", type=float, default=0.02, help="CPU drafter replica-hour in GPU replica-hours [0.02]")
     p.add_argument("--route-candidates", type=int, default=8, help="replicas each routing decision sees [8]")
     p.add_argument("--seed", type=int, default=0)
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("cluster.autoscale.loop").setLevel(logging.WARNING)
     speeds = [float(s) for s in args.speeds.split(",")]
     arms = [("plain", 1.0)] + [(a, s) for s in speeds for a in ("pool", "private")]
-    probe = make_trace(1.0, 0.5)
+    probe = make_trace(1.0, 0.5, args.trace)
     mp, mo = float(probe.prompt.mean()), float(probe.output.mean())
     t0 = time.perf_counter()
     caps = {arm: decode_capacity(arm[0], arm[1], mp, mo, args.seed) for arm in arms}

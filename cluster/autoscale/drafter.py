@@ -7,6 +7,10 @@ lead's speed-up, so it is sized on two measurements instead of a capacity profil
 Terms (one metrics window; ``DraftWindow`` carries them):
     rows            requests holding drafter state on the pool's replicas (their mean over the
                     latency buckets, summed over replicas): the rows a draft round batches
+    unserved        requests decoding without drafts because no replica of the pool had room for
+                    them (their mean over the latency buckets): demand the rows do not show. The
+                    simulator reports it; the live router has no row cap (a full replica evicts and
+                    re-prefills instead), so live it is 0 and saturation shows in the rows
     rows_per_replica  the drafter pool's capacity: rows one replica batches within a round latency
                     that still pays (a setting, like a target pool's profile; measured with
                     benchmarks/drafter_pool_bench.py)
@@ -29,12 +33,12 @@ A verify cycle of wait + step yields E tokens where plain decoding yields one to
 latency through f_wait.
 
 The decision, per drafter pool, after its lead's (cluster/autoscale/slo.py step 5):
- 1. Demand: the rows the lead will need once it has its new size = rows / the lead's serving
-    replicas (ready + starting) x the lead's desired replicas; the pool needs
+ 1. Demand: the rows the lead will need once it has its new size = (rows + unserved) / the
+    lead's serving replicas (ready + starting) x the lead's desired replicas; the pool needs
     ceil(that x (1 + headroom) / rows_per_replica) replicas.
  2. Benefit: with at least ``min_verifies`` verifies in the window and the pool not over its
-    capacity (rows <= rows_per_replica x ready replicas: a saturated pool makes rounds slow, and
-    the cure is more replicas, not fewer), a speed-up under ``min_speedup`` means drafting does not
+    capacity (rows + unserved <= rows_per_replica x ready replicas: a saturated pool makes rounds
+    slow, and the cure is more replicas, not fewer), a speed-up under ``min_speedup`` means drafting does not
     pay: the pool shrinks toward ``min_replicas`` (one ``max_down_step_frac`` step per
     ``down_interval_s``). The targets then stop asking on their own: their adaptive draft length
     (workers/engine/draft_length.py) charges the measured wait, and requests that find no replica
@@ -60,12 +64,14 @@ from dataclasses import dataclass
 class DraftWindow:
     """Speculation and drafter numbers of one pool's metrics window (module docstring).
 
-    On a drafter pool: ``rows`` (mean requests holding drafter state, all replicas) and ``busy``
+    On a drafter pool: ``rows`` (mean requests holding drafter state, all replicas), ``unserved``
+    (mean requests that found no replica with room; simulator only) and ``busy``
     (drafter compute seconds per second, all replicas; reported, not decided on). On a target
     pool: counter increases over the window: verifies, draft tokens, accepted and emitted tokens,
     seconds waiting for drafts and seconds of steps that verified drafts."""
 
     rows: float = 0.0
+    unserved: float = 0.0
     busy: float = 0.0
     verifies: float = 0.0
     draft_tokens: float = 0.0

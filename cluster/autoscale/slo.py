@@ -67,8 +67,8 @@ The algorithm, per pool (prefill, decode and colocated pools independently; draf
     smoothed level of a pool with ``smoothing_s`` already holds a past peak for about that long
     (an average over smoothing_s forgets a drop at that pace), so its window is the rest:
     max(0, horizon_s + migration_s - smoothing_s).
- 5. Drafter pools, after the pool drafting on them (their lead): on draft demand (rows drafting
-    per lead replica x the lead's desired, over ``rows_per_replica``) and on measured benefit
+ 5. Drafter pools, after the pool drafting on them (their lead): on draft demand (rows drafting,
+    and requests that found no room, per lead replica x the lead's desired, over ``rows_per_replica``) and on measured benefit
     (acceptance x target step time vs draft round latency: a pool whose drafting does not pay
     shrinks toward its minimum); without draft metrics, ``ceil(ratio x`` the lead's desired``)``.
     cluster/autoscale/drafter.py has the model and a worked example.
@@ -314,11 +314,13 @@ def _decide_drafter(c: AutoscalerConfig, p: PoolScaling, now: float, metrics: Ma
                f"no draft metrics: prior ratio x{p.ratio:g} of {lead.pool} ({lead.desired} -> {want})")
         return Decision(p.pool, current, want, why, capacity_replicas=st.capacity_replicas, pending=st.pending), mem
     headroom = c.headroom if p.headroom is None else p.headroom
-    need_n = demand_replicas(drafted.rows, lead.capacity_replicas, lead.desired, p.rows_per_replica, headroom)
-    notes = [f"{drafted.rows:.1f} rows over {lead.capacity_replicas} {lead.pool} replicas, {lead.pool} -> "
+    wanted = drafted.rows + drafted.unserved
+    need_n = demand_replicas(wanted, lead.capacity_replicas, lead.desired, p.rows_per_replica, headroom)
+    notes = [f"{drafted.rows:.1f} rows" + (f" + {drafted.unserved:.1f} unserved" if drafted.unserved else "") +
+             f" over {lead.capacity_replicas} {lead.pool} replicas, {lead.pool} -> "
              f"{lead.desired}: {need_n} replicas at {p.rows_per_replica:g} rows each"]
     speedup = draft_speedup(spec, p.verify_token_cost) if spec is not None and spec.verifies >= p.min_verifies else None
-    saturated = drafted.rows > p.rows_per_replica * max(st.ready, 1)
+    saturated = wanted > p.rows_per_replica * max(st.ready, 1)
     if speedup is not None:
         notes.append(f"speed-up {speedup:.2f}x (E {spec.tokens_per_verify:.2f}, k {spec.drafts_per_verify:.2f}, "  # type: ignore[union-attr]
                      f"wait {spec.wait_share:.0%})")  # type: ignore[union-attr]

@@ -80,7 +80,8 @@ def _draft(p: PoolState, lat: list) -> DraftWindow | None:
     """A drafter pool's rows, or a speculating pool's counters, over the latency buckets (as
     cluster/autoscale/metrics.py reads them live)."""
     if p.spec.role == "drafter":
-        return DraftWindow(rows=sum(b.rows for b in lat) / len(lat) if lat else 0.0)
+        n = max(len(lat), 1)
+        return DraftWindow(rows=sum(b.rows for b in lat) / n, unserved=sum(b.unserved for b in lat) / n)
     if p.spec.spec is None:
         return None
     got = [b.spec for b in lat if b.spec is not None]

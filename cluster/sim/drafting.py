@@ -44,6 +44,7 @@ class Drafting:
     uses: dict[str, Counter[Any]] = field(init=False, default_factory=dict)  # target id -> drafter replica -> rows
     served: dict[str, Counter[str]] = field(init=False, default_factory=dict)  # drafter id -> target id -> rows
     policies: dict[str, LeastLoadedAffinityPolicy] = field(init=False, default_factory=dict)
+    unserved: dict[str, set[int]] = field(init=False, default_factory=dict)  # drafter pool -> requests that found no room
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -72,6 +73,7 @@ class Drafting:
             drafter = self._pick(pool, r, i)
             if drafter is None:
                 pool.spec_counters.fallbacks += 1
+                self.unserved.setdefault(sp.drafter_pool, set()).add(i)
                 return 1.0, 0
         # The wait stalls every sequence of the batch, so the request pays for the wait it adds
         # (all of it when nothing drafts here yet), in the batch's tokens per step.
@@ -91,6 +93,8 @@ class Drafting:
 
     def leave(self, i: int) -> SimReplica | None:
         """Request i finished: free its row; returns its drafter replica (it may leave now)."""
+        for waiting in self.unserved.values():
+            waiting.discard(i)
         q = self.reqs.pop(i, None)
         if q is None:
             return None

@@ -88,6 +88,7 @@ class Bucket:
     queued: float = 0.0
     running: float = 0.0
     rows: float = 0.0  # drafter pools: requests drafting on its replicas at the tick
+    unserved: float = 0.0  # drafter pools: requests decoding without drafts, no replica had room
     spec: SpecCounters | None = None  # speculating pools: the counters over the tick
 
 

@@ -346,6 +346,7 @@ class Simulation:
             p.bucket.running = sum(r.num_running() for r in p.replicas.values())
             if p.spec.role == "drafter":
                 p.bucket.rows = sum(r.in_flight for r in p.replicas.values())
+                p.bucket.unserved = len(self.drafting.unserved.get(p.name, ()))
             p.bucket.spec = self._take_spec(p)
             p.history.append(p.bucket)
             if len(p.history) > self.window_buckets:

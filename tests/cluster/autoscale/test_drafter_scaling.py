@@ -185,3 +185,15 @@ def test_the_router_exporters_names_are_the_ones_read():
     spec = w["decode"].draft
     assert (spec.verifies, spec.draft_tokens, spec.accepted_tokens, spec.emitted_tokens) == (100, 400, 300, 400)
     assert draft_speedup(spec, 0.0) == estimate(4 * 0.8, rel=1e-9, why="E 4, wait 1 s of 5 s: closed form")
+
+
+def test_requests_that_found_no_room_count_as_demand():
+    cfg = config()
+    lead = PoolMetrics(**{**lead_window(20.0).__dict__, "draft": PAYS})
+    held = PoolMetrics(10.0, [0.0] * 6, draft=DraftWindow(rows=32.0))  # 2 full replicas at 16 rows
+    more = PoolMetrics(10.0, [0.0] * 6, draft=DraftWindow(rows=32.0, unserved=32.0))  # as many more found none
+    d_held, _ = run(cfg, {"decode": lead, "draft": held}, {"decode": 11, "draft": 2})
+    d_more, _ = run(cfg, {"decode": lead, "draft": more}, {"decode": 11, "draft": 2})
+    lead_n = d_more["decode"].desired
+    assert d_more["draft"].desired == math.ceil(64 / 11 * lead_n * 1.1 / 16 - 1e-9) > d_held["draft"].desired
+    assert "32.0 unserved" in d_more["draft"].reason

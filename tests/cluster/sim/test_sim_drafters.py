@@ -49,6 +49,7 @@ def test_tokens_out_equal_tokens_in_with_drafting_and_fallbacks():
     res = Simulation(tr, pools(drafters=1, cost=DraftCost(0.001, 0.0002, 0.001, max_rows=3)), slo=SLO).run()
     c = res.spec["d"]
     assert c.speculated > 0 and c.fallbacks > 0  # some drafted, some found the one replica full
+    assert max(res.timeline["drafters.alive"]) == 1
     want = float((tr.output[tr.output > 1] - 1).sum())  # decode tokens (the first comes from prefill)
     assert c.tokens == estimate(want, rel=1e-9, why="float sums of steps x tokens per step over a run")
     assert c.emitted_tokens == estimate(c.verifies + c.accepted_tokens, rel=1e-9, why="the same float sums of steps x tokens per step")
@@ -78,6 +79,7 @@ def test_one_drafter_replica_batches_rows_from_several_targets():
     tr = trace(rps=3.0)
     sim = Simulation(tr, pools(drafters=1, targets=4), slo=SLO)
     seen: list[int] = []
+    assert sim.drafting.unserved == {}
     join = sim.drafting.join
 
     def spy(r, i, now):
@@ -88,6 +90,21 @@ def test_one_drafter_replica_batches_rows_from_several_targets():
     res = sim.run()
     assert max(seen) >= 2  # rows from two or more target replicas at once on the one drafter
     assert res.spec["d"].verifies > 0 and not sim.drafting.reqs  # every row freed at the end
+    assert not any(sim.drafting.unserved.values())
+
+
+def test_requests_without_room_are_reported_as_unserved_demand():
+    sim = Simulation(trace(rps=3.0), pools(drafters=1, cost=DraftCost(0.001, 0.0002, 0.001, max_rows=2)), slo=SLO)
+    seen: list[float] = []
+    tick = sim._tick
+
+    def spy():
+        tick()
+        seen.append(sim.pools["drafters"].history[-1].unserved)
+    sim._tick = spy  # observe only: the real tick runs
+    res = sim.run()
+    assert max(seen) > 0 and res.spec["d"].fallbacks > 0
+    assert not any(sim.drafting.unserved.values())  # every unserved request left the set when it finished
 
 
 def test_a_drafter_too_slow_to_pay_is_declined():
