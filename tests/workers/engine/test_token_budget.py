@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tests.testkit.tolerance import estimate
+from testkit.tolerance import estimate
 from workers.config import SchedulerConfig
 from workers.engine.block_manager import BlockManager
 from workers.engine.scheduler import Scheduler

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.testkit.tolerance import estimate
+from testkit.tolerance import estimate
 from workers.sample.draw import BLOCK, draw, search, uniforms
 from workers.sample.penalties import RowContext
 from workers.sample.sampler import Sampler
