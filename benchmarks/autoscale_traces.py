@@ -64,7 +64,6 @@ import json
 import logging
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
 from benchmarks.autoscale_sim import RESULTS, SLO, build_parser, print_table, run

@@ -63,7 +63,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -516,7 +516,7 @@ def load_hf(path: Path) -> tuple[nn.Module, Any]:
 def run(settings: Settings) -> dict[str, Any]:
     wall0, whole_run, gate = time.perf_counter(), CpuLoadMeter(), QuietGate(settings.quiet_budget_s)
     torch.set_num_threads(THREADS)
-    res: dict[str, Any] = {"timestamp": datetime.now(timezone.utc).isoformat(), "model": MODEL,
+    res: dict[str, Any] = {"timestamp": datetime.now(UTC).isoformat(), "model": MODEL,
                            "dtype": "float32", "settings": asdict(settings), "machine": machine_info(),
                            "code": code_version()}
     logger.info("synthetic GEMV bandwidth (%d x %d fp32)", *SYNTHETIC_SHAPE)

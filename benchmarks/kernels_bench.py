@@ -42,7 +42,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_throughput import (  # noqa: E402  (also puts the repo root on sys.path)
+from engine_throughput import (  # also puts the repo root on sys.path
     PASSAGE,
     REPO_ROOT,
     THREADS,
@@ -61,12 +61,12 @@ from engine_throughput import (  # noqa: E402  (also puts the repo root on sys.p
     record,
 )
 
-import kernels  # noqa: E402
-from kernels.varlen_paged_attention import tree_visibility  # noqa: E402
-from workers.layers import attention as attention_mod  # noqa: E402
-from workers.llm import LLM  # noqa: E402
-from workers.models.assets.prepare import prepare_smollm2  # noqa: E402
-from workers.sampling_params import SamplingParams  # noqa: E402
+import kernels
+from kernels.varlen_paged_attention import tree_visibility
+from workers.layers import attention as attention_mod
+from workers.llm import LLM
+from workers.models.assets.prepare import prepare_smollm2
+from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger("benchmarks.kernels_bench")
 
@@ -239,8 +239,8 @@ def bench_decode(llm: LLM, s: Settings, gate: QuietGate) -> list[dict[str, Any]]
             for name in (list(paths) if rep % 2 == 0 else list(paths)[::-1]):
                 d = row.setdefault(name, {})
                 with paths[name]():
-                    t_n = gate.time(lambda: llm.generate(prompt, params(n))[0])
-                    t_1 = gate.time(lambda: llm.generate(prompt, params(1))[0])
+                    t_n = gate.time(lambda: llm.generate(prompt, params(n))[0])  # noqa: B023 - called in this iteration
+                    t_1 = gate.time(lambda: llm.generate(prompt, params(1))[0])  # noqa: B023 - called in this iteration
                 record(d, "t_n", t_n)
                 record(d, "t_1", t_1)
                 assert t_n.value.num_cached_tokens > 0, "the prompt must come from the prefix cache"
@@ -264,7 +264,7 @@ def bench_prefill(model_path: Path, s: Settings, gate: QuietGate) -> dict[str, A
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     paths = {"kernel": contextlib.nullcontext, "sdpa": prefill_sdpa_path}
     res: dict[str, Any] = {"prompt_tokens": len(prompt), "chunk_tokens": 512}
-    for name, ctx in paths.items():
+    for ctx in paths.values():
         with ctx():
             llm.generate(prompt, params)  # warm-up
     for rep in range(s.prefill_repeats):
@@ -329,7 +329,7 @@ def run(s: Settings, threads: int = THREADS) -> dict[str, Any]:
     torch.set_num_threads(threads)
     assert kernels.cpu_kernels_available(), "the C++ kernels must build for this benchmark"
     gate = QuietGate(s.quiet_budget_s)
-    started = datetime.now(timezone.utc).isoformat()
+    started = datetime.now(UTC).isoformat()
     with torch.inference_mode():
         ops = bench_ops(s, gate)
     model_path = prepare_smollm2()

@@ -48,7 +48,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,7 @@ from benchmarks.engine_throughput import (  # noqa: E402
     record,
 )
 from workers.llm import LLM  # noqa: E402
-from workers.models.assets.prepare import prepare_smollm2
+from workers.models.assets.prepare import prepare_smollm2  # noqa: E402
 from workers.models.checkpoint import SMOLLM2_NAME, gguf_source  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
 
@@ -267,7 +267,7 @@ def print_report(res: dict[str, Any]) -> None:
         cells = ["crash" if v is None and "crashed" in r.get(k, {}) else f"{v:.1f}" if v else "-"
                  for k, v in zip(cols, vals)]
         rows.append((name, f"{mb / 1e6:.0f}" if mb else "-", *cells, f"{sum(x <= CONTENDED for x in loads)}/{len(loads)}"))
-    for name, why in res["skipped"].items():
+    for name in res["skipped"]:
         rows.append((name, "-", "skipped", "", "", "", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -296,7 +296,7 @@ def run(settings: Settings) -> dict[str, Any]:
     conc = [tok(p)["input_ids"] for p in concurrency_prompts(tok, max(settings.concurrencies))]
     prefill_ids = tok(SAMPLE_TEXT.read_text())["input_ids"][: settings.prefill_tokens]
     assert len(prefill_ids) == settings.prefill_tokens
-    res: dict[str, Any] = {"timestamp": datetime.now(timezone.utc).isoformat(), "model": SMOLLM2_NAME,
+    res: dict[str, Any] = {"timestamp": datetime.now(UTC).isoformat(), "model": SMOLLM2_NAME,
                            "gguf": str(gguf), "settings": asdict(settings), "machine": machine_info(),
                            "code": code_version(), "results": {}, "weight_bytes_per_token": {}}
     llama, res["skipped"] = llamacpp_sides(gguf)

@@ -105,5 +105,5 @@ class FanOut:
             queue.put_nowait(_Done(index))
         except asyncio.CancelledError:
             raise
-        except BaseException as e:  # RequestError (or a bug): the consumer re-raises it
+        except BaseException as e:  # noqa: BLE001 - RequestError (or a bug): the consumer re-raises it
             queue.put_nowait(e)

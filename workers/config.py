@@ -11,8 +11,7 @@ This module does not import torch (the cluster config imports it for ``duet serv
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING, ClassVar
 

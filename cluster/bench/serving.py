@@ -60,7 +60,7 @@ from cluster.bench.api import (OpenAISender, http_client, long_prompts, measure_
                                print_api_report)
 from cluster.bench.load_gen import (BenchRequest, RouterSender, Sender, WorkerSender, build_workload,
                                  poisson_arrivals, run_alternating, run_open_loop)
-from cluster.bench.metrics import SLO, RequestRecord, percentile, summarize
+from cluster.bench.metrics import SLO, percentile, summarize
 from cluster.bench.report import (PLOT_HINT, TARGET_PER_TOKEN_OVERHEAD_MS, TARGET_TTFT_OVERHEAD_MS, code_version,
                                   machine, plot, print_report)
 

@@ -382,7 +382,7 @@ class Controller:
                 return
             try:
                 push(members)
-            except Exception:  # noqa: BLE001 - keep the old list marked as pushed, retry next poll
+            except Exception:  # keep the old list marked as pushed, retry next poll
                 logger.exception("controller: pushing %d members failed; retrying", len(members))
                 return
             self._pushed[index] = members

@@ -72,7 +72,7 @@ class RayActuator:
                     self._controller.add(p.add_replica())
             elif replicas < len(live):
                 ranked = sorted(live, key=lambda x: (_VICTIM_ORDER[x[1]], -int(x[0]["index"])))
-                for row, st in ranked[: len(live) - replicas]:
+                for row, _state in ranked[: len(live) - replicas]:
                     logger.info("ray actuator: pool %s: removing %s (%s)", pool, row["worker_id"], row["state"])
                     self._controller.retire(row["worker_id"], drain_grace_s=self.drain_grace_s,
                                             drain_settle_s=self.drain_settle_s)

@@ -118,7 +118,7 @@ class Deployment:
                 continue
             try:
                 step()
-            except Exception:  # noqa: BLE001 - keep tearing down; a leftover is worse than a log line
+            except Exception:  # keep tearing down; a leftover is worse than a log line
                 logger.exception("shutdown: stopping the %s failed", name)
         logger.info("duet: stopped")
 

@@ -20,7 +20,6 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -328,7 +327,7 @@ class EngineLoop:
                 self.snapshot = LoadSnapshot.of(engine)
                 self._deliver(out)
                 out = []
-        except BaseException as e:  # noqa: BLE001 - a failed engine fails every request, loudly
+        except BaseException as e:  # a failed engine fails every request, loudly
             logger.exception("engine loop failed; the worker stops serving")
             self._deliver(out)  # answers made before the failure still count
             self._close(engine, e, commands)

@@ -43,7 +43,7 @@ def iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torc
                     yield name, st.get_tensor(name).to(dtype)
         except CheckpointError:
             raise
-        except Exception as e:  # noqa: BLE001 - safetensors raises several types for bad files
+        except Exception as e:  # safetensors raises several types for bad files
             raise CheckpointError(f"{f}: unreadable safetensors file ({e}); re-prepare the checkpoint") from e
 
 

@@ -61,7 +61,7 @@ from workers.build import build_engine
 from workers.engine.engine import Engine
 from workers.engine.kv_handoff import KVCapacityError
 from workers.engine.runner import RequestOutput
-from workers.engine.loop import EngineLimits, EngineLoop, LoadSnapshot, WorkerUnavailableError
+from workers.engine.loop import EngineLimits, EngineLoop, Sink, WorkerUnavailableError
 from workers.errors import InvalidRequestError
 from workers.kv.transfer import check_kv_backend
 from workers.sample.logprobs_proto import to_proto
@@ -244,7 +244,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             finished = True
             try:  # free its blocks first, then answer
                 await asyncio.wait_for(asyncio.shield(self._engine.abort(rid)), RELEASE_WAIT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 logger.warning("request %s: the engine did not confirm the abort within %.0f s", rid, RELEASE_WAIT_S)
             await context.abort(*_status_of(e))
         finally:

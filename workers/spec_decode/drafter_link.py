@@ -95,7 +95,7 @@ class DrafterLink:
             self._fail("the drafter ended the stream")
         except grpc.RpcError as e:
             self._fail(f"{e.code().name}: {e.details()}")
-        except Exception as e:  # noqa: BLE001 - a bug here must still fail the waiting rounds
+        except Exception as e:  # a bug here must still fail the waiting rounds
             logger.exception("drafter link to %s: reader failed", self.endpoint)
             self._fail(repr(e))
 

@@ -215,7 +215,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     self.scheduler.submit(req.round, [_item(i) for i in req.items], out.put)
         except grpc.RpcError:
             pass  # the target went away (it closed the stream, or its process ended)
-        except Exception:  # noqa: BLE001 - a bug in this reader: end the stream (the target falls back)
+        except Exception:  # a bug in this reader: end the stream (the target falls back)
             logger.exception("drafter: reading the stream of %s failed", peer["target"])
         finally:
             out.put(None)
