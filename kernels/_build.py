@@ -96,7 +96,7 @@ def _ensure_ninja_on_path() -> None:
         return
     dirs = [os.path.dirname(sys.executable)]
     try:
-        import ninja  # type: ignore[import-not-found]
+        import ninja
 
         dirs.append(ninja.BIN_DIR)
     except ImportError:

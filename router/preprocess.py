@@ -243,6 +243,7 @@ def _structured(p: duet_pb2.SamplingParams, model: ServedModel) -> worker_pb2.St
             if p.ignore_eos:
                 raise InvalidRequestError("ignore_eos", "cannot be combined with structured output (EOS ends "
                                                         "the output where the grammar is complete)")
+            assert model.grammars is not None  # set in ServedModel.__post_init__
             model.grammars.compile(spec)
     except InvalidRequestError as e:
         raise invalid(f"sampling.{e.field}", str(e)[len(e.field) + 2:]) from None

@@ -387,7 +387,7 @@ class Controller:
                 return
             self._pushed[index] = members
         logger.info("controller: membership -> %s", ", ".join(
-            f"{m[0]}@{m[1]}{' (draining)' if detailed and m[4] else ''}" for m in members) or "(none)")
+            f"{m[0]}@{m[1]}{' (draining)' if detailed and len(m) > 4 and m[4] else ''}" for m in members) or "(none)")
 
 
 def _dead_nodes(node_ids: set[str]) -> set[str]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from cluster.autoscale.actuator import PoolStatus
 from cluster.deploy.controller import Controller
@@ -78,7 +79,7 @@ class RayActuator:
                                             drain_settle_s=self.drain_settle_s)
             self._desired[pool] = replicas
 
-    def _states(self, pool: str) -> list[tuple[dict[str, object], str]]:
+    def _states(self, pool: str) -> list[tuple[dict[str, Any], str]]:
         """(controller row, actuator state) of each replica of ``pool``; KeyError for an unknown pool."""
         p = self._pools[pool]
         replicas = {r.worker_id: r for r in list(p.replicas)}

@@ -211,6 +211,7 @@ class EngineLoop:
         limits = await self._ready
         if limits is None:  # the engine failed to load: the thread has exited; re-raise its error
             await self.wait_closed()
+            assert self._start_error is not None  # set before _ready resolves to None
             raise self._start_error
         return limits
 

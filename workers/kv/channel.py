@@ -33,7 +33,7 @@ def check_kv_backend(requested: object) -> str:
     """Validate a ``kv_transfer_backend`` value at the edge; raises ValueError naming the setting."""
     if requested not in KV_BACKENDS:
         raise ValueError(f"kv_transfer_backend={requested!r}: must be one of {', '.join(KV_BACKENDS)}")
-    return requested  # type: ignore[return-value]
+    return requested
 
 
 def resolve_kv_backend(requested: str, device: str) -> str:

@@ -40,7 +40,7 @@ def _linear(m: nn.Module) -> StackLinearWeights | None:
     return None
 
 
-def fused_stack(model: nn.Module, layer_types: tuple[type, type, type]) -> Any | None:
+def fused_stack(model: Any, layer_types: tuple[type, type, type]) -> Any | None:
     """The C++ decoder stack for ``model`` (a LlamaForCausalLM), or None when it is not eligible.
 
     layer_types: the exact (decoder layer, MLP, attention) classes the stack reproduces, passed by

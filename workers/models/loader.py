@@ -18,12 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from workers.errors import CheckpointError
 from workers.models.checkpoint import gguf_source
 from workers.models.config import ModelSpec
 from workers.models.gguf_weights import has_native_tensors, iter_gguf
+from workers.models.llama import LlamaForCausalLM
 from workers.models.registry import check_spec, model_class
 from workers.parallel.groups import get_group
 
@@ -50,7 +50,7 @@ def iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torc
 def load_model(
     path: Path, dtype: torch.dtype, device: str = "cpu", quantization: str = "none", use_gguf: bool = True,
     fused_decode: bool = True,
-) -> tuple[nn.Module, ModelSpec]:
+) -> tuple[LlamaForCausalLM, ModelSpec]:
     """The model of checkpoint ``path``; ``use_gguf=False`` makes 'q4' quantize the safetensors even
     when a GGUF source exists (tests compare the two). fused_decode: False keeps a Llama-family
     model's decode steps off the fused decoder stack (workers/models/decode_stack.py)."""

@@ -75,7 +75,7 @@ def capabilities(spec: ModelSpec) -> Capabilities:
     return caps
 
 
-def model_class(spec: ModelSpec) -> type[nn.Module]:
+def model_class(spec: ModelSpec) -> type[LlamaForCausalLM]:
     try:
         return MODEL_REGISTRY[spec.model_type]
     except KeyError:

@@ -132,7 +132,7 @@ class DraftModelProposer:
         if not ray.is_initialized():
             raise ConfigError("speculative.method='draft_model' runs the drafter as a Ray actor: start the engine "
                               "inside Ray (duet serve does), or pass a proposer to build_engine(...) (workers/build.py)")
-        actor = DrafterActor.options(num_cpus=spec.drafter_cpus, resources=dict(spec.drafter_resources),
+        actor = DrafterActor.options(num_cpus=spec.drafter_cpus, resources=dict(spec.drafter_resources),  # type: ignore[attr-defined]  # a @ray.remote class
                                      max_restarts=-1).remote(
             private_drafter_config(spec.draft_model, spec.draft_quantization, engine), vocab_size,
             spec.draft_vocab_size, spec.drafter_threads)
