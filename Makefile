@@ -93,10 +93,14 @@ else
 endif
 
 # Static checks of the whole tree (config in pyproject.toml): ruff on every Python file but the
-# generated stubs. .ci/run runs it before `make test` (and the tests either way); tests/test_lint_config.py
-# checks that the config still covers the tree and that .ci/run still calls this target.
+# generated stubs, mypy on the packages ([tool.mypy] files). .ci/run runs it before `make test` (and the
+# tests either way); tests/test_lint_config.py checks that the config still covers the tree and that
+# .ci/run still calls this target. Both run even when the first finds something.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check .
+	@ruff=0; $(VENV)/bin/ruff check . || ruff=$$?; \
+	mypy=0; $(VENV)/bin/mypy || mypy=$$?; \
+	echo "make lint: ruff exited $$ruff, mypy exited $$mypy"; \
+	[ $$ruff -eq 0 ] && [ $$mypy -eq 0 ]
 
 # The client alone as a wheel in dist/ (clients/python: router/client.py and the duet.v1 stubs; it needs
 # only grpcio and protobuf, no torch or Ray); pip fetches setuptools to build it.

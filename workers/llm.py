@@ -10,6 +10,7 @@ Worked example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.build import build_engine
@@ -74,7 +75,7 @@ class LLM:
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         results: dict[str, Completion] = {}
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p in zip(cast(list[Prompt], prompts), params):  # one prompt was wrapped above
                 rid = self.engine.add_request(None, prompt, p)
                 results[rid] = Completion(rid, prompt)
             while self.engine.has_unfinished():

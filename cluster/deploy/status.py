@@ -77,7 +77,7 @@ def worker_status(namespace: str, timeout: float = 5.0) -> list[dict[str, Any]]:
             continue
         entry: dict[str, Any] = {"pool": m.group("pool"), "worker_id": name}
         try:
-            info: dict[str, Any] = ray.get(ray.get_actor(name, namespace=namespace).info.remote(), timeout=timeout)
+            info: Any = ray.get(ray.get_actor(name, namespace=namespace).info.remote(), timeout=timeout)
         except Exception as e:  # noqa: BLE001 - dead, restarting or slow: report, don't hide
             entry["error"] = f"actor: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
             workers.append(entry)

@@ -228,6 +228,7 @@ class ModelRunner:
         if not sample_rows:
             return RunnerOutput({}, timing=RunnerTiming(self._prepare_s, forward_s))
         logits = self.model.compute_logits(hidden[[r for r, _ in sample_rows]])  # [N, V]
+        assert logits is not None  # the leader (tp rank 0) holds them
         t_logits = time.perf_counter()
         results = masks.result() if masks is not None else {}
         verify = {c.request_id: c for c in sched.chunks if c.num_draft}
@@ -253,6 +254,7 @@ class ModelRunner:
                 errors.update((ids[j], e) for j, e in bad.items())
                 keep = [j for j in range(len(ids)) if j not in bad]
                 plain, ids, rows = [plain[j] for j in keep], [ids[j] for j in keep], [rows[j] for j in keep]
+                assert allowed is not None  # a row had a mask (it failed)
                 allowed = allowed[keep]
         if plain:
             tokens, lps = self.sampler(logits[plain], rows, [self._generator(r) for r in ids], allowed)
@@ -260,10 +262,10 @@ class ModelRunner:
             logprobs.update((r, [lp]) for r, lp in zip(ids, lps) if lp is not None)
         vspans = self._verify_spans(spans, drafts or {}, logits.shape[1], errors)
         if vspans:
-            for s, (tokens, lps) in zip(vspans, verify_spans(self.sampler, logits, vspans)):
-                out[s.request_id] = tokens
-                if lps is not None:
-                    logprobs[s.request_id] = lps
+            for s, (span_tokens, span_lps) in zip(vspans, verify_spans(self.sampler, logits, vspans)):
+                out[s.request_id] = span_tokens
+                if span_lps is not None:
+                    logprobs[s.request_id] = span_lps
         timing = RunnerTiming(self._prepare_s, forward_s, t_logits - t_forward, time.perf_counter() - t_logits)
         return RunnerOutput(out, logprobs, errors, timing)
 

@@ -66,7 +66,7 @@ def load_model(
         gguf = None  # no Q8_0 linear weights: the safetensors (the same de-quantized values) load faster
     weights = iter_gguf(gguf, spec, quantization) if gguf is not None else iter_safetensors(path, dtype)
     try:
-        loaded = model.load_weights(weights)
+        loaded = model.load_weights(weights)  # type: ignore[arg-type]  # GGUF QuantizedWeights go to quantized layers
     except KeyError as e:
         raise CheckpointError(f"{path}: unexpected tensor {e.args[0]!r} for model_type {spec.model_type!r}") from None
     missing = model.expected_weights() - loaded

@@ -45,7 +45,9 @@ def next_token_logits(model: LlamaForCausalLM, spec: ModelSpec, ids: list[int], 
     )
     tokens = torch.tensor(ids)
     hidden = model(tokens, torch.arange(L), [(layer[0], layer[1]) for layer in kv], meta)  # [L, E]
-    return model.compute_logits(hidden[:-1]).float()  # [L - 1, V]
+    logits = model.compute_logits(hidden[:-1])  # [L - 1, V]
+    assert logits is not None  # one process: it is tp rank 0
+    return logits.float()
 
 
 def token_logprobs(model: LlamaForCausalLM, spec: ModelSpec, ids: list[int]) -> torch.Tensor:

@@ -95,16 +95,18 @@ def _head_rows(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
     if model.spec.tie_word_embeddings:
         return model.model.embed_tokens.weight.data[ids].float()
     if isinstance(head, QuantLinear):
-        b = head._buffers
         if head.method == "int8":
-            return dequantize_int8(b["qweight"][ids], b["scales"][ids], head.in_features)
-        return dequantize_q4(b["qweight"][ids], b["scales"][ids], b["mins"][ids], head.in_features)
+            return dequantize_int8(head.qweight[ids], head.scales[ids], head.in_features)
+        return dequantize_q4(head.qweight[ids], head.scales[ids], head.mins[ids], head.in_features)
+    assert isinstance(head.weight, torch.Tensor)
     return head.weight.data[ids].float()
 
 
 class PrunedHead(nn.Module):
     """logits over the kept ids: hidden [N, E] -> [N, P]; ``ids`` [P] maps a column to its token id.
     quantization: the kept rows' format ('none', 'int8' or 'q4'; the drafter's own by default)."""
+
+    ids: torch.Tensor  # buffer (registered in __init__)
 
     def __init__(self, model: LlamaForCausalLM, ids: torch.Tensor, quantization: str) -> None:
         super().__init__()
@@ -117,7 +119,7 @@ class PrunedHead(nn.Module):
         if isinstance(self.linear, QuantLinear):
             self.linear.load_weight(rows)
         else:
-            self.linear.weight.data.copy_(rows)
+            self.linear.weight.data.copy_(rows)  # type: ignore[operator]  # a Linear: its weight Parameter
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, E] -> [N, P]
         return self.linear(hidden)

@@ -20,7 +20,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 
 import grpc
@@ -55,7 +55,7 @@ class DrafterLink:
     def alive(self) -> bool:
         return self.error is None
 
-    def send(self, items: list[drafter_pb2.DraftItem], release: list[str] = ()) -> Future:
+    def send(self, items: list[drafter_pb2.DraftItem], release: Sequence[str] = ()) -> Future:
         """One round (its items, and releases to apply before them); -> Future[RoundResponse]."""
         fut: Future = Future()
         round_id = next(self._rounds)

@@ -130,6 +130,7 @@ class GrammarMatcher:
         if m.is_error():
             raise GrammarError(self.field, f"the grammar failed after {self.num_consumed} tokens: {m.get_error()}")
         words = self._words
+        assert words is not None  # made by _ensure
         m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)  # drops the GIL
         if m.is_error():
             raise GrammarError(self.field, f"the grammar failed after {self.num_consumed} tokens: {m.get_error()}")
