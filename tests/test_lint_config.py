@@ -17,6 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUFF = Path(sys.executable).with_name("ruff")
+MYPY = Path(sys.executable).with_name("mypy")
 # Every folder of the distribution (pyproject's packages.find) and the tests.
 PACKAGES = ("cluster", "workers", "router", "kernels", "protos", "benchmarks", "tests")
 
@@ -27,8 +28,12 @@ def _ruff(path: str, source: str) -> subprocess.CompletedProcess[str]:
                           input=source, capture_output=True, text=True, cwd=ROOT, timeout=60)
 
 
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
 def test_packages_match_the_distribution() -> None:
-    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    include = _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
     assert {p.rstrip("*") for p in include} | {"tests"} == set(PACKAGES)
 
 
@@ -58,4 +63,23 @@ def test_ci_runs_make_lint_and_make_lint_runs_the_checkers() -> None:
     dry = subprocess.run(["make", "-n", "-o", ".venv/.duet-setup.stamp", "lint"], capture_output=True, text=True,
                          cwd=ROOT, timeout=60)
     assert dry.returncode == 0, dry.stderr
-    assert "ruff check ." in dry.stdout, dry.stdout
+    assert "ruff check ." in dry.stdout and "mypy" in dry.stdout, dry.stdout
+
+
+def test_mypy_checks_the_library_and_ignores_nothing_wholesale() -> None:
+    mypy = _pyproject()["tool"]["mypy"]
+    # Every library package (benchmarks/ and tests/ are scripts and tests: ruff only).
+    assert set(mypy["files"]) == set(PACKAGES) - {"benchmarks", "tests"}
+    for override in mypy.get("overrides", []):  # a module's errors are fixed, not switched off
+        assert not override.get("ignore_errors"), override
+        assert not override.get("follow_imports") == "skip", override
+    assert mypy.get("warn_unused_ignores") is True  # a stale `type: ignore` fails like a stale noqa
+
+
+def test_mypy_reports_a_type_error_with_the_project_config(tmp_path: Path) -> None:
+    probe = tmp_path / "lint_probe.py"
+    probe.write_text("def f(x: int) -> str:\n    return x\n")
+    out = subprocess.run([str(MYPY), "--config-file", str(ROOT / "pyproject.toml"), "--no-incremental",
+                          "--cache-dir", str(tmp_path / "cache"), str(probe)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 1 and "[return-value]" in out.stdout, out.stdout + out.stderr
