@@ -93,7 +93,7 @@ else
 endif
 
 # Static checks of the whole tree (config in pyproject.toml): ruff on every Python file but the
-# generated stubs, mypy on the packages ([tool.mypy] files). .ci/run runs it before `make test` (and the
+# generated stubs, mypy on the packages and benchmarks ([tool.mypy] files). .ci/run runs it before `make test` (and the
 # tests either way); tests/test_lint_config.py checks that the config still covers the tree and that
 # .ci/run still calls this target. Both run even when the first finds something.
 lint: $(STAMP)

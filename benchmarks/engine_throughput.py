@@ -272,7 +272,7 @@ def streamed_matrices(model: nn.Module) -> list[torch.Tensor]:
     return [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
 
 
-def bytes_per_token(model: nn.Module) -> dict[str, Any]:
+def bytes_per_token(model: Any) -> dict[str, Any]:  # a transformers PreTrainedModel
     """Weight bytes read by one batch-1 decode step, from the model's actual parameters."""
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     head = model.get_output_embeddings()
@@ -327,7 +327,7 @@ class DuetRunner:
 class HFRunner:
     name = "hf"
 
-    def __init__(self, model: nn.Module, tokenizer: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any) -> None:  # a transformers PreTrainedModel
         self.model, self.tokenizer = model, tokenizer
 
     def prepare(self, prompts: list[str]) -> dict[str, torch.Tensor]:

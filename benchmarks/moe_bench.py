@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from workers.models.mixtral import MixtralForCausalLM
 from benchmarks.engine_throughput import QuietGate, code_version, machine_info, quiet_median, record
 from workers.parallel.groups import ParallelConfig, get_group
 from workers.parallel.launch import spawn_gang
@@ -81,6 +82,7 @@ def throughput_rank(rank: int, path: str, batches: list[int], max_tokens: int, r
 
     kw = dict(kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
     runner = ModelRunner.from_config(engine_config(path, **kw))
+    assert isinstance(runner.model, MixtralForCausalLM)  # the upcycled MoE checkpoint
     moe = runner.model.moe_layers()
     if rank != 0:
         follow(runner, get_group("gang"))
@@ -117,6 +119,7 @@ def rebalance_rank(rank: int, path: str, max_tokens: int) -> dict | None:
     if rank != 0:
         follow(runner, get_group("gang"))
         return None
+    assert isinstance(runner.model, MixtralForCausalLM)  # the upcycled MoE checkpoint
     moe = runner.model.moe_layers()
     leader = GangRunner(runner, get_group("gang"))
     llm = LLM(path, runner=leader, **kw)
