@@ -64,7 +64,7 @@ def test_async_break_cancels_the_request(target, pool):
     async def main():
         async with DuetClient(target) as client:
             async with contextlib.aclosing(client.generate("x", max_tokens=45)) as chunks:
-                async for chunk in chunks:
+                async for chunk in chunks:  # noqa: B007 - the first chunk is returned below
                     break  # aclosing: the call is cancelled here, not whenever the generator is collected
             return chunk
     first = run_async(main())
