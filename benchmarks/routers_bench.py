@@ -40,6 +40,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -95,7 +96,7 @@ async def _sample(workers: list[EchoWorker], stop_at: float, samples: list[list[
 
 
 def run_phase(args: argparse.Namespace, n_routers: int, phase: str, members: list[tuple[str, str]],
-              workers: list[EchoWorker], prefixes: list[list[int]]) -> dict[str, object]:
+              workers: list[EchoWorker], prefixes: list[list[int]]) -> dict[str, Any]:
     routers = [serve_router(RouterConfig(tokenizer_path=str(args.model_path), port=0, http_port=0, policy=phase,
                                          max_in_flight=1024), members) for _ in range(n_routers)]
     q0, h0 = sum(w.prefix_queries for w in workers), sum(w.prefix_hits for w in workers)

@@ -101,7 +101,7 @@ class DuetError(Exception):
 
     @classmethod
     def from_rpc(cls, e: grpc.RpcError) -> DuetError:
-        return cls(e.code(), e.details() or "")  # type: ignore[attr-defined]
+        return cls(e.code(), e.details() or "")
 
 
 @dataclass(frozen=True)
@@ -242,8 +242,8 @@ class _Resumption:
 
     def next_request(self, index: int, e: grpc.RpcError) -> duet_pb2.GenerateRequest | None:
         """The request to send to router ``index + 1`` after ``e`` on router ``index``, or None (raise)."""
-        code = e.code()  # type: ignore[attr-defined]
-        trailers = e.trailing_metadata() or ()  # type: ignore[attr-defined]
+        code = e.code()
+        trailers = e.trailing_metadata() or ()
         handed_off = any(k == HANDOFF_METADATA_KEY for k, _ in trailers)
         if ((len(self.targets) < 2 and not handed_off) or code not in ROUTER_FAILURES or self.moves >= self.max_resumes
                 or (self.token_ids and self.request.n > 1) or self.remaining() == 0.0):
@@ -252,7 +252,7 @@ class _Resumption:
         nxt = self.targets[(index + 1) % len(self.targets)]
         logger.warning("request %s: router %s failed after %d tokens (%s: %s); resuming on %s (%d/%d)",
                        self.request_id or "?", self.targets[index], len(self.token_ids), code.name,
-                       e.details(), nxt, self.moves, self.max_resumes)  # type: ignore[attr-defined]
+                       e.details(), nxt, self.moves, self.max_resumes)
         return resume_request(self.request, self.request_id, self.token_ids, self.text_chars)
 
 

@@ -303,6 +303,8 @@ class WorkerDirectory:
     async def _poll_once(self, m: _Member) -> None:
         sent_requests = m.state.routed_requests_since_report
         sent_tokens = m.state.routed_tokens_since_report
+        report: Any
+        status: Any
         request = worker_pb2.GetLoadRequest()
         if self.prefix_index is not None:
             since, incarnation = self.prefix_index.cursor(m.worker_id, m.state.incarnation)

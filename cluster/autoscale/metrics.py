@@ -98,10 +98,10 @@ def registry_source(collect: Callable[[], Iterable[Metric]]) -> Source:
     return collect
 
 
-def http_source(url: str, timeout_s: float = 5.0) -> Source:
+def http_source(url: str, timeout_s: float = 5.0) -> Callable[[], Iterable[Metric]]:
     """A source scraping a Prometheus text endpoint, e.g. http://router:9090/metrics."""
     def scrape() -> Iterable[Metric]:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - an operator-given URL
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # an operator-given URL
             return list(text_string_to_metric_families(response.read().decode()))
     return scrape
 
@@ -121,7 +121,7 @@ def dns_source(url: str, timeout_s: float = 5.0) -> Source:
 
     def scrape() -> dict[str, Iterable[Metric]]:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        addresses = sorted({info[4][0] for info in infos})
+        addresses = sorted({str(info[4][0]) for info in infos})
         out: dict[str, Iterable[Metric]] = {}
         for address in addresses:
             shown = f"[{address}]" if ":" in address else address
@@ -196,7 +196,8 @@ class PrometheusWindows:
                              "1 <= latency_buckets <= window_buckets")
         self.sources = list(sources)
         self.window_buckets, self.latency_buckets = window_buckets, latency_buckets
-        self.readings: deque[tuple[float, dict[str, PoolReading]]] = deque(maxlen=window_buckets + 1)
+        # (time, router -> pool -> reading), oldest first
+        self.readings: deque[tuple[float, dict[str, dict[str, PoolReading]]]] = deque(maxlen=window_buckets + 1)
 
     def windows(self, pools: Sequence[str], now: float) -> dict[str, PoolMetrics]:
         read: dict[str, dict[str, PoolReading]] = {}  # router -> pool -> reading

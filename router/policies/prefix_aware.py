@@ -177,6 +177,7 @@ class PrefixAwarePolicy:
     def _add_pending(self, worker_id: str, token_ids: Sequence[int]) -> None:
         if self.pending_s <= 0:
             return
+        assert self.holdings is not None
         hashes = tuple(chain_hashes(token_ids, self.holdings.block_size(worker_id)))
         if not hashes:
             return

@@ -9,7 +9,7 @@ Example::
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, cast
 
 from router.policies.base import PolicyConfigError, RoutingPolicy
 from router.policies.least_loaded import LeastLoadedPolicy
@@ -42,10 +42,10 @@ def make_policy(name: str, holdings: PrefixIndex | None = None, **opts: Any) -> 
             f"routing policy {name!r} has no option {', '.join(map(repr, unknown))}; "
             f"valid options: {', '.join(sorted(valid)) or '(none)'}"
         )
-    cls = POLICIES[name]
+    cls: Any = POLICIES[name]  # the policies' constructors differ; the protocol covers their instances
     if holdings is not None and "holdings" in inspect.signature(cls.__init__).parameters:
-        return cls(holdings, **opts)
-    return cls(**opts)
+        return cast(RoutingPolicy, cls(holdings, **opts))
+    return cast(RoutingPolicy, cls(**opts))
 
 
 def _lookup(name: str) -> type[RoutingPolicy]:

@@ -82,7 +82,8 @@ def test_a_prefix_sent_through_one_router_is_routed_to_its_holder_by_the_other(c
         ids = tok(stem)["input_ids"]
         _generate(routers[sender].address, ids + tok(" First entry:")["input_ids"])
         indexes = [r.server.prefix_index for r in routers]
-        wait_until(lambda: all(ix.match(ids) for ix in indexes), what="both routers see the holder", timeout=10)
+        wait_until(lambda ids=ids, indexes=indexes: all(ix.match(ids) for ix in indexes),
+                   what="both routers see the holder", timeout=10)
         holders = [ix.match(ids) for ix in indexes]
         assert holders[0] == holders[1] and len(holders[0]) == 1, holders  # the same view, one holder
         holder, blocks = next(iter(holders[0].items()))

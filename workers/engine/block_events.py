@@ -90,7 +90,8 @@ class BlockEventLog:
         with self._lock:
             if since <= 0 or since > self._seq or since < self._forgotten_upto:
                 return BlockDiff(self._seq, True, list(self._held))
-            stored, removed = [], []
+            stored: list[int] = []
+            removed: list[int] = []
             for h in reversed(self._touched):
                 if self._touched[h] <= since:
                     break

@@ -168,7 +168,7 @@ def test_dns_source_reads_every_address_a_name_resolves_to(monkeypatch):
     by_address = {"127.0.0.1": r1, "127.0.0.2": r2}
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             body = generate_latest(by_address[self.server.server_address[0]])
             self.send_response(200)
             self.end_headers()
