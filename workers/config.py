@@ -206,7 +206,7 @@ class SpeculativeConfig:
         else:
             device = self.drafter_device
         if device == "cpu" or self.draft_quantization != "none":
-            return device, "float32"  # CPU kernels and quantized layers run float32 activations
+            return device, "float32"  # a CPU drafter keeps float32; quantized layers run float32 activations
         return device, target_dtype
 
 
@@ -219,8 +219,11 @@ class EngineConfig:
     device: 'auto' (cuda when this process holds GPUs - a Ray rank the GPUs Ray assigned it, any
         other process the GPUs torch sees - else cpu), 'cpu' or 'cuda[:N]'; resolved once at engine
         start by workers/engine/device.py, and 'cuda' on a node without CUDA is refused there.
-    dtype: 'auto' (the checkpoint's torch_dtype on CUDA, float32 on CPU or with quantization),
-        float32, bfloat16 or float16.
+    dtype: 'auto', float32, bfloat16 or float16. auto: float32 with quantization; on CUDA the
+        checkpoint's torch_dtype; on CPU bfloat16 for a half-precision checkpoint when the CPU has
+        AVX512-BF16 or AMX (the C++ kernels and oneDNN's bf16 GEMM run it natively), else float32
+        (workers/engine/device.py). bfloat16 on CPU is explicit-only for float32 checkpoints and
+        runs on any x86-64 CPU (slower without those instructions).
     max_model_len: context limit (prompt + output); None = the model's own limit.
     quantization: weights of the decoder's linear layers: 'none' (dtype), 'int8' (per-output-channel
         scales) or 'q4' (4-bit blocks of 32, GGUF Q4_1 math; a GGUF-sourced model loads its 4-bit
