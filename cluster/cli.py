@@ -33,44 +33,20 @@ from cluster.client_args import add_client_security, client_security
 
 DEFAULT_TARGET = "localhost:50051"
 
-# serve flag -> (dotted config key, type, help). Unset flags leave the key to the file/env/default.
-SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--model": ("model.name", str, "model name ('SmolLM2-135M-Instruct') or local HF checkpoint dir [DUET_MODEL]"),
-    "--dtype": ("model.dtype", str, "auto | float32 | bfloat16 | float16; auto: the checkpoint's on CUDA, "
-                "float32 on CPU [DUET_DTYPE]"),
-    "--device": ("pool.engine.device", str, "auto | cpu | cuda for the (first) pool; auto: cuda when it reserves "
-                 "GPUs and the node has CUDA [DUET_DEVICE]"),
-    "--gpus-per-rank": ("pool.gpus_per_rank", float, "GPUs each rank of the (first) pool reserves [DUET_GPUS_PER_RANK]"),
-    "--cuda-graphs": ("pool.engine.cuda_graphs", str, "true | false: replay decode steps from CUDA graphs "
-                      "[DUET_CUDA_GRAPHS]"),
-    "--drafter-device": ("pool.speculative.drafter_device", str, "auto | cpu | cuda: where the (first) pool's "
-                         "drafter runs [DUET_DRAFTER_DEVICE]"),
-    "--max-model-len": ("model.max_model_len", int, "context limit, prompt + output [DUET_MAX_MODEL_LEN]"),
-    "--quantization": ("model.quantization", str, "weights of the linear layers: none | int8 | q4 "
-                       "[DUET_QUANTIZATION]"),
-    "--replicas": ("pool.replicas", int, "worker actors in the (first) pool [DUET_REPLICAS]"),
-    "--cpus-per-replica": ("pool.cpus_per_replica", int, "CPUs (= torch threads) per worker of the (first) pool; "
-                           "default: this machine's CPUs less one for the router, shared among the workers "
-                           "(1 with --ray-address) [DUET_CPUS_PER_REPLICA]"),
-    "--kv-cache-memory": ("pool.engine.kv_cache_memory_bytes", str,
-                          "KV cache budget per worker of the (first) pool, e.g. 256MiB, 1GiB [DUET_KV_CACHE_MEMORY]"),
-    "--host": ("router.host", str, "router bind address; 0.0.0.0 for all interfaces [DUET_HOST]"),
-    "--port": ("router.port", int, "router gRPC port, 0 = any free port [DUET_PORT]"),
-    "--http-port": ("router.http_port", int, "router OpenAI-compatible HTTP port (default 8000), 0 = off "
-                    "[DUET_HTTP_PORT]"),
-    "--policy": ("router.policy", str, "round_robin | least_loaded | prefix_aware [DUET_POLICY]"),
-    "--tls-cert": ("router.tls_cert_file", str, "PEM certificate: serve TLS only (with --tls-key) [DUET_TLS_CERT_FILE]"),
-    "--tls-key": ("router.tls_key_file", str, "PEM private key of --tls-cert [DUET_TLS_KEY_FILE]"),
-    "--tls-client-ca": ("router.tls_client_ca_file", str, "PEM CA: require client certificates it signed (mTLS) "
-                        "[DUET_TLS_CLIENT_CA_FILE]"),
-    "--auth-tokens-file": ("router.auth_tokens_file", str, "require 'authorization: Bearer <token>' with a token "
-                           "from this file (see router/security.py) [DUET_AUTH_TOKENS_FILE]"),
-    "--controller-port": ("controller.port", int, "port of the controller's membership service that routers "
-                          "follow, 0 = any free port [DUET_CONTROLLER_PORT]"),
-    "--ray-address": ("ray.address", str, "join this Ray cluster ('auto', host:6379) instead of starting an "
-                      "embedded one [RAY_ADDRESS]"),
-    "--ray-num-cpus": ("ray.num_cpus", int, "CPUs of the embedded Ray (default: all) [DUET_RAY_NUM_CPUS]"),
-}
+# The `duet serve` flags: each setting's flag, env var and help come from the config models
+# (cluster/config/duet.py SWITCHES, cluster/config/schema.py); values are parsed and checked there.
+def _serve_flags() -> dict[str, str]:
+    """flag -> dotted config key."""
+    from cluster.config.duet import SWITCHES
+
+    return {s.flag: key for key, s in SWITCHES.items() if s.flag}
+
+
+def _add_config_flags(p: argparse.ArgumentParser, flags: dict[str, str]) -> None:
+    from cluster.config.schema import flag_help
+
+    for flag, key in flags.items():
+        p.add_argument(flag, dest=key, default=None, metavar=key.rsplit(".", 1)[-1].upper(), help=flag_help(key))
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -83,8 +59,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        "defaults < --config YAML < DUET_* env < flags.")
     p.add_argument("--config", metavar="FILE", help="YAML config (default: $DUET_CONFIG if set); "
                    "see cluster/duet.example.yaml")
-    for flag, (key, tp, help_text) in SERVE_FLAGS.items():
-        p.add_argument(flag, dest=key, type=tp, default=None, help=help_text)
+    _add_config_flags(p, _serve_flags())
     p.add_argument("--dry-run", action="store_true", help="validate the merged config, resolve the model and check "
                    "that it runs with each pool's parallel sizes and quantization (what serve checks before "
                    "starting anything), print the config as YAML and exit")
@@ -93,7 +68,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    "--membership HOST:PORT` (the Helm chart's Ray head does this)")
 
 
-ROUTER_FLAGS = {flag: SERVE_FLAGS[flag] for flag in ("--model", "--host", "--port", "--http-port", "--policy")}
+ROUTER_FLAGS = ("--model", "--host", "--port", "--http-port", "--policy")
+
+
+def _router_flags() -> dict[str, str]:
+    return {flag: key for flag, key in _serve_flags().items() if flag in ROUTER_FLAGS}
 
 
 def _add_router(sub: argparse._SubParsersAction) -> None:
@@ -107,8 +86,7 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--membership", metavar="HOST:PORT", default=os.environ.get("DUET_MEMBERSHIP"),
                    help="the controller's Membership service (default $DUET_MEMBERSHIP, else "
                    "controller.host:controller.port of the config)")
-    for flag, (key, tp, help_text) in ROUTER_FLAGS.items():
-        p.add_argument(flag, dest=key, type=tp, default=None, help=help_text)
+    _add_config_flags(p, _router_flags())
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port at /metrics "
                    "(default 0 = off)")
 
@@ -197,7 +175,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cluster.config.duet import load_config
     from cluster.deploy.preflight import preflight
 
-    keys = {key: flag for flag, (key, _, _) in SERVE_FLAGS.items()}
+    keys = {key: flag for flag, key in _serve_flags().items()}
     sources: dict[str, str] = {}
     config = load_config(args.config, overrides={k: getattr(args, k) for k in keys}, flag_names=keys,
                          sources=sources)
@@ -221,7 +199,7 @@ def _router(args: argparse.Namespace) -> int:
     from cluster.config.duet import load_config
     from cluster.deploy.router_main import run_router_foreground
 
-    keys = {key: flag for flag, (key, _, _) in ROUTER_FLAGS.items()}
+    keys = {key: flag for flag, key in _router_flags().items()}
     config = load_config(args.config, overrides={k: getattr(args, k) for k in keys}, flag_names=keys)
     if not 0 <= args.metrics_port <= 65535:
         raise config_error(f"--metrics-port={args.metrics_port}: must be in 0..65535 (0 = no metrics server)")

@@ -8,6 +8,9 @@ source and the fix), then turned into the decision function's ``AutoscalerConfig
                                 colocated pools on both (each role needs its targets)
     profile                     a capacity profile of one replica (``duet profile --out FILE``)
     min_replicas / max_replicas bounds (min >= 1: a pool at zero would serve nothing)
+    ratio                       drafter pools only (instead of SLOs and a profile): replicas per
+                                replica of the pool that drafts on it (its speculative.drafter_pool),
+                                which must be scaled too: ceil(ratio x that pool's desired)
 
 Example (YAML)::
 
@@ -32,106 +35,108 @@ actuator: who applies the decisions (cluster/deploy/kuberay_actuator.py ``make_a
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field
+
+from cluster.config.derive import Section
 from cluster.config.sources import ClusterConfigError, Sources, need, source_of
-
-
-@dataclass(frozen=True)
-class AutoscalePoolSection:
-    """How one pool of ``pools`` scales (module docstring). smoothing_s / headroom: see
-    cluster/autoscale/slo.py PoolScaling (0 / null = the defaults)."""
-
-    pool: str = ""
-    min_replicas: int = 1
-    max_replicas: int = 8
-    slo_ttft_ms: float | None = None
-    slo_tpot_ms: float | None = None
-    profile: str | None = None
-    smoothing_s: float = 0.0
-    headroom: float | None = None
-
 
 ACTUATORS = ("ray", "kubernetes")
 SCALE_DOWN = ("drain", "migrate")  # = cluster.autoscale.slo.SCALE_DOWN (imported lazily there)
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_MS = "must be a number of milliseconds > 0, or null"
 
 
-@dataclass(frozen=True)
-class KubernetesActuatorSection:
-    """Where the ``kubernetes`` actuator finds its RayCluster. raycluster: the RayCluster's name
-    (the chart's ``<release>-duet``). namespace: its namespace; empty = this pod's own (read from
-    the service account, ``/var/run/secrets/kubernetes.io/serviceaccount/namespace``). Credentials:
-    the pod's service account (in-cluster config), else the current kubeconfig context."""
+class AutoscalePoolSection(Section):
+    """How one pool of ``pools`` scales (module docstring; cluster/autoscale/slo.py PoolScaling)."""
 
-    raycluster: str = ""
-    namespace: str = ""
+    pool: str = Field("", min_length=1, description="The pool of `pools` to scale.",
+                      json_schema_extra={"hint": "must name a pool of `pools` to scale"})
+    min_replicas: int = Field(1, ge=1, description="Fewest replicas (>= 1: a pool at zero would serve nothing).")
+    max_replicas: int = Field(8, ge=1, description="Most replicas.")
+    slo_ttft_ms: float | None = Field(None, gt=0, description="p90 time-to-first-token target (prefill and colocated "
+                                      "pools).", json_schema_extra={"hint": _MS})
+    slo_tpot_ms: float | None = Field(None, gt=0, description="p90 time-per-output-token target (decode and "
+                                      "colocated pools).", json_schema_extra={"hint": _MS})
+    profile: str | None = Field(None, description="Capacity profile of one replica (`duet profile --out FILE`).")
+    smoothing_s: float = Field(0.0, ge=0, description="Arrival-rate time constant, ~ a request's stay in the pool "
+                               "(0 = per bucket).", json_schema_extra={"hint": "must be >= 0 seconds (0 = per bucket)"})
+    headroom: float | None = Field(None, ge=0, description="Spare capacity fraction (null = 0.1).")
+    ratio: float | None = Field(None, gt=0, description="Drafter pools only, instead of SLOs and a profile: replicas "
+                                "per replica of the pool drafting on it (its speculative.drafter_pool, scaled too): "
+                                "ceil(ratio x that pool's desired).", json_schema_extra={
+                                    "hint": "must be > 0 (drafter replicas per replica of the pool drafting on them), "
+                                            "or null"})
 
 
-@dataclass(frozen=True)
-class AutoscalingSection:
-    """enabled: run the loop in ``duet serve``. interval_s: one decision round per interval (also
-    the metrics bucket). window_buckets: buckets of arrival history (forecast, scale-down window);
-    latency_buckets: the most recent buckets the p90s are taken over. horizon_s: how far ahead the
-    arrival rate is forecast (set it to a replica's start-up time). short_window_s: the burst
-    window (0 = off; cluster/autoscale/forecast.py). up/down_cooldown_s: between reactive steps /
-    from a scale-up to the next scale-down; down_interval_s between scale-downs. scale_down: how
-    the actuator removes a replica -- ``drain`` (its requests finish there) or ``migrate`` (they
-    move to the replicas that stay; use it with an actuator that migrates): with ``migrate`` the
-    scale-down waits shrink to what a removal costs (each at most horizon_s + migration_s, the
-    seconds a migration takes to empty a replica: ~ its running requests x (their KV bytes /
-    link bandwidth + a pause each), 10 s = 16 requests of ~3,000 tokens of a Llama-3-8B-shaped
-    model at 1 GB/s; cluster/autoscale/slo.py, cluster/sim/migration.py). drain_grace_s: how long
-    a removed replica's in-flight requests may take to finish (the rest are resumed elsewhere).
-    metrics_urls: the routers' /metrics (``duet router --metrics-port``); omit it when ``duet
-    serve`` runs the router itself (it reads that router directly). actuator / kubernetes: see the
-    module docstring and KubernetesActuatorSection."""
+class KubernetesActuatorSection(Section):
+    """Where the ``kubernetes`` actuator finds its RayCluster. Credentials: the pod's service account
+    (in-cluster config), else the current kubeconfig context."""
 
-    enabled: bool = False
-    interval_s: float = 10.0
-    window_buckets: int = 30
-    latency_buckets: int = 3
-    horizon_s: float = 60.0
-    short_window_s: float = 30.0
-    up_cooldown_s: float = 30.0
-    down_cooldown_s: float = 300.0
-    down_interval_s: float = 60.0
-    scale_down: str = "drain"
-    migration_s: float = 10.0
-    drain_grace_s: float = 300.0
-    metrics_urls: tuple[str, ...] = ()
-    pools: tuple[AutoscalePoolSection, ...] = ()
-    actuator: str = "ray"
-    kubernetes: KubernetesActuatorSection = field(default_factory=KubernetesActuatorSection)
+    raycluster: str = Field("", description="The RayCluster's name (the chart's <release>-duet).")
+    namespace: str = Field("", description="Its namespace; empty = this pod's own (read from the service account).")
+
+
+_SECONDS = {"hint": "must be >= 0 seconds"}
+
+
+class AutoscalingSection(Section):
+    """The SLO autoscaler in ``duet serve`` (module docstring; cluster/autoscale/slo.py)."""
+
+    enabled: bool = Field(False, description="Run the autoscaling loop in `duet serve`.")
+    interval_s: float = Field(10.0, gt=0, description="One decision round (and one metrics bucket) per interval.",
+                              json_schema_extra={"hint": "must be > 0 seconds"})
+    window_buckets: int = Field(30, ge=2, description="Buckets of arrival history: forecast and scale-down window.",
+                                json_schema_extra={"hint": "must be >= 2 (20+ is better)"})
+    latency_buckets: int = Field(3, ge=1, description="The latest buckets the p90 TTFT/TPOT are taken over "
+                                 "(<= window_buckets).")
+    horizon_s: float = Field(60.0, gt=0, description="How far ahead the arrival rate is forecast (~ a replica's "
+                             "start-up time).", json_schema_extra={"hint": "must be > 0 seconds"})
+    short_window_s: float = Field(30.0, ge=0, description="Burst window: a step above the smoothed rate is planned "
+                                  "for at once (0 = off; cluster/autoscale/forecast.py).", json_schema_extra=_SECONDS)
+    up_cooldown_s: float = Field(30.0, ge=0, description="Seconds between reactive (SLO breach) steps.",
+                                 json_schema_extra=_SECONDS)
+    down_cooldown_s: float = Field(300.0, ge=0, description="Seconds from a scale-up to the next scale-down.",
+                                   json_schema_extra=_SECONDS)
+    down_interval_s: float = Field(60.0, ge=0, description="Seconds between scale-downs.", json_schema_extra=_SECONDS)
+    scale_down: Literal[SCALE_DOWN] = Field("drain", description="How a replica is removed: drain (its requests "
+                                            "finish there) or migrate (they move to the replicas that stay; needs an "
+                                            "actuator that migrates).", json_schema_extra={
+                                                "hint": "must be drain (removed replicas finish their requests) or "
+                                                        "migrate (they move them to the replicas that stay)"})
+    migration_s: float = Field(10.0, ge=0, description="Seconds a migration takes to empty one replica (~ its running "
+                               "requests x (their KV bytes / link bandwidth + a pause each)); with scale_down: "
+                               "migrate the scale-down waits shrink to at most horizon_s + migration_s.",
+                               json_schema_extra=_SECONDS)
+    drain_grace_s: float = Field(300.0, ge=0, description="How long a removed replica's in-flight requests may take "
+                                 "to finish (the rest resume elsewhere).", json_schema_extra=_SECONDS)
+    metrics_urls: tuple[str, ...] = Field((), description="The routers' /metrics (`duet router --metrics-port`); "
+                                          "omit it when `duet serve` runs the router itself.")
+    pools: tuple[AutoscalePoolSection, ...] = Field((), description="The pools to scale, each with its SLOs, "
+                                                    "profile and bounds.")
+    actuator: Literal[ACTUATORS] = Field("ray", description="ray: add/drain worker actors here | kubernetes: also "
+                                         "resize the pool's KubeRay worker group (cluster/deploy/kuberay_actuator.py).")
+    kubernetes: KubernetesActuatorSection = Field(default_factory=KubernetesActuatorSection,
+                                                  description="Where the kubernetes actuator finds its RayCluster.")
 
 
 def check_autoscale_pool(p: AutoscalePoolSection, key: str, s: Sources) -> None:
-    need(bool(p.pool), f"{key}.pool", p.pool, s, "must name a pool of `pools` to scale")
-    need(1 <= p.min_replicas <= p.max_replicas, f"{key}.min_replicas", p.min_replicas, s,
+    need(p.min_replicas <= p.max_replicas, f"{key}.min_replicas", p.min_replicas, s,
          f"must be >= 1 and <= max_replicas ({p.max_replicas})")
-    for name in ("slo_ttft_ms", "slo_tpot_ms"):
-        v = getattr(p, name)
-        need(v is None or v > 0, f"{key}.{name}", v, s, "must be a number of milliseconds > 0, or null")
-    need(p.smoothing_s >= 0, f"{key}.smoothing_s", p.smoothing_s, s, "must be >= 0 seconds (0 = per bucket)")
-    need(p.headroom is None or p.headroom >= 0, f"{key}.headroom", p.headroom, s, "must be >= 0, or null")
+    if p.ratio is not None:
+        return  # a drafter pool follows its targets: no SLO, no profile (check_against_pools)
     need(p.profile is not None and Path(p.profile).expanduser().is_file(), f"{key}.profile", p.profile, s,
          "must be a capacity profile file; measure one with `duet profile --out FILE`")
     _load(p, key, s)
 
 
 def check_autoscaling(a: AutoscalingSection, key: str, s: Sources) -> None:
-    for name in ("interval_s", "horizon_s"):
-        need(getattr(a, name) > 0, f"{key}.{name}", getattr(a, name), s, "must be > 0 seconds")
-    for name in ("up_cooldown_s", "down_cooldown_s", "down_interval_s", "drain_grace_s", "short_window_s",
-                 "migration_s"):
-        need(getattr(a, name) >= 0, f"{key}.{name}", getattr(a, name), s, "must be >= 0 seconds")
-    need(a.scale_down in SCALE_DOWN, f"{key}.scale_down", a.scale_down, s,
-         "must be drain (removed replicas finish their requests) or migrate (they move them to the replicas that stay)")
-    need(a.window_buckets >= 2, f"{key}.window_buckets", a.window_buckets, s, "must be >= 2 (20+ is better)")
-    need(1 <= a.latency_buckets <= a.window_buckets, f"{key}.latency_buckets", a.latency_buckets, s,
+    for i, p in enumerate(a.pools):
+        check_autoscale_pool(p, f"{key}.pools[{i}]", s)
+    need(a.latency_buckets <= a.window_buckets, f"{key}.latency_buckets", a.latency_buckets, s,
          f"must be between 1 and window_buckets ({a.window_buckets})")
     for i, url in enumerate(a.metrics_urls):
         need(url.startswith(("http://", "https://")), f"{key}.metrics_urls[{i}]", url, s,
@@ -144,7 +149,6 @@ def check_autoscaling(a: AutoscalingSection, key: str, s: Sources) -> None:
 
 
 def _check_actuator(a: AutoscalingSection, key: str, s: Sources) -> None:
-    need(a.actuator in ACTUATORS, f"{key}.actuator", a.actuator, s, f"must be one of {', '.join(ACTUATORS)}")
     k = a.kubernetes
     if a.actuator != "kubernetes":
         need(k == KubernetesActuatorSection(), f"{key}.kubernetes.raycluster", k.raycluster, s,
@@ -156,9 +160,12 @@ def _check_actuator(a: AutoscalingSection, key: str, s: Sources) -> None:
          "must be a Kubernetes namespace name, or empty for this pod's own namespace")
 
 
-def check_against_pools(a: AutoscalingSection, roles: dict[str, str], sizes: dict[str, int], s: Sources) -> None:
+def check_against_pools(a: AutoscalingSection, roles: dict[str, str], sizes: dict[str, int], s: Sources,
+                        leaders: dict[str, list[str]] | None = None) -> None:
     """Each scaled pool exists, starts within its bounds and has the SLOs its role scales on (the
-    rest of DuetConfig's checks)."""
+    rest of DuetConfig's checks). leaders: drafter pool -> the pools drafting on it."""
+    leaders = leaders or {}
+    scaled = {p.pool for p in a.pools}
     for i, p in enumerate(a.pools):
         key = f"autoscaling.pools[{i}]"
         need(p.pool in roles, f"{key}.pool", p.pool, s, f"must be one of the configured pools ({', '.join(roles)})")
@@ -166,14 +173,26 @@ def check_against_pools(a: AutoscalingSection, roles: dict[str, str], sizes: dic
              f"pool {p.pool!r} starts with {sizes[p.pool]} replicas (its `replicas`), outside "
              f"[min_replicas, max_replicas] = [{p.min_replicas}, {p.max_replicas}]; make them agree")
         role = roles[p.pool]
+        need((role == "drafter") == (p.ratio is not None), f"{key}.ratio", p.ratio, s,
+             f"pool {p.pool!r} is a {role} pool: " + ("a drafter pool follows the pool drafting on it; set ratio "
+                                                       "(drafter replicas per replica of that pool)" if role == "drafter"
+                                                       else "ratio is for drafter pools only; remove it"))
+        if role == "drafter":
+            lead = leaders.get(p.pool, [])
+            need(len(lead) == 1 and lead[0] in scaled, f"{key}.pool", p.pool, s,
+                 f"a drafter pool follows the one pool drafting on it, autoscaled too (drafting on it: "
+                 f"{', '.join(lead) or 'none'}; autoscaled: {', '.join(sorted(scaled))})")
+            continue
         need(role == "decode" or p.slo_ttft_ms is not None, f"{key}.slo_ttft_ms", None, s,
              f"pool {p.pool!r} is a {role} pool: it scales on TTFT; set a p90 target in ms")
         need(role == "prefill" or p.slo_tpot_ms is not None, f"{key}.slo_tpot_ms", None, s,
              f"pool {p.pool!r} is a {role} pool: it scales on time per output token; set a p90 target in ms")
 
 
-def to_autoscaler_config(a: AutoscalingSection, roles: dict[str, str]) -> Any:
-    """The decision function's ``cluster.autoscale.slo.AutoscalerConfig`` for this section."""
+def to_autoscaler_config(a: AutoscalingSection, roles: dict[str, str], leaders: dict[str, list[str]] | None = None) -> Any:
+    """The decision function's ``cluster.autoscale.slo.AutoscalerConfig`` for this section
+    (leaders: drafter pool -> the pool drafting on it, which it follows)."""
+    leaders = leaders or {}
     from cluster.autoscale.slo import AutoscalerConfig, AutoscalerConfigError, PoolScaling
     from cluster.autoscale.profile import SLOTargets
 
@@ -182,6 +201,8 @@ def to_autoscaler_config(a: AutoscalingSection, roles: dict[str, str]) -> Any:
     prefill = [p.pool for p in a.pools if roles[p.pool] == "prefill"]
     fed_by = prefill[0] if len(prefill) == 1 else None
     pools = tuple(
+        PoolScaling(p.pool, "drafter", min_replicas=p.min_replicas, max_replicas=p.max_replicas,
+                    follows=leaders[p.pool][0], ratio=p.ratio) if roles[p.pool] == "drafter" else
         PoolScaling(p.pool, roles[p.pool], SLOTargets(_seconds(p.slo_ttft_ms) if roles[p.pool] != "decode" else None,
                                                       _seconds(p.slo_tpot_ms) if roles[p.pool] != "prefill" else None),
                     _load(p, f"autoscaling.pools[{i}]", {}).capacity, p.min_replicas, p.max_replicas,

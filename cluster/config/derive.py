@@ -2,10 +2,11 @@
 
 A section of the deployment config (``model``, ``pools[i].engine``, ``router``) exposes fields of
 lower-layer config types under the YAML names users write. Each field is declared once, in its
-owner (``workers.config.CacheConfig.block_size``): ``derived_section`` copies the owner's type and
-default into a frozen dataclass, and ``check_derived`` validates a built section by constructing
-each owner from its fields, so the owner's own ``__post_init__`` checks run and its message is
-renamed to the dotted YAML key (cluster/config/sources.py ``lower_error``).
+owner (``workers.config.CacheConfig.block_size``): ``derived_section`` builds a pydantic model
+whose field takes the owner's type, default and description (the owner docstring's
+``name: text`` entry, or the Part's ``doc``), and ``check_derived`` validates a built section by
+constructing each owner from its fields, so the owner's own ``__post_init__`` checks run and its
+message is renamed to the dotted YAML key (cluster/config/sources.py ``lower_error``).
 
 Worked example::
 
@@ -20,49 +21,79 @@ Worked example::
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ByteSize, ConfigDict, Field, WithJsonSchema, create_model
+from pydantic.fields import FieldInfo
 
 from cluster.config.sources import KeyMap, Sources, is_lower_config_error, lower_error
+
+# An int of bytes, written as one or with a unit: 64MiB, 1GiB, 500MB (pydantic's ByteSize).
+ByteCount = Annotated[ByteSize, AfterValidator(int), WithJsonSchema({
+    "type": ["integer", "string"], "minimum": 0, "pattern": r"^\s*[0-9]+(\.[0-9]+)?\s*([kKmMgGtT]i?[bB]|[bB])?\s*$"})]
+
+
+class Section(BaseModel):
+    """A config section: frozen, unknown keys refused, numbers accepted where text is expected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
 
 
 @dataclass(frozen=True)
 class Part:
-    """A section field that is ``owner``'s field ``name`` (its type, default and checks)."""
+    """A section field that is ``owner``'s field ``name`` (its type, default and checks). doc: the
+    description where the owner's docstring has none; type: the type users write (e.g. ByteCount)."""
 
     owner: type
     name: str
+    doc: str | None = None
+    type: Any = None
 
 
-OwnField = tuple[Any, dataclasses.Field]  # (type, dataclasses.field(...)) of a section's own field
-
-
-def derived_section(name: str, doc: str, fields: Sequence[tuple[str, Part | OwnField]], *,
-                    namespace: Mapping[str, Any] | None = None,
-                    probe: Mapping[type, Mapping[str, Any]] | None = None) -> type:
-    """A frozen dataclass ``name`` whose fields are ``fields`` in order: a ``Part`` takes its type and
-    default from the owner; an ``OwnField`` is the section's own. probe: values an owner needs to be
-    built for validation that the section does not carry (e.g. RouterConfig's tokenizer_path)."""
-    specs, parts = [], {}
+def derived_section(name: str, doc: str, fields: Sequence[tuple[str, Part | tuple[Any, FieldInfo]]], *,
+                    base: type[Section] = Section, probe: dict[type, dict[str, Any]] | None = None) -> type[Section]:
+    """A section model ``name`` whose fields are ``fields`` in order: a ``Part`` takes its type, default
+    and description from the owner; a ``(type, Field(...))`` is the section's own. probe: values an
+    owner needs to be built for validation that the section does not carry (RouterConfig's tokenizer_path)."""
+    specs: dict[str, Any] = {}
+    parts = {}
     for field_name, spec in fields:
         if isinstance(spec, Part):
             owner_field = {f.name: f for f in dataclasses.fields(spec.owner)}[spec.name]
-            hint = typing.get_type_hints(spec.owner)[spec.name]
-            same = dict(hash=owner_field.hash, compare=owner_field.compare)
-            default = (dataclasses.field(default_factory=owner_field.default_factory, **same)
-                       if owner_field.default_factory is not dataclasses.MISSING
-                       else dataclasses.field(default=owner_field.default, **same))
-            specs.append((field_name, hint, default))
+            hint = spec.type or typing.get_type_hints(spec.owner)[spec.name]
+            default = (dict(default_factory=owner_field.default_factory)
+                       if owner_field.default_factory is not dataclasses.MISSING else dict(default=owner_field.default))
+            specs[field_name] = (hint, Field(**default, description=spec.doc or field_docs(spec.owner)[spec.name]))
             parts[field_name] = spec
         else:
-            specs.append((field_name, *spec))
-    ns = dict(namespace or {})
-    ns.update(__doc__=doc, PARTS=parts, PROBE=dict(probe or {}))
-    cls = dataclasses.make_dataclass(name, specs, frozen=True, namespace=ns)
-    cls.__module__ = "cluster.config.duet"  # where it is defined as a module attribute (pickling, messages)
+            specs[field_name] = spec
+    cls = create_model(name, __base__=base, __doc__=doc, __module__="cluster.config.duet", **specs)
+    cls.PARTS, cls.PROBE = parts, dict(probe or {})  # type: ignore[attr-defined]
     return cls
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """A dataclass's field descriptions from its docstring's ``name: text`` (or ``a / b: text``)
+    entries, continuation lines joined."""
+    docs: dict[str, str] = {}
+    names: list[str] = []
+    indent = -1
+    for line in inspect.cleandoc(cls.__doc__ or "").splitlines():
+        m = re.match(r"^(\s*)([a-z_]+(?:\s*/\s*[a-z_]+)*):\s+(.*)$", line)
+        depth = len(line) - len(line.lstrip())
+        if m and (indent < 0 or depth <= indent):
+            indent, names = depth, re.split(r"\s*/\s*", m.group(2))
+            docs.update({n: m.group(3).strip() for n in names})
+        elif names and line.strip() and depth > indent:
+            docs.update({n: f"{docs[n]} {line.strip()}" for n in names})
+        else:
+            names = []
+    return docs
 
 
 def owners(section: Any) -> list[type]:

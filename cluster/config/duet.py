@@ -1,18 +1,22 @@
 """DuetConfig: the one configuration of a Duet deployment, from a YAML file, env and flags.
 
 Layers, later wins:  built-in defaults  <  YAML file (``--config duet.yaml``)  <  environment
-(``DUET_*``, ``RAY_ADDRESS``)  <  command-line flags. Every layer is a set of dotted keys
-(``router.port``, ``pool.engine.block_size``); the merged result is validated once, here, and every
-error names the key, the value, where the value came from, and what to change::
+(``DUET_*``, ``RAY_ADDRESS``)  <  command-line flags. Every layer is plain data addressed by dotted
+keys (``router.port``, ``pool.engine.block_size``; cluster/config/sources.py); the merged result is
+validated once, here (pydantic for each value, then the checks across keys), and every error names
+the key, the value, where the value came from, and what to change::
 
-    >>> load_config(overrides={"router.port": "70000"}, env={})
+    >>> load_config(overrides={"router.port": "70000"}, flag_names={"router.port": "--port"}, env={})
     ClusterConfigError: router.port=70000 (from flag --port): must be in 0..65535 (0 picks a free port)
 
-Sections (see ``cluster/duet.example.yaml`` for a documented file):
+Sections (see ``cluster/duet.example.yaml`` for a documented file, docs/reference/settings.md for
+every key with its env var and flag):
     model       what every worker serves: name or checkpoint path, dtype, max_model_len
     pools       worker pools, each sized and placed on its own; role colocated (each worker prefills
                 and decodes), or a disaggregated pair of pools: prefill (computes prompts and sends
-                their KV) + decode (streams tokens); see router/policies/disagg.py
+                their KV) + decode (streams tokens); see router/policies/disagg.py; or drafter (replicas
+                of a draft model that colocated / decode pools name in speculative.drafter_pool: the
+                router hands each speculative request one of them; workers/spec_decode/)
     router      the public gRPC server and HTTP API: host, port, http_port, routing policy + options,
                 admission limits
     ray         where the workers run: an existing cluster (``address``) or an embedded local one
@@ -26,86 +30,73 @@ Sections (see ``cluster/duet.example.yaml`` for a documented file):
 One definition per setting: the model, engine, parallel, speculative and router keys are the
 fields of workers.config and router.config types (cluster/config/derive.py), validated by those
 types' own checks; this module adds what only a deployment has (pools, placement, Ray, the
-controller) and the checks across sections (which pool roles, parallel sizes, quantization,
-speculation and devices can work together; cluster/config/combinations.py).
+controller), each key's env var and flag (``SWITCHES``), and the checks across sections (which pool
+roles, parallel sizes, quantization, speculation and devices can work together;
+cluster/config/combinations.py).
 
 This module imports neither torch nor ray (``duet --help`` and ``--dry-run`` stay fast).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-# ---- autoscaling section (cluster/config/autoscale.py) ----
-from cluster.config.autoscale import (
-    AutoscalePoolSection,
-    AutoscalingSection,
-    check_against_pools,
-    check_autoscale_pool,
-    check_autoscaling,
-    to_autoscaler_config,
-)
-from cluster.config.derive import Part, check_derived, derived_section, keymap, owner_kwargs
+from pydantic import BeforeValidator, Field, ValidationError
+
+from cluster.config.autoscale import AutoscalingSection, check_against_pools, check_autoscaling, to_autoscaler_config
 from cluster.config.combinations import check_combinations
+from cluster.config.derive import ByteCount, Part, Section, check_derived, derived_section, keymap, owner_kwargs
 from cluster.config.sources import (
     ClusterConfigError,
+    KeySource,
     Sources,
-    build,
     is_lower_config_error,
     lower_error,
     mark_sources,
+    merge,
     need,
     read_yaml,
-    set_key,
+    validation_error,
 )
 from router.config import RouterConfig  # pure Python
-from workers.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig  # no torch
+from workers.config import (  # no torch
+    CacheConfig,
+    DrafterConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 __all__ = ["ClusterConfigError", "DuetConfig", "load_config"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 PLACEMENT_STRATEGIES = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
-ROLES = ("colocated", "prefill", "decode")
-_NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+ROLES = ("colocated", "prefill", "decode", "drafter")
 
 
 # ---------------------------------------------------------------------------------- sections
 # model, pools[i].engine, the pools' parallel sizes and router are the worker and router config
-# types' own fields under their YAML names (cluster/config/derive.py): their types, defaults and
-# checks are defined once, there. pools[i].speculative *is* workers.config.SpeculativeConfig.
-ModelSection = derived_section("ModelSection", """What every worker serves (workers.config.EngineConfig).
-    name: 'SmolLM2-135M-Instruct' (embedded default) or a local HF checkpoint directory; each worker
-    resolves it on its own node. dtype: auto | float32 | bfloat16 | float16 (auto: the checkpoint's
-    torch_dtype on CUDA, float32 on CPU or when quantized). max_model_len: context limit
-    (prompt + output); None = the model's, further capped by what one worker's KV pool holds.
-    quantization: none | int8 | q4, weight-only quantization of the linear layers (needs float32).""", [
+# types' own fields under their YAML names (cluster/config/derive.py): their types, defaults, checks
+# and descriptions are defined once, there. pools[i].speculative *is* workers.config.SpeculativeConfig,
+# and pools[i].drafter (role drafter) *is* workers.config.DrafterConfig.
+ModelSection = derived_section("ModelSection", "What every worker serves (workers.config.EngineConfig).", [
     ("name", Part(EngineConfig, "model")),
     ("dtype", Part(EngineConfig, "dtype")),
     ("max_model_len", Part(EngineConfig, "max_model_len")),
     ("quantization", Part(EngineConfig, "quantization")),
 ])
 
-EngineSection = derived_section("EngineSection", """Per-worker engine settings (workers.config): tokens
-    per KV block, the KV pool's byte budget (int or '64MiB' / '1GiB' / '500MB'), tokens per step,
-    sequences per step (null = 64, or the token budget if smaller), prefix caching; fused_decode (the
-    fused C++ decoder stack for decode steps) and cpu_kernels (the C++ CPU kernels; false = torch
-    references), both on by default, for A/B runs [DUET_FUSED_DECODE=0, DUET_DISABLE_CPU_KERNELS=1];
-    device: auto | cpu | cuda (auto: cuda when the pool reserves GPUs with gpus_per_rank and the node
-    has CUDA, else cpu; workers/engine/device.py); cuda_graphs / cuda_graph_batch_sizes: decode steps
-    replayed from CUDA graphs captured at these batch sizes (default 1, 2, 4, 8, multiples of 8 up to
-    max_num_seqs; each <= max_num_seqs); kv_transfer_backend: how KV a worker receives from a peer
-    (disaggregated prefill, prefix pull) travels: auto | shm | gloo | nccl (auto: shared memory from
-    a same-host peer with the cache on the CPU, else nccl on CUDA, else gloo; workers/kv/transfer.py).""", [
+EngineSection = derived_section("EngineSection", "Per-worker engine settings (workers.config).", [
     ("block_size", Part(CacheConfig, "block_size")),
-    ("kv_cache_memory_bytes", Part(CacheConfig, "kv_cache_memory_bytes")),
+    ("kv_cache_memory_bytes", Part(CacheConfig, "kv_cache_memory_bytes", type=ByteCount)),
     ("max_num_batched_tokens", Part(SchedulerConfig, "max_num_batched_tokens")),
     ("max_num_seqs", Part(SchedulerConfig, "max_num_seqs")),
+    ("target_itl_ms", Part(SchedulerConfig, "target_itl_ms")),
     ("enable_prefix_caching", Part(CacheConfig, "enable_prefix_caching")),
     ("fused_decode", Part(EngineConfig, "fused_decode")),
     ("cpu_kernels", Part(EngineConfig, "cpu_kernels")),
@@ -113,110 +104,156 @@ EngineSection = derived_section("EngineSection", """Per-worker engine settings (
     ("cuda_graphs", Part(EngineConfig, "cuda_graphs")),
     ("cuda_graph_batch_sizes", Part(EngineConfig, "cuda_graph_batch_sizes")),
     ("kv_transfer_backend", Part(EngineConfig, "kv_transfer_backend")),
+    ("omp_wait_policy", Part(EngineConfig, "omp_wait_policy")),
+    ("niceness", Part(EngineConfig, "niceness")),
 ])
 
 
-def _gang_size(self) -> int:
-    return self.ep_size * self.sp_size * self.tp_size
+class _Pool(Section):
+    @property
+    def gang_size(self) -> int:
+        return self.ep_size * self.sp_size * self.tp_size  # type: ignore[attr-defined]
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        """The gang's ``workers.config.ParallelConfig`` (what each rank of a replica joins)."""
+        return ParallelConfig(**owner_kwargs(self, ParallelConfig))
 
 
-def _parallel(self) -> ParallelConfig:
-    """The gang's ``workers.config.ParallelConfig`` (what each rank of a replica joins)."""
-    return ParallelConfig(**owner_kwargs(self, ParallelConfig))
+def _resource_pairs(value: Any) -> Any:
+    """speculative.drafter_resources is a mapping in YAML, sorted (name, amount) pairs in SpeculativeConfig."""
+    if isinstance(value, Mapping) and isinstance(value.get("drafter_resources"), Mapping):
+        return {**value, "drafter_resources": sorted(value["drafter_resources"].items())}
+    return value
 
 
 PoolSection = derived_section("PoolSection", """One worker pool: ``replicas`` replicas, each a gang of
-    ``gang_size`` ranks (Ray actors); each rank reserves one placement group bundle of
-    ``cpus_per_replica`` CPUs, ``gpus_per_rank`` GPUs and ``resources_per_rank``. cpus_per_replica
-    null (the default): an embedded Ray shares this machine's CPUs, less one for the router, among
-    the ranks that leave it unset; with ray.address, 1 (cluster/deploy/cpu_share.py, said in the startup line). placement_strategy
-    SPREAD (default) puts bundles on different nodes when it can, so losing a node loses one
-    replica, not the pool; PACK fills one node first (fewer nodes to keep up); STRICT_* make that a
-    hard requirement. max_restarts: how often Ray restarts a dead worker (-1 = forever).
+    ``gang_size`` = ep_size * sp_size * tp_size ranks (Ray actors); each rank reserves one placement
+    group bundle of ``cpus_per_replica`` CPUs, ``gpus_per_rank`` GPUs and ``resources_per_rank``
+    (cluster/deploy/pools.py).""", [
+    ("name", (str, Field("default", pattern=r"^[a-z][a-z0-9_]*$", description="Names the pool's actors "
+              "(<name>-<index>) and worker ids.", json_schema_extra={"hint": "must be lower-case letters, digits and "
+                                                                     "'_', starting with a letter (it names the actors)"}))),
+    ("role", (Literal[ROLES], Field("colocated", description="colocated (each worker prefills and decodes), or "
+              "prefill / decode: a disaggregated pair of pools (prefill computes prompts and sends their KV "
+              "to a decode worker, which streams the tokens), or drafter: replicas of a draft model (its "
+              "`drafter` keys, on its engine device and KV budget) that colocated / decode pools name in "
+              "speculative.drafter_pool.", json_schema_extra={"hint": "must be one of colocated, prefill, decode, "
+              "drafter (prefill + decode pools make a disaggregated deployment; drafter pools serve the drafts of "
+              "the pools that name them in speculative.drafter_pool)"}))),
+    ("replicas", (int, Field(1, ge=1, description="Replicas (gangs of ranks) in the pool."))),
+    ("cpus_per_replica", (int | None, Field(None, ge=1, description="CPUs reserved per rank = its torch threads. "
+                          "null: an embedded Ray shares this machine's CPUs, less one for the router, among the ranks "
+                          "that leave it unset; with ray.address, 1 (cluster/deploy/cpu_share.py).",
+                          json_schema_extra={"hint": "must be >= 1 (it is also the worker's torch thread count), or "
+                                                     "null to use what the machine offers"}))),
+    ("placement_strategy", (Literal[PLACEMENT_STRATEGIES], Field("SPREAD", description="SPREAD puts bundles on "
+                            "different nodes when it can (losing a node loses one replica, not the pool); PACK fills "
+                            "one node first; STRICT_SPREAD / STRICT_PACK require it."))),
+    ("max_restarts", (int, Field(-1, ge=-1, description="How often Ray restarts a dead worker (-1 = forever).",
+                      json_schema_extra={"hint": "must be -1 (forever) or >= 0"}))),
+    ("engine", (EngineSection, Field(default_factory=EngineSection, description="Per-worker engine settings."))),
+    ("ep_size", Part(ParallelConfig, "ep_size", "Expert-parallel ranks per replica: each holds a share of an MoE "
+                     "model's experts (must divide them); 1 = off.")),
+    ("tp_size", Part(ParallelConfig, "tp_size", "Tensor-parallel ranks per replica: every layer's heads, MLP width "
+                     "and vocabulary sharded over them; 1 = off.")),
+    ("sp_size", Part(ParallelConfig, "sp_size", "Sequence-parallel ranks per replica: long prefill chunks split over "
+                     "them (ring attention); 1 = off.")),
+    ("comm", Part(ParallelConfig, "comm", "How a gang's same-host CPU collectives travel: auto (shared memory where "
+                  "every rank of a group is on one host, else the process group's backend) | shm (refuse to start "
+                  "without it) | gloo (the process group's own collectives, for comparison).")),
+    ("speculative", (Annotated[SpeculativeConfig, BeforeValidator(_resource_pairs)], Field(
+        default_factory=SpeculativeConfig, description="Speculative decoding (workers.config.SpeculativeConfig); "
+        "colocated and decode pools only."))),
+    ("drafter", (DrafterConfig, Field(default_factory=DrafterConfig, description="What each replica of a role: "
+                 "drafter pool runs (workers.config.DrafterConfig); drafter pools only."))),
+    ("gpus_per_rank", (float, Field(0.0, description="GPUs each rank reserves (a fraction below 1 shares a GPU)."))),
+    ("resources_per_rank", (Mapping[str, Any], Field(default_factory=dict, description="Custom Ray resources per "
+                            "rank, e.g. {duet_pool_decode: 1} where only the decode pool's nodes offer it, so no rank "
+                            "lands on another pool's (or the drafters') nodes and an autoscaler adds the right ones.",
+                            json_schema_extra={"additionalProperties": {"type": "number", "exclusiveMinimum": 0}}))),
+], base=_Pool)
 
-    Parallelism (workers.config.ParallelConfig): each replica is a gang of ep_size * sp_size *
-    tp_size ranks. ep_size holds a share of an MoE model's experts per rank; tp_size shards every
-    layer (heads, MLP width, vocabulary); sp_size splits long prefill chunks over ranks (ring
-    attention); 1 = off. comm: how same-host collectives travel (auto | shm | gloo) [DUET_COMM].
-
-    Placement (cluster/deploy/pools.py): gpus_per_rank: GPUs per rank (a fraction below 1 shares a GPU).
-    resources_per_rank: custom Ray resources per rank, e.g. {duet_pool_decode: 1} where only the
-    decode pool's nodes offer it, so no rank lands on another pool's (or the drafters') nodes and an
-    autoscaler adds the right ones.""", [
-    ("name", (str, field(default="default"))),
-    ("role", (str, field(default="colocated"))),
-    ("replicas", (int, field(default=1))),
-    ("cpus_per_replica", (int | None, field(default=None))),
-    ("placement_strategy", (str, field(default="SPREAD"))),
-    ("max_restarts", (int, field(default=-1))),
-    ("engine", (EngineSection, field(default_factory=EngineSection))),
-    ("ep_size", Part(ParallelConfig, "ep_size")),
-    ("tp_size", Part(ParallelConfig, "tp_size")),
-    ("sp_size", Part(ParallelConfig, "sp_size")),
-    ("comm", Part(ParallelConfig, "comm")),
-    ("speculative", (SpeculativeConfig, field(default_factory=SpeculativeConfig))),
-    ("gpus_per_rank", (float, field(default=0.0))),
-    ("resources_per_rank", (Mapping[str, float], field(default_factory=dict, hash=False))),
-], namespace={"gang_size": property(_gang_size), "parallel": property(_parallel)})
-
-RouterSection = derived_section("RouterSection", """The public gRPC server (``port``) and OpenAI-compatible
-    HTTP API (``http_port``, 0 = off) (router.config.RouterConfig).
-    policy: round_robin | least_loaded | prefix_aware, with its keyword options in policy_options.
-    max_in_flight: requests streamed at once; max_queue: admitted requests waiting for a slot (beyond
-    both: RESOURCE_EXHAUSTED). Security (router/security.py): tls_cert_file + tls_key_file (PEM)
-    serve TLS only; tls_client_ca_file as well requires client certificates (mTLS); auth_tokens_file
-    requires 'authorization: Bearer <token>' on every call but health checks; max_request_bytes
-    bounds one request message (int or '4MiB'). disagg_min_prompt_tokens: with a prefill pool,
-    prompts shorter than this run colocated on a decode worker. prefix_pull_min_tokens: a worker
-    routed a prompt whose prefix of at least this many tokens another worker holds pulls that
-    prefix's KV from it instead of recomputing it (0 = off; router/policies/prefix_pull.py). rebalance (off by
-    default) and its thresholds: move running requests from the hottest to the coolest decode worker
-    by live KV migration (router/rebalancer.py).""", [
-    (name, Part(RouterConfig, name)) for name in (
-        "host", "port", "http_port", "policy", "policy_options", "max_in_flight", "max_queue", "shutdown_grace_s",
-        "tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file", "max_request_bytes",
-        "disagg_min_prompt_tokens", "prefix_pull_min_tokens", "rebalance", "rebalance_interval_s", "rebalance_kv_gap",
-        "rebalance_tpot_ratio", "rebalance_request_cooldown_s")
+RouterSection = derived_section("RouterSection", "The public gRPC server and OpenAI-compatible HTTP API "
+                                "(router.config.RouterConfig; security: router/security.py).", [
+    ("host", Part(RouterConfig, "host", "Bind address of both servers; 0.0.0.0 accepts other machines.")),
+    ("port", Part(RouterConfig, "port", "gRPC port; 0 = any free port (logged).")),
+    ("http_port", Part(RouterConfig, "http_port", "OpenAI-compatible HTTP API port (/v1/chat/completions, "
+                       "/v1/completions, /v1/models, /health, /metrics), same TLS and tokens; 0 = off.")),
+    ("policy", Part(RouterConfig, "policy")),
+    ("policy_options", Part(RouterConfig, "policy_options")),
+    ("drafter_policy", Part(RouterConfig, "drafter_policy", "How a speculative request's drafter replica is picked "
+                            "from the drafter pool its worker names (router/policies/drafter.py).")),
+    ("drafter_policy_options", Part(RouterConfig, "drafter_policy_options", "Keyword options of the drafter policy, "
+                                    "e.g. {fanout: 4} (the replicas one worker spreads its requests over).")),
+    ("max_in_flight", Part(RouterConfig, "max_in_flight", "Requests streamed at once.")),
+    ("max_queue", Part(RouterConfig, "max_queue", "Admitted requests waiting for an in-flight slot; beyond both "
+                       "limits a request gets RESOURCE_EXHAUSTED.")),
+    ("shutdown_grace_s", Part(RouterConfig, "shutdown_grace_s", "Seconds in-flight streams get to finish on shutdown.")),
+    ("tls_cert_file", Part(RouterConfig, "tls_cert_file", "PEM certificate; with tls_key_file both ports serve TLS only.")),
+    ("tls_key_file", Part(RouterConfig, "tls_key_file", "PEM private key of tls_cert_file.")),
+    ("tls_client_ca_file", Part(RouterConfig, "tls_client_ca_file", "PEM CA: require client certificates it signed "
+                                "(mTLS).")),
+    ("auth_tokens_file", Part(RouterConfig, "auth_tokens_file", "Require 'authorization: Bearer <token>' on every "
+                              "call but health checks, with a token from this file (one per line, optional scopes "
+                              "'generate' and/or 'admin'; sha256:<hex> instead of a token).")),
+    ("max_request_bytes", Part(RouterConfig, "max_request_bytes", "Largest request message; larger ones get "
+                               "RESOURCE_EXHAUSTED unread.", type=ByteCount)),
+    ("disagg_min_prompt_tokens", Part(RouterConfig, "disagg_min_prompt_tokens", "With a prefill pool, prompts "
+                                      "shorter than this run colocated on a decode worker.")),
+    ("prefix_pull_min_tokens", Part(RouterConfig, "prefix_pull_min_tokens", "A worker routed a prompt whose prefix "
+                                    "of at least this many tokens another worker holds pulls that KV instead of "
+                                    "recomputing it (router/policies/prefix_pull.py); 0 = off.")),
+    ("rebalance", Part(RouterConfig, "rebalance", "Move running requests from the hottest to the coolest decode "
+                       "worker by live KV migration (router/rebalancer.py).")),
+    ("rebalance_interval_s", Part(RouterConfig, "rebalance_interval_s", "Seconds between rebalancing rounds.")),
+    ("rebalance_kv_gap", Part(RouterConfig, "rebalance_kv_gap", "Rebalance when a pool's decode workers' KV usage "
+                              "differs by more than this fraction.")),
+    ("rebalance_tpot_ratio", Part(RouterConfig, "rebalance_tpot_ratio", "... or their TPOT by more than this ratio.")),
+    ("rebalance_request_cooldown_s", Part(RouterConfig, "rebalance_request_cooldown_s", "A moved request stays put "
+                                          "this many seconds.")),
 ], probe={RouterConfig: {"tokenizer_path": "<model>"}})
 
 
-@dataclass(frozen=True)
-class RaySection:
-    """address: None = start an embedded local Ray (stopped again on shutdown); 'auto' or
-    'host:6379' = join an existing cluster (left running). num_cpus: CPUs the embedded Ray offers
-    (None = all of this machine's). namespace: where the worker actors are named (``duet status``
-    finds them there)."""
+class RaySection(Section):
+    """Where the workers run."""
 
-    address: str | None = None
-    num_cpus: int | None = None
-    namespace: str = "duet"
-
-
-@dataclass(frozen=True)
-class ControllerSection:
-    """poll_interval_s: how often each worker actor is probed. start_timeout_s: how long a worker
-    may take to load its engine and serve (serve fails if no worker is up by then).
-    placement_timeout_s: with ray.address, how long ``duet serve`` waits for a pool's placement
-    group (an autoscaler may still be adding nodes) before failing with what is missing (an
-    embedded Ray cannot grow: a shortfall fails at once). host/port: where
-    the controller serves duet.control.v1.Membership, the member list routers follow (0 = any free
-    port; a router in another process or pod is started with ``--membership host:port``)."""
-
-    poll_interval_s: float = 1.0
-    start_timeout_s: float = 300.0
-    placement_timeout_s: float = 60.0
-    host: str = "127.0.0.1"
-    port: int = 50052
+    address: str | None = Field(None, min_length=1, description="null = start an embedded local Ray (stopped "
+                                "again on shutdown); 'auto', 'host:6379' or 'ray://host:port' = join an existing "
+                                "cluster (left running; every node needs duet installed).")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs the embedded Ray offers; null = all of this machine's.")
+    namespace: str = Field("duet", min_length=1, description="Ray namespace of the worker actors (`duet status "
+                           "--namespace` finds them there).")
 
 
-@dataclass(frozen=True)
-class DuetConfig:
-    model: ModelSection = field(default_factory=ModelSection)
-    pools: tuple[PoolSection, ...] = (PoolSection(),)
-    router: RouterSection = field(default_factory=RouterSection)
-    ray: RaySection = field(default_factory=RaySection)
-    controller: ControllerSection = field(default_factory=ControllerSection)
-    autoscaling: AutoscalingSection = field(default_factory=AutoscalingSection)
+_POSITIVE_SECONDS = {"hint": "must be > 0 seconds"}
+
+
+class ControllerSection(Section):
+    """Membership and health of the workers, and the member list routers follow."""
+
+    poll_interval_s: float = Field(1.0, gt=0, json_schema_extra=_POSITIVE_SECONDS, description="Seconds between probes of each worker actor.")
+    start_timeout_s: float = Field(300.0, gt=0, json_schema_extra=_POSITIVE_SECONDS, description="How long a worker may take to load its engine and "
+                                   "serve (serve fails if no worker is up by then).")
+    placement_timeout_s: float = Field(60.0, gt=0, json_schema_extra=_POSITIVE_SECONDS, description="With ray.address, how long `duet serve` waits for a "
+                                       "pool's placement group (an autoscaler may still be adding nodes) before "
+                                       "failing with what is missing.")
+    host: str = Field("127.0.0.1", min_length=1, description="Where the controller serves duet.control.v1.Membership.")
+    port: int = Field(50052, ge=0, le=65535, description="Port of the Membership service (0 = any free port); a "
+                      "router elsewhere is started with `duet router --membership host:port`.",
+                      json_schema_extra={"hint": "must be in 0..65535 (0 picks a free port)"})
+
+
+class DuetConfig(Section):
+    """The deployment's configuration (module docstring)."""
+
+    model: ModelSection = Field(default_factory=ModelSection, description="What every worker serves.")
+    pools: tuple[PoolSection, ...] = Field((PoolSection(),), description="Worker pools, each sized and placed on "
+                                           "its own; all use the same engine.block_size.")
+    router: RouterSection = Field(default_factory=RouterSection, description="The public gRPC and HTTP servers.")
+    ray: RaySection = Field(default_factory=RaySection, description="Where the workers run.")
+    controller: ControllerSection = Field(default_factory=ControllerSection, description="Worker membership.")
+    autoscaling: AutoscalingSection = Field(default_factory=AutoscalingSection, description="The SLO autoscaler.")
 
     @property
     def pool(self) -> PoolSection:
@@ -232,6 +269,26 @@ class DuetConfig:
                             scheduler=SchedulerConfig(**owner_kwargs(e, SchedulerConfig)),
                             speculative=pool.speculative)
 
+    def to_drafter_engine_config(self, pool: PoolSection) -> EngineConfig:
+        """The ``workers.config.EngineConfig`` of a drafter pool's replicas (its ``drafter`` model and
+        quantization on its ``engine`` device, KV budget and block size; float32 when quantized)."""
+        d, e = pool.drafter, pool.engine
+        return EngineConfig(model=d.model or "", quantization=d.quantization,
+                            dtype="float32" if d.quantization != "none" else "auto",
+                            device=e.device, fused_decode=e.fused_decode, cpu_kernels=e.cpu_kernels,
+                            cache=CacheConfig(block_size=e.block_size, kv_cache_memory_bytes=e.kv_cache_memory_bytes))
+
+    @property
+    def target_pools(self) -> tuple[PoolSection, ...]:
+        """The pools that serve requests (every role but drafter)."""
+        return tuple(p for p in self.pools if p.role != "drafter")
+
+    @property
+    def drafter_leaders(self) -> dict[str, list[str]]:
+        """Drafter pool -> the pools drafting on it (their speculative.drafter_pool)."""
+        return {d.name: [p.name for p in self.pools if p.speculative.drafter_pool == d.name]
+                for d in self.pools if d.role == "drafter"}
+
     def to_router_config(self, tokenizer_path: str, max_model_len: int | None = None, **extra: Any) -> RouterConfig:
         """The ``router.config.RouterConfig``. tokenizer_path: the resolved checkpoint directory;
         max_model_len: the workers' effective limit (default: ``model.max_model_len``); extra:
@@ -239,73 +296,71 @@ class DuetConfig:
         return RouterConfig(
             tokenizer_path=tokenizer_path, model_name=Path(self.model.name).name,
             max_model_len=max_model_len if max_model_len is not None else self.model.max_model_len,
-            **owner_kwargs(self.router, RouterConfig), disagg_block_size=self.pool.engine.block_size, **extra)
+            **owner_kwargs(self.router, RouterConfig), disagg_block_size=self.target_pools[0].engine.block_size,
+            **extra)
 
     def to_autoscaler_config(self):
         """The ``cluster.autoscale.slo.AutoscalerConfig`` of the ``autoscaling`` section."""
-        return to_autoscaler_config(self.autoscaling, {p.name: p.role for p in self.pools})
+        return to_autoscaler_config(self.autoscaling, {p.name: p.role for p in self.pools}, self.drafter_leaders)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what ``duet serve --dry-run`` prints as YAML)."""
-        def plain(v: Any) -> Any:
-            if dataclasses.is_dataclass(v):
-                return {f.name: plain(_yaml_shape(f, getattr(v, f.name))) for f in dataclasses.fields(v)}
-            if isinstance(v, tuple):
-                return [plain(x) for x in v]
-            if isinstance(v, Mapping):
-                return {k: plain(x) for k, x in v.items()}
-            return v
-        return plain(self)
+        out = self.model_dump(mode="json")
+        for pool in out["pools"]:
+            pool["speculative"]["drafter_resources"] = dict(pool["speculative"]["drafter_resources"])
+        return out
 
 
-def _yaml_shape(f: dataclasses.Field, value: Any) -> Any:
-    """A field's value as YAML writes it: resource amounts (tuple[tuple[str, float], ...]) as a mapping."""
-    return dict(value) if f.type in ("tuple[tuple[str, float], ...]", tuple[tuple[str, float], ...]) else value
+# ---------------------------------------------------------------------------------- env and flags
+@dataclass(frozen=True)
+class Switch:
+    """How a setting is set at the edge. env: the variable (``parse`` turns its text into the value);
+    flag: the ``duet serve`` flag. A ``pools[*]`` key applies to every pool, a ``pool.`` key to the first."""
+
+    env: str | None = None
+    flag: str | None = None
+    parse: Callable[[str], Any] = str
 
 
-# ---------------------------------------------------------------------------------- sources
-# Environment variables -> dotted keys. RAY_ADDRESS is Ray's own convention.
-ENV_KEYS: dict[str, str] = {
-    "DUET_MODEL": "model.name",
-    "DUET_DTYPE": "model.dtype",
-    "DUET_MAX_MODEL_LEN": "model.max_model_len",
-    "DUET_QUANTIZATION": "model.quantization",
-    "DUET_REPLICAS": "pool.replicas",
-    "DUET_CPUS_PER_REPLICA": "pool.cpus_per_replica",
-    "DUET_KV_CACHE_MEMORY": "pool.engine.kv_cache_memory_bytes",
-    "DUET_DEVICE": "pool.engine.device",
-    "DUET_GPUS_PER_RANK": "pool.gpus_per_rank",
-    "DUET_CUDA_GRAPHS": "pool.engine.cuda_graphs",
-    "DUET_DRAFTER_DEVICE": "pool.speculative.drafter_device",
-    "DUET_HOST": "router.host",
-    "DUET_PORT": "router.port",
-    "DUET_HTTP_PORT": "router.http_port",
-    "DUET_POLICY": "router.policy",
-    "DUET_TLS_CERT_FILE": "router.tls_cert_file",
-    "DUET_TLS_KEY_FILE": "router.tls_key_file",
-    "DUET_TLS_CLIENT_CA_FILE": "router.tls_client_ca_file",
-    "DUET_AUTH_TOKENS_FILE": "router.auth_tokens_file",
-    "DUET_CONTROLLER_PORT": "controller.port",
-    "RAY_ADDRESS": "ray.address",
-    "DUET_RAY_NUM_CPUS": "ray.num_cpus",
-}
-# Switches that apply to every pool: env var -> (key under pools[i], value parser). The library reads
-# none of them; they reach the workers through their EngineConfig / ParallelConfig.
-POOL_ENV_KEYS: dict[str, tuple[str, Callable[[str], str]]] = {
-    "DUET_FUSED_DECODE": ("engine.fused_decode", str),  # 0 = off (A/B runs)
-    "DUET_DISABLE_CPU_KERNELS": ("engine.cpu_kernels", lambda v: _negate(v, "DUET_DISABLE_CPU_KERNELS")),
-    "DUET_COMM": ("comm", str),  # auto | shm | gloo
-}
-CONFIG_ENV = "DUET_CONFIG"  # a YAML file used when --config is not given
-
-
-def _negate(value: str, var: str) -> str:
+def _negate(value: str) -> str:
     text = value.strip().lower()
     if text in ("1", "true", "yes", "on"):
         return "false"
     if text in ("0", "false", "no", "off"):
         return "true"
-    raise ClusterConfigError(f"env {var}={value!r}: must be 1 (true) or 0 (false)")
+    raise ClusterConfigError(f"env DUET_DISABLE_CPU_KERNELS={value!r}: must be 1 (true) or 0 (false)")
+
+
+# dotted key -> its env var and flag. RAY_ADDRESS is Ray's own convention. The library reads none of
+# them: they reach the workers through their EngineConfig / ParallelConfig.
+SWITCHES: dict[str, Switch] = {
+    "model.name": Switch("DUET_MODEL", "--model"),
+    "model.dtype": Switch("DUET_DTYPE", "--dtype"),
+    "model.max_model_len": Switch("DUET_MAX_MODEL_LEN", "--max-model-len"),
+    "model.quantization": Switch("DUET_QUANTIZATION", "--quantization"),
+    "pool.replicas": Switch("DUET_REPLICAS", "--replicas"),
+    "pool.cpus_per_replica": Switch("DUET_CPUS_PER_REPLICA", "--cpus-per-replica"),
+    "pool.gpus_per_rank": Switch("DUET_GPUS_PER_RANK", "--gpus-per-rank"),
+    "pool.engine.kv_cache_memory_bytes": Switch("DUET_KV_CACHE_MEMORY", "--kv-cache-memory"),
+    "pool.engine.device": Switch("DUET_DEVICE", "--device"),
+    "pool.engine.cuda_graphs": Switch("DUET_CUDA_GRAPHS", "--cuda-graphs"),
+    "pool.speculative.drafter_device": Switch("DUET_DRAFTER_DEVICE", "--drafter-device"),
+    "pools[*].engine.fused_decode": Switch("DUET_FUSED_DECODE"),  # 0 = off (A/B runs)
+    "pools[*].engine.cpu_kernels": Switch("DUET_DISABLE_CPU_KERNELS", parse=_negate),  # 1 = torch references
+    "pools[*].comm": Switch("DUET_COMM"),
+    "router.host": Switch("DUET_HOST", "--host"),
+    "router.port": Switch("DUET_PORT", "--port"),
+    "router.http_port": Switch("DUET_HTTP_PORT", "--http-port"),
+    "router.policy": Switch("DUET_POLICY", "--policy"),
+    "router.tls_cert_file": Switch("DUET_TLS_CERT_FILE", "--tls-cert"),
+    "router.tls_key_file": Switch("DUET_TLS_KEY_FILE", "--tls-key"),
+    "router.tls_client_ca_file": Switch("DUET_TLS_CLIENT_CA_FILE", "--tls-client-ca"),
+    "router.auth_tokens_file": Switch("DUET_AUTH_TOKENS_FILE", "--auth-tokens-file"),
+    "controller.port": Switch("DUET_CONTROLLER_PORT", "--controller-port"),
+    "ray.address": Switch("RAY_ADDRESS", "--ray-address"),
+    "ray.num_cpus": Switch("DUET_RAY_NUM_CPUS", "--ray-num-cpus"),
+}
+CONFIG_ENV = "DUET_CONFIG"  # a YAML file used when --config is not given
 
 
 def load_config(path: str | os.PathLike[str] | None = None, *, overrides: Mapping[str, Any] | None = None,
@@ -319,43 +374,56 @@ def load_config(path: str | os.PathLike[str] | None = None, *, overrides: Mappin
     sources: filled with dotted key -> where its value came from (for later checks' messages).
     """
     env = os.environ if env is None else env
-    raw: dict[str, Any] = {}
     sources = {} if sources is None else sources
+    raw: dict[str, Any] = {}
     path = path if path is not None else env.get(CONFIG_ENV) or None
     if path is not None:
-        raw = read_yaml(Path(path))
+        raw = read_yaml(DuetConfig, Path(path))
         mark_sources(raw, "", f"{path}", sources)
-    for var, key in ENV_KEYS.items():
-        value = env.get(var)
-        if value not in (None, ""):
-            set_key(raw, key, value, sources, f"env {var}")
     pools = raw.get("pools")
-    for var, (key, parse) in POOL_ENV_KEYS.items():
-        value = env.get(var)
-        if value not in (None, ""):
-            for i in range(len(pools) if isinstance(pools, list) and pools else 1):
-                set_key(raw, f"pools[{i}].{key}", parse(value), sources, f"env {var}")
-    flag_names = flag_names or {}
-    for key, value in (overrides or {}).items():
-        if value is not None:
-            set_key(raw, key, value, sources, f"flag {flag_names.get(key, key)}")
-    return build(DuetConfig, raw, "", sources, _CHECKS)
+    num_pools = len(pools) if isinstance(pools, list) and pools else 1
+    env_values = [(key.replace("[*]", f"[{i}]"), switch.parse(env[switch.env]), f"env {switch.env}")
+                  for key, switch in SWITCHES.items() if switch.env and env.get(switch.env)
+                  for i in range(num_pools if "[*]" in key else 1)]
+    flags = flag_names or {}
+    flag_values = [(key, value, f"flag {flags.get(key, key)}") for key, value in (overrides or {}).items()
+                   if value is not None]
+    for layer in (KeySource(DuetConfig, env_values), KeySource(DuetConfig, flag_values)):
+        raw = merge(raw, layer())
+        sources.update(layer.sources)
+    try:
+        config = DuetConfig.model_validate(raw)
+    except ValidationError as e:
+        raise validation_error(e, DuetConfig, sources) from None
+    _check(config, sources)
+    return config
 
 
-def _check_pool(pool: PoolSection, p: str, s: Sources) -> None:
-    need(bool(_NAME_RE.match(pool.name)), f"{p}.name", pool.name, s,
-         "must be lower-case letters, digits and '_', starting with a letter (it names the actors)")
-    need(pool.role in ROLES, f"{p}.role", pool.role, s,
-         f"must be one of {', '.join(ROLES)} (prefill + decode pools make a disaggregated deployment)")
-    need(pool.replicas >= 1, f"{p}.replicas", pool.replicas, s, "must be >= 1")
-    need(pool.cpus_per_replica is None or pool.cpus_per_replica >= 1, f"{p}.cpus_per_replica",
-         pool.cpus_per_replica, s, "must be >= 1 (it is also the worker's torch thread count), or null to use "
-         "what the machine offers")
-    need(pool.placement_strategy in PLACEMENT_STRATEGIES, f"{p}.placement_strategy", pool.placement_strategy, s,
-         f"must be one of {', '.join(PLACEMENT_STRATEGIES)}")
-    need(pool.max_restarts >= -1, f"{p}.max_restarts", pool.max_restarts, s, "must be -1 (forever) or >= 0")
-    check_derived(pool, p, s)  # ep_size, tp_size, sp_size, comm: ParallelConfig's checks
-    _check_placement_resources(pool, p, s)
+# ---------------------------------------------------------------------------------- checks across keys
+def _check(c: DuetConfig, s: Sources) -> None:
+    """What one value's type and bounds cannot say: the lower types' own checks and the checks across keys."""
+    check_derived(c.model, "model", s)
+    for i, pool in enumerate(c.pools):
+        check_derived(pool.engine, f"pools[{i}].engine", s)
+        check_derived(pool, f"pools[{i}]", s)  # ep_size, tp_size, sp_size, comm: ParallelConfig's checks
+        _check_placement_resources(pool, f"pools[{i}]", s)
+    _check_router(c.router, "router", s)
+    need(c.ray.num_cpus is None or c.ray.address is None, "ray.num_cpus", c.ray.num_cpus, s,
+         f"only applies to an embedded Ray; unset it or unset ray.address ({c.ray.address!r})")
+    check_autoscaling(c.autoscaling, "autoscaling", s)
+    names = [pool.name for pool in c.pools]
+    need(len(c.pools) >= 1, "pools", names, s, "must hold at least one pool")
+    need(len(set(names)) == len(names), "pools", names, s, "pool names must be unique (they name the actors)")
+    need(bool({pool.role for pool in c.pools} & {"colocated", "decode"}), "pools", names, s,
+         "needs a colocated or decode pool to stream tokens (a prefill pool only computes prompts)")
+    sizes = {pool.engine.block_size for pool in c.pools if pool.role != "drafter"}  # a drafter's KV stays home
+    need(len(sizes) == 1, "pools", names, s,
+         f"every pool must use the same engine.block_size (KV blocks move between them), got {sorted(sizes)}")
+    for i in range(len(c.pools)):
+        _check_engine_config(c, i, s)
+    check_combinations(c, s)
+    check_against_pools(c.autoscaling, {pool.name: pool.role for pool in c.pools},
+                        {pool.name: pool.replicas for pool in c.pools}, s, c.drafter_leaders)
 
 
 def _check_placement_resources(pool: PoolSection, p: str, s: Sources) -> None:
@@ -364,13 +432,12 @@ def _check_placement_resources(pool: PoolSection, p: str, s: Sources) -> None:
     need(g >= 0 and (g <= 1 or g.is_integer()), f"{p}.gpus_per_rank", g, s,
          "must be >= 0: a whole number of GPUs, or a fraction below 1 to share one GPU")
     for name, amount in pool.resources_per_rank.items():
-        key = f"{p}.resources_per_rank"
-        need(isinstance(name, str) and bool(name.strip()), key, dict(pool.resources_per_rank), s,
-             "must map Ray resource names to amounts, e.g. {duet_pool_decode: 1}")
-        need(name not in ("CPU", "GPU"), key, dict(pool.resources_per_rank), s,
-             f"{name} has its own key: set cpus_per_replica / gpus_per_rank instead")
+        key, given = f"{p}.resources_per_rank", dict(pool.resources_per_rank)
+        need(bool(name.strip()), key, given, s, "must map Ray resource names to amounts, e.g. {duet_pool_decode: 1}")
+        need(name not in ("CPU", "GPU"), key, given, s, f"{name} has its own key: set cpus_per_replica / gpus_per_rank "
+             "instead")
         need(isinstance(amount, (int, float)) and not isinstance(amount, bool) and 0 < amount < float("inf"),
-             key, dict(pool.resources_per_rank), s, f"{name}: amounts must be numbers > 0")
+             key, given, s, f"{name}: amounts must be numbers > 0")
 
 
 def _check_router(r: RouterSection, p: str, s: Sources) -> None:
@@ -382,55 +449,21 @@ def _check_router(r: RouterSection, p: str, s: Sources) -> None:
     check_derived(r, p, s)
 
 
-def _check_ray(r: RaySection, p: str, s: Sources) -> None:
-    need(r.address is None or bool(r.address.strip()), f"{p}.address", r.address, s,
-         "must be 'auto', 'host:port' or 'ray://host:port', or null for an embedded local Ray")
-    need(r.num_cpus is None or r.num_cpus >= 1, f"{p}.num_cpus", r.num_cpus, s, "must be >= 1 or null (all CPUs)")
-    need(r.num_cpus is None or r.address is None, f"{p}.num_cpus", r.num_cpus, s,
-         f"only applies to an embedded Ray; unset it or unset ray.address ({r.address!r})")
-    need(bool(r.namespace), f"{p}.namespace", r.namespace, s, "must be a non-empty name")
-
-
-def _check_controller(c: ControllerSection, p: str, s: Sources) -> None:
-    need(c.poll_interval_s > 0, f"{p}.poll_interval_s", c.poll_interval_s, s, "must be > 0 seconds")
-    need(c.start_timeout_s > 0, f"{p}.start_timeout_s", c.start_timeout_s, s, "must be > 0 seconds")
-    need(c.placement_timeout_s > 0, f"{p}.placement_timeout_s", c.placement_timeout_s, s, "must be > 0 seconds")
-    need(bool(c.host), f"{p}.host", c.host, s, "must be a host or address, e.g. 127.0.0.1 or 0.0.0.0")
-    need(0 <= c.port <= 65535, f"{p}.port", c.port, s, "must be in 0..65535 (0 picks a free port)")
-
-
-def _check_duet(c: DuetConfig, p: str, s: Sources) -> None:
-    names = [pool.name for pool in c.pools]
-    need(len(c.pools) >= 1, "pools", names, s, "must hold at least one pool")
-    need(len(set(names)) == len(names), "pools", names, s, "pool names must be unique (they name the actors)")
-    roles = {pool.role for pool in c.pools}
-    need(bool(roles & {"colocated", "decode"}), "pools", names, s,
-         "needs a colocated or decode pool to stream tokens (a prefill pool only computes prompts)")
-    sizes = {pool.engine.block_size for pool in c.pools}
-    need(len(sizes) == 1, "pools", names, s,
-         f"every pool must use the same engine.block_size (KV blocks move between them), got {sorted(sizes)}")
-    for i, pool in enumerate(c.pools):
-        _check_engine_config(c, i, s)
-    check_combinations(c, s)
-    check_against_pools(c.autoscaling, {pool.name: pool.role for pool in c.pools},
-                        {pool.name: pool.replicas for pool in c.pools}, s)
-
-
 def _check_engine_config(c: DuetConfig, i: int, s: Sources) -> None:
-    """Build pool i's EngineConfig: the engine's checks across model, engine and speculative keys."""
+    """Build pool i's EngineConfig: the engine's checks across model, engine and speculative keys (a
+    drafter pool's: across its drafter and engine keys)."""
     pool = c.pools[i]
+    if pool.role == "drafter" and not pool.drafter.model:
+        return  # refused by check_combinations, naming drafter.model
     try:
-        c.to_engine_config(pool)
+        c.to_drafter_engine_config(pool) if pool.role == "drafter" else c.to_engine_config(pool)
     except ValueError as e:
         if not is_lower_config_error(e):
             raise
         keys = {**keymap(c.model, "model"), **keymap(pool.engine, f"pools[{i}].engine")}
-        keys.update({f"speculative.{f.name}": (f"pools[{i}].speculative.{f.name}", getattr(pool.speculative, f.name))
-                     for f in dataclasses.fields(SpeculativeConfig)})
+        if pool.role == "drafter":
+            keys.update({"model": (f"pools[{i}].drafter.model", pool.drafter.model),
+                         "quantization": (f"pools[{i}].drafter.quantization", pool.drafter.quantization)})
+        keys.update({f"speculative.{name}": (f"pools[{i}].speculative.{name}", getattr(pool.speculative, name))
+                     for name in SpeculativeConfig.__dataclass_fields__})
         raise lower_error(e, keys, s) from None
-
-
-_CHECKS = {ModelSection: check_derived, EngineSection: check_derived, PoolSection: _check_pool,
-           RouterSection: _check_router, RaySection: _check_ray, ControllerSection: _check_controller,
-           DuetConfig: _check_duet, AutoscalingSection: check_autoscaling, AutoscalePoolSection: check_autoscale_pool}
-

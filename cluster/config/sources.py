@@ -1,204 +1,123 @@
-"""Where config values come from, and how plain data becomes typed, checked config objects.
+"""Where config values come from (the YAML / env / flag layers), and the errors that say so.
 
 Terms:
     dotted key  a value's address: ``router.port``, ``pools[0].engine.block_size``; ``pool.x`` is
                 an alias of ``pools[0].x`` (env and flags address the one pool that way).
+    layer       one source's values as nested plain data: the YAML file (pydantic-settings'
+                ``YamlConfigSettingsSource``), the environment (the variables the settings
+                declare, cluster/config/duet.py ``SWITCHES``) and the flags (each a ``KeySource``).
     sources     dotted key -> where its value came from ("duet.yaml", "env DUET_PORT",
                 "flag --port"); every error message quotes it, so the user knows what to edit.
 
-``build`` turns nested dicts (YAML, or values set with ``set_key``) into frozen dataclasses:
-strings from env and flags are parsed per field type (``int``, ``float``, ``bool``, ``str``,
-``X | None``, nested dataclasses, ``tuple[X, ...]`` from lists, mappings, and
-``tuple[tuple[str, float], ...]`` from a mapping), byte sizes accept units (``64MiB``, ``1GiB``,
-``500MB``) in ``*_bytes`` fields, unknown keys are errors listing the known ones, and each class's
-check function (``checks[cls]``) runs once its fields are built. A lower layer's config type used as
-a section (``workers.config.SpeculativeConfig``) validates itself in ``__post_init__``; its
-``ConfigError`` / ``RouterConfigError`` becomes a ClusterConfigError naming the dotted key
-(``lower_error``). cluster/config/derive.py builds sections from several lower types.
+``merge`` lays the layers over each other (later wins; lists merge element by element, so
+``--replicas`` sizes pools[0] and leaves the YAML's other pools alone); pydantic validates the result
+once (cluster/config/duet.py), and ``validation_error`` turns its first error into one line naming
+the dotted key, the value as given, its source and what to change. A lower layer's config type
+(``workers.config.SpeculativeConfig``) validates itself in ``__post_init__``; its ``ConfigError`` /
+``RouterConfigError`` becomes a ClusterConfigError naming the dotted key (``lower_error``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ValidationError
+from pydantic_settings import PydanticBaseSettingsSource, YamlConfigSettingsSource
 
 Sources = dict[str, str]
-Checks = Mapping[type, Callable[[Any, str, Sources], None]]
 
 
 class ClusterConfigError(ValueError):
     """The configuration is invalid; the message names the key, its source and the fix."""
 
 
-def read_yaml(path: Path) -> dict[str, Any]:
+# ---------------------------------------------------------------------------------- layers
+def read_yaml(settings: type[BaseModel], path: Path) -> dict[str, Any]:
+    """The YAML file's values (pydantic-settings' YAML source), or a ClusterConfigError naming the file."""
     try:
-        text = path.read_text()
+        path.read_bytes()
     except OSError as e:
         raise ClusterConfigError(f"config file {path}: cannot be read ({e.strerror}); check --config") from None
     try:
-        data = yaml.safe_load(text)
+        data = YamlConfigSettingsSource(settings, yaml_file=path)()  # type: ignore[arg-type]
     except yaml.YAMLError as e:
         raise ClusterConfigError(f"config file {path}: not valid YAML ({e})") from None
-    if data is None:
-        return {}
+    except (AttributeError, TypeError):  # a top-level list or scalar
+        data = None
     if not isinstance(data, dict):
         raise ClusterConfigError(f"config file {path}: must be a mapping of sections (model, pools, router, "
-                                 f"ray, controller), not {type(data).__name__}")
+                                 f"ray, controller, autoscaling)")
     return data
+
+
+class KeySource(PydanticBaseSettingsSource):
+    """A layer of values addressed by dotted keys: the environment's or the flags' (``load_config``).
+    values: (dotted key, value, where it came from) in order; ``sources`` gets each key's origin."""
+
+    def __init__(self, settings: type[BaseModel], values: Iterable[tuple[str, Any, str]]) -> None:
+        super().__init__(settings)  # type: ignore[arg-type]
+        self.values, self.sources = list(values), {}
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # per-field API: unused
+        raise NotImplementedError
+
+    def __call__(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value, source in self.values:
+            set_key(out, key, value, self.sources, source)
+        return out
+
+
+def set_key(raw: dict[str, Any], key: str, value: Any, sources: Sources, source: str) -> None:
+    """Put ``value`` at dotted ``key`` of nested plain data (lists grow as needed)."""
+    key = canonical(key)
+    sources[key] = source
+    node: Any = raw
+    parts = _path(key)
+    for part, nxt in zip(parts, parts[1:]):
+        if isinstance(part, int):
+            node.extend({} for _ in range(part + 1 - len(node)))
+            node = node[part]
+        else:
+            node = node.setdefault(part, [] if isinstance(nxt, int) else {})
+    node[parts[-1]] = value
+
+
+def merge(base: Any, over: Any) -> Any:
+    """``over`` laid on ``base``: mappings merge key by key and lists element by element (a list
+    element that is a mapping merges too); anything else in ``over`` replaces."""
+    if isinstance(base, dict) and isinstance(over, dict):
+        return {**base, **{k: merge(base[k], v) if k in base else v for k, v in over.items()}}
+    if isinstance(base, list) and isinstance(over, list):
+        return [merge(b, o) for b, o in zip(base, over)] + base[len(over):] + over[len(base):]
+    return over
 
 
 def mark_sources(node: Any, prefix: str, source: str, sources: Sources) -> None:
     """Record ``source`` for every key of a YAML tree (``pools[0].engine.block_size``)."""
-    if isinstance(node, dict):
-        for k, v in node.items():
-            key = f"{prefix}.{k}" if prefix else str(k)
-            sources[_canonical(key)] = source
-            mark_sources(v, key, source, sources)
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            sources[f"{prefix}[{i}]"] = source
-            mark_sources(v, f"{prefix}[{i}]", source, sources)
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        key = f"{prefix}[{k}]" if isinstance(k, int) else f"{prefix}.{k}" if prefix else str(k)
+        sources[canonical(key)] = source
+        mark_sources(v, key, source, sources)
 
 
-def _canonical(key: str) -> str:
+def canonical(key: str) -> str:
     return "pools[0]" + key[4:] if key == "pool" or key.startswith("pool.") else key
 
 
-def set_key(raw: dict[str, Any], key: str, value: Any, sources: Sources, source: str) -> None:
-    key = _canonical(key)
-    sources[key] = source
-    parts = key.split(".")
-    node: Any = raw
-    for i, part in enumerate(parts[:-1]):
-        name, index = _split_index(part)
-        if index is None:
-            child = node.setdefault(name, {})
-        else:
-            lst = node.setdefault(name, [])
-            if not isinstance(lst, list):
-                raise ClusterConfigError(f"{name}: must be a list of pools ({source} sets {key})")
-            while len(lst) <= index:
-                lst.append({})
-            child = lst[index]
-        if not isinstance(child, dict):
-            raise ClusterConfigError(f"{'.'.join(parts[:i + 1])}: must be a mapping ({source} sets {key})")
-        node = child
-    node[parts[-1]] = value
+def _path(key: str) -> list[str | int]:
+    return [int(p[1:-1]) if p.startswith("[") else p for p in re.findall(r"\[\d+\]|[^.\[\]]+", key)]
 
 
-def _split_index(part: str) -> tuple[str, int | None]:
-    m = re.fullmatch(r"(\w+)\[(\d+)\]", part)
-    return (m.group(1), int(m.group(2))) if m else (part, None)
-
-
-# ---------------------------------------------------------------------------------- build + validate
-def build(cls: type, data: Any, prefix: str, sources: Sources, checks: Checks) -> Any:
-    """Construct dataclass ``cls`` from plain ``data`` (converting and checking every field, then
-    running ``checks[cls]``); ``prefix`` is its dotted key."""
-    where = prefix or "the config"
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise error(prefix, data, sources, "must be a mapping")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(str(k) for k in data if k not in names)
-    if unknown:
-        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ClusterConfigError(f"{key} ({source_of(key, sources)}): unknown key in {where}; "
-                                 f"known keys: {', '.join(names)}")
-    kwargs = {}
-    for name in names:
-        if name in data:
-            key = f"{prefix}.{name}" if prefix else name
-            kwargs[name] = _convert(hints[name], data[name], key, sources, checks)
-    try:
-        obj = cls(**kwargs)
-    except ValueError as e:  # a lower layer's own validation (workers.config, router.config)
-        if not is_lower_config_error(e):
-            raise
-        values = {f.name: kwargs.get(f.name, f.default) for f in dataclasses.fields(cls)}
-        raise lower_error(e, {k: (f"{prefix}.{k}" if prefix else k, v) for k, v in values.items()},
-                          sources, message_prefix=getattr(cls, "KEY_PREFIX", "")) from None
-    check = checks.get(cls)
-    if check is not None:
-        check(obj, prefix, sources)
-    return obj
-
-
-def _convert(tp: Any, value: Any, key: str, sources: Sources, checks: Checks) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "null", "none")):
-            if type(None) in args:
-                return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, value, key, sources, checks)
-    if dataclasses.is_dataclass(tp):
-        return build(tp, value, key, sources, checks)
-    if origin is tuple and args[0] == tuple[str, float]:  # resource amounts: a mapping in YAML
-        if not isinstance(value, dict):
-            raise error(key, value, sources, "must be a mapping of names to amounts, e.g. {drafter: 1}")
-        return tuple(sorted((str(k), _convert(float, v, f"{key}.{k}", sources, checks)) for k, v in value.items()))
-    if origin is tuple:  # tuple[PoolSection, ...]; an empty list is () (class checks require entries)
-        if not isinstance(value, list):
-            raise error(key, value, sources, "must be a list")
-        return tuple(_convert(args[0], v, f"{key}[{i}]", sources, checks) for i, v in enumerate(value))
-    if tp is Mapping[str, Any] or origin is Mapping:
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            raise error(key, value, sources, "must be a mapping of option names to values")
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-            return value.strip().lower() in ("true", "1", "yes", "on")
-        raise error(key, value, sources, "must be true or false")
-    if tp is int:
-        return _to_int(value, key, sources)
-    if tp is float:
-        try:
-            if isinstance(value, bool):
-                raise ValueError
-            result = float(value)
-        except (TypeError, ValueError):
-            raise error(key, value, sources, "must be a number") from None
-        if not math.isfinite(result):
-            raise error(key, value, sources, "must be a finite number")
-        return result
-    if tp is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise error(key, value, sources, "must be a string")
-        return str(value)
-    raise AssertionError(f"no converter for {tp!r} ({key})")
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
-
-
-def _to_int(value: Any, key: str, sources: Sources) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        text = value.strip().replace("_", "")
-        m = re.fullmatch(r"(-?\d+)\s*([a-zA-Z]*)", text)
-        if m and m.group(2).lower() in _UNITS and (not m.group(2) or key.endswith("_bytes")):
-            return int(m.group(1)) * _UNITS[m.group(2).lower()]
-    hint = " (or a size such as 64MiB, 1GiB, 500MB)" if key.endswith("_bytes") else ""
-    raise error(key, value, sources, f"must be an integer{hint}")
-
-
+# ---------------------------------------------------------------------------------- messages
 def source_of(key: str, sources: Sources) -> str:
     probe = key
     while probe:
@@ -217,8 +136,89 @@ def need(ok: bool, key: str, value: Any, sources: Sources, what: str) -> None:
         raise error(key, value, sources, what)
 
 
+# pydantic's error types -> what to change (the rest keep pydantic's own message)
+_PHRASES = {
+    "int_parsing": "must be an integer", "int_type": "must be an integer", "int_from_float": "must be an integer",
+    "float_parsing": "must be a number", "float_type": "must be a number", "finite_number": "must be a finite number",
+    "bool_parsing": "must be true or false", "bool_type": "must be true or false", "string_type": "must be a string",
+    "dict_type": "must be a mapping", "model_type": "must be a mapping", "dataclass_type": "must be a mapping",
+    "list_type": "must be a list", "tuple_type": "must be a list", "missing": "is required",
+    "byte_size": "must be a number of bytes or a size such as 64MiB, 1GiB, 500MB",
+    "byte_size_unit": "must be a number of bytes or a size such as 64MiB, 1GiB, 500MB",
+}
+_CONSTRAINTS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+def validation_error(e: ValidationError, model: type[BaseModel], sources: Sources) -> ClusterConfigError:
+    """The ClusterConfigError for pydantic's first error in validating ``model`` (module docstring)."""
+    err = e.errors(include_url=False)[0]
+    loc = [p for p in err["loc"] if not _is_tag(p)]
+    key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    kind, value = err["type"], err["input"]
+    if kind in ("extra_forbidden", "unexpected_keyword_argument"):
+        parent, _, _ = key.rpartition(".")
+        known = ", ".join(_fields(model, loc[:-1]))
+        return ClusterConfigError(f"{key} ({source_of(key, sources)}): unknown key in {parent or 'the config'}; "
+                                  f"known keys: {known}")
+    if kind == "value_error" and is_lower_config_error(err.get("ctx", {}).get("error")):
+        keymap = {n: (f"{key}.{n}", None) for n in _fields(model, loc)}
+        return lower_error(err["ctx"]["error"], keymap, sources, getattr(_node(model, loc), "KEY_PREFIX", ""))
+    hint = _hint(model, loc)
+    if kind == "literal_error":
+        what = hint or "must be one of " + err["ctx"]["expected"].replace("'", "").replace(" or ", ", ")
+    elif kind in _CONSTRAINTS:
+        bound = next(iter(err["ctx"].values()))
+        what = hint or f"must be {_CONSTRAINTS[kind]} {bound}"
+    elif kind in ("string_pattern_mismatch", "string_too_short"):
+        what = hint or err["msg"]
+    else:
+        what = _PHRASES.get(kind) or err["msg"]
+    return error(key, value, sources, what)
+
+
+def _is_tag(part: Any) -> bool:
+    """A part of pydantic's error location that names a validator or a union member, not a key."""
+    return isinstance(part, str) and (part in ("int", "float", "str", "bool", "none") or bool(re.search(r"[\[\]-]", part)))
+
+
+def _node(model: Any, loc: list[Any]) -> Any:
+    """The type at ``loc`` under ``model`` (a pydantic model, a dataclass, or None when unknown)."""
+    tp: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            field = tp.model_fields.get(part)
+            tp = field.annotation if field else None
+        elif dataclasses.is_dataclass(tp):
+            tp = typing.get_type_hints(tp).get(part)
+        else:
+            return None
+        while typing.get_origin(tp) in (typing.Union, types.UnionType, tuple, typing.Annotated):
+            args = [a for a in typing.get_args(tp) if a is not type(None) and a is not Ellipsis]
+            tp = args[0] if args else None
+    return tp
+
+
+def _fields(model: type[BaseModel], loc: list[Any]) -> list[str]:
+    tp = _node(model, loc)
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return list(tp.model_fields)
+    return [f.name for f in dataclasses.fields(tp)] if dataclasses.is_dataclass(tp) else []
+
+
+def _hint(model: type[BaseModel], loc: list[Any]) -> str | None:
+    """A field's own wording for a refused value (``json_schema_extra={"hint": ...}``)."""
+    parent = _node(model, loc[:-1])
+    if isinstance(parent, type) and issubclass(parent, BaseModel) and isinstance(loc[-1], str):
+        field = parent.model_fields.get(loc[-1])
+        extra = field.json_schema_extra if field else None
+        return extra.get("hint") if isinstance(extra, dict) else None  # type: ignore[return-value]
+    return None
+
+
 # ---------------------------------------------------------------------------------- lower layers' errors
-def is_lower_config_error(e: BaseException) -> bool:
+def is_lower_config_error(e: BaseException | None) -> bool:
     """A config error raised by a worker or router config type's own validation."""
     from router.config import RouterConfigError  # pure Python
     from workers.errors import ConfigError

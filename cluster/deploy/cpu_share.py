@@ -8,8 +8,6 @@ visible from here, so unset pools get 1 CPU per rank.
 
 from __future__ import annotations
 
-import dataclasses
-
 from cluster.config.duet import DuetConfig
 
 
@@ -35,14 +33,14 @@ def resolve_cpus(c: DuetConfig, node_cpus: int | None) -> tuple[DuetConfig, str]
         def replicas(p) -> int:
             return max(p.replicas, most.get(p.name, 0))
         fixed = sum(replicas(p) * p.gang_size * p.cpus_per_replica for p in c.pools if p.cpus_per_replica is not None)
-        drafters = sum(replicas(p) * p.speculative.drafter_cpus for p in c.pools
-                       if p.speculative.method == "draft_model")
+        drafters = sum(replicas(p) * p.speculative.drafter_cpus for p in c.pools  # private drafter actors
+                       if p.speculative.method == "draft_model" and not p.speculative.drafter_pool)
         ranks = sum(replicas(p) * p.gang_size for p in unset)
         left = node_cpus - ROUTER_CPUS - fixed - drafters
         chosen = max(1, left // ranks)
         why = (f"{chosen} ({node_cpus} CPUs, {ROUTER_CPUS} left to the router"
                + (f", {fixed + drafters} to explicit pools and drafters" if fixed + drafters else "")
                + f", {ranks} rank{'s' if ranks > 1 else ''})")
-    pools = tuple(dataclasses.replace(p, cpus_per_replica=chosen) if p.cpus_per_replica is None else p for p in c.pools)
+    pools = tuple(p.model_copy(update={"cpus_per_replica": chosen}) if p.cpus_per_replica is None else p for p in c.pools)
     names = ", ".join(p.name for p in unset)
-    return dataclasses.replace(c, pools=pools), f"cpus_per_replica of {names}: {why}"
+    return c.model_copy(update={"pools": pools}), f"cpus_per_replica of {names}: {why}"

@@ -14,7 +14,7 @@ SLO_VALUES = CHART / "ci" / "slo-values.yaml"
 
 @pytest.mark.parametrize("sets, message", [
     # the schema
-    (["autoscaling.duet.actuator=kubectl"], "at '/autoscaling/duet/actuator': value must be one of 'kubernetes', 'ray'"),
+    (["autoscaling.duet.actuator=kubectl"], "at '/autoscaling/duet/actuator': value must be one of 'ray', 'kubernetes'"),
     (["autoscaling.duet.intervalSeconds=0"], "at '/autoscaling/duet/intervalSeconds'"),
     (["autoscaling.duet.drainGraceSeconds=-1"], "at '/autoscaling/duet/drainGraceSeconds'"),
     (["autoscaling.duet.speed=fast"], "additional properties 'speed' not allowed"),

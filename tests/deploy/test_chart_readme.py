@@ -7,45 +7,19 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import yaml
 
-CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "duet"
-BEGIN, END = "<!-- values-table:begin -->", "<!-- values-table:end -->"
+from cluster.config.schema import CHART, TABLE_BEGIN, TABLE_END, table_rows
+from cluster.config.schema import values_table as schema_values_table
+
+BEGIN, END = TABLE_BEGIN, TABLE_END
 NOT_YET_USED: list[str] = []
 
 
-def _default(value: Any) -> str:
-    return "`" + json.dumps(value, separators=(", ", ": ")) + "`"
-
-
-def _rows(schema: dict, values: Any, prefix: str) -> list[tuple[str, str, str]]:
-    """(key, default, description) for each leaf: a schema node without properties, or whose
-    value in values.yaml is not a non-empty mapping (free-form maps and lists are one row)."""
-    rows = []
-    for name, node in schema["properties"].items():
-        key = f"{prefix}{name}"
-        value = values.get(name) if isinstance(values, dict) else None
-        if name == "pools" and not prefix:
-            rows.append((key, _default(value), node["description"]))
-            for sub in ("name", "role"):
-                rows.append((f"pools[].{sub}", "", node["items"]["properties"][sub]["description"]))
-            rows.append(("pools[].<key>", "", "any poolDefaults key, for this pool only"))
-        elif "properties" in node and isinstance(value, dict) and value:
-            rows += _rows(node, value, key + ".")
-        else:
-            rows.append((key, _default(value) if name in (values or {}) else "", node["description"]))
-    return rows
-
-
 def values_table() -> str:
-    schema = json.loads((CHART / "values.schema.json").read_text())
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    lines = ["| key | default | description |", "|---|---|---|"]
-    lines += [f"| `{key}` | {default} | {desc.replace('|', chr(92) + '|')} |" for key, default, desc in _rows(schema, values, "")]
-    return "\n".join(lines)
+    return schema_values_table(json.loads((CHART / "values.schema.json").read_text()))
 
 
 def _readme_table() -> str:
@@ -88,14 +62,10 @@ def test_gpus_and_pool_placement_are_no_longer_reported_as_unwired():
 
 
 def test_every_schema_leaf_has_a_row_with_a_description():
-    for key, _default_value, description in _rows(json.loads((CHART / "values.schema.json").read_text()),
+    for key, _default_value, description in table_rows(json.loads((CHART / "values.schema.json").read_text()),
                                                   yaml.safe_load((CHART / "values.yaml").read_text()), ""):
         assert description.strip(), f"{key}: no description in values.schema.json"
         assert re.fullmatch(r"[\w.\[\]<>-]+", key), key
-
-
-if __name__ == "__main__":
-    print(values_table())
 
 
 def test_a_pool_takes_exactly_the_poolDefaults_keys():

@@ -70,7 +70,8 @@ def test_pip_installs_match_the_pins_and_extras(recipe):
                 for extra in extras.group(1).split(","):
                     assert extra in PYPROJECT["project"]["optional-dependencies"], f"no extra {extra!r} in pyproject"
     for module in re.findall(r"python -m ([\w.]+)", runs):
-        assert (ROOT / (module.replace(".", "/") + ".py")).exists(), f"python -m {module}: no such module"
+        path = ROOT / module.replace(".", "/")
+        assert path.with_suffix(".py").exists() or (path / "__main__.py").exists(), f"python -m {module}: no such module"
 
 
 def test_image_matches_what_the_chart_expects(recipe):

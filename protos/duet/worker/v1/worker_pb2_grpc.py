@@ -128,7 +128,7 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Migrate(self, request, context):
-        """Live migration (workers/migration_service.py): move the in-flight request request_id, which
+        """Live migration (workers/handoff/migration_service.py): move the in-flight request request_id, which
         must be decoding, to the worker named in target, with its KV blocks and sampler state, without
         recomputing anything. The request is paused here at a step boundary, the target reserves
         blocks (TakeOver), the blocks travel over the pair's torch.distributed group, the target
@@ -175,7 +175,7 @@ class WorkerServicer:
         """Prefix pull, holder side; only workers call it (for a Submit that has prefix_source). Looks up
         the blocks of prefix_token_ids in this worker's prefix cache, copies blocks first_block.. out
         (on its engine thread, between two steps: nothing can evict them meanwhile) and sends them to
-        the puller over the pair's channel (workers/kv_transfer.py, never through this RPC). Answers
+        the puller over the pair's channel (workers/kv/transfer.py, never through this RPC). Answers
         once the transfer has been sent.
 
         Status codes:
