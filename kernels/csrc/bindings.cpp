@@ -468,4 +468,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("active_isa", [] { return std::string(duet::isa_name(duet::active_isa())); });
   m.def("set_isa", [](const std::string& name) { return std::string(duet::isa_name(duet::set_isa(parse_isa(name)))); },
         "Lower (or restore) the ISA the kernels use; clamped to what the CPU has. Returns the active ISA.");
+  m.def("dot_extensions", [] { return duet::dot_extensions_enabled(); },
+        "whether kernels may use AVX512-BF16 / AVX512-VNNI where the CPU has them (default true)");
+  m.def("set_dot_extensions", [](bool on) { return duet::set_dot_extensions(on); },
+        "Allow (true) or forbid (false) AVX512-BF16 / AVX512-VNNI: false runs the plain AVX-512 fallback that a "
+        "CPU without them takes. Returns the new setting.");
+  m.def("cpu_has", [](const std::string& feature) {
+        TORCH_CHECK(feature == "avx512_bf16" || feature == "avx512_vnni", "feature must be avx512_bf16 or avx512_vnni");
+        return feature == "avx512_bf16" ? duet::cpu_has_avx512bf16() : duet::cpu_has_vnni();
+      }, "what the kernels' own CPU probe (__builtin_cpu_supports) reports for avx512_bf16 or avx512_vnni");
 }

@@ -32,6 +32,15 @@ Isa active_isa();
 // Request an ISA; clamped to best_isa(). Returns the ISA now active.
 Isa set_isa(Isa isa);
 const char* isa_name(Isa isa);
+// Whether kernels may use the AVX-512 dot-product extensions a CPU may or may not have on top of
+// AVX-512 (AVX512-BF16's vdpbf16ps, AVX512-VNNI's vpdpbusd): true by default, so each kernel takes
+// them exactly when __builtin_cpu_supports reports them. Tests turn it off to run the plain
+// AVX-512 fallback that an AVX-512 CPU without those extensions takes. Returns the new value.
+bool dot_extensions_enabled();
+// What the CPU itself reports (checked once, whatever set_dot_extensions says).
+bool cpu_has_avx512bf16();
+bool cpu_has_vnni();
+bool set_dot_extensions(bool on);
 
 // Run a loop with OpenMP only when it is worth a fork/join: `work` is a rough count of floats
 // touched, `min_work` the amount below which one thread is faster.

@@ -151,14 +151,6 @@ void rows_any(const GemvProblem& p, int TT, int64_t n_begin, int64_t n_end, Isa 
 // ---------------------------------------------------------------------------------------- bf16
 #define DUET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
 
-bool cpu_has_avx512bf16() {
-  static const bool v = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512f") &&
-           __builtin_cpu_supports("avx512bw");
-  }();
-  return v;
-}
 
 struct GemvBf16 {
   const bf16_t* x;
@@ -265,7 +257,7 @@ void bf16_rows_any(const GemvBf16& p, int TT, int64_t n_begin, int64_t n_end, Bf
 
 }  // namespace
 
-bool gemv_bf16_native() { return active_isa() == Isa::kAvx512 && cpu_has_avx512bf16(); }
+bool gemv_bf16_native() { return active_isa() == Isa::kAvx512 && cpu_has_avx512bf16() && dot_extensions_enabled(); }
 
 void gemv_bf16(const bf16_t* x, int64_t x_stride, const bf16_t* w, int64_t w_stride, const bf16_t* bias, bf16_t* y,
                int64_t y_stride, int64_t T, int64_t N, int64_t K, int max_threads) {

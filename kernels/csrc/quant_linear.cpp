@@ -57,21 +57,12 @@ constexpr int kTokens = 4;                       // tokens per pass over a tile 
 constexpr int64_t kTokenBlockBytes = 256 << 10;  // xq bytes per token block
 constexpr int64_t kMinParallelWork = 1 << 16;    // weights x tokens; below this one thread wins
 
-bool cpu_has_vnni() {
-  static const bool v = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512f") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512dq");
-  }();
-  return v;
-}
 
 enum class QPath { kScalar, kAvx2, kVnni };
 
 QPath active_path() {
   const Isa isa = active_isa();
-  if (isa == Isa::kAvx512 && cpu_has_vnni()) return QPath::kVnni;
+  if (isa == Isa::kAvx512 && cpu_has_vnni() && dot_extensions_enabled()) return QPath::kVnni;
   if (isa == Isa::kAvx512 || isa == Isa::kAvx2) return QPath::kAvx2;  // F16C comes with every AVX2 CPU
   return QPath::kScalar;
 }

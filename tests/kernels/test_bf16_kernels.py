@@ -1,6 +1,6 @@
 """The bf16 paths of the CPU kernels (a bf16 model's ops) vs their torch references, on every ISA path
-(AVX-512, and the scalar code that bf16 runs on AVX2 and scalar CPUs), whether or not the CPU has
-AVX512-BF16.
+(AVX-512 with AVX512-BF16 where the CPU has it, the plain AVX-512 fallback a CPU without it takes --
+forced here with set_dot_extensions(False) -- and the scalar code that bf16 runs on AVX2 and scalar CPUs).
 
 How close each must be:
   - rotary_and_cache_write rounds each product and sum to bf16 exactly where torch's bf16 ops do:
@@ -11,9 +11,9 @@ How close each must be:
     land one bf16 step apart: within 2 bf16 units of roundoff of the result.
   - silu_and_mul: the same, two roundings.
   - linear (GEMV and oneDNN), paged decode and varlen attention: fp32 accumulation, one rounding to
-    bf16 at the end: within the float32 error bound of the sums (tests/testkit/tolerance.py) plus
-    one bf16 rounding of the result, against float64 math on the same bf16 inputs.
-U_BF16 = 2^-8 is bf16's unit roundoff (8 significant bits).
+    bf16 at the end: within the float32 error bound of the sums plus one bf16 rounding of the result,
+    against float64 math on the same bf16 inputs.
+The bounds (and U_BF16 = 2^-8, bf16's unit roundoff) are tests/testkit/tolerance.py's.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import torch.nn.functional as F
 
 import kernels
 from kernels.linear import BF16_GEMV_MAX_TOKENS
+from testkit.kernel_paths import available_paths, on_path
 from testkit.tolerance import assert_within as _assert_within
-from testkit.tolerance import gamma, linear_error_bound
+from testkit.tolerance import bf16_attention_error_bound, bf16_linear_error_bound, bf16_rounding_bound
 
 BF = torch.bfloat16
-U_BF16 = 2.0**-8
 
 
 def _rand(*shape: int, g: torch.Generator, scale: float = 1.0) -> torch.Tensor:
@@ -40,8 +40,8 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, bound: np.ndarray, what
     _assert_within(got.double(), want.double(), bound, what)  # numpy has no bf16
 
 
-def _abs(t: torch.Tensor) -> np.ndarray:
-    return t.detach().double().abs().numpy()
+def _abs_max(t: torch.Tensor) -> float:
+    return float(t.detach().double().abs().max())
 
 
 @pytest.mark.parametrize("T,E", [(1, 576), (5, 100), (3, 17)])
@@ -51,18 +51,18 @@ def test_rms_norm(isa: str, T: int, E: int) -> None:
     out, r = kernels.rms_norm(x, w, 1e-5, res)
     want, r_want = kernels.rms_norm_ref(x, w, 1e-5, res)
     assert out.dtype == BF and torch.equal(r, r_want)
-    assert_within(out, want, 2 * U_BF16 * _abs(want) * (1 + U_BF16), "rms_norm (residual)")
+    assert_within(out, want, bf16_rounding_bound(want, 2), "rms_norm (residual)")
     out, none = kernels.rms_norm(x, w, 1e-5)
     assert none is None
     want = kernels.rms_norm_ref(x, w, 1e-5)[0]
-    assert_within(out, want, 2 * U_BF16 * _abs(want) * (1 + U_BF16), "rms_norm")
+    assert_within(out, want, bf16_rounding_bound(want, 2), "rms_norm")
 
 
 @pytest.mark.parametrize("T,I", [(1, 1536), (4, 37)])
 def test_silu_and_mul(isa: str, T: int, I: int) -> None:
     x = _rand(T, 2 * I, g=torch.Generator().manual_seed(I), scale=3)
     want = kernels.silu_and_mul_ref(x)
-    assert_within(kernels.silu_and_mul(x), want, 2 * U_BF16 * _abs(want) * (1 + U_BF16) + 1e-30, "silu_and_mul")
+    assert_within(kernels.silu_and_mul(x), want, bf16_rounding_bound(want, 2), "silu_and_mul")
 
 
 def test_rotary_and_cache_write_is_bit_identical(isa: str) -> None:
@@ -82,30 +82,27 @@ def test_rotary_and_cache_write_is_bit_identical(isa: str) -> None:
 
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 9, 33])
 @pytest.mark.parametrize("N,K", [(960, 576), (37, 577), (5, 15)])
-def test_linear(isa: str, T: int, N: int, K: int) -> None:
+def test_linear(dot_path: str, T: int, N: int, K: int) -> None:
     # T <= BF16_GEMV_MAX_TOKENS: the GEMV kernel; above: at::linear (oneDNN); both within the bound.
     g = torch.Generator().manual_seed(N + K + T)
     x, w, b = _rand(T, K, g=g), _rand(N, K, g=g, scale=K**-0.5), _rand(N, g=g)
     y = kernels.linear(x, w, b)
     assert y.dtype == BF and y.shape == (T, N)
     exact = F.linear(x.double(), w.double(), b.double())
-    bound = linear_error_bound(x.float(), w.float(), b.float()) * (1 + U_BF16) + U_BF16 * _abs(exact)
-    assert_within(y, exact, bound, f"bf16 linear T={T}")
+    assert_within(y, exact, bf16_linear_error_bound(x, w, b, exact), f"bf16 linear T={T}")
 
 
 def test_gemv_directly_on_every_path(ext) -> None:
-    # The GEMV on each ISA path and both bf16 dot-product flavours (vdpbf16ps where the CPU has it).
+    # The GEMV on each path: vdpbf16ps where the CPU has AVX512-BF16, its AVX-512 fallback, scalar.
     g = torch.Generator().manual_seed(7)
     x, w = _rand(7, 130, g=g), _rand(70, 130, g=g)
     exact = x.double() @ w.double().T
-    bound = linear_error_bound(x.float(), w.float()) * (1 + U_BF16) + U_BF16 * _abs(exact)
-    old = ext.active_isa()
-    try:
-        for isa in ("avx512", "avx2", "scalar"):
-            if ext.set_isa(isa) == isa:
-                assert_within(ext.gemv(x, w, None), exact, bound, f"gemv on {isa}")
-    finally:
-        ext.set_isa(old)
+    bound = bf16_linear_error_bound(x, w, None, exact)
+    for path in available_paths(ext):
+        with on_path(ext, path):
+            native = ext.gemv_bf16_native()
+            assert native == (path == "avx512" and ext.cpu_has("avx512_bf16")), path
+            assert_within(ext.gemv(x, w, None), exact, bound, f"gemv on {path}")
     assert BF16_GEMV_MAX_TOKENS >= 1
 
 
@@ -114,12 +111,6 @@ def _paged_case(g: torch.Generator, lens: list[int], H: int = 6, G: int = 2, D: 
     tables = torch.randperm(len(lens) * nb, generator=g).view(len(lens), nb).to(torch.int32)
     S = len(lens) * nb * bs
     return tables, _rand(S, G, D, g=g), _rand(S, G, D, g=g), H, D, bs
-
-
-def _attention_bound(out_exact: torch.Tensor, v_abs_max: float, L: int) -> np.ndarray:
-    # fp32: the probabilities and their weighted sum of V carry gamma_(L+D)-sized relative errors
-    # (softmax exps ~2 ulp each); then one bf16 rounding.
-    return U_BF16 * _abs(out_exact) + 8 * gamma(L + 64) * v_abs_max + 1e-30
 
 
 @pytest.mark.parametrize("lens", [[1], [5, 130, 17], [300]])
@@ -131,7 +122,7 @@ def test_paged_decode_attention(isa: str, lens: list[int]) -> None:
     got = kernels.paged_decode_attention(q, kc, vc, tables, cl, bs, D**-0.5)
     want = kernels.paged_decode_attention_ref(q.double(), kc.double(), vc.double(), tables, cl, bs, D**-0.5)
     assert got.dtype == BF
-    assert_within(got, want, _attention_bound(want, float(_abs(vc).max()), max(lens)), "paged decode")
+    assert_within(got, want, bf16_attention_error_bound(want, _abs_max(vc), max(lens), D), "paged decode")
 
 
 def test_varlen_paged_attention(isa: str) -> None:
@@ -146,7 +137,7 @@ def test_varlen_paged_attention(isa: str) -> None:
     got = kernels.varlen_paged_attention(q, kc, vc, tables, cu, cl, bs, D**-0.5)
     want = kernels.varlen_paged_attention_ref(q.double(), kc.double(), vc.double(), tables, cu, cl, bs, D**-0.5)
     assert got.dtype == BF
-    assert_within(got, want, _attention_bound(want, float(_abs(vc).max()), max(lens)), "varlen attention")
+    assert_within(got, want, bf16_attention_error_bound(want, _abs_max(vc), max(lens), D), "varlen attention")
 
 
 def test_mixed_dtypes_are_refused(ext) -> None:

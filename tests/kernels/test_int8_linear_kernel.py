@@ -3,7 +3,7 @@ int8_linear_ref, its batch invariance and the agreement of its ISA paths.
 
 The reference quantizes x exactly as the kernel does and computes the integer block dots exactly
 in float64, so the two differ by the kernel's fp32 rounding of the per-block sums only:
-tests/testkit/quant_tolerance.py bounds that from the kernel's float sequence (a wrong row, block,
+tests/testkit/tolerance.py bounds that from the kernel's float sequence (a wrong row, block,
 scale, bias or tail is off by orders of magnitude more). Batch invariance and the ISA paths'
 agreement are checked bit for bit: a token's output row must not depend on how many tokens share
 the call (speculative verification and continuous batching compare a sequence's tokens computed
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 import kernels
 from kernels.quant_formats import dequantize_int8, quantize_int8
-from testkit.quant_tolerance import int8_linear_error_bound
-from testkit.tolerance import assert_within
+from testkit.kernel_paths import available_paths, on_path
+from testkit.tolerance import INT8_ACTIVATIONS, KERNEL_FP32, assert_within, int8_linear_error_bound
 
 # SmolLM2's matrices; K not a multiple of 16, 32 or 64 (masked last block, padded columns); N odd
 # and not a multiple of the 16-row tile or of a tile pair; tiny cases.
@@ -40,7 +40,7 @@ def _check(x, q, s, b=None) -> None:
 
 @pytest.mark.parametrize("N,K", SHAPES)
 @pytest.mark.parametrize("T", TOKENS)
-def test_matches_ref(isa: str, T: int, N: int, K: int) -> None:
+def test_matches_ref(dot_path: str, T: int, N: int, K: int) -> None:
     q, s, b, x = _problem(N, K, T, N * K + T)
     _check(x, q, s)
     _check(x, q, s, b)
@@ -49,21 +49,17 @@ def test_matches_ref(isa: str, T: int, N: int, K: int) -> None:
 @pytest.mark.parametrize("N,K,T", [(960, 576, 9), (37, 577, 33), (101, 33, 4), (3072, 576, 64)])
 def test_isa_paths_agree_bitwise(ext, N: int, K: int, T: int) -> None:
     q, s, b, x = _problem(N, K, T, 9)
-    old = ext.active_isa()
-    try:
-        outs = {}
-        for isa in ("avx512", "avx2", "scalar"):
-            if ext.set_isa(isa) == isa:
-                outs[isa] = kernels.int8_linear(x, q, s, b)
-    finally:
-        ext.set_isa(old)
+    outs = {}
+    for path in available_paths(ext):
+        with on_path(ext, path):
+            outs[path] = kernels.int8_linear(x, q, s, b)
     first = next(iter(outs.values()))
-    for isa, y in outs.items():
-        assert torch.equal(y, first), f"{isa} differs from {next(iter(outs))}"
+    for path, y in outs.items():
+        assert torch.equal(y, first), f"{path} differs from {next(iter(outs))}"
 
 
 @pytest.mark.parametrize("N,K", [(960, 576), (37, 577), (101, 33)])
-def test_batch_invariant(isa: str, N: int, K: int) -> None:
+def test_batch_invariant(dot_path: str, N: int, K: int) -> None:
     # Row 0 alone vs at every position of batches of 2..40 (crossing the 4-token passes and the
     # tile pairs), with random other rows: bit-identical.
     q, s, b, x = _problem(N, K, 40, 5)
@@ -108,7 +104,7 @@ def test_close_to_weight_only_product(ext) -> None:
     # (relative error <= 1/254 per element, averaging out over K): well under 2% of the output scale.
     q, s, b, x = _problem(512, 1536, 4, 7)
     y, y_ref = kernels.int8_linear(x, q, s, b), F.linear(x, dequantize_int8(q, s, 1536), b)
-    assert (y - y_ref).abs().max() < 0.02 * y_ref.abs().max()
+    INT8_ACTIVATIONS.assert_close(y, y_ref)
 
 
 def test_strided_and_leading_dims(ext) -> None:
@@ -155,4 +151,4 @@ def test_triton_kernel_vs_weight_only_ref(T: int, N: int, K: int) -> None:
 
     q, s, b, x = _problem(N, K, T, 11)
     y = tri("int8_linear").int8_linear_triton(x.view(1, T, K), q, s, b).view(T, N)
-    torch.testing.assert_close(y, F.linear(x, dequantize_int8(q, s, K), b), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(y, F.linear(x, dequantize_int8(q, s, K), b))

@@ -4,7 +4,7 @@ tests/kernels/test_int8_linear_kernel.py).
 
 The reference computes the kernel's own math (x quantized per block of 32, exact integer block dots,
 float64 scaling), so the only difference is the kernel's fp32 rounding of the per-block sums,
-bounded by tests/testkit/quant_tolerance.py (a wrong row, block, scale, nibble or tail is off by
+bounded by tests/testkit/tolerance.py (a wrong row, block, scale, nibble or tail is off by
 orders of magnitude more). The activation rounding itself, batch invariance and the ISA paths'
 agreement are checked bit for bit.
 """
@@ -26,8 +26,8 @@ from kernels.quant_formats import (
     unpack_q4,
 )
 from kernels.quant_linear import quantize_activations_ref
-from testkit.quant_tolerance import q4_linear_error_bound
-from testkit.tolerance import assert_within
+from testkit.kernel_paths import available_paths, on_path
+from testkit.tolerance import INT8_ACTIVATIONS, KERNEL_FP32, assert_within, q4_linear_error_bound
 
 # SmolLM2's matrices plus K not a multiple of 32 or 64 (partial and whole padded blocks), N not a
 # multiple of the 16-row tile, tiny cases.
@@ -48,7 +48,7 @@ def _check(x, q, d, m, b=None) -> None:
 
 @pytest.mark.parametrize("N,K", SHAPES)
 @pytest.mark.parametrize("T", TOKENS)
-def test_q4_matches_ref(isa: str, T: int, N: int, K: int) -> None:
+def test_q4_matches_ref(dot_path: str, T: int, N: int, K: int) -> None:
     w, b, x = _problem(N, K, T, N * K + T + 1)
     q, d, m = quantize_q4(w)
     _check(x, q, d, m)
@@ -59,21 +59,17 @@ def test_q4_matches_ref(isa: str, T: int, N: int, K: int) -> None:
 def test_isa_paths_agree_bitwise(ext, N: int, K: int, T: int) -> None:
     w, b, x = _problem(N, K, T, 9)
     q, d, m = quantize_q4(w)
-    old = ext.active_isa()
-    try:
-        outs = {}
-        for isa in ("avx512", "avx2", "scalar"):
-            if ext.set_isa(isa) == isa:
-                outs[isa] = kernels.q4_linear(x, q, d, m, b)
-    finally:
-        ext.set_isa(old)
+    outs = {}
+    for path in available_paths(ext):
+        with on_path(ext, path):
+            outs[path] = kernels.q4_linear(x, q, d, m, b)
     first = next(iter(outs.values()))
-    for isa, y in outs.items():
-        assert torch.equal(y, first), f"{isa} differs from {next(iter(outs))}"
+    for path, y in outs.items():
+        assert torch.equal(y, first), f"{path} differs from {next(iter(outs))}"
 
 
 @pytest.mark.parametrize("N,K", [(960, 576), (37, 577), (100, 33)])
-def test_batch_invariant(isa: str, N: int, K: int) -> None:
+def test_batch_invariant(dot_path: str, N: int, K: int) -> None:
     # Row 0 alone vs at every position of batches of 2..40 with random other rows: bit-identical.
     w, b, x = _problem(N, K, 40, 5)
     q, d, m = quantize_q4(w)
@@ -102,7 +98,7 @@ def test_close_to_weight_only_product(ext) -> None:
     w, _, x = _problem(512, 1536, 4, 7)
     q, d, m = quantize_q4(w)
     y, y_ref = kernels.q4_linear(x, q, d, m), F.linear(x, dequantize_q4(q, d, m, 1536))
-    assert (y - y_ref).abs().max() < 0.02 * y_ref.abs().max()
+    INT8_ACTIVATIONS.assert_close(y, y_ref)
 
 
 def test_strided_and_leading_dims(ext) -> None:
@@ -150,5 +146,5 @@ def test_triton_kernel_vs_weight_only_ref(T: int, N: int, K: int) -> None:
     ops = tri("quant_linear")
     w, b, x = _problem(N, K, T, 11)
     packed, d, m = quantize_q4(w)
-    torch.testing.assert_close(ops.q4_linear_triton(x.view(1, T, K), packed, d, m, b).view(T, N),
-                               F.linear(x, dequantize_q4(packed, d, m, K), b), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(ops.q4_linear_triton(x.view(1, T, K), packed, d, m, b).view(T, N),
+                             F.linear(x, dequantize_q4(packed, d, m, K), b))
