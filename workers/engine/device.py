@@ -7,9 +7,9 @@ tested without a GPU; the rank actor calls them with the node's facts before it 
     resolve_device("auto", gpus=0, cuda_available=True)   -> "cpu"     (the pool reserves no GPU)
     resolve_device("auto", gpus=1, cuda_available=False)  -> ConfigError naming the key
     resolve_dtype("auto", "cuda", "bfloat16")             -> "bfloat16" (the checkpoint's)
-    resolve_dtype("auto", "cpu", "bfloat16", cpu_bf16=True)  -> "bfloat16" (AVX512-BF16 / AMX CPU)
+    resolve_dtype("auto", "cpu", "float32", cpu_bf16=True)   -> "bfloat16" (AVX512-BF16 / AMX CPU)
     resolve_dtype("auto", "cpu", "bfloat16")              -> "float32"  (a CPU without them)
-    resolve_dtype("auto", "cpu", "float32", cpu_bf16=True)   -> "float32"  (the checkpoint's)
+    resolve_dtype("auto", "cpu", None, cpu_bf16=True, quantization="q4") -> "float32" (int8-activation kernels)
 """
 
 from __future__ import annotations
@@ -54,22 +54,20 @@ def resolve_device(requested: str, *, gpus: float, cuda_available: bool, key: st
     return requested
 
 
-HALF_DTYPES = ("bfloat16", "float16")
-
-
 def resolve_dtype(requested: str, device: str, checkpoint_dtype: str | None, *, key: str = "dtype",
                   quantization: str = "none", cpu_bf16: bool = False) -> str:
-    """auto: float32 for quantized weights (their kernels take float32 activations); on CUDA the
-    checkpoint's torch_dtype (bfloat16 when it names none we run); on CPU bfloat16 when the
-    checkpoint records a half-precision dtype and the CPU computes bf16 natively (``cpu_bf16``:
-    AVX512-BF16 or AMX, kernels/cpu_features.py), else float32 (a float32 checkpoint keeps its
-    precision; bf16 on a CPU without those instructions runs, slower). An explicit dtype is kept."""
+    """auto: float32 for quantized weights (their kernels quantize float32 activations to int8); on
+    CUDA the checkpoint's torch_dtype (bfloat16 when it names none we run); on CPU bfloat16 when the
+    CPU computes bf16 natively (``cpu_bf16``: AVX512-BF16 or AMX, kernels/cpu_features.py), whatever
+    the checkpoint records (as vLLM-CPU does: half the bytes per weight, and oneDNN's AMX / AVX512-BF16
+    GEMM for batched steps), else float32 (bf16 without those instructions is slower than float32).
+    An explicit dtype is kept."""
     if requested == "auto":
         if quantization != "none":
             return "float32"
         if device.startswith("cuda"):
             return checkpoint_dtype if checkpoint_dtype in DTYPES else "bfloat16"
-        return "bfloat16" if cpu_bf16 and checkpoint_dtype in HALF_DTYPES else "float32"
+        return "bfloat16" if cpu_bf16 else "float32"
     if requested not in DTYPES:
         raise ConfigError(f"{key}={requested!r}: must be auto or one of {', '.join(DTYPES)}")
     return requested
