@@ -7,10 +7,11 @@ quantized per token and block of 32 exactly as for q4 (``quantize_activations_re
 
     y[t, n] = scales[n] * sum_b sx[t, b] * (xq[t, b] . q[n, b])  (+ b[n])
 
-Why blocks of 32 and not one scale per token: on SmolLM2-135M a per-token scale moved the
-perplexity from 9.90 to 10.52 and the teacher-forced top-1 agreement with fp32 to 87%, blocks of 32
-keep it at the weight-only level (9.86, 94%; benchmarks/README.md, "Batched kernels"); and a
-row-parallel shard (whole blocks) then quantizes its slice of x exactly as one rank does.
+Why blocks of 32 and not one scale per token: an outlier feature (LLM activations have a few,
+tens of times the rest) then coarsens only the 32 values of its block, not the whole row; and a
+row-parallel shard (whole blocks) quantizes its slice of x exactly as one rank does. What int8
+activations cost against fp32 (perplexity, teacher-forced agreement): benchmarks/README.md,
+"quality_vs_fp32.py".
 
 Kernel (kernels/csrc/quant_linear.cpp, shared with q4): AVX-512 VNNI repacks 16-row tiles so one
 vpdpbusd does 64 multiply-adds into 16 rows' accumulators, and the per-block float step runs on 16
