@@ -284,11 +284,10 @@ class EngineConfig:
     device: 'auto' (cuda when this process holds GPUs - a Ray rank the GPUs Ray assigned it, any
         other process the GPUs torch sees - else cpu), 'cpu' or 'cuda[:N]'; resolved once at engine
         start by workers/engine/device.py, and 'cuda' on a node without CUDA is refused there.
-    dtype: 'auto', float32, bfloat16 or float16. auto: float32 with quantization (int8-activation
-        kernels); on CUDA the checkpoint's torch_dtype; on CPU bfloat16 when the CPU has AVX512-BF16
-        or AMX (the C++ kernels and oneDNN's bf16 GEMM run it natively), else float32
-        (workers/engine/device.py, kernels/cpu_features.py). An explicit bfloat16 runs on any x86-64
-        CPU (slower without those instructions).
+    dtype: 'auto' (the checkpoint's torch_dtype on CUDA; float32 with quantization; on CPU bfloat16
+        where the CPU has AVX512-BF16 or AMX, else float32), float32, bfloat16 or float16. On such a
+        CPU the C++ kernels and oneDNN's bf16 GEMM run bf16 natively (workers/engine/device.py,
+        kernels/cpu_features.py); an explicit bfloat16 runs on any x86-64 CPU, slower without them.
     max_model_len: context limit (prompt + output); None = the model's own limit.
     quantization: weights of the decoder's linear layers: 'none' (dtype), 'int8' (per-output-channel
         scales) or 'q4' (4-bit blocks of 32, GGUF Q4_1 math; a GGUF-sourced model loads its 4-bit
