@@ -54,9 +54,11 @@ def test_llm_on_a_bf16_checkpoint_runs_float32_on_a_cpu_without_native_bf16(tiny
 def test_llm_runs_bfloat16_on_a_cpu_with_native_bf16(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch):
     # DUET_CPU_BF16=1 states the CPU fact (kernels/cpu_features.py); the bf16 kernels run on any x86-64 CPU
     from workers.llm import LLM
+    from workers.sampling_params import SamplingParams
 
     monkeypatch.setenv("DUET_CPU_BF16", "1")
     llm = LLM(str(tiny_checkpoint("qwen3", head_dim=16)), kv_cache_memory_bytes=4 << 20, block_size=8)
     assert llm.engine.config.dtype == "bfloat16"
     assert llm.engine.runner.kv_cache.dtype is torch.bfloat16
-    assert len(llm.generate(["hello"], max_tokens=4)[0].token_ids) == 4
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
