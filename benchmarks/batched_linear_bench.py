@@ -9,7 +9,8 @@ Run from the repository root::
 
 What is timed, for T rows of x (decode batches of T sequences) through one decoder layer's four
 SmolLM2-135M matrices in order (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536), seconds
-per layer, median over repeats (each repeat runs the layer back to back for >= ~20 ms):
+per layer, median over repeats (each repeat runs the layer back to back for >= ~20 ms; the sides
+take turns within each round of repeats, so a busy neighbour slows all of them alike):
 
     fp32-torch   F.linear on fp32 (MKL's GEMM / GEMV)                          -- the plain path
     fp32         kernels.linear (Duet's GEMV up to GEMV_MAX_TOKENS rows, then F.linear)
@@ -85,20 +86,30 @@ def layer_fns(T: int, ext: Any) -> dict[str, Callable[[], Any]]:
     }
 
 
-def time_fn(fn: Callable[[], Any], repeats: int, min_rep_s: float, gate: QuietGate) -> dict[str, Any]:
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    k = max(1, round(min_rep_s / max(time.perf_counter() - t0, 1e-7)))
+def time_sides(fns: dict[str, Callable[[], Any]], repeats: int, min_rep_s: float,
+               gate: QuietGate) -> dict[str, dict[str, Any]]:
+    """Each side's seconds per call: repeats rounds, each round times every side once in turn (so load
+    from other processes falls on all sides alike), each timing running the call back to back for
+    >= min_rep_s; medians over the rounds that were not contended."""
+    calls = {}
+    for side, fn in fns.items():
+        fn()  # warm-up (oneDNN builds its primitive on the first call of a shape)
+        t0 = time.perf_counter()
+        fn()
+        calls[side] = max(1, round(min_rep_s / max(time.perf_counter() - t0, 1e-7)))
+    res: dict[str, dict[str, Any]] = {side: {"calls_per_repeat": k} for side, k in calls.items()}
+    for rep in range(repeats):
+        order = list(fns) if rep % 2 == 0 else list(fns)[::-1]
+        for side in order:
+            fn, k = fns[side], calls[side]
 
-    def batch() -> None:
-        for _ in range(k):
-            fn()
+            def batch(fn: Callable[[], Any] = fn, k: int = k) -> None:
+                for _ in range(k):
+                    fn()
 
-    res: dict[str, Any] = {"calls_per_repeat": k}
-    for _ in range(repeats):
-        record(res, "seconds", gate.time(batch), scale=1 / k)
-    res["median_s"] = quiet_median(res["seconds"], res["seconds_load"])
+            record(res[side], "seconds", gate.time(batch), scale=1 / k)
+    for d in res.values():
+        d["median_s"] = quiet_median(d["seconds"], d["seconds_load"])
     return res
 
 
@@ -111,9 +122,7 @@ def run(tokens: list[int], repeats: int, min_rep_s: float, threads: int, quiet_b
     rows = []
     for T in tokens:
         fns = layer_fns(T, ext)
-        row: dict[str, Any] = {"tokens": T}
-        for side in SIDES:
-            row[side] = time_fn(fns[side], repeats, min_rep_s, gate)
+        row: dict[str, Any] = {"tokens": T, **time_sides({side: fns[side] for side in SIDES}, repeats, min_rep_s, gate)}
         base = row["fp32-torch"]["median_s"]
         row["speedup_vs_fp32_torch"] = {side: base / row[side]["median_s"] for side in SIDES}
         gemv, onednn = row["bf16-gemv"]["median_s"], row["bf16-onednn"]["median_s"]

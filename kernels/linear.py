@@ -9,8 +9,10 @@ oneDNN's bf16 one, which uses AMX-BF16 or AVX512-BF16 where the CPU has them):
   GEMV_MAX_TOKENS = 16 for fp32, chosen from a sweep of GEMV vs MKL over SmolLM2-135M's 121
   matrices (benchmarks/README.md, "Figures moved out of the code"): the GEMV wins while the product
   is bound by reading W; past a few dozen rows MKL's cache-blocked GEMM wins.
-  BF16_GEMV_MAX_TOKENS = 4 for bf16: oneDNN's bf16 GEMM (AMX here) overtakes the GEMV sooner, as a
-  bf16 step turns compute bound at fewer rows (benchmarks/README.md, "Batched kernels").
+  BF16_GEMV_MAX_TOKENS = 8 for bf16: one pass of the GEMV over W serves up to 8 rows of x; past
+  that it reads W twice while oneDNN's bf16 GEMM (AMX / AVX512-BF16) is already compute-efficient.
+  benchmarks/batched_linear_bench.py times both per batch size (benchmarks/README.md, "bf16 and
+  int8 activations"): the GEMV won at 1-8 rows, oneDNN at 32-64.
 bf16 GEMV: x, w and bias bf16, fp32 accumulation (vdpbf16ps on AVX512-BF16 CPUs, widen + FMA on
 other AVX-512 CPUs, scalar code elsewhere), y rounded to bf16 once.
 
@@ -34,7 +36,7 @@ from kernels import _build
 
 # Largest token counts sent to the GEMV kernel (see above); 8 rows of x share each pass over W.
 GEMV_MAX_TOKENS = 16
-BF16_GEMV_MAX_TOKENS = 12
+BF16_GEMV_MAX_TOKENS = 8
 
 _F32 = torch.float32
 _BF16 = torch.bfloat16
