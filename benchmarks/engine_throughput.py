@@ -52,8 +52,9 @@ Per-dtype mode (``--dtypes fp32 bf16 int8 q4``, no HF side, no bandwidth part): 
 engine alone, throughput at each ``--concurrency`` (default 1 8 32 64) as defined above, for each
 dtype in turn (bf16: ``dtype='bfloat16'``; int8 / q4: ``quantization=...`` with float32
 activations quantized to int8 in the kernels), with ``--threads`` torch threads (default 1 in this
-mode), the same prompts for every dtype; ratios vs fp32 in the same run, and each dtype's greedy
-outputs compared with fp32's (identical sequences). JSON:
+mode), the same prompts for every dtype; all dtypes' engines are loaded at once and take turns
+within each round of repeats (alternating order), so a busy neighbour slows them alike; ratios vs
+fp32 in the same run, and each dtype's greedy outputs compared with fp32's (identical sequences). JSON:
 benchmarks/results/engine_throughput_dtypes[_quick].json.
 """
 
@@ -585,25 +586,29 @@ def run_dtypes(settings: Settings, dtypes: list[str], threads: int) -> dict[str,
     res: dict[str, Any] = {"timestamp": datetime.now(timezone.utc).isoformat(), "model": MODEL, "threads": threads,
                            "settings": asdict(settings), "machine": machine_info(), "code": code_version(),
                            "loadavg_start": os.getloadavg(), "dtypes": {}}
-    outputs: dict[str, dict[int, list[list[int]]]] = {}
+    outputs: dict[str, dict[int, list[list[int]]]] = {name: {} for name in dtypes}
+    runners = {name: DuetRunner(LLM(MODEL, enable_prefix_caching=False, **DTYPE_CONFIGS[name]), tokenizer)
+               for name in dtypes}  # all loaded at once (~0.6 GB each), so the dtypes can take turns
     for name in dtypes:
-        llm = LLM(MODEL, enable_prefix_caching=False, **DTYPE_CONFIGS[name])
-        runner = DuetRunner(llm, tokenizer)
-        rows: dict[int, Any] = {}
-        outputs[name] = {}
+        res["dtypes"][name] = {"config": DTYPE_CONFIGS[name], "resolved_dtype": runners[name].llm.engine.config.dtype,
+                               "throughput": {}}
+    try:
         for c in settings.concurrencies:
-            logger.info("%s: concurrency %d, N=%d, %d thread(s)", name, c, n, threads)
-            d: dict[str, Any] = {"warmup_s": timed_generate(runner, ids[:c], 4, gate).seconds}
-            for _ in range(settings.throughput_repeats):
-                t = timed_generate(runner, ids[:c], n, gate)
-                record(d, "seconds", t)
-                outputs[name][c] = t.value
-            d["tokens_per_s"] = [c * n / sec for sec in d["seconds"]]
-            d["median_tokens_per_s"] = quiet_median(d["tokens_per_s"], d["seconds_load"])
-            rows[c] = d
-        res["dtypes"][name] = {"config": DTYPE_CONFIGS[name], "resolved_dtype": llm.engine.config.dtype,
-                               "throughput": rows}
-        del runner, llm
+            rows = {name: {"warmup_s": timed_generate(runners[name], ids[:c], 4, gate).seconds} for name in dtypes}
+            for rep in range(settings.throughput_repeats):
+                # each round times every dtype once, in alternating order, so load from other processes
+                # falls on all of them alike
+                for name in dtypes if rep % 2 == 0 else dtypes[::-1]:
+                    logger.info("%s: concurrency %d, N=%d, %d thread(s), repeat %d", name, c, n, threads, rep)
+                    t = timed_generate(runners[name], ids[:c], n, gate)
+                    record(rows[name], "seconds", t)
+                    outputs[name][c] = t.value
+            for name, d in rows.items():
+                d["tokens_per_s"] = [c * n / sec for sec in d["seconds"]]
+                d["median_tokens_per_s"] = quiet_median(d["tokens_per_s"], d["seconds_load"])
+                res["dtypes"][name]["throughput"][c] = d
+    finally:
+        del runners
         gc.collect()
     if "fp32" in outputs:
         for name in dtypes:
@@ -647,6 +652,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64],
                         help="concurrencies of the per-dtype mode (default 1 8 32 64)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the per-dtype mode (default 1)")
+    parser.add_argument("--repeats", type=int, help="timed runs per dtype and concurrency in the per-dtype mode")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("workers").setLevel(logging.WARNING)
@@ -655,6 +661,8 @@ def main(argv: list[str] | None = None) -> None:
         settings = replace(settings, quiet_budget_s=args.quiet_budget)
     if args.dtypes:
         settings = replace(settings, concurrencies=tuple(args.concurrency))
+        if args.repeats:
+            settings = replace(settings, throughput_repeats=args.repeats)
         res = run_dtypes(settings, args.dtypes, args.threads)
         print_dtypes_report(res)
         out = args.out or REPO_ROOT / "benchmarks" / "results" / (
