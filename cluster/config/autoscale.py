@@ -43,15 +43,18 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import Field
+from pydantic.json_schema import JsonDict
 
 from cluster.config.derive import Section
 from cluster.config.sources import ClusterConfigError, Sources, need, source_of
 
-ACTUATORS = ("ray", "kubernetes")
-SCALE_DOWN = ("drain", "migrate")  # = cluster.autoscale.slo.SCALE_DOWN (imported lazily there)
+Actuator = Literal["ray", "kubernetes"]
+ScaleDown = Literal["drain", "migrate"]  # = cluster.autoscale.slo.SCALE_DOWN (imported lazily there)
+ACTUATORS: tuple[str, ...] = get_args(Actuator)
+SCALE_DOWN: tuple[str, ...] = get_args(ScaleDown)
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _MS = "must be a number of milliseconds > 0, or null"
@@ -102,7 +105,7 @@ class KubernetesActuatorSection(Section):
     namespace: str = Field("", description="Its namespace; empty = this pod's own (read from the service account).")
 
 
-_SECONDS = {"hint": "must be >= 0 seconds"}
+_SECONDS: JsonDict = {"hint": "must be >= 0 seconds"}
 
 
 class AutoscalingSection(Section):
@@ -124,7 +127,7 @@ class AutoscalingSection(Section):
     down_cooldown_s: float = Field(300.0, ge=0, description="Seconds from a scale-up to the next scale-down.",
                                    json_schema_extra=_SECONDS)
     down_interval_s: float = Field(60.0, ge=0, description="Seconds between scale-downs.", json_schema_extra=_SECONDS)
-    scale_down: Literal[SCALE_DOWN] = Field("drain", description="How a replica is removed: drain (its requests "
+    scale_down: ScaleDown = Field("drain", description="How a replica is removed: drain (its requests "
                                             "finish there) or migrate (they move to the replicas that stay; needs an "
                                             "actuator that migrates).", json_schema_extra={
                                                 "hint": "must be drain (removed replicas finish their requests) or "
@@ -139,7 +142,7 @@ class AutoscalingSection(Section):
                                           "omit it when `duet serve` runs the router itself.")
     pools: tuple[AutoscalePoolSection, ...] = Field((), description="The pools to scale, each with its SLOs, "
                                                     "profile and bounds.")
-    actuator: Literal[ACTUATORS] = Field("ray", description="ray: add/drain worker actors here | kubernetes: also "
+    actuator: Actuator = Field("ray", description="ray: add/drain worker actors here | kubernetes: also "
                                          "resize the pool's KubeRay worker group (cluster/deploy/kuberay_actuator.py).")
     kubernetes: KubernetesActuatorSection = Field(default_factory=KubernetesActuatorSection,
                                                   description="Where the kubernetes actuator finds its RayCluster.")
@@ -227,7 +230,7 @@ def to_autoscaler_config(a: AutoscalingSection, roles: dict[str, str], leaders: 
     fed_by = prefill[0] if len(prefill) == 1 else None
     pools = tuple(
         PoolScaling(p.pool, "drafter", min_replicas=p.min_replicas, max_replicas=p.max_replicas,
-                    follows=leaders[p.pool][0], ratio=p.ratio, headroom=p.headroom,
+                    follows=leaders[p.pool][0], ratio=1.0 if p.ratio is None else p.ratio, headroom=p.headroom,
                     rows_per_replica=p.rows_per_replica, min_speedup=p.min_speedup,
                     verify_token_cost=p.verify_token_cost, min_verifies=p.min_verifies)
         if roles[p.pool] == "drafter" else

@@ -72,7 +72,7 @@ class SimReplica:
         self.sum_prompt = 0
         self.waiting: deque[tuple[int, float, int, float, int]] = deque()  # (request, tokens to decode, prompt,
         #                                                                      tokens per step, drafts per step)
-        self.waiting_tokens = 0
+        self.waiting_tokens = 0.0
         self.version = 0  # bumps whenever the next decode completion moves (stale events are skipped)
         self.in_flight = 0  # requests on this replica (queued, prefilling, waiting or decoding)
         self.drain_at = float("inf")  # when the current drain began (inf: not draining)

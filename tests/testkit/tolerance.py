@@ -325,7 +325,7 @@ INT8_ACTIVATIONS = Tolerance(
         "random inputs of order 1 at K = 1536. 2% keeps ~4x margin; a wrong block scale or row is off by 10% or more.")
 
 
-def estimate(want: Any, *, why: str, abs: float | None = None, rel: float | None = None) -> Any:  # noqa: A002
+def estimate(want: Any, *, why: str, abs: float | None = None, rel: float | None = None) -> Any:
     """``pytest.approx`` for a quantity that is estimated rather than computed exactly: a rate measured on a
     sampled trace, a fitted coefficient, a quantization's accuracy cost. Its tolerance is the estimate's
     spread, not float rounding, and ``why`` says where its size comes from (tests/test_tolerance_usage.py

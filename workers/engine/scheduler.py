@@ -181,11 +181,13 @@ class Scheduler:
                 scheduled[seq.request_id] += extra
                 budget -= extra
 
+        max_num_seqs = self.config.max_num_seqs
+        assert max_num_seqs is not None  # SchedulerConfig.__post_init__ sets it
         while (
             self.waiting
             and budget > 0
             and not preempted
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) < max_num_seqs
         ):
             seq = self.waiting[0]
             cached = self.block_manager.match_prefix(seq)  # also speeds up recompute after preemption
