@@ -37,7 +37,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +133,7 @@ def run(tokens: list[int], repeats: int, min_rep_s: float, threads: int, quiet_b
         rows.append(row)
     return {
         "benchmark": "batched_linear_bench",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "threads": threads,
         "shapes_nk": SHAPES,
         "thresholds": {"GEMV_MAX_TOKENS": GEMV_MAX_TOKENS, "BF16_GEMV_MAX_TOKENS": BF16_GEMV_MAX_TOKENS},

@@ -583,7 +583,7 @@ def run_dtypes(settings: Settings, dtypes: list[str], threads: int) -> dict[str,
     prompts = concurrency_prompts(tokenizer, max(settings.concurrencies))
     ids = tokenizer(prompts)["input_ids"]
     n = settings.throughput_tokens
-    res: dict[str, Any] = {"timestamp": datetime.now(timezone.utc).isoformat(), "model": MODEL, "threads": threads,
+    res: dict[str, Any] = {"timestamp": datetime.now(UTC).isoformat(), "model": MODEL, "threads": threads,
                            "settings": asdict(settings), "machine": machine_info(), "code": code_version(),
                            "loadavg_start": os.getloadavg(), "dtypes": {}}
     outputs: dict[str, dict[int, list[list[int]]]] = {name: {} for name in dtypes}

@@ -25,7 +25,7 @@ import json
 import math
 import os
 import sys
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +74,7 @@ def run(threads: int) -> dict[str, Any]:
     ext = _build.ext()
     return {
         "benchmark": "quality_vs_fp32",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "model": path.name, "sample": str(SAMPLE.relative_to(REPO_ROOT)), "positions": len(ids) - 1,
         "threads": threads,
         "kernel_paths": None if ext is None else {"isa": ext.active_isa(), "bf16_gemv_native": ext.gemv_bf16_native(),
