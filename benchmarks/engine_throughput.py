@@ -594,7 +594,7 @@ def run_dtypes(settings: Settings, dtypes: list[str], threads: int) -> dict[str,
                                "throughput": {}}
     try:
         for c in settings.concurrencies:
-            rows = {name: {"warmup_s": timed_generate(runners[name], ids[:c], 4, gate).seconds} for name in dtypes}
+            rows: dict[str, dict[str, Any]] = {name: {"warmup_s": timed_generate(runners[name], ids[:c], 4, gate).seconds} for name in dtypes}
             for rep in range(settings.throughput_repeats):
                 # each round times every dtype once, in alternating order, so load from other processes
                 # falls on all of them alike
