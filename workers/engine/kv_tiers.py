@@ -156,6 +156,7 @@ class PrefixLoad:
 
     tiers: KVTiers
     kv: list[torch.Tensor] = field(default_factory=list)  # each [L, 2, 1, bs, G, D]
+    verify_s: float = 0.0  # time spent finding and verifying them (part of the load's cost)
 
     @property
     def num_blocks(self) -> int:
@@ -166,13 +167,14 @@ class PrefixLoad:
         t0 = time.perf_counter()
         self.tiers.io.write_blocks(block_ids, torch.cat(self.kv, dim=2))
         self.tiers.loaded(len(block_ids), sum(k.numel() * k.element_size() for k in self.kv),
-                          time.perf_counter() - t0)
+                          time.perf_counter() - t0 + self.verify_s)
 
 
 class KVTiers:
     """The engine's side of the lower tiers: eviction out, admission in, parking on disk reads."""
 
     EMA = 0.2  # weight of the newest measurement in the load / prefill cost averages
+    PROBE_EVERY = 16  # while recompute is cheaper, every 16th match loads anyway (re-measures the load)
 
     def __init__(self, store: TierStore, io: BlockIO, block_size: int, load_timeout_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -187,6 +189,7 @@ class KVTiers:
         self._prefill_s_per_token: float | None = None
         self._load_seconds = 0.0
         self._host_hits = 0
+        self._skipped = 0  # matches recomputed by the rule since the last load
         self._bytes_loaded = 0
 
     # -------------------------------------------------------------- eviction
@@ -216,8 +219,13 @@ class KVTiers:
     def match(self, seq: Sequence, first_block: int, max_blocks: int) -> PrefixLoad | None:
         """Blocks first_block.. of ``seq``'s prefix that host holds (at most ``max_blocks``),
         verified; None when there are none or recompute is cheaper."""
-        if max_blocks <= 0 or self.recompute_is_cheaper():
+        if max_blocks <= 0:
             return None
+        if self.recompute_is_cheaper():
+            self._skipped += 1
+            if self._skipped % self.PROBE_EVERY:
+                return None
+        t0 = time.perf_counter()
         load = PrefixLoad(self)
         for digest in self.digests(seq, first_block + max_blocks)[first_block:]:
             if self.store.where(digest) != "host":
@@ -227,6 +235,7 @@ class KVTiers:
             if kv is None:  # refused (counted by the store): recompute from here
                 break
             load.kv.append(kv)
+        load.verify_s = time.perf_counter() - t0
         return load if load.kv else None
 
     def loaded(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
