@@ -280,7 +280,9 @@ class Engine:
     def stats(self) -> EngineStats:
         s = self.scheduler
         moe = self.runner.moe_stats()
-        return EngineStats(len(s.running), len(s.waiting) + len(self.grammars), s.num_preemptions, self.block_manager.stats(),
+        parked = self.tiers.num_parked if self.tiers is not None else 0  # waiting for disk KV reads
+        return EngineStats(len(s.running), len(s.waiting) + len(self.grammars) + parked, s.num_preemptions,
+                           self.block_manager.stats(),
                            expert_tokens=moe.expert_tokens, ep_rank_tokens=moe.ep_rank_tokens,
                            num_reserved=len(self.reserved()),
                            spec=self.speculator.stats() if self.speculator is not None else SpecStats(),
