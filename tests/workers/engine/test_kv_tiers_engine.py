@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from testkit.greedy import NEW_TOKENS, PROMPTS
+from workers.engine.loop import LoadSnapshot
 from workers.errors import ConfigError
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
@@ -56,6 +57,9 @@ def test_multi_turn_identical_with_host_tier(smollm2_path: Path, tiers_off):
     t = llm.engine.stats().tiers
     assert t.host_hits > 0 and t.stored_blocks > 0 and t.refused_corrupt == t.refused_foreign == 0
     assert t.disk_blocks == 0
+    load = LoadSnapshot.of(llm.engine)  # what GetLoad and /metrics report
+    assert (load.tier_host_hits, load.tier_host_bytes, load.tier_bytes_loaded) == (t.host_hits, t.host_bytes,
+                                                                                  t.bytes_loaded)
     llm.engine.close()
 
 
