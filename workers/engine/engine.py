@@ -355,7 +355,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         failed = self._admit_compiled() if len(self.grammars) else []
-        if self.tiers is not None and self.tiers.num_parked:
+        if self.tiers is not None:
             for seq in self.tiers.take_ready():  # their disk reads landed in host (or timed out)
                 self.scheduler.add(seq)
         spec = self.speculator

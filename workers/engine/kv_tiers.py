@@ -270,10 +270,12 @@ class KVTiers:
         return bool(waiting)
 
     def take_ready(self) -> list[Sequence]:
-        """Parked requests whose disk reads finished (or timed out: they recompute), oldest first."""
+        """Parked requests whose disk reads finished (or timed out: they recompute), oldest first.
+        Called every step: finished reads move into host also when nobody is parked (reads started
+        by ``match`` for a resuming request)."""
+        self.store.poll()
         if not self._parked:
             return []
-        self.store.poll()
         now = self._clock()
         ready, keep = [], []
         for p in self._parked:
