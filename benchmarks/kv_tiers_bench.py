@@ -16,8 +16,11 @@ at a time so TTFT is not queueing):
 Configs: off (no tiers), host (``--host-mib``, room for everything), host+disk (host of
 ``--small-host-mib``, disk ``--disk-mib`` in a temp directory).
 
+The three configs run side by side, interleaved: each request runs on every config back to back
+(rotating which goes first), so load drift on a shared machine hits them alike.
+
 Reported per (workload, config): TTFT p50 / p99 (add -> the step that returns the first token),
-throughput (prompt + output tokens of all requests / wall time), hit rate per tier (device prefix
+throughput (prompt + output tokens of all requests / the config's own busy time), hit rate per tier (device prefix
 hits, host loads, disk reads over prompt blocks), and whether every config's tokens equal tiers off.
 Ratios vs off in the same run. Writes JSON to ``--out`` (default benchmarks/results/kv_tiers_bench.json).
 The machine is shared: note ``uptime`` with the figures.
@@ -49,20 +52,24 @@ def multiturn_prompts(args) -> list[tuple[int, list[int]]]:
     return [(c, rand_tokens(1000 * t + c, args.user_tokens)) for t in range(args.turns) for c in range(args.convs)]
 
 
-def run(llm, args, workload: str) -> dict:
-    from workers.sampling_params import SamplingParams
+class Lane:
+    """One config's engine and its share of the run (its own conversations' history and timings)."""
 
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens, ignore_eos=True)
-    hist = {c: rand_tokens(7 + c, args.system_tokens) for c in range(args.convs)}
-    ttfts, outs, n_tokens, n_prompt_blocks = [], [], 0, 0
-    s0 = engine.stats()
-    start = time.perf_counter()
-    for i, (c, user) in enumerate(multiturn_prompts(args)):
+    def __init__(self, llm, args) -> None:
+        self.llm, self.engine = llm, llm.engine
+        self.hist = {c: rand_tokens(7 + c, args.system_tokens) for c in range(args.convs)}
+        self.ttfts: list[float] = []
+        self.outs: list[list[int]] = []
+        self.busy_s = 0.0
+        self.n_tokens = self.n_prompt_blocks = 0
+        self.s0 = self.engine.stats()
+
+    def request(self, i: int, c: int, user: list[int], workload: str, params) -> None:
+        engine = self.engine
         if workload == "multiturn":
-            prompt = hist[c] + user
+            prompt = self.hist[c] + user
         else:  # same length, nothing shared
-            prompt = rand_tokens(10_000_000 + i, len(hist[c]) + len(user))
+            prompt = rand_tokens(10_000_000 + i, len(self.hist[c]) + len(user))
         t0 = time.perf_counter()
         rid = engine.add_request(f"r{i}", prompt, params)
         first, got = None, []
@@ -72,26 +79,28 @@ def run(llm, args, workload: str) -> dict:
                     got += o.new_token_ids
                     if first is None and o.new_token_ids:
                         first = time.perf_counter() - t0
-        ttfts.append(first)
-        outs.append(got)
-        hist[c] = prompt + got if workload == "multiturn" else hist[c] + user + got
-        n_tokens += len(prompt) + len(got)
-        n_prompt_blocks += (len(prompt) - 1) // engine.block_manager.block_size
-    wall = time.perf_counter() - start
-    s1 = engine.stats()
-    t0s, t1s = s0.tiers, s1.tiers
-    host = (t1s.host_hits - t0s.host_hits) if t1s else 0
-    disk = (t1s.disk_hits - t0s.disk_hits) if t1s else 0
-    device = s1.blocks.prefix_cache_hits - s0.blocks.prefix_cache_hits
-    q = sorted(ttfts)
-    return {
-        "requests": len(ttfts), "ttft_p50_s": statistics.median(q), "ttft_p99_s": q[min(len(q) - 1, int(0.99 * len(q)))],
-        "throughput_tok_s": n_tokens / wall, "wall_s": wall, "prompt_blocks": n_prompt_blocks,
-        "hit_rate": {"device": device / n_prompt_blocks, "host": host / n_prompt_blocks,
-                     "disk_read_back": disk / n_prompt_blocks},
-        "tiers": None if t1s is None else {k: v for k, v in t1s.__dict__.items()},
-        "tokens": outs,
-    }
+        self.busy_s += time.perf_counter() - t0
+        self.ttfts.append(first)
+        self.outs.append(got)
+        self.hist[c] = prompt + got if workload == "multiturn" else self.hist[c] + user + got
+        self.n_tokens += len(prompt) + len(got)
+        self.n_prompt_blocks += (len(prompt) - 1) // engine.block_manager.block_size
+
+    def result(self) -> dict:
+        s1 = self.engine.stats()
+        t1s, t0s = s1.tiers, self.s0.tiers
+        host = (t1s.host_hits - t0s.host_hits) if t1s else 0
+        disk = (t1s.disk_hits - t0s.disk_hits) if t1s else 0
+        device = s1.blocks.prefix_cache_hits - self.s0.blocks.prefix_cache_hits
+        q = sorted(self.ttfts)
+        nb = self.n_prompt_blocks
+        return {
+            "requests": len(q), "ttft_p50_s": statistics.median(q), "ttft_p99_s": q[min(len(q) - 1, int(0.99 * len(q)))],
+            "throughput_tok_s": self.n_tokens / self.busy_s, "busy_s": self.busy_s, "prompt_blocks": nb,
+            "hit_rate": {"device": device / nb, "host": host / nb, "disk_read_back": disk / nb},
+            "tiers": None if t1s is None else dict(t1s.__dict__),
+            "tokens": self.outs,
+        }
 
 
 def main() -> None:
@@ -120,23 +129,33 @@ def main() -> None:
         "host+disk": dict(host_tier_bytes=args.small_host_mib << 20, disk_tier_bytes=args.disk_mib << 20,
                           tier_load_timeout_s=5.0),
     }
+    from workers.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens, ignore_eos=True)
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="duet-kv-bench-") as tmp:
         for workload in ("multiturn", "nohit"):
-            results[workload] = {}
+            lanes = {}
             for name, extra in configs.items():
                 if "disk_tier_bytes" in extra:
                     extra = {**extra, "disk_tier_dir": tmp}
                 llm = LLM(path, **device, **extra)
                 llm.engine.warm_up()
-                r = run(llm, args, workload)
-                llm.engine.close()
-                results[workload][name] = r
+                lanes[name] = Lane(llm, args)
+            # interleaved: request i runs on every config back to back (order rotating), so load
+            # drift on a shared machine hits each config alike
+            names = list(lanes)
+            for i, (c, user) in enumerate(multiturn_prompts(args)):
+                for k in range(len(names)):
+                    lanes[names[(i + k) % len(names)]].request(i, c, user, workload, params)
+            results[workload] = {name: lane.result() for name, lane in lanes.items()}
+            for lane in lanes.values():
+                lane.engine.close()
+            off = results[workload]["off"]
+            for name, r in results[workload].items():
                 print(f"{workload:9s} {name:9s} ttft p50 {r['ttft_p50_s'] * 1e3:7.1f} ms  p99 "
                       f"{r['ttft_p99_s'] * 1e3:7.1f} ms  {r['throughput_tok_s']:7.0f} tok/s  hits "
                       + " ".join(f"{k} {v:.2f}" for k, v in r["hit_rate"].items()), flush=True)
-            off = results[workload]["off"]
-            for name, r in results[workload].items():
                 r["identical_to_off"] = r["tokens"] == off["tokens"]
                 r["ttft_p50_vs_off"] = r["ttft_p50_s"] / off["ttft_p50_s"]
                 r["throughput_vs_off"] = r["throughput_tok_s"] / off["throughput_tok_s"]
