@@ -432,10 +432,12 @@ class EngineLoop:
                 engine.abort(rid)  # frees its KV blocks (a failed engine is not touched again)
             out.append((sink, reason))
         self._sinks.clear()
-        if engine is not None and error is None:
+        if engine is not None and error is None:  # (a failed engine is not touched again)
             self.snapshot = LoadSnapshot.of(engine)
-        if engine is not None:
-            engine.close()  # the lower KV tiers' thread, files and memory
+            try:
+                engine.close()  # the lower KV tiers' thread, files and memory
+            except Exception:  # noqa: BLE001 - the loop must still report done; the error is logged
+                logger.exception("closing the engine failed (its KV tier files may be left)")
         out += [_rejection(cmd, reason) for cmd in unapplied]
         out.append((self.done, error))
         self._deliver(out)
