@@ -63,7 +63,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -272,7 +272,7 @@ def streamed_matrices(model: nn.Module) -> list[torch.Tensor]:
     return [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
 
 
-def bytes_per_token(model: nn.Module) -> dict[str, Any]:
+def bytes_per_token(model: Any) -> dict[str, Any]:  # a transformers PreTrainedModel
     """Weight bytes read by one batch-1 decode step, from the model's actual parameters."""
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     head = model.get_output_embeddings()
@@ -327,7 +327,7 @@ class DuetRunner:
 class HFRunner:
     name = "hf"
 
-    def __init__(self, model: nn.Module, tokenizer: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any) -> None:  # a transformers PreTrainedModel
         self.model, self.tokenizer = model, tokenizer
 
     def prepare(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -516,7 +516,7 @@ def load_hf(path: Path) -> tuple[nn.Module, Any]:
 def run(settings: Settings) -> dict[str, Any]:
     wall0, whole_run, gate = time.perf_counter(), CpuLoadMeter(), QuietGate(settings.quiet_budget_s)
     torch.set_num_threads(THREADS)
-    res: dict[str, Any] = {"timestamp": datetime.now(timezone.utc).isoformat(), "model": MODEL,
+    res: dict[str, Any] = {"timestamp": datetime.now(UTC).isoformat(), "model": MODEL,
                            "dtype": "float32", "settings": asdict(settings), "machine": machine_info(),
                            "code": code_version()}
     logger.info("synthetic GEMV bandwidth (%d x %d fp32)", *SYNTHETIC_SHAPE)

@@ -57,8 +57,10 @@ class StackLinearWeights:
         if self.kind == "fp32":
             return linear(x, self.tensors[0], self.bias)
         if self.kind == "int8":
-            return int8_linear(x, *self.tensors, self.bias)
-        return q4_linear(x, *self.tensors, self.bias)
+            codes, scales = self.tensors
+            return int8_linear(x, codes, scales, self.bias)
+        codes, scales, mins = self.tensors
+        return q4_linear(x, codes, scales, mins, self.bias)
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,7 @@ def decoder_stack_ref(
         q, k, v = layer.qkv(x).view(T, H + 2 * G, D).split([H, G, G], dim=1)  # [T, H|G|G, D]
         rotary_and_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
         a = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, D**-0.5)
+        assert isinstance(a, torch.Tensor)  # no lse asked for
         x, r = rms_norm(layer.o(a.view(T, H * D)), layer.post_norm, eps, r)
         h = layer.down(silu_and_mul(layer.gate_up(x)))
     return rms_norm(h, final_norm, eps, r)[0]

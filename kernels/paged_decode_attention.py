@@ -85,7 +85,7 @@ def paged_decode_attention(
     else:
         _build.note_fallback("paged_decode_attention", _build.no_kernel_reason(q))
     res = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, return_lse)
-    o = res[0] if return_lse else res
+    o = res[0] if isinstance(res, tuple) else res  # a tuple exactly when return_lse
     if out is not None:
         o = out.copy_(o)
     return (o, res[1]) if return_lse else o

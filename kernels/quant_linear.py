@@ -80,7 +80,7 @@ def q4_linear(
         ext = _build.ext()
         if ext is not None:  # the binding flattens leading dims
             return ext.q4_linear(x, qweight, d, m, bias, x.shape[-1])
-        K, out_shape = x.shape[-1], (*x.shape[:-1], qweight.shape[0])
+        out_shape = (*x.shape[:-1], qweight.shape[0])
         _build.note_ref_path("q4_linear")
         return q4_linear_ref(_rows(x), qweight, d, m, bias).view(out_shape)
     if x.is_cuda and _triton.triton_available():

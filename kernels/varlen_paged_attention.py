@@ -144,7 +144,7 @@ def varlen_paged_attention(
     res = varlen_paged_attention_ref(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, block_size, scale, tree_parents, return_lse
     )
-    o = res[0] if return_lse else res
+    o = res[0] if isinstance(res, tuple) else res  # a tuple exactly when return_lse
     if out is not None:
         o = out.copy_(o)
     return (o, res[1]) if return_lse else o

@@ -77,7 +77,7 @@ class DuetError(Exception):
 
     @classmethod
     def from_rpc(cls, e: grpc.RpcError) -> DuetError:
-        return cls(e.code(), e.details() or "")  # type: ignore[attr-defined]
+        return cls(e.code(), e.details() or "")
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,7 @@ def _chat_ids(messages: Any, tok: Any) -> list[int]:
     conversation = [{"role": m.role, "content": m.content} for m in messages]
     try:
         text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-    except Exception as e:  # jinja2 raise_exception() in a template: the conversation is malformed
+    except Exception as e:  # noqa: BLE001 - jinja2 raise_exception() in a template: the conversation is malformed
         raise invalid("messages", f"the chat template rejected the conversation: {e}") from None
     # The template already wrote any BOS/special tokens as text, so add none here.
     return list(tok.encode(text, add_special_tokens=False))
@@ -243,6 +243,7 @@ def _structured(p: duet_pb2.SamplingParams, model: ServedModel) -> worker_pb2.St
             if p.ignore_eos:
                 raise InvalidRequestError("ignore_eos", "cannot be combined with structured output (EOS ends "
                                                         "the output where the grammar is complete)")
+            assert model.grammars is not None  # set in ServedModel.__post_init__
             model.grammars.compile(spec)
     except InvalidRequestError as e:
         raise invalid(f"sampling.{e.field}", str(e)[len(e.field) + 2:]) from None

@@ -208,17 +208,17 @@ class WorkerLoadCollector:
                 family.add_metric([pool, worker_id], getattr(r, field))
             yield family
         for field, name, help_ in WORKER_COUNTERS + SPEC_DECODE_COUNTERS:
-            family = CounterMetricFamily(f"duet_worker_{name}", help_, labels=labels)
+            counter = CounterMetricFamily(f"duet_worker_{name}", help_, labels=labels)
             for worker_id, pool, r in reports:
-                family.add_metric([pool, worker_id], getattr(r, field))
-            yield family
+                counter.add_metric([pool, worker_id], getattr(r, field))
+            yield counter
         for field, label in (("expert_tokens", "expert"), ("ep_rank_tokens", "rank")):
-            family = CounterMetricFamily(f"duet_worker_{field}", f"MoE: {field.replace('_', ' ')} per {label}",
-                                         labels=[*labels, label])
+            counter = CounterMetricFamily(f"duet_worker_{field}", f"MoE: {field.replace('_', ' ')} per {label}",
+                                          labels=[*labels, label])
             for worker_id, pool, r in reports:
                 for i, value in enumerate(getattr(r, field)):
-                    family.add_metric([pool, worker_id, str(i)], value)
-            yield family
+                    counter.add_metric([pool, worker_id, str(i)], value)
+            yield counter
 
     @staticmethod
     def _per_pool(reports: list[tuple[str, str, Any]]) -> Iterator[Metric]:

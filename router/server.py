@@ -42,7 +42,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -72,7 +72,7 @@ logger = logging.getLogger(__name__)
 
 DUET_SERVICE = duet_pb2.DESCRIPTOR.services_by_name["Duet"].full_name  # "duet.v1.Duet"
 ADMIN_SERVICE = control_pb2.DESCRIPTOR.services_by_name["RouterAdmin"].full_name  # "duet.control.v1.RouterAdmin"
-Members = Iterable[tuple[str, ...]]  # (worker_id, endpoint) or (worker_id, endpoint, role)
+Members = Sequence[tuple[Any, ...]]  # (worker_id, endpoint), (worker_id, endpoint, role) or router.workers.MemberInfo
 
 
 class MalformedRequest:
@@ -121,6 +121,7 @@ class DuetServicer(duet_pb2_grpc.DuetServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[duet_pb2.GenerateResponse]:
         if isinstance(request, MalformedRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
+            raise AssertionError("context.abort raises")
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
@@ -137,6 +138,7 @@ class DuetServicer(duet_pb2_grpc.DuetServicer):
                          context: grpc.aio.ServicerContext) -> duet_pb2.ListModelsResponse:
         if isinstance(request, MalformedRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
+            raise AssertionError("context.abort raises")
         model = self.pipeline.model
         return duet_pb2.ListModelsResponse(models=[
             duet_pb2.ModelInfo(name=model.name, is_default=True, max_model_len=model.max_model_len)])
@@ -248,7 +250,7 @@ class RouterServer:
         """Make the worker pool exactly ``members``; returns once newcomers have been polled."""
         await self.directory.set_members(members)
 
-    async def _apply_members(self, members: list[tuple[str, str, str]], version: int) -> None:
+    async def _apply_members(self, members: Members, version: int) -> None:
         before = {w.worker_id for w in self.directory.snapshot()}
         await self.directory.set_members(members)
         self.membership_version = version
@@ -258,7 +260,7 @@ class RouterServer:
                         ", ".join(sorted(after - before)) or "-", ", ".join(sorted(before - after)) or "-")
 
     def stats(self) -> dict[str, Any]:
-        stats = {**self.pipeline.stats(), "membership_version": self.membership_version,
+        stats: dict[str, Any] = {**self.pipeline.stats(), "membership_version": self.membership_version,
                  "load_reports": self.directory.load_reports(),
                  "drafter_reports": self.directory.drafters.load_reports()}
         if self.rebalancer is not None:  # shown among the request outcome counters

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import grpc
@@ -75,7 +75,7 @@ class Progress:
 async def stream_attempt(prep: PreparedRequest, lease: WorkerLease, prefill: WorkerLease | None,
                          progress: Progress, deadline: float | None,
                          metrics: RequestMetrics, pull: PullSource | None = None,
-                         migration_id: str = "", drafter: worker_pb2.DrafterRef | None = None) -> AsyncIterator[AttemptEvent]:
+                         migration_id: str = "", drafter: worker_pb2.DrafterRef | None = None) -> AsyncGenerator[AttemptEvent, None]:
     """Yield the client's GenerateResponses of one attempt, then exactly one AttemptOutcome (the
     last event; a FINISHED one carries the last response). ``deadline`` (time.monotonic) bounds the worker call.
     ``pull``: the prefix the worker pulls from another one (Submit.prefix_source). migration_id: this

@@ -298,6 +298,8 @@ class WorkerDirectory:
     async def _poll_once(self, m: _Member) -> None:
         sent_requests = m.state.routed_requests_since_report
         sent_tokens = m.state.routed_tokens_since_report
+        report: Any
+        status: Any
         report, status = await asyncio.gather(
             m.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=self.poll_timeout_s),
             m.health_stub.Check(health_pb2.HealthCheckRequest(service=WORKER_HEALTH_SERVICE),

@@ -28,9 +28,9 @@ def _xdist_worker_threads() -> int | None:
 if (_threads := _xdist_worker_threads()) is not None:
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
-import pytest
+import pytest  # noqa: E402 - after OMP_NUM_THREADS is set
 
-from workers.models.assets.prepare import prepare_smollm2
+from workers.models.assets.prepare import prepare_smollm2  # noqa: E402 - it imports torch
 
 
 @pytest.fixture(scope="session")
@@ -66,7 +66,7 @@ def _start_session_ray() -> None:
 
     try:
         ray.init(**SESSION_RAY)
-    except Exception as e:  # noqa: BLE001 - only the startup timeout is retried
+    except Exception as e:  # only the startup timeout is retried
         if "timed out during startup" not in str(e):
             raise
         warnings.warn(f"local Ray did not start ({e}); starting it again", stacklevel=1)

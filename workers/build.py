@@ -28,6 +28,7 @@ import logging
 from typing import Any
 
 from workers.config import EngineConfig
+from workers.errors import ConfigError
 from workers.engine.device import resolve_for_process
 from workers.engine.engine import Engine
 from workers.engine.model_runner import ModelRunner
@@ -62,6 +63,9 @@ def build_engine(config: EngineConfig, *, runner: Runner | None = None, tokenize
                                  config.quantization), pin=config.device.startswith("cuda"))
     engine = Engine(config, runner, tokenizer, speculator=speculator, tier_store=tier_store)
     if config.cuda_graphs:
+        if not isinstance(runner, ModelRunner):  # the cluster config refuses the combination first
+            raise ConfigError(f"cuda_graphs=true: {type(runner).__name__} captures no CUDA graphs (only a one-rank "
+                              "ModelRunner does); set cuda_graphs to false")
         runner.capture_graphs(engine.max_model_len)
     logger.info("engine ready: %s, %d KV blocks x %d tokens, max_model_len %d", path, runner.num_blocks,
                 runner.block_size, engine.max_model_len)

@@ -11,8 +11,7 @@ This module does not import torch (the cluster config imports it for ``duet serv
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING, ClassVar
 
@@ -122,6 +121,7 @@ class SchedulerConfig:
             raise ConfigError(
                 f"scheduler.max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1"
             )
+        assert self.max_num_seqs is not None  # set just above
         if not 1 <= self.max_num_seqs <= self.max_num_batched_tokens:
             raise ConfigError(
                 f"scheduler.max_num_seqs={self.max_num_seqs}: must be between 1 and "
@@ -392,6 +392,7 @@ class EngineConfig:
         if not (self.device in ("auto", "cpu") or self.device == "cuda" or
                 (self.device.startswith("cuda:") and self.device[5:].isdigit())):
             raise ConfigError(f"device={self.device!r}: must be 'auto', 'cpu' or 'cuda[:N]'")
+        assert self.scheduler.max_num_seqs is not None  # SchedulerConfig.__post_init__ sets it
         capture_sizes(self.cuda_graphs, self.device, self.cuda_graph_batch_sizes, self.scheduler.max_num_seqs)
         if self.kv_transfer_backend not in KV_BACKENDS:
             raise ConfigError(f"kv_transfer_backend={self.kv_transfer_backend!r}: must be one of {', '.join(KV_BACKENDS)}")
@@ -408,6 +409,7 @@ class EngineConfig:
     @property
     def graph_capture_sizes(self) -> tuple[int, ...]:
         """The CUDA-graph capture sizes (() when cuda_graphs is off)."""
+        assert self.scheduler.max_num_seqs is not None  # SchedulerConfig.__post_init__ sets it
         return capture_sizes(self.cuda_graphs, self.device, self.cuda_graph_batch_sizes, self.scheduler.max_num_seqs)
 
     @property

@@ -14,6 +14,20 @@ difference of consecutive readings:
     latency_samples        requests observed there (TPOT's count for decode pools, TTFT's otherwise)
     queue_depth, in_flight duet_requests_queued / duet_requests_running{pool}, mean of those readings
 
+Drafting (cluster/autoscale/drafter.py's ``DraftWindow``, in ``PoolMetrics.draft``), from the
+replicas' own reports the routers relay, labelled ``pool`` and ``worker_id`` / ``drafter_id``:
+
+    duet_drafter_requests{pool}                  gauge     sum over replicas, mean over the
+                                                           latency buckets -> rows
+    duet_drafter_compute_seconds_total{pool}     counter   increase / window -> busy
+    duet_worker_spec_{verifies, draft_tokens, accepted_tokens, emitted_tokens, draft_seconds,
+                      verify_seconds}_total{pool}  counters increase over the window -> verifies ...
+                                                           draft_wait_s, verify_s
+
+Every router relays the same replica's report, so these are taken per replica as the largest
+reading over sources (not the sum), then summed over the pool's replicas; a replica whose counter
+went down restarted and counts from zero. A pool with none of these samples has ``draft`` None.
+
 Several routers: counters and histograms are summed over sources (each router counts its own
 requests); the per-pool gauges come from the workers' load reports, which every router sees the
 same, so the largest reading is taken, not the sum. A source that fails is skipped for the round
@@ -38,6 +52,7 @@ from dataclasses import dataclass, field
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.autoscale.drafter import DraftWindow
 from cluster.autoscale.slo import PoolMetrics
 
 logger = logging.getLogger(__name__)
@@ -48,6 +63,15 @@ _COUNTERS = {"duet_requests_arrived_total": "arrived",
              "duet_request_output_tokens_sum": "output_sum", "duet_request_output_tokens_count": "output_count"}
 _HISTOGRAMS = {"duet_time_to_first_token_seconds_bucket": "ttft", "duet_time_per_output_token_seconds_bucket": "tpot"}
 _GAUGES = {"duet_requests_queued": "queued", "duet_requests_running": "running"}
+# Per-replica samples (max over sources, then summed over replicas): metric -> DraftWindow field.
+_REPLICA_GAUGES = {"duet_drafter_requests": "rows"}
+_REPLICA_COUNTERS = {"duet_drafter_compute_seconds_total": "busy",
+                     "duet_worker_spec_verifies_total": "verifies",
+                     "duet_worker_spec_draft_tokens_total": "draft_tokens",
+                     "duet_worker_spec_accepted_tokens_total": "accepted_tokens",
+                     "duet_worker_spec_emitted_tokens_total": "emitted_tokens",
+                     "duet_worker_spec_draft_seconds_total": "draft_wait_s",
+                     "duet_worker_spec_verify_seconds_total": "verify_s"}
 
 
 @dataclass
@@ -57,6 +81,7 @@ class PoolReading:
     counters: dict[str, float] = field(default_factory=dict)
     buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # histogram -> le -> cumulative count
     gauges: dict[str, float] = field(default_factory=dict)
+    replicas: dict[tuple[str, str], float] = field(default_factory=dict)  # (DraftWindow field, replica) -> value
 
 
 def registry_source(collect: Callable[[], Iterable[Metric]]) -> Source:
@@ -67,7 +92,7 @@ def registry_source(collect: Callable[[], Iterable[Metric]]) -> Source:
 def http_source(url: str, timeout_s: float = 5.0) -> Source:
     """A source scraping a Prometheus text endpoint, e.g. http://router:9090/metrics."""
     def scrape() -> Iterable[Metric]:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - an operator-given URL
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # an operator-given URL
             return list(text_string_to_metric_families(response.read().decode()))
     return scrape
 
@@ -92,6 +117,10 @@ def read_pools(families_per_source: Sequence[Iterable[Metric]]) -> dict[str, Poo
                 elif sample.name in _GAUGES:
                     key = _GAUGES[sample.name]
                     r.gauges[key] = max(r.gauges.get(key, 0.0), sample.value)
+                elif sample.name in _REPLICA_GAUGES or sample.name in _REPLICA_COUNTERS:
+                    replica = sample.labels.get("drafter_id") or sample.labels.get("worker_id", "")
+                    key2 = (_REPLICA_GAUGES.get(sample.name) or _REPLICA_COUNTERS[sample.name], replica)
+                    r.replicas[key2] = max(r.replicas.get(key2, 0.0), sample.value)
     return pools
 
 
@@ -167,4 +196,20 @@ class PrometheusWindows:
             ttft_p90_s=histogram_quantile(0.9, ttft), tpot_p90_s=histogram_quantile(0.9, tpot),
             latency_samples=int(n_tpot if n_tpot > 0 else n_ttft),
             queue_depth=sum(r.gauges.get("queued", 0.0) for r in recent) / len(recent),
-            in_flight=sum(r.gauges.get("running", 0.0) for r in recent) / len(recent))
+            in_flight=sum(r.gauges.get("running", 0.0) for r in recent) / len(recent),
+            draft=_draft_window(rs[0][1], rs[-1][1], recent, rs[-1][0] - rs[0][0]))
+
+
+def _draft_window(first: PoolReading, last: PoolReading, recent: Sequence[PoolReading], span_s: float) -> DraftWindow | None:
+    """The pool's DraftWindow (module docstring), or None when it reported no drafting samples."""
+    if not any(r.replicas for r in (first, last, *recent)):
+        return None
+    inc: dict[str, float] = {}
+    for (kind, replica), v in last.replicas.items():
+        if kind in _REPLICA_GAUGES.values():
+            continue
+        before = first.replicas.get((kind, replica), 0.0)
+        inc[kind] = inc.get(kind, 0.0) + (v - before if v >= before else v)  # went down: restarted, from 0
+    rows = sum(sum(v for (kind, _), v in r.replicas.items() if kind == "rows") for r in recent) / len(recent)
+    busy = inc.pop("busy", 0.0) / span_s if span_s > 0 else 0.0
+    return DraftWindow(rows=rows, busy=busy, **inc)

@@ -382,12 +382,12 @@ class Controller:
                 return
             try:
                 push(members)
-            except Exception:  # noqa: BLE001 - keep the old list marked as pushed, retry next poll
+            except Exception:  # keep the old list marked as pushed, retry next poll
                 logger.exception("controller: pushing %d members failed; retrying", len(members))
                 return
             self._pushed[index] = members
         logger.info("controller: membership -> %s", ", ".join(
-            f"{m[0]}@{m[1]}{' (draining)' if detailed and m[4] else ''}" for m in members) or "(none)")
+            f"{m[0]}@{m[1]}{' (draining)' if detailed and len(m) > 4 and m[4] else ''}" for m in members) or "(none)")
 
 
 def _dead_nodes(node_ids: set[str]) -> set[str]:

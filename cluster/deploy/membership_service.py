@@ -51,7 +51,7 @@ class MembershipServicer(control_pb2_grpc.MembershipServicer):
         self._cond = threading.Condition()
         self._version = 0
         self._message = control_pb2.MemberList()
-        self._members: Members | None = None
+        self._members: Members | MemberDetails | None = None
         self._closed = False
         self.num_watchers = 0
 
@@ -61,7 +61,7 @@ class MembershipServicer(control_pb2_grpc.MembershipServicer):
         with self._cond:
             if members == self._members:
                 return
-            self._members = list(members)
+            self._members = members.copy()
             self._version += 1
             self._message = control_pb2.MemberList(version=self._version, members=[self._member(m) for m in members])
             self._cond.notify_all()

@@ -91,7 +91,10 @@ class Deployment:
     @property
     def address(self) -> str:
         """The router's host:port; without a router, the membership service's."""
-        return self.router.address if self.router is not None else self.membership.address
+        if self.router is not None:
+            return self.router.address
+        assert self.membership is not None, "address of a deployment that is not up"
+        return self.membership.address
 
     @property
     def http_url(self) -> str | None:
@@ -110,15 +113,16 @@ class Deployment:
             return
         self._stopped = True
         steps = [("autoscaler", lambda: self.autoscaler.stop()),
-                 ("router", lambda: self.router.stop()), ("membership", lambda: self.membership.stop()),
-                 ("controller", lambda: self.controller.stop()),
-                 ("pools", lambda: [p.shutdown() for p in self.pools]), ("ray", self.ray.close)]
+                 ("router", lambda: self.router.stop()),
+                 ("membership", lambda: self.membership.stop()),  # type: ignore[union-attr]  # None: skipped below
+                 ("controller", lambda: self.controller.stop()),  # type: ignore[union-attr]  # None: skipped below
+                 ("pools", lambda: list(map(WorkerPool.shutdown, self.pools))), ("ray", self.ray.close)]
         for name, step in steps:
             if name != "ray" and not getattr(self, name):
                 continue
             try:
                 step()
-            except Exception:  # noqa: BLE001 - keep tearing down; a leftover is worse than a log line
+            except Exception:  # keep tearing down; a leftover is worse than a log line
                 logger.exception("shutdown: stopping the %s failed", name)
         logger.info("duet: stopped")
 
@@ -187,6 +191,7 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
     if not targets:
         raise ServeError("only drafter replicas came up; no worker to serve requests "
                          f"({'; '.join(str(r['worker_id']) + ': ' + str(r['state']) for r in d.controller.describe())})")
+    assert d.model_path is not None  # resolved before the pools start
     d.max_model_len = min(effective_max_model_len(d.model_path, config.model.max_model_len, endpoint)
                           for endpoint in targets)  # a prompt must fit every pool's KV
     d.membership = serve_membership(d.controller, config.controller.host, config.controller.port)

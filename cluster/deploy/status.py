@@ -60,7 +60,7 @@ def router_status(target: str, timeout: float = 5.0, *, tls: Any = None, token: 
                                                                               timeout=timeout, metadata=md)
             out["stats"] = stats_from_proto(stats)
         except grpc.RpcError as e:
-            out["error"] = f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+            out["error"] = f"{e.code().name}: {e.details()}"
     return out
 
 
@@ -77,7 +77,7 @@ def worker_status(namespace: str, timeout: float = 5.0) -> list[dict[str, Any]]:
             continue
         entry: dict[str, Any] = {"pool": m.group("pool"), "worker_id": name}
         try:
-            info = ray.get(ray.get_actor(name, namespace=namespace).info.remote(), timeout=timeout)
+            info: Any = ray.get(ray.get_actor(name, namespace=namespace).info.remote(), timeout=timeout)
         except Exception as e:  # noqa: BLE001 - dead, restarting or slow: report, don't hide
             entry["error"] = f"actor: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
             workers.append(entry)
@@ -111,7 +111,7 @@ def _worker_load(endpoint: str, timeout: float) -> dict[str, Any]:
                 health_pb2.HealthCheckRequest(service="duet.worker.v1.Worker"), timeout=timeout)
             r = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout)
         except grpc.RpcError as e:
-            return {"error": f"gRPC: {e.code().name}: {e.details()}"}  # type: ignore[attr-defined]
+            return {"error": f"gRPC: {e.code().name}: {e.details()}"}
     return {"health": health_pb2.HealthCheckResponse.ServingStatus.Name(h.status),
             "load": {"num_running": r.num_running, "num_waiting": r.num_waiting,
                      "outstanding_tokens": r.outstanding_tokens, "kv_blocks_used": r.kv_blocks_used,
@@ -144,7 +144,7 @@ def _drafter_load(endpoint: str, timeout: float) -> dict[str, Any]:
         try:
             r = drafter_pb2_grpc.DrafterStub(channel).GetLoad(drafter_pb2.GetDrafterLoadRequest(), timeout=timeout)
         except grpc.RpcError as e:
-            return {"error": f"gRPC: {e.code().name}: {e.details()}"}  # type: ignore[attr-defined]
+            return {"error": f"gRPC: {e.code().name}: {e.details()}"}
     return {"health": "SERVING", "load": {f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}}
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from cluster.autoscale.profile import ServiceModel
 from cluster.sim.replica import SimReplica
+from cluster.sim.spec import DraftCost, SpecCounters, SpecModel
 from router.policies import RoutingPolicy
 
 
@@ -47,10 +48,11 @@ class MigrationModel:
 
 @dataclass(frozen=True)
 class SimPool:
-    """One simulated pool. role: colocated | prefill | decode. migration: how a removed replica's
-    running requests move (None: it drains, waiting for them to finish). rebalance: every tick,
-    replicas far above the pool's mean load move sequences to the ones below it (the router's
-    rebalancer; cluster/sim/migration.py)."""
+    """One simulated pool. role: colocated | prefill | decode | drafter. migration: how a removed
+    replica's running requests move (None: it drains, waiting for them to finish). rebalance: every
+    tick, replicas far above the pool's mean load move sequences to the ones below it (the router's
+    rebalancer; cluster/sim/migration.py). spec: a decoding pool's speculation (cluster/sim/spec.py);
+    draft: a drafter pool's round cost (its ``service`` is unused)."""
 
     name: str
     role: str
@@ -61,10 +63,17 @@ class SimPool:
     policy_options: dict[str, Any] = field(default_factory=dict, hash=False)
     migration: MigrationModel | None = None
     rebalance: bool = False
+    spec: SpecModel | None = None
+    draft: DraftCost | None = None
 
     def __post_init__(self) -> None:
         if self.rebalance and self.migration is None:
             raise ValueError(f"pool {self.name!r}: rebalance moves running requests, so it needs a migration model")
+        if (self.role == "drafter") != (self.draft is not None):
+            raise ValueError(f"pool {self.name!r}: a drafter pool needs a draft cost, and only a drafter pool has one")
+        if self.spec is not None and (self.role not in ("colocated", "decode") or self.migration is not None):
+            raise ValueError(f"pool {self.name!r}: speculation is simulated on colocated and decode pools without "
+                             "migration (a migrating speculative request is not modelled)")
 
 
 @dataclass
@@ -78,6 +87,9 @@ class Bucket:
     tpot: list[float] = field(default_factory=list)
     queued: float = 0.0
     running: float = 0.0
+    rows: float = 0.0  # drafter pools: requests drafting on its replicas at the tick
+    unserved: float = 0.0  # drafter pools: requests decoding without drafts, no replica had room
+    spec: SpecCounters | None = None  # speculating pools: the counters over the tick
 
 
 class PoolState:
@@ -97,6 +109,8 @@ class PoolState:
         self.replica_seconds = 0.0
         self.bucket = Bucket()
         self.history: deque[Bucket] = deque()
+        self.spec_counters = SpecCounters()  # since the last tick (speculating pools)
+        self.spec_total = SpecCounters()
 
     def count_alive(self, now: float, delta: int) -> None:
         self.replica_seconds += self.alive * (now - self.alive_since)

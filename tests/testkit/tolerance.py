@@ -242,7 +242,7 @@ def bf16_ulps(n: int) -> Tolerance:
     return Tolerance(f"{n} bf16 ulp", why=bf16_ulps.__doc__ or "", atol=n * BF16_ULP, rtol=n * BF16_ULP)
 
 
-def estimate(want: Any, *, why: str, abs: float | None = None, rel: float | None = None) -> Any:  # noqa: A002
+def estimate(want: Any, *, why: str, abs: float | None = None, rel: float | None = None) -> Any:
     """``pytest.approx`` for a quantity that is estimated rather than computed exactly: a rate measured on a
     sampled trace, a fitted coefficient, a quantization's accuracy cost. Its tolerance is the estimate's
     spread, not float rounding, and ``why`` says where its size comes from (tests/test_tolerance_usage.py

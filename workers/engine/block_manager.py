@@ -74,7 +74,7 @@ class BlockManager:
         self._cached: dict[BlockKey, int] = {}  # key -> block id
         self._tables: dict[str, list[int]] = {}  # request id -> block table
         self._num_hashed: dict[str, int] = {}  # request id -> leading blocks already keyed
-        self._last_key: dict[str, BlockKey] = {}  # request id -> key of its last keyed block
+        self._last_key: dict[str, BlockKey | None] = {}  # request id -> key of its last keyed block
         self._num_dropped: dict[str, int] = {}  # request id -> leading entries released (sliding window)
         self._queries = 0
         self._hits = 0
@@ -139,7 +139,7 @@ class BlockManager:
             parent = key
         return blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | tuple[int, ...] = ()) -> bool:
         """Make ``seq``'s table cover ``num_computed_tokens + num_new_tokens`` tokens.
 
         ``cached_blocks`` (from :meth:`match_prefix`, only on first admission) are taken first.

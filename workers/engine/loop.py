@@ -20,7 +20,6 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -234,6 +233,7 @@ class EngineLoop:
         limits = await self._ready
         if limits is None:  # the engine failed to load: the thread has exited; re-raise its error
             await self.wait_closed()
+            assert self._start_error is not None  # set before _ready resolves to None
             raise self._start_error
         return limits
 
@@ -350,7 +350,7 @@ class EngineLoop:
                 self.snapshot = LoadSnapshot.of(engine)
                 self._deliver(out)
                 out = []
-        except BaseException as e:  # noqa: BLE001 - a failed engine fails every request, loudly
+        except BaseException as e:  # a failed engine fails every request, loudly
             logger.exception("engine loop failed; the worker stops serving")
             self._deliver(out)  # answers made before the failure still count
             self._close(engine, e, commands)

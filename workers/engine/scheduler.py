@@ -203,11 +203,13 @@ class Scheduler:
                 scheduled[seq.request_id] += extra
                 budget -= extra
 
+        max_num_seqs = self.config.max_num_seqs
+        assert max_num_seqs is not None  # SchedulerConfig.__post_init__ sets it
         while (
             self.waiting
             and budget > 0
             and not preempted
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) < max_num_seqs
         ):
             seq = self.waiting[0]
             bm = self.block_manager

@@ -40,7 +40,7 @@ def _linear(m: nn.Module) -> StackLinearWeights | None:
     return None
 
 
-def fused_stack(model: nn.Module, layer_types: tuple[type, type, type]) -> Any | None:
+def fused_stack(model: Any, layer_types: tuple[type[Any], type[Any], type[Any]]) -> Any | None:
     """The C++ decoder stack for ``model`` (a LlamaForCausalLM), or None when it is not eligible.
 
     layer_types: the exact (decoder layer, MLP, attention) classes the stack reproduces, passed by
@@ -61,8 +61,9 @@ def fused_stack(model: nn.Module, layer_types: tuple[type, type, type]) -> Any |
         if hasattr(attn, "q_norm") or attn.attn.window is not None or attn.attn.softcap is not None \
                 or attn.attn.scale != attn.d**-0.5 or not isinstance(mlp.act, SiluAndMul):
             return None  # variants the C++ stack does not build
-        lins = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(x is None for x in lins):
+        found = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        lins = [x for x in found if x is not None]
+        if len(lins) < len(found):
             return None
         layers.append(StackLayerWeights(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *lins))
     a0 = inner.layers[0].self_attn

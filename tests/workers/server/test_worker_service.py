@@ -23,7 +23,8 @@ from workers.engine.speculator import SpecStats
 from workers.config import CacheConfig, EngineConfig
 from workers.errors import ModelNotFoundError
 from workers.sampling_params import SamplingParams
-from workers.server.service import SERVICE_NAME, EngineLoop, LoadSnapshot, WorkerUnavailableError, start_worker_server
+from workers.engine.loop import LoadSnapshot
+from workers.server.service import SERVICE_NAME, EngineLoop, WorkerUnavailableError, start_worker_server
 
 T = TypeVar("T")
 PROMPTS = [
