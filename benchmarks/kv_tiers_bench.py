@@ -80,6 +80,7 @@ class Lane:
                     if first is None and o.new_token_ids:
                         first = time.perf_counter() - t0
         self.busy_s += time.perf_counter() - t0
+        assert first is not None, f"request r{i} produced no token"
         self.ttfts.append(first)
         self.outs.append(got)
         self.hist[c] = prompt + got if workload == "multiturn" else self.hist[c] + user + got

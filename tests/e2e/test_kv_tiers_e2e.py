@@ -42,10 +42,10 @@ def reference(smollm2_path):
     from workers.llm import LLM
     from workers.sampling_params import SamplingParams
 
-    llm = LLM(str(smollm2_path), kv_cache_memory_bytes=KV_BYTES)
+    engines = [LLM(str(smollm2_path), kv_cache_memory_bytes=KV_BYTES)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outs = run(lambda ids: list(llm.generate([ids], params)[0].token_ids))
-    del llm
+    outs = run(lambda ids: list(engines[0].generate([ids], params)[0].token_ids))
+    engines.clear()  # free the engine before the deployment starts its worker
     gc.collect()
     return outs
 

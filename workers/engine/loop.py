@@ -20,6 +20,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -105,7 +106,7 @@ class LoadSnapshot:
             outstanding += max(p + m - 1 - seq.num_computed_tokens, 0)
         b = stats.blocks
         t = stats.tiers
-        tiers = {} if t is None else dict(
+        tiers: dict[str, Any] = {} if t is None else dict(
             tier_host_bytes=t.host_bytes, tier_disk_bytes=t.disk_bytes, tier_host_hits=t.host_hits,
             tier_disk_hits=t.disk_hits, tier_bytes_to_host=t.bytes_to_host, tier_bytes_to_disk=t.bytes_to_disk,
             tier_bytes_loaded=t.bytes_loaded, tier_host_evictions=t.host_evictions,
@@ -436,7 +437,7 @@ class EngineLoop:
             self.snapshot = LoadSnapshot.of(engine)
             try:
                 engine.close()  # the lower KV tiers' thread, files and memory
-            except Exception:  # noqa: BLE001 - the loop must still report done; the error is logged
+            except Exception:  # the loop must still report done; the error is logged
                 logger.exception("closing the engine failed (its KV tier files may be left)")
         out += [_rejection(cmd, reason) for cmd in unapplied]
         out.append((self.done, error))
