@@ -266,7 +266,7 @@ class SpeculativeConfig:
         else:
             device = self.drafter_device
         if device == "cpu" or self.draft_quantization != "none":
-            return device, "float32"  # CPU kernels and quantized layers run float32 activations
+            return device, "float32"  # a CPU drafter keeps float32; quantized layers run float32 activations
         return device, target_dtype
 
 
@@ -317,8 +317,10 @@ class EngineConfig:
     device: 'auto' (cuda when this process holds GPUs - a Ray rank the GPUs Ray assigned it, any
         other process the GPUs torch sees - else cpu), 'cpu' or 'cuda[:N]'; resolved once at engine
         start by workers/engine/device.py, and 'cuda' on a node without CUDA is refused there.
-    dtype: 'auto' (the checkpoint's torch_dtype on CUDA, float32 on CPU or with quantization),
-        float32, bfloat16 or float16.
+    dtype: 'auto' (the checkpoint's torch_dtype on CUDA; float32 with quantization; on CPU bfloat16
+        where the CPU has AVX512-BF16 or AMX, else float32), float32, bfloat16 or float16. On such a
+        CPU the C++ kernels and oneDNN's bf16 GEMM run bf16 natively (workers/engine/device.py,
+        kernels/cpu_features.py); an explicit bfloat16 runs on any x86-64 CPU, slower without them.
     max_model_len: context limit (prompt + output); None = the model's own limit.
     quantization: weights of the decoder's linear layers: 'none' (dtype), 'int8' (per-output-channel
         scales) or 'q4' (4-bit blocks of 32, GGUF Q4_1 math; a GGUF-sourced model loads its 4-bit
