@@ -101,7 +101,9 @@ _POOL = {"replicas": "replicas", "epSize": "ep_size", "spSize": "sp_size", "tpSi
          **{f"engine.{k}": f"engine.{v}" for k, v in (
              ("blockSize", "block_size"), ("kvCacheMemory", "kv_cache_memory_bytes"),
              ("maxNumBatchedTokens", "max_num_batched_tokens"), ("maxNumSeqs", "max_num_seqs"),
-             ("enablePrefixCaching", "enable_prefix_caching"), ("device", "device"), ("cudaGraphs", "cuda_graphs"))},
+             ("enablePrefixCaching", "enable_prefix_caching"), ("device", "device"), ("cudaGraphs", "cuda_graphs"),
+             ("hostTierMemory", "host_tier_bytes"), ("diskTierSize", "disk_tier_bytes"),
+             ("tierLoadTimeoutSeconds", "tier_load_timeout_s"))},
          **{f"speculative.{k}": f"speculative.{v}" for k, v in (
              ("method", "method"), ("numSpeculativeTokens", "num_speculative_tokens"), ("adaptive", "adaptive"),
              ("ngramMin", "ngram_min"), ("ngramMax", "ngram_max"), ("draftModel", "draft_model"),

@@ -127,7 +127,11 @@ def _worker_load(endpoint: str, timeout: float) -> dict[str, Any]:
                      "prefix_pull_failures": r.prefix_pull_failures, "prefix_pulls_served": r.prefix_pulls_served,
                      "migrations_out": r.migrations_out, "migrations_in": r.migrations_in,
                      "migration_failures": r.migration_failures, "migration_kv_bytes": r.migration_kv_bytes,
-                     "draining": r.draining}}
+                     "draining": r.draining,
+                     **{f: getattr(r, f) for f in ("tier_host_bytes", "tier_disk_bytes", "tier_host_hits",
+                                                   "tier_disk_hits", "tier_host_evictions", "tier_disk_evictions",
+                                                   "tier_refused_corrupt", "tier_refused_foreign",
+                                                   "tier_deadline_misses")}}}
 
 
 def _drafter_load(endpoint: str, timeout: float) -> dict[str, Any]:
@@ -209,6 +213,12 @@ def format_status(status: dict[str, Any]) -> str:
                 length = ld["spec_emitted_tokens"] / max(ld["spec_verifies"], 1)
                 lines.append(f"  {'':<12} speculative {ld['spec_method']}: acceptance {rate:.0%}, {length:.2f} tokens "
                              f"per verify, {ld['spec_fallbacks']} fallbacks")
+            if ld.get("tier_host_bytes") or ld.get("tier_host_hits") or ld.get("tier_disk_hits"):
+                lines.append(f"  {'':<12} KV tiers: host {ld['tier_host_bytes'] / 1e6:.1f} MB ({ld['tier_host_hits']} "
+                             f"hits, {ld['tier_host_evictions']} evicted), disk {ld['tier_disk_bytes'] / 1e6:.1f} MB "
+                             f"({ld['tier_disk_hits']} hits, {ld['tier_disk_evictions']} evicted), refused "
+                             f"{ld['tier_refused_corrupt']} corrupt / {ld['tier_refused_foreign']} foreign, "
+                             f"{ld['tier_deadline_misses']} deadline misses")
             if ld.get("kv_transfers_sent") or ld.get("kv_transfers_received") or ld.get("kv_transfer_failures"):
                 lines.append(f"  {'':<12} KV transfers: sent {ld['kv_transfers_sent']} ({ld['kv_bytes_sent'] / 1e6:.1f} "
                              f"MB), received {ld['kv_transfers_received']} ({ld['kv_bytes_received'] / 1e6:.1f} MB), "

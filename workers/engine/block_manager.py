@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from workers.block_hash import ROOT, chain_hash
@@ -68,7 +69,10 @@ class BlockStats:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: BlockEventLog | None = None) -> None:
+                 events: BlockEventLog | None = None,
+                 on_evict: Callable[[BlockKey, int], None] | None = None) -> None:
+        """on_evict(key, block_id): called before a prefix-cached block is evicted for reuse, while
+        its KV is still intact (the lower KV tiers copy it out: workers/engine/kv_tiers.py)."""
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -85,6 +89,7 @@ class BlockManager:
         self._num_dropped: dict[str, int] = {}  # request id -> leading entries released (sliding window)
         self._queries = 0
         self._hits = 0
+        self._on_evict = on_evict
 
     # ---------------------------------------------------------------- queries
     @property
@@ -182,6 +187,8 @@ class BlockManager:
         assert block.ref_count == 0
         if block.key is not None:  # evict: its content is about to be overwritten
             if self._cached.get(block.key) == block_id:
+                if self._on_evict is not None:
+                    self._on_evict(block.key, block_id)
                 del self._cached[block.key]
                 self.events.removed((block.hash,))
             block.key = None

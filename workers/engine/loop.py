@@ -20,6 +20,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -81,6 +82,20 @@ class LoadSnapshot:
     spec_draft_seconds: float = 0.0
     spec_verify_seconds: float = 0.0
     spec_fallbacks: int = 0
+    # lower KV tiers (workers/engine/kv_tiers.py TierStats; 0 when off)
+    tier_host_bytes: int = 0
+    tier_disk_bytes: int = 0
+    tier_host_hits: int = 0
+    tier_disk_hits: int = 0
+    tier_bytes_to_host: int = 0
+    tier_bytes_to_disk: int = 0
+    tier_bytes_loaded: int = 0
+    tier_host_evictions: int = 0
+    tier_disk_evictions: int = 0
+    tier_refused_corrupt: int = 0
+    tier_refused_foreign: int = 0
+    tier_deadline_misses: int = 0
+    tier_load_seconds: float = 0.0
 
     @classmethod
     def of(cls, engine: Engine) -> LoadSnapshot:
@@ -94,12 +109,20 @@ class LoadSnapshot:
             m = min(seq.sampling_params.max_tokens, engine.max_model_len - p)
             outstanding += max(p + m - 1 - seq.num_computed_tokens, 0)
         b = stats.blocks
+        t = stats.tiers
+        tiers: dict[str, Any] = {} if t is None else dict(
+            tier_host_bytes=t.host_bytes, tier_disk_bytes=t.disk_bytes, tier_host_hits=t.host_hits,
+            tier_disk_hits=t.disk_hits, tier_bytes_to_host=t.bytes_to_host, tier_bytes_to_disk=t.bytes_to_disk,
+            tier_bytes_loaded=t.bytes_loaded, tier_host_evictions=t.host_evictions,
+            tier_disk_evictions=t.disk_evictions, tier_refused_corrupt=t.refused_corrupt,
+            tier_refused_foreign=t.refused_foreign, tier_deadline_misses=t.deadline_misses,
+            tier_load_seconds=t.load_seconds)
         return cls(stats.num_running, stats.num_waiting, outstanding, engine.block_manager.block_size,
                    b.num_blocks, b.num_blocks - b.num_free_blocks, b.num_cached_blocks,
                    b.prefix_cache_queries, b.prefix_cache_hits, stats.num_preemptions, stats.expert_tokens,
                    stats.ep_rank_tokens, stats.num_reserved, sp.method, sp.num_verifies, sp.num_draft_tokens,
                    sp.num_accepted_tokens, sp.num_emitted_tokens, sp.draft_seconds, sp.verify_seconds,
-                   sp.num_fallbacks)
+                   sp.num_fallbacks, **tiers)
 
 
 Item = RequestOutput | Exception  # what a request's sink receives: outputs, or one error
@@ -415,8 +438,12 @@ class EngineLoop:
                 engine.abort(rid)  # frees its KV blocks (a failed engine is not touched again)
             out.append((sink, reason))
         self._sinks.clear()
-        if engine is not None and error is None:
+        if engine is not None and error is None:  # (a failed engine is not touched again)
             self.snapshot = LoadSnapshot.of(engine)
+            try:
+                engine.close()  # the lower KV tiers' thread, files and memory
+            except Exception:  # the loop must still report done; the error is logged
+                logger.exception("closing the engine failed (its KV tier files may be left)")
         out += [_rejection(cmd, reason) for cmd in unapplied]
         out.append((self.done, error))
         self._deliver(out)

@@ -306,7 +306,7 @@ class ExplodingEngine:
     def stats(self):
         return SimpleNamespace(num_running=0, num_waiting=len(self.pending), num_preemptions=0,
                                blocks=BlockStats(4, 4, 0, 0, 0), expert_tokens=(), ep_rank_tokens=(),
-                               num_reserved=0, spec=SpecStats())
+                               num_reserved=0, spec=SpecStats(), tiers=None)
 
     def kv_layout(self) -> None:
         return None  # no KV transfer

@@ -230,7 +230,10 @@ grpc: {port: {{ $v.router.port }}}
 {{- $engine := dict "block_size" (int .engine.blockSize) "kv_cache_memory_bytes" (toString .engine.kvCacheMemory)
       "max_num_batched_tokens" (int .engine.maxNumBatchedTokens) "max_num_seqs" (int .engine.maxNumSeqs)
       "enable_prefix_caching" .engine.enablePrefixCaching "device" (.engine.device | default "auto")
-      "cuda_graphs" (.engine.cudaGraphs | default false) }}
+      "cuda_graphs" (.engine.cudaGraphs | default false)
+      "host_tier_bytes" (toString (.engine.hostTierMemory | default "0"))
+      "disk_tier_bytes" (toString (.engine.diskTierSize | default "0"))
+      "tier_load_timeout_s" (float64 (.engine.tierLoadTimeoutSeconds | default 0.5)) }}
 {{- $sp := .speculative }}
 {{- $speculative := dict "method" $sp.method "num_speculative_tokens" (int $sp.numSpeculativeTokens)
       "adaptive" $sp.adaptive "ngram_min" (int $sp.ngramMin) "ngram_max" (int $sp.ngramMax)
