@@ -70,6 +70,8 @@ class FanOut:
         n = request.n or 1
         if n > self.max_n:
             raise invalid("n", f"must be in 1..{self.max_n} (0 = 1), got {n}")
+        if n > 1 and request.HasField("resume"):
+            raise invalid("resume", "a request with n > 1 cannot be resumed; resend it whole")
         if n == 1:
             async for response in self.pipeline.generate(request, deadline=deadline):
                 yield response

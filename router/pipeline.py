@@ -124,6 +124,11 @@ class Pipeline:
         """The attempt loop: route, stream one attempt, decide from its outcome; repeat."""
         progress = Progress(IncrementalDetokenizer(self.model.tokenizer, prep.prompt_token_ids, stop=prep.stop),
                             RequestClock(received))
+        if prep.resume_token_ids:
+            self.counts["client_resumes"] += 1
+            progress.resume_from(prep.resume_token_ids, prep.resume_text_chars)
+            logger.info("request %s: resumed by its client after %d tokens (%d characters received)",
+                        prep.request_id, len(prep.resume_token_ids), prep.resume_text_chars)
         budget = AttemptBudget.from_config(self.config)
         while True:
             streamed = len(progress.token_ids)

@@ -2,8 +2,8 @@
 
 Layers, lowest first (each imports only those before it; tests/test_package_graph.py checks it):
 
-    errors.py, config.py, sampling_params.py, detokenizer.py   shared types (the router imports the
-                    torch-free ones: errors, detokenizer, structured spec/convert/grammar)
+    errors.py, config.py, sampling_params.py, detokenizer.py, block_hash.py   shared types (the router
+                    imports the torch-free ones: errors, block_hash, detokenizer, structured spec/convert/grammar)
     structured/     structured outputs: request spec, grammar compile, per-request matchers
     parallel/       process groups and collectives (TP / EP / SP), shared-memory transport
     layers/         model layers: linear (parallel, quantized), attention, MoE, rotary, norms

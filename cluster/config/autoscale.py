@@ -138,8 +138,10 @@ class AutoscalingSection(Section):
                                json_schema_extra=_SECONDS)
     drain_grace_s: float = Field(300.0, ge=0, description="How long a removed replica's in-flight requests may take "
                                  "to finish (the rest resume elsewhere).", json_schema_extra=_SECONDS)
-    metrics_urls: tuple[str, ...] = Field((), description="The routers' /metrics (`duet router --metrics-port`); "
-                                          "omit it when `duet serve` runs the router itself.")
+    metrics_urls: tuple[str, ...] = Field((), description="The routers' /metrics (`duet router --metrics-port`), "
+                                          "each http(s)://host:port/metrics, or dns+http(s)://name:port/metrics to "
+                                          "read every address name resolves to each round (a headless Service of "
+                                          "N router replicas); omit it when `duet serve` runs the routers itself.")
     pools: tuple[AutoscalePoolSection, ...] = Field((), description="The pools to scale, each with its SLOs, "
                                                     "profile and bounds.")
     actuator: Actuator = Field("ray", description="ray: add/drain worker actors here | kubernetes: also "
@@ -164,8 +166,9 @@ def check_autoscaling(a: AutoscalingSection, key: str, s: Sources) -> None:
     need(a.latency_buckets <= a.window_buckets, f"{key}.latency_buckets", a.latency_buckets, s,
          f"must be between 1 and window_buckets ({a.window_buckets})")
     for i, url in enumerate(a.metrics_urls):
-        need(url.startswith(("http://", "https://")), f"{key}.metrics_urls[{i}]", url, s,
-             "must be a router's metrics URL, e.g. http://router:9090/metrics")
+        need(url.startswith(("http://", "https://", "dns+http://", "dns+https://")), f"{key}.metrics_urls[{i}]", url, s,
+             "must be a router's metrics URL, e.g. http://router:9090/metrics, or dns+http://router-headless:9090/metrics "
+             "for every router a name resolves to")
     _check_actuator(a, key, s)
     names = [p.pool for p in a.pools]
     need(len(set(names)) == len(names), f"{key}.pools", names, s, "each pool may be listed once")

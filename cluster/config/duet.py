@@ -192,6 +192,10 @@ class PoolSection(_Pool):
 @derived_section([
     ("host", Part(RouterConfig, "host", "Bind address of both servers; 0.0.0.0 accepts other machines.")),
     ("port", Part(RouterConfig, "port", "gRPC port; 0 = any free port (logged).")),
+    ("replicas", (int, Field(1, ge=1, le=16, description="Routers `duet serve` runs in its process, active-active on "
+                  "consecutive ports from port and http_port (each follows the controller's member list and the "
+                  "workers' reported prefix holdings; clients may use any). `duet router` and the chart's router "
+                  "Deployment run one each.", json_schema_extra={"hint": "must be in 1..16"}))),
     ("http_port", Part(RouterConfig, "http_port", "OpenAI-compatible HTTP API port (/v1/chat/completions, "
                        "/v1/completions, /v1/models, /health, /metrics), same TLS and tokens; 0 = off.")),
     ("policy", Part(RouterConfig, "policy")),
@@ -366,6 +370,7 @@ SWITCHES: dict[str, Switch] = {
     "pools[*].comm": Switch("DUET_COMM"),
     "router.host": Switch("DUET_HOST", "--host"),
     "router.port": Switch("DUET_PORT", "--port"),
+    "router.replicas": Switch("DUET_ROUTERS", "--routers"),
     "router.http_port": Switch("DUET_HTTP_PORT", "--http-port"),
     "router.policy": Switch("DUET_POLICY", "--policy"),
     "router.tls_cert_file": Switch("DUET_TLS_CERT_FILE", "--tls-cert"),

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from workers.engine.block_events import BlockEventLog
 from workers.engine.engine import Engine
 from workers.engine.kv_handoff import KVCapacityError
 from workers.engine.runner import kv_fingerprint
@@ -51,6 +52,9 @@ class EngineLimits:
     device: str = "cpu"
     model_fingerprint: str = ""  # workers.engine.migration.model_fingerprint: migration peers must agree
     kv_fingerprint: int = 0  # workers/engine/runner.py kv_fingerprint: what KV transfers carry and check
+    # What the prefix cache stores and drops (thread-safe; GetLoad reads it for routers), None
+    # without prefix caching.
+    block_events: BlockEventLog | None = None
 
 
 @dataclass(frozen=True)
@@ -321,7 +325,8 @@ class EngineLoop:
             limits = EngineLimits(
                 engine.max_model_len, engine.spec.vocab_size, layout, engine.config.device,
                 migration_fingerprint(engine) if layout is not None else "",
-                kv_fingerprint(engine.spec, layout.dtype, engine.config.quantization) if layout is not None else 0)
+                kv_fingerprint(engine.spec, layout.dtype, engine.config.quantization) if layout is not None else 0,
+                engine.block_manager.events if engine.block_manager.enable_prefix_caching else None)
         except BaseException as e:  # noqa: BLE001 - handed to start()
             self._start_error = e
             self._deliver([(self._ready, None)])

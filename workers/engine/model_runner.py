@@ -36,6 +36,7 @@ from workers.engine.device import resolve_for_process
 from workers.errors import ConfigError
 from workers.layers.attention_metadata import AttentionMetadata, PrefillSpan
 from workers.layers.ring_attention import RingChunk, zigzag_pieces
+from workers.sample.draw import skip_draws
 from workers.sample.logprobs import TokenLogprob
 from workers.sample.penalties import RowContext
 from workers.sample.sampler import Sampler
@@ -184,7 +185,9 @@ class ModelRunner:
         start = num_prompt if output_start is None else output_start
         self._requests[request_id] = _RequestState(params, token_ids, start, num_prompt, matcher)
         if params.seed is not None:
-            self._generators[request_id] = torch.Generator(device="cpu").manual_seed(params.seed)
+            gen = self._generators[request_id] = torch.Generator(device="cpu").manual_seed(params.seed)
+            if num_prompt > start:  # resumed: its earlier run drew one uniform per token it sampled
+                skip_draws(gen, num_prompt - start)
 
     def remove_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

@@ -273,7 +273,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             transfers.update(self.prefix_pull.load_fields())
         migrations = self.migrator.load_fields() if self.migrator is not None else {}
         fields: dict[str, Any] = {**dataclasses.asdict(self._engine.snapshot), **transfers, **migrations}
-        return worker_pb2.LoadReport(worker_id=self.worker_id, incarnation=self.incarnation, **fields)
+        report = worker_pb2.LoadReport(worker_id=self.worker_id, incarnation=self.incarnation, **fields)
+        events = self.limits.block_events
+        if request.block_events and events is not None:
+            # A cursor from another incarnation means nothing here: read from 0 (a snapshot).
+            since = request.block_events_since if request.block_events_incarnation == self.incarnation else 0
+            diff = events.read(since)
+            report.block_events_supported = True
+            report.block_seq, report.block_snapshot = diff.seq, diff.snapshot
+            report.blocks_stored.extend(diff.stored)
+            report.blocks_removed.extend(diff.removed)
+        return report
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PrefillResponse]:
