@@ -297,7 +297,7 @@ class ExplodingEngine:
     """Just enough Engine for EngineLoop: accepts requests, then fails its first step."""
 
     max_model_len, spec = 64, SimpleNamespace(vocab_size=100)
-    block_manager, scheduler = SimpleNamespace(block_size=16), SimpleNamespace(running=[], waiting=[])
+    block_manager, scheduler = SimpleNamespace(block_size=16, enable_prefix_caching=False), SimpleNamespace(running=[], waiting=[])
     config = SimpleNamespace(device="cpu")
 
     def __init__(self) -> None:
