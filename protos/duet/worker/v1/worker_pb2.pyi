@@ -18,8 +18,66 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
+class AdapterRef(_message.Message):
+    __slots__ = ("name", "source")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source: str
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("adapter", "pin")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    adapter: AdapterRef
+    pin: bool
+    def __init__(self, adapter: _Optional[_Union[AdapterRef, _Mapping]] = ..., pin: _Optional[bool] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "source", "rank", "target_modules", "pinned", "in_use", "load_seconds", "bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    IN_USE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source: str
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    pinned: bool
+    in_use: int
+    load_seconds: float
+    bytes: int
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., pinned: _Optional[bool] = ..., in_use: _Optional[int] = ..., load_seconds: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class AdapterList(_message.Message):
+    __slots__ = ("adapters", "max_loaded")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOADED_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    max_loaded: int
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_loaded: _Optional[int] = ...) -> None: ...
+
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "remote_prefill", "resumed_output_tokens", "migration_id", "prefix_source", "drafter")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "remote_prefill", "resumed_output_tokens", "migration_id", "prefix_source", "drafter", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +86,7 @@ class SubmitRequest(_message.Message):
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -36,7 +95,8 @@ class SubmitRequest(_message.Message):
     migration_id: str
     prefix_source: PrefixSource
     drafter: DrafterRef
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ..., migration_id: _Optional[str] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ..., drafter: _Optional[_Union[DrafterRef, _Mapping]] = ...) -> None: ...
+    adapter: AdapterRef
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ..., migration_id: _Optional[str] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ..., drafter: _Optional[_Union[DrafterRef, _Mapping]] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ...) -> None: ...
 
 class DrafterRef(_message.Message):
     __slots__ = ("worker_id", "endpoint", "incarnation")
@@ -204,7 +264,7 @@ class MigrateResponse(_message.Message):
     def __init__(self, migration_id: _Optional[str] = ..., blocks_sent: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class MigrationState(_message.Message):
-    __slots__ = ("prompt_token_ids", "output_token_ids", "sampling", "num_computed_tokens", "num_resumed_tokens", "num_cached_tokens", "generator_state", "detok_ids", "detok_prefix_offset", "detok_read_offset", "detok_text", "detok_emitted", "spec_acceptance", "spec_steps_at_zero", "drafter")
+    __slots__ = ("prompt_token_ids", "output_token_ids", "sampling", "num_computed_tokens", "num_resumed_tokens", "num_cached_tokens", "generator_state", "detok_ids", "detok_prefix_offset", "detok_read_offset", "detok_text", "detok_emitted", "spec_acceptance", "spec_steps_at_zero", "drafter", "adapter")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +280,7 @@ class MigrationState(_message.Message):
     SPEC_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     SPEC_STEPS_AT_ZERO_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -235,7 +296,8 @@ class MigrationState(_message.Message):
     spec_acceptance: float
     spec_steps_at_zero: int
     drafter: DrafterRef
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_resumed_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., detok_ids: _Optional[_Iterable[int]] = ..., detok_prefix_offset: _Optional[int] = ..., detok_read_offset: _Optional[int] = ..., detok_text: _Optional[str] = ..., detok_emitted: _Optional[int] = ..., spec_acceptance: _Optional[float] = ..., spec_steps_at_zero: _Optional[int] = ..., drafter: _Optional[_Union[DrafterRef, _Mapping]] = ...) -> None: ...
+    adapter: AdapterRef
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_resumed_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., detok_ids: _Optional[_Iterable[int]] = ..., detok_prefix_offset: _Optional[int] = ..., detok_read_offset: _Optional[int] = ..., detok_text: _Optional[str] = ..., detok_emitted: _Optional[int] = ..., spec_acceptance: _Optional[float] = ..., spec_steps_at_zero: _Optional[int] = ..., drafter: _Optional[_Union[DrafterRef, _Mapping]] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ...) -> None: ...
 
 class TakeOverRequest(_message.Message):
     __slots__ = ("request_id", "state", "source_worker_id", "source_incarnation", "model_fingerprint", "kv_layout", "expected_incarnation", "source_endpoint")
@@ -318,7 +380,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_id", "first_block", "num_blocks", "kv_store_address", "decode_worker_id", "decode_incarnation", "pair_generation", "expected_incarnation", "backend", "resumed_output_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_id", "first_block", "num_blocks", "kv_store_address", "decode_worker_id", "decode_incarnation", "pair_generation", "expected_incarnation", "backend", "resumed_output_tokens", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -332,6 +394,7 @@ class PrefillRequest(_message.Message):
     EXPECTED_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -345,7 +408,8 @@ class PrefillRequest(_message.Message):
     expected_incarnation: str
     backend: str
     resumed_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_id: _Optional[str] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_store_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., decode_incarnation: _Optional[str] = ..., pair_generation: _Optional[int] = ..., expected_incarnation: _Optional[str] = ..., backend: _Optional[str] = ..., resumed_output_tokens: _Optional[int] = ...) -> None: ...
+    adapter: AdapterRef
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_id: _Optional[str] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_store_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., decode_incarnation: _Optional[str] = ..., pair_generation: _Optional[int] = ..., expected_incarnation: _Optional[str] = ..., backend: _Optional[str] = ..., resumed_output_tokens: _Optional[int] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "generator_state", "cached_prompt_tokens", "transfer_done", "kv_bytes", "transfer_seconds", "first_token_logprob")
@@ -366,7 +430,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., cached_prompt_tokens: _Optional[int] = ..., transfer_done: _Optional[bool] = ..., kv_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., first_token_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class PullPrefixRequest(_message.Message):
-    __slots__ = ("transfer_id", "prefix_token_ids", "first_block", "kv_store_address", "receiver_worker_id", "receiver_incarnation", "pair_generation", "expected_incarnation", "backend")
+    __slots__ = ("transfer_id", "prefix_token_ids", "first_block", "kv_store_address", "receiver_worker_id", "receiver_incarnation", "pair_generation", "expected_incarnation", "backend", "adapter")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -376,6 +440,7 @@ class PullPrefixRequest(_message.Message):
     PAIR_GENERATION_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     prefix_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_block: int
@@ -385,7 +450,8 @@ class PullPrefixRequest(_message.Message):
     pair_generation: int
     expected_incarnation: str
     backend: str
-    def __init__(self, transfer_id: _Optional[str] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., kv_store_address: _Optional[str] = ..., receiver_worker_id: _Optional[str] = ..., receiver_incarnation: _Optional[str] = ..., pair_generation: _Optional[int] = ..., expected_incarnation: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+    adapter: AdapterRef
+    def __init__(self, transfer_id: _Optional[str] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., kv_store_address: _Optional[str] = ..., receiver_worker_id: _Optional[str] = ..., receiver_incarnation: _Optional[str] = ..., pair_generation: _Optional[int] = ..., expected_incarnation: _Optional[str] = ..., backend: _Optional[str] = ..., adapter: _Optional[_Union[AdapterRef, _Mapping]] = ...) -> None: ...
 
 class PullPrefixResponse(_message.Message):
     __slots__ = ("num_blocks", "kv_bytes", "transfer_seconds")
@@ -420,7 +486,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self, block_events: _Optional[bool] = ..., block_events_since: _Optional[int] = ..., block_events_incarnation: _Optional[str] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "num_running", "num_waiting", "outstanding_tokens", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers_sent", "kv_bytes_sent", "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfer_seconds", "num_reserved", "expert_tokens", "ep_rank_tokens", "spec_method", "spec_verifies", "spec_draft_tokens", "spec_accepted_tokens", "spec_emitted_tokens", "spec_draft_seconds", "spec_verify_seconds", "spec_fallbacks", "migrations_out", "migrations_in", "migration_failures", "migration_kv_bytes", "migration_seconds", "block_events_supported", "block_seq", "block_snapshot", "blocks_stored", "blocks_removed", "draining", "prefix_pulls", "prefix_pull_blocks", "prefix_pull_bytes", "prefix_pull_failures", "prefix_pulls_served", "tier_host_bytes", "tier_disk_bytes", "tier_host_hits", "tier_disk_hits", "tier_bytes_to_host", "tier_bytes_to_disk", "tier_bytes_loaded", "tier_host_evictions", "tier_disk_evictions", "tier_refused_corrupt", "tier_refused_foreign", "tier_deadline_misses", "tier_load_seconds")
+    __slots__ = ("worker_id", "incarnation", "num_running", "num_waiting", "outstanding_tokens", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers_sent", "kv_bytes_sent", "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfer_seconds", "num_reserved", "expert_tokens", "ep_rank_tokens", "spec_method", "spec_verifies", "spec_draft_tokens", "spec_accepted_tokens", "spec_emitted_tokens", "spec_draft_seconds", "spec_verify_seconds", "spec_fallbacks", "migrations_out", "migrations_in", "migration_failures", "migration_kv_bytes", "migration_seconds", "block_events_supported", "block_seq", "block_snapshot", "blocks_stored", "blocks_removed", "draining", "prefix_pulls", "prefix_pull_blocks", "prefix_pull_bytes", "prefix_pull_failures", "prefix_pulls_served", "tier_host_bytes", "tier_disk_bytes", "tier_host_hits", "tier_disk_hits", "tier_bytes_to_host", "tier_bytes_to_disk", "tier_bytes_loaded", "tier_host_evictions", "tier_disk_evictions", "tier_refused_corrupt", "tier_refused_foreign", "tier_deadline_misses", "tier_load_seconds", "adapters", "max_loaded_adapters")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -479,6 +545,8 @@ class LoadReport(_message.Message):
     TIER_REFUSED_FOREIGN_FIELD_NUMBER: _ClassVar[int]
     TIER_DEADLINE_MISSES_FIELD_NUMBER: _ClassVar[int]
     TIER_LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     num_running: int
@@ -537,4 +605,6 @@ class LoadReport(_message.Message):
     tier_refused_foreign: int
     tier_deadline_misses: int
     tier_load_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_transfers_received: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_reserved: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., ep_rank_tokens: _Optional[_Iterable[int]] = ..., spec_method: _Optional[str] = ..., spec_verifies: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_emitted_tokens: _Optional[int] = ..., spec_draft_seconds: _Optional[float] = ..., spec_verify_seconds: _Optional[float] = ..., spec_fallbacks: _Optional[int] = ..., migrations_out: _Optional[int] = ..., migrations_in: _Optional[int] = ..., migration_failures: _Optional[int] = ..., migration_kv_bytes: _Optional[int] = ..., migration_seconds: _Optional[float] = ..., block_events_supported: _Optional[bool] = ..., block_seq: _Optional[int] = ..., block_snapshot: _Optional[bool] = ..., blocks_stored: _Optional[_Iterable[int]] = ..., blocks_removed: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., prefix_pulls: _Optional[int] = ..., prefix_pull_blocks: _Optional[int] = ..., prefix_pull_bytes: _Optional[int] = ..., prefix_pull_failures: _Optional[int] = ..., prefix_pulls_served: _Optional[int] = ..., tier_host_bytes: _Optional[int] = ..., tier_disk_bytes: _Optional[int] = ..., tier_host_hits: _Optional[int] = ..., tier_disk_hits: _Optional[int] = ..., tier_bytes_to_host: _Optional[int] = ..., tier_bytes_to_disk: _Optional[int] = ..., tier_bytes_loaded: _Optional[int] = ..., tier_host_evictions: _Optional[int] = ..., tier_disk_evictions: _Optional[int] = ..., tier_refused_corrupt: _Optional[int] = ..., tier_refused_foreign: _Optional[int] = ..., tier_deadline_misses: _Optional[int] = ..., tier_load_seconds: _Optional[float] = ...) -> None: ...
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    max_loaded_adapters: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_transfers_received: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_reserved: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., ep_rank_tokens: _Optional[_Iterable[int]] = ..., spec_method: _Optional[str] = ..., spec_verifies: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_emitted_tokens: _Optional[int] = ..., spec_draft_seconds: _Optional[float] = ..., spec_verify_seconds: _Optional[float] = ..., spec_fallbacks: _Optional[int] = ..., migrations_out: _Optional[int] = ..., migrations_in: _Optional[int] = ..., migration_failures: _Optional[int] = ..., migration_kv_bytes: _Optional[int] = ..., migration_seconds: _Optional[float] = ..., block_events_supported: _Optional[bool] = ..., block_seq: _Optional[int] = ..., block_snapshot: _Optional[bool] = ..., blocks_stored: _Optional[_Iterable[int]] = ..., blocks_removed: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., prefix_pulls: _Optional[int] = ..., prefix_pull_blocks: _Optional[int] = ..., prefix_pull_bytes: _Optional[int] = ..., prefix_pull_failures: _Optional[int] = ..., prefix_pulls_served: _Optional[int] = ..., tier_host_bytes: _Optional[int] = ..., tier_disk_bytes: _Optional[int] = ..., tier_host_hits: _Optional[int] = ..., tier_disk_hits: _Optional[int] = ..., tier_bytes_to_host: _Optional[int] = ..., tier_bytes_to_disk: _Optional[int] = ..., tier_bytes_loaded: _Optional[int] = ..., tier_host_evictions: _Optional[int] = ..., tier_disk_evictions: _Optional[int] = ..., tier_refused_corrupt: _Optional[int] = ..., tier_refused_foreign: _Optional[int] = ..., tier_deadline_misses: _Optional[int] = ..., tier_load_seconds: _Optional[float] = ..., adapters: _Optional[_Iterable[str]] = ..., max_loaded_adapters: _Optional[int] = ...) -> None: ...

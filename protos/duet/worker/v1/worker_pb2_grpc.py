@@ -75,6 +75,21 @@ class WorkerStub:
                 request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.PullPrefixRequest.SerializeToString,
                 response_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.PullPrefixResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/duet.worker.v1.Worker/LoadAdapter',
+                request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/duet.worker.v1.Worker/UnloadAdapter',
+                request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/duet.worker.v1.Worker/ListAdapters',
+                request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.AdapterList.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -188,6 +203,35 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapters (workers/lora/): load one into this worker's bounded adapter set (evicting the
+        least recently used unpinned one when full), unload one, list the set. A Submit naming an
+        adapter that is not loaded loads it first from AdapterRef.source (the same path as LoadAdapter).
+
+        Status codes:
+        INVALID_ARGUMENT     a bad adapter: unreadable path, not PEFT format, a base model it was
+        not made for, an unsupported rank or target module (the message names
+        the adapter and the module)
+        RESOURCE_EXHAUSTED   the set is full of pinned adapters or adapters in use
+        NOT_FOUND            UnloadAdapter: no such adapter loaded here
+        FAILED_PRECONDITION  UnloadAdapter: requests are still running with it (retry when they end)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -230,6 +274,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.PullPrefix,
                     request_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.PullPrefixRequest.FromString,
                     response_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.PullPrefixResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.AdapterInfo.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.AdapterList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -449,6 +508,87 @@ class Worker:
             '/duet.worker.v1.Worker/PullPrefix',
             duet_dot_worker_dot_v1_dot_worker__pb2.PullPrefixRequest.SerializeToString,
             duet_dot_worker_dot_v1_dot_worker__pb2.PullPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.worker.v1.Worker/LoadAdapter',
+            duet_dot_worker_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+            duet_dot_worker_dot_v1_dot_worker__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.worker.v1.Worker/UnloadAdapter',
+            duet_dot_worker_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+            duet_dot_worker_dot_v1_dot_worker__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.worker.v1.Worker/ListAdapters',
+            duet_dot_worker_dot_v1_dot_worker__pb2.ListAdaptersRequest.SerializeToString,
+            duet_dot_worker_dot_v1_dot_worker__pb2.AdapterList.FromString,
             options,
             channel_credentials,
             insecure,
