@@ -15,16 +15,22 @@ router and a worker running the same Python compute the same hash (the chart run
 both). A collision (2^-64 per pair) would cost a wrong routing guess, never a wrong answer: the
 worker checks the tokens themselves before reusing a block.
 
+A request run under a LoRA adapter starts its chain from ``adapter_root(name)`` instead of ROOT,
+so its blocks never share a name (or a cache entry) with the base model's or another adapter's:
+the same tokens under another adapter have other keys and values.
+
 Example (block_size 4)::
 
     chain_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)   # two hashes; the partial block [9] is no block
     chain_hashes([1, 2, 3, 4, 5, 6, 7, 0], 4)[0] == chain_hashes([1, 2, 3, 4, 9], 4)[0]   # True
+    chain_hashes([1, 2, 3, 4], 4, root=adapter_root("sql"))[0] != chain_hashes([1, 2, 3, 4], 4)[0]   # True
 
 Pure Python and torch-free: the router imports it (tests/test_package_graph.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 ROOT = 0  # the parent of a prompt's first block
@@ -36,13 +42,22 @@ def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens)) & _MASK
 
 
-def chain_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
-    """The chain hashes of the full blocks of ``token_ids`` (at most ``limit`` of them)."""
+def adapter_root(adapter: str) -> int:
+    """The chain's root for requests run under LoRA adapter ``adapter`` ("" = the base model: ROOT).
+    A digest of the name, not ``hash(str)``, which differs between processes (PYTHONHASHSEED)."""
+    if not adapter:
+        return ROOT
+    return int.from_bytes(hashlib.blake2b(b"lora:" + adapter.encode(), digest_size=8).digest(), "little") | 1
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None, root: int = ROOT) -> list[int]:
+    """The chain hashes of the full blocks of ``token_ids`` (at most ``limit`` of them), the first
+    block's parent being ``root`` (``adapter_root(...)`` for a request run under an adapter)."""
     assert block_size > 0
     ids = tuple(token_ids)
     n = len(ids) // block_size if limit is None else min(len(ids) // block_size, limit)
     out: list[int] = []
-    parent = ROOT
+    parent = root
     for i in range(n):
         parent = hash((parent, ids[i * block_size : (i + 1) * block_size])) & _MASK
         out.append(parent)

@@ -76,3 +76,22 @@ def test_reported_holdings_match_what_the_block_manager_reuses():
     diff = bm.events.read(seq)
     index.apply("w", "inc", BlockReport(diff.seq, diff.snapshot, diff.stored, diff.removed), block_size=4)
     assert index.num_blocks("w") == len(bm.events.read(0).stored) == bm.events.num_held() > 0
+
+
+def test_adapter_roots_separate_chains_and_are_stable_across_processes() -> None:
+    """A LoRA adapter's blocks never share a chain hash with the base model's or another adapter's,
+    and the root is a digest (the same in a router and a worker whatever PYTHONHASHSEED says)."""
+    import subprocess
+    import sys
+
+    from workers.block_hash import ROOT, adapter_root, chain_hashes
+
+    tokens = list(range(1, 9))
+    base = chain_hashes(tokens, 4)
+    assert adapter_root("") == ROOT and chain_hashes(tokens, 4, root=adapter_root("")) == base
+    sql, chat = chain_hashes(tokens, 4, root=adapter_root("sql")), chain_hashes(tokens, 4, root=adapter_root("chat"))
+    assert len({*base, *sql, *chat}) == 6
+    code = "from workers.block_hash import adapter_root; print(adapter_root('sql'))"
+    seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": seed, "PYTHONPATH": "."}).stdout.strip() for seed in ("1", "2")}
+    assert seen == {str(adapter_root("sql"))}
