@@ -12,7 +12,11 @@
                it alone on ``close()``.
 
 Signals: ray.init installs its own SIGTERM handling; ``connect`` puts the caller's SIGINT/SIGTERM
-handlers back afterwards (see ``_restore``), so ``duet serve`` keeps its clean shutdown.
+handlers back afterwards (see ``_restore``), so ``duet serve`` keeps its clean shutdown. An embedded
+Ray's GCS and raylet share ``duet serve``'s process group, so a SIGTERM sent to the whole group
+(``timeout``, systemd's default KillMode, a supervisor's stop-as-group) stops them at the same moment
+as ``duet serve``; ``reachable()`` lets the shutdown see that and skip the steps that would wait on
+them (an actor call then blocks until Ray's 60 s GCS timeout kills the process).
 
 Example::
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +55,17 @@ class RayConnection:
     def owned(self) -> bool:
         """True if ``close()`` disconnects (we called ray.init)."""
         return self.kind != "reused"
+
+    def reachable(self, timeout_s: float = 1.0) -> bool:
+        """Whether the GCS still accepts a TCP connection (True when its address is unknown: assume so)."""
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not port.isdigit():
+            return True
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                return True
+        except OSError:
+            return False
 
     def close(self) -> None:
         """Embedded: stop the local Ray (all its processes). Existing: disconnect. Reused: nothing."""

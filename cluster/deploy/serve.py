@@ -125,7 +125,7 @@ class Deployment:
                  ("router", lambda: [r.stop() for r in self.routers]),
                  ("membership", lambda: self.membership.stop()),  # type: ignore[union-attr]  # None: skipped below
                  ("controller", lambda: self.controller.stop()),  # type: ignore[union-attr]  # None: skipped below
-                 ("pools", lambda: list(map(WorkerPool.shutdown, self.pools))), ("ray", self.ray.close)]
+                 ("pools", self._stop_pools), ("ray", self.ray.close)]
         for name, step in steps:
             if name != "ray" and not getattr(self, name):
                 continue
@@ -134,6 +134,29 @@ class Deployment:
             except Exception:  # keep tearing down; a leftover is worse than a log line
                 logger.exception("shutdown: stopping the %s failed", name)
         logger.info("duet: stopped")
+
+    def _stop_pools(self) -> None:
+        """Drain and stop every pool's actors, unless Ray's GCS goes away meanwhile: a SIGTERM to the
+        whole process group (``timeout``, systemd, supervisors) stops the embedded Ray with us, and an
+        actor call then blocks until Ray's 60 s GCS timeout kills this process. The actors stop with
+        their raylet then; the drain runs on a thread this one stops waiting for."""
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                for pool in self.pools:
+                    pool.shutdown()
+            except Exception:  # the main thread logs nothing of this thread otherwise
+                logger.exception("shutdown: stopping the pools failed")
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="duet-stop-pools", daemon=True).start()
+        while not done.wait(0.5):
+            if not self.ray.reachable():
+                logger.warning("shutdown: Ray's GCS at %s is gone (the signal reached it too?); not waiting for the "
+                               "worker actors' drain (they stop with their raylet)", self.ray.address)
+                return
 
     def __enter__(self) -> Deployment:
         return self

@@ -187,3 +187,34 @@ def test_serve_generate_status_and_ctrl_c(smollm2_path):
     while _processes_mentioning(session_dir) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _processes_mentioning(session_dir)
+
+
+def test_serve_stops_promptly_when_a_group_sigterm_stops_its_ray_too(smollm2_path):
+    """``timeout``, systemd and supervisors signal the whole process group: the embedded Ray's GCS and
+    raylet get the SIGTERM with ``duet serve``. Its shutdown sees the GCS gone and skips the actor
+    drain (an actor call would block until Ray's 60 s GCS timeout kills the process): it stops
+    cleanly, well within a 30 s grace, and leaves no process of its Ray behind."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [*DUET, "serve", "--model", str(smollm2_path), "--port", str(port), "--http-port", "0",
+         "--controller-port", "0", "--replicas", "1", "--kv-cache-memory", "64MiB", "--ray-num-cpus", "1"],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = _Lines(proc)
+    try:
+        session_dir = out.wait_for(r"ray: embedded cluster at \S+ .*session (\S+)\)", timeout=120).group(1)
+        out.wait_for(r"duet: ready\.", timeout=240)
+        os.killpg(proc.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        assert proc.wait(timeout=60) == 0, "".join(out.lines[-40:])
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = "".join(out.lines)
+    assert "GCS at" in text and "is gone" in text and "duet: stopped" in text, text[-3000:]
+    assert took < 30, f"stopping took {took:.1f} s"
+    deadline = time.monotonic() + 15
+    while _processes_mentioning(session_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _processes_mentioning(session_dir)
