@@ -24,11 +24,12 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from kernels import set_cpu_kernels_enabled
+from kernels import cpu_kernels_available, set_cpu_kernels_enabled
 
 from workers.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs, Graph
@@ -42,6 +43,8 @@ from workers.sample.sampler import Sampler
 from workers.models.config import ModelSpec
 from workers.models.checkpoint import checkpoint_dir
 from workers.models.loader import load_model
+from workers.models.shared_weights import SharedWeights
+from workers.startup import StartupTimeline
 from workers.parallel.groups import get_group
 from workers.parallel.sharding import attention_shard
 from workers.engine.runner import KVLayout, MoEStats, RunnerOutput
@@ -148,15 +151,34 @@ class ModelRunner:
                                    -(-max_model_len // self.block_size), self.device, graph_factory)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> ModelRunner:
-        """Load ``config.model`` (this rank's shard of it inside a gang) and size the KV cache."""
+    def from_config(cls, config: EngineConfig, timeline: StartupTimeline | None = None) -> ModelRunner:
+        """Load ``config.model`` (this rank's shard of it inside a gang) and size the KV cache.
+        timeline: marks the kernels, weights and kv phases (workers/startup.py)."""
+        config = resolve_for_process(config, checkpoint_dir(config.model))  # idempotent (an engine's is resolved)
+        model, spec = cls.load(config, timeline)
+        runner = cls(model, spec, config, cache_blocks(config, spec))
+        if timeline is not None:
+            timeline.mark("kv")
+        return runner
+
+    @staticmethod
+    def load(config: EngineConfig, timeline: StartupTimeline | None = None) -> tuple[nn.Module, ModelSpec]:
+        """The model of ``config`` without a KV cache (what a standby replica holds): the CPU kernels
+        loaded, then the weights (mapped from the node's snapshot with ``shared_weights_dir``)."""
         path = checkpoint_dir(config.model)
         config = resolve_for_process(config, path)  # idempotent: an engine passes a resolved config
         if not config.cpu_kernels:
             set_cpu_kernels_enabled(False)  # process-wide: this process runs one model
+        elif config.device == "cpu":
+            cpu_kernels_available()  # load (or build) now rather than inside the first request
+        if timeline is not None:
+            timeline.mark("kernels")
+        shared = SharedWeights(Path(config.shared_weights_dir)) if config.shared_weights_dir else None
         model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
-                                 fused_decode=config.fused_decode)
-        return cls(model, spec, config, cache_blocks(config, spec))
+                                 fused_decode=config.fused_decode, shared=shared)
+        if timeline is not None:
+            timeline.mark("weights", note=shared.last_source if shared is not None else "checkpoint")
+        return model, spec
 
     def kv_layout(self) -> KVLayout:
         s = self.spec
