@@ -9,9 +9,11 @@ The order, in ``start_deployment`` (each step undone, in reverse, if a later one
        leave cpus_per_replica unset get their share of the embedded Ray's CPUs (``resolve_cpus``)
     3. the pools, in config order: each its own placement group + worker actors (cluster/deploy/pools.py);
        a disaggregated deployment has a prefill pool and a decode pool, sized and placed apart
-    4. the controller starts every worker and waits until they serve (cluster/deploy/controller.py)
+    4. the controller starts every worker and waits until they serve (cluster/deploy/controller.py);
+       it also loads each pool's ``standby_replicas`` (loaded, unrouted: promoted first on a scale-up)
     5. the controller's membership service (duet.control.v1.Membership on ``controller.port``,
-       cluster/deploy/membership_service.py)
+       cluster/deploy/membership_service.py), whose Wake wakes pools scaled to zero through the
+       deployment's actuator (cluster/deploy/wake.py) when a router holds a request for one
     6. the router, on a background thread, with the workers as its first members (gRPC on
        ``router.port``, the OpenAI-compatible HTTP API on ``router.http_port``); it follows the
        membership service over gRPC from then on (joins, leaves, restarts; no router restart), the
@@ -60,8 +62,10 @@ from cluster.config.duet import DuetConfig
 from cluster.deploy.cpu_share import resolve_cpus
 from cluster.deploy.controller import Controller
 from cluster.deploy.membership_service import MembershipService, serve_membership
+from cluster.deploy.pool_metrics import PoolStateCollector
 from cluster.deploy.pools import WorkerPool, create_pool
 from cluster.deploy.ray_conn import RayConnection, connect
+from cluster.deploy.wake import PoolWaker
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +173,8 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
                                    placement_timeout_s=config.controller.placement_timeout_s))
     d.controller = Controller(d.pools, poll_interval_s=config.controller.poll_interval_s,
                               start_timeout_s=config.controller.start_timeout_s)
+    for section in config.pools:  # loaded from the controller's first poll on, beside the serving replicas
+        d.controller.set_standby(section.name, section.standby_replicas)
     d.controller.start()
     replicas = sum(len(p.replicas) for p in d.pools)
     logger.info("duet: waiting for %d workers to load %s", replicas, config.model.name)
@@ -182,7 +188,9 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
         logger.warning("duet: %d of %d workers up; continuing without the rest (%s)", len(up), replicas, problems)
     d.max_model_len = min(effective_max_model_len(d.model_path, config.model.max_model_len, endpoint)
                           for _, endpoint in d.controller.members())  # a prompt must fit every pool's KV
-    d.membership = serve_membership(d.controller, config.controller.host, config.controller.port)
+    d.actuator = _make_actuator(d)
+    waker = PoolWaker(d.actuator, {p.name: p.role for p in config.pools})
+    d.membership = serve_membership(d.controller, config.controller.host, config.controller.port, wake=waker.wake)
     if not with_router:
         _start_autoscaler(d)
         logger.info("duet: controller serving %d workers of %s (context %d tokens), no router here; routers "
@@ -192,6 +200,7 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
     router_config = config.to_router_config(str(d.model_path), d.max_model_len,
                                             membership_address=d.membership.address, **router_overrides)
     d.router = serve_router(router_config, d.controller.member_details())
+    d.router.server.metrics.registry.register(PoolStateCollector(d.controller))  # standby etc. on /metrics
     _start_autoscaler(d)
     logger.info("duet: serving %s on %s (gRPC)%s (%d workers, policy %s, context %d tokens, %s; members from %s)",
                 router_config.model_name, d.router.address,
@@ -199,11 +208,22 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
                 router_config.policy, d.max_model_len, d.cpus_note, d.membership.address)
 
 
+def _make_actuator(d: Deployment) -> Any:
+    """The actuator of ``autoscaling.actuator`` (the Ray one when autoscaling is off: it wakes pools
+    scaled to zero and promotes standby replicas for the membership service's Wake)."""
+    from cluster.deploy.kuberay_actuator import make_actuator
+    from cluster.deploy.ray_actuator import RayActuator
+
+    a = d.config.autoscaling
+    if a.enabled:
+        return make_actuator(a, d.pools, d.controller)
+    return RayActuator(d.pools, d.controller, drain_grace_s=a.drain_grace_s)
+
+
 def _start_autoscaler(d: Deployment) -> None:
     """Step 7 of the module docstring (nothing when autoscaling is off)."""
     from cluster.autoscale.loop import AutoscaleLoop, SLOAutoscaler
     from cluster.autoscale.metrics import PrometheusWindows, http_source
-    from cluster.deploy.kuberay_actuator import make_actuator
     from router.prometheus import metrics_registry
 
     a = d.config.autoscaling
@@ -212,7 +232,6 @@ def _start_autoscaler(d: Deployment) -> None:
     sources = [http_source(url) for url in a.metrics_urls]
     if not sources:  # checked in start_deployment: without metrics_urls, this process runs the router
         sources = [metrics_registry(d.router.stats, d.router.server.metrics.registry).collect]
-    d.actuator = make_actuator(a, d.pools, d.controller)
     d.autoscaler = AutoscaleLoop(SLOAutoscaler(d.config.to_autoscaler_config()),
                                  PrometheusWindows(sources, window_buckets=a.window_buckets,
                                                    latency_buckets=a.latency_buckets),
