@@ -15,9 +15,9 @@ construction:
 resolved at the edges (workers/models/assets/resolve.py: ``duet serve``'s actors, ``LLM``).
 
 A standby replica (cluster/deploy/pools.py) holds a ``Preloaded``: the model (its weights mapped
-from the node's snapshot with ``shared_weights_dir``) and tokenizer, no KV cache and no engine.
-Promoting it builds the runner's KV cache and the engine around them (``Preloaded.runner``): the
-loading is already done.
+from the node's snapshot with ``shared_weights_dir``) and tokenizer, no KV cache and no engine,
+warmed up once through a throwaway engine (``Preloaded.warm_up``). Promoting it builds the runner's
+KV cache and the engine around them (``Preloaded.runner``): loading and first-call costs are paid.
 
 Worked example::
 
@@ -27,12 +27,14 @@ Worked example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.config import EngineConfig
+from workers.config import EngineConfig, SpeculativeConfig
 from workers.engine.device import resolve_for_process
 from workers.engine.engine import Engine
 from workers.engine.model_runner import ModelRunner, cache_blocks
@@ -81,6 +83,17 @@ class Preloaded:
     model: Any  # torch.nn.Module
     spec: Any  # workers.models.config.ModelSpec
     tokenizer: Any
+
+    def warm_up(self, config: EngineConfig, timeline: StartupTimeline | None = None) -> None:
+        """Pay the first-call costs now (kernels' first use, allocator growth, thread start) with one
+        warm-up request through a throwaway engine over a few KV blocks, no speculation and no prefix
+        cache; the engine a promotion builds then needs no warm-up of its own (marks warm_up)."""
+        blocks = max(2, math.ceil(16 / config.cache.block_size) + 1)  # a warm-up request is <= 12 tokens
+        tiny = dataclasses.replace(config, speculative=SpeculativeConfig(), cache=dataclasses.replace(
+            config.cache, num_blocks=blocks, enable_prefix_caching=False))
+        build_engine(tiny, runner=self.runner(tiny), tokenizer=self.tokenizer).warm_up()
+        if timeline is not None:
+            timeline.mark("warm_up")
 
     def runner(self, config: EngineConfig, timeline: StartupTimeline | None = None) -> ModelRunner:
         """A ModelRunner over the loaded model with the KV cache ``config`` asks for (marks kv)."""

@@ -6,9 +6,12 @@ therefore sum to the time from the origin to the last mark exactly, glue code in
 in the phase it precedes). Phases, in the order a worker runs them (a phase that does not run has
 no mark):
 
+    wake         (cluster side) a request held by the router until the controller decided to
+                 wake its pool from zero (the origin is then the request's arrival)
     schedule     (cluster side) placement, the worker process's start and imports, up to the
-                 actor's ``__init__``; the origin is then the scale-up decision
+                 actor's ``__init__``; the origin is the scale-up decision
     resolve      the model name resolved to a checkpoint directory (prepared once per node)
+    config       the model's config read (its first use imports transformers, seconds on a busy host)
     kernels      the C++ CPU kernels loaded (built on a cache miss; kernels/_build.py)
     weights      the model built and its weights read: from disk or the page cache, or mapped from
                  the node's shared snapshot (workers/models/shared_weights.py); ``notes['weights']``
@@ -37,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-PHASES = ("schedule", "resolve", "kernels", "weights", "kv", "tokenizer", "cuda_graphs", "warm_up", "serve",
+PHASES = ("wake", "schedule", "resolve", "config", "kernels", "weights", "kv", "tokenizer", "cuda_graphs", "warm_up", "serve",
           "register", "first_token")
 
 

@@ -4,7 +4,8 @@ Terms:
     member      a replica that is started and reachable through Ray: (worker_id, endpoint). The
                 member list is what the router routes over.
     probe       one ``info()`` call on a replica's actor, every ``poll_interval_s`` (at most one
-                outstanding call per replica: a slow actor is never flooded).
+                outstanding call per replica: a slow actor is never flooded). A start() or
+                prepare() that returns ends the wait early: a replica joins as soon as it serves.
     liveness    the controller's concern: is the actor alive and started (Ray's view). *Routing*
                 health (gRPC health + load, every ``load_poll_interval_s``) is the router's own concern
                 (router/workers.py); the controller does not duplicate it.
@@ -301,7 +302,7 @@ class Controller:
             return [{"pool": r.replica.pool, "role": self.role_of(r.replica.worker_id), "index": r.replica.index,
                      "worker_id": r.replica.worker_id, "state": r.state,
                      "endpoint": r.endpoint, "incarnation": r.incarnation, "node_id": r.node_id, "starts": r.starts,
-                     "standby": r.standby,
+                     "standby": r.standby, "ready_at": r.ready_at,
                      "last_error": (f"its node {r.node_id[:8]} died ({r.last_error})"
                                     if r.state == "down" and r.node_id in dead else r.last_error)}
                     for r in self._replicas]
@@ -329,11 +330,27 @@ class Controller:
 
     # ---------------------------------------------------------------- loop
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_interval_s):
+        while not self._stop.is_set():
+            self._wait_poll()
+            if self._stop.is_set():
+                return
             try:
                 self._tick()
             except Exception:  # a bug: log it and keep the pool watched
                 logger.exception("controller: poll failed")
+
+    def _wait_poll(self) -> None:
+        """Until the next poll: ``poll_interval_s``, or sooner when a start() or prepare() returns, so a
+        replica (a promoted standby above all) joins the member list as soon as it serves instead of
+        up to a poll interval later."""
+        import ray
+
+        with self._lock:
+            starting = [r.call for r in self._replicas if r.call is not None and r.call_kind in ("start", "prepare")]
+        if starting:
+            ray.wait(starting, num_returns=1, timeout=self.poll_interval_s)
+        else:
+            self._stop.wait(self.poll_interval_s)
 
     def _tick(self) -> None:
         import ray

@@ -85,7 +85,8 @@ class Deployment:
     membership: MembershipService | None = None
     router: Any = None  # router.server.RouterHandle
     autoscaler: Any = None  # cluster.autoscale.loop.AutoscaleLoop, with autoscaling enabled
-    actuator: Any = None  # cluster.deploy.kuberay_actuator.make_actuator's, with autoscaling enabled
+    actuator: Any = None  # autoscaling.actuator's (cluster/deploy/kuberay_actuator.py), else a RayActuator
+    waker: Any = None  # cluster.deploy.wake.PoolWaker: wakes pools scaled to zero for the routers
     model_path: Path | None = None
     max_model_len: int | None = None
     cpus_note: str = ""  # what resolve_cpus chose, for the startup line
@@ -189,8 +190,8 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
     d.max_model_len = min(effective_max_model_len(d.model_path, config.model.max_model_len, endpoint)
                           for _, endpoint in d.controller.members())  # a prompt must fit every pool's KV
     d.actuator = _make_actuator(d)
-    waker = PoolWaker(d.actuator, {p.name: p.role for p in config.pools})
-    d.membership = serve_membership(d.controller, config.controller.host, config.controller.port, wake=waker.wake)
+    d.waker = PoolWaker(d.actuator, {p.name: p.role for p in config.pools})
+    d.membership = serve_membership(d.controller, config.controller.host, config.controller.port, wake=d.waker.wake)
     if not with_router:
         _start_autoscaler(d)
         logger.info("duet: controller serving %d workers of %s (context %d tokens), no router here; routers "

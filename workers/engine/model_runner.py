@@ -21,6 +21,8 @@ Axes: T tokens in the step, B single-token chunks, L context, S cache slots, G k
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -92,6 +94,21 @@ def _decode_rows(c: ScheduledChunk) -> list[ScheduledChunk]:
             for i, t in enumerate(c.token_ids)]
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor. On the CPU it lives in an anonymous private memory map: the kernel hands
+    out zero pages on first touch, so allocating is O(1) and only the KV blocks a worker uses become
+    resident (a start or a standby's promotion pays nothing for cache it has not used; ``torch.zeros``
+    writes every byte up front, ~0.5 s for 256 MiB on a busy host). Elsewhere ``torch.zeros``."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+
+
 def cache_blocks(config: EngineConfig, spec: ModelSpec) -> int:
     """KV blocks per rank: ``cache.num_blocks``, or what ``kv_cache_memory_bytes`` holds. Under tensor
     parallelism the pool is sized by the largest per-rank share of kv heads (rank 0's), so every
@@ -127,9 +144,7 @@ class ModelRunner:
         assert g == self.kv_heads.size, (g, self.kv_heads)
         # [layers, 2, S, G, D]; zeros, not empty: padded gathers read unused slots, which are masked
         # out, but NaN garbage would still poison the masked softmax.
-        self.kv_cache = torch.zeros(
-            spec.num_layers, 2, slots, g, spec.head_dim, dtype=config.torch_dtype, device=self.device
-        )
+        self.kv_cache = zeroed((spec.num_layers, 2, slots, g, spec.head_dim), config.torch_dtype, self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler(frozenset(spec.eos_token_ids))
         self._requests: dict[str, _RequestState] = {}
@@ -167,6 +182,9 @@ class ModelRunner:
         loaded, then the weights (mapped from the node's snapshot with ``shared_weights_dir``)."""
         path = checkpoint_dir(config.model)
         config = resolve_for_process(config, path)  # idempotent: an engine passes a resolved config
+        spec = ModelSpec.from_pretrained(path)
+        if timeline is not None:
+            timeline.mark("config")
         if not config.cpu_kernels:
             set_cpu_kernels_enabled(False)  # process-wide: this process runs one model
         elif config.device == "cpu":
@@ -175,7 +193,7 @@ class ModelRunner:
             timeline.mark("kernels")
         shared = SharedWeights(Path(config.shared_weights_dir)) if config.shared_weights_dir else None
         model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
-                                 fused_decode=config.fused_decode, shared=shared)
+                                 fused_decode=config.fused_decode, shared=shared, spec=spec)
         if timeline is not None:
             timeline.mark("weights", note=shared.last_source if shared is not None else "checkpoint")
         return model, spec

@@ -54,14 +54,15 @@ def iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torc
 
 def load_model(
     path: Path, dtype: torch.dtype, device: str = "cpu", quantization: str = "none", use_gguf: bool = True,
-    fused_decode: bool = True, shared: SharedWeights | None = None,
+    fused_decode: bool = True, shared: SharedWeights | None = None, spec: ModelSpec | None = None,
 ) -> tuple[nn.Module, ModelSpec]:
     """The model of checkpoint ``path``; ``use_gguf=False`` makes 'q4' quantize the safetensors even when a GGUF source exists (tests
     compare the two). fused_decode: False keeps a Llama-family model's decode steps off the fused
     decoder stack (workers/models/decode_stack.py). shared: the node's shared snapshots (None: load
-    a private copy); ``shared.last_source`` then says where the tensors came from."""
+    a private copy); ``shared.last_source`` then says where the tensors came from. spec: the
+    checkpoint's ModelSpec when the caller has read it already."""
     t0 = time.perf_counter()
-    spec = ModelSpec.from_pretrained(path)
+    spec = spec or ModelSpec.from_pretrained(path)
     tp, sp, ep = get_group("tp"), get_group("sp"), get_group("ep")
     check_spec(spec, str(path), tp_size=tp.world_size, sp_size=sp.world_size, ep_size=ep.world_size,
                quantization=quantization)

@@ -19,9 +19,9 @@ Worked example (from the cluster side)::
     ray.kill(actor)
 
 Standby (cluster/deploy/pools.py): ``prepare()`` loads the model and tokenizer (weights mapped from
-the node's snapshot when ``shared_weights_dir`` is set) and stops there: no KV cache, no engine, no
-endpoint. A later ``start()`` promotes it: it builds the KV cache and engine around what is loaded,
-warms up and serves, in a fraction of a cold start. ``startup()`` reports both starts' phases
+the node's snapshot when ``shared_weights_dir`` is set), warms them up once through a throwaway
+engine, and stops there: no KV cache, no engine, no endpoint. A later ``start()`` promotes it: it
+builds the KV cache and engine around what is loaded and serves, in a fraction of a cold start. ``startup()`` reports both starts' phases
 (workers/startup.py).
 
 After a Ray restart the actor comes back *not serving* (``__init__`` runs again, ``start`` does
@@ -110,7 +110,9 @@ class WorkerActor:
 
     def _preload(self, timeline: StartupTimeline) -> Preloaded:
         torch.set_num_threads(self._num_threads)  # this thread's OpenMP pool, as on the engine thread
-        return preload(self._config, timeline)
+        pre = preload(self._config, timeline)
+        pre.warm_up(self._config, timeline)
+        return pre
 
     async def start(self) -> str:
         """Load the engine and serve (promote a standby: only the KV cache, warm-up and server are
@@ -128,7 +130,7 @@ class WorkerActor:
                                             timeline=timeline)
                 self._server = await start_worker_server(
                     self._config, self._host, self._port, self._worker_id, num_threads=self._num_threads,
-                    make_engine=make_engine, timeline=timeline)
+                    make_engine=make_engine, timeline=timeline, warm_up=make_engine is None)
                 self._preloaded = None  # the engine owns the model now
                 self._timelines["start"] = timeline
                 logger.info("actor %s: %d torch threads, serving on %s (%s in %.2f s)", self._worker_id,

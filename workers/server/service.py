@@ -382,7 +382,7 @@ async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.
                               max_inflight: int = 1024, kv_transfer_timeout_s: float = 30.0,
                               kv_transfer_backend: str | None = None, migration_attach_timeout_s: float = 30.0,
                               make_engine: Callable[[], Engine] | None = None,
-                              timeline: StartupTimeline | None = None) -> WorkerServer:
+                              timeline: StartupTimeline | None = None, warm_up: bool = True) -> WorkerServer:
     """Load the engine on its own thread, then serve on ``host:port`` (0 = any free port).
 
     num_threads: torch intra-op threads for the engine thread (match the CPUs reserved for it).
@@ -397,13 +397,15 @@ async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.
     leader also joins its process group there, see workers/server/gang_actor.py).
     timeline: marks this start's phases (workers/startup.py): the default engine build's, then
     warm_up and serve (a custom ``make_engine`` marks its own).
+    warm_up: run one warm-up request before serving; False when this process already paid the
+    first-call costs (a promoted standby replica: workers/build.py ``Preloaded.warm_up``).
     """
     if kv_transfer_backend is None:
         kv_transfer_backend = engine_config.kv_transfer_backend
     check_kv_backend(kv_transfer_backend)  # fails before the engine loads; the device is checked once resolved
     loop = asyncio.get_running_loop()
     build = make_engine or (lambda: build_engine(engine_config, timeline=timeline))
-    engine = EngineLoop(lambda: _warmed_up(build(), timeline), loop, num_threads=num_threads)
+    engine = EngineLoop(lambda: _warmed_up(build(), timeline) if warm_up else build(), loop, num_threads=num_threads)
     limits = await engine.start()
     worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
     servicer = WorkerServicer(engine, limits, worker_id, max_inflight)
