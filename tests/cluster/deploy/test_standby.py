@@ -122,3 +122,15 @@ def test_a_pool_at_zero_wakes_from_its_standby(pool_and_controller):
     wait_until(lambda: len(controller.members()) == 1, 60, "the woken replica to join")
     assert [how for _, how, _ in controller.joins][-1] == "promoted"
     assert waker.wake(["colocated"]) == type(out)()  # serving: nothing to do
+
+
+def test_duet_status_lists_standby_replicas():
+    from cluster.deploy.status import format_status
+
+    text = format_status({"router": None, "workers": [
+        {"pool": "default", "worker_id": "default-0", "endpoint": None, "error": "not serving (starting)"},
+        {"pool": "default", "worker_id": "default-2", "endpoint": None, "pid": 9, "standby": True,
+         "node_id": "5c1a09e2aaaa"}]})
+    assert "pool default: 1 workers, 1 standby" in text
+    assert "default-2    -                      STANDBY     loaded, unrouted (promoted first on a scale-up)  pid 9  " \
+           "node 5c1a09e2" in text
