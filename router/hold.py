@@ -12,8 +12,8 @@ router's admission limits, ``max_in_flight`` + ``max_queue``):
             controller to wake the pools that could take it (``waker``: duet.control.v1.Membership
             /Wake, served by cluster/deploy/membership_service.py). The controller promotes a
             standby replica (in about a second) or starts one (a full start-up).
-    bound   a request is held up to ``worker_wait_s``, or ``wake_timeout_s`` once the controller
-            said a pool is waking, and never past its own deadline (less a margin, so that it can
+    bound   a request is held up to ``worker_wait_s``, or -- once the controller said a pool is
+            waking -- ``wake_timeout_s`` from when it was held, and never past its own deadline (less a margin, so that it can
             still be answered). Past it, the request fails with UNAVAILABLE (HTTP 503) whose
             message names the wait: how long it was held, for what, and the limit that ended it.
     report  ``stats()``: held now, held in total, timed out, wakes asked and answered; the wake
@@ -172,7 +172,7 @@ class WorkerHold:
     # ---------------------------------------------------------------- waking
     def _extend(self, t: Ticket, pools: tuple[str, ...]) -> None:
         t.waking = pools
-        t.until, t.limit = max(t.until, t.since + self.wake_timeout_s), "router.wake_timeout_s"
+        t.until, t.limit = t.since + self.wake_timeout_s, "router.wake_timeout_s"  # a wake's own bound
         self._clip(t)
 
     def _clip(self, t: Ticket) -> None:
