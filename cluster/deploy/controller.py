@@ -203,11 +203,11 @@ class Controller:
             r = min(spares, key=lambda x: (x.state != "standby", x.replica.index))
             r.standby, r.created_at, r.joined_as = False, time.monotonic(), "promoted"
             self.num_promoted += 1
-            if r.state == "standby" and r.call is None:
+            if r.state == "standby":  # now, even with a probe outstanding (its answer is dropped)
                 r.state = "starting"
                 self._issue_start(r)
             else:
-                r.promote_pending = True  # prepare() (or a probe) is outstanding: start when it returns
+                r.promote_pending = True  # prepare() is outstanding: start once it returns
             self._changed.notify_all()
         logger.info("controller: %s promoted from standby", r.replica.worker_id)
         return r.replica.worker_id
@@ -407,7 +407,7 @@ class Controller:
             self._set(r, "failed", None, f"{kind} failed: {_first_line(e.cause if e.cause else e)}")
             logger.error("controller: %s %s failed (not retried): %s", wid, kind, e)
             return
-        if r.promote_pending and kind in ("prepare", "probe"):  # promoted while that call was out
+        if r.promote_pending and kind == "prepare":  # promoted while it was loading
             r.promote_pending = False
             self._set(r, "starting", None, "")
             self._issue_start(r)
