@@ -133,6 +133,7 @@ class Controller:
         self._pushed: dict[int, Any] = {}  # subscriber index -> the list it last accepted
         self._push_lock = threading.Lock()  # one push at a time, in order
         self._stop = threading.Event()
+        self._kick = threading.Event()  # a start() or prepare() was issued: _wait_poll waits for it
         self._thread: threading.Thread | None = None
         self.num_restarts = 0  # replicas found restarted by Ray and started again
         self.num_drained = 0  # replicas retired after draining
@@ -325,6 +326,7 @@ class Controller:
     def stop(self) -> None:
         """Stop polling (before the pool is shut down, so nothing is restarted meanwhile)."""
         self._stop.set()
+        self._kick.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
 
@@ -342,15 +344,22 @@ class Controller:
     def _wait_poll(self) -> None:
         """Until the next poll: ``poll_interval_s``, or sooner when a start() or prepare() returns, so a
         replica (a promoted standby above all) joins the member list as soon as it serves instead of
-        up to a poll interval later."""
+        up to a poll interval later. A start issued meanwhile (``promote``, ``add``: other threads)
+        is waited for too (``_kick``)."""
         import ray
 
-        with self._lock:
-            starting = [r.call for r in self._replicas if r.call is not None and r.call_kind in ("start", "prepare")]
-        if starting:
-            ray.wait(starting, num_returns=1, timeout=self.poll_interval_s)
-        else:
-            self._stop.wait(self.poll_interval_s)
+        deadline = time.monotonic() + self.poll_interval_s
+        while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            self._kick.clear()
+            with self._lock:
+                starting = [r.call for r in self._replicas if r.call is not None
+                            and r.call_kind in ("start", "prepare")]
+            if starting:
+                ready, _ = ray.wait(starting, num_returns=1, timeout=min(left, 0.1))
+                if ready:
+                    return
+            else:
+                self._kick.wait(left)
 
     def _tick(self) -> None:
         import ray
@@ -475,10 +484,12 @@ class Controller:
     def _issue_start(self, r: _Replica) -> None:
         r.call, r.call_kind, r.call_since, r.slow_warned = r.replica.actor.start.remote(), "start", time.monotonic(), False
         r.starts += 1
+        self._kick.set()
 
     def _issue_prepare(self, r: _Replica) -> None:
         r.call, r.call_kind, r.call_since, r.slow_warned = r.replica.actor.prepare.remote(), "prepare", time.monotonic(), False
         r.starts += 1
+        self._kick.set()
 
     def _issue_probe(self, r: _Replica) -> None:
         r.call, r.call_kind, r.call_since, r.slow_warned = r.replica.actor.info.remote(), "probe", time.monotonic(), False
