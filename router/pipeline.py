@@ -10,6 +10,10 @@ done, is retried or resumed on another worker, or fails with a status for the cl
 holds no gRPC server context: ``generate`` takes a public GenerateRequest and a monotonic
 deadline, yields GenerateResponses and raises RequestError, for any front door (gRPC, HTTP).
 
+Speculative requests on a worker whose pool drafts on a drafter pool also get a drafter replica
+(router/drafters.py ``DrafterRouting``, router/policies/drafter.py) with each attempt; the worker
+is handed its endpoint and streams the request's draft rounds there itself.
+
 Disaggregated routes: the Submit goes to the decode worker with ``remote_prefill`` naming the
 prefill worker; the decode worker has it prefill and send the KV directly (the router never sees
 KV). ABORTED before the first token means the prefill half failed (prefill worker down or
@@ -59,9 +63,11 @@ from protos.duet.v1 import duet_pb2
 from router.admission import AdmissionController, AdmissionRejected
 from router.attempt import Action, AttemptBudget, AttemptOutcome, Decision, OutcomeKind
 from router.config import RouterConfig
+from router.drafters import DrafterRouting
 from router.hold import HeldTooLong, WorkerHold
 from router.policies import NoWorkersAvailable, RouteRequest, RoutingPolicy
 from router.policies.disagg import DisaggRouter, Route
+from router.policies.drafter import make_drafter_policy
 from router.policies.prefix_pull import PrefixPullPlanner
 from router.preprocess import PreparedRequest, RequestError, ServedModel, prepare_request
 from router.request_metrics import RequestClock, RequestMetrics
@@ -88,6 +94,8 @@ class Pipeline:
         self.pull_planner = (PrefixPullPlanner(config.prefix_pull_min_tokens, config.disagg_block_size)
                              if config.prefix_pull_min_tokens else None)
         self.admission = admission
+        self.drafters = DrafterRouting(
+            directory.drafters, make_drafter_policy(config.drafter_policy, **config.drafter_policy_options))
         self.counts: Counter[str] = Counter()
         self.metrics = metrics or RequestMetrics()  # per-pool latency histograms (router/request_metrics.py)
         # requests no worker can take yet, in arrival order (router/hold.py; the server passes one that wakes pools)
@@ -170,9 +178,10 @@ class Pipeline:
         """One attempt on ``chosen`` between its leases; reports a worker its outcome blames."""
         lease = self.directory.begin(chosen.decode_id, route)
         prefill = self.directory.begin(chosen.prefill_id, route) if chosen.prefill_id else None
+        drafter = self.drafters.begin(route, lease.state, prep.speculative)
         try:
             async with aclosing(stream_attempt(prep, lease, prefill, progress, deadline, self.metrics,
-                                               chosen.pull, migration_id)) as events:
+                                               chosen.pull, migration_id, drafter and drafter.ref)) as events:
                 async for event in events:
                     if isinstance(event, AttemptOutcome):
                         self._observe(event, lease if not event.prefill_failed else prefill)
@@ -186,6 +195,7 @@ class Pipeline:
             self.directory.end(lease)
             if prefill is not None:
                 self.directory.end(prefill)
+            self.drafters.end(drafter)
             self.router.on_request_complete(chosen.decode_id, prep.internal_id)
 
     def _observe(self, outcome: AttemptOutcome, blamed: WorkerLease | None) -> None:
@@ -261,7 +271,8 @@ class Pipeline:
     def stats(self) -> dict[str, object]:
         return {"requests": dict(self.counts), "admission": self.admission.stats(),
                 "policy_name": self.policy.name, "workers": self.directory.describe(),
-                "policy": {**self.router.counters(),
+                "policy": {**self.router.counters(), **self.drafters.counters(),
                            **(self.pull_planner.counters() if self.pull_planner is not None else {})},
+                "drafters": self.directory.drafters.describe(),
                 "worker_stream_failures": self.directory.num_stream_failures, "hold": self.hold.stats()}
 

@@ -127,6 +127,11 @@ class PreparedRequest:
         return worker_pb2.SubmitRequest(request_id=self.internal_id, prompt_token_ids=self.prompt_token_ids,
                                         sampling=self.sampling)
 
+    @property
+    def speculative(self) -> bool:
+        """Whether the request may speculate (it did not opt out with num_speculative_tokens 0)."""
+        return not self.sampling.HasField("num_speculative_tokens") or self.sampling.num_speculative_tokens > 0
+
 
 def check_model(request: duet_pb2.GenerateRequest, model: ServedModel) -> None:
     if request.model and request.model != model.name:

@@ -146,6 +146,46 @@ SPEC_DECODE_COUNTERS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# ---- drafter replicas (workers/spec_decode/drafter_service.py DrafterLoad) ----------------------
+# mean batch = rate(duet_drafter_batched_rows_total) / rate(duet_drafter_forward_passes_total).
+DRAFTER_GAUGES = (
+    ("num_requests", "requests", "requests holding drafter state"),
+    ("num_active", "active_requests", "requests drafting now"),
+    ("num_streams", "streams", "open Rounds streams (targets)"),
+    ("kv_blocks_used", "kv_blocks_used", "drafter KV blocks held"),
+    ("kv_blocks_total", "kv_blocks_total", "drafter KV blocks"),
+)
+DRAFTER_COUNTERS = (
+    ("rounds", "rounds", "draft rounds served"),
+    ("draft_tokens", "draft_tokens", "draft tokens produced"),
+    ("forward_passes", "forward_passes", "batched forward passes"),
+    ("batched_rows", "batched_rows", "requests summed over forward passes"),
+    ("tokens_computed", "tokens_computed", "tokens run through the draft model"),
+    ("compute_seconds", "compute_seconds", "seconds the draft engine computed"),
+    ("evictions", "evictions", "requests whose KV was evicted under pressure (re-prefilled later)"),
+    ("expired", "expired", "requests freed after the idle timeout"),
+    ("releases", "releases", "requests released by their target"),
+    ("resyncs", "resyncs", "items answered resync (the target resent the whole context)"),
+)
+
+
+class DrafterLoadCollector:
+    """The drafter replicas' latest DrafterLoad (router.drafters.DrafterDirectory.load_reports)."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        reports = self._snapshot().get("drafter_reports", [])
+        labels = ["pool", "drafter_id"]
+        for kind, fields in ((GaugeMetricFamily, DRAFTER_GAUGES), (CounterMetricFamily, DRAFTER_COUNTERS)):
+            for field, name, help_ in fields:
+                family = kind(f"duet_drafter_{name}", help_, labels=labels)
+                for drafter_id, pool, r in reports:
+                    family.add_metric([pool, drafter_id], getattr(r, field))
+                yield family
+
+
 class WorkerLoadCollector:
     """The workers' latest load reports, per worker and summed per pool. ``reports`` returns
     (worker_id, pool, LoadReport) triples (WorkerDirectory.load_reports, read on the router's loop)."""
@@ -221,7 +261,7 @@ def metrics_registry(snapshot: Callable[[], dict[str, Any]], request_metrics: Co
     """A registry with everything a router exports: its counters, the workers' load, and (given
     the router's ``RequestMetrics.registry``) the per-pool request histograms; with
     ``model_name``, every sample also carries the label ``model_name``."""
-    collectors: list[Any] = [RouterStatsCollector(snapshot), WorkerLoadCollector(snapshot)]
+    collectors: list[Any] = [RouterStatsCollector(snapshot), WorkerLoadCollector(snapshot), DrafterLoadCollector(snapshot)]
     if request_metrics is not None:
         collectors.append(_RegistryCollector(request_metrics))
     registry = CollectorRegistry()

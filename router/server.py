@@ -267,7 +267,8 @@ class RouterServer:
 
     def stats(self) -> dict[str, Any]:
         stats = {**self.pipeline.stats(), "membership_version": self.membership_version,
-                 "load_reports": self.directory.load_reports()}
+                 "load_reports": self.directory.load_reports(),
+                 "drafter_reports": self.directory.drafters.load_reports()}
         if self.rebalancer is not None:  # shown among the request outcome counters
             stats["requests"] = {**stats["requests"], **self.rebalancer.counts}
         if self.auth is not None:  # shown among the request outcome counters (duet status)

@@ -75,11 +75,12 @@ class Progress:
 async def stream_attempt(prep: PreparedRequest, lease: WorkerLease, prefill: WorkerLease | None,
                          progress: Progress, deadline: float | None,
                          metrics: RequestMetrics, pull: PullSource | None = None,
-                         migration_id: str = "") -> AsyncIterator[AttemptEvent]:
+                         migration_id: str = "", drafter: worker_pb2.DrafterRef | None = None) -> AsyncIterator[AttemptEvent]:
     """Yield the client's GenerateResponses of one attempt, then exactly one AttemptOutcome (the
     last event; a FINISHED one carries the last response). ``deadline`` (time.monotonic) bounds the worker call.
     ``pull``: the prefix the worker pulls from another one (Submit.prefix_source). migration_id: this
-    attempt attaches to a request migrated to ``lease``'s worker. Raises only asyncio.CancelledError,
+    attempt attaches to a request migrated to ``lease``'s worker. drafter: the drafter replica the
+    request drafts on (Submit.drafter). Raises only asyncio.CancelledError,
     when the request itself is cancelled."""
     started = time.monotonic()
     timeout = None if deadline is None else max(deadline - started, 0.001)
@@ -89,6 +90,8 @@ async def stream_attempt(prep: PreparedRequest, lease: WorkerLease, prefill: Wor
         state = prefill.state
         request.remote_prefill.CopyFrom(worker_pb2.RemotePrefill(
             worker_id=prefill.worker_id, endpoint=state.endpoint, incarnation=state.incarnation))
+    if drafter is not None:
+        request.drafter.CopyFrom(drafter)
     if pull is not None:
         request.prefix_source.CopyFrom(worker_pb2.PrefixSource(
             worker_id=pull.worker_id, endpoint=pull.endpoint, incarnation=pull.incarnation, num_tokens=pull.num_tokens))

@@ -7,6 +7,9 @@ Terms:
     pool        the worker's pool name (``decode``), the label of its metrics; default its role.
     draining    the autoscaler is removing the worker: it stays a member (its streams finish, its
                 polling goes on, status shows it) but is never routable; then it leaves the list.
+    drafter     a member with role "drafter" is a drafter replica, not a worker: ``set_members``
+                hands those to ``drafters`` (router/drafters.py); a worker's ``drafter_pool`` names
+                the pool its speculative requests draft on.
     poll        GetLoad + grpc.health.v1 Check("duet.worker.v1.Worker"), sent together right after
                 a worker joins and then every ``poll_interval_s``.
     lease       one request's use of one worker, from ``begin`` (after the policy chose it) to
@@ -44,11 +47,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
+from router.drafters import DrafterDirectory
 from router.policies import RouteRequest, WorkerState
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("colocated", "prefill", "decode")
+DRAFTER = "drafter"  # a member role that is no worker (router/drafters.py)
 WORKER_HEALTH_SERVICE = "duet.worker.v1.Worker"
 # Reconnect quickly to a worker that comes back (gRPC's default backoff grows to 120 s).
 CHANNEL_OPTIONS = [
@@ -66,6 +71,7 @@ class MemberInfo(NamedTuple):
     role: str = "colocated"
     pool: str = ""  # "" = the role
     draining: bool = False
+    drafter_pool: str = ""  # the drafter pool this worker's speculative requests draft on ("" = none)
 
 
 @dataclass(eq=False)
@@ -146,6 +152,8 @@ class WorkerDirectory:
         self._any_healthy = False
         self._closed = False
         self._background: set[asyncio.Task[None]] = set()  # strong refs to fire-and-forget tasks
+        self.drafters = DrafterDirectory(poll_interval_s=poll_interval_s, poll_timeout_s=poll_timeout_s,
+                                         failure_threshold=failure_threshold)
         self.num_stream_failures = 0
         self.num_unhealthy_transitions = 0
 
@@ -160,8 +168,12 @@ class WorkerDirectory:
         wanted: dict[str, str] = {}
         roles: dict[str, str] = {}
         infos: dict[str, MemberInfo] = {}
+        drafters = []
         for member in members:
             info = MemberInfo(*member)
+            if info.role == DRAFTER:
+                drafters.append(info._replace(pool=info.pool or DRAFTER))
+                continue
             worker_id, endpoint = info.worker_id, info.endpoint
             roles[worker_id] = info.role or "colocated"
             infos[worker_id] = info._replace(role=roles[worker_id], pool=info.pool or roles[worker_id])
@@ -173,6 +185,7 @@ class WorkerDirectory:
             if wanted.setdefault(worker_id, endpoint) != endpoint:
                 raise ValueError(f"worker id {worker_id!r} listed twice with different endpoints "
                                  f"({wanted[worker_id]!r}, {endpoint!r})")
+        self.drafters.set_members(drafters)
         for m in list(self._members.values()):
             if wanted.get(m.worker_id) != m.endpoint:
                 self._remove(m)
@@ -181,6 +194,8 @@ class WorkerDirectory:
         joined = [self._add(wid, ep, roles[wid]) for wid, ep in wanted.items() if wid not in self._members]
         for m in self._members.values():
             m.pool = infos[m.worker_id].pool
+            if m.state.drafter_pool != infos[m.worker_id].drafter_pool:
+                m.state = replace(m.state, drafter_pool=infos[m.worker_id].drafter_pool)
             if infos[m.worker_id].draining and not m.draining:
                 m.draining = True
                 logger.info("worker %s (%s) is draining: no new requests; %d still streaming",
@@ -227,6 +242,7 @@ class WorkerDirectory:
                 m.poll_task.cancel()
         await asyncio.gather(*(m.poll_task for m in members if m.poll_task), return_exceptions=True)
         await asyncio.gather(*(m.channel.close() for m in members), *self._background, return_exceptions=True)
+        await self.drafters.close()
         self._notify_health()
 
     # ------------------------------------------------------------- routing
@@ -321,7 +337,7 @@ class WorkerDirectory:
                 report, endpoint=m.endpoint, healthy=s.healthy, in_flight_requests=s.in_flight_requests,
                 routed_requests_since_report=s.routed_requests_since_report - sent_requests,
                 routed_tokens_since_report=s.routed_tokens_since_report - sent_tokens),
-            worker_id=m.worker_id, role=s.role,
+            worker_id=m.worker_id, role=s.role, drafter_pool=s.drafter_pool,
         )
         if status.status != health_pb2.HealthCheckResponse.SERVING:
             name = health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)

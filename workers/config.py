@@ -28,6 +28,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 PARALLEL_AXES = ("ep", "sp", "tp")  # mesh order, outermost first (workers/parallel/groups.py)
 COMM_MODES = ("auto", "shm", "gloo")  # ParallelConfig.comm
 KV_BACKENDS = ("auto", "shm", "gloo", "nccl")  # EngineConfig.kv_transfer_backend (workers/kv/transfer.py)
+OMP_WAIT_POLICIES = ("passive", "active", "runtime")  # EngineConfig.omp_wait_policy (workers/server/threads.py)
 
 
 @dataclass(frozen=True)
@@ -63,14 +64,25 @@ class SchedulerConfig:
 
     max_num_batched_tokens: tokens computed per step (decode tokens + prefill chunk tokens).
     max_num_seqs: sequences running at once (default: 64, or the token budget if smaller).
+    target_itl_ms: None (default) = every step may take max_num_batched_tokens tokens; a number =
+        prompt chunks are sized so a step takes about this many milliseconds after its decodes, by
+        a cost model measured on this engine (workers/engine/token_budget.py), with
+        max_num_batched_tokens still the cap: inter-token latency stays near the target under load,
+        new prompts take more (smaller) steps.
     """
 
     KEY_PREFIX: ClassVar[str] = "scheduler."  # how this type's messages spell its keys
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int | None = None
+    target_itl_ms: float | None = None
 
     def __post_init__(self) -> None:
+        if self.target_itl_ms is not None and (isinstance(self.target_itl_ms, bool)
+                                               or not isinstance(self.target_itl_ms, (int, float))
+                                               or not 0 < self.target_itl_ms < float("inf")):
+            raise ConfigError(f"scheduler.target_itl_ms={self.target_itl_ms!r}: must be a number of milliseconds "
+                              "> 0 (e.g. 50), or null for the fixed max_num_batched_tokens budget")
         if self.max_num_seqs is None:
             object.__setattr__(self, "max_num_seqs", min(64, max(self.max_num_batched_tokens, 1)))
         if self.max_num_batched_tokens < 1:
@@ -143,6 +155,13 @@ class SpeculativeConfig:
     drafter_threads: compute threads of the drafter actor; 0 = its drafter_cpus. On a machine where
         target and drafter share the cores, overlap off and both using all cores (time sharing)
         can beat splitting the cores between them (benchmarks/README.md, spec_bench).
+    drafter_pool: the name of a ``role: drafter`` pool (the cluster config's) whose replicas this
+        pool's requests draft on: the router picks a replica per request (many targets share one,
+        one target's requests spread over several) and each replica batches the rounds of every
+        target. method must be draft_model, with draft_model unset (the drafter pool names its
+        model); the draft_* and drafter_* settings above are then the pool's (``drafter`` section),
+        except draft_timeout_s and overlap, which stay the target's. None: a private drafter actor
+        per worker (draft_model), as above.
     """
 
     KEY_PREFIX: ClassVar[str] = "speculative."  # how this type's messages spell its keys
@@ -161,6 +180,7 @@ class SpeculativeConfig:
     draft_vocab_size: int = 0
     drafter_threads: int = 0
     drafter_device: str = "auto"
+    drafter_pool: str | None = None
 
     def __post_init__(self) -> None:
         if self.drafter_device not in DRAFTER_DEVICES:
@@ -175,9 +195,16 @@ class SpeculativeConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"speculative.ngram_min={self.ngram_min}, ngram_max={self.ngram_max}: "
                               "need 1 <= ngram_min <= ngram_max")
-        if self.method == "draft_model" and not self.draft_model:
+        if self.method == "draft_model" and not self.draft_model and not self.drafter_pool:
             raise ConfigError("speculative.method='draft_model' needs speculative.draft_model (a checkpoint dir "
-                              "or model name with the target's tokenizer)")
+                              "or model name with the target's tokenizer) or speculative.drafter_pool (a drafter "
+                              "pool's name)")
+        if self.drafter_pool is not None and self.method != "draft_model":
+            raise ConfigError(f"speculative.drafter_pool={self.drafter_pool!r}: needs speculative.method='draft_model', "
+                              f"not {self.method!r}")
+        if self.drafter_pool is not None and self.draft_model:
+            raise ConfigError(f"speculative.draft_model={self.draft_model!r}: unset it with speculative.drafter_pool="
+                              f"{self.drafter_pool!r} (the drafter pool names its model)")
         if self.draft_quantization not in QUANTIZATIONS:
             raise ConfigError(f"speculative.draft_quantization={self.draft_quantization!r}: must be one of "
                               f"{', '.join(QUANTIZATIONS)}")
@@ -208,6 +235,44 @@ class SpeculativeConfig:
         if device == "cpu" or self.draft_quantization != "none":
             return device, "float32"  # CPU kernels and quantized layers run float32 activations
         return device, target_dtype
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """What each replica of a drafter pool runs (``role: drafter`` pools; workers/spec_decode/): one
+    continuous-batching DraftEngine serving the draft rounds of every target routed to it.
+
+    model: the draft checkpoint or model name; it must share the target's tokenizer (``duet serve``
+        refuses one that does not, naming both models).
+    quantization: the drafter's weights: none | int8 | q4 (quantized runs float32 activations).
+    threads: torch threads of a replica; 0 = the CPUs it reserves (the pool's cpus_per_replica).
+    draft_vocab_size: score only this many of the tokenizer's most frequent tokens (a pruned LM head,
+        workers/spec_decode/draft_vocab.py; output unchanged); 0 = all.
+    idle_timeout_s: a request with no round for this long is freed (its target died, or it moved
+        somewhere that never came back); finished and aborted requests are freed at once.
+    The replica's device, KV budget and block size are the pool's ``engine`` settings.
+    """
+
+    KEY_PREFIX: ClassVar[str] = "drafter."  # how this type's messages spell its keys
+
+    model: str | None = None
+    quantization: str = "none"
+    threads: int = 0
+    draft_vocab_size: int = 0
+    idle_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not self.model.strip():
+            raise ConfigError(f"drafter.model={self.model!r}: must name a model or a checkpoint directory (or null)")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"drafter.quantization={self.quantization!r}: must be one of {', '.join(QUANTIZATIONS)}")
+        if self.threads < 0:
+            raise ConfigError(f"drafter.threads={self.threads}: must be >= 0 (0 = the CPUs a replica reserves)")
+        if self.draft_vocab_size != 0 and self.draft_vocab_size < MIN_DRAFT_VOCAB:
+            raise ConfigError(f"drafter.draft_vocab_size={self.draft_vocab_size}: must be 0 (the full vocabulary) "
+                              f"or >= {MIN_DRAFT_VOCAB}, e.g. 32768")
+        if not self.idle_timeout_s > 0:
+            raise ConfigError(f"drafter.idle_timeout_s={self.idle_timeout_s}: must be > 0 seconds")
 
 
 @dataclass(frozen=True)
@@ -245,6 +310,16 @@ class EngineConfig:
     shared_weights_dir: a node-local directory where the first worker of a node writes its loaded
         weights once and every other worker maps them (workers/models/shared_weights.py): later
         replicas load in milliseconds and the node holds one copy; None = each worker loads its own.
+    omp_wait_policy: what an idle OpenMP thread of the worker process does (set in its environment
+        at start, workers/server/threads.py): 'passive' (default) sleeps at once, so a thread the
+        OS descheduled (another process took its core) never leaves the others spinning at every
+        barrier; 'active' spins (a little lower latency per parallel region where every worker
+        owns its cores outright); 'runtime' leaves the OpenMP runtime's default (libgomp: spin
+        ~300k iterations first) or what the environment already says.
+    niceness: the worker process's nice value (0 default; None = Ray's default for worker processes,
+        15, under which the router, Ray's daemons and any other process preempt the engine).
+        Lowering a process's niceness below its parent's needs CAP_SYS_NICE (root); duet serve
+        starts each worker with it (Ray's RAY_worker_niceness in the actor's runtime_env).
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -262,6 +337,8 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     kv_transfer_backend: str = "auto"
     shared_weights_dir: str | None = None
+    omp_wait_policy: str = "passive"
+    niceness: int | None = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_batch_sizes, list):
@@ -291,6 +368,12 @@ class EngineConfig:
             raise ConfigError(f"kv_transfer_backend={self.kv_transfer_backend!r}: must be one of {', '.join(KV_BACKENDS)}")
         if self.shared_weights_dir is not None and not str(self.shared_weights_dir).strip():
             raise ConfigError("shared_weights_dir='': must be a directory path, or unset to load a copy per worker")
+        if self.omp_wait_policy not in OMP_WAIT_POLICIES:
+            raise ConfigError(f"omp_wait_policy={self.omp_wait_policy!r}: must be one of {', '.join(OMP_WAIT_POLICIES)}")
+        if self.niceness is not None and (isinstance(self.niceness, bool) or not isinstance(self.niceness, int)
+                                          or not -20 <= self.niceness <= 19):
+            raise ConfigError(f"niceness={self.niceness!r}: must be an integer in [-20, 19] (0 = normal priority), "
+                              "or null for Ray's default (15)")
         if self.kv_transfer_backend == "nccl" and self.device == "cpu":
             raise ConfigError("kv_transfer_backend='nccl' with device='cpu': nccl moves KV between GPUs; use auto, "
                               "shm or gloo, or device cuda")

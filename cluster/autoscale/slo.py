@@ -67,7 +67,7 @@ The algorithm, per pool (prefill, decode and colocated pools independently; draf
     smoothed level of a pool with ``smoothing_s`` already holds a past peak for about that long
     (an average over smoothing_s forgets a drop at that pace), so its window is the rest:
     max(0, horizon_s + migration_s - smoothing_s).
- 5. Drafter pools: ``ceil(ratio x`` their decode pool's desired``)``, clamped.
+ 5. Drafter pools: ``ceil(ratio x`` the desired of the decode / colocated pool drafting on them``)``, clamped.
  6. Standby replicas (a pool with ``max_standby`` > 0; cluster/autoscale/standby.py): as many as the
     burst risk the pool saw lately needs (how far the forecast rose above the window's mean before
     the last ``horizon_s``: load that came faster than a start-up, in replicas, remembered as a
@@ -111,7 +111,8 @@ class AutoscalerConfigError(ValueError):
 @dataclass(frozen=True)
 class PoolScaling:
     """How one pool scales. role: prefill (TTFT) | decode (TPOT) | colocated (both) | drafter
-    (follows ``follows``, a decode pool, at ``ratio`` drafters per decode replica).
+    (follows ``follows``, the decode or colocated pool drafting on it, at ``ratio`` drafters per
+    replica of that pool).
 
     smoothing_s: the time constant of the arrival-rate level, ~ the time a request spends in the
     pool (decode: output tokens x TPOT). A pool whose requests stay minutes needs capacity for
@@ -204,8 +205,9 @@ def _validate(c: AutoscalerConfig) -> None:
              f"must be between 0 and max_replicas ({p.max_replicas})")
         if p.role == "drafter":
             dec = next((q for q in c.pools if q.pool == p.follows), None)
-            need(dec is not None and dec.role == "decode", f"{k}.follows", p.follows,
-                 f"must name a decode pool of this config ({[q.pool for q in c.pools if q.role == 'decode']})")
+            need(dec is not None and dec.role in ("decode", "colocated"), f"{k}.follows", p.follows,
+                 "must name a decode or colocated pool of this config "
+                 f"({[q.pool for q in c.pools if q.role in ('decode', 'colocated')]})")
             need(p.ratio > 0, f"{k}.ratio", p.ratio, "must be > 0 (drafter replicas per decode replica)")
             continue
         if p.fed_by is not None:

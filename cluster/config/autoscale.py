@@ -12,6 +12,9 @@ source and the fix), then turned into the decision function's ``AutoscalerConfig
                                 pool: router/hold.py, cluster/deploy/wake.py)
     max_standby / standby_cost  standby replicas the autoscaler keeps from the burst risk it sees
                                 (cluster/autoscale/standby.py), and one standby's cost in replicas
+    ratio                       drafter pools only (instead of SLOs and a profile): replicas per
+                                replica of the pool that drafts on it (its speculative.drafter_pool),
+                                which must be scaled too: ceil(ratio x that pool's desired)
 
 Example (YAML)::
 
@@ -74,6 +77,11 @@ class AutoscalePoolSection(Section):
     standby_cost: float = Field(0.1, ge=0, description="One standby replica's cost in serving replicas (its "
                                 "process and reservation without a KV cache or, with shared weights, a weight "
                                 "copy); reported with each decision.", json_schema_extra={"hint": "must be >= 0"})
+    ratio: float | None = Field(None, gt=0, description="Drafter pools only, instead of SLOs and a profile: replicas "
+                                "per replica of the pool drafting on it (its speculative.drafter_pool, scaled too): "
+                                "ceil(ratio x that pool's desired).", json_schema_extra={
+                                    "hint": "must be > 0 (drafter replicas per replica of the pool drafting on them), "
+                                            "or null"})
 
 
 class KubernetesActuatorSection(Section):
@@ -136,6 +144,8 @@ class AutoscalingSection(Section):
 def check_autoscale_pool(p: AutoscalePoolSection, key: str, s: Sources) -> None:
     need(p.min_replicas <= p.max_replicas, f"{key}.min_replicas", p.min_replicas, s,
          f"must be >= 0 and <= max_replicas ({p.max_replicas})")
+    if p.ratio is not None:
+        return  # a drafter pool follows its targets: no SLO, no profile (check_against_pools)
     need(p.profile is not None and Path(p.profile).expanduser().is_file(), f"{key}.profile", p.profile, s,
          "must be a capacity profile file; measure one with `duet profile --out FILE`")
     _load(p, key, s)
@@ -168,9 +178,12 @@ def _check_actuator(a: AutoscalingSection, key: str, s: Sources) -> None:
          "must be a Kubernetes namespace name, or empty for this pod's own namespace")
 
 
-def check_against_pools(a: AutoscalingSection, roles: dict[str, str], sizes: dict[str, int], s: Sources) -> None:
+def check_against_pools(a: AutoscalingSection, roles: dict[str, str], sizes: dict[str, int], s: Sources,
+                        leaders: dict[str, list[str]] | None = None) -> None:
     """Each scaled pool exists, starts within its bounds and has the SLOs its role scales on (the
-    rest of DuetConfig's checks)."""
+    rest of DuetConfig's checks). leaders: drafter pool -> the pools drafting on it."""
+    leaders = leaders or {}
+    scaled = {p.pool for p in a.pools}
     for i, p in enumerate(a.pools):
         key = f"autoscaling.pools[{i}]"
         need(p.pool in roles, f"{key}.pool", p.pool, s, f"must be one of the configured pools ({', '.join(roles)})")
@@ -178,14 +191,26 @@ def check_against_pools(a: AutoscalingSection, roles: dict[str, str], sizes: dic
              f"pool {p.pool!r} starts with {sizes[p.pool]} replicas (its `replicas`), outside "
              f"[min_replicas, max_replicas] = [{p.min_replicas}, {p.max_replicas}]; make them agree")
         role = roles[p.pool]
+        need((role == "drafter") == (p.ratio is not None), f"{key}.ratio", p.ratio, s,
+             f"pool {p.pool!r} is a {role} pool: " + ("a drafter pool follows the pool drafting on it; set ratio "
+                                                       "(drafter replicas per replica of that pool)" if role == "drafter"
+                                                       else "ratio is for drafter pools only; remove it"))
+        if role == "drafter":
+            lead = leaders.get(p.pool, [])
+            need(len(lead) == 1 and lead[0] in scaled, f"{key}.pool", p.pool, s,
+                 f"a drafter pool follows the one pool drafting on it, autoscaled too (drafting on it: "
+                 f"{', '.join(lead) or 'none'}; autoscaled: {', '.join(sorted(scaled))})")
+            continue
         need(role == "decode" or p.slo_ttft_ms is not None, f"{key}.slo_ttft_ms", None, s,
              f"pool {p.pool!r} is a {role} pool: it scales on TTFT; set a p90 target in ms")
         need(role == "prefill" or p.slo_tpot_ms is not None, f"{key}.slo_tpot_ms", None, s,
              f"pool {p.pool!r} is a {role} pool: it scales on time per output token; set a p90 target in ms")
 
 
-def to_autoscaler_config(a: AutoscalingSection, roles: dict[str, str]) -> Any:
-    """The decision function's ``cluster.autoscale.slo.AutoscalerConfig`` for this section."""
+def to_autoscaler_config(a: AutoscalingSection, roles: dict[str, str], leaders: dict[str, list[str]] | None = None) -> Any:
+    """The decision function's ``cluster.autoscale.slo.AutoscalerConfig`` for this section
+    (leaders: drafter pool -> the pool drafting on it, which it follows)."""
+    leaders = leaders or {}
     from cluster.autoscale.slo import AutoscalerConfig, AutoscalerConfigError, PoolScaling
     from cluster.autoscale.profile import SLOTargets
 
@@ -194,6 +219,8 @@ def to_autoscaler_config(a: AutoscalingSection, roles: dict[str, str]) -> Any:
     prefill = [p.pool for p in a.pools if roles[p.pool] == "prefill"]
     fed_by = prefill[0] if len(prefill) == 1 else None
     pools = tuple(
+        PoolScaling(p.pool, "drafter", min_replicas=p.min_replicas, max_replicas=p.max_replicas,
+                    follows=leaders[p.pool][0], ratio=p.ratio) if roles[p.pool] == "drafter" else
         PoolScaling(p.pool, roles[p.pool], SLOTargets(_seconds(p.slo_ttft_ms) if roles[p.pool] != "decode" else None,
                                                       _seconds(p.slo_tpot_ms) if roles[p.pool] != "prefill" else None),
                     _load(p, f"autoscaling.pools[{i}]", {}).capacity, p.min_replicas, p.max_replicas,

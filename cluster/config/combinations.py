@@ -25,13 +25,46 @@ def check_combinations(c: Any, s: Sources) -> None:
         _check_embedded_resources(c, pool, p, s)
         _check_pool_device(pool, p, s)
         _check_standby(pool, p, s)
+    _check_drafter_pools(c, s)
 
 
 def _check_standby(pool: Any, p: str, s: Sources) -> None:
-    """Standby replicas are single-rank workers (a gang's ranks load together when it starts)."""
+    """Standby replicas are single-rank engine workers (a gang's ranks load together when it starts;
+    a drafter actor has no standby state)."""
     need(pool.standby_replicas == 0 or pool.gang_size == 1, f"{p}.standby_replicas", pool.standby_replicas, s,
          f"{p} is a gang of {pool.gang_size} ranks (ep_size x sp_size x tp_size): standby replicas are single-rank "
          "workers; set standby_replicas to 0 or the parallel sizes to 1")
+    need(pool.standby_replicas == 0 or pool.role != "drafter", f"{p}.standby_replicas", pool.standby_replicas, s,
+         f"{p}.role is 'drafter': standby replicas are engine workers; a drafter pool keeps none (set 0)")
+
+
+def _check_drafter_pools(c: Any, s: Sources) -> None:
+    """A drafter pool has a model and nothing a target has; every speculative.drafter_pool names
+    one; every drafter pool is named (else its replicas would serve nobody)."""
+    roles = {pool.name: pool.role for pool in c.pools}
+    named = {pool.speculative.drafter_pool for pool in c.pools if pool.speculative.drafter_pool}
+    for i, pool in enumerate(c.pools):
+        p = f"pools[{i}]"
+        if pool.role == "drafter":
+            need(bool(pool.drafter.model), f"{p}.drafter.model", pool.drafter.model, s,
+                 f"{p}.role is 'drafter': name the draft model (a checkpoint dir or model name sharing the target's "
+                 "tokenizer)")
+            need(pool.speculative.method == "none", f"{p}.speculative.method", pool.speculative.method, s,
+                 f"with {p}.role='drafter': a drafter pool drafts for others; speculate on the pools that name it")
+            need(pool.gang_size == 1, f"{p}.tp_size", pool.tp_size, s,
+                 f"with {p}.role='drafter': a drafter replica is one rank (ep_size, sp_size and tp_size 1)")
+            need(pool.name in named, f"{p}.name", pool.name, s,
+                 "no pool's speculative.drafter_pool names this drafter pool, so it would serve nobody; set "
+                 f"speculative.drafter_pool: {pool.name} on a colocated or decode pool, or remove it")
+        else:
+            need(not pool.drafter.model, f"{p}.drafter.model", pool.drafter.model, s,
+                 f"only a role: drafter pool runs a drafter ({p}.role is {pool.role!r}); for a private drafter "
+                 "per worker set speculative.draft_model instead")
+        target = pool.speculative.drafter_pool
+        if target is not None:
+            need(roles.get(target) == "drafter", f"{p}.speculative.drafter_pool", target, s,
+                 f"must name a pool with role drafter; drafter pools: "
+                 f"{', '.join(n for n, r in roles.items() if r == 'drafter') or '(none)'}")
 
 
 def _check_pool_device(pool: Any, p: str, s: Sources) -> None:

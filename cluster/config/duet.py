@@ -14,7 +14,9 @@ every key with its env var and flag):
     model       what every worker serves: name or checkpoint path, dtype, max_model_len
     pools       worker pools, each sized and placed on its own; role colocated (each worker prefills
                 and decodes), or a disaggregated pair of pools: prefill (computes prompts and sends
-                their KV) + decode (streams tokens); see router/policies/disagg.py
+                their KV) + decode (streams tokens); see router/policies/disagg.py; or drafter (replicas
+                of a draft model that colocated / decode pools name in speculative.drafter_pool: the
+                router hands each speculative request one of them; workers/spec_decode/)
     router      the public gRPC server and HTTP API: host, port, http_port, routing policy + options,
                 admission limits
     ray         where the workers run: an existing cluster (``address``) or an embedded local one
@@ -61,19 +63,27 @@ from cluster.config.sources import (
     validation_error,
 )
 from router.config import RouterConfig  # pure Python
-from workers.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig  # no torch
+from workers.config import (  # no torch
+    CacheConfig,
+    DrafterConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 __all__ = ["ClusterConfigError", "DuetConfig", "load_config"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 PLACEMENT_STRATEGIES = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
-ROLES = ("colocated", "prefill", "decode")
+ROLES = ("colocated", "prefill", "decode", "drafter")
 
 
 # ---------------------------------------------------------------------------------- sections
 # model, pools[i].engine, the pools' parallel sizes and router are the worker and router config
 # types' own fields under their YAML names (cluster/config/derive.py): their types, defaults, checks
-# and descriptions are defined once, there. pools[i].speculative *is* workers.config.SpeculativeConfig.
+# and descriptions are defined once, there. pools[i].speculative *is* workers.config.SpeculativeConfig,
+# and pools[i].drafter (role drafter) *is* workers.config.DrafterConfig.
 ModelSection = derived_section("ModelSection", "What every worker serves (workers.config.EngineConfig).", [
     ("name", Part(EngineConfig, "model")),
     ("dtype", Part(EngineConfig, "dtype")),
@@ -87,6 +97,7 @@ EngineSection = derived_section("EngineSection", "Per-worker engine settings (wo
     ("kv_cache_memory_bytes", Part(CacheConfig, "kv_cache_memory_bytes", type=ByteCount)),
     ("max_num_batched_tokens", Part(SchedulerConfig, "max_num_batched_tokens")),
     ("max_num_seqs", Part(SchedulerConfig, "max_num_seqs")),
+    ("target_itl_ms", Part(SchedulerConfig, "target_itl_ms")),
     ("enable_prefix_caching", Part(CacheConfig, "enable_prefix_caching")),
     ("fused_decode", Part(EngineConfig, "fused_decode")),
     ("cpu_kernels", Part(EngineConfig, "cpu_kernels")),
@@ -94,6 +105,8 @@ EngineSection = derived_section("EngineSection", "Per-worker engine settings (wo
     ("cuda_graphs", Part(EngineConfig, "cuda_graphs")),
     ("cuda_graph_batch_sizes", Part(EngineConfig, "cuda_graph_batch_sizes")),
     ("kv_transfer_backend", Part(EngineConfig, "kv_transfer_backend")),
+    ("omp_wait_policy", Part(EngineConfig, "omp_wait_policy")),
+    ("niceness", Part(EngineConfig, "niceness")),
 ])
 
 
@@ -124,8 +137,11 @@ PoolSection = derived_section("PoolSection", """One worker pool: ``replicas`` re
                                                                      "'_', starting with a letter (it names the actors)"}))),
     ("role", (Literal[ROLES], Field("colocated", description="colocated (each worker prefills and decodes), or "
               "prefill / decode: a disaggregated pair of pools (prefill computes prompts and sends their KV "
-              "to a decode worker, which streams the tokens).", json_schema_extra={"hint": "must be one of colocated, "
-              "prefill, decode (prefill + decode pools make a disaggregated deployment)"}))),
+              "to a decode worker, which streams the tokens), or drafter: replicas of a draft model (its "
+              "`drafter` keys, on its engine device and KV budget) that colocated / decode pools name in "
+              "speculative.drafter_pool.", json_schema_extra={"hint": "must be one of colocated, prefill, decode, "
+              "drafter (prefill + decode pools make a disaggregated deployment; drafter pools serve the drafts of "
+              "the pools that name them in speculative.drafter_pool)"}))),
     ("replicas", (int, Field(1, ge=1, description="Replicas (gangs of ranks) in the pool."))),
     ("standby_replicas", (int, Field(0, ge=0, description="Standby replicas: started and loaded but unrouted (no "
                           "KV cache), promoted first on a scale-up, when they serve in about a second "
@@ -155,6 +171,8 @@ PoolSection = derived_section("PoolSection", """One worker pool: ``replicas`` re
     ("speculative", (Annotated[SpeculativeConfig, BeforeValidator(_resource_pairs)], Field(
         default_factory=SpeculativeConfig, description="Speculative decoding (workers.config.SpeculativeConfig); "
         "colocated and decode pools only."))),
+    ("drafter", (DrafterConfig, Field(default_factory=DrafterConfig, description="What each replica of a role: "
+                 "drafter pool runs (workers.config.DrafterConfig); drafter pools only."))),
     ("gpus_per_rank", (float, Field(0.0, description="GPUs each rank reserves (a fraction below 1 shares a GPU)."))),
     ("resources_per_rank", (Mapping[str, Any], Field(default_factory=dict, description="Custom Ray resources per "
                             "rank, e.g. {duet_pool_decode: 1} where only the decode pool's nodes offer it, so no rank "
@@ -170,6 +188,10 @@ RouterSection = derived_section("RouterSection", "The public gRPC server and Ope
                        "/v1/completions, /v1/models, /health, /metrics), same TLS and tokens; 0 = off.")),
     ("policy", Part(RouterConfig, "policy")),
     ("policy_options", Part(RouterConfig, "policy_options")),
+    ("drafter_policy", Part(RouterConfig, "drafter_policy", "How a speculative request's drafter replica is picked "
+                            "from the drafter pool its worker names (router/policies/drafter.py).")),
+    ("drafter_policy_options", Part(RouterConfig, "drafter_policy_options", "Keyword options of the drafter policy, "
+                                    "e.g. {fanout: 4} (the replicas one worker spreads its requests over).")),
     ("max_in_flight", Part(RouterConfig, "max_in_flight", "Requests streamed at once.")),
     ("max_queue", Part(RouterConfig, "max_queue", "Admitted requests waiting for an in-flight slot; beyond both "
                        "limits a request gets RESOURCE_EXHAUSTED.")),
@@ -254,6 +276,26 @@ class DuetConfig(Section):
                             scheduler=SchedulerConfig(**owner_kwargs(e, SchedulerConfig)),
                             speculative=pool.speculative)
 
+    def to_drafter_engine_config(self, pool: PoolSection) -> EngineConfig:
+        """The ``workers.config.EngineConfig`` of a drafter pool's replicas (its ``drafter`` model and
+        quantization on its ``engine`` device, KV budget and block size; float32 when quantized)."""
+        d, e = pool.drafter, pool.engine
+        return EngineConfig(model=d.model or "", quantization=d.quantization,
+                            dtype="float32" if d.quantization != "none" else "auto",
+                            device=e.device, fused_decode=e.fused_decode, cpu_kernels=e.cpu_kernels,
+                            cache=CacheConfig(block_size=e.block_size, kv_cache_memory_bytes=e.kv_cache_memory_bytes))
+
+    @property
+    def target_pools(self) -> tuple[PoolSection, ...]:
+        """The pools that serve requests (every role but drafter)."""
+        return tuple(p for p in self.pools if p.role != "drafter")
+
+    @property
+    def drafter_leaders(self) -> dict[str, list[str]]:
+        """Drafter pool -> the pools drafting on it (their speculative.drafter_pool)."""
+        return {d.name: [p.name for p in self.pools if p.speculative.drafter_pool == d.name]
+                for d in self.pools if d.role == "drafter"}
+
     def to_router_config(self, tokenizer_path: str, max_model_len: int | None = None, **extra: Any) -> RouterConfig:
         """The ``router.config.RouterConfig``. tokenizer_path: the resolved checkpoint directory;
         max_model_len: the workers' effective limit (default: ``model.max_model_len``); extra:
@@ -261,11 +303,12 @@ class DuetConfig(Section):
         return RouterConfig(
             tokenizer_path=tokenizer_path, model_name=Path(self.model.name).name,
             max_model_len=max_model_len if max_model_len is not None else self.model.max_model_len,
-            **owner_kwargs(self.router, RouterConfig), disagg_block_size=self.pool.engine.block_size, **extra)
+            **owner_kwargs(self.router, RouterConfig), disagg_block_size=self.target_pools[0].engine.block_size,
+            **extra)
 
     def to_autoscaler_config(self):
         """The ``cluster.autoscale.slo.AutoscalerConfig`` of the ``autoscaling`` section."""
-        return to_autoscaler_config(self.autoscaling, {p.name: p.role for p in self.pools})
+        return to_autoscaler_config(self.autoscaling, {p.name: p.role for p in self.pools}, self.drafter_leaders)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (what ``duet serve --dry-run`` prints as YAML)."""
@@ -382,14 +425,14 @@ def _check(c: DuetConfig, s: Sources) -> None:
     need(len(set(names)) == len(names), "pools", names, s, "pool names must be unique (they name the actors)")
     need(bool({pool.role for pool in c.pools} & {"colocated", "decode"}), "pools", names, s,
          "needs a colocated or decode pool to stream tokens (a prefill pool only computes prompts)")
-    sizes = {pool.engine.block_size for pool in c.pools}
+    sizes = {pool.engine.block_size for pool in c.pools if pool.role != "drafter"}  # a drafter's KV stays home
     need(len(sizes) == 1, "pools", names, s,
          f"every pool must use the same engine.block_size (KV blocks move between them), got {sorted(sizes)}")
     for i in range(len(c.pools)):
         _check_engine_config(c, i, s)
     check_combinations(c, s)
     check_against_pools(c.autoscaling, {pool.name: pool.role for pool in c.pools},
-                        {pool.name: pool.replicas for pool in c.pools}, s)
+                        {pool.name: pool.replicas for pool in c.pools}, s, c.drafter_leaders)
 
 
 def _check_placement_resources(pool: PoolSection, p: str, s: Sources) -> None:
@@ -416,14 +459,20 @@ def _check_router(r: RouterSection, p: str, s: Sources) -> None:
 
 
 def _check_engine_config(c: DuetConfig, i: int, s: Sources) -> None:
-    """Build pool i's EngineConfig: the engine's checks across model, engine and speculative keys."""
+    """Build pool i's EngineConfig: the engine's checks across model, engine and speculative keys (a
+    drafter pool's: across its drafter and engine keys)."""
     pool = c.pools[i]
+    if pool.role == "drafter" and not pool.drafter.model:
+        return  # refused by check_combinations, naming drafter.model
     try:
-        c.to_engine_config(pool)
+        c.to_drafter_engine_config(pool) if pool.role == "drafter" else c.to_engine_config(pool)
     except ValueError as e:
         if not is_lower_config_error(e):
             raise
         keys = {**keymap(c.model, "model"), **keymap(pool.engine, f"pools[{i}].engine")}
+        if pool.role == "drafter":
+            keys.update({"model": (f"pools[{i}].drafter.model", pool.drafter.model),
+                         "quantization": (f"pools[{i}].drafter.quantization", pool.drafter.quantization)})
         keys.update({f"speculative.{name}": (f"pools[{i}].speculative.{name}", getattr(pool.speculative, name))
                      for name in SpeculativeConfig.__dataclass_fields__})
         raise lower_error(e, keys, s) from None

@@ -35,7 +35,9 @@ from pydantic import BaseModel, TypeAdapter
 from cluster.config.derive import field_docs
 from cluster.config.duet import SWITCHES, DuetConfig
 from router.policies import POLICIES
-from workers.config import COMM_MODES, DRAFTER_DEVICES, DTYPES, KV_BACKENDS, MIN_DRAFT_VOCAB, QUANTIZATIONS, SPEC_METHODS
+from router.policies.drafter import DRAFTER_POLICIES
+from workers.config import (COMM_MODES, DRAFTER_DEVICES, DTYPES, KV_BACKENDS, MIN_DRAFT_VOCAB, OMP_WAIT_POLICIES,
+                            QUANTIZATIONS, SPEC_METHODS)
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "reference" / "settings.md"
@@ -53,6 +55,9 @@ HINTS: dict[str, dict[str, Any]] = {
     "pools[].engine.max_num_seqs": _SIZE,
     "pools[].engine.device": {"pattern": "^(auto|cpu|cuda(:[0-9]+)?)$"},
     "pools[].engine.kv_transfer_backend": {"enum": list(KV_BACKENDS)},
+    "pools[].engine.target_itl_ms": {"exclusiveMinimum": 0},
+    "pools[].engine.omp_wait_policy": {"enum": list(OMP_WAIT_POLICIES)},
+    "pools[].engine.niceness": {"minimum": -20, "maximum": 19},
     "pools[].ep_size": _SIZE, "pools[].sp_size": _SIZE, "pools[].tp_size": _SIZE,
     "pools[].comm": {"enum": list(COMM_MODES)},
     "pools[].speculative.method": {"enum": list(SPEC_METHODS)},
@@ -67,10 +72,16 @@ HINTS: dict[str, dict[str, Any]] = {
     "pools[].speculative.draft_vocab_size": {"anyOf": [{"const": 0}, {"minimum": MIN_DRAFT_VOCAB}]},
     "pools[].speculative.drafter_threads": {"minimum": 0},
     "pools[].speculative.drafter_device": {"enum": list(DRAFTER_DEVICES)},
+    "pools[].drafter.model": {"minLength": 1},
+    "pools[].drafter.quantization": {"enum": list(QUANTIZATIONS)},
+    "pools[].drafter.threads": {"minimum": 0},
+    "pools[].drafter.draft_vocab_size": {"anyOf": [{"const": 0}, {"minimum": MIN_DRAFT_VOCAB}]},
+    "pools[].drafter.idle_timeout_s": {"exclusiveMinimum": 0},
     "router.host": {"minLength": 1},
     "router.port": {"minimum": 0, "maximum": 65535},
     "router.http_port": {"minimum": 0, "maximum": 65535},
     "router.policy": {"enum": list(POLICIES)},
+    "router.drafter_policy": {"enum": list(DRAFTER_POLICIES)},
     "router.max_in_flight": _SIZE,
     "router.max_queue": {"minimum": 0},
     "router.shutdown_grace_s": {"minimum": 0},
@@ -95,7 +106,11 @@ _POOL = {"replicas": "replicas", "standbyReplicas": "standby_replicas", "epSize"
              ("method", "method"), ("numSpeculativeTokens", "num_speculative_tokens"), ("adaptive", "adaptive"),
              ("ngramMin", "ngram_min"), ("ngramMax", "ngram_max"), ("draftModel", "draft_model"),
              ("draftQuantization", "draft_quantization"), ("drafterDevice", "drafter_device"),
-             ("drafterCpus", "drafter_cpus"), ("draftTimeoutSeconds", "draft_timeout_s"), ("overlap", "overlap"))}}
+             ("drafterCpus", "drafter_cpus"), ("draftTimeoutSeconds", "draft_timeout_s"), ("overlap", "overlap"),
+             ("drafterPool", "drafter_pool"))},
+         **{f"drafter.{k}": f"drafter.{v}" for k, v in (
+             ("model", "model"), ("quantization", "quantization"), ("threads", "threads"),
+             ("idleTimeoutSeconds", "idle_timeout_s"))}}
 CHART_KEYS: dict[str, tuple[str, dict[str, Any]]] = {
     "model.name": ("model.name", {}), "model.dtype": ("model.dtype", {}),
     "model.maxModelLen": ("model.max_model_len", {}), "model.quantization": ("model.quantization", {}),

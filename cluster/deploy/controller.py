@@ -126,6 +126,7 @@ class Controller:
         self.start_timeout_s = start_timeout_s
         self._pools = {p.name: p for p in pools}
         self._roles = {r.worker_id: p.section.role for p in pools for r in p.replicas}
+        self._pool_of = {r.worker_id: p.name for p in pools for r in p.replicas}
         self._replicas = [_Replica(r) for p in pools for r in list(p.replicas)]
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -158,7 +159,7 @@ class Controller:
             return self._members_locked()
 
     def role_of(self, worker_id: str) -> str:
-        """The worker's pool role (colocated, prefill or decode)."""
+        """The worker's pool role (colocated, prefill, decode or drafter)."""
         return self._roles.get(worker_id, "colocated")
 
     def members_with_roles(self) -> list[tuple[str, str, str]]:
@@ -166,7 +167,9 @@ class Controller:
         return [(w, e, self.role_of(w)) for w, e in self.members()]
 
     def member_details(self) -> MemberDetails:
-        """Members and draining replicas: (worker_id, endpoint, role, pool, draining), by worker id."""
+        """Members and draining replicas: (worker_id, endpoint, role, pool, draining), by worker id.
+        Drafter replicas are members like workers (role drafter); ``drafter_pool_of`` tells which of
+        them a target's requests draft on."""
         with self._lock:
             return self._details_locked()
 
@@ -177,6 +180,7 @@ class Controller:
                      created_at=time.monotonic())
         with self._lock:
             self._roles[replica.worker_id] = self._pools[replica.pool].section.role
+            self._pool_of[replica.worker_id] = replica.pool
             self._replicas.append(r)
             (self._issue_prepare if standby else self._issue_start)(r)
 
@@ -389,7 +393,10 @@ class Controller:
 
     def _migration_peers(self, r: _Replica) -> list[tuple[str, str]]:
         """(worker id, endpoint) of the up replicas of a draining replica's pool: its running requests
-        migrate there before it stops (live migration; none: they finish within the grace)."""
+        migrate there before it stops (live migration; none: they finish within the grace). A drafter
+        replica has none: its state is a cache, its targets' requests go on without it."""
+        if self._roles.get(r.replica.worker_id) == "drafter":
+            return []
         with self._lock:
             return [(x.replica.worker_id, x.endpoint) for x in self._replicas
                     if x is not r and x.state == "up" and x.endpoint and x.replica.pool == r.replica.pool]
@@ -519,6 +526,15 @@ class Controller:
         return sorted((r.replica.worker_id, r.endpoint, self._roles.get(r.replica.worker_id, "colocated"),
                        r.replica.pool, r.state == "draining")
                       for r in self._replicas if r.state in ("up", "draining") and r.endpoint)
+
+    def drafter_pool_of(self, worker_id: str) -> str:
+        """The drafter pool the worker's pool drafts on (speculative.drafter_pool; "" = none)."""
+        p = self._pools.get(self._pool_of.get(worker_id, ""))
+        return (p.section.speculative.drafter_pool or "") if p is not None else ""
+
+    def router_members(self) -> list[tuple[str, str, str, str, bool, str]]:
+        """``member_details()`` with each worker's drafter pool: the router's MemberInfo entries."""
+        return [(*m, self.drafter_pool_of(m[0])) for m in self.member_details()]
 
     def _push(self, index: int, push: Callable[[Any], None], detailed: bool = False) -> None:
         with self._push_lock:

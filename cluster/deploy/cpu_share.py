@@ -35,8 +35,8 @@ def resolve_cpus(c: DuetConfig, node_cpus: int | None) -> tuple[DuetConfig, str]
             a = scaled.get(p.name)
             return max(p.replicas, a.max_replicas if a else 0) + max(p.standby_replicas, a.max_standby if a else 0)
         fixed = sum(replicas(p) * p.gang_size * p.cpus_per_replica for p in c.pools if p.cpus_per_replica is not None)
-        drafters = sum(replicas(p) * p.speculative.drafter_cpus for p in c.pools
-                       if p.speculative.method == "draft_model")
+        drafters = sum(replicas(p) * p.speculative.drafter_cpus for p in c.pools  # private drafter actors
+                       if p.speculative.method == "draft_model" and not p.speculative.drafter_pool)
         ranks = sum(replicas(p) * p.gang_size for p in unset)
         left = node_cpus - ROUTER_CPUS - fixed - drafters
         chosen = max(1, left // ranks)

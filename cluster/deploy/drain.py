@@ -24,7 +24,9 @@ class DrainError(Exception):
 
 
 def select(workers: list[dict[str, Any]], worker_id: str | None, node_ip: str | None) -> list[dict[str, Any]]:
-    """The entries (from cluster.deploy.status.worker_status) to drain. Raises DrainError."""
+    """The entries (from cluster.deploy.status.worker_status) to drain. Raises DrainError. Drafter
+    replicas are never drained (their state is a cache: their targets go on without drafts)."""
+    workers = [w for w in workers if w.get("role") != "drafter"]
     if worker_id is not None:
         chosen = [w for w in workers if w["worker_id"] == worker_id]
         if not chosen:

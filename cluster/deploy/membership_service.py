@@ -2,7 +2,8 @@
 
 ``serve_membership(controller, host, port)`` subscribes to the controller (cluster/deploy/controller.py)
 and serves ``Watch``: each watcher gets the current list at once, then the full list after every
-change. Each member carries its role and pool; a replica the autoscaler is draining stays listed
+change. Each member carries its role and pool (drafter replicas are members with role "drafter"; a
+target carries the drafter pool its requests draft on); a replica the autoscaler is draining stays listed
 with ``draining`` set (routers send it nothing new and let its streams finish) until it is gone. A watch is one long-lived server stream parked on a condition variable, so a thread of
 the server's pool per watcher (``max_watchers``; routers are few). Stopping the service ends every
 stream (the routers then keep their last list and reconnect, see router/membership.py).
@@ -49,8 +50,10 @@ class MembershipServicer(control_pb2_grpc.MembershipServicer):
     """Holds the latest list (and its version) and wakes every parked Watch when it changes."""
 
     def __init__(self, role_of: Callable[[str], str] = lambda worker_id: "colocated",
+                 drafter_pool_of: Callable[[str], str] = lambda worker_id: "",
                  wake: Callable[[list[str], str], Any] | None = None) -> None:
         self._role_of = role_of  # worker id -> pool role, sent with each member
+        self._drafter_pool_of = drafter_pool_of  # worker id -> the drafter pool its requests draft on
         self._wake_pools = wake  # (roles, requester) -> cluster.deploy.wake.WakeOutcome
         self._cond = threading.Condition()
         self._version = 0
@@ -74,7 +77,8 @@ class MembershipServicer(control_pb2_grpc.MembershipServicer):
         if len(m) == 2:
             return control_pb2.Member(worker_id=m[0], endpoint=m[1], role=self._role_of(m[0]))
         worker_id, endpoint, role, pool, draining = m
-        return control_pb2.Member(worker_id=worker_id, endpoint=endpoint, role=role, pool=pool, draining=draining)
+        return control_pb2.Member(worker_id=worker_id, endpoint=endpoint, role=role, pool=pool, draining=draining,
+                                  drafter_pool=self._drafter_pool_of(worker_id))
 
     def close(self) -> None:
         with self._cond:
@@ -141,7 +145,7 @@ def serve_membership(controller: Controller, host: str, port: int, *, max_watche
                      wake: Callable[[list[str], str], Any] | None = None) -> MembershipService:
     """Listen on host:port (0 = any free port) and follow ``controller``'s member list. wake:
     answers Wake (cluster/deploy/wake.py ``PoolWaker.wake``); None = nothing sleeps."""
-    servicer = MembershipServicer(controller.role_of, wake)
+    servicer = MembershipServicer(controller.role_of, controller.drafter_pool_of, wake)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_watchers, thread_name_prefix="duet-membership"),
                          options=[("grpc.so_reuseport", 0)])
     control_pb2_grpc.add_MembershipServicer_to_server(servicer, server)

@@ -1,7 +1,9 @@
 """Worker pools: a pool's Ray actors, placed with one placement group, restarted by Ray.
 
 Terms:
-    replica     one WorkerActor (workers/server/actor.py): one engine behind the internal gRPC service.
+    replica     one WorkerActor (workers/server/actor.py): one engine behind the internal gRPC service;
+                in a ``role: drafter`` pool, one DrafterActor (workers/spec_decode/drafter_actor.py): a
+                draft engine behind the Drafter service, with the same start / info / stop lifecycle.
     worker id   ``<pool>-<index>`` (``default-0``); also the actor's name in the Ray namespace
                 (``ray.namespace``, default "duet"), which is how ``duet status`` finds it. It stays
                 the same across Ray restarts; the endpoint does not.
@@ -199,8 +201,9 @@ def create_pool(section: PoolSection, engine_config: Any, namespace: str, *, emb
                 placement_timeout_s: float = 60.0, host: str | None = None) -> WorkerPool:
     """Reserve the pool's placement group and create (not start) its replicas.
 
-    engine_config: the workers.config.EngineConfig every replica runs. host: address the workers
-    bind and advertise (default: each node's IP). embedded: the Ray cluster cannot grow, so a
+    engine_config: the workers.config.EngineConfig every replica runs (a drafter pool's: its draft
+    model's, ``DuetConfig.to_drafter_engine_config``). host: address the workers bind and advertise
+    (default: each node's IP). embedded: the Ray cluster cannot grow, so a
     shortfall of CPUs fails at once instead of after ``placement_timeout_s``.
     """
     import ray
@@ -253,10 +256,13 @@ def _actor_factory(section: PoolSection, engine_config: Any, namespace: str, hos
 
     def make(worker_id: str, pg: Any, first_bundle: int) -> tuple[Any, tuple[Any, ...]]:
         options = dict(
-            name=worker_id, namespace=namespace, **rank_actor_options(section), max_restarts=section.max_restarts,
+            name=worker_id, namespace=namespace, **rank_actor_options(section, engine_config),
+            max_restarts=section.max_restarts,
             max_task_retries=0,  # a call lost with its process is reported, never silently re-run
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle))
         try:
+            if section.role == "drafter":
+                return _create_drafter(section, engine_config, worker_id, host, options), ()
             if section.gang_size == 1:
                 return WorkerActor.options(**options).remote(engine_config, worker_id, host), ()
             return _create_gang(section, engine_config, host, pg, first_bundle, options)
@@ -267,6 +273,16 @@ def _actor_factory(section: PoolSection, engine_config: Any, namespace: str, hos
                 "another ray.namespace or pool name") from None
 
     return make
+
+
+def _create_drafter(section: PoolSection, engine_config: Any, worker_id: str, host: str | None,
+                    options: dict) -> Any:
+    """A drafter pool's replica: a DrafterActor (the targets send their vocabulary size with each item)."""
+    from workers.spec_decode.drafter_actor import DrafterActor
+
+    d = section.drafter
+    return DrafterActor.options(**options).remote(engine_config, None, d.draft_vocab_size, d.threads,
+                                                  worker_id=worker_id, host=host, idle_timeout_s=d.idle_timeout_s)
 
 
 def _create_gang(section: PoolSection, engine_config: Any, host: str | None, pg: Any, first_bundle: int,
@@ -283,7 +299,7 @@ def _create_gang(section: PoolSection, engine_config: Any, host: str | None, pg:
     parallel = section.parallel
     followers = tuple(
         GangFollowerActor.options(
-            **rank_actor_options(section), max_restarts=section.max_restarts, max_task_retries=0,
+            **rank_actor_options(section, engine_config), max_restarts=section.max_restarts, max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + r),
         ).remote(engine_config, parallel, r)
         for r in range(1, ranks)
@@ -316,11 +332,18 @@ def rank_bundle(section: PoolSection) -> dict[str, float]:
     return bundle
 
 
-def rank_actor_options(section: PoolSection) -> dict[str, Any]:
+def rank_actor_options(section: PoolSection, engine_config: Any | None = None) -> dict[str, Any]:
     """The Ray actor options of one rank (a plain worker, a gang's leader or follower): exactly its
-    bundle, so GPUs are assigned to it (CUDA_VISIBLE_DEVICES) and the custom resources are held."""
-    return {"num_cpus": _cpus(section), "num_gpus": section.gpus_per_rank,
-            "resources": dict(section.resources_per_rank)}
+    bundle, so GPUs are assigned to it (CUDA_VISIBLE_DEVICES) and the custom resources are held;
+    with ``engine_config``, the process environment its thread settings need at start (OpenMP
+    wait policy, niceness: workers/server/threads.py)."""
+    options: dict[str, Any] = {"num_cpus": _cpus(section), "num_gpus": section.gpus_per_rank,
+                               "resources": dict(section.resources_per_rank)}
+    if engine_config is not None:
+        from workers.server.threads import process_env
+
+        options["runtime_env"] = {"env_vars": process_env(engine_config)}
+    return options
 
 
 def _cpus(section: PoolSection) -> int:
@@ -351,7 +374,7 @@ def _check_embedded_drafters(section: PoolSection, cluster: dict[str, float]) ->
     """Each replica of a draft_model pool starts a drafter actor outside the pool's bundles: an
     embedded Ray must have room for those too, or every worker would wait for its drafter."""
     sp = section.speculative
-    if sp.method != "draft_model":
+    if sp.method != "draft_model" or sp.drafter_pool:  # a drafter pool is a pool of its own
         return
     need = {"CPU": section.replicas * (section.gang_size * section.cpus_per_replica + sp.drafter_cpus)}
     need.update({k: section.replicas * v for k, v in dict(sp.drafter_resources).items()})

@@ -8,7 +8,8 @@ The order, in ``start_deployment`` (each step undone, in reverse, if a later one
     2. Ray: start an embedded local Ray or join ``ray.address`` (cluster/deploy/ray_conn.py); pools that
        leave cpus_per_replica unset get their share of the embedded Ray's CPUs (``resolve_cpus``)
     3. the pools, in config order: each its own placement group + worker actors (cluster/deploy/pools.py);
-       a disaggregated deployment has a prefill pool and a decode pool, sized and placed apart
+       a disaggregated deployment has a prefill pool and a decode pool, sized and placed apart; a
+       drafter pool's replicas are drafter actors that the router hands to the pools naming it
     4. the controller starts every worker and waits until they serve (cluster/deploy/controller.py);
        it also loads each pool's ``standby_replicas`` (loaded, unrouted: promoted first on a scale-up)
     5. the controller's membership service (duet.control.v1.Membership on ``controller.port``,
@@ -169,7 +170,9 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
 
     config = d.config
     for section in config.pools:
-        d.pools.append(create_pool(section, config.to_engine_config(section), config.ray.namespace,
+        engine_config = (config.to_drafter_engine_config(section) if section.role == "drafter"
+                         else config.to_engine_config(section))
+        d.pools.append(create_pool(section, engine_config, config.ray.namespace,
                                    embedded=d.ray.kind == "embedded",
                                    placement_timeout_s=config.controller.placement_timeout_s))
     d.controller = Controller(d.pools, poll_interval_s=config.controller.poll_interval_s,
@@ -187,8 +190,12 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
             raise ServeError(f"no worker came up within controller.start_timeout_s="
                              f"{config.controller.start_timeout_s:g} s ({problems})")
         logger.warning("duet: %d of %d workers up; continuing without the rest (%s)", len(up), replicas, problems)
+    targets = [endpoint for _, endpoint, role in d.controller.members_with_roles() if role != "drafter"]
+    if not targets:
+        raise ServeError("only drafter replicas came up; no worker to serve requests "
+                         f"({'; '.join(str(r['worker_id']) + ': ' + str(r['state']) for r in d.controller.describe())})")
     d.max_model_len = min(effective_max_model_len(d.model_path, config.model.max_model_len, endpoint)
-                          for _, endpoint in d.controller.members())  # a prompt must fit every pool's KV
+                          for endpoint in targets)  # a prompt must fit every pool's KV
     d.actuator = _make_actuator(d)
     d.waker = PoolWaker(d.actuator, {p.name: p.role for p in config.pools})
     d.membership = serve_membership(d.controller, config.controller.host, config.controller.port, wake=d.waker.wake)
@@ -200,7 +207,7 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
         return
     router_config = config.to_router_config(str(d.model_path), d.max_model_len,
                                             membership_address=d.membership.address, **router_overrides)
-    d.router = serve_router(router_config, d.controller.member_details())
+    d.router = serve_router(router_config, d.controller.router_members())
     d.router.server.metrics.registry.register(PoolStateCollector(d.controller))  # standby etc. on /metrics
     _start_autoscaler(d)
     logger.info("duet: serving %s on %s (gRPC)%s (%d workers, policy %s, context %d tokens, %s; members from %s)",

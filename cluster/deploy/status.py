@@ -23,6 +23,9 @@ Example output::
       default-1  10.0.0.5:40877  SERVING  running 0 waiting 0  outstanding 0 tok   KV 0/91 blocks  pid 1240  node 8f03b7d1
                  migrations: 8 out, 0 in, 0 failed, 36.9 MB; draining
       default-2  -               STANDBY  loaded, unrouted (promoted first on a scale-up)  pid 1251  node 5c1a09e2
+    pool drafters: 1 drafters
+      drafters-0 10.0.0.7:40111  SERVING  requests 3 (drafting 2)  streams 2  KV 5/400 blocks  mean batch 2.6  pid 1250  node 77aa01c3
+                 rounds 812, 2904 draft tokens, 0 evicted, 0 expired
 (the migrations line appears once a worker has migrated or is draining: workers/handoff/migration_service.py;
 a STANDBY worker is a loaded, unrouted spare: cluster/deploy/controller.py)
 """
@@ -82,11 +85,13 @@ def worker_status(namespace: str, timeout: float = 5.0) -> list[dict[str, Any]]:
             workers.append(entry)
             continue
         entry.update(endpoint=info.get("endpoint"), incarnation=info.get("incarnation"), pid=info.get("pid"),
-                     node_id=info.get("node_id"), standby=bool(info.get("standby")))
+                     node_id=info.get("node_id"), standby=bool(info.get("standby")), role=info.get("role", "worker"))
         if entry["standby"]:
             pass  # loaded, unrouted: promoted first on a scale-up
         elif entry["endpoint"] is None:
             entry["error"] = "not serving (starting, or restarted by Ray and not started yet)"
+        elif entry["role"] == "drafter":
+            entry.update(_drafter_load(entry["endpoint"], timeout))
         else:
             entry.update(_worker_load(entry["endpoint"], timeout))
         workers.append(entry)
@@ -129,6 +134,30 @@ def _worker_load(endpoint: str, timeout: float) -> dict[str, Any]:
                      "draining": r.draining}}
 
 
+def _drafter_load(endpoint: str, timeout: float) -> dict[str, Any]:
+    """A drafter replica's DrafterLoad (workers/spec_decode/drafter_service.py), as a dict."""
+    import grpc
+
+    from protos.duet.drafter.v1 import drafter_pb2, drafter_pb2_grpc
+
+    with grpc.insecure_channel(endpoint) as channel:
+        try:
+            r = drafter_pb2_grpc.DrafterStub(channel).GetLoad(drafter_pb2.GetDrafterLoadRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            return {"error": f"gRPC: {e.code().name}: {e.details()}"}  # type: ignore[attr-defined]
+    return {"health": "SERVING", "load": {f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}}
+
+
+def _format_drafter(w: dict[str, Any]) -> list[str]:
+    ld = w["load"]
+    batch = ld["batched_rows"] / ld["forward_passes"] if ld["forward_passes"] else 0.0
+    return [f"  {w['worker_id']:<12} {w['endpoint']:<22} {w['health']:<11} requests {ld['num_requests']} (drafting "
+            f"{ld['num_active']})  streams {ld['num_streams']}  KV {ld['kv_blocks_used']}/{ld['kv_blocks_total']} "
+            f"blocks  mean batch {batch:.1f}  pid {w['pid']}{_node(w)}",
+            f"  {'':<12} rounds {ld['rounds']}, {ld['draft_tokens']} draft tokens, {ld['evictions']} evicted, "
+            f"{ld['expired']} expired"]
+
+
 def _node(w: dict[str, Any]) -> str:
     """`` node 1a2b3c4d``: the first 8 hex digits of the worker's Ray node id (as `ray status` abbreviates)."""
     return f"  node {w['node_id'][:8]}" if w.get("node_id") else ""
@@ -161,7 +190,8 @@ def format_status(status: dict[str, Any]) -> str:
         pools.setdefault(w["pool"], []).append(w)
     for pool, members in pools.items():
         spares = sum(bool(w.get("standby")) for w in members)
-        lines.append(f"pool {pool}: {len(members) - spares} workers" + (f", {spares} standby" if spares else ""))
+        kind = "drafters" if any(w.get("role") == "drafter" for w in members) else "workers"
+        lines.append(f"pool {pool}: {len(members) - spares} {kind}" + (f", {spares} standby" if spares else ""))
         for w in members:
             if w.get("standby"):
                 lines.append(f"  {w['worker_id']:<12} {'-':<22} STANDBY     loaded, unrouted (promoted first on a "
@@ -169,6 +199,9 @@ def format_status(status: dict[str, Any]) -> str:
                 continue
             if "error" in w:
                 lines.append(f"  {w['worker_id']:<12} {w.get('endpoint') or '-':<22} {w['error']}")
+                continue
+            if w.get("role") == "drafter":
+                lines.extend(_format_drafter(w))
                 continue
             ld = w["load"]
             hits = f"{ld['prefix_cache_hits']}/{ld['prefix_cache_queries']}"

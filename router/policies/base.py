@@ -77,6 +77,7 @@ class WorkerState:
     endpoint: str = ""
     healthy: bool = True
     role: str = "colocated"  # pool role: colocated | prefill | decode (see router/policies/disagg.py)
+    drafter_pool: str = ""  # the drafter pool its speculative requests draft on (router/policies/drafter.py)
     incarnation: str = ""  # LoadReport.incarnation; "" until the first report
     # From the latest LoadReport.
     num_running: int = 0

@@ -53,7 +53,17 @@ REACHES_CONFIG: dict[str, tuple[str, str, Any]] = {
     "speculative.draftTimeoutSeconds": ("speculative.draftTimeoutSeconds=3", "speculative.draft_timeout_s", 3.0),
     "speculative.overlap": ("speculative.overlap=false", "speculative.overlap", False),
     "speculative.drafterDevice": ("speculative.drafterDevice=cpu", "speculative.drafter_device", "cpu"),
+    # a drafter pool's values (the test renders a target naming a drafter pool that sets them)
+    "speculative.drafterPool": ("speculative.drafterPool=drafters", "speculative.drafter_pool", "drafters"),
+    "drafter.model": ("drafter.model=/models/draft", "drafter.model", "/models/draft"),
+    "drafter.quantization": ("drafter.quantization=q4", "drafter.quantization", "q4"),
+    "drafter.threads": ("drafter.threads=3", "drafter.threads", 3),
+    "drafter.idleTimeoutSeconds": ("drafter.idleTimeoutSeconds=7", "drafter.idle_timeout_s", 7.0),
 }
+# A colocated pool drafting on a drafter pool (the drafter.* values are set on pools[1])
+DRAFTER_POOL = ["pools[0].name=main", "pools[0].role=colocated", "pools[0].speculative.method=draft_model",
+                "pools[0].speculative.drafterPool=drafters", "pools[1].name=drafters", "pools[1].role=drafter",
+                "pools[1].drafter.model=/models/draft"]
 P0 = ["pools[0].name=p"]
 DRAFT = ["poolDefaults.speculative.method=draft_model", "poolDefaults.speculative.draftModel=/m/d"]
 POD_ONLY = {"minReplicas", "maxReplicas", "memoryPerRank", "nodeSelector", "tolerations", "affinity"}
@@ -97,6 +107,11 @@ def test_every_pool_value_is_accounted_for():
 @pytest.mark.parametrize("key", list(REACHES_CONFIG))
 def test_pool_value_reaches_its_config_key(helm, tmp_path, key):
     assignment, attr, expected = REACHES_CONFIG[key]
+    if key == "speculative.drafterPool" or key.startswith("drafter."):
+        pool = 0 if key.startswith("speculative.") else 1
+        config = loaded_config(_render(helm, *DRAFTER_POOL, f"pools[{pool}].{assignment}"), tmp_path)
+        assert _attr(config.pools[pool], attr) == expected
+        return
     sets = [f"poolDefaults.{assignment}"]
     if key.startswith("speculative.") and key != "speculative.method":
         sets.append("poolDefaults.speculative.method=ngram")  # options of a speculating pool
@@ -214,8 +229,9 @@ def test_disaggregated_pools_keep_their_own_settings(helm, tmp_path):
 @pytest.mark.parametrize(("sets", "message"), [
     # the schema
     (["poolDefaults.replicas=0"], "at '/poolDefaults/replicas': minimum: got 0, want 1"),
-    (["pools[0].name=default", "pools[0].role=expert"], "at '/pools/0/role': value must be one of 'colocated', 'prefill', 'decode'"),
-    (["pools[0].name=d", "pools[0].role=drafter"], "at '/pools/0/role': value must be one of"),
+    (["pools[0].name=default", "pools[0].role=expert"], "at '/pools/0/role': value must be one of 'colocated', 'prefill', 'decode', 'drafter'"),
+    (["pools[0].name=d", "pools[0].role=drafter", "pools[0].drafter.model=/m/d"],
+     "pools: roles [drafter]: needs a colocated or decode pool"),
     (["pools[0].name=Default", "pools[0].role=colocated"], "at '/pools/0/name'"),
     ([*P0, "pools[0].role=colocated", "pools[0].epSize=0"], "at '/pools/0/epSize': minimum: got 0, want 1"),
     (["poolDefaults.tpSize=0"], "at '/poolDefaults/tpSize': minimum: got 0, want 1"),
@@ -269,6 +285,15 @@ def test_disaggregated_pools_keep_their_own_settings(helm, tmp_path):
     (["poolDefaults.engine.maxNumSeqs=600"], "engine.maxNumSeqs=600 must be <= engine.maxNumBatchedTokens=512"),
     (["router.tls.secretName=tls"], "router.tls.serverName: required with router.tls.secretName"),
     (["router.tls.requireClientCerts=true"], "router.tls.requireClientCerts=true needs router.tls.secretName"),
+    ([*DRAFTER_POOL, "pools[1].drafter.model=null"], "pools[1] (drafters): role drafter needs drafter.model"),
+    ([*DRAFTER_POOL, "pools[0].speculative.drafterPool=nope"],
+     "pools[0] (main): speculative.drafterPool=nope must name a pool with role drafter (drafter pools: [drafters])"),
+    ([*DRAFTER_POOL, "pools[0].speculative.method=none", "pools[0].speculative.drafterPool=null"],
+     "pools[1] (drafters): no pool's speculative.drafterPool names this drafter pool"),
+    ([*DRAFTER_POOL, "pools[1].tpSize=2"], "pools[1] (drafters): role drafter with a gang of 2 ranks"),
+    ([*DRAFTER_POOL, "pools[0].drafter.model=/m/x"], "pools[0] (main): drafter.model=/m/x: only a role: drafter pool"),
+    ([*DRAFTER_POOL, "pools[0].speculative.draftModel=/m/y"],
+     "pools[0] (main): speculative.drafterPool=drafters needs speculative.method: draft_model and no speculative.draftModel"),
 ])
 def test_bad_values_are_rejected_with_a_clear_message(helm, sets, message):
     args = ["template", RELEASE, str(CHART)]

@@ -171,7 +171,8 @@ def test_configmap_loads_with_duets_loader_and_matches_the_objects(variant, tmp_
         assert get_bin_pack_residual([dict(offered)], [*gang, rank_bundle(pool)])[0] == [rank_bundle(pool)]
         labels = group["template"]["metadata"]["labels"]
         assert (labels["duet.ai/pool"], labels["duet.ai/role"]) == (pool.name, pool.role)
-        config.to_engine_config(pool)  # what each worker of the pool runs: the engine config validates too
+        # what each worker (or drafter replica) of the pool runs: the engine config validates too
+        config.to_drafter_engine_config(pool) if pool.role == "drafter" else config.to_engine_config(pool)
 
     router = one(by_kind, "Deployment", f"{FULLNAME}-router")["spec"]["template"]["spec"]["containers"][0]
     membership = router["command"][router["command"].index("--membership") + 1]
@@ -256,6 +257,23 @@ def test_variant_specifics(variant, tmp_path):
         assert dict(config.router.policy_options) == {"balance_rel": 1.5}
         engine = config.to_engine_config(pools["decode"])  # the engine's own validation accepts it
         assert engine.speculative.drafter_resources == (("drafter", 4.0),)
+    elif name == "drafter-pool-values":
+        assert [(p.name, p.role) for p in config.pools] == [
+            ("prefill", "prefill"), ("decode", "decode"), ("cpu_drafters", "drafter")]
+        assert set(groups) == {"prefill", "decode", "cpu-drafters"}  # a pool like any other: its own group
+        spec = pools["decode"].speculative
+        assert (spec.method, spec.drafter_pool, spec.draft_model) == ("draft_model", "cpu_drafters", None)
+        drafters = pools["cpu_drafters"]
+        engine = config.to_drafter_engine_config(drafters)
+        assert (engine.model, engine.quantization, engine.dtype, engine.device) == (
+            "/models/Qwen2.5-Coder-0.5B-Instruct", "int8", "float32", "cpu")
+        assert (drafters.cpus_per_replica, drafters.gpus_per_rank, drafters.replicas) == (16, 0, 2)
+        assert "nvidia.com/gpu" not in pod["cpu-drafters"] and pod["decode"]["nvidia.com/gpu"] == "1"
+        group = groups["cpu-drafters"]
+        assert group["template"]["metadata"]["labels"]["duet.ai/role"] == "drafter"
+        assert group["template"]["spec"]["nodeSelector"] == {"node.kubernetes.io/instance-type": "c7i.4xlarge"}
+        assert "lifecycle" not in group["template"]["spec"]["containers"][0]  # no drain: its state is a cache
+        assert group["maxReplicas"] == 4
     elif name == "moe-values":
         cluster = one(by_kind, "RayCluster")
         assert cluster["spec"]["enableInTreeAutoscaling"] is False and "autoscalerOptions" not in cluster["spec"]

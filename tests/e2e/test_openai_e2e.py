@@ -24,6 +24,8 @@ from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import complete
 
+from testkit.tolerance import LOGPROB_ACROSS_BATCHES, LOGPROB_VS_HF
+
 MODEL = "SmolLM2-135M-Instruct"
 KV_BYTES = 64 << 20
 CHAT = [{"role": "user", "content": "Name three colours."}]
@@ -112,7 +114,7 @@ def test_greedy_logprobs_equal_hf_log_softmax_and_grpc(deployment, sdk, smollm2_
     grpc_out = _grpc(deployment, prompt=prompt, sampling=duet_pb2.SamplingParams(max_tokens=8, temperature=0,
                                                                                  top_logprobs=5))
     grpc_lps = [x for resp in grpc_out for x in resp.logprobs]
-    assert lp.token_logprobs == pytest.approx([x.logprob for x in grpc_lps], abs=1e-6)
+    assert lp.token_logprobs == LOGPROB_ACROSS_BATCHES.approx([x.logprob for x in grpc_lps])  # two requests
     tok = AutoTokenizer.from_pretrained(str(smollm2_path))
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_path), torch_dtype=torch.float32).eval()
     prompt_ids = tok.encode(prompt)
@@ -121,11 +123,11 @@ def test_greedy_logprobs_equal_hf_log_softmax_and_grpc(deployment, sdk, smollm2_
         logits = model(torch.tensor([prompt_ids + generated])).logits[0]  # [T, vocab]
     ref = torch.log_softmax(logits[len(prompt_ids) - 1:-1], dim=-1)  # [n_out, vocab]: each generated token's position
     expected = ref[torch.arange(len(generated)), torch.tensor(generated)]
-    assert lp.token_logprobs == pytest.approx(expected.tolist(), abs=2e-3)
+    assert lp.token_logprobs == LOGPROB_VS_HF.approx(expected.tolist())
     # the top-5 alternatives are HF's top 5 at each position (greedy: the generated token is first)
     for i, top in enumerate(lp.top_logprobs):
         hf_top = torch.topk(ref[i], 5)
-        assert list(top.values()) == pytest.approx(hf_top.values.tolist(), abs=2e-3)
+        assert list(top.values()) == LOGPROB_VS_HF.approx(hf_top.values.tolist())
         assert lp.tokens[i] == next(iter(top))
 
 

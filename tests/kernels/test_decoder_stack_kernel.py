@@ -17,6 +17,8 @@ from kernels import _build
 from kernels.decoder_stack import StackLayerWeights, StackLinearWeights, build_decoder_stack, decoder_stack_ref
 from kernels.quant_formats import quantize_int8, quantize_q4
 
+from testkit.tolerance import MODEL_FP32
+
 BLOCK = 4
 
 
@@ -81,7 +83,7 @@ def test_stack_matches_the_torch_references(ext) -> None:
         want = decoder_stack_ref(layers, final, 1e-5, 6, 2, 16, kv=kv_ref, **x)
     finally:
         _build.set_cpu_kernels_enabled(before)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    MODEL_FP32.assert_close(got, want)
 
 
 def test_bad_inputs_raise_clear_errors(ext) -> None:

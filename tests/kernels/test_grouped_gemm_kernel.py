@@ -14,6 +14,8 @@ import torch
 import kernels
 from kernels.grouped_gemm import GEMV_MAX_ROWS
 
+from testkit.tolerance import KERNEL_FP32
+
 CASES = [
     # (group sizes, N, K)
     ([1], 48, 32),
@@ -35,7 +37,7 @@ def make(groups: list[int], n: int, k: int, seed: int = 0):
 @pytest.mark.parametrize("groups,n,k", CASES)
 def test_cpu_kernel_matches_ref(isa: str, groups, n, k) -> None:
     x, w, off = make(groups, n, k)
-    torch.testing.assert_close(kernels.grouped_gemm(x, w, off), kernels.grouped_gemm_ref(x, w, off), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(kernels.grouped_gemm(x, w, off), kernels.grouped_gemm_ref(x, w, off))
 
 
 def test_ref_is_per_expert_matmul() -> None:
@@ -48,7 +50,7 @@ def test_ref_is_per_expert_matmul() -> None:
 def test_strided_x(ext) -> None:
     x, w, off = make([2, 3], 24, 20)
     wide = torch.cat([x, torch.randn(5, 7)], dim=1)[:, :20]  # rows 27 floats apart
-    torch.testing.assert_close(kernels.grouped_gemm(wide, w, off), kernels.grouped_gemm_ref(x, w, off), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(kernels.grouped_gemm(wide, w, off), kernels.grouped_gemm_ref(x, w, off))
 
 
 def test_bad_offsets_raise(ext) -> None:
@@ -70,7 +72,7 @@ def test_triton_kernel_matches_ref(groups, n, k) -> None:
     from kernels.triton_ops.grouped_gemm import grouped_gemm_triton
 
     x, w, off = make(groups, n, k, seed=1)
-    torch.testing.assert_close(grouped_gemm_triton(x, w, off), kernels.grouped_gemm_ref(x, w, off), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(grouped_gemm_triton(x, w, off), kernels.grouped_gemm_ref(x, w, off))
 
 
 # ------------------------------------------------------------------ dispatch

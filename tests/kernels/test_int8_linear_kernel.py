@@ -18,6 +18,8 @@ import torch.nn.functional as F
 import kernels
 from kernels.quant_formats import dequantize_int8, quantize_int8
 
+from testkit.tolerance import KERNEL_FP32
+
 # SmolLM2's matrices; K not a multiple of 16, 32 or 64 (masked last chunk, padded columns); N odd
 # and not a multiple of the 16-row tile or of the row blocks (8 / 4 / 2); tiny cases.
 SHAPES = [(960, 576), (576, 1536), (37, 577), (101, 33), (17, 96), (5, 15), (1, 1), (33, 130), (3, 200)]
@@ -34,8 +36,8 @@ def _problem(N: int, K: int, T: int, seed: int) -> tuple[torch.Tensor, torch.Ten
 @pytest.mark.parametrize("T", TOKENS)
 def test_matches_ref(isa: str, T: int, N: int, K: int) -> None:
     q, s, b, x = _problem(N, K, T, N * K + T)
-    torch.testing.assert_close(kernels.int8_linear(x, q, s), kernels.int8_linear_ref(x, q, s), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(kernels.int8_linear(x, q, s, b), kernels.int8_linear_ref(x, q, s, b), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(kernels.int8_linear(x, q, s), kernels.int8_linear_ref(x, q, s))
+    KERNEL_FP32.assert_close(kernels.int8_linear(x, q, s, b), kernels.int8_linear_ref(x, q, s, b))
 
 
 @pytest.mark.parametrize("N,K", [(960, 576), (37, 577), (101, 33)])
@@ -76,25 +78,24 @@ def test_threads_do_not_change_results(ext) -> None:
 
 def test_lm_head_shape(ext) -> None:
     q, s, _, x = _problem(49152, 576, 1, 0)
-    torch.testing.assert_close(kernels.int8_linear(x, q, s), kernels.int8_linear_ref(x, q, s), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(kernels.int8_linear(x, q, s), kernels.int8_linear_ref(x, q, s))
 
 
 def test_equals_fp32_linear_on_dequantized_weight(ext) -> None:
     # Weight-only: the kernel is F.linear on the de-quantized weight up to fp32 rounding (the W8A8
     # kernel it replaced was ~1e-2 away, from rounding x to 8 bits).
     q, s, b, x = _problem(512, 1536, 4, 7)
-    torch.testing.assert_close(kernels.int8_linear(x, q, s, b), F.linear(x, dequantize_int8(q, s, 1536), b),
-                               rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(kernels.int8_linear(x, q, s, b), F.linear(x, dequantize_int8(q, s, 1536), b))
 
 
 def test_strided_and_leading_dims(ext) -> None:
     q, s, b, _ = _problem(40, 70, 1, 3)
     x = torch.randn(3, 100)[:, 10:80]  # rows 100 floats apart
-    torch.testing.assert_close(kernels.int8_linear(x, q, s, b), kernels.int8_linear_ref(x, q, s, b), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(kernels.int8_linear(x, q, s, b), kernels.int8_linear_ref(x, q, s, b))
     x3 = torch.randn(2, 3, 70)
     y3 = kernels.int8_linear(x3, q, s, b)
     assert y3.shape == (2, 3, 40)
-    torch.testing.assert_close(y3.view(6, 40), kernels.int8_linear_ref(x3.view(6, 70), q, s, b), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(y3.view(6, 40), kernels.int8_linear_ref(x3.view(6, 70), q, s, b))
     assert kernels.int8_linear(torch.randn(0, 70), q, s, b).shape == (0, 40)
 
 
@@ -131,4 +132,4 @@ def test_triton_kernel_vs_weight_only_ref(T: int, N: int, K: int) -> None:
 
     q, s, b, x = _problem(N, K, T, 11)
     y = tri("int8_linear").int8_linear_triton(x.view(1, T, K), q, s, b).view(T, N)
-    torch.testing.assert_close(y, F.linear(x, dequantize_int8(q, s, K), b), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(y, F.linear(x, dequantize_int8(q, s, K), b))

@@ -73,7 +73,8 @@ def test_disabled_in_a_fresh_process_never_loads_the_extension() -> None:
         "kernels.set_cpu_kernels_enabled(False)\n"
         "x = torch.randn(1, 64)\n"
         "out, _ = kernels.rms_norm(x, torch.ones(64), 1e-5)\n"
-        "assert torch.allclose(out, kernels.rms_norm_ref(x, torch.ones(64), 1e-5)[0])\n"
+        "assert torch.equal(out, kernels.rms_norm_ref(x, torch.ones(64), 1e-5)[0])\n"  # disabled: the wrapper is the ref
+
         "assert not kernels.cpu_kernels_enabled()\n"
         "assert _build._ext is None, 'the extension must not even be loaded'\n"
         "print('ok')\n"
@@ -92,7 +93,7 @@ def test_build_failure_warns_once_and_counts(monkeypatch: pytest.MonkeyPatch, ca
         x = torch.randn(1, 32)
         for _ in range(3):
             out = kernels.silu_and_mul(x)
-        torch.testing.assert_close(out, kernels.silu_and_mul_ref(x))
+        assert torch.equal(out, kernels.silu_and_mul_ref(x))  # the fallback is the reference itself
     assert not kernels.cpu_kernels_available()
     assert kernels.fallback_counts() == {"silu_and_mul:cpu kernels unavailable": 3}
     assert len([r for r in caplog.records if "silu_and_mul" in r.getMessage()]) == 1

@@ -14,6 +14,8 @@ import torch
 import kernels
 from kernels.linear import GEMV_MAX_TOKENS
 
+from testkit.tolerance import KERNEL_FP32
+
 # SmolLM2-135M's matrices (qkv, o, gate_up, down) plus awkward sizes: K not a multiple of 16, N not
 # a multiple of the 8-row block, tiny and single-element cases.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (37, 577), (1000, 33), (5, 15), (1, 1), (9, 16)]
@@ -29,14 +31,14 @@ def _weights(N: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_matches_ref(isa: str, T: int, N: int, K: int) -> None:
     w, b = _weights(N, K, N * K + T)
     x = torch.randn(T, K)
-    torch.testing.assert_close(kernels.linear(x, w), kernels.linear_ref(x, w), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(kernels.linear(x, w, b), kernels.linear_ref(x, w, b), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(kernels.linear(x, w), kernels.linear_ref(x, w))
+    KERNEL_FP32.assert_close(kernels.linear(x, w, b), kernels.linear_ref(x, w, b))
 
 
 def test_lm_head_shape(ext) -> None:
     w, _ = _weights(49152, 576, 0)
     x = torch.randn(1, 576)
-    torch.testing.assert_close(kernels.linear(x, w), kernels.linear_ref(x, w), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(kernels.linear(x, w), kernels.linear_ref(x, w))
 
 
 @pytest.mark.parametrize("T", [17, 30])
@@ -44,7 +46,7 @@ def test_kernel_handles_any_T(ext, T: int) -> None:
     # The wrapper sends T > GEMV_MAX_TOKENS to F.linear, but the kernel itself loops in 8-row passes.
     w, b = _weights(100, 70, T)
     x = torch.randn(T, 70)
-    torch.testing.assert_close(ext.gemv(x, w, b), kernels.linear_ref(x, w, b), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(ext.gemv(x, w, b), kernels.linear_ref(x, w, b))
 
 
 def test_routing_by_T(ext) -> None:
@@ -63,11 +65,11 @@ def test_strided_x_and_leading_dims(ext) -> None:
     w, b = _weights(64, 48, 3)
     base = torch.randn(2, 100)
     x = base[:, 10:58]  # rows 100 floats apart
-    torch.testing.assert_close(kernels.linear(x, w, b), kernels.linear_ref(x, w, b), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(kernels.linear(x, w, b), kernels.linear_ref(x, w, b))
     xt = torch.randn(48, 2).t()  # column-major: the binding makes it contiguous
-    torch.testing.assert_close(kernels.linear(xt, w, b), kernels.linear_ref(xt, w, b), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(kernels.linear(xt, w, b), kernels.linear_ref(xt, w, b))
     x3 = torch.randn(1, 3, 48)
-    torch.testing.assert_close(kernels.linear(x3, w, b), kernels.linear_ref(x3, w, b), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(kernels.linear(x3, w, b), kernels.linear_ref(x3, w, b))
 
 
 def test_shape_mismatch_raises(ext) -> None:

@@ -12,6 +12,8 @@ import kernels
 
 from test_varlen_paged_attention_kernel import make_case
 
+from testkit.tolerance import KERNEL_FP32
+
 NEG_INF = float("-inf")
 
 
@@ -23,8 +25,8 @@ def test_matches_ref(isa: str, N, T, H, D) -> None:
     lses[0][0, 0] = NEG_INF  # an empty partial in one row
     out, lse = kernels.merge_attn_states(outs, lses)
     ref, ref_lse = kernels.merge_attn_states_ref(outs, lses)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(out, ref)
+    KERNEL_FP32.assert_close(lse, ref_lse)
 
 
 def test_all_empty_row_is_zero_and_ignores_garbage(ext) -> None:
@@ -33,7 +35,7 @@ def test_all_empty_row_is_zero_and_ignores_garbage(ext) -> None:
     lses[1][1] = NEG_INF  # row 1: every partial empty
     for fn in (kernels.merge_attn_states, kernels.merge_attn_states_ref):
         out, lse = fn(outs, lses)
-        torch.testing.assert_close(out[0], outs[1][0])  # the NaN partial has weight 0
+        KERNEL_FP32.assert_close(out[0], outs[1][0])  # the NaN partial has weight 0
         assert torch.equal(out[1], torch.zeros(3, 16)) and torch.isneginf(lse[1]).all()
 
 
@@ -41,8 +43,8 @@ def test_docstring_example(ext) -> None:
     outs = [torch.tensor([[[1.0]]]), torch.tensor([[[3.0]]])]
     lses = [torch.tensor([[0.0]]), torch.tensor([[3.0]]).log()]
     out, lse = kernels.merge_attn_states(outs, lses)
-    torch.testing.assert_close(out, torch.tensor([[[2.5]]]))
-    torch.testing.assert_close(lse, torch.tensor([[4.0]]).log())
+    KERNEL_FP32.assert_close(out, torch.tensor([[[2.5]]]))
+    KERNEL_FP32.assert_close(lse, torch.tensor([[4.0]]).log())
 
 
 def _split_context(bt: torch.Tensor, ctx: list[int], cut: list[int], block_size: int):
@@ -63,8 +65,8 @@ def test_split_decode_merges_to_whole(ext) -> None:
     o2, l2 = kernels.paged_decode_attention(q, kc, vc, second_bt, second_len, bs, scale, return_lse=True)
     out, lse = kernels.merge_attn_states([o1, o2], [l1, l2])
     whole, whole_lse = kernels.paged_decode_attention(q, kc, vc, bt, cl, bs, scale, return_lse=True)
-    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse, whole_lse, rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(out, whole)
+    KERNEL_FP32.assert_close(lse, whole_lse)
 
 
 def test_prefix_plus_causal_chunk_merges_to_varlen(ext) -> None:
@@ -81,8 +83,8 @@ def test_prefix_plus_causal_chunk_merges_to_varlen(ext) -> None:
                                             return_lse=True)
     out, lse = kernels.merge_attn_states([o1, o2], [l1, l2])
     whole, whole_lse = kernels.varlen_paged_attention(q, kc, vc, bt, cu, cl, bs, scale, return_lse=True)
-    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse, whole_lse, rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(out, whole)
+    KERNEL_FP32.assert_close(lse, whole_lse)
 
 
 def test_bad_input_raises(ext) -> None:

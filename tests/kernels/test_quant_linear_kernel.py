@@ -26,6 +26,8 @@ from kernels.quant_formats import (
 )
 from kernels.quant_linear import quantize_activations_ref
 
+from testkit.tolerance import KERNEL_FP32, BLOCK_QUANT_FP32
+
 # SmolLM2's matrices plus K not a multiple of 32 or 64 (partial and whole padded blocks), N not a
 # multiple of the 16-row tile, tiny cases.
 SHAPES = [(960, 576), (576, 1536), (3072, 576), (37, 577), (100, 33), (17, 96), (5, 15), (1, 1), (33, 130)]
@@ -43,8 +45,8 @@ def _problem(N: int, K: int, T: int, seed: int) -> tuple[torch.Tensor, torch.Ten
 def test_q4_matches_ref(isa: str, T: int, N: int, K: int) -> None:
     w, b, x = _problem(N, K, T, N * K + T + 1)
     q, d, m = quantize_q4(w)
-    torch.testing.assert_close(kernels.q4_linear(x, q, d, m), kernels.q4_linear_ref(x, q, d, m), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(kernels.q4_linear(x, q, d, m, b), kernels.q4_linear_ref(x, q, d, m, b), rtol=1e-4, atol=1e-4)
+    BLOCK_QUANT_FP32.assert_close(kernels.q4_linear(x, q, d, m), kernels.q4_linear_ref(x, q, d, m))
+    BLOCK_QUANT_FP32.assert_close(kernels.q4_linear(x, q, d, m, b), kernels.q4_linear_ref(x, q, d, m, b))
 
 
 @pytest.mark.parametrize("T,K", [(1, 576), (5, 577), (3, 15), (64, 1536)])
@@ -70,11 +72,11 @@ def test_strided_and_leading_dims(ext) -> None:
     w, b, _ = _problem(40, 70, 1, 3)
     q, d, m = quantize_q4(w)
     x = torch.randn(3, 100)[:, 10:80]  # rows 100 floats apart
-    torch.testing.assert_close(kernels.q4_linear(x, q, d, m, b), kernels.q4_linear_ref(x, q, d, m, b), rtol=1e-4, atol=1e-4)
+    BLOCK_QUANT_FP32.assert_close(kernels.q4_linear(x, q, d, m, b), kernels.q4_linear_ref(x, q, d, m, b))
     x3 = torch.randn(2, 3, 70)
     y3 = kernels.q4_linear(x3, q, d, m, b)
     assert y3.shape == (2, 3, 40)
-    torch.testing.assert_close(y3.view(6, 40), kernels.q4_linear_ref(x3.view(6, 70), q, d, m, b), rtol=1e-4, atol=1e-4)
+    BLOCK_QUANT_FP32.assert_close(y3.view(6, 40), kernels.q4_linear_ref(x3.view(6, 70), q, d, m, b))
 
 
 def test_formats_round_trip() -> None:
@@ -111,5 +113,5 @@ def test_triton_kernel_vs_weight_only_ref(T: int, N: int, K: int) -> None:
     ops = tri("quant_linear")
     w, b, x = _problem(N, K, T, 11)
     packed, d, m = quantize_q4(w)
-    torch.testing.assert_close(ops.q4_linear_triton(x.view(1, T, K), packed, d, m, b).view(T, N),
-                               F.linear(x, dequantize_q4(packed, d, m, K), b), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(ops.q4_linear_triton(x.view(1, T, K), packed, d, m, b).view(T, N),
+                             F.linear(x, dequantize_q4(packed, d, m, K), b))

@@ -24,6 +24,8 @@ import kernels
 
 from test_varlen_paged_attention_kernel import make_case
 
+from testkit.tolerance import KERNEL_FP32, ELEMENTWISE_FP32, bf16_ulps
+
 pytestmark = pytest.mark.skipif(
     not kernels._triton.triton_available(), reason="the optional triton extra is not installed (pip install -e '.[triton]')"
 )
@@ -63,8 +65,8 @@ def test_paged_decode_attention(H, G, D, block_size, lens, num_splits) -> None:
         q, kc, vc, bt, cl, bs, scale, return_lse=True, num_splits=num_splits
     )
     ref, ref_lse = kernels.paged_decode_attention_ref(q, kc, vc, bt, cl, bs, scale, return_lse=True)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(out, ref)
+    KERNEL_FP32.assert_close(lse, ref_lse)
 
 
 @pytest.mark.parametrize(
@@ -82,8 +84,8 @@ def test_varlen_paged_attention(H, G, D, block_size, ns, ctxs, tree) -> None:
         *args[:8], tree_parents=args[8], return_lse=True
     )
     ref, ref_lse = kernels.varlen_paged_attention_ref(*args[:8], tree_parents=args[8], return_lse=True)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(out, ref)
+    KERNEL_FP32.assert_close(lse, ref_lse)
 
 
 def test_attention_bf16_computes_in_fp32() -> None:
@@ -92,13 +94,13 @@ def test_attention_bf16_computes_in_fp32() -> None:
     out = tri("varlen_paged_attention").varlen_paged_attention_triton(qb, kb, vb, bt, cu, cl, bs, scale)
     ref = kernels.varlen_paged_attention_ref(qb.float(), kb.float(), vb.float(), bt, cu, cl, bs, scale)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), ref.bfloat16().float(), rtol=1e-2, atol=1e-2)
+    bf16_ulps(2).assert_close(out.float(), ref.bfloat16().float())
     dref = kernels.paged_decode_attention_ref(qb.float(), kb.float(), vb.float(), bt.expand(4, -1), cl.expand(4), bs, scale)
     for splits in (1, 2):
         dec = tri("paged_decode_attention").paged_decode_attention_triton(
             qb, kb, vb, bt.expand(4, -1), cl.expand(4), bs, scale, num_splits=splits
         )
-        torch.testing.assert_close(dec.float(), dref.bfloat16().float(), rtol=1e-2, atol=1e-2)
+        bf16_ulps(2).assert_close(dec.float(), dref.bfloat16().float())
 
 
 def test_merge_attn_states() -> None:
@@ -111,8 +113,8 @@ def test_merge_attn_states() -> None:
         x[0, 0] = float("-inf")
     out, lse = tri("merge_attn_states").merge_attn_states_triton(outs, lses)
     ref, ref_lse = kernels.merge_attn_states_ref(outs, lses)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(out, ref)
+    KERNEL_FP32.assert_close(lse, ref_lse)
     assert torch.equal(out[0, 0], torch.zeros(64))
 
 
@@ -125,12 +127,13 @@ def test_rms_norm(with_residual, dtype) -> None:
     res = torch.randn(3, 100, generator=g).to(dtype) if with_residual else None
     out, new_res = tri("rms_norm").rms_norm_triton(x, w, 1e-5, res)
     ref, ref_res = kernels.rms_norm_ref(x, w, 1e-5, res)
-    tol = 1e-5 if dtype is torch.float32 else 2e-2  # bf16: y is rounded before the weight multiply, 2 ulps
-    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    # bf16: y is rounded before the weight multiply (2 ulps), and so is the product
+    tol = KERNEL_FP32 if dtype is torch.float32 else bf16_ulps(3)
+    tol.assert_close(out, ref)
     if with_residual and dtype is torch.float32:
         assert torch.equal(new_res, ref_res)
     elif with_residual:  # the interpreter rounds fp32 -> bf16 toward zero, a GPU to nearest: 1 ulp
-        torch.testing.assert_close(new_res, ref_res, rtol=8e-3, atol=8e-3)
+        bf16_ulps(1).assert_close(new_res, ref_res)
     else:
         assert new_res is None
 
@@ -139,8 +142,8 @@ def test_rms_norm(with_residual, dtype) -> None:
 def test_silu_and_mul(dtype) -> None:
     x = (torch.randn(2, 3, 2 * 1100, generator=torch.Generator().manual_seed(6)) * 3).to(dtype)  # 2 column tiles
     out = tri("silu_and_mul").silu_and_mul_triton(x)
-    tol = 1e-5 if dtype is torch.float32 else 2e-2  # bf16: y is rounded before the weight multiply, 2 ulps
-    torch.testing.assert_close(out, kernels.silu_and_mul_ref(x), rtol=tol, atol=tol)
+    tol = KERNEL_FP32 if dtype is torch.float32 else bf16_ulps(3)  # bf16: silu(g) rounded, then the product
+    tol.assert_close(out, kernels.silu_and_mul_ref(x))
 
 
 def test_rotary_and_cache_write() -> None:
@@ -153,9 +156,9 @@ def test_rotary_and_cache_write() -> None:
     q2, k2, kc2, vc2 = q.clone(), k.clone(), kc.clone(), vc.clone()
     tri("rotary_and_cache_write").rotary_and_cache_write_triton(q, k, v, cos, sin, kc, vc, slots)
     kernels.rotary_and_cache_write_ref(q2, k2, v, cos, sin, kc2, vc2, slots)
-    torch.testing.assert_close(q, q2, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(k, k2, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(kc, kc2, rtol=1e-6, atol=1e-6)
+    ELEMENTWISE_FP32.assert_close(q, q2)
+    ELEMENTWISE_FP32.assert_close(k, k2)
+    ELEMENTWISE_FP32.assert_close(kc, kc2)
     assert torch.equal(vc, vc2)
 
 

@@ -18,7 +18,8 @@ from router.server import serve_router
 
 
 class FakeController:
-    """What serve_membership needs of cluster.deploy.controller.Controller: subscribe(push), role_of(id)."""
+    """What serve_membership needs of cluster.deploy.controller.Controller: subscribe(push), role_of(id),
+    drafter_pool_of(id)."""
 
     def __init__(self, initial: list[tuple[str, str]]) -> None:
         self.members = list(initial)
@@ -26,6 +27,9 @@ class FakeController:
 
     def role_of(self, worker_id: str) -> str:
         return "prefill" if worker_id.startswith("p") else "colocated"
+
+    def drafter_pool_of(self, worker_id: str) -> str:
+        return ""
 
     def subscribe(self, push: Callable[[list[tuple[str, str]]], None], *, detailed: bool = False) -> None:
         self.pushes.append(push)
@@ -169,3 +173,11 @@ def test_draining_member_gets_no_new_requests_and_its_stream_finishes(smollm2_pa
             wait_until(lambda: _worker_ids(router) == ["w0"], what="w1 gone")
     finally:
         service.stop()
+
+
+def test_drafter_replicas_and_a_targets_drafter_pool_travel_with_the_list():
+    """Drafter replicas are members (role drafter); a target carries the drafter pool it drafts on."""
+    servicer = MembershipServicer(lambda w: "colocated", lambda w: "drafters" if w.startswith("decode") else "")
+    servicer.publish([("decode-0", "h:1", "decode", "decode", False), ("drafters-0", "h:2", "drafter", "drafters", False)])
+    assert [(m.worker_id, m.role, m.pool, m.drafter_pool) for m in servicer._message.members] == [
+        ("decode-0", "decode", "decode", "drafters"), ("drafters-0", "drafter", "drafters", "")]

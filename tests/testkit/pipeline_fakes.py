@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from protos.duet.worker.v1 import worker_pb2
+from router.drafters import DrafterDirectory
 from router.policies import RouteRequest, WorkerState
 from router.workers import WorkerLease
 
@@ -164,6 +165,7 @@ class FakeDirectory:
         self.leases: set[FakeLease] = set()
         self.reported: list[tuple[str, str]] = []
         self.num_stream_failures = 0
+        self.drafters = DrafterDirectory()  # the real one, empty: these workers' pools draft on no drafter pool
 
     def snapshot(self) -> list[WorkerState]:
         return [self._state(wid) for wid in self.workers]

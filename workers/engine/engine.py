@@ -46,12 +46,12 @@ import torch
 
 from workers.engine.block_manager import BlockManager, BlockStats
 from workers.config import EngineConfig
-from workers.detokenizer import IncrementalDetokenizer
+from workers.detokenizer import IncrementalDetokenizer, add_batch, batch_decoder
 from workers.errors import InvalidRequestError
 from workers.engine.kv_handoff import KVCapacityError, KVHandoff
 from workers.sample.logprobs import TokenLogprob
 from workers.engine.migration import Migration, MigrationError, MigrationSnapshot
-from workers.engine.runner import KVExport, KVLayout, KVTicket, RequestOutput, Runner, RunnerOutput
+from workers.engine.runner import KVExport, KVLayout, KVTicket, RequestOutput, Runner, RunnerOutput, RunnerTiming
 from workers.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -62,7 +62,34 @@ from workers.structured.matcher import GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineStats", "KVCapacityError", "KVExport", "KVTicket", "RequestOutput"]
+__all__ = ["Engine", "EngineStats", "KVCapacityError", "KVExport", "KVTicket", "RequestOutput", "StepTiming"]
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Where one ``step()`` spent its wall-clock time (time.perf_counter seconds), and its shape.
+
+    schedule_s     grammar admissions, drafts (speculative decoding) and the scheduler's choice
+    execute_s      the runner: inputs, forward pass, logits, sampling (split in ``runner`` when the
+                   runner measures it: workers/engine/runner.py RunnerTiming)
+    commit_s       the scheduler's commit (computed tokens, prefix-cache blocks, draft rollback)
+    postprocess_s  stop rules, detokenization, the outputs
+    num_decode_rows  rows computed for requests past their prompt (one each; verify chunks 1 + drafts)
+    num_prefill_tokens  prompt (and recomputed) tokens computed in the step
+    On CUDA the runner's parts are launch times until something waits for the device (sampling does).
+    """
+
+    schedule_s: float
+    execute_s: float
+    commit_s: float
+    postprocess_s: float
+    num_decode_rows: int
+    num_prefill_tokens: int
+    runner: RunnerTiming | None = None
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.execute_s + self.commit_s + self.postprocess_s
 
 
 @dataclass(frozen=True)
@@ -102,8 +129,10 @@ class Engine:
         self.eos_token_ids = frozenset(self.spec.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._decode_batch = batch_decoder(tokenizer)  # one tokenizer call per step (workers/detokenizer.py)
         self._matchers: dict[str, GrammarMatcher] = {}  # structured-output requests
         self._arrivals = itertools.count()
+        self.last_step: StepTiming | None = None  # the latest step that ran the model
         # structured output: built on the first such request (the llguidance tokenizer takes ~0.5 s)
         self.grammars = GrammarGate(lambda: GrammarCompiler(tokenizer, self.spec.vocab_size,
                                                             sorted(self.eos_token_ids)))
@@ -304,6 +333,7 @@ class Engine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         failed = self._admit_compiled() if len(self.grammars) else []
         spec = self.speculator
         drafts = spec.draft(self.scheduler.running, self.max_model_len) if spec is not None else {}
@@ -312,17 +342,29 @@ class Engine:
             if not failed and len(self.grammars):
                 self.grammars.wait(0.01)  # only compiles are left: sleep on them, do not spin
             return failed
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         result = self.runner.execute(sched, drafts)
+        t2 = time.perf_counter()
         # grammar dead ends end before the commit (which then skips them: they are no longer running)
         failed += [self._fail(self._seqs[rid], error) for rid, error in result.errors.items()]
         self.scheduler.commit(sched, result.sampled)
         if spec is not None:
-            spec.record(sched, result.sampled, time.perf_counter() - t0)
-        return failed + self._postprocess(sched, result)
+            spec.record(sched, result.sampled, time.perf_counter() - t1)
+        t3 = time.perf_counter()
+        outputs = failed + self._postprocess(sched, result)
+        decode_rows, prefill_tokens = sched.token_split()
+        self.last_step = StepTiming(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, decode_rows, prefill_tokens,
+                                    result.timing)
+        self.scheduler.observe(decode_rows, prefill_tokens, self.last_step.total_s)
+        return outputs
 
     def _postprocess(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
-        return [self._accept(self._seqs[rid], tokens, result.logprobs.get(rid))
+        """Each sampled request's tokens through the stop rules. The usual one token per request is
+        detokenized for all requests at once (one batched decode); a verify's several go one by one."""
+        ones = [rid for rid, tokens in result.sampled.items() if len(tokens) == 1]
+        texts = dict(zip(ones, add_batch([self._detok[rid] for rid in ones], [result.sampled[rid][0] for rid in ones],
+                                         self._decode_batch)))
+        return [self._accept(self._seqs[rid], tokens, result.logprobs.get(rid), texts.get(rid))
                 for rid, tokens in result.sampled.items()]
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -343,9 +385,12 @@ class Engine:
         seq.finish_reason = FinishReason.ABORT
         return replace(self._finish(seq, [], ""), error=error)
 
-    def _accept(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+    def _accept(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None,
+                detokenized: tuple[str, bool] | None = None) -> RequestOutput:
         """Append sampled tokens (several after a verify) one by one with the stop rules; finish the
-        request at the first that ends it (tokens after it, and their logprobs, are dropped)."""
+        request at the first that ends it (tokens after it, and their logprobs, are dropped).
+        detokenized: the single token's (text, stopped), already added to the request's detokenizer."""
+        assert detokenized is None or len(tokens) == 1
         p = seq.sampling_params
         detok = self._detok[seq.request_id]
         new_ids: list[int] = []
@@ -353,7 +398,7 @@ class Engine:
         for token in tokens:
             seq.append_token(token)
             new_ids.append(token)
-            text, stopped = detok.add(token)
+            text, stopped = detokenized if detokenized is not None else detok.add(token)
             delta += text
             if stopped or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
                 seq.finish_reason = FinishReason.STOP
@@ -369,8 +414,8 @@ class Engine:
                                      first_logprob=logprobs[0] if logprobs else None)
         self.handoff.release(seq.request_id)
         self.migration.release(seq.request_id)
-        if self.speculator is not None:
-            self.speculator.release(seq.request_id)
+        if self.speculator is not None:  # a migrated request keeps its (shared) drafter state for the target
+            self.speculator.release(seq.request_id, handed_over=seq.finish_reason is FinishReason.MIGRATED)
         self.scheduler.remove(seq)
         self.grammars.discard(seq.request_id)
         self._matchers.pop(seq.request_id, None)

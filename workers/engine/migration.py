@@ -22,11 +22,14 @@ Terms:
                      tokens (prefix-cache hits taken first: only the rest is sent), waiting for
                      its KV; ``complete`` writes the KV and puts it in the running set in decode.
 
-Speculative decoding: an n-gram drafter rebuilds its context from the token ids; a draft-model
+Speculative decoding: an n-gram drafter rebuilds its context from the token ids; a worker's private
 drafter re-prefills its own small cache on the target from prompt + generated tokens (the reserve
 calls ``prefetch``, as for a disaggregated request, so the drafter works while the KV is in
-transit): its KV does not travel. The draft-length policy's per-request state does, so a seeded
-request drafts (and draws) on the target exactly as on the source.
+transit): its KV does not travel. A drafter pool's replica keeps the request's state by request id:
+the snapshot names it, the target drafts there from its first step, and the prefetch finds the
+context already held (nothing recomputed); the source leaves that state in place. The draft-length
+policy's per-request state travels, so a seeded request drafts (and draws) on the target exactly
+as on the source.
 
 Structured output: the grammar matcher does not travel either. The target compiles the request's
 spec (from its sampling params) while the KV is in transit and parks the request in its
@@ -55,6 +58,7 @@ from workers.engine.kv_handoff import KVCapacityError
 from workers.engine.runner import KVTicket, Runner
 from workers.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
+from workers.engine.proposer import DrafterRef
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.speculator import Speculator
 
@@ -81,6 +85,7 @@ class MigrationSnapshot:
     generator_state: bytes | None = None
     detokenizer: DetokenizerState | None = None
     spec_state: tuple[float, int] | None = None  # (acceptance, steps at zero): draft-length policy
+    drafter: DrafterRef | None = None  # the drafter replica it drafts on (a drafter pool's; its state is there)
 
     @property
     def token_ids(self) -> list[int]:
@@ -127,7 +132,8 @@ class Migration:
             seq.request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), p, seq.num_computed_tokens,
             seq.num_resumed_tokens, seq.num_cached_tokens,
             self.runner.generator_state(seq.request_id) if p.seed is not None else None, detok.state(),
-            self.speculator.request_state(seq.request_id) if self.speculator is not None else None)
+            self.speculator.request_state(seq.request_id) if self.speculator is not None else None,
+            self.speculator.drafter_of(seq.request_id) if self.speculator is not None else None)
 
     def read_kv(self, request_id: str, first_block: int) -> torch.Tensor:
         """A paused request's K/V of logical blocks first_block.. : [L, 2, n, bs, G, D] (a copy)."""
@@ -171,6 +177,8 @@ class Migration:
             raise KVCapacityError(f"{bm.blocks_needed(snapshot.num_computed_tokens) - len(cached)} KV blocks "
                                   f"needed to take over {seq.request_id}, {bm.num_free_blocks} free")
         seq.num_cached_tokens = snapshot.num_cached_tokens
+        if self.speculator is not None:  # before the engine's prefetch: the drafter that holds its state
+            self.speculator.assign(seq.request_id, snapshot.drafter)
         self._reserved[seq.request_id] = seq
         self._tickets += 1
         total = bm.blocks_needed(snapshot.num_computed_tokens)

@@ -24,6 +24,7 @@ import logging
 import math
 import mmap
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,7 @@ from workers.models.shared_weights import SharedWeights
 from workers.startup import StartupTimeline
 from workers.parallel.groups import get_group
 from workers.parallel.sharding import attention_shard
-from workers.engine.runner import KVLayout, MoEStats, RunnerOutput
+from workers.engine.runner import KVLayout, MoEStats, RunnerOutput, RunnerTiming
 from workers.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledChunk, SchedulerOutput
 from workers.engine.proposer import Draft
@@ -153,6 +154,7 @@ class ModelRunner:
         self._block_offsets = torch.arange(self.block_size)  # metadata is built on CPU, then moved
         self.graphs: DecodeGraphs | None = None  # CUDA graphs for decode-only steps (capture_graphs)
         self._mask_worker: MaskWorker | None = None  # structured output: masks beside the forward pass
+        self._prepare_s = 0.0  # the latest forward's input preparation (seconds)
 
     def capture_graphs(self, max_model_len: int, sizes: tuple[int, ...] | None = None,
                        graph_factory: Callable[[], Graph] | None = None) -> None:
@@ -258,12 +260,16 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, drafts: Mapping[str, Draft] | None = None) -> RunnerOutput:
         """Run the step and sample. drafts: the proposer's drafts by request id (their distributions
         q, for sampled requests; the draft ids themselves are the chunks' last num_draft tokens)."""
+        t0 = time.perf_counter()
         masks = self._start_masks(sched)  # structured output: computed while the forward pass runs
         hidden, sample_rows = self.forward(sched)  # [T, E]
-        results = masks.result() if masks is not None else {}
+        t_forward = time.perf_counter()
+        forward_s = t_forward - t0 - self._prepare_s
         if not sample_rows:
-            return RunnerOutput({})
+            return RunnerOutput({}, timing=RunnerTiming(self._prepare_s, forward_s))
         logits = self.model.compute_logits(hidden[[r for r, _ in sample_rows]])  # [N, V]
+        t_logits = time.perf_counter()
+        results = masks.result() if masks is not None else {}
         verify = {c.request_id: c for c in sched.chunks if c.num_draft}
         plain: list[int] = []  # logits rows sampled one token each
         spans: list[tuple[int, ScheduledChunk]] = []  # (first logits row, chunk) of verified chunks
@@ -298,7 +304,8 @@ class ModelRunner:
                 out[s.request_id] = tokens
                 if lps is not None:
                     logprobs[s.request_id] = lps
-        return RunnerOutput(out, logprobs, errors)
+        timing = RunnerTiming(self._prepare_s, forward_s, t_logits - t_forward, time.perf_counter() - t_logits)
+        return RunnerOutput(out, logprobs, errors, timing)
 
     def _start_masks(self, sched: SchedulerOutput):
         """The MaskWorker job of this step's plain sampled rows of structured requests (or None)."""
@@ -359,13 +366,16 @@ class ModelRunner:
         # context up to itself: the same kernel, per-row arithmetic and rounding as plain decoding,
         # so greedy verification reproduces plain greedy output exactly wherever the linear layers
         # are row-invariant (the quantized kernels are; see tests/workers/spec_decode/test_spec_decode_engine.py).
+        t0 = time.perf_counter()
         singles = [r for c in sched.chunks if len(c.token_ids) == 1 or c.num_draft for r in _decode_rows(c)]
         multis = [c for c in sched.chunks if len(c.token_ids) > 1 and not c.num_draft]
         if self.graphs is not None and not multis and self.graphs.fits(len(singles)):
             input_ids, positions, meta, sample_rows = self._prepare(singles, len(singles))
+            self._prepare_s = time.perf_counter() - t0
             return self.graphs.run(input_ids, positions, meta), sample_rows
         rest, split = self.sp_split(multis)
         input_ids, positions, meta, sample_rows = self._prepare(singles + rest, len(singles), split)
+        self._prepare_s = time.perf_counter() - t0  # (RunnerTiming.prepare_s of this step)
         return self.model(input_ids, positions, self.kv_caches, meta), sample_rows
 
     @staticmethod

@@ -8,7 +8,9 @@ deterministic (q_i = one-hot(x_i)); workers/sample/rejection_sampler.py needs it
 requests.
 
 Implementations: ``NgramProposer`` (prompt lookup, in-process), ``DraftModelProposer`` (a small LM
-in its own Ray actor, reached over gRPC). Worked example::
+on a drafter replica, reached over one gRPC stream per replica: the worker's private drafter actor,
+or the replica of a drafter pool the router picked for the request, ``DraftAsk.drafter``).
+Worked example::
 
     proposer = NgramProposer(ngram_min=1, ngram_max=4)
     drafts = proposer.propose([DraftAsk("r1", [1, 2, 3, 9, 1, 2], 3, params)])
@@ -28,13 +30,25 @@ from workers.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class DrafterRef:
+    """The drafter replica a request drafts on: the router's pick from the drafter pool its worker
+    names (SubmitRequest.drafter), kept with the request across P/D hand-off and migration."""
+
+    worker_id: str
+    endpoint: str
+    incarnation: str = ""
+
+
+@dataclass(frozen=True)
 class DraftAsk:
-    """One request's turn: its tokens so far (prompt + output) and the most drafts wanted (>= 1)."""
+    """One request's turn: its tokens so far (prompt + output) and the most drafts wanted (>= 1);
+    drafter: where it drafts (None: the proposer's own drafter, if it has one)."""
 
     request_id: str
     token_ids: list[int]
     num_tokens: int
     params: SamplingParams
+    drafter: DrafterRef | None = None
 
 
 @dataclass(frozen=True)
@@ -62,13 +76,17 @@ class Proposer(Protocol):
         a failed request simply gets no draft (and counts in ``stats().fallbacks``)."""
         ...
 
-    def prefetch(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+    def prefetch(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                 drafter: DrafterRef | None = None) -> None:
         """A request will decode soon with this context (disaggregated: its prompt KV is on the
-        way); a stateful drafter starts computing its own prompt KV now."""
+        way; migrated: its KV is); a stateful drafter starts computing its own prompt KV now (or,
+        holding the request already, keeps what it has)."""
         ...
 
-    def release(self, request_id: str) -> None:
-        """The request finished or was aborted: drop its drafting state."""
+    def release(self, request_id: str, *, handed_over: bool = False) -> None:
+        """The request finished or was aborted: drop its drafting state. handed_over: it continues
+        on another worker (live migration): forget it here, but leave a shared drafter's state to
+        the worker that now holds it."""
         ...
 
     def stats(self) -> ProposerStats: ...

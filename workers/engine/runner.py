@@ -100,6 +100,23 @@ def kv_fingerprint(spec: object, dtype: torch.dtype | str, quantization: str = "
 
 
 @dataclass(frozen=True)
+class RunnerTiming:
+    """Wall-clock seconds (time.perf_counter) of one ``execute``'s parts; what is not the model
+    itself (prepare, sample) is the step's overhead outside the kernels.
+
+    prepare_s   the scheduler's lists -> input tensors and attention metadata
+    forward_s   the model's forward pass over the step's tokens (KV written)
+    logits_s    the LM head over the sampled rows
+    sample_s    grammar masks, penalties, sampling, logprobs, verification of drafts
+    """
+
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    logits_s: float = 0.0
+    sample_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class RunnerOutput:
     # request id -> tokens to append, for chunks with sample=True: one sampled token, or with drafts
     # the accepted drafts followed by the target's own token (1..num_draft + 1)
@@ -109,6 +126,8 @@ class RunnerOutput:
     # request id -> why it could not be sampled (structured output: its grammar admits no token);
     # such a request is in neither dict above, and the engine ends it with this error
     errors: dict[str, InvalidRequestError] = field(default_factory=dict)
+    # where the step's time went (None from runners that do not measure it)
+    timing: RunnerTiming | None = None
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Token-budget scheduler: continuous batching with stall-free chunked prefill.
 
-Each step has a budget of ``max_num_batched_tokens``. The scheduler spends it in this order
-(Sarathi-Serve's stall-free batching):
+Each step has a token budget: ``max_num_batched_tokens``, or with ``target_itl_ms`` what fits in
+that time after the step's decodes (workers/engine/token_budget.py; the engine reports every step's
+shape and time through ``observe``). The scheduler spends it in this order (Sarathi-Serve's
+stall-free batching):
   1. running sequences in decode, oldest first: one token each;
   2. running sequences still in prefill (a long prompt split across steps), oldest first;
   3. waiting sequences, oldest first (preempted ones re-enter at the head of the queue), taking
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 from workers.engine.block_manager import BlockManager
 from workers.config import SchedulerConfig
 from workers.engine.sequence import Sequence, SequenceStatus
+from workers.engine.token_budget import TokenBudget, make_budget
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +75,25 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.chunks
 
+    def token_split(self) -> tuple[int, int]:
+        """(rows of decoding requests: one per decode, 1 + drafts per verify; prompt tokens)."""
+        decode = prefill = 0
+        for c in self.chunks:
+            if c.num_draft or len(c.token_ids) == 1:
+                decode += len(c.token_ids)
+            else:
+                prefill += len(c.token_ids)
+        return decode, prefill
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, window: int | None = None) -> None:
-        """window: the model's sliding window when every layer slides (None: keep every block)."""
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, window: int | None = None,
+                 budget: TokenBudget | None = None) -> None:
+        """window: the model's sliding window when every layer slides (None: keep every block).
+        budget: the per-step token budget (default: the one ``config`` asks for)."""
         assert window is None or window >= 1
         self.config = config
+        self.budget = budget or make_budget(config.max_num_batched_tokens, config.target_itl_ms)
         self.block_manager = block_manager
         self.window = window
         self._keep_all: set[str] = set()  # requests whose blocks stay until they finish (exports)
@@ -130,12 +146,12 @@ class Scheduler:
         """The step's chunks. drafts: request id -> draft tokens to verify after its last token
         (decoding requests only; cut to the budget)."""
         drafts = drafts or {}
-        budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}  # request id -> new tokens, insertion = batch order
         preempted: list[str] = []
 
         decoding = [s for s in self.running if s.in_decode]
         prefilling = [s for s in self.running if not s.in_decode]
+        budget = self.budget.tokens(len(decoding))
         for seq in decoding + prefilling:
             if budget == 0:
                 break
@@ -203,6 +219,10 @@ class Scheduler:
                 )
             )
         return SchedulerOutput(chunks=chunks, preempted_ids=preempted)
+
+    def observe(self, num_decode_rows: int, num_prefill_tokens: int, seconds: float) -> None:
+        """A step ran (its shape and wall time): feeds the token budget's cost model."""
+        self.budget.observe(num_decode_rows, num_prefill_tokens, seconds)
 
     def commit(self, output: SchedulerOutput, sampled: Mapping[str, list[int]] | None = None) -> None:
         """Advance ``num_computed_tokens`` after the runner has written the chunks' KV.

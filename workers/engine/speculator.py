@@ -6,6 +6,10 @@ limit), gets drafts from the proposer, and hands them to the scheduler. After th
 verified them, ``record`` feeds the outcome back (acceptance per request, the step's time vs the
 drafts it carried) and counts the metrics the worker reports.
 
+Where a request drafts: ``assign`` records the drafter replica the router picked for it (a drafter
+pool's, SubmitRequest.drafter); its asks carry it to the proposer, which keeps one stream per
+replica. A request with none drafts on the proposer's own drafter, if any.
+
 Terms: a *verify* is one request's chunk with drafts in a step; *accepted* counts drafts kept;
 *emitted* counts tokens appended by verifies (accepted + the target's own token).
 acceptance_rate = accepted / drafted; mean_accepted_length = emitted / verifies (tokens per target
@@ -22,7 +26,7 @@ from workers.config import SpeculativeConfig
 from workers.engine.scheduler import SchedulerOutput
 from workers.engine.sequence import Sequence
 from workers.engine.draft_length import DraftLengthPolicy
-from workers.engine.proposer import Draft, DraftAsk, Proposer
+from workers.engine.proposer import Draft, DraftAsk, DrafterRef, Proposer
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,19 @@ class Speculator:
         self._verifies = self._drafted = self._accepted = self._emitted = 0
         self._draft_s = self._verify_s = 0.0
         self._drafted_before: set[str] = set()  # requests past their first draft (which computes a prompt)
+        self._drafters: dict[str, DrafterRef] = {}  # request id -> its drafter replica (drafter pools)
+
+    def assign(self, request_id: str, drafter: DrafterRef | None) -> None:
+        """The request drafts on ``drafter`` (None: the proposer's own). Called before the request
+        is added, reserved or adopted, so its prefetch already goes there."""
+        if drafter is None:
+            self._drafters.pop(request_id, None)
+        else:
+            self._drafters[request_id] = drafter
+
+    def drafter_of(self, request_id: str) -> DrafterRef | None:
+        """The request's drafter replica (live migration carries it to the target worker)."""
+        return self._drafters.get(request_id)
 
     def draft(self, running: Iterable[Sequence], max_model_len: int) -> dict[str, Draft]:
         """Drafts for the running requests that are decoding and want speculation this step."""
@@ -68,7 +85,7 @@ class Speculator:
             limit = min(wanted, p.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens)
             k = self.policy.choose(seq.request_id, limit, len(decoding), reproducible=p.seed is not None)
             if k > 0:
-                asks.append(DraftAsk(seq.request_id, seq.token_ids, k, p))
+                asks.append(DraftAsk(seq.request_id, seq.token_ids, k, p, self._drafters.get(seq.request_id)))
         if not asks:
             return {}
         t0 = time.perf_counter()
@@ -103,7 +120,7 @@ class Speculator:
             self.policy.observe_step(sched.num_tokens, seconds)
 
     def prefetch(self, seq: Sequence) -> None:
-        self.proposer.prefetch(seq.request_id, seq.token_ids, seq.sampling_params)
+        self.proposer.prefetch(seq.request_id, seq.token_ids, seq.sampling_params, self._drafters.get(seq.request_id))
 
     def request_state(self, request_id: str) -> tuple[float, int]:
         """One request's draft-length state (workers/engine/migration.py carries it to another worker, so a
@@ -113,10 +130,12 @@ class Speculator:
     def set_request_state(self, request_id: str, state: tuple[float, int]) -> None:
         self.policy.set_request_state(request_id, state)
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, *, handed_over: bool = False) -> None:
+        """The request ended here; handed_over: it continues on another worker (Proposer.release)."""
         self._drafted_before.discard(request_id)
+        self._drafters.pop(request_id, None)
         self.policy.release(request_id)
-        self.proposer.release(request_id)
+        self.proposer.release(request_id, handed_over=handed_over)
 
     def stats(self) -> SpecStats:
         ps = self.proposer.stats()

@@ -42,6 +42,7 @@ from workers.errors import InvalidRequestError
 from workers.engine.kv_handoff import KVCapacityError
 from workers.kv.transfer import KVTransferError
 from workers.engine.migration import MigrationError, MigrationSnapshot
+from workers.engine.proposer import DrafterRef
 from workers.sampling_params import SamplingParams
 from workers.structured.convert import spec_to_proto
 
@@ -87,6 +88,9 @@ def snapshot_to_proto(snap: MigrationSnapshot) -> worker_pb2.MigrationState:
             d.prefix_offset, d.read_offset, d.text, d.emitted
     if snap.spec_state is not None:
         msg.spec_acceptance, msg.spec_steps_at_zero = snap.spec_state
+    if snap.drafter is not None:
+        msg.drafter.CopyFrom(worker_pb2.DrafterRef(worker_id=snap.drafter.worker_id, endpoint=snap.drafter.endpoint,
+                                                   incarnation=snap.drafter.incarnation))
     return msg
 
 
@@ -101,7 +105,9 @@ def snapshot_from_proto(request_id: str, msg: worker_pb2.MigrationState,
     snap = MigrationSnapshot(
         request_id, list(msg.prompt_token_ids), list(msg.output_token_ids), to_params(msg.sampling),
         msg.num_computed_tokens, msg.num_resumed_tokens, msg.num_cached_tokens, msg.generator_state or None, detok,
-        (msg.spec_acceptance, msg.spec_steps_at_zero) if msg.HasField("spec_acceptance") else None)
+        (msg.spec_acceptance, msg.spec_steps_at_zero) if msg.HasField("spec_acceptance") else None,
+        DrafterRef(msg.drafter.worker_id, msg.drafter.endpoint, msg.drafter.incarnation)
+        if msg.HasField("drafter") else None)
     snap.check()
     return snap
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from workers.sample.draw import draw
 from workers.sample.logprobs import TokenLogprob
 from workers.sample.penalties import RowContext
 from workers.sample.sampler import Sampler, logprobs_of, sampling_probs
@@ -136,7 +137,7 @@ def accept_sampled(p: torch.Tensor, draft: list[int], q: torch.Tensor | None, ge
             residual = (p[i] - q[i].to(p.dtype)).clamp_(min=0.0)
         if float(residual.sum()) <= 0.0:  # p == q up to rounding: the residual is empty, p is exact
             residual = p[i]
-        out.append(int(torch.multinomial(residual, 1, generator=generator)))
+        out.append(draw(residual[None], [generator])[0])
         return out
-    out.append(int(torch.multinomial(p[k], 1, generator=generator)))
+    out.append(draw(p[k : k + 1], [generator])[0])
     return out

@@ -6,11 +6,15 @@ process the logits (penalties, logit_bias, min_tokens: workers/sample/penalties.
 Greedy rows (temperature 0) take the argmax. Other rows: divide by temperature, drop tokens below
 min_p x the top probability, keep the top_k largest logits (if top_k > 0), keep the smallest set
 of tokens whose probability mass reaches top_p (always at least the most likely), renormalise and
-draw with the request's own generator. A request with a seed owns a generator seeded with it, so
-its draws do not depend on what else is in the batch. Logprobs (workers/sample/logprobs.py) are
-log_softmax of the temperature-scaled processed logits (temperature 1 for greedy rows).
+draw with the request's own generator (workers/sample/draw.py: one uniform per row, inverse CDF).
+A request with a seed owns a generator seeded with it, so its draws do not depend on what else is
+in the batch. Logprobs (workers/sample/logprobs.py) are log_softmax of the temperature-scaled
+processed logits (temperature 1 for greedy rows).
 
-Every step is a tensor op over the batch; only the draws loop over rows (one generator each).
+Work a row does not ask for is skipped: no copy or processing pass when no row has penalties,
+bias, min_tokens or logprobs; min_p / top_k / top_p passes only when some row sets them; the
+argmax only over greedy rows. Every step is a tensor op over the batch; the only loop over rows
+draws one uniform per seeded request from its generator.
 
 Axes: N rows, V vocabulary.
 """
@@ -21,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from workers.sample.draw import draw
 from workers.sample.logprobs import TokenLogprob, gather_logprobs
 from workers.sample.penalties import RowContext, process_logits
 from workers.sampling_params import SamplingParams
@@ -34,26 +39,41 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
 
 def apply_filters(logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
     """logits [N, V] (temperature-scaled) -> logits with the entries that min_p, top_k and top_p
-    drop set to -inf (that order, as vLLM applies them). Per-row settings; 0 / 1.0 / 0 = off."""
+    drop set to -inf (that order, as vLLM applies them). Per-row settings; 0 / 1.0 / 0 = off. Each
+    pass touches only the rows that set its filter, so a row's result never depends on the batch
+    (a top_p of 1.0 computed in float32 could otherwise drop a tail token whose cumulative mass
+    rounds to 1)."""
     n, V = logits.shape
     dev = logits.device
-    if any(min_p):
-        probs = logits.softmax(-1)  # [N, V]
-        floor = torch.tensor(min_p, dtype=probs.dtype, device=dev)[:, None] * probs.amax(-1, keepdim=True)
-        logits = logits.masked_fill(probs < floor, float("-inf"))
-    if any(0 < k < V for k in top_k):
-        k = torch.tensor([k if 0 < k < V else V for k in top_k], device=dev)  # [N]
-        kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])  # [N, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if any(p < 1.0 for p in top_p):
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    rows = [i for i in range(n) if min_p[i]]
+    if rows:
+        index, sub = _rows(logits, rows)
+        probs = sub.softmax(-1)  # [R, V]
+        floor = torch.tensor([min_p[i] for i in rows], dtype=probs.dtype, device=dev)[:, None] * probs.amax(-1, keepdim=True)
+        logits = logits.index_copy(0, index, sub.masked_fill(probs < floor, float("-inf")))
+    rows = [i for i in range(n) if 0 < top_k[i] < V]
+    if rows:
+        index, sub = _rows(logits, rows)
+        k = torch.tensor([top_k[i] for i in rows], device=dev)  # [R]
+        kth = torch.sort(sub, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])  # [R, 1]
+        logits = logits.index_copy(0, index, sub.masked_fill(sub < kth, float("-inf")))
+    rows = [i for i in range(n) if top_p[i] < 1.0]
+    if rows:
+        index, sub = _rows(logits, rows)
+        sorted_logits, order = torch.sort(sub, dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         # mass strictly before each token; a token is kept while that mass is < top_p
         before = probs.cumsum(-1) - probs
-        drop_sorted = before >= torch.tensor(top_p, dtype=probs.dtype, device=dev)[:, None]
+        drop_sorted = before >= torch.tensor([top_p[i] for i in rows], dtype=probs.dtype, device=dev)[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.index_copy(0, index, sub.masked_fill(drop, float("-inf")))
     return logits
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index [R], logits[index] [R, V]) of the given rows."""
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    return index, logits.index_select(0, index)
 
 
 def temperatures(params: Sequence[SamplingParams], like: torch.Tensor) -> torch.Tensor:
@@ -62,16 +82,31 @@ def temperatures(params: Sequence[SamplingParams], like: torch.Tensor) -> torch.
                         device=like.device)[:, None]
 
 
+def scaled(processed: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """processed [N, V] / each row's temperature (the input itself when every one is 1: x / 1 == x)."""
+    if all(p.greedy or p.temperature == 1.0 for p in params):
+        return processed
+    return processed / temperatures(params, processed)
+
+
+def sampling_weights(processed: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """processed logits [N, V] -> what each (non-greedy) row draws in proportion to: exp(filtered
+    scaled logits - the row's max) [N, V], unnormalised (the draw divides by the row's sum itself,
+    so the softmax's own normalising pass is not needed)."""
+    filtered = apply_filters(scaled(processed, params), [p.top_k for p in params], [p.top_p for p in params],
+                             [p.min_p for p in params])
+    return (filtered - filtered.amax(-1, keepdim=True)).exp_()
+
+
 def sampling_probs(processed: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """processed logits [N, V] -> the distribution each (non-greedy) row draws from [N, V]."""
-    scaled = processed / temperatures(params, processed)
-    filtered = apply_filters(scaled, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params])
-    return filtered.softmax(-1)
+    w = sampling_weights(processed, params)
+    return w / w.sum(-1, keepdim=True)
 
 
 def logprobs_of(processed: torch.Tensor, params: Sequence[SamplingParams], tokens: list[int]) -> list[TokenLogprob]:
     """processed logits [N, V] and the token chosen on each row -> their TokenLogprobs."""
-    lp = torch.log_softmax(processed / temperatures(params, processed), dim=-1)  # [N, V]
+    lp = torch.log_softmax(scaled(processed, params), dim=-1)  # [N, V]
     return gather_logprobs(lp, tokens, [p.top_logprobs or 0 for p in params])
 
 
@@ -102,12 +137,18 @@ class Sampler:
         if plain and all(p.greedy for p in params):
             return logits.argmax(-1).tolist(), [None] * len(rows)  # on the logits' device, no copy
         processed = self.process(logits, rows)  # [N, V]
-        tokens = processed.argmax(-1).tolist()  # [N]
+        tokens = [0] * len(rows)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if greedy:
+            picked = processed.argmax(-1) if not sampled else processed[greedy].argmax(-1)  # [G]
+            for i, t in zip(greedy, picked.tolist()):
+                tokens[i] = t
         if sampled:
-            probs = sampling_probs(processed[sampled], [params[i] for i in sampled])  # [S, V]
-            for j, i in enumerate(sampled):
-                tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
+            rows_s = processed if not greedy else processed[sampled]  # [S, V]
+            weights = sampling_weights(rows_s, [params[i] for i in sampled])  # [S, V]
+            for i, t in zip(sampled, draw(weights, [generators[i] for i in sampled])):
+                tokens[i] = t
         want = [i for i, p in enumerate(params) if p.top_logprobs is not None]
         out: list[TokenLogprob | None] = [None] * len(rows)
         if want:

@@ -3,4 +3,5 @@
     service.py      duet.worker.v1.Worker and grpc health over one EngineLoop
     actor.py        WorkerActor: lifecycle only; resolves the model (the edge) and serves
     gang_actor.py   the actors of a TP / EP / SP gang: a leader that serves, followers that follow
+    threads.py      a worker process's threads: torch threads, OpenMP wait policy, niceness
 """

@@ -8,11 +8,15 @@ Threads: torch's intra-op thread count is set to the CPUs Ray reserved for the a
 both here and on the engine thread. On a small machine this matters a lot: two processes each
 running as many OpenMP threads as there are cores slow torch down by an order of magnitude
 (OpenMP threads spin-wait for each other on oversubscribed cores), so threads must match the
-reservation.
+reservation. How idle OpenMP threads wait and the process's niceness come from the engine config
+(``omp_wait_policy``, ``niceness``; workers/server/threads.py): the pool starts the actor with
+``process_env(config)`` in its Ray runtime_env, and ``__init__`` applies and checks them.
 
 Worked example (from the cluster side)::
 
-    actor = WorkerActor.options(num_cpus=1, max_restarts=-1).remote(EngineConfig(), "decode-0")
+    config = EngineConfig()
+    actor = WorkerActor.options(num_cpus=1, max_restarts=-1,
+                                runtime_env={"env_vars": process_env(config)}).remote(config, "decode-0")
     endpoint = ray.get(actor.start.remote())       # "10.0.0.5:41231": the router dials this
     ...
     ray.get(actor.stop.remote())                    # drain, abort the rest, stop serving
@@ -38,7 +42,6 @@ import os
 import time
 
 import ray
-import torch
 
 from workers.build import Preloaded, build_engine, preload
 from workers.config import EngineConfig
@@ -46,6 +49,8 @@ from workers.engine.engine import Engine
 from workers.engine.device import resolve_for_rank
 from workers.models.assets.resolve import resolve_model
 from workers.server.service import WorkerServer, start_worker_server
+from workers.server.threads import apply as apply_threads
+from workers.server.threads import thread_niceness
 from workers.startup import StartupTimeline
 
 logger = logging.getLogger(__name__)
@@ -71,8 +76,8 @@ class WorkerActor:
     def __init__(self, engine_config: EngineConfig, worker_id: str, host: str | None = None, port: int = 0) -> None:
         self._init_at = time.monotonic()  # the end of the cluster-side "schedule" phase
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
-        self._num_threads = max(1, int(cpus))
-        torch.set_num_threads(self._num_threads)
+        self._threads = apply_threads(engine_config, max(1, int(cpus)))
+        self._num_threads = self._threads.num_threads
         self._config = engine_config
         self._gpu_ids = [str(g) for g in ray.get_gpu_ids()]  # what Ray assigned (it sets CUDA_VISIBLE_DEVICES)
         self._worker_id = worker_id
@@ -158,7 +163,7 @@ class WorkerActor:
 
     def info(self) -> dict[str, object]:
         """Identity for status pages: worker id, endpoint, incarnation, context limit (None until
-        started), pid, torch threads, the Ray node it runs on (hex id)."""
+        started), pid, torch threads, OpenMP wait policy and the nice values of its threads, the Ray node it runs on (hex id)."""
         return {
             "worker_id": self._worker_id,
             "endpoint": self.endpoint(),
@@ -167,6 +172,8 @@ class WorkerActor:
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "num_threads": self._num_threads,
+            "omp_wait_policy": self._threads.omp_wait_policy,
+            "niceness": sorted(thread_niceness()),  # of every thread of the process
             "gpu_ids": self._gpu_ids,
             "device": self._config.device,
             "standby": self._preloaded is not None and self._server is None,

@@ -36,7 +36,6 @@ from datetime import timedelta
 from typing import Any
 
 import ray
-import torch
 
 from workers.config import EngineConfig
 from workers.build import build_engine
@@ -49,6 +48,7 @@ from workers.parallel.groups import AXES, ParallelConfig, destroy_parallel_group
 from workers.parallel.launch import free_port
 from workers.server.actor import rank_config
 from workers.server.service import WorkerServer, start_worker_server
+from workers.server.threads import apply as apply_threads
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +56,11 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=30)
 EXIT_GRACE_S = 1.0  # time for UNAVAILABLE statuses to reach clients before a broken rank exits
 
 
-def _threads() -> int:
+def _threads(config: EngineConfig) -> int:
+    """torch threads = the CPUs Ray reserved (at least 1); wait policy and niceness from the config
+    (workers/server/threads.py)."""
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
-    n = max(1, int(cpus))
-    torch.set_num_threads(n)
-    return n
+    return apply_threads(config, max(1, int(cpus))).num_threads
 
 
 def _exit_soon(reason: str) -> None:
@@ -74,7 +74,7 @@ class GangFollowerActor:
     """Rank ``rank`` (>= 1) of a gang. ``run`` blocks for the gang's lifetime."""
 
     def __init__(self, engine_config: EngineConfig, parallel: ParallelConfig, rank: int) -> None:
-        self._num_threads = _threads()
+        self._num_threads = _threads(engine_config)
         self._config, self._parallel, self._rank = engine_config, parallel, rank
         self._gpu_ids = [str(g) for g in ray.get_gpu_ids()]  # what Ray assigned (it sets CUDA_VISIBLE_DEVICES)
 
@@ -105,7 +105,7 @@ class GangLeaderActor:
 
     def __init__(self, engine_config: EngineConfig, worker_id: str, host: str | None, parallel: ParallelConfig,
                  followers: list[Any], rebalance: RebalanceConfig | None = None, port: int = 0) -> None:
-        self._num_threads = _threads()
+        self._num_threads = _threads(engine_config)
         self._config, self._worker_id, self._parallel = engine_config, worker_id, parallel
         self._gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         self._host = host or ray.util.get_node_ip_address()

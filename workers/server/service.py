@@ -68,6 +68,7 @@ from workers.sample.logprobs_proto import to_proto
 from workers.handoff.migration_service import MigrationFailed, Migrator
 from workers.handoff.prefix_pull import PrefixPull
 from workers.sampling_params import SamplingParams
+from workers.engine.proposer import DrafterRef
 from workers.startup import StartupTimeline
 from workers.engine.sequence import FinishReason
 from workers.structured.convert import spec_from_proto
@@ -110,6 +111,16 @@ def _merge(outputs: list[RequestOutput], migrated_to: worker_pb2.MigratedTo | No
                                             completion_tokens=last.num_output_tokens,
                                             cached_prompt_tokens=last.num_cached_tokens))
     return msg
+
+
+def _drafter_assignment(request_id: str, d: worker_pb2.DrafterRef) -> Callable[[Engine], None]:
+    """What the engine thread runs for Submit.drafter: the request drafts on that replica."""
+    ref = DrafterRef(d.worker_id, d.endpoint, d.incarnation)
+
+    def assign(engine: Engine) -> None:
+        if engine.speculator is not None:
+            engine.speculator.assign(request_id, ref)
+    return assign
 
 
 def _status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
@@ -202,6 +213,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         attached = self.migrator.attach(rid, request.migration_id, list(request.prompt_token_ids)) \
             if request.migration_id and self.migrator is not None else None
         sink: Sink = attached if attached is not None else asyncio.Queue()
+        if request.HasField("drafter"):  # queued before the add / reserve below: its prefetch goes there too
+            self._engine.call(_drafter_assignment(rid, request.drafter))
         self._inflight.add(rid)
         finished = False
         try:

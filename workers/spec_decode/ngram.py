@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 
-from workers.engine.proposer import Draft, DraftAsk, ProposerStats
+from workers.engine.proposer import Draft, DraftAsk, DrafterRef, ProposerStats
 from workers.sampling_params import SamplingParams
 
 
@@ -59,10 +59,11 @@ class NgramProposer:
         self._stats.seconds += time.perf_counter() - t0
         return out
 
-    def prefetch(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+    def prefetch(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                 drafter: DrafterRef | None = None) -> None:
         pass  # stateless
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, *, handed_over: bool = False) -> None:
         pass
 
     def stats(self) -> ProposerStats:

@@ -36,6 +36,22 @@ def test_select_by_id_or_node_and_targets_are_the_pools_serving_others():
         select(WORKERS, None, "10.9.9.9")
 
 
+def test_drafter_replicas_are_never_drained_and_status_shows_them():
+    drafter = {"pool": "drafters", "worker_id": "drafters-0", "endpoint": "10.0.0.6:4100", "incarnation": "f",
+               "health": "SERVING", "role": "drafter", "pid": 7,
+               "load": {"num_requests": 3, "num_active": 2, "num_streams": 2, "kv_blocks_used": 5, "kv_blocks_total": 400,
+                        "batched_rows": 26, "forward_passes": 10, "rounds": 812, "draft_tokens": 2904, "evictions": 0,
+                        "expired": 1}}
+    workers = [*WORKERS, drafter]
+    assert [w["worker_id"] for w in select(workers, None, "10.0.0.6")] == ["decode-1", "decode-2"]
+    with pytest.raises(DrainError, match="drafters-0"):
+        select(workers, "drafters-0", None)
+    text = format_status({"workers": [drafter]})
+    assert "pool drafters: 1 drafters" in text
+    assert "requests 3 (drafting 2)  streams 2  KV 5/400 blocks  mean batch 2.6" in text
+    assert "rounds 812, 2904 draft tokens, 0 evicted, 1 expired" in text
+
+
 def test_results_text_and_cli_argument_errors(capsys):
     text = format_results([{"worker_id": "decode-1", "migrated": 8, "failed": 0, "remaining": 0, "seconds": 0.4,
                             "targets": ["decode-0"]},

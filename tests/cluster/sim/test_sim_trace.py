@@ -7,6 +7,8 @@ import pytest
 
 from cluster.sim.trace import TraceError, read_azure, read_burstgpt, synthetic_trace
 
+from testkit.tolerance import estimate
+
 
 def test_synthetic_is_seeded_and_follows_the_diurnal_rate():
     a = synthetic_trace(duration_s=86400, base_rps=1, peak_rps=9, bursts_per_hour=0, seed=3, mean_output=100)
@@ -16,9 +18,10 @@ def test_synthetic_is_seeded_and_follows_the_diurnal_rate():
     hourly = a.rate_series(3600.0)
     # Peak at 14:00 (9/s), trough at 02:00 (1/s); mean rate = (1 + 9) / 2 = 5/s. Poisson counts over an
     # hour at 9/s have sd sqrt(32400)/3600 = 0.05/s: 0.5/s tolerances are ~10 sd (+ the hour's curvature).
-    assert hourly[14] == pytest.approx(9.0, abs=0.5) and hourly[2] == pytest.approx(1.0, abs=0.5)
-    assert len(a) / 86400 == pytest.approx(5.0, rel=0.02)
-    assert a.output.mean() == pytest.approx(100, rel=0.05) and a.output.min() >= 1
+    poisson = "~10 sd of an hour's Poisson count, plus the hour's curvature (above)"
+    assert hourly[14] == estimate(9.0, abs=0.5, why=poisson) and hourly[2] == estimate(1.0, abs=0.5, why=poisson)
+    assert len(a) / 86400 == estimate(5.0, rel=0.02, why="432k Poisson arrivals: sd 0.15%, ~13 sd")
+    assert a.output.mean() == estimate(100, rel=0.05, why="mean of 432k sampled lengths: well inside 5%") and a.output.min() >= 1
 
 
 def test_bursts_raise_the_rate():
@@ -83,15 +86,18 @@ def test_slice_and_rate_series():
 def test_shapes_fixed_bursts_and_pareto_lengths():
     kw = dict(duration_s=7200, base_rps=2, peak_rps=8, period_s=1800, peak_at_s=0, bursts_per_hour=0, seed=4)
     saw = synthetic_trace(shape="sawtooth", **kw).rate_series(300.0)  # 6 buckets per 30-min ramp
-    assert saw[0] == pytest.approx(2 + 6 * 0.5 / 6, abs=0.6) and saw[5] == pytest.approx(2 + 6 * 5.5 / 6, abs=0.8)
+    counts = "a 300-450 s bucket's Poisson count at 2-8/s: sd 0.07-0.16/s, ~4-5 sd"
+    assert saw[0] == estimate(2 + 6 * 0.5 / 6, abs=0.6, why=counts) and saw[5] == estimate(2 + 6 * 5.5 / 6, abs=0.8,
+                                                                                         why=counts)
     assert saw[6] < saw[5] - 3  # the instant drop at the period's end
     onoff = synthetic_trace(shape="on_off", duty=0.25, **kw).rate_series(450.0)  # on for the first 450 s of 1800
-    assert onoff[0] == pytest.approx(8, abs=0.6) and all(x == pytest.approx(2, abs=0.4) for x in onoff[1:4])
+    assert onoff[0] == estimate(8, abs=0.6, why=counts) and all(x == estimate(2, abs=0.4, why=counts) for x in onoff[1:4])
     step = synthetic_trace(duration_s=3600, base_rps=5, peak_rps=5, bursts_per_hour=0, bursts=((1200, 600, 4.0),),
                            seed=2)
     r = step.rate_series(600.0)
-    assert r[2] == pytest.approx(20, rel=0.1)
-    assert r[1] == pytest.approx(5, rel=0.15) and r[3] == pytest.approx(5, rel=0.15)
+    assert r[2] == estimate(20, rel=0.1, why="600 s at 20/s: Poisson sd 1.3%, ~8 sd")
+    five = "600 s at 5/s: Poisson sd 2.6%, ~6 sd"
+    assert r[1] == estimate(5, rel=0.15, why=five) and r[3] == estimate(5, rel=0.15, why=five)
     heavy = synthetic_trace(duration_s=3600, base_rps=20, peak_rps=20, bursts_per_hour=0, lengths="pareto",
                             tail_alpha=1.5, mean_output=1000, max_output=1 << 20, seed=3)
     light = synthetic_trace(duration_s=3600, base_rps=20, peak_rps=20, bursts_per_hour=0, mean_output=1000, cv=1.0,
@@ -104,9 +110,11 @@ def test_piecewise_shape_interpolates_its_knots():
     tr = synthetic_trace(duration_s=7200, base_rps=2, peak_rps=10, shape="piecewise", bursts_per_hour=0, seed=5,
                          knots=((1800, 0.0), (3600, 1.0), (5400, 0.5)))
     r = tr.rate_series(600.0)  # flat 2 before the first knot, a ramp to 10, down to 6, flat after the last
-    assert all(x == pytest.approx(2, abs=0.35) for x in r[:3])
-    assert r[3] == pytest.approx(2 + 8 * 1 / 6, abs=0.5) and r[5] == pytest.approx(2 + 8 * 5 / 6, abs=0.6)
-    assert r[6] == pytest.approx(10 - 4 * 1 / 6, abs=0.6) and all(x == pytest.approx(6, abs=0.5) for x in r[9:])
+    counts = "a 600 s bucket's Poisson count at 2-10/s: sd 0.06-0.13/s, ~5 sd"
+    assert all(x == estimate(2, abs=0.35, why=counts) for x in r[:3])
+    assert r[3] == estimate(2 + 8 * 1 / 6, abs=0.5, why=counts) and r[5] == estimate(2 + 8 * 5 / 6, abs=0.6, why=counts)
+    assert r[6] == estimate(10 - 4 * 1 / 6, abs=0.6, why=counts) and all(x == estimate(6, abs=0.5, why=counts)
+                                                                   for x in r[9:])
 
 
 def test_random_bursts_of_varying_size():

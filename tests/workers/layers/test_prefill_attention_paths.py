@@ -21,6 +21,7 @@ from workers.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledChunk
 
 from testkit.greedy import NEW_TOKENS, PROMPTS, check
+from testkit.tolerance import KERNEL_FP32
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 
@@ -79,7 +80,7 @@ def test_layer_paths_agree_on_a_mixed_step(count_varlen: list[int], monkeypatch:
     monkeypatch.setattr(attention_mod, "varlen_kernel_available", lambda q: False)
     plain_out = run()
     assert count_varlen == [T - 2]  # the plain path did not call it
-    torch.testing.assert_close(kernel_out, plain_out, rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(kernel_out, plain_out)
 
 
 def test_kernel_path_matches_hf_tiny_chunks(smollm2_path: Path, tokenizer, hf_greedy, count_varlen) -> None:

@@ -11,6 +11,8 @@ import torch
 from workers.errors import ConfigError
 from workers.layers.rotary import rope_table
 
+from testkit.tolerance import KERNEL_FP32
+
 D, MAX = 16, 512
 
 
@@ -38,7 +40,7 @@ def _table(inv_freq, factor, positions):
 def test_position_independent_types_match_transformers(rope):
     inv_freq, factor = _hf(rope)
     ours = rope_table(D, MAX, 10000.0, rope)
-    torch.testing.assert_close(ours, _table(inv_freq, factor, torch.arange(MAX)), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(ours, _table(inv_freq, factor, torch.arange(MAX)))
 
 
 def test_longrope_short_then_long_factors():
@@ -48,8 +50,8 @@ def test_longrope_short_then_long_factors():
     long, _ = _hf(rope, seq_len=129)
     ours = rope_table(D, MAX, 10000.0, rope)
     pos = torch.arange(MAX)
-    torch.testing.assert_close(ours[:128], _table(short, factor, pos[:128]), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ours[128:], _table(long, factor, pos[128:]), rtol=1e-5, atol=1e-5)
+    KERNEL_FP32.assert_close(ours[:128], _table(short, factor, pos[:128]))
+    KERNEL_FP32.assert_close(ours[128:], _table(long, factor, pos[128:]))
     assert factor > 1.0  # max_position / original = 4: cos/sin are scaled
 
 

@@ -15,6 +15,8 @@ from workers.errors import CheckpointError
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
 
+from testkit.tolerance import EXACT, MODEL_FP32
+
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], list(range(100, 160)), [7]]
 
 
@@ -40,7 +42,7 @@ def test_prefill_logits_match_hf(tiny_mixtral, hf_model):
     assert llm.engine.spec.model_type == "mixtral" and llm.engine.spec.num_experts == 8
     ours = prefill_logits(llm.engine, PROMPTS)
     ref = torch.cat([_hf_logits(hf_model, p) for p in PROMPTS])
-    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    MODEL_FP32.assert_close(ours, ref)
 
 
 def test_greedy_matches_hf(tiny_mixtral, hf_model):
@@ -69,7 +71,7 @@ def test_fused_layout_loads_identically(tiny_mixtral, hf_model, tmp_path):
     save_file({k: v.contiguous() for k, v in hf_model.state_dict().items()}, str(fused / "model.safetensors"))
     a = prefill_logits(LLM(str(tiny_mixtral), kv_cache_memory_bytes=8 << 20).engine, PROMPTS[:1])
     b = prefill_logits(LLM(str(fused), kv_cache_memory_bytes=8 << 20).engine, PROMPTS[:1])
-    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    EXACT.assert_close(a, b)
 
 
 def test_missing_expert_is_reported(tiny_mixtral, tmp_path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,6 +17,8 @@ from workers.llm import LLM
 from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
 from workers.sampling_params import SamplingParams
+
+from testkit.tolerance import MODEL_FP32
 
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], list(range(100, 140)), [7]]
 
@@ -58,7 +59,7 @@ def test_matches_hf(tiny_qwen2_moe):
     assert len(llm.engine.runner.model.moe_layers()) == 2
     with torch.inference_mode():
         ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS])
-    torch.testing.assert_close(prefill_logits(llm.engine, PROMPTS), ref, rtol=1e-4, atol=1e-4)
+    MODEL_FP32.assert_close(prefill_logits(llm.engine, PROMPTS), ref)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
         with torch.inference_mode():
@@ -73,5 +74,5 @@ def test_ep2_matches_single_rank(tiny_qwen2_moe):
     logits = prefill_logits(single.engine, PROMPTS).numpy()
     tokens = generate(single.engine, PROMPTS, 8)
     [out, _] = spawn_gang(ep_rank, ParallelConfig(ep_size=2), args=(str(tiny_qwen2_moe), PROMPTS, 8, 2))
-    np.testing.assert_allclose(out["logits"], logits, rtol=1e-4, atol=1e-4)
+    MODEL_FP32.assert_close(out["logits"], logits)
     assert out["tokens"] == tokens

@@ -19,6 +19,8 @@ from testkit.pd_cases import build, colocated, decode_imports, gang_decode, gang
 from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
 
+from testkit.tolerance import SHARDED_FP32
+
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], list(range(100, 150)), [7, 8], list(range(300, 341))]
 MAX_TOKENS = 8
 
@@ -43,7 +45,7 @@ def _check_both_directions(path: Path, parallel: ParallelConfig) -> None:
     single = _single(path)
     # P gang -> D single
     exports = spawn_gang(gang_prefill, parallel, args=(str(path), PROMPTS, [0] * len(PROMPTS), MAX_TOKENS))[0]
-    assert max_rel_diff([e["kv"] for e in exports], [e["kv"] for e in single["exports"]], list(map(len, PROMPTS))) < 1e-4
+    assert max_rel_diff([e["kv"] for e in exports], [e["kv"] for e in single["exports"]], list(map(len, PROMPTS))) <= SHARDED_FP32.rmax
     engine = single["engine"]
     engine.block_manager.reset_prefix_cache()
     assert decode_imports(engine, PROMPTS, exports, MAX_TOKENS)["tokens"] == single["tokens"]

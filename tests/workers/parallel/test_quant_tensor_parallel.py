@@ -43,13 +43,17 @@ from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
 from workers.parallel.sharding import Shard, attention_shard, even_shard, vocab_shard
 
+from testkit.tolerance import SHARDED_LAYER_FP32, SHARDED_FP32, Tolerance
+
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], list(range(100, 150)), [7, 8], [1, 9906, 28, 601, 314, 2714]]
 MAX_TOKENS = 24
 TP2 = ParallelConfig(tp_size=2)
 
 
-def _close(got: np.ndarray, want: np.ndarray, rel: float = 1e-4) -> None:
-    np.testing.assert_allclose(got, want, rtol=0, atol=rel * np.abs(want).max())
+def _close(got: np.ndarray, want: np.ndarray, tol: Tolerance = SHARDED_FP32) -> None:
+    """Default: 1e-4 of the largest value, as for a whole model (block-scaled partial products summed
+    across ranks in another order); one rank's rows of one layer: SHARDED_LAYER_FP32."""
+    tol.assert_close(got, want)
 
 
 def _reference_layers(method: str, w: dict) -> dict:
@@ -125,7 +129,7 @@ def test_quantized_parallel_layers_match_single_rank(layer_results, method, sour
         for name in ("qkv", "gate_up"):  # column-parallel: this rank's rows, bit for bit, and its outputs
             for buf, t in out["buffers"][name].items():  # codes, scales (, mins, bias)
                 assert np.array_equal(t, getattr(ref[name], buf)[rows[name]].numpy()), (rank, name, buf)
-            _close(out[name], y[name][:, rows[name]], 1e-5)
+            _close(out[name], y[name][:, rows[name]], SHARDED_LAYER_FP32)
         for name in ("o", "down"):  # row-parallel: this rank's columns of the single rank's codes
             shard: Shard = rows[name]
             want = ref[name].quantized_weight().cols(shard.start, shard.size).tensors
@@ -154,7 +158,7 @@ def test_quantized_lm_head_splits_the_vocabulary(layer_results):
     for name, source in (("head", w["head"]), ("head_from_q4", quantize("q4", w["head"])), ("tied", w["emb"])):
         ref = QuantLinear(HIDDEN, VOCAB, False, "int8")
         ref.load_weight(source)
-        _close(r0["heads"][name], ref(w["x"]).numpy(), 1e-5)
+        _close(r0["heads"][name], ref(w["x"]).numpy(), SHARDED_LAYER_FP32)
         assert r1["heads"][name] is None  # logits gathered to tp rank 0 only
 
 

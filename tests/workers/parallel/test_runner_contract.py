@@ -18,6 +18,8 @@ from testkit.pd_cases import build, contract_rank, contract_suite, max_rel_diff
 from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
 
+from testkit.tolerance import SHARDED_FP32
+
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], list(range(100, 150)), [7, 8]]
 MAX_TOKENS = 6
 
@@ -36,7 +38,7 @@ def _check(result: dict, single: dict) -> None:
     assert result["round_trip"] and result["gen_ok"] and result["no_seed"]
     assert result["tokens"] == single["tokens"]
     assert result["handoff_tokens"] == result["tokens"]  # exported, then imported: the same continuation
-    assert max_rel_diff(result["export_kv"], single["export_kv"], list(map(len, PROMPTS))) < 1e-4
+    assert max_rel_diff(result["export_kv"], single["export_kv"], list(map(len, PROMPTS))) <= SHARDED_FP32.rmax
 
 
 @pytest.mark.parametrize("model, parallel", [("smollm2", ParallelConfig(tp_size=2)),

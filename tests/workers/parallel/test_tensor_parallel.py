@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from testkit.ep_cases import generate
@@ -25,6 +24,8 @@ from testkit.mixtral_tiny import prefill_logits
 from testkit.tp_cases import make_llm, save_tiny_qwen2, tp_rank
 from workers.parallel.groups import ParallelConfig
 from workers.parallel.launch import spawn_gang
+
+from testkit.tolerance import SHARDED_FP32
 
 PROMPTS = [[1, 504, 3575, 282, 4649, 314], list(range(100, 150)), [7, 8]]  # 50 tokens: chunked (budget 32)
 MAX_TOKENS = 10
@@ -45,8 +46,7 @@ def _check(path: Path, tp: int, single: dict, comm: str = "shm") -> list[dict]:
     results = spawn_gang(tp_rank, ParallelConfig(tp_size=tp), args=(str(path), PROMPTS, MAX_TOKENS), comm=comm)
     assert all(r["transport"]["tp"] == comm for r in results)
     out = results[0]
-    scale = np.abs(single["logits"]).max()
-    np.testing.assert_allclose(out["logits"], single["logits"], rtol=0, atol=1e-4 * scale)
+    SHARDED_FP32.assert_close(out["logits"], single["logits"])
     assert out["tokens"] == single["tokens"]
     return results
 

@@ -16,6 +16,8 @@ from workers.sample.penalties import RowContext, process_logits
 from workers.sample.sampler import Sampler, apply_filters, sampling_probs
 from workers.sampling_params import SamplingParams
 
+from testkit.tolerance import ELEMENTWISE_FP32
+
 V = 40
 EOS = frozenset({2})
 
@@ -69,7 +71,7 @@ def test_every_rule_matches_the_reference_batched():
         rows.append(_row(p, prompt, generated))
         want.append(reference(logits[i].tolist(), p, prompt, generated))
     got = process_logits(logits, rows, EOS)
-    torch.testing.assert_close(got, torch.tensor(want), rtol=1e-6, atol=1e-6)
+    ELEMENTWISE_FP32.assert_close(got, torch.tensor(want))
 
 
 def test_untouched_rows_are_returned_as_is():
@@ -144,10 +146,10 @@ def test_sampler_logprobs_are_of_the_processed_distribution():
     processed = process_logits(logits, rows, EOS)
     want0 = torch.log_softmax(processed[0], -1)  # greedy: temperature 1
     assert tokens[0] == int(processed[0].argmax()) and lps[0].token_id == tokens[0]
-    assert lps[0].logprob == pytest.approx(float(want0[tokens[0]]), abs=1e-6)
+    assert lps[0].logprob == ELEMENTWISE_FP32.approx(float(want0[tokens[0]]))
     assert [t for t, _ in lps[0].top] == want0.topk(3).indices.tolist()
     want1 = torch.log_softmax(processed[1] / 0.5, -1)
-    assert lps[1].logprob == pytest.approx(float(want1[tokens[1]]), abs=1e-6) and lps[1].top == ()
+    assert lps[1].logprob == ELEMENTWISE_FP32.approx(float(want1[tokens[1]])) and lps[1].top == ()
     assert lps[2] is None and tokens[2] == int(logits[2].argmax())
 
 

@@ -71,3 +71,21 @@ def test_worker_actor_serves_greedy_and_goes_away(ray_cluster, smollm2_path, llm
             break
         assert time.monotonic() < deadline, "the killed actor still answers after 30 s"
         time.sleep(0.1)
+
+
+def test_worker_actor_runs_with_the_configured_threads(ray_cluster, smollm2_path):
+    """The actor started the way a pool starts it (cluster/deploy/pools.py: its thread settings'
+    environment in the runtime_env) has every thread at the configured niceness and the OpenMP wait
+    policy the config names; Ray's own default would be niceness 15."""
+    from workers.server.threads import process_env
+
+    for config in (EngineConfig(model=str(smollm2_path)),
+                   EngineConfig(model=str(smollm2_path), omp_wait_policy="active", niceness=3)):
+        actor = WorkerActor.options(num_cpus=1, runtime_env={"env_vars": process_env(config)}).remote(
+            config, "w-threads", "127.0.0.1")
+        try:
+            info = ray.get(actor.info.remote(), timeout=120)
+            assert info["niceness"] == [config.niceness]
+            assert info["omp_wait_policy"] == config.omp_wait_policy.upper() and info["num_threads"] == 1
+        finally:
+            ray.kill(actor)

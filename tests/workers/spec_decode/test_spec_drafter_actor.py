@@ -89,20 +89,37 @@ def test_killing_the_drafter_mid_generation_keeps_output_exact(spec_engine, refe
 
 
 class _StallingEngine:
-    """A DraftEngine stand-in whose calls number ``stall`` (1-based) take 1.5 s."""
+    """A DraftEngine stand-in (what the drafter's scheduler drives): each pass completes every queued
+    item with drafts of 7s; passes number ``stall`` (1-based) take 1.5 s."""
 
     def __init__(self, stall: tuple[int, ...] = (1,)) -> None:
-        self.calls = 0
+        self.passes = 0
         self.stall = stall
+        self._queued: list[DraftResult] = []
 
-    def propose(self, items):
-        self.calls += 1
-        if self.calls in self.stall:
+    def add(self, item):
+        res = DraftResult(item.request_id, [7] * item.num_tokens)
+        self._queued.append(res)
+        return res
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._queued)
+
+    def step(self):
+        self.passes += 1
+        if self.passes in self.stall:
             time.sleep(1.5)
-        return [DraftResult(i.request_id, [7] * i.num_tokens) for i in items]
+        done, self._queued = self._queued, []
+        for res in done:
+            res.done = True
+        return done
 
     def release(self, request_id):
         pass
+
+    def expire(self, idle_s):
+        return 0
 
 
 def test_a_stalled_drafter_is_dropped_and_reattached():
@@ -125,7 +142,7 @@ def test_a_stalled_drafter_is_dropped_and_reattached():
 def test_drafter_lost_during_an_overlapped_call_falls_back_cleanly():
     """The drafter goes away while the overlapped (next-window) call is in flight: the step gets no
     drafts (no exception reaches the engine) and the failure counts as a fallback."""
-    server, endpoint = serve_drafter(_StallingEngine(stall=(2,)))  # call 2 = the overlapped one
+    server, endpoint = serve_drafter(_StallingEngine(stall=(2,)))  # pass 2 = the overlapped round
     prop = DraftModelProposer(endpoint_connector(endpoint), timeout_s=5.0, overlap=True)
     first = prop.propose([DraftAsk("r", [1, 2, 3], 3, greedy(8))])
     assert first["r"].token_ids == [7, 7, 7]  # and the next window is being drafted meanwhile

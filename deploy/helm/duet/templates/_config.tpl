@@ -22,12 +22,13 @@ pools); each message names the value and the fix. The loader repeats the checks 
 {{- end }}
 {{- $names = append $names $p.name }}
 {{- $roles = append $roles $p.role }}
-{{- $blockSizes = append $blockSizes (int $p.engine.blockSize) | uniq }}
+{{- if ne $p.role "drafter" }}{{ $blockSizes = append $blockSizes (int $p.engine.blockSize) | uniq }}{{ end }}
 {{- include "duet.validatePool" (dict "root" $ "p" $p "at" $at "drafterGroup" $drafterGroup) }}
 {{- end }}
 {{- if not (or (has "colocated" $roles) (has "decode" $roles)) }}
 {{- fail (printf "pools: roles %v: needs a colocated or decode pool to stream tokens (a prefill pool only computes prompts)" $roles) }}
 {{- end }}
+{{- include "duet.validateDrafterPools" . }}
 {{- if gt (len $blockSizes) 1 }}
 {{- fail (printf "pools: engine.blockSize differs between pools (%v): KV blocks move between pools, so every pool must use the same" $blockSizes) }}
 {{- end }}
@@ -49,6 +50,42 @@ pools); each message names the value and the fix. The loader repeats the checks 
 {{- include "duet.validateAutoscaling" . }}
 {{- if and .Values.serviceMonitor.enabled (not .Values.router.metrics.enabled) }}
 {{- fail "serviceMonitor.enabled=true needs router.metrics.enabled=true (there is nothing to scrape otherwise)" }}
+{{- end }}
+{{- end }}
+
+{{/* Drafter pools (role drafter): each has a model and is named by a pool's speculative.drafterPool,
+which must name one. */}}
+{{- define "duet.validateDrafterPools" -}}
+{{- $pools := include "duet.pools" . | fromJsonArray }}
+{{- $drafterPools := list }}
+{{- $named := list }}
+{{- range $pools }}{{ if eq .role "drafter" }}{{ $drafterPools = append $drafterPools .name }}{{ end }}{{ if .speculative.drafterPool }}{{ $named = append $named .speculative.drafterPool }}{{ end }}{{ end }}
+{{- range $i, $p := $pools }}
+{{- $at := printf "pools[%d] (%s)" $i $p.name }}
+{{- if eq $p.role "drafter" }}
+{{- if not $p.drafter.model }}
+{{- fail (printf "%s: role drafter needs drafter.model (a draft checkpoint or model name sharing the target's tokenizer)" $at) }}
+{{- end }}
+{{- if ne $p.speculative.method "none" }}
+{{- fail (printf "%s: role drafter with speculative.method=%s: a drafter pool drafts for others; speculate on the pools that name it (set speculative.method: none here)" $at $p.speculative.method) }}
+{{- end }}
+{{- if gt (int $p.gang) 1 }}
+{{- fail (printf "%s: role drafter with a gang of %d ranks: a drafter replica is one rank (epSize, spSize and tpSize 1)" $at (int $p.gang)) }}
+{{- end }}
+{{- if not (has $p.name $named) }}
+{{- fail (printf "%s: no pool's speculative.drafterPool names this drafter pool, so it would serve nobody" $at) }}
+{{- end }}
+{{- else if $p.drafter.model }}
+{{- fail (printf "%s: drafter.model=%s: only a role: drafter pool runs a drafter (for a private drafter per worker set speculative.draftModel)" $at $p.drafter.model) }}
+{{- end }}
+{{- with $p.speculative.drafterPool }}
+{{- if not (has . $drafterPools) }}
+{{- fail (printf "%s: speculative.drafterPool=%s must name a pool with role drafter (drafter pools: %v)" $at . $drafterPools) }}
+{{- end }}
+{{- if or (ne $p.speculative.method "draft_model") $p.speculative.draftModel }}
+{{- fail (printf "%s: speculative.drafterPool=%s needs speculative.method: draft_model and no speculative.draftModel (the drafter pool names its model)" $at .) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -110,8 +147,8 @@ pools); each message names the value and the fix. The loader repeats the checks 
 {{- if gt (int $sp.ngramMin) (int $sp.ngramMax) }}
 {{- fail (printf "%s: speculative.ngramMin=%v must be <= speculative.ngramMax=%v" $at $sp.ngramMin $sp.ngramMax) }}
 {{- end }}
-{{- if and (eq $sp.method "draft_model") (not $sp.draftModel) }}
-{{- fail (printf "%s: speculative.method=draft_model needs speculative.draftModel (a checkpoint or model name with the target's tokenizer)" $at) }}
+{{- if and (eq $sp.method "draft_model") (not $sp.draftModel) (not $sp.drafterPool) }}
+{{- fail (printf "%s: speculative.method=draft_model needs speculative.draftModel (a checkpoint or model name with the target's tokenizer) or speculative.drafterPool (a drafter pool)" $at) }}
 {{- end }}
 {{- if and (eq $sp.method "draft_model") $.drafterGroup (hasKey $p.drafterResourcesResolved $.root.Values.drafters.rayResource) (gt (int $sp.drafterCpus) (int $.root.Values.drafters.cpusPerPod)) }}
 {{- fail (printf "%s: speculative.drafterCpus=%v exceeds drafters.cpusPerPod=%v: no drafter pod could hold a drafter (lower drafterCpus or raise cpusPerPod)" $at $sp.drafterCpus $.root.Values.drafters.cpusPerPod) }}
@@ -131,14 +168,14 @@ but would not behave as the values suggest (one line each; NOTES.txt prints them
 {{- if and (or .slo .profile) (not (and .slo .profile $.Values.autoscaling.duet.enabled)) }}
 - pools[{{ .name }}].slo/profile: Duet's SLO autoscaler scales a pool only with slo, profile and autoscaling.duet.enabled all set; this pool keeps its size (KubeRay's in-tree autoscaler, if on, still adds pods for pending placements)
 {{- end }}
-{{- if eq .speculative.method "draft_model" }}{{ $drafting = append $drafting .name }}
+{{- if and (eq .speculative.method "draft_model") (not .speculative.drafterPool) }}{{ $drafting = append $drafting .name }}
 {{- if not .drafterResourcesResolved }}
 - pools[{{ .name }}].speculative.drafterResources is {}: its drafter actors ask for CPUs only, so Ray may put them on any pod with spare CPUs and KubeRay's autoscaler may add another group's pod for them; enable drafters (or name a resource)
 {{- end }}
 {{- end }}
 {{- end }}
 {{- if and $drafterGroup (not $drafting) }}
-- drafters.enabled: no pool has speculative.method draft_model, so nothing requests the drafter pods' "{{ .Values.drafters.rayResource }}" resource
+- drafters.enabled: no pool has speculative.method draft_model with a private drafter (no drafterPool), so nothing requests the drafter pods' "{{ .Values.drafters.rayResource }}" resource
 {{- end }}
 {{- end }}
 
@@ -202,12 +239,18 @@ grpc: {port: {{ $v.router.port }}}
       "adaptive" $sp.adaptive "ngram_min" (int $sp.ngramMin) "ngram_max" (int $sp.ngramMax)
       "draft_model" $sp.draftModel "draft_quantization" $sp.draftQuantization "drafter_cpus" (int $sp.drafterCpus)
       "drafter_resources" .drafterResourcesResolved "draft_timeout_s" (float64 $sp.draftTimeoutSeconds)
-      "overlap" $sp.overlap "drafter_device" ($sp.drafterDevice | default "auto") }}
-{{- $pools = append $pools (dict "name" .name "role" .role "replicas" (int .replicas)
+      "overlap" $sp.overlap "drafter_device" ($sp.drafterDevice | default "auto") "drafter_pool" $sp.drafterPool }}
+{{- $pool := dict "name" .name "role" .role "replicas" (int .replicas)
       "cpus_per_replica" (int .cpusPerRank) "placement_strategy" .placementStrategy
       "max_restarts" (int .maxRestarts) "ep_size" (int .epSize) "sp_size" (int .spSize) "tp_size" (int .tpSize)
       "gpus_per_rank" (int .gpusPerRank) "resources_per_rank" (dict .rayResource 1)
-      "standby_replicas" (int .standbyReplicas) "engine" $engine "speculative" $speculative) }}
+      "standby_replicas" (int .standbyReplicas) "engine" $engine "speculative" $speculative }}
+{{- if eq .role "drafter" }}
+{{- $d := .drafter }}
+{{- $_ := set $pool "drafter" (dict "model" $d.model "quantization" $d.quantization "threads" (int $d.threads)
+      "idle_timeout_s" (float64 $d.idleTimeoutSeconds)) }}
+{{- end }}
+{{- $pools = append $pools $pool }}
 {{- end }}
 {{- $config := dict
   "model" (dict "name" $v.model.name "dtype" $v.model.dtype "max_model_len" $v.model.maxModelLen

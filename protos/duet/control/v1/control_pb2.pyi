@@ -31,18 +31,20 @@ class WatchRequest(_message.Message):
     def __init__(self, watcher: _Optional[str] = ...) -> None: ...
 
 class Member(_message.Message):
-    __slots__ = ("worker_id", "endpoint", "role", "pool", "draining")
+    __slots__ = ("worker_id", "endpoint", "role", "pool", "draining", "drafter_pool")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_POOL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     endpoint: str
     role: str
     pool: str
     draining: bool
-    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., role: _Optional[str] = ..., pool: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+    drafter_pool: str
+    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., role: _Optional[str] = ..., pool: _Optional[str] = ..., draining: _Optional[bool] = ..., drafter_pool: _Optional[str] = ...) -> None: ...
 
 class MemberList(_message.Message):
     __slots__ = ("version", "members")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64uet/drafter/v1/drafter.proto\x12\x0f\x64uet.drafter.v1\"Y\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x85\x01\n\tDraftItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04keep\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.duet.drafter.v1.Sampling\";\n\x0eProposeRequest\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.duet.drafter.v1.DraftItem\"c\n\x07\x44rafted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05probs\x18\x03 \x01(\x0c\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x0e\n\x06resync\x18\x05 \x01(\x08\"i\n\x0fProposeResponse\x12(\n\x06\x64rafts\x18\x01 \x03(\x0b\x32\x18.duet.drafter.v1.Drafted\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x17\n\x0f\x63ompute_seconds\x18\x03 \x01(\x01\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x11\n\x0fReleaseResponse2\xa5\x01\n\x07\x44rafter\x12L\n\x07Propose\x12\x1f.duet.drafter.v1.ProposeRequest\x1a .duet.drafter.v1.ProposeResponse\x12L\n\x07Release\x12\x1f.duet.drafter.v1.ReleaseRequest\x1a .duet.drafter.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64uet/drafter/v1/drafter.proto\x12\x0f\x64uet.drafter.v1\"Y\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xc2\x01\n\tDraftItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04keep\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.duet.drafter.v1.Sampling\x12\x14\n\x0c\x66ull_context\x18\x06 \x01(\x08\x12\x10\n\x08held_len\x18\x07 \x01(\r\x12\x13\n\x0bvocab_limit\x18\x08 \x01(\r\"i\n\x0cRoundRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12)\n\x05items\x18\x02 \x03(\x0b\x32\x1a.duet.drafter.v1.DraftItem\x12\x0f\n\x07release\x18\x03 \x03(\t\x12\x0e\n\x06target\x18\x04 \x01(\t\"c\n\x07\x44rafted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05probs\x18\x03 \x01(\x0c\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x0e\n\x06resync\x18\x05 \x01(\x08\"\x8d\x01\n\rRoundResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12(\n\x06\x64rafts\x18\x02 \x03(\x0b\x32\x18.duet.drafter.v1.Drafted\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\"\x17\n\x15GetDrafterLoadRequest\"\xa7\x03\n\x0b\x44rafterLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x14\n\x0cnum_requests\x18\x04 \x01(\r\x12\x12\n\nnum_active\x18\x05 \x01(\r\x12\x13\n\x0bnum_streams\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x08 \x01(\r\x12\x15\n\rkv_block_size\x18\t \x01(\r\x12\x0e\n\x06rounds\x18\n \x01(\x04\x12\r\n\x05items\x18\x0b \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\x0c \x01(\x04\x12\x16\n\x0e\x66orward_passes\x18\r \x01(\x04\x12\x14\n\x0c\x62\x61tched_rows\x18\x0e \x01(\x04\x12\x17\n\x0f\x63ompute_seconds\x18\x0f \x01(\x01\x12\x11\n\tevictions\x18\x10 \x01(\x04\x12\x0f\n\x07\x65xpired\x18\x11 \x01(\x04\x12\x10\n\x08releases\x18\x12 \x01(\x04\x12\x0f\n\x07resyncs\x18\x13 \x01(\x04\x12\x17\n\x0ftokens_computed\x18\x14 \x01(\x04\x32\xa7\x01\n\x07\x44rafter\x12K\n\x06Rounds\x12\x1d.duet.drafter.v1.RoundRequest\x1a\x1e.duet.drafter.v1.RoundResponse(\x01\x30\x01\x12O\n\x07GetLoad\x12&.duet.drafter.v1.GetDrafterLoadRequest\x1a\x1c.duet.drafter.v1.DrafterLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,17 +34,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLING']._serialized_start=50
   _globals['_SAMPLING']._serialized_end=139
   _globals['_DRAFTITEM']._serialized_start=142
-  _globals['_DRAFTITEM']._serialized_end=275
-  _globals['_PROPOSEREQUEST']._serialized_start=277
-  _globals['_PROPOSEREQUEST']._serialized_end=336
-  _globals['_DRAFTED']._serialized_start=338
-  _globals['_DRAFTED']._serialized_end=437
-  _globals['_PROPOSERESPONSE']._serialized_start=439
-  _globals['_PROPOSERESPONSE']._serialized_end=544
-  _globals['_RELEASEREQUEST']._serialized_start=546
-  _globals['_RELEASEREQUEST']._serialized_end=583
-  _globals['_RELEASERESPONSE']._serialized_start=585
-  _globals['_RELEASERESPONSE']._serialized_end=602
-  _globals['_DRAFTER']._serialized_start=605
-  _globals['_DRAFTER']._serialized_end=770
+  _globals['_DRAFTITEM']._serialized_end=336
+  _globals['_ROUNDREQUEST']._serialized_start=338
+  _globals['_ROUNDREQUEST']._serialized_end=443
+  _globals['_DRAFTED']._serialized_start=445
+  _globals['_DRAFTED']._serialized_end=544
+  _globals['_ROUNDRESPONSE']._serialized_start=547
+  _globals['_ROUNDRESPONSE']._serialized_end=688
+  _globals['_GETDRAFTERLOADREQUEST']._serialized_start=690
+  _globals['_GETDRAFTERLOADREQUEST']._serialized_end=713
+  _globals['_DRAFTERLOAD']._serialized_start=716
+  _globals['_DRAFTERLOAD']._serialized_end=1139
+  _globals['_DRAFTER']._serialized_start=1142
+  _globals['_DRAFTER']._serialized_end=1309
 # @@protoc_insertion_point(module_scope)

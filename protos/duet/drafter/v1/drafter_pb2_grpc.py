@@ -34,30 +34,31 @@ class DrafterStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Propose = channel.unary_unary(
-                '/duet.drafter.v1.Drafter/Propose',
-                request_serializer=duet_dot_drafter_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
-                response_deserializer=duet_dot_drafter_dot_v1_dot_drafter__pb2.ProposeResponse.FromString,
+        self.Rounds = channel.stream_stream(
+                '/duet.drafter.v1.Drafter/Rounds',
+                request_serializer=duet_dot_drafter_dot_v1_dot_drafter__pb2.RoundRequest.SerializeToString,
+                response_deserializer=duet_dot_drafter_dot_v1_dot_drafter__pb2.RoundResponse.FromString,
                 _registered_method=True)
-        self.Release = channel.unary_unary(
-                '/duet.drafter.v1.Drafter/Release',
-                request_serializer=duet_dot_drafter_dot_v1_dot_drafter__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=duet_dot_drafter_dot_v1_dot_drafter__pb2.ReleaseResponse.FromString,
+        self.GetLoad = channel.unary_unary(
+                '/duet.drafter.v1.Drafter/GetLoad',
+                request_serializer=duet_dot_drafter_dot_v1_dot_drafter__pb2.GetDrafterLoadRequest.SerializeToString,
+                response_deserializer=duet_dot_drafter_dot_v1_dot_drafter__pb2.DrafterLoad.FromString,
                 _registered_method=True)
 
 
 class DrafterServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Propose(self, request, context):
-        """Drafts for a batch of requests, run as one batched forward pass per draft position.
+    def Rounds(self, request_iterator, context):
+        """The rounds of one target: requests and responses matched by `round`, answered in the order
+        their rounds complete. Releases ride the same stream, ordered with the rounds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Release(self, request, context):
-        """Forget finished requests (frees their KV blocks on the drafter).
+    def GetLoad(self, request, context):
+        """The replica's identity and load (routers poll it; `duet status` shows it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -66,15 +67,15 @@ class DrafterServicer:
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Propose': grpc.unary_unary_rpc_method_handler(
-                    servicer.Propose,
-                    request_deserializer=duet_dot_drafter_dot_v1_dot_drafter__pb2.ProposeRequest.FromString,
-                    response_serializer=duet_dot_drafter_dot_v1_dot_drafter__pb2.ProposeResponse.SerializeToString,
+            'Rounds': grpc.stream_stream_rpc_method_handler(
+                    servicer.Rounds,
+                    request_deserializer=duet_dot_drafter_dot_v1_dot_drafter__pb2.RoundRequest.FromString,
+                    response_serializer=duet_dot_drafter_dot_v1_dot_drafter__pb2.RoundResponse.SerializeToString,
             ),
-            'Release': grpc.unary_unary_rpc_method_handler(
-                    servicer.Release,
-                    request_deserializer=duet_dot_drafter_dot_v1_dot_drafter__pb2.ReleaseRequest.FromString,
-                    response_serializer=duet_dot_drafter_dot_v1_dot_drafter__pb2.ReleaseResponse.SerializeToString,
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=duet_dot_drafter_dot_v1_dot_drafter__pb2.GetDrafterLoadRequest.FromString,
+                    response_serializer=duet_dot_drafter_dot_v1_dot_drafter__pb2.DrafterLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,7 +89,7 @@ class Drafter:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Propose(request,
+    def Rounds(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -98,12 +99,12 @@ class Drafter:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/duet.drafter.v1.Drafter/Propose',
-            duet_dot_drafter_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
-            duet_dot_drafter_dot_v1_dot_drafter__pb2.ProposeResponse.FromString,
+            '/duet.drafter.v1.Drafter/Rounds',
+            duet_dot_drafter_dot_v1_dot_drafter__pb2.RoundRequest.SerializeToString,
+            duet_dot_drafter_dot_v1_dot_drafter__pb2.RoundResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -115,7 +116,7 @@ class Drafter:
             _registered_method=True)
 
     @staticmethod
-    def Release(request,
+    def GetLoad(request,
             target,
             options=(),
             channel_credentials=None,
@@ -128,9 +129,9 @@ class Drafter:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/duet.drafter.v1.Drafter/Release',
-            duet_dot_drafter_dot_v1_dot_drafter__pb2.ReleaseRequest.SerializeToString,
-            duet_dot_drafter_dot_v1_dot_drafter__pb2.ReleaseResponse.FromString,
+            '/duet.drafter.v1.Drafter/GetLoad',
+            duet_dot_drafter_dot_v1_dot_drafter__pb2.GetDrafterLoadRequest.SerializeToString,
+            duet_dot_drafter_dot_v1_dot_drafter__pb2.DrafterLoad.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,7 +19,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "remote_prefill", "resumed_output_tokens", "migration_id", "prefix_source")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "remote_prefill", "resumed_output_tokens", "migration_id", "prefix_source", "drafter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class SubmitRequest(_message.Message):
     RESUMED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -34,7 +35,18 @@ class SubmitRequest(_message.Message):
     resumed_output_tokens: int
     migration_id: str
     prefix_source: PrefixSource
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ..., migration_id: _Optional[str] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ...) -> None: ...
+    drafter: DrafterRef
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ..., resumed_output_tokens: _Optional[int] = ..., migration_id: _Optional[str] = ..., prefix_source: _Optional[_Union[PrefixSource, _Mapping]] = ..., drafter: _Optional[_Union[DrafterRef, _Mapping]] = ...) -> None: ...
+
+class DrafterRef(_message.Message):
+    __slots__ = ("worker_id", "endpoint", "incarnation")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    endpoint: str
+    incarnation: str
+    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class PrefixSource(_message.Message):
     __slots__ = ("worker_id", "endpoint", "incarnation", "num_tokens")
@@ -192,7 +204,7 @@ class MigrateResponse(_message.Message):
     def __init__(self, migration_id: _Optional[str] = ..., blocks_sent: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class MigrationState(_message.Message):
-    __slots__ = ("prompt_token_ids", "output_token_ids", "sampling", "num_computed_tokens", "num_resumed_tokens", "num_cached_tokens", "generator_state", "detok_ids", "detok_prefix_offset", "detok_read_offset", "detok_text", "detok_emitted", "spec_acceptance", "spec_steps_at_zero")
+    __slots__ = ("prompt_token_ids", "output_token_ids", "sampling", "num_computed_tokens", "num_resumed_tokens", "num_cached_tokens", "generator_state", "detok_ids", "detok_prefix_offset", "detok_read_offset", "detok_text", "detok_emitted", "spec_acceptance", "spec_steps_at_zero", "drafter")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +219,7 @@ class MigrationState(_message.Message):
     DETOK_EMITTED_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     SPEC_STEPS_AT_ZERO_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -221,7 +234,8 @@ class MigrationState(_message.Message):
     detok_emitted: int
     spec_acceptance: float
     spec_steps_at_zero: int
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_resumed_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., detok_ids: _Optional[_Iterable[int]] = ..., detok_prefix_offset: _Optional[int] = ..., detok_read_offset: _Optional[int] = ..., detok_text: _Optional[str] = ..., detok_emitted: _Optional[int] = ..., spec_acceptance: _Optional[float] = ..., spec_steps_at_zero: _Optional[int] = ...) -> None: ...
+    drafter: DrafterRef
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ..., num_resumed_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., generator_state: _Optional[bytes] = ..., detok_ids: _Optional[_Iterable[int]] = ..., detok_prefix_offset: _Optional[int] = ..., detok_read_offset: _Optional[int] = ..., detok_text: _Optional[str] = ..., detok_emitted: _Optional[int] = ..., spec_acceptance: _Optional[float] = ..., spec_steps_at_zero: _Optional[int] = ..., drafter: _Optional[_Union[DrafterRef, _Mapping]] = ...) -> None: ...
 
 class TakeOverRequest(_message.Message):
     __slots__ = ("request_id", "state", "source_worker_id", "source_incarnation", "model_fingerprint", "kv_layout", "expected_incarnation", "source_endpoint")

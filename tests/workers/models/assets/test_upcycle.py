@@ -15,6 +15,8 @@ from testkit.mixtral_tiny import prefill_logits
 from workers.llm import LLM
 from workers.models.assets.upcycle import upcycle
 
+from testkit.tolerance import MODEL_FP32
+
 PROMPT = [1, 504, 3575, 282, 4649, 314, 28, 2]
 
 
@@ -51,10 +53,10 @@ def _digest(path: Path) -> str:
 def test_noise_free_upcycle_equals_dense(dense, tmp_path):
     moe = upcycle(dense, tmp_path / "moe", num_experts=4, top_k=2, noise=0.0)
     ref = _hf_logits(dense)
-    torch.testing.assert_close(_hf_logits(moe), ref, rtol=1e-5, atol=1e-5)
+    MODEL_FP32.assert_close(_hf_logits(moe), ref)
     llm = LLM(str(moe), kv_cache_memory_bytes=4 << 20, block_size=8)
     assert llm.engine.spec.model_type == "mixtral" and llm.engine.spec.num_experts == 4
-    torch.testing.assert_close(prefill_logits(llm.engine, [PROMPT]), ref, rtol=1e-4, atol=1e-4)
+    MODEL_FP32.assert_close(prefill_logits(llm.engine, [PROMPT]), ref)
 
 
 def test_deterministic_cached_and_uneven(dense, tmp_path):
