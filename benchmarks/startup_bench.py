@@ -5,6 +5,7 @@ replica on the node costs in memory.
     python -m benchmarks.startup_bench --quantization q4     # the GGUF-sourced 4-bit model
     python -m benchmarks.startup_bench --scenarios warm --repeats 1   # one quick run (the test's)
     python -m benchmarks.startup_bench --cluster             # also through duet serve: wake from zero
+    python -m benchmarks.startup_bench --cluster --scenarios '' --no-memory   # only through duet serve
 
 Each start runs in a fresh Python process (what a new Ray worker process is), launched by this
 script at time t0; the process imports, resolves the model, loads and serves it exactly as a
@@ -349,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--quantization", default="none", choices=("none", "int8", "q4"))
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help=f"comma-separated, of {', '.join(SCENARIOS)} ('' with --cluster: only the cluster path)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure two replicas' resident memory, shared vs private [on]")
@@ -378,9 +380,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     model_path = resolve_model(args.model)
     args.model = str(model_path)
-    scenarios = args.scenarios.split(",")
+    scenarios = [s for s in args.scenarios.split(",") if s]
     if bad := [s for s in scenarios if s not in SCENARIOS]:
         raise SystemExit(f"--scenarios: unknown {bad}; choose from {', '.join(SCENARIOS)}")
+    if not scenarios and not args.cluster:
+        raise SystemExit("--scenarios '': nothing to run; name scenarios or add --cluster")
     tmp = tempfile.TemporaryDirectory(prefix="duet-startup-")
     node_dir = args.node_dir or Path(tmp.name)
     node_dir.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ with one 1-CPU SmolLM2 worker, one standby replica and the node's shared weights
 - With no standby left, a request for the pool at zero past its deadline gets UNAVAILABLE naming
   the wait, and over HTTP (a second router with a short router.wake_timeout_s) a 503 naming it; the
   replica the wake started (mapping the node's weights snapshot) then serves the same tokens.
+- A standby worker that dies (killed, no restart) is replaced by a newly loaded one.
 - /metrics shows the standby count, the promotion and the wake time.
 (The router's holding order and deadline arithmetic with fakes: tests/router/test_hold.py; the
 controller's standby lifecycle with fake actors, a dead standby replaced: tests/cluster/deploy/
@@ -23,6 +24,7 @@ import socket
 import grpc
 import httpx
 import pytest
+import ray
 
 from cluster.config.duet import load_config
 from cluster.deploy.serve import start_deployment
@@ -83,6 +85,13 @@ def test_a_pool_at_zero_wakes_from_its_standby_and_serves_the_held_requests(depl
     assert re.search(r"duet_pool_standby_promoted_total(\{[^}]*\})? 1\.0", metrics)
     assert re.search(r'duet_pool_join_seconds\{how="promoted"[^}]*\} ', metrics)
     wait_until(lambda: d.controller.pool_states()["default"]["standby"] == 1, 240, "a replacement standby")
+
+    # a standby (a real worker: model loaded, unrouted) that dies is replaced by a new one
+    spare = next(r["worker_id"] for r in d.controller.describe() if r["standby"] and r["state"] == "standby")
+    ray.kill(d.pools[0].replica(spare).actor, no_restart=True)
+    wait_until(lambda: d.controller.num_standby_replaced == 1 and d.controller.pool_states()["default"]["standby"] == 1
+               and spare not in {r["worker_id"] for r in d.controller.describe()}, 240, "the dead standby replaced")
+    assert [w for w, _ in d.controller.members()] == [d.controller.joins[-1][0]]  # still only the promoted one routed
 
 
 def test_past_its_wait_a_held_request_gets_unavailable_and_http_503_naming_it(deployment):
