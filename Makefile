@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.duet-setup.stamp
 ARGS   ?=
 
-.PHONY: setup model kernels helm test client-wheel serve bench bench-quant bench-llamacpp-env bench-peers bench-peers-env protos protos-check clean qwen-coder \
+.PHONY: setup model kernels helm test lint client-wheel serve bench bench-quant bench-llamacpp-env bench-peers bench-peers-env protos protos-check clean qwen-coder \
         settings settings-check gpu-check gpu-wheels docs docs-serve
 
 # Everything `make test` needs; serving needs only the venv, the model and the kernels (no npm/helm).
@@ -91,6 +91,16 @@ ifeq ($(strip $(ARGS)),)
 else
 	$(PYTEST) $(XDIST) $(ARGS)
 endif
+
+# Static checks of the whole tree (config in pyproject.toml): ruff on every Python file but the
+# generated stubs, mypy on the packages and benchmarks ([tool.mypy] files). .ci/run runs it before `make test` (and the
+# tests either way); tests/test_lint_config.py checks that the config still covers the tree and that
+# .ci/run still calls this target. Both run even when the first finds something.
+lint: $(STAMP)
+	@ruff=0; $(VENV)/bin/ruff check . || ruff=$$?; \
+	mypy=0; $(VENV)/bin/mypy || mypy=$$?; \
+	echo "make lint: ruff exited $$ruff, mypy exited $$mypy"; \
+	[ $$ruff -eq 0 ] && [ $$mypy -eq 0 ]
 
 # The client alone as a wheel in dist/ (clients/python: router/client.py and the duet.v1 stubs; it needs
 # only grpcio and protobuf, no torch or Ray); pip fetches setuptools to build it.

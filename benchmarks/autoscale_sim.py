@@ -58,6 +58,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from cluster.autoscale.loop import SLOAutoscaler
@@ -181,7 +182,7 @@ def run(args: argparse.Namespace, trace: Trace | None = None) -> dict[str, Any]:
     residence_d = inflight_d / cap_d.requests_per_s  # Little: mean time a request spends decoding
     config = _config(args, cap_p, cap_d, residence_d)
     sizes, oracle_hours = oracle_schedule(trace, config, args.oracle_interval_s)
-    oracle_peak = int(sum(s for s in sizes.values()).max())
+    oracle_peak = int(sum(s for s in sizes.values()).max())  # type: ignore[union-attr]  # a sum of arrays
     migration = MigrationModel(args.kv_bytes_per_token, args.bandwidth_gbs * 1e9, args.pause_s)
     res: dict[str, Any] = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -201,7 +202,7 @@ def run(args: argparse.Namespace, trace: Trace | None = None) -> dict[str, Any]:
     def queue() -> QueueLengthAutoscaler:
         return QueueLengthAutoscaler((QueueScaling("prefill", inflight_p * args.queue_target_scale, 1, args.max_prefill),
                                       QueueScaling("decode", inflight_d * args.queue_target_scale, 1, args.max_decode)))
-    policies = {  # name -> (policy factory, how removed replicas leave, decode rebalancer on)
+    policies: dict[str, tuple[Callable[[], Any], Any, bool]] = {  # name -> (policy factory, how removed replicas leave, decode rebalancer on)
         "duet": (lambda: SLOAutoscaler(config), migration, True),
         "duet-standby": (lambda: SLOAutoscaler(_config(args, cap_p, cap_d, residence_d, standby=True)), migration,
                          True),

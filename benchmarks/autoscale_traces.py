@@ -64,7 +64,6 @@ import json
 import logging
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
 from benchmarks.autoscale_sim import RESULTS, SLO, build_parser, print_table, run
@@ -72,7 +71,7 @@ from cluster.sim.report import plot_timeline
 from cluster.sim.trace import Trace, synthetic_trace
 
 H = 3600.0
-SIX_HOURS = {"duration_s": 6 * H}
+SIX_HOURS: dict[str, Any] = {"duration_s": 6 * H}
 TRACES: dict[str, dict[str, Any]] = {
     "tune-burst": dict(base_rps=2, peak_rps=8, period_s=12 * H, peak_at_s=4 * H, bursts_per_hour=0,
                        bursts=((2.5 * H, 600, 4.0),), mean_prompt=2000, mean_output=1500, seed=11),

@@ -82,7 +82,7 @@ def long_prompts(tokenizer: Any, n: int, lo: int, hi: int, seed: int) -> list[st
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        target, ids = rng.randint(lo, hi), []
+        target, ids = rng.randint(lo, hi), list[int]()
         while len(ids) < target:
             ids += tokenizer.encode(rng.choice(base) + "\n", add_special_tokens=False)
         out.append(tokenizer.decode(ids[:target]))

@@ -77,6 +77,7 @@ class Drafter:
         return t.user + t.system
 
     def stop(self) -> None:
+        assert self.proc.stdin is not None  # stdin=PIPE
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
 
@@ -87,6 +88,7 @@ def start_drafter(model: str, quantization: str, threads: int) -> Drafter:
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.drafter_pool_bench", "--serve", "--model", model,
                              "--quantization", quantization, "--threads", str(threads)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    assert proc.stdout is not None  # stdout=PIPE
     line = proc.stdout.readline()
     if not line.startswith("ENDPOINT "):
         raise RuntimeError(f"drafter process did not start: {line!r}")
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     args.model = str(resolve_model(args.model))
     started = time.strftime("%Y-%m-%d %H:%M")
     load_before = os.getloadavg()
-    result = {"benchmark": "drafter_pool_bench", "date": started, "machine": machine_info(), "code": code_version(),
+    result: dict[str, Any] = {"benchmark": "drafter_pool_bench", "date": started, "machine": machine_info(), "code": code_version(),
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "loadavg_before": load_before}
     result["overhead"] = bench_overhead(args)

@@ -47,6 +47,15 @@ them if none was quiet); every raw timing, its load and every redone attempt are
 the printout counts redone and still-contended runs.
 
 Targets: batch-1 decode >= 2x HF and >= 60% of the roofline; 32 concurrent >= 1.5x HF.
+
+Per-dtype mode (``--dtypes fp32 bf16 int8 q4``, no HF side, no bandwidth part): Duet's offline
+engine alone, throughput at each ``--concurrency`` (default 1 8 32 64) as defined above, for each
+dtype in turn (bf16: ``dtype='bfloat16'``; int8 / q4: ``quantization=...`` with float32
+activations quantized to int8 in the kernels), with ``--threads`` torch threads (default 1 in this
+mode), the same prompts for every dtype; all dtypes' engines are loaded at once and take turns
+within each round of repeats (alternating order), so a busy neighbour slows them alike; ratios vs
+fp32 in the same run, and each dtype's greedy outputs compared with fp32's (identical sequences). JSON:
+benchmarks/results/engine_throughput_dtypes[_quick].json.
 """
 
 from __future__ import annotations
@@ -63,7 +72,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -272,7 +281,7 @@ def streamed_matrices(model: nn.Module) -> list[torch.Tensor]:
     return [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
 
 
-def bytes_per_token(model: nn.Module) -> dict[str, Any]:
+def bytes_per_token(model: Any) -> dict[str, Any]:  # a transformers PreTrainedModel
     """Weight bytes read by one batch-1 decode step, from the model's actual parameters."""
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     head = model.get_output_embeddings()
@@ -327,7 +336,7 @@ class DuetRunner:
 class HFRunner:
     name = "hf"
 
-    def __init__(self, model: nn.Module, tokenizer: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any) -> None:  # a transformers PreTrainedModel
         self.model, self.tokenizer = model, tokenizer
 
     def prepare(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -516,7 +525,7 @@ def load_hf(path: Path) -> tuple[nn.Module, Any]:
 def run(settings: Settings) -> dict[str, Any]:
     wall0, whole_run, gate = time.perf_counter(), CpuLoadMeter(), QuietGate(settings.quiet_budget_s)
     torch.set_num_threads(THREADS)
-    res: dict[str, Any] = {"timestamp": datetime.now(timezone.utc).isoformat(), "model": MODEL,
+    res: dict[str, Any] = {"timestamp": datetime.now(UTC).isoformat(), "model": MODEL,
                            "dtype": "float32", "settings": asdict(settings), "machine": machine_info(),
                            "code": code_version()}
     logger.info("synthetic GEMV bandwidth (%d x %d fp32)", *SYNTHETIC_SHAPE)
@@ -560,18 +569,108 @@ def run(settings: Settings) -> dict[str, Any]:
     return res
 
 
+DTYPE_CONFIGS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
+                 "int8": {"dtype": "float32", "quantization": "int8"}, "q4": {"dtype": "float32", "quantization": "q4"}}
+
+
+def run_dtypes(settings: Settings, dtypes: list[str], threads: int) -> dict[str, Any]:
+    """Offline engine throughput per dtype at each concurrency (see the module docstring)."""
+    from transformers import AutoTokenizer
+
+    wall0, whole_run, gate = time.perf_counter(), CpuLoadMeter(), QuietGate(settings.quiet_budget_s)
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(prepare_smollm2())
+    prompts = concurrency_prompts(tokenizer, max(settings.concurrencies))
+    ids = tokenizer(prompts)["input_ids"]
+    n = settings.throughput_tokens
+    res: dict[str, Any] = {"timestamp": datetime.now(UTC).isoformat(), "model": MODEL, "threads": threads,
+                           "settings": asdict(settings), "machine": machine_info(), "code": code_version(),
+                           "loadavg_start": os.getloadavg(), "dtypes": {}}
+    outputs: dict[str, dict[int, list[list[int]]]] = {name: {} for name in dtypes}
+    runners = {name: DuetRunner(LLM(MODEL, enable_prefix_caching=False, **DTYPE_CONFIGS[name]), tokenizer)
+               for name in dtypes}  # all loaded at once (~0.6 GB each), so the dtypes can take turns
+    for name in dtypes:
+        res["dtypes"][name] = {"config": DTYPE_CONFIGS[name], "resolved_dtype": runners[name].llm.engine.config.dtype,
+                               "throughput": {}}
+    try:
+        for c in settings.concurrencies:
+            rows: dict[str, dict[str, Any]] = {name: {"warmup_s": timed_generate(runners[name], ids[:c], 4, gate).seconds} for name in dtypes}
+            for rep in range(settings.throughput_repeats):
+                # each round times every dtype once, in alternating order, so load from other processes
+                # falls on all of them alike
+                for name in dtypes if rep % 2 == 0 else dtypes[::-1]:
+                    logger.info("%s: concurrency %d, N=%d, %d thread(s), repeat %d", name, c, n, threads, rep)
+                    t = timed_generate(runners[name], ids[:c], n, gate)
+                    record(rows[name], "seconds", t)
+                    outputs[name][c] = t.value
+            for name, d in rows.items():
+                d["tokens_per_s"] = [c * n / sec for sec in d["seconds"]]
+                d["median_tokens_per_s"] = quiet_median(d["tokens_per_s"], d["seconds_load"])
+                res["dtypes"][name]["throughput"][c] = d
+    finally:
+        del runners
+        gc.collect()
+    if "fp32" in outputs:
+        for name in dtypes:
+            for c, d in res["dtypes"][name]["throughput"].items():
+                d["vs_fp32"] = d["median_tokens_per_s"] / res["dtypes"]["fp32"]["throughput"][c]["median_tokens_per_s"]
+                d["identical_outputs_vs_fp32"] = sum(a == b for a, b in zip(outputs[name][c], outputs["fp32"][c]))
+    loads = [x for v in res["dtypes"].values() for d in v["throughput"].values() for x in d["seconds_load"]]
+    res["contention"] = {"kept_runs": len(loads), "contended_kept_runs": sum(x > CONTENDED for x in loads),
+                         "threshold": CONTENDED, "quiet_budget_spent_s": gate.spent_s,
+                         "whole_run_load": whole_run.read()}
+    res["loadavg_end"] = os.getloadavg()
+    res["wall_time_s"] = time.perf_counter() - wall0
+    return res
+
+
+def print_dtypes_report(res: dict[str, Any]) -> None:
+    cs = list(next(iter(res["dtypes"].values()))["throughput"])
+    print(f"\n== Duet offline engine, total output tok/s (N={res['settings']['throughput_tokens']}), "
+          f"{res['threads']} thread(s); load {res['loadavg_start']} -> {res['loadavg_end']} ==")
+    print("dtype  " + "".join(f"{f'C={c}':>16}" for c in cs))
+    for name, v in res["dtypes"].items():
+        cells = []
+        for c in cs:
+            d = v["throughput"][c]
+            ratio = f" ({d['vs_fp32']:.2f}x)" if "vs_fp32" in d else ""
+            cells.append(f"{d['median_tokens_per_s']:.1f}{ratio}")
+        print(f"{name:<7}" + "".join(f"{x:>16}" for x in cells))
+    cont = res["contention"]
+    print(f"noise: {cont['contended_kept_runs']}/{cont['kept_runs']} kept runs contended "
+          f"(others > {cont['threshold']:.0%} CPU); wall time {res['wall_time_s']:.0f} s")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="N=32 and fewer repeats (smoke run)")
     parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/engine_throughput[_quick].json)")
     parser.add_argument("--quiet-budget", type=float,
                         help="total seconds to spend waiting for a quiet machine and redoing contended runs")
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPE_CONFIGS),
+                        help="per-dtype mode: Duet alone at each --concurrency for these dtypes (no HF side)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64],
+                        help="concurrencies of the per-dtype mode (default 1 8 32 64)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the per-dtype mode (default 1)")
+    parser.add_argument("--repeats", type=int, help="timed runs per dtype and concurrency in the per-dtype mode")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("workers").setLevel(logging.WARNING)
     settings = QUICK if args.quick else FULL
     if args.quiet_budget is not None:
         settings = replace(settings, quiet_budget_s=args.quiet_budget)
+    if args.dtypes:
+        settings = replace(settings, concurrencies=tuple(args.concurrency))
+        if args.repeats:
+            settings = replace(settings, throughput_repeats=args.repeats)
+        res = run_dtypes(settings, args.dtypes, args.threads)
+        print_dtypes_report(res)
+        out = args.out or REPO_ROOT / "benchmarks" / "results" / (
+            f"engine_throughput_dtypes{'_quick' if args.quick else ''}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2) + "\n")
+        print(f"wrote {out}")
+        return
     out = args.out or REPO_ROOT / "benchmarks" / "results" / (
         "engine_throughput_quick.json" if args.quick else "engine_throughput.json")
 

@@ -32,7 +32,7 @@ import os
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 import numpy as np
@@ -46,9 +46,8 @@ from workers.engine.engine import Engine  # noqa: E402
 from workers.layers.quant_linear import QuantizedWeight, quantize  # noqa: E402
 from workers.llm import engine_config  # noqa: E402
 from workers.engine.model_runner import ModelRunner, cache_blocks  # noqa: E402
-from workers.models.assets.resolve import resolve_model
+from workers.models.assets.resolve import resolve_model  # noqa: E402
 from workers.models.checkpoint import gguf_source  # noqa: E402
-from workers.models.config import ModelSpec  # noqa: E402
 from workers.models.gguf_quants import dequantize_raw, native_weight  # noqa: E402
 from workers.models.gguf_weights import hf_name, open_gguf  # noqa: E402
 from workers.models.loader import load_model  # noqa: E402
@@ -132,7 +131,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gguf = joined_gguf(QWEN_MODELS[args.model])
-    result: dict = {"model": args.model, "gguf": gguf.name, "date": datetime.now(timezone.utc).isoformat(),
+    result: dict = {"model": args.model, "gguf": gguf.name, "date": datetime.now(UTC).isoformat(),
                     "threads": args.threads, "repeats": args.repeats, "new_tokens": args.new_tokens}
     result["conversion_error"] = conversion_errors(gguf)
     print(json.dumps(result["conversion_error"], indent=1))

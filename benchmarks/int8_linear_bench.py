@@ -28,9 +28,10 @@ import argparse
 import json
 import logging
 import sys
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         logger.info("T=%d: %s", T, {s: round(results[-1][s]["median_ms"], 2) for s in SIDES})
     out = args.out or REPO_ROOT / "benchmarks" / "results" / f"int8_linear_bench{'_quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"timestamp": datetime.now(timezone.utc).isoformat(), "machine": machine_info(), "code": code_version(),
+    doc = {"timestamp": datetime.now(UTC).isoformat(), "machine": machine_info(), "code": code_version(),
            "isa": ext.active_isa() if ext else None, "threads": args.threads, "results": results,
            "contention": {"threshold": CONTENDED, "whole_run_load": whole.read(), "quiet_budget_spent_s": gate.spent_s}}
     out.write_text(json.dumps(doc, indent=1))

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     for n in [int(x) for x in args.concurrency.split(",")]:
         fresh = lambda: [[rng.randrange(100, 30000) for _ in range(args.prompt_tokens)]  # noqa: E731
-                         for _ in range(n * args.requests_per_stream)]
+                         for _ in range(n * args.requests_per_stream)]  # noqa: B023 - called in this iteration
         engine = build(args, None)
         calib = run(engine, n, fresh(), args)
         del engine

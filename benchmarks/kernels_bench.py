@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from functools import partial
 import json
 import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_throughput import (  # noqa: E402  (also puts the repo root on sys.path)
+from engine_throughput import (  # also puts the repo root on sys.path
     PASSAGE,
     REPO_ROOT,
     THREADS,
@@ -61,12 +62,12 @@ from engine_throughput import (  # noqa: E402  (also puts the repo root on sys.p
     record,
 )
 
-import kernels  # noqa: E402
-from kernels.varlen_paged_attention import tree_visibility  # noqa: E402
-from workers.layers import attention as attention_mod  # noqa: E402
-from workers.llm import LLM  # noqa: E402
-from workers.models.assets.prepare import prepare_smollm2  # noqa: E402
-from workers.sampling_params import SamplingParams  # noqa: E402
+import kernels
+from kernels.varlen_paged_attention import tree_visibility
+from workers.layers import attention as attention_mod
+from workers.llm import LLM
+from workers.models.assets.prepare import prepare_smollm2
+from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger("benchmarks.kernels_bench")
 
@@ -126,39 +127,39 @@ def op_cases() -> list[tuple[str, dict[str, Callable[[], Any]]]]:
     cases: list[tuple[str, dict[str, Callable[[], Any]]]] = []
     for T in (1, 256):
         x, r, w = torch.randn(T, E, generator=g), torch.randn(T, E, generator=g), torch.randn(E, generator=g)
-        cases.append((f"rms_norm+residual T={T}", {"kernel": lambda x=x, r=r, w=w: kernels.rms_norm(x, w, 1e-5, r),
-                                                   "ref": lambda x=x, r=r, w=w: kernels.rms_norm_ref(x, w, 1e-5, r)}))
+        cases.append((f"rms_norm+residual T={T}", {"kernel": partial(kernels.rms_norm, x, w, 1e-5, r),
+                                                   "ref": partial(kernels.rms_norm_ref, x, w, 1e-5, r)}))
         xi = torch.randn(T, 2 * I, generator=g)
-        cases.append((f"silu_and_mul T={T}", {"kernel": lambda xi=xi: kernels.silu_and_mul(xi),
-                                              "ref": lambda xi=xi: kernels.silu_and_mul_ref(xi)}))
+        cases.append((f"silu_and_mul T={T}", {"kernel": partial(kernels.silu_and_mul, xi),
+                                              "ref": partial(kernels.silu_and_mul_ref, xi)}))
         q, k, v = torch.randn(T, H, D, generator=g), torch.randn(T, G, D, generator=g), torch.randn(T, G, D, generator=g)
         cos, sin = torch.randn(T, D // 2, generator=g), torch.randn(T, D // 2, generator=g)
         kc, vc, slots = torch.zeros(4096, G, D), torch.zeros(4096, G, D), torch.randperm(4096, generator=g)[:T]
         args = (q, k, v, cos, sin, kc, vc, slots)
-        cases.append((f"rotary_and_cache_write T={T}", {"kernel": lambda a=args: kernels.rotary_and_cache_write(*a),
-                                                        "ref": lambda a=args: kernels.rotary_and_cache_write_ref(*a)}))
+        cases.append((f"rotary_and_cache_write T={T}", {"kernel": partial(kernels.rotary_and_cache_write, *args),
+                                                        "ref": partial(kernels.rotary_and_cache_write_ref, *args)}))
     xl, wl = torch.randn(1, E, generator=g), torch.randn(2 * I, E, generator=g)
     cases.append(("linear T=1 576->3072", {"kernel": lambda: kernels.linear(xl, wl), "ref": lambda: kernels.linear_ref(xl, wl)}))
     for B, ctx in ((1, 512), (1, 2048), (1, 8192), (8, 2048)):
         q, kc, vc, bt, _, cl = paged_case([1] * B, [ctx] * B)
         a = (q, kc, vc, bt, cl, BS, D**-0.5)
         cases.append((f"paged_decode_attention B={B} ctx={ctx}", {
-            "kernel": lambda a=a: kernels.paged_decode_attention(*a),
-            "ref": lambda a=a: kernels.paged_decode_attention_ref(*a)}))
+            "kernel": partial(kernels.paged_decode_attention, *a),
+            "ref": partial(kernels.paged_decode_attention_ref, *a)}))
     for label, n, ctx, tree in (("prefill", 512, 512, False), ("chunk", 512, 2048, False),
                                 ("verify", 5, 2048, False), ("verify", 5, 8192, False), ("tree verify", 16, 2048, True)):
         q, kc, vc, bt, cu, cl = paged_case([n], [ctx])
         parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, n)]) if tree else None  # a binary tree
-        a = (q, kc, vc, bt, cu, cl, BS, D**-0.5)
+        va = (q, kc, vc, bt, cu, cl, BS, D**-0.5)
         cases.append((f"varlen_paged_attention {label} n={n} ctx={ctx}", {
-            "kernel": lambda a=a, p=parents: kernels.varlen_paged_attention(*a, tree_parents=p),
-            "ref": lambda a=a, p=parents: kernels.varlen_paged_attention_ref(*a, tree_parents=p),
-            "sdpa": lambda a=a, p=parents: sdpa_path(*a[:6], parents=p)}))
+            "kernel": partial(kernels.varlen_paged_attention, *va, tree_parents=parents),
+            "ref": partial(kernels.varlen_paged_attention_ref, *va, tree_parents=parents),
+            "sdpa": partial(sdpa_path, *va[:6], parents=parents)}))
     for T in (1, 512):
         outs = [torch.randn(T, H, D, generator=g) for _ in range(2)]
         lses = [torch.randn(T, H, generator=g) for _ in range(2)]
-        cases.append((f"merge_attn_states N=2 T={T}", {"kernel": lambda o=outs, l=lses: kernels.merge_attn_states(o, l),
-                                                      "ref": lambda o=outs, l=lses: kernels.merge_attn_states_ref(o, l)}))
+        cases.append((f"merge_attn_states N=2 T={T}", {"kernel": partial(kernels.merge_attn_states, outs, lses),
+                                                      "ref": partial(kernels.merge_attn_states_ref, outs, lses)}))
     return cases
 
 
@@ -203,7 +204,7 @@ def decode_gather_path() -> Iterator[None]:
         res = kernels.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
         return res if out is None else out.copy_(res)
 
-    attention_mod.paged_decode_attention = gather
+    attention_mod.paged_decode_attention = gather  # type: ignore[assignment]  # patched for the measurement
     try:
         yield
     finally:
@@ -234,13 +235,14 @@ def bench_decode(llm: LLM, s: Settings, gate: QuietGate) -> list[dict[str, Any]]
         params = lambda k: SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True)  # noqa: E731
         llm.generate(prompt, params(1))  # prefill once: later calls hit the prefix cache
         row: dict[str, Any] = {"context": ctx, "prompt_tokens": len(prompt), "new_tokens": n}
-        paths = {"kernel": contextlib.nullcontext, "gather": decode_gather_path}
+        paths: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
+            "kernel": contextlib.nullcontext, "gather": decode_gather_path}
         for rep in range(s.decode_repeats):
             for name in (list(paths) if rep % 2 == 0 else list(paths)[::-1]):
                 d = row.setdefault(name, {})
                 with paths[name]():
-                    t_n = gate.time(lambda: llm.generate(prompt, params(n))[0])
-                    t_1 = gate.time(lambda: llm.generate(prompt, params(1))[0])
+                    t_n = gate.time(lambda: llm.generate(prompt, params(n))[0])  # noqa: B023 - called in this iteration
+                    t_1 = gate.time(lambda: llm.generate(prompt, params(1))[0])  # noqa: B023 - called in this iteration
                 record(d, "t_n", t_n)
                 record(d, "t_1", t_1)
                 assert t_n.value.num_cached_tokens > 0, "the prompt must come from the prefix cache"
@@ -262,9 +264,10 @@ def bench_prefill(model_path: Path, s: Settings, gate: QuietGate) -> dict[str, A
     llm = LLM(str(model_path), enable_prefix_caching=False, max_num_batched_tokens=512, kv_cache_memory_bytes=256 << 20)
     prompt = prompt_ids(llm, s.prefill_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    paths = {"kernel": contextlib.nullcontext, "sdpa": prefill_sdpa_path}
+    paths: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
+        "kernel": contextlib.nullcontext, "sdpa": prefill_sdpa_path}
     res: dict[str, Any] = {"prompt_tokens": len(prompt), "chunk_tokens": 512}
-    for name, ctx in paths.items():
+    for ctx in paths.values():
         with ctx():
             llm.generate(prompt, params)  # warm-up
     for rep in range(s.prefill_repeats):
@@ -329,7 +332,7 @@ def run(s: Settings, threads: int = THREADS) -> dict[str, Any]:
     torch.set_num_threads(threads)
     assert kernels.cpu_kernels_available(), "the C++ kernels must build for this benchmark"
     gate = QuietGate(s.quiet_budget_s)
-    started = datetime.now(timezone.utc).isoformat()
+    started = datetime.now(UTC).isoformat()
     with torch.inference_mode():
         ops = bench_ops(s, gate)
     model_path = prepare_smollm2()

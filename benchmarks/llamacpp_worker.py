@@ -14,6 +14,7 @@ llama.cpp kills only this process: the caller records it.
 
 from __future__ import annotations
 
+from typing import Any
 import json
 import sys
 import time
@@ -27,7 +28,7 @@ def main() -> None:
                 n_batch=job["n_batch"], n_ubatch=job["n_batch"], verbose=False, seed=0)
 
     def run(prompts: list[list[int]]) -> list[list[int]]:
-        out = []
+        out: list[Any] = []
         for ids in prompts:
             if job["kind"] == "prefill":
                 llm.reset()

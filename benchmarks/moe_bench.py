@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from workers.models.mixtral import MixtralForCausalLM
 from benchmarks.engine_throughput import QuietGate, code_version, machine_info, quiet_median, record
 from workers.parallel.groups import ParallelConfig, get_group
 from workers.parallel.launch import spawn_gang
@@ -81,6 +82,7 @@ def throughput_rank(rank: int, path: str, batches: list[int], max_tokens: int, r
 
     kw = dict(kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
     runner = ModelRunner.from_config(engine_config(path, **kw))
+    assert isinstance(runner.model, MixtralForCausalLM)  # the upcycled MoE checkpoint
     moe = runner.model.moe_layers()
     if rank != 0:
         follow(runner, get_group("gang"))
@@ -117,6 +119,7 @@ def rebalance_rank(rank: int, path: str, max_tokens: int) -> dict | None:
     if rank != 0:
         follow(runner, get_group("gang"))
         return None
+    assert isinstance(runner.model, MixtralForCausalLM)  # the upcycled MoE checkpoint
     moe = runner.model.moe_layers()
     leader = GangRunner(runner, get_group("gang"))
     llm = LLM(path, runner=leader, **kw)
@@ -183,7 +186,7 @@ def grouped_gemm_bench(repeats: int, gate: QuietGate) -> dict[str, Any]:
         for label, fn in (("kernel", kernels.grouped_gemm), ("ref", grouped_gemm_ref)):
             n = 20 if rows < 100 else 3
             for _ in range(repeats):
-                record(d, label, gate.time(lambda: [fn(x, w, off) for _ in range(n)]), 1e3 / n)
+                record(d, label, gate.time(lambda: [fn(x, w, off) for _ in range(n)]), 1e3 / n)  # noqa: B023 - called in this iteration
         d["kernel_ms"] = quiet_median(d["kernel"], d["kernel_load"])
         d["ref_ms"] = quiet_median(d["ref"], d["ref_load"])
         d["speedup"] = d["ref_ms"] / d["kernel_ms"]
@@ -204,8 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {"model": path, "machine": machine_info(), "code": code_version(),
                               "max_tokens": max_tokens, "repeats": repeats, "timestamp": time.time()}
     for ep, threads in CONFIGS:
-        runs, share = _others_share(lambda: spawn_gang(throughput_rank, ParallelConfig(ep_size=ep),
-                                                       args=(path, [1, 16], max_tokens, repeats), num_threads=threads,
+        runs, share = _others_share(lambda: spawn_gang(throughput_rank, ParallelConfig(ep_size=ep),  # noqa: B023 - called in this iteration
+                                                       args=(path, [1, 16], max_tokens, repeats), num_threads=threads,  # noqa: B023 - called in this iteration
                                                        timeout=1800))
         r = runs[0]
         rows = [sum(x["comm_rows"][0] for x in runs), sum(x["comm_rows"][1] for x in runs)]

@@ -98,13 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
+    from workers.build import build_engine
     from workers.config import CacheConfig, EngineConfig
-    from workers.engine.engine import Engine
+    from workers.models.assets.resolve import resolve_model
 
     torch.set_num_threads(args.threads)
+    model = str(resolve_model(args.model))  # a name becomes a checkpoint dir
     cache = CacheConfig(kv_cache_memory_bytes=256 << 20)
-    engine = Engine(EngineConfig(model=args.model, cache=cache))
-    unshared = Engine(EngineConfig(model=args.model, cache=CacheConfig(kv_cache_memory_bytes=256 << 20,
+    engine = build_engine(EngineConfig(model=model, cache=cache))
+    unshared = build_engine(EngineConfig(model=model, cache=CacheConfig(kv_cache_memory_bytes=256 << 20,
                                                                         enable_prefix_caching=False)))
     prompt = _prompt(engine.tokenizer, args.prompt_tokens)
     cases = {"n=1": (engine, 1, False), f"n={args.n} shared": (engine, args.n, True),

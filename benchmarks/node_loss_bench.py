@@ -167,7 +167,7 @@ async def _drain(cluster: Any, d: Any, actuator: Any, victim: str, node: str, t0
 
 
 async def _one_run(cluster: Any, d: Any, actuator: Any, mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    stop, streams = asyncio.Event(), []
+    stop, streams = asyncio.Event(), list[Any]()
     clients = [asyncio.ensure_future(_client(d.address, args.tokens, stop, streams)) for _ in range(args.clients)]
     await asyncio.sleep(args.warmup)
     victim = _busiest(d)

@@ -21,6 +21,7 @@ benchmarks/results/prefix_pull_bench.json).
 
 from __future__ import annotations
 
+from typing import Any
 import argparse
 import asyncio
 import json
@@ -41,14 +42,14 @@ def tokens(seed: int, n: int) -> list[int]:
     return torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-async def ttft(server, rid: str, ids: list[int], source=None, max_tokens: int = 4) -> tuple[float, list[int]]:
+async def ttft(server, rid: str, ids: list[int], source=None, max_tokens: int = 4) -> tuple[float | None, list[int]]:
     from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 
     request = worker_pb2.SubmitRequest(request_id=rid, prompt_token_ids=ids, prefix_source=source,
                                        sampling=worker_pb2.SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                           top_p=1, ignore_eos=True))
     async with grpc.aio.insecure_channel(server.endpoint) as channel:
-        start, first, out = time.monotonic(), None, []
+        start, first, out = time.monotonic(), None, list[int]()
         async for msg in worker_pb2_grpc.WorkerStub(channel).Submit(request):
             if first is None and msg.token_ids:
                 first = time.monotonic() - start
@@ -84,7 +85,7 @@ async def bench(args) -> dict:
             runs = [("recompute", other + qb, None), ("pull", prefix + qb, source)]
             if rep % 2:
                 runs.reverse()
-            row = {}
+            row: dict[str, Any] = {}
             for name, ids, src in runs:
                 row[name], row[f"{name}_tokens"] = await ttft(puller, f"{name}{rep}", ids, src)
             _, reference = await ttft(holder, f"ref{rep}", prefix + qb)

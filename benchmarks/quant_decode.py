@@ -48,7 +48,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +71,7 @@ from benchmarks.engine_throughput import (  # noqa: E402
     record,
 )
 from workers.llm import LLM  # noqa: E402
-from workers.models.assets.prepare import prepare_smollm2
+from workers.models.assets.prepare import prepare_smollm2  # noqa: E402
 from workers.models.checkpoint import SMOLLM2_NAME, gguf_source  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
 
@@ -241,14 +241,15 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     ratios: dict[str, float] = {}
     for q in ("int8", "q4"):
         for key in ("batch1_decode", "c8", "c32", "prefill"):
-            base = get("duet-fp32", key)
-            if base and get(f"duet-{q}", key):
-                ratios[f"{q}_{key}_vs_fp32"] = get(f"duet-{q}", key) / base
-            if best(key) and get(f"duet-{q}", key):
-                ratios[f"{q}_{key}_vs_llamacpp"] = get(f"duet-{q}", key) / best(key)
+            base, mine, peer = get("duet-fp32", key), get(f"duet-{q}", key), best(key)
+            if base and mine:
+                ratios[f"{q}_{key}_vs_fp32"] = mine / base
+            if peer and mine:
+                ratios[f"{q}_{key}_vs_llamacpp"] = mine / peer
     for key in ("batch1_decode", "c8", "c32"):
-        if get("duet-q4", key) and get("duet-q4-modules", key):
-            ratios[f"q4_{key}_fused_vs_modules"] = get("duet-q4", key) / get("duet-q4-modules", key)
+        fused, modules = get("duet-q4", key), get("duet-q4-modules", key)
+        if fused and modules:
+            ratios[f"q4_{key}_fused_vs_modules"] = fused / modules
     targets = {"q4_batch1_vs_llamacpp": ratios.get("q4_batch1_decode_vs_llamacpp"),
                "q4_c32_vs_llamacpp": ratios.get("q4_c32_vs_llamacpp")}
     met = {k: (v is not None and v >= TARGETS[k]) if v is not None else None for k, v in targets.items()}
@@ -267,7 +268,7 @@ def print_report(res: dict[str, Any]) -> None:
         cells = ["crash" if v is None and "crashed" in r.get(k, {}) else f"{v:.1f}" if v else "-"
                  for k, v in zip(cols, vals)]
         rows.append((name, f"{mb / 1e6:.0f}" if mb else "-", *cells, f"{sum(x <= CONTENDED for x in loads)}/{len(loads)}"))
-    for name, why in res["skipped"].items():
+    for name in res["skipped"]:
         rows.append((name, "-", "skipped", "", "", "", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -289,6 +290,8 @@ def run(settings: Settings) -> dict[str, Any]:
     torch.set_num_threads(THREADS)
     path = prepare_smollm2()
     gguf = gguf_source(path)
+    if gguf is None:
+        raise SystemExit(f"{path} has no GGUF source beside it (the llama.cpp sides and the q4 weights read it)")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
@@ -296,7 +299,7 @@ def run(settings: Settings) -> dict[str, Any]:
     conc = [tok(p)["input_ids"] for p in concurrency_prompts(tok, max(settings.concurrencies))]
     prefill_ids = tok(SAMPLE_TEXT.read_text())["input_ids"][: settings.prefill_tokens]
     assert len(prefill_ids) == settings.prefill_tokens
-    res: dict[str, Any] = {"timestamp": datetime.now(timezone.utc).isoformat(), "model": SMOLLM2_NAME,
+    res: dict[str, Any] = {"timestamp": datetime.now(UTC).isoformat(), "model": SMOLLM2_NAME,
                            "gguf": str(gguf), "settings": asdict(settings), "machine": machine_info(),
                            "code": code_version(), "results": {}, "weight_bytes_per_token": {}}
     llama, res["skipped"] = llamacpp_sides(gguf)
@@ -307,9 +310,9 @@ def run(settings: Settings) -> dict[str, Any]:
         side.timed([decode_ids], 4, gate)  # warm-up
         res["results"][side.name] = measure_side(side, settings, decode_ids, conc, prefill_ids, gate)
         side.close()
-    for side in llama:
-        logger.info("measuring %s", side.name)
-        res["results"][side.name] = measure_side(side, settings, decode_ids, conc, prefill_ids, gate)
+    for peer_side in llama:
+        logger.info("measuring %s", peer_side.name)
+        res["results"][peer_side.name] = measure_side(peer_side, settings, decode_ids, conc, prefill_ids, gate)
     ref = res["results"]["duet-fp32"]["batch1_decode"].get("token_ids", [])
     res["greedy_agreement"] = {n: first_mismatch(ref, r["batch1_decode"]["token_ids"])
                                for n, r in res["results"].items() if n != "duet-fp32" and "token_ids" in r["batch1_decode"]}

@@ -27,7 +27,7 @@ import json
 import logging
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     quants = [q for q in args.quant.split(",") if q]
     results = [check_model(m, args.new_tokens, quants) for m in args.model or MODELS]
-    report = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "new_tokens": args.new_tokens,
+    report = {"created": datetime.now(UTC).isoformat(timespec="seconds"), "new_tokens": args.new_tokens,
               "torch_threads": args.threads, "models": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -127,7 +127,7 @@ def compare(spec: LLM, batches: list[list[list[int]]], max_tokens: int, repeats:
     plain = the same engine and weights with speculation off per request. kept: a pruned drafter's
     vocabulary (draft_vocab_coverage = the share of plain output tokens inside it)."""
     rows: dict[str, list] = {"plain_tok_s": [], "spec_tok_s": [], "load": []}
-    agg = None
+    agg: dict[str, Any] = {}
     mismatches = covered = outputs = 0
     for _ in range(repeats):
         meter = CpuLoadMeter()
@@ -228,6 +228,7 @@ def _pair_engine(args, target_path: Path, draft_path: Path) -> dict[str, Any]:
                                     args.repeats, args.plain_threads, args.target_threads, kept),
            "engine_batch8": compare(spec, [ids], args.max_tokens, 1, args.plain_threads, args.target_threads, kept),
            "drafter": _drafter_stats(spec), "_prompts": ids[: args.pair_prompts]}
+    assert spec.engine.speculator is not None  # built with speculation
     spec.engine.speculator.close()
     del spec
     gc.collect()
@@ -237,6 +238,7 @@ def _pair_engine(args, target_path: Path, draft_path: Path) -> dict[str, Any]:
 def _drafter_stats(llm: LLM) -> dict[str, Any]:
     """The drafter link: calls, time waiting for drafts, and the transport share of it (wall time of
     the gRPC calls minus the drafter's own compute), per call."""
+    assert llm.engine.speculator is not None  # built with speculation
     prop = llm.engine.speculator.proposer
     st = prop.stats()
     calls = max(st.calls, 1)
@@ -251,6 +253,7 @@ def _drafter_stats(llm: LLM) -> dict[str, Any]:
 
 def _policy_fit(llm: LLM) -> dict[str, float]:
     """The adaptive policy's cost model at the end: step(n) = s0 + s1 n, wait(k) = d0 + d1 k (ms)."""
+    assert llm.engine.speculator is not None  # built with speculation
     pol = llm.engine.speculator.policy
     return {"step_s0_ms": round(1e3 * pol.step.a, 2), "step_s1_ms": round(1e3 * pol.step.b, 2),
             "draft_wait_d0_ms": round(1e3 * pol.draft.a, 2), "draft_wait_d1_ms": round(1e3 * pol.draft.b, 2)}

@@ -22,6 +22,7 @@ import json
 import logging
 import statistics
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,7 +49,7 @@ def load(name: str, quantization: str, context: int) -> DraftEngine:
     return engine
 
 
-def step_fn(engine: DraftEngine, rows: int, head: torch.nn.Module):
+def step_fn(engine: DraftEngine, rows: int, head: Callable[[torch.Tensor], Any]):
     """A function running one step over ``rows`` rows after the held context (the last held token
     and rows - 1 drafts, as a verify chunk), then ``head`` over every row."""
     seq = engine._seqs["r"]
@@ -66,7 +67,7 @@ def step_fn(engine: DraftEngine, rows: int, head: torch.nn.Module):
     return run
 
 
-def head_fn(head: torch.nn.Module, hidden_size: int):
+def head_fn(head: Callable[[torch.Tensor], Any], hidden_size: int):
     x = torch.randn(1, hidden_size)  # [1, E]
 
     @torch.inference_mode()
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     draft = load(args.draft, args.quantization, args.context)
     model = draft.runner.model
     ids = draft_token_ids(resolve_model(args.draft), draft.vocab_size, args.draft_vocab)
-    heads = {"full": model.compute_logits, "pruned_int8": PrunedHead(model, ids, "int8")}
+    heads: dict[str, Callable[[torch.Tensor], Any]] = {"full": model.compute_logits,
+                                                       "pruned_int8": PrunedHead(model, ids, "int8")}
     if args.quantization not in ("int8",):
         heads[f"pruned_{args.quantization}"] = PrunedHead(model, ids, args.quantization)
     for t in threads:

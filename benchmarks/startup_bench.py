@@ -70,7 +70,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "startup_bench.json"
@@ -182,6 +182,7 @@ def read_start(proc: subprocess.Popen, t0: float) -> dict[str, Any]:
     """The child's report; wall_s measured here, at the first-token line."""
     from workers.startup import StartupTimeline
 
+    assert proc.stdout is not None  # launched with stdout=PIPE
     first = proc.stdout.readline()
     wall = time.monotonic() - t0
     if not first:
@@ -235,6 +236,7 @@ def two_replicas(args: argparse.Namespace, shared_dir: str | None) -> dict[str, 
             reports.append(read_start(proc, t0))
         mem = [rollup(r["pid"]) for r in reports]
         for proc in procs:
+            assert proc.stdin is not None  # launched with stdin=PIPE
             proc.stdin.write("\n")
             proc.stdin.flush()
         for proc in procs:
@@ -286,6 +288,7 @@ def cluster_runs(args: argparse.Namespace, node_dir: Path, model_path: Path) -> 
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in CLUSTER_SCENARIOS}
     with start_deployment(config, log_to_driver=False) as d:
         pool, controller, actuator = config.pools[0].name, d.controller, d.actuator
+        assert controller is not None  # start_deployment started it
 
         def wait(predicate, what: str, timeout: float = 600.0) -> None:
             deadline = time.monotonic() + timeout
@@ -318,7 +321,7 @@ def cluster_runs(args: argparse.Namespace, node_dir: Path, model_path: Path) -> 
                     tokens.extend(msg.token_ids)
             row = next(r for r in controller.describe() if r["state"] == "up")
             actor = ray.get_actor(str(row["worker_id"]), namespace=config.ray.namespace)
-            report = ray.get(actor.startup.remote(), timeout=60)
+            report = cast("dict[str, Any]", ray.get(actor.startup.remote(), timeout=60))
             timeline = StartupTimeline.start(t0)
             timeline.mark("wake", at=d.waker.woken_at[pool])
             start = StartupTimeline.from_dict(report["start"])

@@ -203,6 +203,7 @@ def measure_transport(streams: list[int], steps: int) -> list[dict[str, Any]]:
 
     proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert proc.stdout is not None  # stdout=PIPE
     try:
         port = int(proc.stdout.readline())
         server = psutil.Process(proc.pid)

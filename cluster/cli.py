@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         return handlers[args.command](args)
     except KeyboardInterrupt:
         return 130
-    except Exception as e:  # noqa: BLE001 - expected failures become one line; bugs keep their traceback
+    except Exception as e:  # expected failures become one line; bugs keep their traceback
         if not _is_user_error(e):
             raise
         print(f"duet: error: {e}", file=sys.stderr)

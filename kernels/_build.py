@@ -96,7 +96,7 @@ def _ensure_ninja_on_path() -> None:
         return
     dirs = [os.path.dirname(sys.executable)]
     try:
-        import ninja  # type: ignore[import-not-found]
+        import ninja
 
         dirs.append(ninja.BIN_DIR)
     except ImportError:
@@ -153,7 +153,7 @@ def load(verbose: bool = False) -> ModuleType | None:
                     build_directory=str(directory),
                     verbose=verbose,
                 )
-        except Exception as exc:  # compiler missing, build error, load error: all mean "use the refs"
+        except Exception as exc:  # noqa: BLE001 - compiler missing, build error, load error: all mean "use the refs"
             _error = f"{type(exc).__name__}: {exc}"
             logger.warning(
                 "Duet CPU kernels are unavailable, every kernel op falls back to its (slower) torch "

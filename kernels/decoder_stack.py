@@ -11,9 +11,10 @@ Per layer: x, r = rms_norm(h, r); qkv = linear(x); RoPE on q, k and k, v into th
 cache; a = paged decode attention; x, r = rms_norm(o_proj(a), r); h = down(silu(gate) * up)(x).
 Finally rms_norm(h, r). Layer 0 has no residual yet: x = rms_norm(h), r = h.
 
-Scope: decode-only steps (one new token per sequence) on CPU in fp32, one tensor-parallel rank,
-dense MLPs; linears in fp32, int8 or q4 (kernels/quant_linear.py). Anything else runs the module
-path (workers/models/llama.py decides).
+Scope: decode-only steps (one new token per sequence) on CPU, one tensor-parallel rank, dense MLPs;
+activations in fp32 with fp32, int8 or q4 linears (kernels/int8_linear.py, kernels/quant_linear.py),
+or in bf16 with bf16 linears (a bf16 model). Anything else runs the module path
+(workers/models/llama.py decides).
 
 Example::
 
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from kernels import _build
-from kernels.linear import GEMV_MAX_TOKENS, linear
+from kernels.linear import gemv_max_tokens, linear
 from kernels.paged_decode_attention import paged_decode_attention
 from kernels.int8_linear import int8_linear
 from kernels.quant_linear import q4_linear
@@ -40,13 +41,14 @@ from kernels.rms_norm import rms_norm
 from kernels.rotary_and_cache_write import rotary_and_cache_write
 from kernels.silu_and_mul import silu_and_mul
 
-_KINDS = {"fp32": 0, "int8": 1, "q4": 2}
+_KINDS = {"fp32": 0, "int8": 1, "q4": 2, "bf16": 3}
 
 
 @dataclass(frozen=True)
 class StackLinearWeights:
-    """One projection: kind 'fp32' (tensors = (w [N, K],)), 'int8' ((codes [N, Kp], scales [N])) or
-    'q4' ((codes [N, Kp / 2], scales, mins [N, Kp / 32])); bias [N] or None; K input features."""
+    """One projection: kind 'fp32' or 'bf16' (tensors = (w [N, K],)), 'int8' ((codes [N, Kp],
+    scales [N])) or 'q4' ((codes [N, Kp / 2], scales, mins [N, Kp / 32])); bias [N] or None; K
+    input features."""
 
     kind: str
     tensors: tuple[torch.Tensor, ...]
@@ -54,11 +56,13 @@ class StackLinearWeights:
     in_features: int
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N], the wrappers' path
-        if self.kind == "fp32":
+        if self.kind in ("fp32", "bf16"):
             return linear(x, self.tensors[0], self.bias)
         if self.kind == "int8":
-            return int8_linear(x, *self.tensors, self.bias)
-        return q4_linear(x, *self.tensors, self.bias)
+            codes, scales = self.tensors
+            return int8_linear(x, codes, scales, self.bias)
+        codes, scales, mins = self.tensors
+        return q4_linear(x, codes, scales, mins, self.bias)
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,7 @@ def build_decoder_stack(layers: list[StackLayerWeights], final_norm: torch.Tenso
     cpp_layers = [ext.StackLayer(l.in_norm, l.post_norm, lin(l.qkv), lin(l.o), lin(l.gate_up), lin(l.down))
                   for l in layers]
     return ext.DecoderStack(cpp_layers, final_norm, eps, num_heads, num_kv_heads, head_dim, head_dim**-0.5,
-                            GEMV_MAX_TOKENS)
+                            gemv_max_tokens(final_norm.dtype))
 
 
 def decoder_stack_ref(
@@ -114,6 +118,7 @@ def decoder_stack_ref(
         q, k, v = layer.qkv(x).view(T, H + 2 * G, D).split([H, G, G], dim=1)  # [T, H|G|G, D]
         rotary_and_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
         a = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, D**-0.5)
+        assert isinstance(a, torch.Tensor)  # no lse asked for
         x, r = rms_norm(layer.o(a.view(T, H * D)), layer.post_norm, eps, r)
         h = layer.down(silu_and_mul(layer.gate_up(x)))
     return rms_norm(h, final_norm, eps, r)[0]

@@ -1,30 +1,38 @@
-"""Weight-only int8 linear: y = x W^T (+ b), W int8 with one fp32 scale per output row, x fp32.
+"""int8 linear: y = x W^T (+ b), W int8 with one fp32 scale per output row, x quantized to int8 on the fly.
 
 Terms: ``qweight`` int8 [N, Kp] and ``scales`` fp32 [N] are kernels/quant_formats.py's int8 format
-(w[n, k] ~= scales[n] * qweight[n, k], K zero-padded to Kp, a multiple of 64). "Weight-only": the
-activations are not quantized, so the product is x @ dequant(W)^T up to fp32 rounding; only the
-weights' bytes shrink (1 byte each, 1/4 of fp32), which is what batch-1 decode pays for.
+(w[n, k] ~= scales[n] * qweight[n, k], K zero-padded to Kp, a multiple of 64). The activations are
+quantized per token and block of 32 exactly as for q4 (``quantize_activations_ref``: sx = max|x| /
+127, xq = round(x / sx)), so each block's dot product with a weight row is an exact integer sum:
 
-Kernel (kernels/csrc/int8_linear.cpp): each int8 weight is widened to fp32 (exact) and FMA'd with
-x; OpenMP over 16-row tiles, up to 8 tokens per pass over a tile held in L1, x walked in blocks of
-<= 256 KB, so a weight row is read from memory once per call at decode sizes (once per token block
-in a long prefill); the next rows are prefetched. AVX-512, AVX2 and scalar paths, chosen at run time.
+    y[t, n] = scales[n] * sum_b sx[t, b] * (xq[t, b] . q[n, b])  (+ b[n])
 
-Batch invariance: every output element is accumulated in one fixed order (per ISA path), so a
-token's row of y is bit-identical whether it is computed alone or inside any batch (speculative
-verification and continuous batching rely on it); tests/kernels/test_int8_linear_kernel.py checks it.
+Why blocks of 32 and not one scale per token: an outlier feature (LLM activations have a few,
+tens of times the rest) then coarsens only the 32 values of its block, not the whole row; and a
+row-parallel shard (whole blocks) quantizes its slice of x exactly as one rank does. What int8
+activations cost against fp32 (perplexity, teacher-forced agreement): benchmarks/README.md,
+"quality_vs_fp32.py".
 
-Reference: ``int8_linear_ref`` computes scales[n] * (x . q[n]) (+ b) in float64, rounded to fp32 at
-the end; the kernel matches it up to fp32 accumulation error.
+Kernel (kernels/csrc/quant_linear.cpp, shared with q4): AVX-512 VNNI repacks 16-row tiles so one
+vpdpbusd does 64 multiply-adds into 16 rows' accumulators, and the per-block float step runs on 16
+rows at once; that keeps batched steps (8-64 sequences, prefill) fast, where the former
+weight-only kernel (int8 widened to fp32, one FMA per weight and token) was compute bound. AVX2
+and scalar paths compute the same integer dots. Batch invariant: a token's row of y is
+bit-identical whatever other rows share the call (tests/kernels/test_int8_linear_kernel.py).
+
+Reference: ``int8_linear_ref`` computes the same activation quantization and integer dots, then
+the scaling in float64; the kernel matches it up to fp32 rounding of the per-block sums.
 
 Dispatch: fp32 CPU x -> C++ kernel; CPU with the kernels disabled -> the reference; CUDA -> the
-Triton kernel (kernels/triton_ops/int8_linear.py) when triton is installed, else dequantize +
-F.linear, counted as a fallback.
+Triton kernel (kernels/triton_ops/int8_linear.py: weight-only, x stays in its dtype; its
+reference is dequantize + F.linear) when triton is installed, else dequantize + F.linear, counted
+as a fallback.
 
-Worked example: x = [[1, 2]], W = [[1, 0], [0, 1], [1, 1]] -> scales = [1/127] * 3, q = 127 * W
--> y = [[1, 2, 3]] (each up to fp32 rounding of 127 * (1/127)).
+Worked example: x = [[1, 2]], W = [[1, 0], [0, 1], [1, 1]] -> scales = [1/127] * 3, q = 127 * W;
+x's block scale is 2/127 and xq = [64, 127] (1 became 63.5, rounded to even) -> y = (2/127) *
+(1/127) * [64 * 127, 127 * 127, 191 * 127] = [1.0079, 2, 3.0079].
 
-Axes: T tokens, K input features, Kp padded K, N output features.
+Axes: T tokens, K input features, Kp padded K, N output features, B = Kp / 32 blocks.
 """
 
 from __future__ import annotations
@@ -33,15 +41,18 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _build, _triton
-from kernels.quant_formats import dequantize_int8
+from kernels.quant_formats import BLOCK, dequantize_int8
+from kernels.quant_linear import quantize_activations_ref
 
 _F32 = torch.float32
 
 
 def int8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     # x [T, K], qweight int8 [N, Kp], scales [N], bias [N] -> [T, N]
-    K = x.shape[-1]
-    y = (x.double() @ qweight[:, :K].double().T) * scales.double()  # [T, N]
+    T, (N, Kp) = x.shape[0], qweight.shape
+    xq, sx = quantize_activations_ref(x, Kp)  # [T, Kp], [T, B]
+    dots = torch.einsum("tbk,nbk->tnb", xq.double().view(T, -1, BLOCK), qweight.double().view(N, -1, BLOCK))
+    y = (dots * sx.double()[:, None, :]).sum(-1) * scales.double()  # [T, N]
     return (y if bias is None else y + bias.double()).float()
 
 

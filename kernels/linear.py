@@ -1,21 +1,28 @@
-"""y = x W^T (+ b) with a hand-written GEMV for decode-sized batches on CPU.
+"""y = x W^T (+ b) with a hand-written GEMV for decode-sized batches on CPU, fp32 or bf16.
 
 At small T the product is bound by reading W from memory (each weight is used only T times). The
 C++ kernel streams W exactly once per pass with both cores (rows split OpenMP-static, blocks of 2-8
 rows with AVX-512 FMA accumulators for up to 8 rows of x at once) and skips MKL's per-call setup.
 
-Threshold GEMV_MAX_TOKENS = 16, chosen from a sweep of GEMV vs F.linear (MKL) over SmolLM2-135M's
-121 matrices (benchmarks/README.md, "Figures moved out of the code"): the GEMV wins while the
-product is bound by reading W; past a few dozen rows it turns compute bound and MKL's cache-blocked
-GEMM (which reuses each weight tile across many rows) wins, so T > 16 keeps a margin and goes to MKL.
+Thresholds (rows of x sent to the GEMV; more go to ``F.linear``, i.e. MKL's fp32 GEMM or
+oneDNN's bf16 one, which uses AMX-BF16 or AVX512-BF16 where the CPU has them):
+  GEMV_MAX_TOKENS = 16 for fp32, chosen from a sweep of GEMV vs MKL over SmolLM2-135M's 121
+  matrices (benchmarks/README.md, "Figures moved out of the code"): the GEMV wins while the product
+  is bound by reading W; past a few dozen rows MKL's cache-blocked GEMM wins.
+  BF16_GEMV_MAX_TOKENS = 8 for bf16: one pass of the GEMV over W serves up to 8 rows of x; past
+  that it reads W twice while oneDNN's bf16 GEMM (AMX / AVX512-BF16) is already compute-efficient.
+  benchmarks/batched_linear_bench.py times both per batch size (benchmarks/README.md, "bf16 and
+  int8 activations"): the GEMV won at 1-8 rows, oneDNN at 32-64.
+bf16 GEMV: x, w and bias bf16, fp32 accumulation (vdpbf16ps on AVX512-BF16 CPUs, widen + FMA on
+other AVX-512 CPUs, scalar code elsewhere), y rounded to bf16 once.
 
 Worked example: x = [[1, 2]], W = [[1, 0], [0, 1], [1, 1]], b = [0, 0, 1] -> y = [[1, 2, 4]].
 
-Dispatch (fp32 CPU decided inside the extension, which saves Python attribute lookups): x with
-at most GEMV_MAX_TOKENS rows (leading dims flattened) and W with contiguous rows -> C++ GEMV; more
-rows, or a transposed W -> at::linear, i.e. MKL (by design, not a fallback). Other dtypes on CPU ->
-`linear_ref` (= F.linear), counted as a fallback. CUDA uses F.linear (cuBLAS) by design, not
-counted: no Triton GEMV is planned to beat it.
+Dispatch (decided inside the extension, which saves Python attribute lookups): fp32 or bf16 CPU x
+(w and bias of x's dtype) with at most the dtype's threshold of rows (leading dims flattened) and
+W with contiguous rows -> C++ GEMV; more rows, or a transposed W -> at::linear (by design, not a
+fallback). Other CPU dtypes or mixed dtypes -> `linear_ref` (= F.linear), counted as a fallback.
+CUDA uses F.linear (cuBLAS) by design, not counted: no Triton GEMV is planned to beat it.
 
 Axes: T tokens, K input features, N output features.
 """
@@ -27,11 +34,17 @@ import torch.nn.functional as F
 
 from kernels import _build
 
-# Largest token count sent to the GEMV kernel (see the measurements above); 8 rows of x share each
-# pass over W, so 9..16 rows cost two passes.
+# Largest token counts sent to the GEMV kernel (see above); 8 rows of x share each pass over W.
 GEMV_MAX_TOKENS = 16
+BF16_GEMV_MAX_TOKENS = 8
 
 _F32 = torch.float32
+_BF16 = torch.bfloat16
+
+
+def gemv_max_tokens(dtype: torch.dtype) -> int:
+    """The GEMV threshold of activations in ``dtype`` (fp32 or bf16)."""
+    return BF16_GEMV_MAX_TOKENS if dtype is _BF16 else GEMV_MAX_TOKENS
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,11 +54,13 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     # x [T, K] (or [..., K]), w [N, K], bias [N] -> [T, N] (or [..., N])
-    if x.is_cpu and x.dtype is _F32:
-        ext = _build.ext()
-        if ext is not None:
-            return ext.linear(x, w, bias, GEMV_MAX_TOKENS)  # decides GEMV vs at::linear by T
-        _build.note_ref_path("linear")
-    elif x.is_cpu:
-        _build.note_fallback("linear", f"no kernel for {x.dtype}")
+    if x.is_cpu:
+        dt = x.dtype
+        if (dt is _F32 or dt is _BF16) and w.dtype is dt and (bias is None or bias.dtype is dt):
+            ext = _build.ext()
+            if ext is not None:
+                return ext.linear(x, w, bias, BF16_GEMV_MAX_TOKENS if dt is _BF16 else GEMV_MAX_TOKENS)
+            _build.note_ref_path("linear")
+        else:
+            _build.note_fallback("linear", f"no kernel for x {x.dtype} with w {w.dtype}")
     return F.linear(x, w, bias)

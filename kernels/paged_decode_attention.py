@@ -12,11 +12,12 @@ Worked example (block_size 2, one head, D = 1, scale 1): block_tables[0] = [3, 1
 tokens live in slots 6, 7, 2. With k_cache[6, 7, 2] = [0, 0, 0] the scores are equal, so out is the
 mean of v_cache[6], v_cache[7], v_cache[2].
 
-Dispatch: fp32 CPU tensors -> the C++ kernel, which reads K/V rows in place (no gather copy, no
+Dispatch: fp32 or bf16 CPU tensors -> the C++ kernel, which reads K/V rows in place (no gather copy, no
 transposes), shares each K/V row among the H/G query heads of its group, and splits long contexts
 across both cores (flash-decoding partial softmaxes, merged exactly). CUDA tensors -> the Triton
 kernel (kernels/triton_ops/paged_decode_attention.py) if triton is installed. Anything else ->
-`paged_decode_attention_ref` (gather + softmax in torch), counted as a fallback.
+`paged_decode_attention_ref` (gather + softmax in torch), counted as a fallback. bf16 q and cache:
+scores, softmax and sums in fp32 (as the reference), each output row rounded to bf16 once.
 
 Axes: B sequences, H query heads, G kv heads, D head dim, S cache slots (num_blocks * block_size).
 """
@@ -28,6 +29,7 @@ import torch
 from kernels import _build, _triton
 
 _F32 = torch.float32
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ kernel takes
 
 
 def paged_decode_attention_ref(
@@ -69,7 +71,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [B, H, D]: written in place when given
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # out [B, H, D] (, lse [B, H] fp32)
-    if q.is_cpu and q.dtype is _F32:
+    if q.is_cpu and q.dtype in _KERNEL_DTYPES:
         ext = _build.ext()
         if ext is not None:
             if not return_lse:
@@ -85,7 +87,7 @@ def paged_decode_attention(
     else:
         _build.note_fallback("paged_decode_attention", _build.no_kernel_reason(q))
     res = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, return_lse)
-    o = res[0] if return_lse else res
+    o = res[0] if isinstance(res, tuple) else res  # a tuple exactly when return_lse
     if out is not None:
         o = out.copy_(o)
     return (o, res[1]) if return_lse else o

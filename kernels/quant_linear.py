@@ -4,9 +4,10 @@ Batch-1 decode reads every weight once per token, so bytes per weight bound its 
 ~5/32 of fp32's bytes (4-bit codes + fp16 scale and min per 32 weights). The C++ kernel
 (kernels/csrc/quant_linear.cpp) also quantizes x per block of 32 to int8 on the fly (as llama.cpp
 does for its Q8 activations), so each block's dot product is an exact integer sum, done 64 products
-per AVX-512 VNNI instruction; one kernel serves every T (rows of W are streamed once per call;
-tokens go 8 at a time over a 16-row tile held in cache), from batch-1 decode to a 512-token
-prefill. (int8 weights are weight-only, x stays fp32: kernels/int8_linear.py.)
+per AVX-512 VNNI instruction (AVX2 integer code on CPUs without VNNI, AVX-512 ones included); one
+kernel serves every T (rows of W are streamed once per call; tokens go 4 at a time over a pair of
+16-row tiles held in cache), from batch-1 decode to a 512-token prefill. int8 weights share the
+kernel and the activation quantization (kernels/int8_linear.py).
 
 References:
     ``q4_linear_ref`` computes exactly what the kernel computes (same activation quantization,
@@ -80,7 +81,7 @@ def q4_linear(
         ext = _build.ext()
         if ext is not None:  # the binding flattens leading dims
             return ext.q4_linear(x, qweight, d, m, bias, x.shape[-1])
-        K, out_shape = x.shape[-1], (*x.shape[:-1], qweight.shape[0])
+        out_shape = (*x.shape[:-1], qweight.shape[0])
         _build.note_ref_path("q4_linear")
         return q4_linear_ref(_rows(x), qweight, d, m, bias).view(out_shape)
     if x.is_cuda and _triton.triton_available():

@@ -9,8 +9,8 @@ slot is >= 0 (a negative slot marks a padding token: rotated, not written).
 Worked example (D = 2, cos = 0, sin = 1, i.e. a quarter turn): x = [1, 2] -> [1*0 - 2*1, 2*0 + 1*1]
 = [-2, 1].
 
-Dispatch: fp32 CPU tensors -> the C++ kernel (separate multiplies like the reference, so the results
-are bit-identical); anything else -> `rotary_and_cache_write_ref`, counted as a fallback. CUDA
+Dispatch: fp32 or bf16 CPU tensors -> the C++ kernel (separate multiplies like the reference, so the results
+are bit-identical, in bf16 too: each product and sum rounded to bf16 as torch rounds them); anything else -> `rotary_and_cache_write_ref`, counted as a fallback. CUDA
 tensors -> the Triton kernel (kernels/triton_ops/rotary_and_cache_write.py) if triton is installed.
 
 Axes: T tokens, H query heads, G kv heads, D head dim, S cache slots.
@@ -23,6 +23,7 @@ import torch
 from kernels import _build, _triton
 
 _F32 = torch.float32
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ kernel takes
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -59,7 +60,7 @@ def rotary_and_cache_write(
     v_cache: torch.Tensor,  # [S, G, D]
     slot_mapping: torch.Tensor,  # [T] int32/int64, -1 = do not write
 ) -> None:
-    if q.is_cpu and q.dtype is _F32:
+    if q.is_cpu and q.dtype in _KERNEL_DTYPES:
         ext = _build.ext()
         if ext is not None:
             ext.rotary_and_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)

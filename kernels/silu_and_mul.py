@@ -3,10 +3,11 @@
 silu(g) = g * sigmoid(g) = g / (1 + exp(-g)). Worked example (I = 1): x = [[0, 5]] -> silu(0) * 5 = 0;
 x = [[2, 1]] -> 2 / (1 + e^-2) = 1.7616.
 
-Dispatch: fp32 CPU tensors -> the C++ kernel (one pass, vector exp accurate to a few ulp; torch needs
+Dispatch: fp32 or bf16 CPU tensors -> the C++ kernel (one pass, vector exp accurate to a few ulp; torch needs
 a chunk, a silu and a mul, each a dispatch and a temporary); anything else -> `silu_and_mul_ref`,
 counted as a fallback. CUDA tensors -> the Triton kernel (kernels/triton_ops/silu_and_mul.py) if
-triton is installed, else the reference (counted as a fallback).
+triton is installed, else the reference (counted as a fallback). bf16: bf16(bf16(silu(gate)) * up),
+like the reference's bf16 ops.
 
 Axes: T tokens (any leading dims are accepted), I intermediate size.
 """
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from kernels import _build, _triton
 
 _F32 = torch.float32
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ kernel takes
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
@@ -27,7 +29,7 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    if x.is_cpu and x.dtype is _F32:
+    if x.is_cpu and x.dtype in _KERNEL_DTYPES:
         ext = _build.ext()
         if ext is not None:
             return ext.silu_and_mul(x)

@@ -25,7 +25,7 @@ Worked example (tree): a prefix of P = 3 tokens and 4 draft tokens, a root "a" (
 prefix positions and new tokens {0, 2, 3}, i.e. cache positions 0, 1, 2, 3, 5, 6; token 1 ("b")
 sees 0, 1, 2, 3, 4.
 
-Dispatch: fp32 CPU tensors -> the C++ kernel (varlen_attention.cpp: per kv head, a block of up to 16
+Dispatch: fp32 or bf16 CPU tensors -> the C++ kernel (varlen_attention.cpp: per kv head, a block of up to 16
 queries x H/G heads shares every K/V run loaded; online softmax over 128-key chunks; long contexts
 split across threads and merged exactly when there are few query blocks). CUDA tensors -> the
 Triton kernel (kernels/triton_ops/varlen_paged_attention.py) if triton is installed. Anything else
@@ -41,6 +41,7 @@ import torch
 from kernels import _build, _triton
 
 _F32 = torch.float32
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ kernel takes
 
 
 def tree_visibility(parents: list[int] | torch.Tensor) -> torch.Tensor:
@@ -65,7 +66,7 @@ def varlen_kernel_available(q: torch.Tensor) -> bool:
     """True if `varlen_paged_attention` would run a kernel (C++ or Triton) on tensors like q rather
     than its reference: callers with a faster plain path of their own (SDPA) pick by this."""
     if q.is_cpu:
-        return q.dtype is _F32 and _build.ext() is not None
+        return q.dtype in _KERNEL_DTYPES and _build.ext() is not None
     return q.is_cuda and _triton.triton_available()
 
 
@@ -125,7 +126,7 @@ def varlen_paged_attention(
     out: torch.Tensor | None = None,  # [T, H, D]: written in place when given
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # out [T, H, D] (, lse [T, H] fp32)
-    if q.is_cpu and q.dtype is _F32:
+    if q.is_cpu and q.dtype in _KERNEL_DTYPES:
         ext = _build.ext()
         if ext is not None:
             o, lse = ext.varlen_paged_attention(
@@ -144,7 +145,7 @@ def varlen_paged_attention(
     res = varlen_paged_attention_ref(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, block_size, scale, tree_parents, return_lse
     )
-    o = res[0] if return_lse else res
+    o = res[0] if isinstance(res, tuple) else res  # a tuple exactly when return_lse
     if out is not None:
         o = out.copy_(o)
     return (o, res[1]) if return_lse else o

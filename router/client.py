@@ -31,8 +31,21 @@ raises DuetError with the gRPC status code and the server's message (which names
 Retries: RESOURCE_EXHAUSTED (the router's admission queue is full) and UNAVAILABLE (no healthy
 worker, or the router is restarting) *before the first token* are retried by gRPC itself with
 exponential backoff, ``retries=3`` times by default (``retry_options``; ``retries=0`` turns it off).
-Once tokens have streamed, an error is the caller's to handle (the router already resumes a
-request whose worker died mid-stream).
+
+Several routers (``target`` a list, e.g. every router of ``duet serve --routers 3``): when the
+router carrying a stream dies or drains mid-stream (UNAVAILABLE or CANCELLED from the server), the
+client sends the same request to the next router with ``resume`` = the token ids and the text it
+already received (duet.v1.ResumeFrom), up to ``max_resumes`` times; the stream goes on at the exact
+token index, without a gap or a repeat, and under greedy sampling or a seed with the same tokens an
+unbroken stream gets (the router continues from prompt + those tokens; the worker's seeded generator
+skips the draws already made). Before the first token a dead router's request simply goes to the
+next one. A router that drains (SIGTERM) hands its remaining streams off the same way, marked so
+(trailing metadata ``duet-handoff``) that the client resumes them even with one target: behind a
+Kubernetes Service the next connection reaches another router. Requests with ``n`` > 1 are not
+resumed mid-stream (their error reaches the caller)::
+
+    async with DuetClient(["10.0.0.3:50051", "10.0.0.4:50051"]) as client: ...
+    text = generate_text("Hi", target=["localhost:50051", "localhost:50052"], seed=7, temperature=0.8)
 
 A router with TLS, mTLS or bearer tokens (router/security.py)::
 
@@ -48,6 +61,8 @@ grpcio, grpcio-health-checking and protobuf only).
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +77,16 @@ from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from workers.structured.convert import spec_to_proto
 from workers.structured.spec import StructuredOutput
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_TARGET = "localhost:50051"
+DEFAULT_MAX_RESUMES = 3
+# What a stream ends with when its router (not the request) failed: resume it on another router.
+ROUTER_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+# Trailing metadata of a stream its draining router handed off (router/server.py): resume it even
+# with one target (behind a Service, the next connection reaches another router).
+HANDOFF_METADATA_KEY = "duet-handoff"
+Targets = str | Sequence[str]
 FINISH_REASONS = {duet_pb2.FINISH_REASON_STOP: "stop", duet_pb2.FINISH_REASON_LENGTH: "length",
                   duet_pb2.FINISH_REASON_ABORT: "abort"}
 
@@ -77,7 +101,7 @@ class DuetError(Exception):
 
     @classmethod
     def from_rpc(cls, e: grpc.RpcError) -> DuetError:
-        return cls(e.code(), e.details() or "")  # type: ignore[attr-defined]
+        return cls(e.code(), e.details() or "")
 
 
 @dataclass(frozen=True)
@@ -181,6 +205,64 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
     return request
 
 
+def resume_request(request: duet_pb2.GenerateRequest, request_id: str, token_ids: Sequence[int],
+                   text_chars: int) -> duet_pb2.GenerateRequest:
+    """``request`` again, to continue on another router after ``token_ids`` (and ``text_chars``
+    characters of their text) were received; without tokens, the request as it was."""
+    again = duet_pb2.GenerateRequest()
+    again.CopyFrom(request)
+    again.request_id = request.request_id or request_id
+    if token_ids:
+        again.resume.token_ids.extend(token_ids)
+        again.resume.text_chars = text_chars
+    return again
+
+
+class _Resumption:
+    """One request's progress across routers: what was received, and whether a failure may move on."""
+
+    def __init__(self, request: duet_pb2.GenerateRequest, targets: Sequence[str], max_resumes: int,
+                 timeout: float | None) -> None:
+        self.request = request
+        self.targets = list(targets)
+        self.max_resumes = max_resumes
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.token_ids: list[int] = []
+        self.text_chars = 0
+        self.request_id = ""
+        self.moves = 0
+
+    def received(self, chunk: Chunk) -> None:
+        self.token_ids.extend(chunk.token_ids)
+        self.text_chars += len(chunk.text)
+        self.request_id = self.request_id or chunk.request_id
+
+    def remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def next_request(self, index: int, e: grpc.RpcError) -> duet_pb2.GenerateRequest | None:
+        """The request to send to router ``index + 1`` after ``e`` on router ``index``, or None (raise)."""
+        code = e.code()
+        trailers = e.trailing_metadata() or ()
+        handed_off = any(k == HANDOFF_METADATA_KEY for k, _ in trailers)
+        if ((len(self.targets) < 2 and not handed_off) or code not in ROUTER_FAILURES or self.moves >= self.max_resumes
+                or (self.token_ids and self.request.n > 1) or self.remaining() == 0.0):
+            return None
+        self.moves += 1
+        nxt = self.targets[(index + 1) % len(self.targets)]
+        logger.warning("request %s: router %s failed after %d tokens (%s: %s); resuming on %s (%d/%d)",
+                       self.request_id or "?", self.targets[index], len(self.token_ids), code.name,
+                       e.details(), nxt, self.moves, self.max_resumes)
+        return resume_request(self.request, self.request_id, self.token_ids, self.text_chars)
+
+
+def _targets(target: Targets) -> list[str]:
+    targets = [target] if isinstance(target, str) else list(target)
+    if not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ValueError(f"target={target!r}: give a router's host:port or a list of them")
+    return targets
+
+
 def collect(chunks: Iterable[Chunk]) -> Completion:
     """Join the streamed chunks of a single-choice request into one Completion (ValueError when they
     belong to several choices: use ``collect_choices``)."""
@@ -266,39 +348,61 @@ def open_channel(target: str, *, tls: ClientTLS | None = None, options: Sequence
 
 
 class DuetClient:
-    """Async client; one HTTP/2 channel, opened on first use (inside the running event loop).
-    tls: connect with TLS (see ClientTLS); token: sent as 'authorization: Bearer <token>';
-    retries: RESOURCE_EXHAUSTED / UNAVAILABLE before the first token are retried this many times
-    with backoff (``retry_options``; 0 = off)."""
+    """Async client; one HTTP/2 channel per router, opened on first use (inside the running event
+    loop). target: a router's host:port, or several routers' (a stream whose router fails resumes on
+    the next one, up to ``max_resumes`` times: module docstring). tls: connect with TLS (see
+    ClientTLS); token: sent as 'authorization: Bearer <token>'; retries: RESOURCE_EXHAUSTED /
+    UNAVAILABLE before the first token are retried this many times with backoff on the same router
+    (``retry_options``; 0 = off)."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, options: Sequence[tuple[str, Any]] = (),
-                 tls: ClientTLS | None = None, token: str | None = None, retries: int = DEFAULT_RETRIES) -> None:
-        self.target = target
+    def __init__(self, target: Targets = DEFAULT_TARGET, *, options: Sequence[tuple[str, Any]] = (),
+                 tls: ClientTLS | None = None, token: str | None = None, retries: int = DEFAULT_RETRIES,
+                 max_resumes: int = DEFAULT_MAX_RESUMES) -> None:
+        self.targets = _targets(target)
+        self.target = self.targets[0]
+        self.max_resumes = max_resumes
         self._options = list(options)
         self._retries = retries
         retry_options(retries)  # validate now, not on first use
         self._tls = tls
         self._metadata = auth_metadata(token)
-        self._channel: grpc.aio.Channel | None = None
+        self._channels: dict[int, grpc.aio.Channel] = {}
+        self._next = 0  # the router new requests go to first (advanced past one that failed)
 
-    def _stub(self) -> duet_pb2_grpc.DuetStub:
-        if self._channel is None:
-            self._channel = open_channel(self.target, tls=self._tls, options=self._options, retries=self._retries)
-        return duet_pb2_grpc.DuetStub(self._channel)
+    @property
+    def _channel(self) -> grpc.aio.Channel | None:
+        return self._channels.get(0)
+
+    def _stub(self, index: int = 0) -> duet_pb2_grpc.DuetStub:
+        if index not in self._channels:
+            self._channels[index] = open_channel(self.targets[index], tls=self._tls, options=self._options,
+                                                 retries=self._retries)
+        return duet_pb2_grpc.DuetStub(self._channels[index])
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                        **kwargs: Any) -> AsyncIterator[Chunk]:
         """Stream chunks (see the module docstring for the arguments). Closing the iterator cancels
         the request on the server; to stop early, wrap it in ``contextlib.aclosing(...)`` and
         ``break`` (a bare ``break`` cancels only once the generator is garbage-collected)."""
-        call = self._stub().Generate(build_request(prompt, **kwargs), timeout=timeout, metadata=self._metadata)
-        try:
-            async for response in call:
-                yield Chunk.from_proto(response)
-        except grpc.aio.AioRpcError as e:
-            raise DuetError.from_rpc(e) from None
-        finally:
-            call.cancel()  # no-op when the call already finished
+        request = build_request(prompt, **kwargs)
+        progress = _Resumption(request, self.targets, self.max_resumes, timeout)
+        index = self._next
+        while True:
+            call = self._stub(index).Generate(request, timeout=progress.remaining(), metadata=self._metadata)
+            try:
+                async for response in call:
+                    chunk = Chunk.from_proto(response)
+                    progress.received(chunk)
+                    yield chunk
+                return
+            except grpc.aio.AioRpcError as e:
+                again = progress.next_request(index, e)
+                if again is None:
+                    raise DuetError.from_rpc(e) from None
+                request, index = again, (index + 1) % len(self.targets)
+                self._next = index
+            finally:
+                call.cancel()  # no-op when the call already finished
 
     async def complete(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Completion:
         return collect([c async for c in self.generate(prompt, timeout=timeout, **kwargs)])
@@ -322,9 +426,9 @@ class DuetClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
 
     async def __aenter__(self) -> DuetClient:
         return self
@@ -333,31 +437,43 @@ class DuetClient:
         await self.close()
 
 
-def stream(prompt: str | None = None, *, target: str = DEFAULT_TARGET, timeout: float | None = None,
+def stream(prompt: str | None = None, *, target: Targets = DEFAULT_TARGET, timeout: float | None = None,
            tls: ClientTLS | None = None, token: str | None = None, retries: int = DEFAULT_RETRIES,
-           **kwargs: Any) -> Iterator[Chunk]:
+           max_resumes: int = DEFAULT_MAX_RESUMES, **kwargs: Any) -> Iterator[Chunk]:
     """Sync streaming (works inside a running event loop too: it uses the blocking gRPC API).
-    Closing the iterator early cancels the request."""
+    Closing the iterator early cancels the request. target: one router or several (a stream whose
+    router fails resumes on the next: module docstring)."""
+    targets = _targets(target)
     request = build_request(prompt, **kwargs)
-    with open_channel(target, tls=tls, aio=False, retries=retries) as channel:
-        call = duet_pb2_grpc.DuetStub(channel).Generate(request, timeout=timeout, metadata=auth_metadata(token))
-        try:
-            for response in call:
-                yield Chunk.from_proto(response)
-        except grpc.RpcError as e:
-            raise DuetError.from_rpc(e) from None
-        finally:
-            call.cancel()
+    progress = _Resumption(request, targets, max_resumes, timeout)
+    index = 0
+    while True:
+        with open_channel(targets[index], tls=tls, aio=False, retries=retries) as channel:
+            call = duet_pb2_grpc.DuetStub(channel).Generate(request, timeout=progress.remaining(),
+                                                            metadata=auth_metadata(token))
+            try:
+                for response in call:
+                    chunk = Chunk.from_proto(response)
+                    progress.received(chunk)
+                    yield chunk
+                return
+            except grpc.RpcError as e:
+                again = progress.next_request(index, e)
+                if again is None:
+                    raise DuetError.from_rpc(e) from None
+                request, index = again, (index + 1) % len(targets)
+            finally:
+                call.cancel()
 
 
-def complete(prompt: str | None = None, *, target: str = DEFAULT_TARGET, timeout: float | None = None,
+def complete(prompt: str | None = None, *, target: Targets = DEFAULT_TARGET, timeout: float | None = None,
              tls: ClientTLS | None = None, token: str | None = None, retries: int = DEFAULT_RETRIES,
              **kwargs: Any) -> Completion:
     """Sync: the whole completion (text, token ids, finish reason, usage)."""
     return collect(stream(prompt, target=target, timeout=timeout, tls=tls, token=token, retries=retries, **kwargs))
 
 
-def generate_text(prompt: str | None = None, *, target: str = DEFAULT_TARGET, timeout: float | None = None,
+def generate_text(prompt: str | None = None, *, target: Targets = DEFAULT_TARGET, timeout: float | None = None,
                   tls: ClientTLS | None = None, token: str | None = None, retries: int = DEFAULT_RETRIES,
                   **kwargs: Any) -> str:
     """Sync: just the completion text."""

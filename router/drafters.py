@@ -79,9 +79,8 @@ class DrafterDirectory:
             if m is None or m.endpoint != d.endpoint:
                 self._remove(d)
         for wid, m in wanted.items():
-            d = self._members.get(wid)
-            if d is None:
-                d = self._add(wid, m.endpoint, m.pool or "drafter")
+            found = self._members.get(wid)
+            d = found if found is not None else self._add(wid, m.endpoint, m.pool or "drafter")
             if m.draining and not d.draining:
                 logger.info("drafter %s is draining: no new requests draft there", wid)
             d.draining = d.draining or m.draining

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Protocol
 
 from protos.duet.v1 import duet_pb2
@@ -37,7 +37,7 @@ _SEED_MOD = 2**63
 
 class Generator(Protocol):
     def generate(self, request: duet_pb2.GenerateRequest, *,
-                 deadline: float | None = None) -> AsyncIterator[duet_pb2.GenerateResponse]: ...
+                 deadline: float | None = None) -> AsyncGenerator[duet_pb2.GenerateResponse, None]: ...
 
 
 class _Done:
@@ -65,11 +65,13 @@ class FanOut:
         self.max_n = max_n
 
     async def generate(self, request: duet_pb2.GenerateRequest, *,
-                       deadline: float | None = None) -> AsyncIterator[duet_pb2.GenerateResponse]:
+                       deadline: float | None = None) -> AsyncGenerator[duet_pb2.GenerateResponse, None]:
         """Stream every choice's messages (``index`` set). Raises RequestError like Pipeline.generate."""
         n = request.n or 1
         if n > self.max_n:
             raise invalid("n", f"must be in 1..{self.max_n} (0 = 1), got {n}")
+        if n > 1 and request.HasField("resume"):
+            raise invalid("resume", "a request with n > 1 cannot be resumed; resend it whole")
         if n == 1:
             async for response in self.pipeline.generate(request, deadline=deadline):
                 yield response
@@ -105,5 +107,5 @@ class FanOut:
             queue.put_nowait(_Done(index))
         except asyncio.CancelledError:
             raise
-        except BaseException as e:  # RequestError (or a bug): the consumer re-raises it
+        except BaseException as e:  # noqa: BLE001 - RequestError (or a bug): the consumer re-raises it
             queue.put_nowait(e)

@@ -28,7 +28,7 @@ def check(target: str, service: str = "", *, tls: ClientTLS | None = None, timeo
             r = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                            timeout=timeout)
         except grpc.RpcError as e:
-            return e.code().name  # type: ignore[attr-defined]
+            return e.code().name
     return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
 
 

@@ -53,7 +53,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -102,7 +102,7 @@ class Pipeline:
         self.hold = hold or WorkerHold(worker_wait_s=config.worker_wait_s, wake_timeout_s=config.wake_timeout_s)
 
     async def generate(self, request: duet_pb2.GenerateRequest, *,
-                       deadline: float | None = None) -> AsyncIterator[duet_pb2.GenerateResponse]:
+                       deadline: float | None = None) -> AsyncGenerator[duet_pb2.GenerateResponse, None]:
         """Stream the completion of ``request``; ``deadline`` is a time.monotonic() instant.
         Raises RequestError (status code + message) for anything the client should see."""
         self.counts["requests"] += 1
@@ -125,10 +125,15 @@ class Pipeline:
         return prepare_request(request, self.model, self.config)
 
     async def _route_and_stream(self, prep: PreparedRequest, deadline: float | None,
-                                received: float) -> AsyncIterator[duet_pb2.GenerateResponse]:
+                                received: float) -> AsyncGenerator[duet_pb2.GenerateResponse, None]:
         """The attempt loop: route, stream one attempt, decide from its outcome; repeat."""
         progress = Progress(IncrementalDetokenizer(self.model.tokenizer, prep.prompt_token_ids, stop=prep.stop),
                             RequestClock(received))
+        if prep.resume_token_ids:
+            self.counts["client_resumes"] += 1
+            progress.resume_from(prep.resume_token_ids, prep.resume_text_chars)
+            logger.info("request %s: resumed by its client after %d tokens (%d characters received)",
+                        prep.request_id, len(prep.resume_token_ids), prep.resume_text_chars)
         budget = AttemptBudget.from_config(self.config)
         while True:
             streamed = len(progress.token_ids)
@@ -174,14 +179,14 @@ class Pipeline:
         return Route(decode_id=migration.target_id)
 
     async def _attempt(self, prep: PreparedRequest, chosen: Route, route: RouteRequest, deadline: float | None,
-                       progress: Progress, migration_id: str = "") -> AsyncIterator[duet_pb2.GenerateResponse | AttemptOutcome]:
+                       progress: Progress, migration_id: str = "") -> AsyncGenerator[duet_pb2.GenerateResponse | AttemptOutcome, None]:
         """One attempt on ``chosen`` between its leases; reports a worker its outcome blames."""
         lease = self.directory.begin(chosen.decode_id, route)
         prefill = self.directory.begin(chosen.prefill_id, route) if chosen.prefill_id else None
         drafter = self.drafters.begin(route, lease.state, prep.speculative)
         try:
             async with aclosing(stream_attempt(prep, lease, prefill, progress, deadline, self.metrics,
-                                               chosen.pull, migration_id, drafter and drafter.ref)) as events:
+                                               chosen.pull, migration_id, drafter.ref if drafter is not None else None)) as events:
                 async for event in events:
                     if isinstance(event, AttemptOutcome):
                         self._observe(event, lease if not event.prefill_failed else prefill)

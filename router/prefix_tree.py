@@ -65,9 +65,10 @@ class PrefixTree:
         matched: dict[str, int] = {}
         node = self._root
         for depth, h in enumerate(hashes, 1):
-            node = node.children.get(h)
-            if node is None:
+            child = node.children.get(h)
+            if child is None:
                 break
+            node = child
             for w in node.workers:  # holders of a node also hold all its ancestors
                 matched[w] = depth
         return matched
@@ -127,6 +128,7 @@ class PrefixTree:
         if not node.workers:
             # Nobody holds it, so nobody holds a descendant: it is a leaf.
             assert not node.children, "prefix invariant broken: an unheld node has children"
+            assert node.parent is not None, "the root is never held, so never dropped"
             del node.parent.children[node.key]
             self._num_nodes -= 1
         if worker_id in self._lru and not self._lru[worker_id]:

@@ -122,6 +122,9 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     sampling: worker_pb2.SamplingParams
     stop: tuple[str, ...]
+    # GenerateRequest.resume: tokens (and text, in code points) the client already received
+    resume_token_ids: tuple[int, ...] = ()
+    resume_text_chars: int = 0
 
     def submit_request(self) -> worker_pb2.SubmitRequest:
         return worker_pb2.SubmitRequest(request_id=self.internal_id, prompt_token_ids=self.prompt_token_ids,
@@ -151,7 +154,29 @@ def prepare_request(request: duet_pb2.GenerateRequest, model: ServedModel, confi
                              f"(context {model.max_model_len} = prompt + at least 1 generated token)")
     sampling, stop = _sampling(request.sampling, model, config, len(ids))
     internal_id = uuid.uuid4().hex
-    return PreparedRequest(request.request_id or internal_id, internal_id, ids, sampling, stop)
+    resumed = _resume_ids(request, model, sampling, len(ids))
+    return PreparedRequest(request.request_id or internal_id, internal_id, ids, sampling, stop,
+                           resumed, request.resume.text_chars if resumed else 0)
+
+
+def _resume_ids(request: duet_pb2.GenerateRequest, model: ServedModel, sampling: worker_pb2.SamplingParams,
+                num_prompt: int) -> tuple[int, ...]:
+    """GenerateRequest.resume's token ids, checked against the request they continue."""
+    if not request.HasField("resume"):
+        return ()
+    ids = list(request.resume.token_ids)
+    if not ids:
+        raise invalid("resume.token_ids", "must hold the token ids already received (at least one)")
+    if request.n > 1:
+        raise invalid("resume", "a request with n > 1 cannot be resumed; resend it whole")
+    _check_vocab("resume.token_ids", ids, model.vocab_size)
+    if len(ids) >= sampling.max_tokens:
+        raise invalid("resume.token_ids", f"{len(ids)} tokens received: nothing is left of max_tokens "
+                                          f"{sampling.max_tokens}")
+    if num_prompt + len(ids) >= model.max_model_len:
+        raise invalid("resume.token_ids", f"prompt {num_prompt} + {len(ids)} received tokens reach the context "
+                                          f"limit {model.max_model_len}")
+    return tuple(ids)
 
 
 def _prompt_ids(request: duet_pb2.GenerateRequest, model: ServedModel) -> tuple[str, list[int]]:
@@ -186,7 +211,7 @@ def _chat_ids(messages: Any, tok: Any) -> list[int]:
     conversation = [{"role": m.role, "content": m.content} for m in messages]
     try:
         text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-    except Exception as e:  # jinja2 raise_exception() in a template: the conversation is malformed
+    except Exception as e:  # noqa: BLE001 - jinja2 raise_exception() in a template: the conversation is malformed
         raise invalid("messages", f"the chat template rejected the conversation: {e}") from None
     # The template already wrote any BOS/special tokens as text, so add none here.
     return list(tok.encode(text, add_special_tokens=False))
@@ -243,6 +268,7 @@ def _structured(p: duet_pb2.SamplingParams, model: ServedModel) -> worker_pb2.St
             if p.ignore_eos:
                 raise InvalidRequestError("ignore_eos", "cannot be combined with structured output (EOS ends "
                                                         "the output where the grammar is complete)")
+            assert model.grammars is not None  # set in ServedModel.__post_init__
             model.grammars.compile(spec)
     except InvalidRequestError as e:
         raise invalid(f"sampling.{e.field}", str(e)[len(e.field) + 2:]) from None

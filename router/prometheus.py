@@ -108,6 +108,8 @@ WORKER_GAUGES = (
     ("kv_blocks_total", "kv_blocks_total", "KV blocks of the worker's cache"),
     ("kv_blocks_cached", "kv_blocks_cached", "KV blocks holding a prefix-cache entry"),
     ("draining", "draining", "1 while the worker drains (takes no new requests, migrates its running ones)"),
+    ("tier_host_bytes", "kv_tier_host_bytes", "KV bytes held in the worker's host-memory tier"),
+    ("tier_disk_bytes", "kv_tier_disk_bytes", "KV bytes held in the worker's local-disk tier"),
 )
 WORKER_COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries", "prompt blocks looked up in the prefix cache"),
@@ -130,6 +132,20 @@ WORKER_COUNTERS = (
     ("prefix_pull_bytes", "prefix_pull_bytes", "KV bytes pulled for prompt prefixes"),
     ("prefix_pull_failures", "prefix_pull_failures", "prefix pulls that failed (the prompt was computed instead)"),
     ("prefix_pulls_served", "prefix_pulls_served", "prefix pulls this worker served as the holder"),
+    # lower KV tiers (workers/engine/kv_tiers.py); all 0 when cache.host_tier_bytes is 0
+    ("tier_host_hits", "kv_tier_host_hits", "KV blocks loaded back into the device from the host tier"),
+    ("tier_disk_hits", "kv_tier_disk_hits", "KV blocks read back from the disk tier into host"),
+    ("tier_bytes_to_host", "kv_tier_to_host_bytes", "KV bytes evicted from the device into the host tier"),
+    ("tier_bytes_to_disk", "kv_tier_to_disk_bytes", "KV bytes spilled from the host tier to disk"),
+    ("tier_bytes_loaded", "kv_tier_loaded_bytes", "KV bytes loaded from the host tier into the device"),
+    ("tier_host_evictions", "kv_tier_host_evictions", "KV blocks evicted out of the host tier (to disk or dropped)"),
+    ("tier_disk_evictions", "kv_tier_disk_evictions", "KV blocks evicted out of the disk tier (deleted)"),
+    ("tier_refused_corrupt", "kv_tier_refused_corrupt", "tier KV blocks refused for a checksum, size or digest "
+     "mismatch (recomputed)"),
+    ("tier_refused_foreign", "kv_tier_refused_foreign", "tier KV blocks refused as another model's (recomputed)"),
+    ("tier_deadline_misses", "kv_tier_deadline_misses", "requests whose disk KV reads missed the deadline "
+     "(recomputed)"),
+    ("tier_load_seconds", "kv_tier_load_seconds", "seconds spent loading tier KV blocks into the device"),
 )
 # ---- speculative decoding (workers/engine/speculator.py) -----------------------------------
 # acceptance rate = rate(duet_worker_spec_accepted_tokens_total) / rate(..._spec_draft_tokens_total);
@@ -203,17 +219,17 @@ class WorkerLoadCollector:
                 family.add_metric([pool, worker_id], getattr(r, field))
             yield family
         for field, name, help_ in WORKER_COUNTERS + SPEC_DECODE_COUNTERS:
-            family = CounterMetricFamily(f"duet_worker_{name}", help_, labels=labels)
+            counter = CounterMetricFamily(f"duet_worker_{name}", help_, labels=labels)
             for worker_id, pool, r in reports:
-                family.add_metric([pool, worker_id], getattr(r, field))
-            yield family
+                counter.add_metric([pool, worker_id], getattr(r, field))
+            yield counter
         for field, label in (("expert_tokens", "expert"), ("ep_rank_tokens", "rank")):
-            family = CounterMetricFamily(f"duet_worker_{field}", f"MoE: {field.replace('_', ' ')} per {label}",
-                                         labels=[*labels, label])
+            counter = CounterMetricFamily(f"duet_worker_{field}", f"MoE: {field.replace('_', ' ')} per {label}",
+                                          labels=[*labels, label])
             for worker_id, pool, r in reports:
                 for i, value in enumerate(getattr(r, field)):
-                    family.add_metric([pool, worker_id, str(i)], value)
-            yield family
+                    counter.add_metric([pool, worker_id, str(i)], value)
+            yield counter
 
     @staticmethod
     def _per_pool(reports: list[tuple[str, str, Any]]) -> Iterator[Metric]:

@@ -126,7 +126,7 @@ def _plan_pool(members: list[WorkerLoad], s: RebalanceSettings, state: Rebalance
     if best is None:
         return None
     reason = (f"KV usage {hot.usage:.0%} vs {cool.usage:.0%}" if gap > s.kv_gap else
-              f"TPOT {hot.tpot_s * 1e3:.1f} ms vs {cool.tpot_s * 1e3:.1f} ms")
+              f"TPOT {(hot.tpot_s or 0.0) * 1e3:.1f} ms vs {(cool.tpot_s or 0.0) * 1e3:.1f} ms")  # slow: both set
     return Move(best[1], hot.worker_id, cool.worker_id, reason)
 
 

@@ -39,11 +39,12 @@ import argparse
 import asyncio
 import functools
 import contextlib
+from contextlib import aclosing
 import logging
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -60,6 +61,7 @@ from router.membership import MembershipWatcher, wake_pools
 from router.fanout import FanOut
 from router.pipeline import Pipeline
 from router.policies import make_policy
+from router.prefix_index import PrefixIndex
 from router.preprocess import RequestError, ServedModel
 from router.prometheus import metrics_registry
 from router.rebalancer import RebalanceSettings, Rebalancer
@@ -74,7 +76,7 @@ logger = logging.getLogger(__name__)
 
 DUET_SERVICE = duet_pb2.DESCRIPTOR.services_by_name["Duet"].full_name  # "duet.v1.Duet"
 ADMIN_SERVICE = control_pb2.DESCRIPTOR.services_by_name["RouterAdmin"].full_name  # "duet.control.v1.RouterAdmin"
-Members = Iterable[tuple[str, ...]]  # (worker_id, endpoint) or (worker_id, endpoint, role)
+Members = Sequence[tuple[Any, ...]]  # (worker_id, endpoint), (worker_id, endpoint, role) or router.workers.MemberInfo
 
 
 class MalformedRequest:
@@ -114,31 +116,52 @@ def add_duet_service(servicer: DuetServicer, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(DUET_SERVICE, handlers)
 
 
+# Trailing metadata of a stream a draining router hands off: "continue me on another router"
+# (router/client.py resumes it there with duet.v1.ResumeFrom, also when it knows this one router only:
+# behind a Service the next connection reaches another).
+HANDOFF_METADATA_KEY = "duet-handoff"
+
+
 class DuetServicer(duet_pb2_grpc.DuetServicer):
     def __init__(self, pipeline: Pipeline, max_n: int = 1) -> None:
         self.pipeline = pipeline
         self.fanout = FanOut(pipeline, max_n)  # GenerateRequest.n: router/fanout.py
+        self.handoff = asyncio.Event()  # set while draining: single-choice streams end at their next message
+        self.num_handed_off = 0
 
     async def Generate(self, request: duet_pb2.GenerateRequest | MalformedRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[duet_pb2.GenerateResponse]:
         if isinstance(request, MalformedRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
+            raise AssertionError("context.abort raises")
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
+        handed_off = False
         try:
-            async for response in self.fanout.generate(request, deadline=deadline):
-                yield response
+            async with aclosing(self.fanout.generate(request, deadline=deadline)) as stream:
+                async for response in stream:
+                    yield response
+                    if self.handoff.is_set() and (request.n or 1) == 1 and not response.HasField("finish_reason"):
+                        handed_off = True
+                        break  # closing the stream cancels the worker call
         except RequestError as e:
             logger.info("request %s: %s %s", request.request_id or "(unnamed)", e.code.name, e.message)
             await context.abort(e.code, e.message)
         except Exception:  # a router bug: log it whole, tell the client no more than INTERNAL
             logger.exception("request %s: internal router error", request.request_id or "(unnamed)")
             await context.abort(grpc.StatusCode.INTERNAL, "internal router error (see the router's log)")
+        if handed_off:
+            self.num_handed_off += 1
+            logger.info("request %s: handed off (the router is draining)", request.request_id or "(unnamed)")
+            context.set_trailing_metadata(((HANDOFF_METADATA_KEY, "1"),))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this router is draining: continue the stream on "
+                                "another router (duet.v1.ResumeFrom)")
 
     async def ListModels(self, request: duet_pb2.ListModelsRequest | MalformedRequest,
                          context: grpc.aio.ServicerContext) -> duet_pb2.ListModelsResponse:
         if isinstance(request, MalformedRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
+            raise AssertionError("context.abort raises")
         model = self.pipeline.model
         return duet_pb2.ListModelsResponse(models=[
             duet_pb2.ModelInfo(name=model.name, is_default=True, max_model_len=model.max_model_len)])
@@ -150,10 +173,14 @@ class RouterServer:
     def __init__(self, config: RouterConfig, model: ServedModel) -> None:
         self.config = config
         self.health = health.aio.HealthServicer()
+        # The workers' reported prefix-cache holdings: the directory's polls feed it, the policy reads it
+        # (router/prefix_index.py), so every router of a deployment routes on the same holdings.
+        self.prefix_index = PrefixIndex()
         self.directory = WorkerDirectory(
             poll_interval_s=config.load_poll_interval_s, poll_timeout_s=config.load_poll_timeout_s,
             failure_threshold=config.worker_failure_threshold,
-            stream_failure_cooldown_s=config.stream_failure_cooldown_s, on_health_change=self._on_health_change)
+            stream_failure_cooldown_s=config.stream_failure_cooldown_s, on_health_change=self._on_health_change,
+            prefix_index=self.prefix_index)
         self.metrics = RequestMetrics()  # per-pool histograms; router/prometheus.py exports them
         waker = None
         if config.membership_address is not None:  # a pool scaled to zero is woken by the controller
@@ -161,7 +188,8 @@ class RouterServer:
             waker = functools.partial(wake_pools, address, requester=f"router {config.address}")
         hold = WorkerHold(worker_wait_s=config.worker_wait_s, wake_timeout_s=config.wake_timeout_s, waker=waker,
                           on_wake_s=self.metrics.woke)
-        self.pipeline = Pipeline(config, model, self.directory, make_policy(config.policy, **config.policy_options),
+        policy = make_policy(config.policy, self.prefix_index, **config.policy_options)
+        self.pipeline = Pipeline(config, model, self.directory, policy,
                                  AdmissionController(config.max_in_flight, config.max_queue), self.metrics, hold)
         self.auth = BearerTokenInterceptor(TokenStore.load(config.auth_tokens_file)) if config.auth_tokens_file else None
         self._credentials = (server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
@@ -194,7 +222,8 @@ class RouterServer:
                 config.max_request_bytes)))
 
     async def _start(self, members: Members) -> None:
-        add_duet_service(DuetServicer(self.pipeline, self.config.max_n), self._server)
+        self.servicer = DuetServicer(self.pipeline, self.config.max_n)
+        add_duet_service(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         control_pb2_grpc.add_RouterAdminServicer_to_server(RouterAdminServicer(self.stats), self._server)
         reflection.enable_server_reflection([DUET_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME],
@@ -256,7 +285,7 @@ class RouterServer:
         """Make the worker pool exactly ``members``; returns once newcomers have been polled."""
         await self.directory.set_members(members)
 
-    async def _apply_members(self, members: list[tuple[str, str, str]], version: int) -> None:
+    async def _apply_members(self, members: Members, version: int) -> None:
         before = {w.worker_id for w in self.directory.snapshot()}
         await self.directory.set_members(members)
         self.membership_version = version
@@ -266,7 +295,7 @@ class RouterServer:
                         ", ".join(sorted(after - before)) or "-", ", ".join(sorted(before - after)) or "-")
 
     def stats(self) -> dict[str, Any]:
-        stats = {**self.pipeline.stats(), "membership_version": self.membership_version,
+        stats: dict[str, Any] = {**self.pipeline.stats(), "membership_version": self.membership_version,
                  "load_reports": self.directory.load_reports(),
                  "drafter_reports": self.directory.drafters.load_reports()}
         if self.rebalancer is not None:  # shown among the request outcome counters
@@ -276,8 +305,11 @@ class RouterServer:
         return stats
 
     async def stop(self, grace: float | None = None) -> None:
-        """NOT_SERVING at once, let in-flight streams finish for ``grace`` seconds
-        (default config.shutdown_grace_s), then cancel the rest and close worker channels."""
+        """Drain: NOT_SERVING and no new calls at once; in-flight streams get half of ``grace``
+        seconds (default config.shutdown_grace_s) to finish here; single-choice gRPC streams still
+        running then are handed off (they end with UNAVAILABLE and trailing metadata
+        ``duet-handoff``, and the Duet client resumes them on another router at the exact token
+        index); whatever is left at ``grace`` is cancelled; worker channels close."""
         if self._stopped:
             return
         self._stopped = True
@@ -288,9 +320,16 @@ class RouterServer:
             await self.membership.stop()
         grace = self.config.shutdown_grace_s if grace is None else grace
         stops = [self._server.stop(grace)] + ([self.http.stop(grace)] if self.http is not None else [])
+        handoff = asyncio.ensure_future(self._hand_off_after(grace / 2))
         await asyncio.gather(*stops)
+        handoff.cancel()
         await self.directory.close()
         logger.info("router on %s stopped", self.address)
+
+    async def _hand_off_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        logger.info("router on %s: handing off the streams still running to the other routers", self.address)
+        self.servicer.handoff.set()
 
     async def wait_for_termination(self) -> None:
         await self._server.wait_for_termination()

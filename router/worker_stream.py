@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -33,7 +33,7 @@ from protos.duet.v1 import duet_pb2
 from protos.duet.worker.v1 import worker_pb2
 from router.attempt import PASS_THROUGH, AttemptOutcome, OutcomeKind, outcome_from_status
 from router.policies.prefix_pull import PullSource
-from router.preprocess import PreparedRequest
+from router.preprocess import PreparedRequest, RequestError
 from router.request_metrics import RequestClock, RequestMetrics
 from router.workers import WorkerLease
 from workers.detokenizer import IncrementalDetokenizer  # the one sanctioned workers import (pure Python)
@@ -57,6 +57,23 @@ class Progress:
     clock: RequestClock
     token_ids: list[int] = field(default_factory=list)
 
+    def resume_from(self, token_ids: Sequence[int], text_chars: int) -> None:
+        """Continue a request a client resumes (GenerateRequest.resume): its tokens count as streamed,
+        and the detokenizer replays them so the next text continues right after the ``text_chars``
+        characters the client holds (held-back text included). RequestError when they cannot
+        come from this request."""
+        assert not self.token_ids, "resume_from on a request that already streamed"
+        for t in token_ids:
+            _, stopped = self.detok.add(t)
+            if stopped:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "resume.token_ids: the request already "
+                                   "ended at a stop string within the tokens received")
+        if text_chars > len(self.detok.text):
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"resume.text_chars: {text_chars} characters "
+                               f"received, but the {len(token_ids)} tokens decode to {len(self.detok.text)}")
+        self.detok.emitted = text_chars
+        self.token_ids.extend(token_ids)
+
     def submit_request(self, prep: PreparedRequest, migration_id: str = "") -> worker_pb2.SubmitRequest:
         """The worker request: the prepared one, or (resuming) prompt + streamed ids with the rest
         of max_tokens and min_tokens; the streamed ids still count as generated for the penalties
@@ -75,7 +92,7 @@ class Progress:
 async def stream_attempt(prep: PreparedRequest, lease: WorkerLease, prefill: WorkerLease | None,
                          progress: Progress, deadline: float | None,
                          metrics: RequestMetrics, pull: PullSource | None = None,
-                         migration_id: str = "", drafter: worker_pb2.DrafterRef | None = None) -> AsyncIterator[AttemptEvent]:
+                         migration_id: str = "", drafter: worker_pb2.DrafterRef | None = None) -> AsyncGenerator[AttemptEvent, None]:
     """Yield the client's GenerateResponses of one attempt, then exactly one AttemptOutcome (the
     last event; a FINISHED one carries the last response). ``deadline`` (time.monotonic) bounds the worker call.
     ``pull``: the prefix the worker pulls from another one (Submit.prefix_source). migration_id: this

@@ -49,6 +49,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.drafters import DrafterDirectory
 from router.policies import RouteRequest, WorkerState
+from router.prefix_index import BlockReport, PrefixIndex
 
 logger = logging.getLogger(__name__)
 
@@ -142,12 +143,14 @@ class _Member:
 class WorkerDirectory:
     def __init__(self, *, poll_interval_s: float = 0.2, poll_timeout_s: float = 2.0, failure_threshold: int = 3,
                  stream_failure_cooldown_s: float = 1.0,
-                 on_health_change: Callable[[bool], None] | None = None) -> None:
+                 on_health_change: Callable[[bool], None] | None = None,
+                 prefix_index: PrefixIndex | None = None) -> None:
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
         self.failure_threshold = failure_threshold
         self.stream_failure_cooldown_s = stream_failure_cooldown_s
         self.on_health_change = on_health_change
+        self.prefix_index = prefix_index  # fed from every poll's block events (router/prefix_index.py)
         self._members: dict[str, _Member] = {}
         self._any_healthy = False
         self._closed = False
@@ -222,6 +225,8 @@ class WorkerDirectory:
         if m.poll_task is not None:
             m.poll_task.cancel()
         m.state = replace(m.state, healthy=False)
+        if self.prefix_index is not None:
+            self.prefix_index.forget(m.worker_id)
         logger.info("worker %s (%s) left the pool (%d requests still streaming from it)",
                     m.worker_id, m.endpoint, len(m.leases))
         if not m.leases:
@@ -298,8 +303,15 @@ class WorkerDirectory:
     async def _poll_once(self, m: _Member) -> None:
         sent_requests = m.state.routed_requests_since_report
         sent_tokens = m.state.routed_tokens_since_report
+        report: Any
+        status: Any
+        request = worker_pb2.GetLoadRequest()
+        if self.prefix_index is not None:
+            since, incarnation = self.prefix_index.cursor(m.worker_id, m.state.incarnation)
+            request = worker_pb2.GetLoadRequest(block_events=True, block_events_since=since,
+                                                block_events_incarnation=incarnation)
         report, status = await asyncio.gather(
-            m.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=self.poll_timeout_s),
+            m.stub.GetLoad(request, timeout=self.poll_timeout_s),
             m.health_stub.Check(health_pb2.HealthCheckRequest(service=WORKER_HEALTH_SERVICE),
                                 timeout=self.poll_timeout_s),
             return_exceptions=True,
@@ -328,6 +340,10 @@ class WorkerDirectory:
                 self._fail_leases(m, f"worker {m.worker_id} stopped answering ({m.last_error})")
             return
         m.failures = 0
+        if self.prefix_index is not None and report.block_events_supported and report.kv_block_size:
+            self.prefix_index.apply(m.worker_id, report.incarnation,
+                                    BlockReport(report.block_seq, report.block_snapshot, report.blocks_stored,
+                                                report.blocks_removed), block_size=report.kv_block_size)
         if report.worker_id and report.worker_id != m.worker_id:
             self._warn_once(m, "id", "worker %s at %s reports worker_id %r; keeping the member id",
                             m.worker_id, m.endpoint, report.worker_id)

@@ -11,6 +11,15 @@ from pathlib import Path
 # tensors) -- so set it for the whole session, before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# dtype 'auto' picks bfloat16 on a CPU with AVX512-BF16 or AMX (kernels/cpu_features.py): the suite's
+# comparisons with float32 references (transformers, HF logprobs, greedy outputs) then run float32 on
+# every CPU, as on CI machines without those instructions; bf16 has its own tests with an explicit
+# dtype (tests/kernels/test_bf16_kernels.py; bf16 vs fp32 quality in tests/workers/models/test_quant_model.py,
+# the fused bf16 stack in test_decode_stack.py, auto on such a CPU in test_dtype_auto.py) and the
+# resolution itself is tested with the CPU fact injected (tests/workers/engine/test_device.py).
+# Subprocesses and a Ray cluster started by the session inherit it.
+os.environ.setdefault("DUET_CPU_BF16", "0")
+
 
 def _xdist_worker_threads() -> int | None:
     """Torch threads for one pytest-xdist worker: the CPUs shared out among the workers (None outside
@@ -28,9 +37,9 @@ def _xdist_worker_threads() -> int | None:
 if (_threads := _xdist_worker_threads()) is not None:
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
-import pytest
+import pytest  # noqa: E402 - after OMP_NUM_THREADS is set
 
-from workers.models.assets.prepare import prepare_smollm2
+from workers.models.assets.prepare import prepare_smollm2  # noqa: E402 - it imports torch
 
 
 @pytest.fixture(scope="session")
@@ -66,7 +75,7 @@ def _start_session_ray() -> None:
 
     try:
         ray.init(**SESSION_RAY)
-    except Exception as e:  # noqa: BLE001 - only the startup timeout is retried
+    except Exception as e:  # only the startup timeout is retried
         if "timed out during startup" not in str(e):
             raise
         warnings.warn(f"local Ray did not start ({e}); starting it again", stacklevel=1)

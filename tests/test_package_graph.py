@@ -26,7 +26,7 @@ ALLOWED = {
     "benchmarks": {"protos", "kernels", "workers", "router", "cluster"},
 }
 # the torch-free parts of workers that the router shares with the engine
-ROUTER_MAY_USE = {"workers.errors", "workers.detokenizer", "workers.structured.spec", "workers.structured.convert",
+ROUTER_MAY_USE = {"workers.errors", "workers.block_hash", "workers.detokenizer", "workers.structured.spec", "workers.structured.convert",
                   "workers.structured.grammar"}
 
 

@@ -2,8 +2,8 @@
 
 Layers, lowest first (each imports only those before it; tests/test_package_graph.py checks it):
 
-    errors.py, config.py, sampling_params.py, detokenizer.py   shared types (the router imports the
-                    torch-free ones: errors, detokenizer, structured spec/convert/grammar)
+    errors.py, config.py, sampling_params.py, detokenizer.py, block_hash.py   shared types (the router
+                    imports the torch-free ones: errors, block_hash, detokenizer, structured spec/convert/grammar)
     structured/     structured outputs: request spec, grammar compile, per-request matchers
     parallel/       process groups and collectives (TP / EP / SP), shared-memory transport
     layers/         model layers: linear (parallel, quantized), attention, MoE, rotary, norms
@@ -12,7 +12,8 @@ Layers, lowest first (each imports only those before it; tests/test_package_grap
                     checkpoint directory; assets/ turns names, Hub ids and GGUFs into one
     engine/         the engine: step = schedule -> run -> postprocess; runner protocol, model
                     runner, scheduler, block manager, KV hand-off and migration state, speculator
-    kv/             moving KV blocks between processes (wire format, shm ring, gloo/NCCL)
+    kv/             moving KV blocks between processes (wire format, shm ring, gloo/NCCL) and into
+                    the worker's lower tiers (host memory, local disk)
     spec_decode/    proposers: n-gram, draft model (its engine, service and actor)
     handoff/        who moves which blocks: P/D hand-off, prefix pull, migration service, drain
     build.py        assembles the default engine from its parts (runner, tokenizer, proposer)

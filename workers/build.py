@@ -10,6 +10,8 @@ construction:
     tokenizer  the checkpoint's own (transformers ``AutoTokenizer``)
     proposer   from ``config.speculative`` (workers/spec_decode/factory.py), none when speculation
                is off, unless given
+    tiers      the lower KV tiers ``config.cache`` asks for (workers/kv/tiers/store.py), none by
+               default; checked against the runner's KV layout and model fingerprint
 
 ``config.model`` must already be a checkpoint directory: names, Hub ids and ``.gguf`` files are
 resolved at the edges (workers/models/assets/resolve.py: ``duet serve``'s actors, ``LLM``).
@@ -35,13 +37,15 @@ from pathlib import Path
 from typing import Any
 
 from workers.config import EngineConfig, SpeculativeConfig
+from workers.errors import ConfigError
 from workers.engine.device import resolve_for_process
 from workers.engine.engine import Engine
 from workers.engine.model_runner import ModelRunner, cache_blocks
 from workers.engine.proposer import Proposer
-from workers.engine.runner import Runner
+from workers.engine.runner import Runner, kv_fingerprint
 from workers.engine.speculator import Speculator
 from workers.models.checkpoint import checkpoint_dir
+from workers.kv.tiers.store import make_tier_store
 from workers.spec_decode.factory import make_proposer
 from workers.startup import StartupTimeline
 
@@ -66,8 +70,14 @@ def build_engine(config: EngineConfig, *, runner: Runner | None = None, tokenize
     if proposer is None and config.speculative.enabled:
         proposer = make_proposer(config.speculative, config, runner.spec.vocab_size)
     speculator = Speculator(proposer, config.speculative) if proposer is not None else None
-    engine = Engine(config, runner, tokenizer, speculator=speculator)
+    layout = runner.kv_layout()
+    tier_store = make_tier_store(config.cache, layout.whole(), kv_fingerprint(runner.spec, layout.dtype,
+                                 config.quantization), pin=config.device.startswith("cuda"))
+    engine = Engine(config, runner, tokenizer, speculator=speculator, tier_store=tier_store)
     if config.cuda_graphs:
+        if not isinstance(runner, ModelRunner):  # the cluster config refuses the combination first
+            raise ConfigError(f"cuda_graphs=true: {type(runner).__name__} captures no CUDA graphs (only a one-rank "
+                              "ModelRunner does); set cuda_graphs to false")
         runner.capture_graphs(engine.max_model_len)
         if timeline is not None:
             timeline.mark("cuda_graphs")

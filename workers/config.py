@@ -11,8 +11,7 @@ This module does not import torch (the cluster config imports it for ``duet serv
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING, ClassVar
 
@@ -28,6 +27,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 PARALLEL_AXES = ("ep", "sp", "tp")  # mesh order, outermost first (workers/parallel/groups.py)
 COMM_MODES = ("auto", "shm", "gloo")  # ParallelConfig.comm
 KV_BACKENDS = ("auto", "shm", "gloo", "nccl")  # EngineConfig.kv_transfer_backend (workers/kv/transfer.py)
+TIER_POLICIES = ("lru",)  # CacheConfig.tier_policy (workers/kv/tiers/)
 OMP_WAIT_POLICIES = ("passive", "active", "runtime")  # EngineConfig.omp_wait_policy (workers/server/threads.py)
 
 
@@ -39,6 +39,16 @@ class CacheConfig:
     kv_cache_memory_bytes: budget for the preallocated block pool (all layers, K and V).
     num_blocks: overrides the budget with an exact block count (tests use tiny pools).
     enable_prefix_caching: reuse full blocks whose content (and whole prefix) match.
+    host_tier_bytes: host-memory KV tier below the device cache (0 = off): prefix-cached blocks
+        evicted from the device are kept here and loaded back on a prefix hit; a preempted request
+        resumes from them (swap instead of recompute). Pinned for a GPU runner.
+    disk_tier_bytes: local-disk KV tier below the host tier (0 = off; needs the host tier): host's
+        least recently used blocks are written here and read back asynchronously.
+    disk_tier_dir: where the disk tier's directory goes (None = the system temp directory); each
+        worker process makes its own subdirectory and removes it at shutdown.
+    tier_policy: which block a full tier gives up first: 'lru' (least recently used).
+    tier_load_timeout_s: a new request whose prefix continues on disk waits at most this long for
+        the reads (outside the scheduler); then it recomputes what has not arrived.
     """
 
     KEY_PREFIX: ClassVar[str] = "cache."  # how this type's messages spell its keys
@@ -47,6 +57,11 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 1 << 30
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    host_tier_bytes: int = 0
+    disk_tier_bytes: int = 0
+    disk_tier_dir: str | None = None
+    tier_policy: str = "lru"
+    tier_load_timeout_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -56,6 +71,23 @@ class CacheConfig:
                               "(e.g. 64MiB, 1GiB)")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ConfigError(f"cache.num_blocks={self.num_blocks}: must be >= 2 (or unset)")
+        for key in ("host_tier_bytes", "disk_tier_bytes"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"cache.{key}={getattr(self, key)}: must be >= 0 (0 = off)")
+        if self.disk_tier_bytes and not self.host_tier_bytes:
+            raise ConfigError(f"cache.disk_tier_bytes={self.disk_tier_bytes} with cache.host_tier_bytes=0: the disk "
+                              "tier sits below the host tier; set host_tier_bytes too (e.g. 1GiB) or disk_tier_bytes to 0")
+        if self.host_tier_bytes and not self.enable_prefix_caching:
+            raise ConfigError(f"cache.host_tier_bytes={self.host_tier_bytes} with cache.enable_prefix_caching=false: "
+                              "the tiers keep prefix-cached blocks; enable prefix caching or set host_tier_bytes to 0")
+        if self.tier_policy not in TIER_POLICIES:
+            raise ConfigError(f"cache.tier_policy={self.tier_policy!r}: must be one of {', '.join(TIER_POLICIES)}")
+        if not self.tier_load_timeout_s > 0:
+            raise ConfigError(f"cache.tier_load_timeout_s={self.tier_load_timeout_s}: must be > 0 (seconds)")
+
+    @property
+    def tiers_enabled(self) -> bool:
+        return self.host_tier_bytes > 0
 
 
 @dataclass(frozen=True)
@@ -89,6 +121,7 @@ class SchedulerConfig:
             raise ConfigError(
                 f"scheduler.max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1"
             )
+        assert self.max_num_seqs is not None  # set just above
         if not 1 <= self.max_num_seqs <= self.max_num_batched_tokens:
             raise ConfigError(
                 f"scheduler.max_num_seqs={self.max_num_seqs}: must be between 1 and "
@@ -233,7 +266,7 @@ class SpeculativeConfig:
         else:
             device = self.drafter_device
         if device == "cpu" or self.draft_quantization != "none":
-            return device, "float32"  # CPU kernels and quantized layers run float32 activations
+            return device, "float32"  # a CPU drafter keeps float32; quantized layers run float32 activations
         return device, target_dtype
 
 
@@ -284,8 +317,10 @@ class EngineConfig:
     device: 'auto' (cuda when this process holds GPUs - a Ray rank the GPUs Ray assigned it, any
         other process the GPUs torch sees - else cpu), 'cpu' or 'cuda[:N]'; resolved once at engine
         start by workers/engine/device.py, and 'cuda' on a node without CUDA is refused there.
-    dtype: 'auto' (the checkpoint's torch_dtype on CUDA, float32 on CPU or with quantization),
-        float32, bfloat16 or float16.
+    dtype: 'auto' (the checkpoint's torch_dtype on CUDA; float32 with quantization; on CPU bfloat16
+        where the CPU has AVX512-BF16 or AMX, else float32), float32, bfloat16 or float16. On such a
+        CPU the C++ kernels and oneDNN's bf16 GEMM run bf16 natively (workers/engine/device.py,
+        kernels/cpu_features.py); an explicit bfloat16 runs on any x86-64 CPU, slower without them.
     max_model_len: context limit (prompt + output); None = the model's own limit.
     quantization: weights of the decoder's linear layers: 'none' (dtype), 'int8' (per-output-channel
         scales) or 'q4' (4-bit blocks of 32, GGUF Q4_1 math; a GGUF-sourced model loads its 4-bit
@@ -363,6 +398,7 @@ class EngineConfig:
         if not (self.device in ("auto", "cpu") or self.device == "cuda" or
                 (self.device.startswith("cuda:") and self.device[5:].isdigit())):
             raise ConfigError(f"device={self.device!r}: must be 'auto', 'cpu' or 'cuda[:N]'")
+        assert self.scheduler.max_num_seqs is not None  # SchedulerConfig.__post_init__ sets it
         capture_sizes(self.cuda_graphs, self.device, self.cuda_graph_batch_sizes, self.scheduler.max_num_seqs)
         if self.kv_transfer_backend not in KV_BACKENDS:
             raise ConfigError(f"kv_transfer_backend={self.kv_transfer_backend!r}: must be one of {', '.join(KV_BACKENDS)}")
@@ -381,6 +417,7 @@ class EngineConfig:
     @property
     def graph_capture_sizes(self) -> tuple[int, ...]:
         """The CUDA-graph capture sizes (() when cuda_graphs is off)."""
+        assert self.scheduler.max_num_seqs is not None  # SchedulerConfig.__post_init__ sets it
         return capture_sizes(self.cuda_graphs, self.device, self.cuda_graph_batch_sizes, self.scheduler.max_num_seqs)
 
     @property

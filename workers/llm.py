@@ -10,6 +10,8 @@ Worked example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Sequence
+from typing import cast
 
 from workers.config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.build import build_engine
@@ -62,19 +64,19 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | list[Prompt],
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[Completion]:
         """Run all prompts to completion with continuous batching; results in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        batch = cast(Sequence[Prompt], [prompts] if one else prompts)
         params = sampling_params or SamplingParams()
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        params = params if isinstance(params, list) else [params] * len(batch)
+        if len(params) != len(batch):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(batch)} prompts")
         results: dict[str, Completion] = {}
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p in zip(batch, params):
                 rid = self.engine.add_request(None, prompt, p)
                 results[rid] = Completion(rid, prompt)
             while self.engine.has_unfinished():

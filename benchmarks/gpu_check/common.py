@@ -121,6 +121,7 @@ class WorkerProcess:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
+            assert self.proc.stdin is not None  # stdin=PIPE
             try:
                 self.proc.stdin.close()  # the worker stops when its stdin closes
                 self.proc.wait(timeout=20)

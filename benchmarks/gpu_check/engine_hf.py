@@ -9,6 +9,7 @@ and every position's argmax compared: Duet bf16 vs HF bf16 (target >= 99%), and 
 
 from __future__ import annotations
 
+from typing import Any
 import gc
 
 import torch
@@ -60,7 +61,7 @@ def run(ctx) -> dict:
         ref = common.hf_greedy(hf, prompts, NEW_TOKENS, dev)
         equal = sum(a == b for a, b in zip(ours, ref))
         first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(ours, ref)]
-        r = {"fp32_prompts_equal": f"{equal}/{len(prompts)}", "fp32_first_mismatch": first_diff}
+        r: dict[str, Any] = {"fp32_prompts_equal": f"{equal}/{len(prompts)}", "fp32_first_mismatch": first_diff}
         checks[f"{shape}/fp32_tokens_equal_hf"] = equal == len(prompts)
         # teacher-forced in bf16 (fp32 on CPU: bf16 has no CPU kernels)
         low = common.dtype_for(ctx)

@@ -12,6 +12,7 @@ staging, the collectives on GPU tensors), and the JSON says NCCL was not exercis
 
 from __future__ import annotations
 
+from typing import Any
 import torch
 
 from benchmarks.gpu_check import common, models
@@ -70,7 +71,8 @@ def _one(shape: str, axis: str, ctx) -> dict:
         torch.cuda.empty_cache()
         devices = ["cuda:0", "cuda:1"] if gpus >= 2 else ["cuda:0", "cuda:0"]
         backend = CUDA_BACKEND if gpus >= 2 else "cpu:gloo,cuda:gloo"
-    config = ParallelConfig(**{f"{axis}_size": 2})
+    sizes: dict[str, Any] = {f"{axis}_size": 2}
+    config = ParallelConfig(**sizes)
     leader = spawn_gang(gang_rank, config, args=(str(path), devices, prompts), timeout=ctx.budget_s * 0.4,
                         devices=devices, backend=backend)[0]
     equal = sum(a == b for a, b in zip(leader["tokens"], ref))

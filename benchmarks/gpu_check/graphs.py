@@ -3,6 +3,7 @@ batch 1, 8 and 64 (Qwen2.5-0.5B shape, bf16, random weights; target: graphs >= 1
 
 from __future__ import annotations
 
+from typing import Any
 import torch
 
 from benchmarks.gpu_check import common, models
@@ -23,7 +24,7 @@ def run(ctx) -> dict:
     solo_a = common.greedy(eager, prompts[:1], 48, prefix="s")
     solo_b = common.greedy(graphs, prompts[:1], 48, prefix="s")
     equal = sum(x == y for x, y in zip(a, b))
-    out = {"capture_sizes": list(graphs.runner.graphs.sizes), "prompts_equal": f"{equal}/{len(prompts)}",
+    out: dict[str, Any] = {"capture_sizes": list(graphs.runner.graphs.sizes), "prompts_equal": f"{equal}/{len(prompts)}",
            "batch1_equal": solo_a == solo_b, "tok_s": {}}
     for batch in BATCHES:
         n = 128 if batch == 1 else 64

@@ -11,6 +11,7 @@ Status: pass | fail (a check did not hold) | error (it raised: the traceback is 
 
 from __future__ import annotations
 
+from typing import Any
 import argparse
 import importlib
 import importlib.util
@@ -67,7 +68,7 @@ def default_out() -> Path:
 
 
 def environment() -> dict:
-    env = {"python": platform.python_version(), "platform": platform.platform()}
+    env: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform()}
     for mod in ("torch", "triton", "transformers", "tokenizers", "grpc", "google.protobuf"):
         try:
             env[mod] = importlib.import_module(mod).__version__
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         mod = importlib.import_module(f"benchmarks.gpu_check.{name}")
         left = args.total_budget - (time.monotonic() - t_start)
         if mod.CUDA_ONLY and device != "cuda":
-            r = {"status": "skipped", "reason": "needs CUDA; this machine has none (torch.cuda.is_available() is False)"}
+            r: dict[str, Any] = {"status": "skipped", "reason": "needs CUDA; this machine has none (torch.cuda.is_available() is False)"}
         elif left < 10:
             r = {"status": "skipped", "reason": f"the total budget of {args.total_budget:.0f} s is spent"}
         else:

@@ -10,6 +10,7 @@ The quantized kernels take fp32 activations only (weight-only int8 / q4), so the
 
 from __future__ import annotations
 
+from typing import Any
 import time
 
 import torch
@@ -174,7 +175,8 @@ def run(ctx) -> dict:
 
     torch.manual_seed(0)
     kernels.reset_fallback_counts()
-    results, checks = {}, {}
+    results: dict[str, dict[str, Any]] = {}
+    checks: dict[str, Any] = {}
     for name, (case, dtypes) in CASES.items():
         for dtype in dtypes:
             key = f"{name}/{str(dtype).removeprefix('torch.')}"

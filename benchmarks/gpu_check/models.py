@@ -96,7 +96,7 @@ def hf_model(path: Path, dtype: torch.dtype, device: str):
     """The checkpoint in HF transformers (the reference), eval mode, on device."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()  # type: ignore[arg-type]  # transformers' stub of .to
     model.generation_config.eos_token_id = None  # random weights: never stop early (Duet uses ignore_eos)
     model.generation_config.pad_token_id = EOS_ID
     return model

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import torch
 
 from benchmarks.gpu_check import common, models
 

@@ -7,6 +7,7 @@ requests at batch 1 and 16 (target >= 0.9x), SmolLM2-135M shape, random weights,
 
 from __future__ import annotations
 
+from typing import Any
 import json
 import re
 import shutil
@@ -50,7 +51,7 @@ def _checkpoint(ctx, dtype):
 
 
 def _run(eng, prompts, params) -> list:
-    outs = {}
+    outs: dict[str, Any] = {}
     ids = [eng.add_request(f"s{time.monotonic_ns()}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
     while eng.has_unfinished():
         for o in eng.step():
@@ -96,7 +97,7 @@ def run(ctx) -> dict:
                 ok.append(False)
         else:
             ok.append(bool(re.fullmatch(REGEX, text)) if kind == 1 else text in ("left", "right", "up"))
-    out = {"valid_outputs": f"{sum(ok)}/{len(ok)}", "tok_s": {}}
+    out: dict[str, Any] = {"valid_outputs": f"{sum(ok)}/{len(ok)}", "tok_s": {}}
     n = 16 if ctx.tiny else 64
     long = StructuredOutput("json_schema", json.dumps(LONG))
     for batch in (1, 16):

@@ -110,8 +110,8 @@ def verdict(result: dict[str, Any]) -> list[dict[str, Any]]:
     by, rows = points_by(result), []
     for c in concurrencies(result):
         def best(prefix: str) -> tuple[str, dict[str, Any]] | None:
-            got = [(s, ps[c]) for s, ps in by.items()
-                   if (s.startswith("duet-") == (prefix == "duet")) and c in ps and ps[c].get("output_tok_s")]
+            got = [(s, ps[c]) for s, ps in by.items()  # noqa: B023 - called in this iteration
+                   if (s.startswith("duet-") == (prefix == "duet")) and c in ps and ps[c].get("output_tok_s")]  # noqa: B023 - called in this iteration
             return max(got, key=lambda sp: sp[1]["output_tok_s"], default=None)
         duet, peer = best("duet"), best("peer")
         if duet is None or peer is None:

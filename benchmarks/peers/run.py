@@ -149,6 +149,7 @@ def measure(spec: ServerSpec, server: ServerProcess, load: Load, aiperf: Path, m
     argv = aiperf_argv(load, aiperf=aiperf, url=server.url, tokenizer=repo, artifacts=artifacts)
     env = dict(os.environ, HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
+    assert server.proc is not None  # started
     la0, busy0, srv0, t0 = loadavg_1m(), machine_busy_s(), tree_cpu_s(server.proc.pid), time.monotonic()
     log = workdir / f"{spec.name}-c{load.concurrency}.aiperf.log"
     with log.open("wb") as f:

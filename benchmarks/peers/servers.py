@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +42,7 @@ DUET_DTYPES = {  # server dtype -> (--dtype, --quantization)
 }
 VLLM_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 LLAMACPP_DTYPES = {"q4_1": "Q4_1 GGUF"}
-KINDS = {"duet": DUET_DTYPES, "vllm": VLLM_DTYPES, "llamacpp": LLAMACPP_DTYPES}
+KINDS: dict[str, dict[str, Any]] = {"duet": DUET_DTYPES, "vllm": VLLM_DTYPES, "llamacpp": LLAMACPP_DTYPES}
 ALL_SERVERS = tuple(f"{k}-{d}" for k, ds in KINDS.items() for d in ds)
 DEFAULT_SERVERS = ("duet-fp32", "duet-q4", "duet-int8", "vllm-bf16", "vllm-fp32", "llamacpp-q4_1")
 
@@ -120,7 +121,7 @@ def server_spec(name: str, paths: Paths, *, threads: int, slots: int, cores: str
     cpu = thread_phrase(threads, cores)
     if kind == "duet":
         torch_dtype, quant = DUET_DTYPES[dtype]
-        cmd = (str(paths.duet_python), "-m", "cluster.cli", "serve", "--model", MODEL_ID,
+        cmd: tuple[str, ...] = (str(paths.duet_python), "-m", "cluster.cli", "serve", "--model", MODEL_ID,
                "--dtype", torch_dtype, "--quantization", quant, "--device", "cpu",
                "--cpus-per-replica", str(threads), "--replicas", "1",
                "--host", "127.0.0.1", "--port", "0", "--controller-port", "0", "--http-port", "{port}")

@@ -37,9 +37,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 FORMAT = "duet-profile/1"
 POOL_TYPES = ("prefill", "decode", "colocated")
@@ -154,13 +157,13 @@ def profile_from_dict(d: Any, where: str = "profile") -> Profile:
     if d.get("format") != FORMAT:
         raise ProfileError(f"{where}: format={d.get('format')!r}: expected {FORMAT!r} (re-run `duet profile`)")
 
-    def section(key: str, cls: type, derived: tuple[str, ...] = ()) -> Any:
+    def section(key: str, cls: type[DataclassInstance], derived: tuple[str, ...] = ()) -> Any:
         raw = d.get(key)
         if raw is None:
             return None
         if not isinstance(raw, dict):
             raise ProfileError(f"{where}: {key} must be an object, got {raw!r}")
-        names = set(cls.__dataclass_fields__)
+        names = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - names - set(derived))
         if unknown:
             raise ProfileError(f"{where}: {key} has unknown keys {unknown}; valid: {sorted(names)}")

@@ -67,7 +67,11 @@ The algorithm, per pool (prefill, decode and colocated pools independently; draf
     smoothed level of a pool with ``smoothing_s`` already holds a past peak for about that long
     (an average over smoothing_s forgets a drop at that pace), so its window is the rest:
     max(0, horizon_s + migration_s - smoothing_s).
- 5. Drafter pools: ``ceil(ratio x`` the desired of the decode / colocated pool drafting on them``)``, clamped.
+ 5. Drafter pools, after the pool drafting on them (their lead): on draft demand (rows drafting,
+    and requests that found no room, per lead replica x the lead's desired, over ``rows_per_replica``) and on measured benefit
+    (acceptance x target step time vs draft round latency: a pool whose drafting does not pay
+    shrinks toward its minimum); without draft metrics, ``ceil(ratio x`` the lead's desired``)``.
+    cluster/autoscale/drafter.py has the model and a worked example.
  6. Standby replicas (a pool with ``max_standby`` > 0; cluster/autoscale/standby.py): as many as the
     burst risk the pool saw lately needs (how far the forecast rose above the window's mean before
     the last ``horizon_s``: load that came faster than a start-up, in replicas, remembered as a
@@ -94,6 +98,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from cluster.autoscale.actuator import PoolStatus
+from cluster.autoscale.drafter import DraftWindow, demand_replicas, draft_speedup
 from cluster.autoscale.forecast import RateEstimate, estimate_rates, holt_forecast  # noqa: F401 (re-exported)
 from cluster.autoscale.profile import ReplicaCapacity, SLOTargets
 from cluster.autoscale.standby import StandbyMemory, burst_risk, idle, standby_count
@@ -124,7 +129,12 @@ class PoolScaling:
     fed_by: for a decode pool, the prefill pool whose output is its input (None = not known):
     a burst the decode pool sees is planned for at most that pool's forecast (step 1).
     max_standby: the most standby replicas (step 6) the autoscaler keeps; 0 = it leaves the
-    pool's standby count alone. standby_cost: one standby replica's cost in serving replicas."""
+    pool's standby count alone. standby_cost: one standby replica's cost in serving replicas.
+    Drafter pools (step 5, cluster/autoscale/drafter.py): rows_per_replica: rows one replica
+    batches within a round latency that pays (None: follow ``ratio`` only); min_speedup: the
+    measured speed-up under which drafting does not pay and the pool shrinks to its minimum;
+    verify_token_cost: a verified draft token's cost in a target step, per plain decode row;
+    min_verifies: verifies a window needs before its speed-up is judged."""
 
     pool: str
     role: str
@@ -139,6 +149,10 @@ class PoolScaling:
     fed_by: str | None = None
     max_standby: int = 0
     standby_cost: float = 0.1
+    rows_per_replica: float | None = None
+    min_speedup: float = 1.1
+    verify_token_cost: float = 0.05
+    min_verifies: int = 100
 
 
 @dataclass(frozen=True)
@@ -209,6 +223,11 @@ def _validate(c: AutoscalerConfig) -> None:
                  "must name a decode or colocated pool of this config "
                  f"({[q.pool for q in c.pools if q.role in ('decode', 'colocated')]})")
             need(p.ratio > 0, f"{k}.ratio", p.ratio, "must be > 0 (drafter replicas per decode replica)")
+            need(p.rows_per_replica is None or p.rows_per_replica > 0, f"{k}.rows_per_replica", p.rows_per_replica,
+                 "must be > 0 (drafting requests one replica batches) or unset (follow ratio only)")
+            need(p.min_speedup >= 0, f"{k}.min_speedup", p.min_speedup, "must be >= 0 (0: never judged not to pay)")
+            need(p.verify_token_cost >= 0, f"{k}.verify_token_cost", p.verify_token_cost, "must be >= 0")
+            need(p.min_verifies >= 1, f"{k}.min_verifies", p.min_verifies, "must be >= 1")
             continue
         if p.fed_by is not None:
             src = next((q for q in c.pools if q.pool == p.fed_by), None)
@@ -228,7 +247,8 @@ class PoolMetrics:
 
     arrivals_rps: arrival rate per bucket, oldest first. ttft/tpot_p90_s: over requests observed in
     the window (None = none observed); latency_samples: how many. queue_depth: requests admitted
-    and waiting for this pool; in_flight: requests running on it (both window means)."""
+    and waiting for this pool; in_flight: requests running on it (both window means). draft: a
+    drafter pool's rows and a target pool's speculation counters (cluster/autoscale/drafter.py)."""
 
     bucket_s: float
     arrivals_rps: Sequence[float]
@@ -239,6 +259,7 @@ class PoolMetrics:
     latency_samples: int = 0
     queue_depth: float = 0.0
     in_flight: float = 0.0
+    draft: DraftWindow | None = None  # speculation / drafter numbers (None: not read; step 5)
 
 
 @dataclass(frozen=True)
@@ -301,13 +322,57 @@ def decide(config: AutoscalerConfig, now: float, metrics: Mapping[str, PoolMetri
                                                          state.of(p.pool), cap)
     for p in config.pools:
         if p.role == "drafter":
-            lead = decisions[p.follows]  # type: ignore[index]
-            st = status[p.pool]
-            want = _clamp(math.ceil(p.ratio * lead.desired - 1e-9), p)
-            decisions[p.pool] = Decision(p.pool, st.desired, want, f"follows {p.follows} x{p.ratio:g} "
-                                         f"({lead.desired} -> {want})", capacity_replicas=st.capacity_replicas,
-                                         pending=st.pending)
+            decisions[p.pool], memory[p.pool] = _decide_drafter(config, p, now, metrics, status[p.pool],
+                                                                decisions[p.follows], state.of(p.pool))  # type: ignore[index]
     return decisions, AutoscalerState(MappingProxyType(memory))
+
+
+def _decide_drafter(c: AutoscalerConfig, p: PoolScaling, now: float, metrics: Mapping[str, PoolMetrics],
+                    st: PoolStatus, lead: Decision, mem: PoolMemory) -> tuple[Decision, PoolMemory]:
+    """Step 5 (cluster/autoscale/drafter.py): draft demand, measured benefit, or the prior ratio."""
+    current = st.desired
+    mine, theirs = metrics.get(p.pool), metrics.get(lead.pool)
+    drafted, spec = (mine.draft if mine else None), (theirs.draft if theirs else None)
+    if p.rows_per_replica is None or drafted is None:
+        want = _clamp(math.ceil(p.ratio * lead.desired - 1e-9), p)
+        why = (f"follows {lead.pool} x{p.ratio:g} ({lead.desired} -> {want})" if p.rows_per_replica is None else
+               f"no draft metrics: prior ratio x{p.ratio:g} of {lead.pool} ({lead.desired} -> {want})")
+        return Decision(p.pool, current, want, why, capacity_replicas=st.capacity_replicas, pending=st.pending), mem
+    headroom = c.headroom if p.headroom is None else p.headroom
+    wanted = drafted.rows + drafted.unserved
+    need_n = demand_replicas(wanted, lead.capacity_replicas, lead.desired, p.rows_per_replica, headroom)
+    notes = [f"{drafted.rows:.1f} rows" + (f" + {drafted.unserved:.1f} unserved" if drafted.unserved else "") +
+             f" over {lead.capacity_replicas} {lead.pool} replicas, {lead.pool} -> "
+             f"{lead.desired}: {need_n} replicas at {p.rows_per_replica:g} rows each"]
+    speedup = draft_speedup(spec, p.verify_token_cost) if spec is not None and spec.verifies >= p.min_verifies else None
+    saturated = wanted > p.rows_per_replica * max(st.ready, 1)
+    if speedup is not None:
+        notes.append(f"speed-up {speedup:.2f}x (E {spec.tokens_per_verify:.2f}, k {spec.drafts_per_verify:.2f}, "  # type: ignore[union-attr]
+                     f"wait {spec.wait_share:.0%})")  # type: ignore[union-attr]
+    target = _clamp(need_n, p)
+    if speedup is not None and speedup < p.min_speedup and not saturated:
+        target = p.min_replicas
+        notes.append(f"drafting does not pay (< {p.min_speedup:g}x): toward min {p.min_replicas}")
+    desired = current
+    if target > current:
+        desired = target
+        mem = replace(mem, last_up=now)
+        notes.append(f"scale up {current} -> {desired}")
+    elif target < current:
+        wait = max(mem.last_up + c.down_cooldown_s, mem.last_down + c.down_interval_s) - now
+        if target >= st.ready + st.starting:
+            desired = target
+            notes.append(f"cancel {current - desired} pending")
+        elif wait > 0:
+            notes.append(f"down cooldown ({wait:.0f} s left)")
+        else:
+            desired = max(target, current - max(1, math.ceil(c.max_down_step_frac * current)))
+            mem = replace(mem, last_down=now)
+            notes.append(f"scale down {current} -> {desired}")
+    else:
+        notes.append("hold")
+    return Decision(p.pool, current, desired, "; ".join(notes), capacity_replicas=st.capacity_replicas,
+                    pending=st.pending), mem
 
 
 def _clamp(n: int, p: PoolScaling) -> int:

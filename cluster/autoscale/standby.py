@@ -35,6 +35,7 @@ Thirty minutes later with no new burst (standby_memory_s 3600) the risk is 2.06 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -62,6 +63,6 @@ def standby_count(risk: float, max_standby: int, *, to_zero: bool) -> int:
     return max(0, min(max_standby, want))
 
 
-def idle(arrivals_rps: list[float] | tuple[float, ...], in_flight: float, queue_depth: float, starting: int) -> bool:
+def idle(arrivals_rps: Sequence[float], in_flight: float, queue_depth: float, starting: int) -> bool:
     """No arrival in the latest bucket, nothing running or queued, and no replica starting."""
     return not (arrivals_rps and arrivals_rps[-1]) and in_flight == 0 and queue_depth == 0 and starting == 0

@@ -109,7 +109,7 @@ async def measure_api_overhead(grpc_target: str, http_target: str, requests: lis
     pairs = [(a, b) for a, b in zip(g, h) if a.ok and b.ok]
     ttft = [(b.ttft - a.ttft) * 1e3 for a, b in pairs]
     tpot = [(b.tpot - a.tpot) * 1e3 for a, b in pairs if a.tpot is not None and b.tpot is not None]
-    out = {"pairs": len(pairs), "errors": [r.error for r in g + h if r.error][:5],
+    out: dict[str, Any] = {"pairs": len(pairs), "errors": [r.error for r in g + h if r.error][:5],
            "http_ttft_overhead_p50_ms": _median(ttft), "http_per_token_overhead_p50_ms": _median(tpot),
            "http_ttft_overhead_p25_p75_ms": _quartiles(ttft), "http_per_token_overhead_p25_p75_ms": _quartiles(tpot),
            "grpc_ttft_p50_ms": _median([a.ttft * 1e3 for a, _ in pairs]),
@@ -165,7 +165,8 @@ async def measure_n_fanout(grpc_target: str, prompts: list[str], max_tokens: int
 
     try:
         await run(prompts[0], 1)  # warm-up (its prompt is not used again)
-        one, many = [], []
+        one: list[float] = []
+        many: list[float] = []
         for i in range(1, len(prompts) // 2):
             a, b = prompts[2 * i], prompts[2 * i + 1]
             order = [(a, 1, one), (b, n, many)] if i % 2 else [(b, n, many), (a, 1, one)]

@@ -13,7 +13,11 @@ Terms:
 Streamed ids cycle through the request's own prompt ids, so they are always valid for the
 tokenizer the router detokenizes with. It speaks the real protocol (health SERVING for
 ``duet.worker.v1.Worker``, ``GetLoad`` with a fixed incarnation, cancellation), so an unmodified
-router accepts it as a member.
+router accepts it as a member. Its load report is honest about what it does: ``num_running``,
+``outstanding_tokens`` (ids still to stream), and a stand-in prefix cache: each prompt's full
+blocks of ``BLOCK_SIZE`` tokens are remembered (LRU, ``cache_blocks`` of them), counted as
+prefix-cache queries and hits, and reported as block events (workers/engine/block_events.py) to
+routers that ask, exactly as a real worker reports its prefix cache.
 
 Run it on its own (it prints ``ECHO_WORKER_PORT=<port>`` once it listens)::
 
@@ -28,28 +32,56 @@ import itertools
 import sys
 import uuid
 
+from collections import OrderedDict
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.server import wait_for_stop_signal
+from workers.block_hash import chain_hashes
+from workers.engine.block_events import BlockEventLog
 
 SERVICE_NAME = "duet.worker.v1.Worker"
+BLOCK_SIZE = 16  # tokens per stand-in KV block (the default engine block size)
 
 
 class EchoWorker(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, first_token_ms: float = 0.0, gap_ms: float = 0.0) -> None:
+    def __init__(self, first_token_ms: float = 0.0, gap_ms: float = 0.0, cache_blocks: int = 4096) -> None:
         self.first_token_s = first_token_ms / 1e3
         self.gap_s = gap_ms / 1e3
         self.incarnation = uuid.uuid4().hex
         self.running = 0
+        self.outstanding = 0  # ids still to stream, over running requests
+        self.cache_blocks = cache_blocks
+        self.events = BlockEventLog()
+        self._cached: OrderedDict[int, None] = OrderedDict()  # chain hash -> None, least recently used first
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    def _lookup_and_store(self, prompt: list[int]) -> None:
+        """The stand-in prefix cache: count the prompt's leading cached blocks, then cache them all."""
+        hashes = chain_hashes(prompt, BLOCK_SIZE)
+        self.prefix_queries += len(hashes)
+        self.prefix_hits += next((i for i, h in enumerate(hashes) if h not in self._cached), len(hashes))
+        for h in hashes:
+            self._cached[h] = None
+            self._cached.move_to_end(h)
+        self.events.stored(hashes)
+        evicted = []
+        while len(self._cached) > self.cache_blocks:
+            evicted.append(self._cached.popitem(last=False)[0])
+        self.events.removed(evicted)
 
     async def Submit(self, request: worker_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: must not be empty")
         n = max(1, request.sampling.max_tokens)
         ids = itertools.cycle(request.prompt_token_ids)
+        self._lookup_and_store(list(request.prompt_token_ids))
         self.running += 1
+        self.outstanding += n
+        sent = 0
         try:
             if self.first_token_s:
                 await asyncio.sleep(self.first_token_s)
@@ -61,23 +93,36 @@ class EchoWorker(worker_pb2_grpc.WorkerServicer):
                     response.finish_reason = worker_pb2.FINISH_REASON_LENGTH
                     response.usage.prompt_tokens = len(request.prompt_token_ids)
                     response.usage.completion_tokens = n
+                sent += 1
+                self.outstanding -= 1
                 yield response
         finally:
             self.running -= 1
+            self.outstanding -= n - sent
 
     async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         return worker_pb2.AbortResponse(found=False)
 
     async def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
-        return worker_pb2.LoadReport(worker_id="echo", incarnation=self.incarnation, num_running=self.running,
-                                     kv_block_size=16, kv_blocks_total=1 << 20)
+        report = worker_pb2.LoadReport(worker_id="echo", incarnation=self.incarnation, num_running=self.running,
+                                       outstanding_tokens=self.outstanding, kv_block_size=BLOCK_SIZE,
+                                       kv_blocks_total=1 << 20, prefix_cache_queries=self.prefix_queries,
+                                       prefix_cache_hits=self.prefix_hits)
+        if request.block_events:
+            since = request.block_events_since if request.block_events_incarnation == self.incarnation else 0
+            diff = self.events.read(since)
+            report.block_events_supported, report.block_seq, report.block_snapshot = True, diff.seq, diff.snapshot
+            report.blocks_stored.extend(diff.stored)
+            report.blocks_removed.extend(diff.removed)
+        return report
 
 
 async def start_echo_worker(host: str = "127.0.0.1", port: int = 0, *, first_token_ms: float = 0.0,
-                            gap_ms: float = 0.0) -> tuple[grpc.aio.Server, int]:
-    """Start an echo worker on the running loop; returns (server, bound port)."""
+                            gap_ms: float = 0.0, worker: EchoWorker | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start an echo worker on the running loop (``worker``, or a new one with these delays);
+    returns (server, bound port)."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    worker_pb2_grpc.add_WorkerServicer_to_server(EchoWorker(first_token_ms, gap_ms), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(worker or EchoWorker(first_token_ms, gap_ms), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")

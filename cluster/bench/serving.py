@@ -60,7 +60,7 @@ from cluster.bench.api import (OpenAISender, http_client, long_prompts, measure_
                                print_api_report)
 from cluster.bench.load_gen import (BenchRequest, RouterSender, Sender, WorkerSender, build_workload,
                                  poisson_arrivals, run_alternating, run_open_loop)
-from cluster.bench.metrics import SLO, RequestRecord, percentile, summarize
+from cluster.bench.metrics import SLO, percentile, summarize
 from cluster.bench.report import (PLOT_HINT, TARGET_PER_TOKEN_OVERHEAD_MS, TARGET_TTFT_OVERHEAD_MS, code_version,
                                   machine, plot, print_report)
 
@@ -139,7 +139,7 @@ async def measure_overhead(senders: list[Sender], requests: list[BenchRequest]) 
     pairs = [(r, d) for r, d in zip(router, direct) if r.ok and d.ok]
     ttft = [(r.ttft - d.ttft) * 1e3 for r, d in pairs]
     tpot = [(r.tpot - d.tpot) * 1e3 for r, d in pairs if r.tpot is not None and d.tpot is not None]
-    out = {
+    out: dict[str, Any] = {
         "pairs": len(pairs),
         "ttft_overhead_p50_ms": statistics.median(ttft) if ttft else math.nan,
         "per_token_overhead_p50_ms": statistics.median(tpot) if tpot else math.nan,
@@ -186,7 +186,7 @@ async def run_phases(args: argparse.Namespace, target: str, worker_endpoint: str
         raise ValueError("--api openai needs --http-target (the router's HTTP API host:port)")
     channels = [open_channel(target, tls=tls, retries=0)]  # a rejection is a measured error, not retried
     http = http_client(args.http_target, args.timeout, tls, token) if args.http_target else None
-    senders: list[Sender] = [OpenAISender(http, args.timeout, name="router") if args.api == "openai"
+    senders: list[Sender] = [OpenAISender(http, args.timeout, name="router") if http is not None and args.api == "openai"
                              else RouterSender(channels[0], args.timeout, token)]
     if worker_endpoint:
         channels.append(grpc.aio.insecure_channel(worker_endpoint))
@@ -276,6 +276,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "pool.engine.enable_prefix_caching": False if args.no_prefix_caching else None}
         config = load_config(None, overrides=overrides, env={})
         with start_deployment(config, log_to_driver=False) as d:
+            assert d.controller is not None  # start_deployment returns a deployment that is up
             res["config"]["deployment"] = config.to_dict()
             res.update(_load_from_subprocess(args, d.address, d.controller.members()[0][1],
                                              http_target=d.router.http_address))

@@ -14,7 +14,14 @@ source and the fix), then turned into the decision function's ``AutoscalerConfig
                                 (cluster/autoscale/standby.py), and one standby's cost in replicas
     ratio                       drafter pools only (instead of SLOs and a profile): replicas per
                                 replica of the pool that drafts on it (its speculative.drafter_pool),
-                                which must be scaled too: ceil(ratio x that pool's desired)
+                                which must be scaled too: ceil(ratio x that pool's desired) -- the
+                                size while no draft demand is measured
+    rows_per_replica            drafter pools: scale on draft demand instead (cluster/autoscale/drafter.py):
+                                requests drafting per replica it batches within a round that pays
+    min_speedup, verify_token_cost, min_verifies
+                                drafter pools: the measured benefit under which the pool shrinks to
+                                its minimum (drafting does not pay), the target's cost of verifying a
+                                draft token (per plain decode row), verifies before it is judged
 
 Example (YAML)::
 
@@ -40,18 +47,22 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import Field
+from pydantic.json_schema import JsonDict
 
 from cluster.config.derive import Section
 from cluster.config.sources import ClusterConfigError, Sources, need, source_of
 
-ACTUATORS = ("ray", "kubernetes")
-SCALE_DOWN = ("drain", "migrate")  # = cluster.autoscale.slo.SCALE_DOWN (imported lazily there)
+Actuator = Literal["ray", "kubernetes"]
+ScaleDown = Literal["drain", "migrate"]  # = cluster.autoscale.slo.SCALE_DOWN (imported lazily there)
+ACTUATORS: tuple[str, ...] = get_args(Actuator)
+SCALE_DOWN: tuple[str, ...] = get_args(ScaleDown)
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _MS = "must be a number of milliseconds > 0, or null"
+_DRAFTER_ONLY = frozenset({"rows_per_replica", "min_speedup", "verify_token_cost", "min_verifies"})
 
 
 class AutoscalePoolSection(Section):
@@ -79,9 +90,23 @@ class AutoscalePoolSection(Section):
                                 "copy); reported with each decision.", json_schema_extra={"hint": "must be >= 0"})
     ratio: float | None = Field(None, gt=0, description="Drafter pools only, instead of SLOs and a profile: replicas "
                                 "per replica of the pool drafting on it (its speculative.drafter_pool, scaled too): "
-                                "ceil(ratio x that pool's desired).", json_schema_extra={
+                                "ceil(ratio x that pool's desired); with rows_per_replica, the size until draft demand "
+                                "is measured.", json_schema_extra={
                                     "hint": "must be > 0 (drafter replicas per replica of the pool drafting on them), "
                                             "or null"})
+    rows_per_replica: float | None = Field(None, gt=0, description="Drafter pools only: scale on draft demand -- "
+                                           "requests drafting per replica that one replica batches within a round "
+                                           "that still pays (benchmarks/drafter_pool_bench.py); null = follow ratio "
+                                           "only.", json_schema_extra={
+                                               "hint": "must be > 0 (drafting requests per drafter replica), or null"})
+    min_speedup: float = Field(1.1, ge=0, description="Drafter pools with rows_per_replica: the measured speed-up of "
+                               "the speculating requests under which drafting does not pay and the pool shrinks to "
+                               "min_replicas (0 = never).", json_schema_extra={"hint": "must be >= 0 (0 = never)"})
+    verify_token_cost: float = Field(0.05, ge=0, description="Drafter pools with rows_per_replica: what verifying one "
+                                     "draft token adds to a target step, per plain decode row (GPU ~0.05, the CPU q4 "
+                                     "kernel ~0.3).", json_schema_extra={"hint": "must be >= 0"})
+    min_verifies: int = Field(100, ge=1, description="Drafter pools with rows_per_replica: verifies a metrics window "
+                              "needs before its speed-up is judged.")
 
 
 class KubernetesActuatorSection(Section):
@@ -92,7 +117,7 @@ class KubernetesActuatorSection(Section):
     namespace: str = Field("", description="Its namespace; empty = this pod's own (read from the service account).")
 
 
-_SECONDS = {"hint": "must be >= 0 seconds"}
+_SECONDS: JsonDict = {"hint": "must be >= 0 seconds"}
 
 
 class AutoscalingSection(Section):
@@ -114,7 +139,7 @@ class AutoscalingSection(Section):
     down_cooldown_s: float = Field(300.0, ge=0, description="Seconds from a scale-up to the next scale-down.",
                                    json_schema_extra=_SECONDS)
     down_interval_s: float = Field(60.0, ge=0, description="Seconds between scale-downs.", json_schema_extra=_SECONDS)
-    scale_down: Literal[SCALE_DOWN] = Field("drain", description="How a replica is removed: drain (its requests "
+    scale_down: ScaleDown = Field("drain", description="How a replica is removed: drain (its requests "
                                             "finish there) or migrate (they move to the replicas that stay; needs an "
                                             "actuator that migrates).", json_schema_extra={
                                                 "hint": "must be drain (removed replicas finish their requests) or "
@@ -131,11 +156,13 @@ class AutoscalingSection(Section):
     scale_to_zero_after_s: float = Field(300.0, ge=0, description="A pool with min_replicas 0 goes to zero after "
                                          "this long idle (no arrival, nothing running, queued or starting).",
                                          json_schema_extra=_SECONDS)
-    metrics_urls: tuple[str, ...] = Field((), description="The routers' /metrics (`duet router --metrics-port`); "
-                                          "omit it when `duet serve` runs the router itself.")
+    metrics_urls: tuple[str, ...] = Field((), description="The routers' /metrics (`duet router --metrics-port`), "
+                                          "each http(s)://host:port/metrics, or dns+http(s)://name:port/metrics to "
+                                          "read every address name resolves to each round (a headless Service of "
+                                          "N router replicas); omit it when `duet serve` runs the routers itself.")
     pools: tuple[AutoscalePoolSection, ...] = Field((), description="The pools to scale, each with its SLOs, "
                                                     "profile and bounds.")
-    actuator: Literal[ACTUATORS] = Field("ray", description="ray: add/drain worker actors here | kubernetes: also "
+    actuator: Actuator = Field("ray", description="ray: add/drain worker actors here | kubernetes: also "
                                          "resize the pool's KubeRay worker group (cluster/deploy/kuberay_actuator.py).")
     kubernetes: KubernetesActuatorSection = Field(default_factory=KubernetesActuatorSection,
                                                   description="Where the kubernetes actuator finds its RayCluster.")
@@ -157,8 +184,9 @@ def check_autoscaling(a: AutoscalingSection, key: str, s: Sources) -> None:
     need(a.latency_buckets <= a.window_buckets, f"{key}.latency_buckets", a.latency_buckets, s,
          f"must be between 1 and window_buckets ({a.window_buckets})")
     for i, url in enumerate(a.metrics_urls):
-        need(url.startswith(("http://", "https://")), f"{key}.metrics_urls[{i}]", url, s,
-             "must be a router's metrics URL, e.g. http://router:9090/metrics")
+        need(url.startswith(("http://", "https://", "dns+http://", "dns+https://")), f"{key}.metrics_urls[{i}]", url, s,
+             "must be a router's metrics URL, e.g. http://router:9090/metrics, or dns+http://router-headless:9090/metrics "
+             "for every router a name resolves to")
     _check_actuator(a, key, s)
     names = [p.pool for p in a.pools]
     need(len(set(names)) == len(names), f"{key}.pools", names, s, "each pool may be listed once")
@@ -201,6 +229,9 @@ def check_against_pools(a: AutoscalingSection, roles: dict[str, str], sizes: dic
                  f"a drafter pool follows the one pool drafting on it, autoscaled too (drafting on it: "
                  f"{', '.join(lead) or 'none'}; autoscaled: {', '.join(sorted(scaled))})")
             continue
+        set_ = sorted(k for k in _DRAFTER_ONLY if getattr(p, k) != AutoscalePoolSection.model_fields[k].default)
+        need(not set_, f"{key}.{set_[0] if set_ else 'rows_per_replica'}", getattr(p, set_[0]) if set_ else None, s,
+             f"pool {p.pool!r} is a {role} pool: {', '.join(set_)} are for drafter pools only; remove them")
         need(role == "decode" or p.slo_ttft_ms is not None, f"{key}.slo_ttft_ms", None, s,
              f"pool {p.pool!r} is a {role} pool: it scales on TTFT; set a p90 target in ms")
         need(role == "prefill" or p.slo_tpot_ms is not None, f"{key}.slo_tpot_ms", None, s,
@@ -220,7 +251,10 @@ def to_autoscaler_config(a: AutoscalingSection, roles: dict[str, str], leaders: 
     fed_by = prefill[0] if len(prefill) == 1 else None
     pools = tuple(
         PoolScaling(p.pool, "drafter", min_replicas=p.min_replicas, max_replicas=p.max_replicas,
-                    follows=leaders[p.pool][0], ratio=p.ratio) if roles[p.pool] == "drafter" else
+                    follows=leaders[p.pool][0], ratio=1.0 if p.ratio is None else p.ratio, headroom=p.headroom,
+                    rows_per_replica=p.rows_per_replica, min_speedup=p.min_speedup,
+                    verify_token_cost=p.verify_token_cost, min_verifies=p.min_verifies)
+        if roles[p.pool] == "drafter" else
         PoolScaling(p.pool, roles[p.pool], SLOTargets(_seconds(p.slo_ttft_ms) if roles[p.pool] != "decode" else None,
                                                       _seconds(p.slo_tpot_ms) if roles[p.pool] != "prefill" else None),
                     _load(p, f"autoscaling.pools[{i}]", {}).capacity, p.min_replicas, p.max_replicas,

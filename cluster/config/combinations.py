@@ -68,10 +68,14 @@ def _check_drafter_pools(c: Any, s: Sources) -> None:
 
 
 def _check_pool_device(pool: Any, p: str, s: Sources) -> None:
-    """A pool that asks for CUDA must reserve GPUs (Ray gives a rank no GPU otherwise)."""
+    """A pool that asks for CUDA must reserve GPUs (Ray gives a rank no GPU otherwise); CUDA graphs
+    are captured by a one-rank replica's ModelRunner only (a gang's runner has none)."""
     dev = pool.engine.device
     need(not dev.startswith("cuda") or pool.gpus_per_rank > 0, f"{p}.engine.device", dev, s,
          f"{p}.gpus_per_rank is 0: a rank gets no GPU; set {p}.gpus_per_rank (e.g. 1) or device to auto / cpu")
+    need(not pool.engine.cuda_graphs or pool.gang_size == 1, f"{p}.engine.cuda_graphs", pool.engine.cuda_graphs, s,
+         f"with {p}.tp_size={pool.tp_size}, ep_size={pool.ep_size}, sp_size={pool.sp_size}: a gang of ranks runs "
+         "without CUDA graphs (only a one-rank replica captures them); set cuda_graphs to false")
     draft = pool.speculative.drafter_device
     need(draft != "cuda" or pool.gpus_per_rank > 0 or dev.startswith("cuda"), f"{p}.speculative.drafter_device",
          draft, s, f"{p}.gpus_per_rank is 0: a drafter on cuda beside a CPU target gets no GPU; use cpu or auto")

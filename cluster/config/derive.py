@@ -10,10 +10,12 @@ message is renamed to the dotted YAML key (cluster/config/sources.py ``lower_err
 
 Worked example::
 
-    EngineSection = derived_section("EngineSection", "...", [
+    @derived_section([
         ("block_size", Part(CacheConfig, "block_size")),          # type int, default 16, from CacheConfig
         ("max_num_seqs", Part(SchedulerConfig, "max_num_seqs")),
     ])
+    class EngineSection(DerivedSection):
+        '''Per-worker engine settings.'''
     # pools[0].engine.block_size=24 (from duet.yaml): must be a power of two >= 1   (CacheConfig's check)
     owner_kwargs(section, CacheConfig)   # {"block_size": 24}: what to build the worker config from
 """
@@ -24,12 +26,11 @@ import dataclasses
 import inspect
 import re
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, TypeVar, cast
 
 from pydantic import AfterValidator, BaseModel, ByteSize, ConfigDict, Field, WithJsonSchema, create_model
-from pydantic.fields import FieldInfo
 
 from cluster.config.sources import KeyMap, Sources, is_lower_config_error, lower_error
 
@@ -55,11 +56,32 @@ class Part:
     type: Any = None
 
 
-def derived_section(name: str, doc: str, fields: Sequence[tuple[str, Part | tuple[Any, FieldInfo]]], *,
-                    base: type[Section] = Section, probe: dict[type, dict[str, Any]] | None = None) -> type[Section]:
-    """A section model ``name`` whose fields are ``fields`` in order: a ``Part`` takes its type, default
+class DerivedSection(Section):
+    """The base of every ``derived_section`` model: which owner field each of its fields is (PARTS)
+    and the probe values (PROBE). The fields themselves are added by pydantic's create_model at
+    import, out of a type checker's sight: for mypy they read as Any (pydantic validates them)."""
+
+    PARTS: ClassVar[dict[str, Part]] = {}
+    PROBE: ClassVar[dict[type, dict[str, Any]]] = {}
+
+    if TYPE_CHECKING:
+        def __getattr__(self, name: str) -> Any: ...
+
+
+D = TypeVar("D", bound=DerivedSection)
+
+
+def derived_section(fields: Sequence[tuple[str, Part | tuple[Any, Any]]], *,
+                    probe: dict[type, dict[str, Any]] | None = None) -> Callable[[type[D]], type[D]]:
+    """A class decorator: the decorated class (a ``DerivedSection``) becomes the section model of its
+    name, docstring and bases whose fields are ``fields`` in order: a ``Part`` takes its type, default
     and description from the owner; a ``(type, Field(...))`` is the section's own. probe: values an
     owner needs to be built for validation that the section does not carry (RouterConfig's tokenizer_path)."""
+    return lambda cls: _build_section(cls, fields, probe)
+
+
+def _build_section(cls: type[D], fields: Sequence[tuple[str, Part | tuple[Any, Any]]],
+                   probe: dict[type, dict[str, Any]] | None) -> type[D]:
     specs: dict[str, Any] = {}
     parts = {}
     for field_name, spec in fields:
@@ -72,9 +94,10 @@ def derived_section(name: str, doc: str, fields: Sequence[tuple[str, Part | tupl
             parts[field_name] = spec
         else:
             specs[field_name] = spec
-    cls = create_model(name, __base__=base, __doc__=doc, __module__="cluster.config.duet", **specs)
-    cls.PARTS, cls.PROBE = parts, dict(probe or {})  # type: ignore[attr-defined]
-    return cls
+    model = cast(type[D], create_model(cls.__name__, __base__=cls.__bases__, __doc__=cls.__doc__,
+                                       __module__=cls.__module__, **specs))
+    model.PARTS, model.PROBE = parts, dict(probe or {})
+    return model
 
 
 def field_docs(cls: type) -> dict[str, str]:

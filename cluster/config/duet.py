@@ -46,10 +46,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, ValidationError
+from pydantic.json_schema import JsonDict
 
 from cluster.config.autoscale import AutoscalingSection, check_against_pools, check_autoscaling, to_autoscaler_config
 from cluster.config.combinations import check_combinations
-from cluster.config.derive import ByteCount, Part, Section, check_derived, derived_section, keymap, owner_kwargs
+from cluster.config.derive import (ByteCount, DerivedSection, Part, Section, check_derived, derived_section, keymap,
+                                   owner_kwargs)
 from cluster.config.sources import (
     ClusterConfigError,
     KeySource,
@@ -84,21 +86,29 @@ ROLES = ("colocated", "prefill", "decode", "drafter")
 # types' own fields under their YAML names (cluster/config/derive.py): their types, defaults, checks
 # and descriptions are defined once, there. pools[i].speculative *is* workers.config.SpeculativeConfig,
 # and pools[i].drafter (role drafter) *is* workers.config.DrafterConfig.
-ModelSection = derived_section("ModelSection", "What every worker serves (workers.config.EngineConfig).", [
+@derived_section([
     ("name", Part(EngineConfig, "model")),
     ("dtype", Part(EngineConfig, "dtype")),
     ("max_model_len", Part(EngineConfig, "max_model_len")),
     ("quantization", Part(EngineConfig, "quantization")),
     ("shared_weights_dir", Part(EngineConfig, "shared_weights_dir")),
 ])
+class ModelSection(DerivedSection):
+    """What every worker serves (workers.config.EngineConfig)."""
 
-EngineSection = derived_section("EngineSection", "Per-worker engine settings (workers.config).", [
+
+@derived_section([
     ("block_size", Part(CacheConfig, "block_size")),
     ("kv_cache_memory_bytes", Part(CacheConfig, "kv_cache_memory_bytes", type=ByteCount)),
     ("max_num_batched_tokens", Part(SchedulerConfig, "max_num_batched_tokens")),
     ("max_num_seqs", Part(SchedulerConfig, "max_num_seqs")),
     ("target_itl_ms", Part(SchedulerConfig, "target_itl_ms")),
     ("enable_prefix_caching", Part(CacheConfig, "enable_prefix_caching")),
+    ("host_tier_bytes", Part(CacheConfig, "host_tier_bytes", type=ByteCount)),
+    ("disk_tier_bytes", Part(CacheConfig, "disk_tier_bytes", type=ByteCount)),
+    ("disk_tier_dir", Part(CacheConfig, "disk_tier_dir")),
+    ("tier_policy", Part(CacheConfig, "tier_policy")),
+    ("tier_load_timeout_s", Part(CacheConfig, "tier_load_timeout_s")),
     ("fused_decode", Part(EngineConfig, "fused_decode")),
     ("cpu_kernels", Part(EngineConfig, "cpu_kernels")),
     ("device", Part(EngineConfig, "device")),
@@ -108,12 +118,14 @@ EngineSection = derived_section("EngineSection", "Per-worker engine settings (wo
     ("omp_wait_policy", Part(EngineConfig, "omp_wait_policy")),
     ("niceness", Part(EngineConfig, "niceness")),
 ])
+class EngineSection(DerivedSection):
+    """Per-worker engine settings (workers.config)."""
 
 
-class _Pool(Section):
+class _Pool(DerivedSection):
     @property
     def gang_size(self) -> int:
-        return self.ep_size * self.sp_size * self.tp_size  # type: ignore[attr-defined]
+        return self.ep_size * self.sp_size * self.tp_size
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -128,10 +140,7 @@ def _resource_pairs(value: Any) -> Any:
     return value
 
 
-PoolSection = derived_section("PoolSection", """One worker pool: ``replicas`` replicas, each a gang of
-    ``gang_size`` = ep_size * sp_size * tp_size ranks (Ray actors); each rank reserves one placement
-    group bundle of ``cpus_per_replica`` CPUs, ``gpus_per_rank`` GPUs and ``resources_per_rank``
-    (cluster/deploy/pools.py).""", [
+@derived_section([
     ("name", (str, Field("default", pattern=r"^[a-z][a-z0-9_]*$", description="Names the pool's actors "
               "(<name>-<index>) and worker ids.", json_schema_extra={"hint": "must be lower-case letters, digits and "
                                                                      "'_', starting with a letter (it names the actors)"}))),
@@ -178,12 +187,21 @@ PoolSection = derived_section("PoolSection", """One worker pool: ``replicas`` re
                             "rank, e.g. {duet_pool_decode: 1} where only the decode pool's nodes offer it, so no rank "
                             "lands on another pool's (or the drafters') nodes and an autoscaler adds the right ones.",
                             json_schema_extra={"additionalProperties": {"type": "number", "exclusiveMinimum": 0}}))),
-], base=_Pool)
+])
+class PoolSection(_Pool):
+    """One worker pool: ``replicas`` replicas, each a gang of
+    ``gang_size`` = ep_size * sp_size * tp_size ranks (Ray actors); each rank reserves one placement
+    group bundle of ``cpus_per_replica`` CPUs, ``gpus_per_rank`` GPUs and ``resources_per_rank``
+    (cluster/deploy/pools.py)."""
 
-RouterSection = derived_section("RouterSection", "The public gRPC server and OpenAI-compatible HTTP API "
-                                "(router.config.RouterConfig; security: router/security.py).", [
+
+@derived_section([
     ("host", Part(RouterConfig, "host", "Bind address of both servers; 0.0.0.0 accepts other machines.")),
     ("port", Part(RouterConfig, "port", "gRPC port; 0 = any free port (logged).")),
+    ("replicas", (int, Field(1, ge=1, le=16, description="Routers `duet serve` runs in its process, active-active on "
+                  "consecutive ports from port and http_port (each follows the controller's member list and the "
+                  "workers' reported prefix holdings; clients may use any). `duet router` and the chart's router "
+                  "Deployment run one each.", json_schema_extra={"hint": "must be in 1..16"}))),
     ("http_port", Part(RouterConfig, "http_port", "OpenAI-compatible HTTP API port (/v1/chat/completions, "
                        "/v1/completions, /v1/models, /health, /metrics), same TLS and tokens; 0 = off.")),
     ("policy", Part(RouterConfig, "policy")),
@@ -220,6 +238,8 @@ RouterSection = derived_section("RouterSection", "The public gRPC server and Ope
     ("rebalance_request_cooldown_s", Part(RouterConfig, "rebalance_request_cooldown_s", "A moved request stays put "
                                           "this many seconds.")),
 ], probe={RouterConfig: {"tokenizer_path": "<model>"}})
+class RouterSection(DerivedSection):
+    """The public gRPC server and OpenAI-compatible HTTP API (router.config.RouterConfig; security: router/security.py)."""
 
 
 class RaySection(Section):
@@ -233,7 +253,7 @@ class RaySection(Section):
                            "--namespace` finds them there).")
 
 
-_POSITIVE_SECONDS = {"hint": "must be > 0 seconds"}
+_POSITIVE_SECONDS: JsonDict = {"hint": "must be > 0 seconds"}
 
 
 class ControllerSection(Section):
@@ -359,6 +379,7 @@ SWITCHES: dict[str, Switch] = {
     "pools[*].comm": Switch("DUET_COMM"),
     "router.host": Switch("DUET_HOST", "--host"),
     "router.port": Switch("DUET_PORT", "--port"),
+    "router.replicas": Switch("DUET_ROUTERS", "--routers"),
     "router.http_port": Switch("DUET_HTTP_PORT", "--http-port"),
     "router.policy": Switch("DUET_POLICY", "--policy"),
     "router.tls_cert_file": Switch("DUET_TLS_CERT_FILE", "--tls-cert"),

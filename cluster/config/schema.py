@@ -101,7 +101,9 @@ _POOL = {"replicas": "replicas", "standbyReplicas": "standby_replicas", "epSize"
          **{f"engine.{k}": f"engine.{v}" for k, v in (
              ("blockSize", "block_size"), ("kvCacheMemory", "kv_cache_memory_bytes"),
              ("maxNumBatchedTokens", "max_num_batched_tokens"), ("maxNumSeqs", "max_num_seqs"),
-             ("enablePrefixCaching", "enable_prefix_caching"), ("device", "device"), ("cudaGraphs", "cuda_graphs"))},
+             ("enablePrefixCaching", "enable_prefix_caching"), ("device", "device"), ("cudaGraphs", "cuda_graphs"),
+             ("hostTierMemory", "host_tier_bytes"), ("diskTierSize", "disk_tier_bytes"),
+             ("tierLoadTimeoutSeconds", "tier_load_timeout_s"))},
          **{f"speculative.{k}": f"speculative.{v}" for k, v in (
              ("method", "method"), ("numSpeculativeTokens", "num_speculative_tokens"), ("adaptive", "adaptive"),
              ("ngramMin", "ngram_min"), ("ngramMax", "ngram_max"), ("draftModel", "draft_model"),
@@ -173,6 +175,7 @@ def _walk(model: type, prefix: str) -> typing.Iterator[tuple[str, Any, str, dict
                 default = field.get_default(call_default_factory=True)
                 yield f"{prefix}{name}", _plain(default), field.description or "", props[name]
     else:  # a lower layer's dataclass used as a section (pools[].speculative)
+        assert dataclasses.is_dataclass(model), model
         docs, hints = field_docs(model), typing.get_type_hints(model)
         for f in dataclasses.fields(model):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -225,9 +228,9 @@ def _type_text(schema: dict[str, Any]) -> str:
     if "enum" in schema:
         return " \\| ".join(str(v) for v in schema["enum"])
     types = schema.get("type", "any")
-    names = {"integer": "int", "number": "float", "boolean": "bool", "string": "str", "object": "mapping",
+    names: dict[Any, Any] = {"integer": "int", "number": "float", "boolean": "bool", "string": "str", "object": "mapping",
              "array": "list", "null": "null"}
-    text = " or ".join(names.get(t, t) for t in (types if isinstance(types, list) else [types]))
+    text = " or ".join(str(names.get(t, t)) for t in (types if isinstance(types, list) else [types]))
     return text.replace("int or str", "int or size (64MiB)") if "pattern" in schema and "int" in text else text
 
 

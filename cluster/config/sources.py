@@ -25,7 +25,7 @@ import types
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -63,7 +63,7 @@ class KeySource(PydanticBaseSettingsSource):
 
     def __init__(self, settings: type[BaseModel], values: Iterable[tuple[str, Any, str]]) -> None:
         super().__init__(settings)  # type: ignore[arg-type]
-        self.values, self.sources = list(values), {}
+        self.values, self.sources = list(values), cast(dict[str, str], {})
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # per-field API: unused
         raise NotImplementedError

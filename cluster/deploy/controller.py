@@ -229,7 +229,7 @@ class Controller:
             for _ in range(target - len(spares)):
                 try:
                     replica = pool.add_replica()
-                except Exception:  # noqa: BLE001 - no room, a Ray error: try again next poll
+                except Exception:
                     logger.exception("controller: pool %s: could not create a standby replica", name)
                     break
                 self.add(replica, standby=True)
@@ -543,12 +543,12 @@ class Controller:
                 return
             try:
                 push(members)
-            except Exception:  # noqa: BLE001 - keep the old list marked as pushed, retry next poll
+            except Exception:  # keep the old list marked as pushed, retry next poll
                 logger.exception("controller: pushing %d members failed; retrying", len(members))
                 return
             self._pushed[index] = members
         logger.info("controller: membership -> %s", ", ".join(
-            f"{m[0]}@{m[1]}{' (draining)' if detailed and m[4] else ''}" for m in members) or "(none)")
+            f"{m[0]}@{m[1]}{' (draining)' if detailed and len(m) > 4 and m[4] else ''}" for m in members) or "(none)")
 
 
 def _dead_nodes(node_ids: set[str]) -> set[str]:

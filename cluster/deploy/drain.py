@@ -67,7 +67,7 @@ def drain(victims: list[dict[str, Any]], workers: list[dict[str, Any]], timeout_
             try:
                 r = worker_pb2_grpc.WorkerStub(channel).Drain(request, timeout=timeout_s + 10)
             except grpc.RpcError as e:
-                out["error"] = f"gRPC: {e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+                out["error"] = f"gRPC: {e.code().name}: {e.details()}"
             else:
                 out.update(migrated=r.migrated, failed=r.failed, remaining=r.remaining, seconds=round(r.seconds, 3),
                            targets=[w for w, _, _ in peers])

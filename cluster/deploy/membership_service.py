@@ -58,7 +58,7 @@ class MembershipServicer(control_pb2_grpc.MembershipServicer):
         self._cond = threading.Condition()
         self._version = 0
         self._message = control_pb2.MemberList()
-        self._members: Members | None = None
+        self._members: Members | MemberDetails | None = None
         self._closed = False
         self.num_watchers = 0
 
@@ -68,7 +68,7 @@ class MembershipServicer(control_pb2_grpc.MembershipServicer):
         with self._cond:
             if members == self._members:
                 return
-            self._members = list(members)
+            self._members = members.copy()
             self._version += 1
             self._message = control_pb2.MemberList(version=self._version, members=[self._member(m) for m in members])
             self._cond.notify_all()
@@ -115,7 +115,7 @@ class MembershipServicer(control_pb2_grpc.MembershipServicer):
             return control_pb2.WakeReply()
         try:
             out = self._wake_pools(list(request.roles), request.requester or context.peer())
-        except Exception as e:  # noqa: BLE001 - the router keeps holding; say why here
+        except Exception as e:
             logger.exception("membership: waking pools for %s failed", request.requester or context.peer())
             context.abort(grpc.StatusCode.INTERNAL, f"waking pools failed: {e}")
         return control_pb2.WakeReply(woken=list(out.woken), waking=list(out.waking),

@@ -264,7 +264,7 @@ def _actor_factory(section: PoolSection, engine_config: Any, namespace: str, hos
             if section.role == "drafter":
                 return _create_drafter(section, engine_config, worker_id, host, options), ()
             if section.gang_size == 1:
-                return WorkerActor.options(**options).remote(engine_config, worker_id, host), ()
+                return WorkerActor.options(**options).remote(engine_config, worker_id, host), ()  # type: ignore[attr-defined]  # a @ray.remote class
             return _create_gang(section, engine_config, host, pg, first_bundle, options)
         except ValueError as e:  # the name is taken
             raise PoolError(
@@ -281,7 +281,7 @@ def _create_drafter(section: PoolSection, engine_config: Any, worker_id: str, ho
     from workers.spec_decode.drafter_actor import DrafterActor
 
     d = section.drafter
-    return DrafterActor.options(**options).remote(engine_config, None, d.draft_vocab_size, d.threads,
+    return DrafterActor.options(**options).remote(engine_config, None, d.draft_vocab_size, d.threads,  # type: ignore[attr-defined]  # a @ray.remote class
                                                   worker_id=worker_id, host=host, idle_timeout_s=d.idle_timeout_s)
 
 
@@ -298,14 +298,14 @@ def _create_gang(section: PoolSection, engine_config: Any, host: str | None, pg:
     ranks = section.gang_size
     parallel = section.parallel
     followers = tuple(
-        GangFollowerActor.options(
+        GangFollowerActor.options(  # type: ignore[attr-defined]  # a @ray.remote class
             **rank_actor_options(section, engine_config), max_restarts=section.max_restarts, max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + r),
         ).remote(engine_config, parallel, r)
         for r in range(1, ranks)
     )
     try:
-        leader = GangLeaderActor.options(**leader_options).remote(
+        leader = GangLeaderActor.options(**leader_options).remote(  # type: ignore[attr-defined]  # a @ray.remote class
             engine_config, leader_options["name"], host, parallel, list(followers), RebalanceConfig())
     except BaseException:
         for f in followers:

@@ -46,16 +46,16 @@ def preflight(config: DuetConfig, sources: dict[str, str] | None = None) -> Pref
         if pool.role == "drafter":
             drafter = config.to_drafter_engine_config(pool)
             draft_path = resolve_model(pool.drafter.model)
-            _checked(lambda: check_support(draft_path, drafter, one_rank), config, i, sources, drafter=True)
+            _checked(lambda: check_support(draft_path, drafter, one_rank), config, i, sources, drafter=True)  # noqa: B023 - called in this iteration
             _check_tokenizer(config, path, draft_path, f"pools[{i}].drafter.model", pool.drafter.model, sources)
             continue
         engine = config.to_engine_config(pool)
-        spec = _checked(lambda: check_support(path, engine, pool.parallel), config, i, sources)
+        spec = _checked(lambda: check_support(path, engine, pool.parallel), config, i, sources)  # noqa: B023 - called in this iteration
         sp = pool.speculative
         if sp.method == "draft_model" and not sp.drafter_pool:
             draft_path = resolve_model(sp.draft_model)
             drafter = replace(engine, model=sp.draft_model, quantization=sp.draft_quantization)
-            _checked(lambda: check_support(draft_path, drafter, one_rank), config, i, sources, drafter=True)
+            _checked(lambda: check_support(draft_path, drafter, one_rank), config, i, sources, drafter=True)  # noqa: B023 - called in this iteration
             _check_tokenizer(config, path, draft_path, f"pools[{i}].speculative.draft_model", sp.draft_model, sources)
     assert spec is not None  # config validation requires a target pool
     logger.info("duet: model %s -> %s (%s%s)", config.model.name, path, spec.model_type,

@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from cluster.autoscale.actuator import PoolStatus
 from cluster.deploy.controller import Controller
@@ -85,13 +86,13 @@ class RayActuator:
                         self._controller.add(p.add_replica())
             elif replicas < len(live):
                 ranked = sorted(live, key=lambda x: (_VICTIM_ORDER[x[1]], -int(x[0]["index"])))
-                for row, st in ranked[: len(live) - replicas]:
+                for row, _state in ranked[: len(live) - replicas]:
                     logger.info("ray actuator: pool %s: removing %s (%s)", pool, row["worker_id"], row["state"])
                     self._controller.retire(row["worker_id"], drain_grace_s=self.drain_grace_s,
                                             drain_settle_s=self.drain_settle_s)
             self._desired[pool] = replicas
 
-    def _states(self, pool: str) -> list[tuple[dict[str, object], str]]:
+    def _states(self, pool: str) -> list[tuple[dict[str, Any], str]]:
         """(controller row, actuator state) of each replica of ``pool``; KeyError for an unknown pool."""
         p = self._pools[pool]
         replicas = {r.worker_id: r for r in list(p.replicas)}

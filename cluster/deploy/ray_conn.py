@@ -70,6 +70,7 @@ def connect(section: RaySection, *, log_to_driver: bool = True) -> RayConnection
         ctx = ray.get_runtime_context()
         logger.info("ray: already initialised in this process (namespace %r); using it", ctx.namespace)
         return RayConnection("reused", ctx.gcs_address, "", section.namespace)
+    kwargs: dict[str, Any]
     if section.address is None:
         kwargs = dict(address="local", num_cpus=section.num_cpus, include_dashboard=False)
         kind = "embedded"
@@ -86,7 +87,7 @@ def connect(section: RaySection, *, log_to_driver: bool = True) -> RayConnection
         raise RayConnectionError(f"cannot start or reach {where}: {e}; {fix}") from e
     finally:
         _restore(saved)
-    address_info = info.address_info
+    address_info = info.address_info  # type: ignore[attr-defined]  # a RayContext; ray.init is typed BaseContext
     conn = RayConnection(kind, address_info.get("gcs_address", ""), address_info.get("session_dir", ""),
                          section.namespace)
     cpus = ray.cluster_resources().get("CPU", 0)

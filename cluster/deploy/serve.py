@@ -15,14 +15,16 @@ The order, in ``start_deployment`` (each step undone, in reverse, if a later one
     5. the controller's membership service (duet.control.v1.Membership on ``controller.port``,
        cluster/deploy/membership_service.py), whose Wake wakes pools scaled to zero through the
        deployment's actuator (cluster/deploy/wake.py) when a router holds a request for one
-    6. the router, on a background thread, with the workers as its first members (gRPC on
-       ``router.port``, the OpenAI-compatible HTTP API on ``router.http_port``); it follows the
+    6. the router (``router.replicas`` of them, active-active on consecutive ports: router i serves
+       gRPC on ``router.port + i`` and HTTP on ``router.http_port + i``), each on a background thread
+       with the workers as its first members; every one polls every worker, so all see the same load
+       and the same reported prefix holdings (router/prefix_index.py); each follows the
        membership service over gRPC from then on (joins, leaves, restarts; no router restart), the
        same way a router in its own process or pod does (``duet router --membership``). With
        ``with_router=False`` (``duet serve --no-router``, what the Helm chart's Ray head runs) this
        step is skipped: routers run elsewhere (their own Kubernetes Deployment) and follow step 5.
     7. with ``autoscaling.enabled``: the SLO autoscaler's loop on a background thread
-       (cluster/autoscale/loop.py): metrics from this process's router, or from
+       (cluster/autoscale/loop.py): metrics from this process's routers (all of them), or from
        ``autoscaling.metrics_urls`` (cluster/autoscale/metrics.py), decisions by
        cluster/autoscale/slo.py, applied by the actuator ``autoscaling.actuator`` names
        (cluster/deploy/kuberay_actuator.py): ``ray`` (cluster/deploy/ray_actuator.py: new replicas start and
@@ -50,6 +52,7 @@ Example (what tests do; the CLI wraps this in ``run_foreground``)::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import signal
@@ -84,7 +87,8 @@ class Deployment:
     pools: list[WorkerPool] = field(default_factory=list)
     controller: Controller | None = None
     membership: MembershipService | None = None
-    router: Any = None  # router.server.RouterHandle
+    router: Any = None  # router.server.RouterHandle: the first of ``routers``
+    routers: list[Any] = field(default_factory=list)  # every router this process runs (router.replicas)
     autoscaler: Any = None  # cluster.autoscale.loop.AutoscaleLoop, with autoscaling enabled
     actuator: Any = None  # autoscaling.actuator's (cluster/deploy/kuberay_actuator.py), else a RayActuator
     waker: Any = None  # cluster.deploy.wake.PoolWaker: wakes pools scaled to zero for the routers
@@ -96,12 +100,20 @@ class Deployment:
     @property
     def address(self) -> str:
         """The router's host:port; without a router, the membership service's."""
-        return self.router.address if self.router is not None else self.membership.address
+        if self.router is not None:
+            return self.router.address
+        assert self.membership is not None, "address of a deployment that is not up"
+        return self.membership.address
 
     @property
     def http_url(self) -> str | None:
         """The router's OpenAI base URL (http://host:port/v1); None without a router or with http_port 0."""
         return self.router.http_url if self.router is not None else None
+
+    @property
+    def addresses(self) -> list[str]:
+        """Every router's gRPC host:port (router.replicas of them, consecutive ports)."""
+        return [r.address for r in self.routers]
 
     @property
     def pool(self) -> WorkerPool | None:
@@ -115,15 +127,16 @@ class Deployment:
             return
         self._stopped = True
         steps = [("autoscaler", lambda: self.autoscaler.stop()),
-                 ("router", lambda: self.router.stop()), ("membership", lambda: self.membership.stop()),
-                 ("controller", lambda: self.controller.stop()),
-                 ("pools", lambda: [p.shutdown() for p in self.pools]), ("ray", self.ray.close)]
+                 ("router", lambda: [r.stop() for r in self.routers]),
+                 ("membership", lambda: self.membership.stop()),  # type: ignore[union-attr]  # None: skipped below
+                 ("controller", lambda: self.controller.stop()),  # type: ignore[union-attr]  # None: skipped below
+                 ("pools", lambda: list(map(WorkerPool.shutdown, self.pools))), ("ray", self.ray.close)]
         for name, step in steps:
             if name != "ray" and not getattr(self, name):
                 continue
             try:
                 step()
-            except Exception:  # noqa: BLE001 - keep tearing down; a leftover is worse than a log line
+            except Exception:  # keep tearing down; a leftover is worse than a log line
                 logger.exception("shutdown: stopping the %s failed", name)
         logger.info("duet: stopped")
 
@@ -149,9 +162,12 @@ def start_deployment(config: DuetConfig, *, router_overrides: dict[str, Any] | N
         raise ServeError("autoscaling.enabled with no router in this process (--no-router): set "
                          "autoscaling.metrics_urls to the routers' /metrics (`duet router --metrics-port`)")
     if with_router:  # before minutes of startup
-        _check_port_free(config.router.host, config.router.port, "router.port", "--port")
-        _check_port_free(config.router.host, config.router.http_port, "router.http_port", "--http-port",
-                         off_hint="0 turns the HTTP API off")
+        for i in range(config.router.replicas):
+            _check_port_free(config.router.host, config.router.port + i if config.router.port else 0,
+                             "router.port" + (f" + {i} (router.replicas)" if i else ""), "--port")
+            _check_port_free(config.router.host, config.router.http_port + i if config.router.http_port else 0,
+                             "router.http_port" + (f" + {i} (router.replicas)" if i else ""), "--http-port",
+                             off_hint="0 turns the HTTP API off")
     _check_port_free(config.controller.host, config.controller.port, "controller.port", "--controller-port")
     ray_conn = connect(config.ray, log_to_driver=log_to_driver)
     deployment = Deployment(config, ray_conn, model_path=model_path)
@@ -194,6 +210,7 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
     if not targets:
         raise ServeError("only drafter replicas came up; no worker to serve requests "
                          f"({'; '.join(str(r['worker_id']) + ': ' + str(r['state']) for r in d.controller.describe())})")
+    assert d.model_path is not None  # resolved before the pools start
     d.max_model_len = min(effective_max_model_len(d.model_path, config.model.max_model_len, endpoint)
                           for endpoint in targets)  # a prompt must fit every pool's KV
     d.actuator = _make_actuator(d)
@@ -207,13 +224,17 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
         return
     router_config = config.to_router_config(str(d.model_path), d.max_model_len,
                                             membership_address=d.membership.address, **router_overrides)
-    d.router = serve_router(router_config, d.controller.router_members())
-    d.router.server.metrics.registry.register(PoolStateCollector(d.controller))  # standby etc. on /metrics
+    for i in range(config.router.replicas):  # active-active, consecutive ports (0 stays "any free port")
+        d.routers.append(serve_router(dataclasses.replace(
+            router_config, port=router_config.port + i if router_config.port else 0,
+            http_port=router_config.http_port + i if router_config.http_port else 0), d.controller.router_members()))
+        d.routers[-1].server.metrics.registry.register(PoolStateCollector(d.controller))  # standby etc. on /metrics
+    d.router = d.routers[0]
     _start_autoscaler(d)
     logger.info("duet: serving %s on %s (gRPC)%s (%d workers, policy %s, context %d tokens, %s; members from %s)",
-                router_config.model_name, d.router.address,
-                f" and {d.router.http_url} (OpenAI HTTP)" if d.router.http_url else "", len(d.controller.members()),
-                router_config.policy, d.max_model_len, d.cpus_note, d.membership.address)
+                router_config.model_name, ", ".join(d.addresses),
+                f" and {', '.join(r.http_url for r in d.routers)} (OpenAI HTTP)" if d.router.http_url else "",
+                len(d.controller.members()), router_config.policy, d.max_model_len, d.cpus_note, d.membership.address)
 
 
 def _make_actuator(d: Deployment) -> Any:
@@ -223,6 +244,7 @@ def _make_actuator(d: Deployment) -> Any:
     from cluster.deploy.ray_actuator import RayActuator
 
     a = d.config.autoscaling
+    assert d.controller is not None  # started before the actuator
     if a.enabled:
         return make_actuator(a, d.pools, d.controller)
     return RayActuator(d.pools, d.controller, drain_grace_s=a.drain_grace_s)
@@ -231,22 +253,22 @@ def _make_actuator(d: Deployment) -> Any:
 def _start_autoscaler(d: Deployment) -> None:
     """Step 7 of the module docstring (nothing when autoscaling is off)."""
     from cluster.autoscale.loop import AutoscaleLoop, SLOAutoscaler
-    from cluster.autoscale.metrics import PrometheusWindows, http_source
+    from cluster.autoscale.metrics import PrometheusWindows, source_for
     from router.prometheus import metrics_registry
 
     a = d.config.autoscaling
     if not a.enabled:
         return
-    sources = [http_source(url) for url in a.metrics_urls]
+    sources = [source_for(url) for url in a.metrics_urls]
     if not sources:  # checked in start_deployment: without metrics_urls, this process runs the router
-        sources = [metrics_registry(d.router.stats, d.router.server.metrics.registry).collect]
+        sources = [metrics_registry(r.stats, r.server.metrics.registry).collect for r in d.routers]
     d.autoscaler = AutoscaleLoop(SLOAutoscaler(d.config.to_autoscaler_config()),
                                  PrometheusWindows(sources, window_buckets=a.window_buckets,
                                                    latency_buckets=a.latency_buckets),
                                  d.actuator, interval_s=a.interval_s)
     d.autoscaler.start()
     logger.info("duet: autoscaling %s every %g s (metrics from %s)", ", ".join(p.pool for p in a.pools), a.interval_s,
-                ", ".join(a.metrics_urls) or "this router")
+                ", ".join(a.metrics_urls) or f"the {len(d.routers)} router(s) of this process")
 
 
 def _embedded_cpus(conn: RayConnection) -> int | None:

@@ -62,7 +62,7 @@ def router_status(target: str, timeout: float = 5.0, *, tls: Any = None, token: 
                                                                               timeout=timeout, metadata=md)
             out["stats"] = stats_from_proto(stats)
         except grpc.RpcError as e:
-            out["error"] = f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+            out["error"] = f"{e.code().name}: {e.details()}"
     return out
 
 
@@ -79,7 +79,7 @@ def worker_status(namespace: str, timeout: float = 5.0) -> list[dict[str, Any]]:
             continue
         entry: dict[str, Any] = {"pool": m.group("pool"), "worker_id": name}
         try:
-            info = ray.get(ray.get_actor(name, namespace=namespace).info.remote(), timeout=timeout)
+            info: Any = ray.get(ray.get_actor(name, namespace=namespace).info.remote(), timeout=timeout)
         except Exception as e:  # noqa: BLE001 - dead, restarting or slow: report, don't hide
             entry["error"] = f"actor: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
             workers.append(entry)
@@ -115,7 +115,7 @@ def _worker_load(endpoint: str, timeout: float) -> dict[str, Any]:
                 health_pb2.HealthCheckRequest(service="duet.worker.v1.Worker"), timeout=timeout)
             r = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=timeout)
         except grpc.RpcError as e:
-            return {"error": f"gRPC: {e.code().name}: {e.details()}"}  # type: ignore[attr-defined]
+            return {"error": f"gRPC: {e.code().name}: {e.details()}"}
     return {"health": health_pb2.HealthCheckResponse.ServingStatus.Name(h.status),
             "load": {"num_running": r.num_running, "num_waiting": r.num_waiting,
                      "outstanding_tokens": r.outstanding_tokens, "kv_blocks_used": r.kv_blocks_used,
@@ -131,7 +131,11 @@ def _worker_load(endpoint: str, timeout: float) -> dict[str, Any]:
                      "prefix_pull_failures": r.prefix_pull_failures, "prefix_pulls_served": r.prefix_pulls_served,
                      "migrations_out": r.migrations_out, "migrations_in": r.migrations_in,
                      "migration_failures": r.migration_failures, "migration_kv_bytes": r.migration_kv_bytes,
-                     "draining": r.draining}}
+                     "draining": r.draining,
+                     **{f: getattr(r, f) for f in ("tier_host_bytes", "tier_disk_bytes", "tier_host_hits",
+                                                   "tier_disk_hits", "tier_host_evictions", "tier_disk_evictions",
+                                                   "tier_refused_corrupt", "tier_refused_foreign",
+                                                   "tier_deadline_misses")}}}
 
 
 def _drafter_load(endpoint: str, timeout: float) -> dict[str, Any]:
@@ -144,7 +148,7 @@ def _drafter_load(endpoint: str, timeout: float) -> dict[str, Any]:
         try:
             r = drafter_pb2_grpc.DrafterStub(channel).GetLoad(drafter_pb2.GetDrafterLoadRequest(), timeout=timeout)
         except grpc.RpcError as e:
-            return {"error": f"gRPC: {e.code().name}: {e.details()}"}  # type: ignore[attr-defined]
+            return {"error": f"gRPC: {e.code().name}: {e.details()}"}
     return {"health": "SERVING", "load": {f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields}}
 
 
@@ -218,6 +222,12 @@ def format_status(status: dict[str, Any]) -> str:
                 length = ld["spec_emitted_tokens"] / max(ld["spec_verifies"], 1)
                 lines.append(f"  {'':<12} speculative {ld['spec_method']}: acceptance {rate:.0%}, {length:.2f} tokens "
                              f"per verify, {ld['spec_fallbacks']} fallbacks")
+            if ld.get("tier_host_bytes") or ld.get("tier_host_hits") or ld.get("tier_disk_hits"):
+                lines.append(f"  {'':<12} KV tiers: host {ld['tier_host_bytes'] / 1e6:.1f} MB ({ld['tier_host_hits']} "
+                             f"hits, {ld['tier_host_evictions']} evicted), disk {ld['tier_disk_bytes'] / 1e6:.1f} MB "
+                             f"({ld['tier_disk_hits']} hits, {ld['tier_disk_evictions']} evicted), refused "
+                             f"{ld['tier_refused_corrupt']} corrupt / {ld['tier_refused_foreign']} foreign, "
+                             f"{ld['tier_deadline_misses']} deadline misses")
             if ld.get("kv_transfers_sent") or ld.get("kv_transfers_received") or ld.get("kv_transfer_failures"):
                 lines.append(f"  {'':<12} KV transfers: sent {ld['kv_transfers_sent']} ({ld['kv_bytes_sent'] / 1e6:.1f} "
                              f"MB), received {ld['kv_transfers_received']} ({ld['kv_bytes_received'] / 1e6:.1f} MB), "

@@ -19,6 +19,7 @@ import math
 from typing import Protocol
 
 from cluster.autoscale.actuator import PoolStatus
+from cluster.autoscale.drafter import DraftWindow
 from cluster.autoscale.slo import PoolMetrics
 from cluster.sim.migration import Migrator
 from cluster.sim.pool import PoolState
@@ -74,8 +75,21 @@ class SimMetrics:
                 mean_output_tokens=sum(b.output for b in hist) / arrivals if arrivals else 0.0,
                 ttft_p90_s=p90(ttft) if ttft else None, tpot_p90_s=p90(tpot) if tpot else None,
                 latency_samples=samples, queue_depth=sum(b.queued for b in lat) / len(lat) if lat else 0.0,
-                in_flight=sum(b.running for b in lat) / len(lat) if lat else 0.0)
+                in_flight=sum(b.running for b in lat) / len(lat) if lat else 0.0, draft=_draft(p, lat))
         return out
+
+
+def _draft(p: PoolState, lat: list) -> DraftWindow | None:
+    """A drafter pool's rows, or a speculating pool's counters, over the latency buckets (as
+    cluster/autoscale/metrics.py reads them live)."""
+    if p.spec.role == "drafter":
+        n = max(len(lat), 1)
+        return DraftWindow(rows=sum(b.rows for b in lat) / n, unserved=sum(b.unserved for b in lat) / n)
+    if p.spec.spec is None:
+        return None
+    got = [b.spec for b in lat if b.spec is not None]
+    return DraftWindow(**{k: sum(getattr(c, k) for c in got) for k in ("verifies", "draft_tokens", "accepted_tokens",
+                                                                         "emitted_tokens", "draft_wait_s", "verify_s")})
 
 
 class SimActuator:
@@ -166,6 +180,8 @@ class SimActuator:
 
     def add_replica(self, p: PoolState, now: float) -> SimReplica:
         r = SimReplica(f"{p.name}-{p.next_index}", p.name, p.spec.service, p.colocated, now)
+        if p.spec.spec is not None:  # a speculating pool's replica integrates its counters (cluster/sim/spec.py)
+            r.counters, r.verify_token_cost = p.spec_counters, p.spec.spec.verify_token_cost
         p.next_index += 1
         p.replicas[r.worker_id] = r
         p.count_alive(now, +1)

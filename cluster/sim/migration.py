@@ -180,7 +180,7 @@ class Migrator:
 
     def arrive(self, target: SimReplica, req: int, left: float, context: int) -> None:
         """The KV is on the target: the sequence resumes there with the tokens it had to go."""
-        target.join_decode(req, left, context, self.sim.now, counted=False)  # type: ignore[arg-type]
+        target.join_decode(req, left, context, self.sim.now, counted=False)
         self.sim.resched(target)
         if target.state == "draining":
             self.start(target)

@@ -13,6 +13,7 @@ from typing import Any
 
 from cluster.autoscale.profile import ServiceModel
 from cluster.sim.replica import SimReplica
+from cluster.sim.spec import DraftCost, SpecCounters, SpecModel
 from router.policies import RoutingPolicy
 
 
@@ -47,10 +48,11 @@ class MigrationModel:
 
 @dataclass(frozen=True)
 class SimPool:
-    """One simulated pool. role: colocated | prefill | decode. migration: how a removed replica's
-    running requests move (None: it drains, waiting for them to finish). rebalance: every tick,
-    replicas far above the pool's mean load move sequences to the ones below it (the router's
-    rebalancer; cluster/sim/migration.py).
+    """One simulated pool. role: colocated | prefill | decode | drafter. migration: how a removed
+    replica's running requests move (None: it drains, waiting for them to finish). rebalance: every
+    tick, replicas far above the pool's mean load move sequences to the ones below it (the router's
+    rebalancer; cluster/sim/migration.py). spec: a decoding pool's speculation (cluster/sim/spec.py);
+    draft: a drafter pool's round cost (its ``service`` is unused).
 
     startup_s: a new replica's time from the scale-up decision to serving; standby_s: a standby
     replica's (promoted); both measured per model and device (cluster/sim/startup.py,
@@ -70,6 +72,8 @@ class SimPool:
     standby_s: float = 1.0
     standby: int = 0
     standby_cost: float = 0.1
+    spec: SpecModel | None = None
+    draft: DraftCost | None = None
 
     def __post_init__(self) -> None:
         if self.rebalance and self.migration is None:
@@ -78,6 +82,11 @@ class SimPool:
             v = getattr(self, key)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"pool {self.name!r}: {key}={v!r}: must be a number >= 0")
+        if (self.role == "drafter") != (self.draft is not None):
+            raise ValueError(f"pool {self.name!r}: a drafter pool needs a draft cost, and only a drafter pool has one")
+        if self.spec is not None and (self.role not in ("colocated", "decode") or self.migration is not None):
+            raise ValueError(f"pool {self.name!r}: speculation is simulated on colocated and decode pools without "
+                             "migration (a migrating speculative request is not modelled)")
 
 
 @dataclass
@@ -91,6 +100,9 @@ class Bucket:
     tpot: list[float] = field(default_factory=list)
     queued: float = 0.0
     running: float = 0.0
+    rows: float = 0.0  # drafter pools: requests drafting on its replicas at the tick
+    unserved: float = 0.0  # drafter pools: requests decoding without drafts, no replica had room
+    spec: SpecCounters | None = None  # speculating pools: the counters over the tick
 
 
 class PoolState:
@@ -116,6 +128,8 @@ class PoolState:
         self.wakes = 0  # scaled up from zero by an arriving request
         self.bucket = Bucket()
         self.history: deque[Bucket] = deque()
+        self.spec_counters = SpecCounters()  # since the last tick (speculating pools)
+        self.spec_total = SpecCounters()
 
     def count_alive(self, now: float, delta: int) -> None:
         self.replica_seconds += self.alive * (now - self.alive_since)

@@ -22,7 +22,10 @@ What is simulated, and what is real:
 
 Topologies: one ``colocated`` pool (each replica prefills and decodes), or a ``prefill`` pool
 feeding a ``decode`` pool (a request's first token comes from its prefill; it then decodes on a
-decode replica chosen by the decode pool's policy; KV transfer time is taken as 0).
+decode replica chosen by the decode pool's policy; KV transfer time is taken as 0). The decoding
+pool may speculate (``SimPool.spec``), on a private drafter per replica or on a ``drafter`` pool
+of its own size, M:N (cluster/sim/spec.py: rows batched across targets, acceptance per request,
+no drafts when the drafter pool is saturated); the autoscaler scales a drafter pool like any other.
 
 Events (a heap of (time, seq, kind, ...); O(log n) per event, O(1) events per request plus one per
 autoscaler tick): arrival, prefill done, decode done (lazily invalidated by a per-replica version
@@ -62,6 +65,8 @@ from cluster.sim.control import SimActuator, SimMetrics, p90
 from cluster.sim.migration import MigrationStats, Migrator
 from cluster.sim.pool import Bucket, PoolState, SimPool
 from cluster.sim.replica import SimReplica
+from cluster.sim.drafting import Drafting
+from cluster.sim.spec import SpecCounters
 from cluster.sim.trace import Trace
 from router.policies import RouteRequest, WorkerState, make_policy
 
@@ -88,6 +93,7 @@ class SimResult:
     migration: MigrationStats = field(default_factory=MigrationStats)
     standby_seconds: dict[str, float] = field(default_factory=dict)  # standby replica-seconds x standby_cost
     promotions: dict[str, int] = field(default_factory=dict)  # standby replicas promoted, per pool
+    spec: dict[str, SpecCounters] = field(default_factory=dict)  # speculating pool -> its counters
 
     @property
     def attainment(self) -> float:
@@ -114,14 +120,21 @@ class Simulation:
                  scaling: ScalingPolicy | None = None, tick_s: float = 10.0, window_buckets: int = 30,
                  latency_buckets: int = 3, route_candidates: int | None = None, max_total_replicas: int | None = None,
                  seed: int = 0, max_drain_s: float = 6 * 3600.0) -> None:
-        roles = sorted(p.role for p in pools)
+        roles = sorted(p.role for p in pools if p.role != "drafter")
         if roles not in (["colocated"], ["decode", "prefill"]):
-            raise ValueError(f"pools: roles {roles}: simulate one colocated pool, or one prefill + one decode pool")
+            raise ValueError(f"pools: roles {roles}: simulate one colocated pool, or one prefill + one decode pool "
+                             "(and drafter pools)")
+        drafters = {p.name for p in pools if p.role == "drafter"}
+        named = {p.spec.drafter_pool for p in pools if p.spec is not None and p.spec.drafter_pool is not None}
+        if drafters != named:
+            raise ValueError(f"pools: drafter pools {sorted(drafters)} must be exactly those the speculating pools "
+                             f"name in spec.drafter_pool ({sorted(named)})")
         self.trace, self.slo, self.tick_s = trace, slo, tick_s
         self.window_buckets, self.latency_buckets = window_buckets, latency_buckets
         self.k, self.max_total, self.max_drain_s = route_candidates, max_total_replicas, max_drain_s
         self.rng = random.Random(seed)
         self.pools = {p.name: PoolState(p, make_policy(p.policy, **p.policy_options)) for p in pools}
+        self.drafting = Drafting(self.pools, len(trace), seed, route_candidates)
         self.entry = next(p for p in self.pools.values() if p.spec.role in ("colocated", "prefill"))
         self.decode = next((p for p in self.pools.values() if p.spec.role == "decode"), None)
         n = len(trace)
@@ -159,6 +172,7 @@ class Simulation:
         for p in self.pools.values():
             p.count_alive(self.now, 0)
             p.count_spares(self.now)
+            self._take_spec(p)
         ttft = np.asarray(self.first) - self.trace.t
         out = self.trace.output
         tpot = np.where(out > 1, (np.asarray(self.done) - np.asarray(self.first)) / np.maximum(out - 1, 1), np.nan)
@@ -171,7 +185,8 @@ class Simulation:
                          self.timeline, events, time.perf_counter() - wall, time.process_time() - cpu, self.now,
                          self.migrator.stats, {p.name: p.standby_seconds * p.spec.standby_cost
                                                for p in self.pools.values()},
-                         {p.name: p.promotions for p in self.pools.values()})
+                         {p.name: p.promotions for p in self.pools.values()},
+                         {p.name: p.spec_total for p in self.pools.values() if p.spec.spec})
 
     def _push(self, t: float, kind: int, a: Any, b: int = 0) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, a, b))
@@ -247,7 +262,9 @@ class Simulation:
     def _send_decode(self, pool: PoolState, i: int) -> None:
         r = self._route(pool, i)
         if r is not None:
-            r.join_decode(i, self.output[i] - 1, self.prompt[i], self.now)
+            rate, k = self.drafting.join(r, i, self.now)
+            r.join_decode(i, self.output[i] - 1, self.prompt[i], self.now, rate=rate, k=k)
+            self.drafting.refresh(r, self.now)
             self.resched(r)
 
     def _prefill_done(self, r: SimReplica) -> None:
@@ -262,7 +279,9 @@ class Simulation:
             self._finish(pool, r, i)
             r.release()
         elif pool.colocated:
-            r.join_decode(i, self.output[i] - 1, self.prompt[i], now, counted=False)
+            rate, k = self.drafting.join(r, i, now)
+            r.join_decode(i, self.output[i] - 1, self.prompt[i], now, counted=False, rate=rate, k=k)
+            self.drafting.refresh(r, now)
             if r.state == "draining" and pool.spec.migration is not None:
                 self.migrator.start(r)
         else:
@@ -282,6 +301,10 @@ class Simulation:
         for i in r.finish_decodes(self.now):
             self._finish(pool, r, i)
             pool.bucket.tpot.append((self.now - self.first[i]) / (self.output[i] - 1))
+            d = self.drafting.leave(i)
+            if d is not None:
+                self.maybe_leave(d)
+        self.drafting.refresh(r, self.now)
         self.resched(r)
         self.maybe_leave(r)
 
@@ -329,10 +352,26 @@ class Simulation:
         self._push(t, MIGRATE_NEXT, source)
 
     # ------------------------------------------------------------------ ticks
+    def _take_spec(self, p: PoolState) -> SpecCounters | None:
+        """A speculating pool's counters since the last call (every replica's clock brought to now)."""
+        if p.spec.spec is None:
+            return None
+        for r in p.replicas.values():
+            r.sync(self.now)
+        got, p.spec_counters = p.spec_counters, SpecCounters()
+        for r in p.replicas.values():
+            r.counters = p.spec_counters
+        p.spec_total.merge(got)
+        return got
+
     def _tick(self) -> None:
         for p in self.pools.values():
             p.bucket.queued = len(p.queue) + sum(r.num_waiting() for r in p.routable)
             p.bucket.running = sum(r.num_running() for r in p.replicas.values())
+            if p.spec.role == "drafter":
+                p.bucket.rows = sum(r.in_flight for r in p.replicas.values())
+                p.bucket.unserved = len(self.drafting.unserved.get(p.name, ()))
+            p.bucket.spec = self._take_spec(p)
             p.history.append(p.bucket)
             if len(p.history) > self.window_buckets:
                 p.history.popleft()

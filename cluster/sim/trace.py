@@ -51,6 +51,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+from typing import TypeVar
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -92,6 +93,7 @@ class Trace:
         return Trace(self.name, self.t[lo:hi] - start_s, self.prompt[lo:hi], self.output[lo:hi])
 
 
+N = TypeVar("N", int, float)
 SHAPES = ("cosine", "sawtooth", "on_off", "piecewise")
 LENGTHS = ("lognormal", "pareto")
 
@@ -198,7 +200,9 @@ def _pareto(rng: np.random.Generator, mean: float, alpha: float, cap: int, n: in
 def read_burstgpt(path: str | os.PathLike[str], *, name: str | None = None) -> Trace:
     """A BurstGPT CSV (module docstring)."""
     rows = _read_rows(path, ("Timestamp", "Request tokens", "Response tokens"))
-    t, p, o = [], [], []
+    t: list[float] = []
+    p: list[int] = []
+    o: list[int] = []
     for line, row in rows:
         ts = _num(path, line, row, "Timestamp", float)
         req, resp = _num(path, line, row, "Request tokens", int), _num(path, line, row, "Response tokens", int)
@@ -213,7 +217,9 @@ def read_burstgpt(path: str | os.PathLike[str], *, name: str | None = None) -> T
 def read_azure(path: str | os.PathLike[str], *, name: str | None = None) -> Trace:
     """An Azure LLM inference trace CSV (module docstring)."""
     rows = _read_rows(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
-    t, p, o = [], [], []
+    t: list[float] = []
+    p: list[int] = []
+    o: list[int] = []
     for line, row in rows:
         raw = row["TIMESTAMP"].strip()
         try:
@@ -240,7 +246,7 @@ def _read_rows(path: str | os.PathLike[str], needed: tuple[str, ...]) -> list[tu
         raise TraceError(f"{path}: no such trace file") from None
 
 
-def _num(path: str | os.PathLike[str], line: int, row: dict[str, str], col: str, kind: type) -> float | int:
+def _num(path: str | os.PathLike[str], line: int, row: dict[str, str], col: str, kind: type[N]) -> N:
     raw = (row.get(col) or "").strip()
     try:
         return kind(float(raw)) if kind is int else kind(raw)

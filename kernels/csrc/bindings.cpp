@@ -47,73 +47,108 @@ void check_index(const Tensor& t, const char* name) {
               t.scalar_type());
 }
 
+// float32 or bfloat16 (the dtypes the elementwise and linear kernels take); true for bf16.
+bool check_f32_or_bf16(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+  return t.scalar_type() == at::kBFloat16;
+}
+
+void check_same_dtype(const Tensor& t, const Tensor& like, const char* name) {
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must be ", like.scalar_type(), " like x, got ",
+              t.scalar_type());
+}
+
+duet::bf16_t* bf16_ptr(const Tensor& t) { return reinterpret_cast<duet::bf16_t*>(t.data_ptr<at::BFloat16>()); }
+
+Tensor new_like_dtype(at::IntArrayRef sizes, const Tensor& like) {
+  return at::detail::empty_cpu(sizes, like.scalar_type());
+}
+
 std::tuple<Tensor, c10::optional<Tensor>> rms_norm(const Tensor& x, const Tensor& weight, double eps,
                                                    const c10::optional<Tensor>& residual) {
-  check_f32(x, "x");
-  check_f32(weight, "weight");
+  const bool bf16 = check_f32_or_bf16(x, "x");
+  check_same_dtype(weight, x, "weight");
   TORCH_CHECK(x.dim() >= 1, "x must have a feature dimension");
   const int64_t E = x.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == E && weight.stride(0) == 1, "weight must be contiguous [",
               E, "], got ", weight.sizes());
   const Tensor x2 = as_rows(x);
   const int64_t T = x2.size(0);
-  Tensor out = new_f32(x.sizes());
-  if (!residual.has_value()) {
-    duet::rms_norm_f32(x2.data_ptr<float>(), x2.stride(0), nullptr, 0, weight.data_ptr<float>(),
-                       out.data_ptr<float>(), nullptr, T, E, static_cast<float>(eps), at::get_num_threads());
-    return {out, c10::nullopt};
+  Tensor out = new_like_dtype(x.sizes(), x);
+  Tensor r2, res_out;
+  if (residual.has_value()) {
+    check_same_dtype(*residual, x, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "residual must have x's shape ", x.sizes(), ", got ",
+                residual->sizes());
+    r2 = as_rows(*residual);
+    res_out = new_like_dtype(x.sizes(), x);
   }
-  check_f32(*residual, "residual");
-  TORCH_CHECK(residual->sizes() == x.sizes(), "residual must have x's shape ", x.sizes(), ", got ",
-              residual->sizes());
-  const Tensor r2 = as_rows(*residual);
-  Tensor res_out = new_f32(x.sizes());
-  duet::rms_norm_f32(x2.data_ptr<float>(), x2.stride(0), r2.data_ptr<float>(), r2.stride(0),
-                     weight.data_ptr<float>(), out.data_ptr<float>(), res_out.data_ptr<float>(), T, E,
-                     static_cast<float>(eps), at::get_num_threads());
+  const bool has_res = residual.has_value();
+  if (bf16) {
+    duet::rms_norm_bf16(bf16_ptr(x2), x2.stride(0), has_res ? bf16_ptr(r2) : nullptr, has_res ? r2.stride(0) : 0,
+                        bf16_ptr(weight), bf16_ptr(out), has_res ? bf16_ptr(res_out) : nullptr, T, E,
+                        static_cast<float>(eps), at::get_num_threads());
+  } else {
+    duet::rms_norm_f32(x2.data_ptr<float>(), x2.stride(0), has_res ? r2.data_ptr<float>() : nullptr,
+                       has_res ? r2.stride(0) : 0, weight.data_ptr<float>(), out.data_ptr<float>(),
+                       has_res ? res_out.data_ptr<float>() : nullptr, T, E, static_cast<float>(eps),
+                       at::get_num_threads());
+  }
+  if (!has_res) return {out, c10::nullopt};
   return {out, res_out};
 }
 
 Tensor silu_and_mul(const Tensor& x) {
-  check_f32(x, "x");
+  const bool bf16 = check_f32_or_bf16(x, "x");
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "x must be [..., 2I], got ", x.sizes());
   const Tensor x2 = as_rows(x);
   const int64_t I = x.size(-1) / 2;
   auto sizes = x.sizes().vec();
   sizes.back() = I;
-  Tensor out = new_f32(sizes);
-  duet::silu_and_mul_f32(x2.data_ptr<float>(), x2.stride(0), out.data_ptr<float>(), x2.size(0), I,
-                         at::get_num_threads());
+  Tensor out = new_like_dtype(sizes, x);
+  if (bf16) {
+    duet::silu_and_mul_bf16(bf16_ptr(x2), x2.stride(0), bf16_ptr(out), x2.size(0), I, at::get_num_threads());
+  } else {
+    duet::silu_and_mul_f32(x2.data_ptr<float>(), x2.stride(0), out.data_ptr<float>(), x2.size(0), I,
+                           at::get_num_threads());
+  }
   return out;
 }
 
 Tensor gemv(const Tensor& x_in, const Tensor& w, const c10::optional<Tensor>& bias) {
-  check_f32(x_in, "x");
-  check_f32(w, "w");
+  const bool bf16 = check_f32_or_bf16(x_in, "x");
+  check_same_dtype(w, x_in, "w");
   TORCH_CHECK(x_in.dim() == 2, "x must be [T, K], got ", x_in.sizes());
   const Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1, "w must be [N, K] with a contiguous last dim, got ", w.sizes());
   const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K, "w is ", w.sizes(), " but x has K = ", K);
-  const float* b = nullptr;
   if (bias.has_value()) {
-    check_f32(*bias, "bias");
+    check_same_dtype(*bias, x_in, "bias");
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->stride(0) == 1, "bias must be contiguous [", N,
                 "], got ", bias->sizes());
-    b = bias->data_ptr<float>();
   }
-  Tensor y = new_f32({T, N});
+  Tensor y = new_like_dtype({T, N}, x);
   {
     pybind11::gil_scoped_release no_gil;
-    duet::gemv_f32(x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), w.stride(0), b, y.data_ptr<float>(), N,
-                   T, N, K, at::get_num_threads());
+    if (bf16) {
+      duet::gemv_bf16(bf16_ptr(x), x.stride(0), bf16_ptr(w), w.stride(0), bias.has_value() ? bf16_ptr(*bias) : nullptr,
+                      bf16_ptr(y), N, T, N, K, at::get_num_threads());
+    } else {
+      duet::gemv_f32(x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), w.stride(0),
+                     bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N, T, N, K,
+                     at::get_num_threads());
+    }
   }
   return y;
 }
 
 // y = x w^T (+ bias) for x [..., K]: the GEMV kernel when x has at most max_gemv_tokens rows and w
-// has contiguous rows, else at::linear (MKL's GEMM wins once the product is compute bound). Deciding
-// here rather than in Python saves the Python attribute lookups on every call.
+// has contiguous rows, else at::linear (MKL's fp32 GEMM / oneDNN's bf16 one win once the product is
+// compute bound). Deciding here rather than in Python saves the Python attribute lookups on every
+// call. float32 or bfloat16 (x, w and bias alike).
 Tensor linear(const Tensor& x, const Tensor& w, const c10::optional<Tensor>& bias, int64_t max_gemv_tokens) {
   if (x.dim() != 2) {
     TORCH_CHECK(x.dim() >= 1, "x must be [..., K]");
@@ -129,9 +164,9 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
                               const Tensor& block_tables, const Tensor& context_lens, int64_t block_size,
                               double scale, const c10::optional<Tensor>& out_opt,
                               const c10::optional<Tensor>& lse_opt) {
-  check_f32(q, "q");
-  check_f32(k_cache, "k_cache");
-  check_f32(v_cache, "v_cache");
+  const bool bf16 = check_f32_or_bf16(q, "q");
+  check_same_dtype(k_cache, q, "k_cache");
+  check_same_dtype(v_cache, q, "v_cache");
   check_index(block_tables, "block_tables");
   check_index(context_lens, "context_lens");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with a contiguous last dim, got ", q.sizes());
@@ -146,18 +181,18 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
               "block_tables must be [B = ", B, ", max_blocks] with a contiguous last dim, got ", block_tables.sizes());
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == B && context_lens.is_contiguous(),
               "context_lens must be contiguous [B = ", B, "], got ", context_lens.sizes());
-  Tensor out = out_opt.has_value() ? *out_opt : new_f32({B, H, D});
+  Tensor out = out_opt.has_value() ? *out_opt : new_like_dtype({B, H, D}, q);
   if (out_opt.has_value()) {
-    check_f32(out, "out");
+    check_same_dtype(out, q, "out");
     TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1, "out must be [B, H, D] like q, got ", out.sizes());
   }
-  duet::PagedDecodeArgs a{q.data_ptr<float>(), q.stride(0), q.stride(1),
-                          k_cache.data_ptr<float>(), k_cache.stride(0), k_cache.stride(1),
-                          v_cache.data_ptr<float>(), v_cache.stride(0), v_cache.stride(1),
+  duet::PagedDecodeArgs a{q.data_ptr(), q.stride(0), q.stride(1),
+                          k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                          v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1),
                           block_tables.data_ptr(), block_tables.scalar_type() == at::kLong,
                           block_tables.stride(0), block_tables.size(1),
                           context_lens.data_ptr(), context_lens.scalar_type() == at::kLong,
-                          out.data_ptr<float>(), out.stride(0), out.stride(1),
+                          out.data_ptr(), out.stride(0), out.stride(1),
                           B, H, G, D, S, block_size, static_cast<float>(scale)};
   if (lse_opt.has_value()) {  // [B, H] log-sum-exp, written in place
     check_f32(*lse_opt, "lse");
@@ -166,11 +201,12 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
     a.lse = lse_opt->data_ptr<float>();
     a.lse_sb = lse_opt->stride(0);
   }
+  a.bf16 = bf16;
   const std::string err = duet::paged_decode_validate(a);
   TORCH_CHECK(err.empty(), "paged_decode_attention: ", err);
   {
     pybind11::gil_scoped_release no_gil;
-    duet::paged_decode_attention_f32(a, at::get_num_threads());
+    duet::paged_decode_attention(a, at::get_num_threads());
   }
   return out;
 }
@@ -179,9 +215,9 @@ std::tuple<Tensor, c10::optional<Tensor>> varlen_paged_attention(
     const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
     const Tensor& cu_seqlens_q, const Tensor& context_lens, int64_t block_size, double scale,
     const c10::optional<Tensor>& tree_parents, const c10::optional<Tensor>& out_opt, bool return_lse) {
-  check_f32(q, "q");
-  check_f32(k_cache, "k_cache");
-  check_f32(v_cache, "v_cache");
+  const bool bf16 = check_f32_or_bf16(q, "q");
+  check_same_dtype(k_cache, q, "k_cache");
+  check_same_dtype(v_cache, q, "v_cache");
   check_index(block_tables, "block_tables");
   check_index(cu_seqlens_q, "cu_seqlens_q");
   check_index(context_lens, "context_lens");
@@ -205,30 +241,31 @@ std::tuple<Tensor, c10::optional<Tensor>> varlen_paged_attention(
     TORCH_CHECK(tree_parents->dim() == 1 && tree_parents->size(0) == T && tree_parents->is_contiguous(),
                 "tree_parents must be contiguous [T = ", T, "], got ", tree_parents->sizes());
   }
-  Tensor out = out_opt.has_value() ? *out_opt : new_f32({T, H, D});
+  Tensor out = out_opt.has_value() ? *out_opt : new_like_dtype({T, H, D}, q);
   if (out_opt.has_value()) {
-    check_f32(out, "out");
+    check_same_dtype(out, q, "out");
     TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1, "out must be [T, H, D] like q, got ", out.sizes());
   }
   c10::optional<Tensor> lse;
   if (return_lse) lse = new_f32({T, H});
-  duet::VarlenAttnArgs a{q.data_ptr<float>(), q.stride(0), q.stride(1),
-                         k_cache.data_ptr<float>(), k_cache.stride(0), k_cache.stride(1),
-                         v_cache.data_ptr<float>(), v_cache.stride(0), v_cache.stride(1),
+  duet::VarlenAttnArgs a{q.data_ptr(), q.stride(0), q.stride(1),
+                         k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                         v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1),
                          block_tables.data_ptr(), block_tables.scalar_type() == at::kLong,
                          block_tables.stride(0), block_tables.size(1),
                          cu_seqlens_q.data_ptr(), cu_seqlens_q.scalar_type() == at::kLong,
                          context_lens.data_ptr(), context_lens.scalar_type() == at::kLong,
                          tree_parents.has_value() ? tree_parents->data_ptr() : nullptr,
                          tree_parents.has_value() && tree_parents->scalar_type() == at::kLong,
-                         out.data_ptr<float>(), out.stride(0), out.stride(1),
+                         out.data_ptr(), out.stride(0), out.stride(1),
                          lse.has_value() ? lse->data_ptr<float>() : nullptr, H,
                          B, T, H, G, D, S, block_size, static_cast<float>(scale)};
+  a.bf16 = bf16;
   const std::string err = duet::varlen_attention_validate(a);
   TORCH_CHECK(err.empty(), "varlen_paged_attention: ", err);
   {
     pybind11::gil_scoped_release no_gil;
-    duet::varlen_paged_attention_f32(a, at::get_num_threads());
+    duet::varlen_paged_attention(a, at::get_num_threads());
   }
   return {out, lse};
 }
@@ -263,13 +300,14 @@ std::tuple<Tensor, Tensor> merge_attn_states(const std::vector<Tensor>& outs_in,
 
 void rotary_and_cache_write(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cos, const Tensor& sin,
                             const Tensor& k_cache, const Tensor& v_cache, const Tensor& slot_mapping) {
+  const bool bf16 = check_f32_or_bf16(q, "q");
   for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
-    check_f32(*t, name);
+    check_same_dtype(*t, q, name);
     TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1, name, " must be 3-D with a contiguous last dim, got ",
                 t->sizes());
   }
-  check_f32(cos, "cos");
-  check_f32(sin, "sin");
+  check_same_dtype(cos, q, "cos");
+  check_same_dtype(sin, q, "sin");
   check_index(slot_mapping, "slot_mapping");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), G = k.size(1), S = k_cache.size(0);
   TORCH_CHECK(D % 2 == 0, "head dim must be even, got ", D);
@@ -283,20 +321,21 @@ void rotary_and_cache_write(const Tensor& q, const Tensor& k, const Tensor& v, c
                 " must be [T = ", T, ", D/2 = ", D / 2, "] with a contiguous last dim, got ", t->sizes());
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == T && slot_mapping.is_contiguous(),
               "slot_mapping must be contiguous [T = ", T, "], got ", slot_mapping.sizes());
-  duet::RotaryCacheArgs a{q.data_ptr<float>(), q.stride(0), q.stride(1),
-                          k.data_ptr<float>(), k.stride(0), k.stride(1),
-                          v.data_ptr<float>(), v.stride(0), v.stride(1),
-                          cos.data_ptr<float>(), sin.data_ptr<float>(), cos.stride(0), sin.stride(0),
-                          k_cache.data_ptr<float>(), k_cache.stride(0), k_cache.stride(1),
-                          v_cache.data_ptr<float>(), v_cache.stride(0), v_cache.stride(1),
+  duet::RotaryCacheArgs a{q.data_ptr(), q.stride(0), q.stride(1),
+                          k.data_ptr(), k.stride(0), k.stride(1),
+                          v.data_ptr(), v.stride(0), v.stride(1),
+                          cos.data_ptr(), sin.data_ptr(), cos.stride(0), sin.stride(0),
+                          k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                          v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1),
                           slot_mapping.data_ptr(), slot_mapping.scalar_type() == at::kLong,
                           T, H, G, D, S};
+  a.bf16 = bf16;
   const std::string err = duet::rotary_cache_validate(a);
   TORCH_CHECK(err.empty(), "rotary_and_cache_write: ", err);
-  duet::rotary_and_cache_write_f32(a, at::get_num_threads());
+  duet::rotary_and_cache_write(a, at::get_num_threads());
 }
 
-// ---- [quant] weight-only quantized linear ----------------------------------------------------------------
+// ---- [quant] quantized linear, int8 activations-------------------------------------------------------------
 void check_quant_x(const Tensor& x, int64_t K) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [T, K = ", K, "], got ", x.sizes());
@@ -359,9 +398,8 @@ std::tuple<Tensor, Tensor> quantize_activations(const Tensor& x_in, int64_t Kp) 
                                 sx.data_ptr<float>());
   return {q, sx};
 }
-// ---- end [quant] ------------------------------------------------------------------------------------------
 
-// ---- [int8wo] weight-only int8 linear (int8_linear.cpp; uses the [quant] helpers above) -------------------
+// int8 weights, int8 activations (quant_linear.cpp, like q4)
 Tensor int8_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scales, const c10::optional<Tensor>& bias,
                    int64_t K) {
   TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kChar && qweight.dim() == 2 &&
@@ -379,13 +417,13 @@ Tensor int8_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scal
   Tensor y = new_f32({x.size(0), N});
   {
     pybind11::gil_scoped_release no_gil;
-    duet::int8_weight_only_linear_f32(x.data_ptr<float>(), x.stride(0), qweight.data_ptr<int8_t>(),
-                                      scales.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                                      y.data_ptr<float>(), N, x.size(0), N, K, Kp, at::get_num_threads());
+    duet::int8_linear_f32(x.data_ptr<float>(), x.stride(0), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                          bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N, x.size(0), N,
+                          K, Kp, at::get_num_threads());
   }
   return quant_out(x_in, y);
 }
-// ---- end [int8wo] -----------------------------------------------------------------------------------------
+// ---- end [quant] ------------------------------------------------------------------------------------------
 
 duet::Isa parse_isa(const std::string& name) {
   if (name == "avx512") return duet::Isa::kAvx512;
@@ -397,11 +435,13 @@ duet::Isa parse_isa(const std::string& name) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Duet CPU kernels (fp32); see kernels/*.py for the wrappers and references";
+  m.doc() = "Duet CPU kernels (fp32, some bf16); see kernels/*.py for the wrappers and references";
   m.def("rms_norm", &rms_norm, "(x, weight, eps, residual) -> (out, new_residual | None)");
   m.def("silu_and_mul", &silu_and_mul, "x [T, 2I] -> silu(x[:, :I]) * x[:, I:]");
   m.def("gemv", &gemv, "(x [T, K], w [N, K], bias [N] | None) -> [T, N]");
   m.def("linear", &linear, "(x [..., K], w [N, K], bias [N] | None, max_gemv_tokens) -> [..., N]");
+  m.def("gemv_bf16_native", [] { return duet::gemv_bf16_native(); },
+        "whether the bf16 GEMV uses the CPU's AVX512-BF16 dot products");
   m.def("paged_decode_attention", &paged_decode_attention,
         "(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out | None, lse | None) -> out [B, H, D]",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
@@ -422,11 +462,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(x [..., K], qweight uint8 [N, Kp/2], scales, mins int16 fp16-bits [N, Kp/32], bias [N] | None, K) -> [..., N]");
   m.def("quantize_activations", &quantize_activations, "(x [T, K], Kp) -> (q int8 [T, Kp], sx [T, Kp/32])");
   m.def("quant_path", [] { return std::string(duet::quant_path_name()); });
-  // [int8wo]
   m.def("int8_linear", &int8_linear,
-        "(x [..., K] fp32, qweight int8 [N, Kp], scales [N], bias [N] | None, K) -> [..., N]: weight-only int8");
+        "(x [..., K] fp32, qweight int8 [N, Kp], scales [N], bias [N] | None, K) -> [..., N]: int8 x int8 per block of 32");
   m.def("best_isa", [] { return std::string(duet::isa_name(duet::best_isa())); });
   m.def("active_isa", [] { return std::string(duet::isa_name(duet::active_isa())); });
   m.def("set_isa", [](const std::string& name) { return std::string(duet::isa_name(duet::set_isa(parse_isa(name)))); },
         "Lower (or restore) the ISA the kernels use; clamped to what the CPU has. Returns the active ISA.");
+  m.def("dot_extensions", [] { return duet::dot_extensions_enabled(); },
+        "whether kernels may use AVX512-BF16 / AVX512-VNNI where the CPU has them (default true)");
+  m.def("set_dot_extensions", [](bool on) { return duet::set_dot_extensions(on); },
+        "Allow (true) or forbid (false) AVX512-BF16 / AVX512-VNNI: false runs the plain AVX-512 fallback that a "
+        "CPU without them takes. Returns the new setting.");
+  m.def("cpu_has", [](const std::string& feature) {
+        TORCH_CHECK(feature == "avx512_bf16" || feature == "avx512_vnni", "feature must be avx512_bf16 or avx512_vnni");
+        return feature == "avx512_bf16" ? duet::cpu_has_avx512bf16() : duet::cpu_has_vnni();
+      }, "what the kernels' own CPU probe (__builtin_cpu_supports) reports for avx512_bf16 or avx512_vnni");
 }

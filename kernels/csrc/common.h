@@ -32,6 +32,15 @@ Isa active_isa();
 // Request an ISA; clamped to best_isa(). Returns the ISA now active.
 Isa set_isa(Isa isa);
 const char* isa_name(Isa isa);
+// Whether kernels may use the AVX-512 dot-product extensions a CPU may or may not have on top of
+// AVX-512 (AVX512-BF16's vdpbf16ps, AVX512-VNNI's vpdpbusd): true by default, so each kernel takes
+// them exactly when __builtin_cpu_supports reports them. Tests turn it off to run the plain
+// AVX-512 fallback that an AVX-512 CPU without those extensions takes. Returns the new value.
+bool dot_extensions_enabled();
+// What the CPU itself reports (checked once, whatever set_dot_extensions says).
+bool cpu_has_avx512bf16();
+bool cpu_has_vnni();
+bool set_dot_extensions(bool on);
 
 // Run a loop with OpenMP only when it is worth a fork/join: `work` is a rough count of floats
 // touched, `min_work` the amount below which one thread is faster.
@@ -129,6 +138,72 @@ DUET_AVX512 DUET_INLINE __m512 hsum16x16(const __m512* v) {
   __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
   __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+// ---- bfloat16 ----------------------------------------------------------------------------------
+// Kernels that take bf16 tensors store them as uint16_t bit patterns (torch's c10::BFloat16 layout:
+// the upper half of an fp32), compute in fp32 and round back with torch's own rule (round to
+// nearest even, NaN -> 0x7FC0), in plain integer code, so results do not depend on whether the CPU
+// has AVX512-BF16. `to_f32` / `from_f32` are the scalar forms; templates over the element type
+// (float or bf16_t) use them for both.
+using bf16_t = uint16_t;
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(bf16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+inline uint16_t bf16_bits(float f) {
+  uint32_t b;
+  __builtin_memcpy(&b, &f, 4);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+template <typename T>
+inline T from_f32(float f);
+template <>
+inline float from_f32<float>(float f) { return f; }
+template <>
+inline bf16_t from_f32<bf16_t>(float f) { return bf16_bits(f); }
+// f rounded to T and back (the identity for float): how torch rounds an intermediate result.
+template <typename T>
+inline float round_as(float f) { return to_f32(from_f32<T>(f)); }
+
+// 16 lanes of T <-> fp32 (AVX-512); masked forms read / write only the first lanes of m.
+DUET_AVX512 DUET_INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+DUET_AVX512 DUET_INLINE __m512 load16(const bf16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+DUET_AVX512 DUET_INLINE __m512 load16(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+DUET_AVX512 DUET_INLINE __m512 load16(__mmask16 m, const bf16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+// fp32 lanes -> bf16 bits in the low 16 bits of each int32 lane (torch's rounding).
+DUET_AVX512 DUET_INLINE __m512i bf16_round_bits(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+DUET_AVX512 DUET_INLINE void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+DUET_AVX512 DUET_INLINE void store16(bf16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_round_bits(v)));
+}
+DUET_AVX512 DUET_INLINE void store16(__mmask16 m, float* p, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
+DUET_AVX512 DUET_INLINE void store16(__mmask16 m, bf16_t* p, __m512 v) {
+  _mm512_mask_cvtepi32_storeu_epi16(p, m, bf16_round_bits(v));
+}
+// v rounded to T and back, 16 lanes (round_as for vectors).
+template <typename T>
+DUET_AVX512 DUET_INLINE __m512 round16(__m512 v) {
+  if constexpr (sizeof(T) == 4) {
+    return v;
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_round_bits(v), 16));
+  }
 }
 
 }  // namespace duet

@@ -19,6 +19,7 @@ Isa detect() {
 }
 
 std::atomic<int> g_active{-1};
+std::atomic<bool> g_dot_extensions{true};
 
 }  // namespace
 
@@ -41,6 +42,23 @@ Isa set_isa(Isa isa) {
                                                                : static_cast<int>(best_isa());
   g_active.store(a, std::memory_order_relaxed);
   return static_cast<Isa>(a);
+}
+
+bool cpu_has_avx512bf16() {
+  static const bool v = best_isa() == Isa::kAvx512 && __builtin_cpu_supports("avx512bf16");
+  return v;
+}
+
+bool cpu_has_vnni() {
+  static const bool v = best_isa() == Isa::kAvx512 && __builtin_cpu_supports("avx512vnni");
+  return v;
+}
+
+bool dot_extensions_enabled() { return g_dot_extensions.load(std::memory_order_relaxed); }
+
+bool set_dot_extensions(bool on) {
+  g_dot_extensions.store(on, std::memory_order_relaxed);
+  return on;
 }
 
 const char* isa_name(Isa isa) {

@@ -1,4 +1,6 @@
-// Decode attention over a paged KV cache, fp32: one query token per sequence.
+// Decode attention over a paged KV cache, fp32 or bf16 (q, cache and out alike; a.bf16): one
+// query token per sequence. bf16: q is widened into an fp32 scratch, K/V as they are loaded; the
+// scores, softmax and accumulators are fp32 and each output row is rounded to bf16 once.
 //
 // For sequence b and query head h (kv head g = h / (H / G)):
 //   s_t = scale * <q[b, h], K[slot(b, t), g]>,  t < context_lens[b]
@@ -35,19 +37,6 @@ using namespace attn;
 constexpr int64_t kMinParallelWork = 1 << 17;  // sum(context) * H * D below which one thread wins
 constexpr int64_t kSplit = 128;                // tokens per work item (fixed: batch- and thread-invariant)
 
-struct Prims {
-  ScoreFn scores;
-  AccumFn accum;
-  ExpSumFn expsum;
-  RowMaxFn rowmax;
-};
-
-Prims prims_for(Isa isa) {
-  if (isa == Isa::kAvx512) return {scores_avx512, accum_avx512, expsum_avx512, rowmax_avx512};
-  if (isa == Isa::kAvx2) return {scores_avx2, accum_avx2, expsum_avx2, rowmax_scalar};
-  return {scores_scalar, accum_scalar, expsum_scalar, rowmax_scalar};
-}
-
 inline int64_t index_at(const void* p, bool is64, int64_t i) {
   return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
 }
@@ -74,16 +63,30 @@ inline void for_each_run(const PagedDecodeArgs& a, int64_t b, int64_t t0, int64_
 }
 
 // One work item: m[h], l[h] and the unnormalised acc[h * D + d] for all H heads of sequence b.
-void run_item(const PagedDecodeArgs& a, const Prims& pr, const Item& it, float* m, float* l, float* acc) {
+template <typename T>
+void run_item(const PagedDecodeArgs& a, const Prims<T>& pr, const Item& it, float* m, float* l, float* acc) {
   const int64_t H = a.H, G = a.G, D = a.D, hpg = H / G, len = it.t1 - it.t0;
-  static thread_local std::vector<float> scratch;
+  static thread_local std::vector<float> scratch, qf;
   if (static_cast<int64_t>(scratch.size()) < H * len) scratch.resize(H * len);
   float* s = scratch.data();  // [H, len] scores, then unnormalised probabilities
-  const float* q = a.q + it.b * a.q_sb;
+  const T* qt = static_cast<const T*>(a.q) + it.b * a.q_sb;
+  const float* q;
+  int64_t q_sh = a.q_sh;
+  if constexpr (sizeof(T) == 4) {
+    q = qt;
+  } else {  // bf16: the query heads widened to fp32 [H, D]
+    if (static_cast<int64_t>(qf.size()) < H * D) qf.resize(H * D);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f32(qt[h * a.q_sh + d]);
+    q = qf.data();
+    q_sh = D;
+  }
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  const T* v_cache = static_cast<const T*>(a.v_cache);
   for_each_run(a, it.b, it.t0, it.t1, [&](int64_t i, int64_t slot, int64_t n) {
-    const float* k = a.k_cache + slot * a.k_ss;
+    const T* k = k_cache + slot * a.k_ss;
     for (int64_t g = 0; g < G; ++g)
-      pr.scores(q + g * hpg * a.q_sh, a.q_sh, hpg, k + g * a.k_sg, a.k_ss, n, D, a.scale, s + g * hpg * len + i, len);
+      pr.scores(q + g * hpg * q_sh, q_sh, hpg, k + g * a.k_sg, a.k_ss, n, D, a.scale, s + g * hpg * len + i, len);
   });
   for (int64_t h = 0; h < H; ++h) {
     m[h] = pr.rowmax(s + h * len, len);
@@ -91,21 +94,29 @@ void run_item(const PagedDecodeArgs& a, const Prims& pr, const Item& it, float* 
   }
   std::fill(acc, acc + H * D, 0.f);
   for_each_run(a, it.b, it.t0, it.t1, [&](int64_t i, int64_t slot, int64_t n) {
-    const float* v = a.v_cache + slot * a.v_ss;
+    const T* v = v_cache + slot * a.v_ss;
     for (int64_t g = 0; g < G; ++g)
       pr.accum(s + g * hpg * len + i, len, hpg, n, v + g * a.v_sg, a.v_ss, D, acc + g * hpg * D);
   });
 }
 
 // out[b] from the items [i, j) of sequence b (consecutive in the item list).
+template <typename T>
 void merge(const PagedDecodeArgs& a, const std::vector<Item>& items, const float* part, int64_t per_item, int64_t i,
            int64_t j) {
   const int64_t H = a.H, D = a.D;
+  std::vector<float> row(sizeof(T) == 4 ? 0 : D);  // bf16: the row in fp32, rounded once at the end
   for (int64_t h = 0; h < H; ++h) {
     float M = -std::numeric_limits<float>::infinity();
     for (int64_t p = i; p < j; ++p) M = std::max(M, part[p * per_item + h]);
     float L = 0.f;
-    float* o = a.out + items[i].b * a.o_sb + h * a.o_sh;
+    T* out = static_cast<T*>(a.out) + items[i].b * a.o_sb + h * a.o_sh;
+    float* o;
+    if constexpr (sizeof(T) == 4) {
+      o = out;
+    } else {
+      o = row.data();
+    }
     std::fill_n(o, D, 0.f);
     for (int64_t p = i; p < j; ++p) {
       const float* pp = part + p * per_item;
@@ -116,6 +127,8 @@ void merge(const PagedDecodeArgs& a, const std::vector<Item>& items, const float
     }
     const float inv = 1.0f / L;
     for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    if constexpr (sizeof(T) != 4)
+      for (int64_t d = 0; d < D; ++d) out[d] = from_f32<T>(o[d]);
     if (a.lse) a.lse[items[i].b * a.lse_sb + h] = M + std::log(L);
   }
 }
@@ -142,8 +155,11 @@ std::string paged_decode_validate(const PagedDecodeArgs& a) {
   return "";
 }
 
-void paged_decode_attention_f32(const PagedDecodeArgs& a, int max_threads) {
-  const Prims pr = prims_for(active_isa());
+namespace {
+
+template <typename T>
+void paged_decode(const PagedDecodeArgs& a, int max_threads) {
+  const Prims<T> pr = prims_for<T>(active_isa());
   int64_t total_ctx = 0;
   for (int64_t b = 0; b < a.B; ++b) total_ctx += index_at(a.context_lens, a.cl_is64, b);
   const int nt0 = pick_threads(max_threads, total_ctx * a.H * a.D, kMinParallelWork, total_ctx);
@@ -152,7 +168,7 @@ void paged_decode_attention_f32(const PagedDecodeArgs& a, int max_threads) {
     const int64_t ctx = index_at(a.context_lens, a.cl_is64, b);
     if (ctx == 0)
       for (int64_t h = 0; h < a.H; ++h) {
-        std::fill_n(a.out + b * a.o_sb + h * a.o_sh, a.D, 0.f);
+        std::fill_n(static_cast<T*>(a.out) + b * a.o_sb + h * a.o_sh, a.D, from_f32<T>(0.f));
         if (a.lse) a.lse[b * a.lse_sb + h] = -std::numeric_limits<float>::infinity();
       }
     for (int64_t t0 = 0; t0 < ctx; t0 += kSplit) items.push_back({b, t0, std::min(ctx, t0 + kSplit)});
@@ -162,7 +178,7 @@ void paged_decode_attention_f32(const PagedDecodeArgs& a, int max_threads) {
   std::vector<float> part(n_items * per_item);
   auto run = [&](int64_t i) {
     float* p = part.data() + i * per_item;
-    run_item(a, pr, items[i], p, p + a.H, p + 2 * a.H);
+    run_item<T>(a, pr, items[i], p, p + a.H, p + 2 * a.H);
   };
   if (nt0 == 1 || n_items == 1) {
     for (int64_t i = 0; i < n_items; ++i) run(i);
@@ -173,8 +189,18 @@ void paged_decode_attention_f32(const PagedDecodeArgs& a, int max_threads) {
   for (int64_t i = 0; i < n_items;) {
     int64_t j = i + 1;
     while (j < n_items && items[j].b == items[i].b) ++j;
-    merge(a, items, part.data(), per_item, i, j);
+    merge<T>(a, items, part.data(), per_item, i, j);
     i = j;
+  }
+}
+
+}  // namespace
+
+void paged_decode_attention(const PagedDecodeArgs& a, int max_threads) {
+  if (a.bf16) {
+    paged_decode<bf16_t>(a, max_threads);
+  } else {
+    paged_decode<float>(a, max_threads);
   }
 }
 

@@ -1,24 +1,43 @@
-// 4-bit quantized linear layer: y[t, n] = sum_k x[t, k] * w[n, k] (+ bias[n]) with w stored in
-// blocks of 32 along k, each with an fp16 scale d and min m: w = d * q + m, q in 0..15 (GGUF Q4_1's
-// block math, our own packing). Weight-only int8 lives in int8_linear.cpp.
+// Quantized linear layers with int8 activations: y[t, n] = sum_k x[t, k] * w[n, k] (+ bias[n]) for
+// two weight formats (kernels/quant_formats.py):
+//   int8  w = sw[n] * q[n, k], q in -127..127, one fp32 scale per output row   (kernels/int8_linear.py)
+//   q4    w = d[n, b] * q + m[n, b], q in 0..15, per block b of 32 along k      (kernels/quant_linear.py)
+// x is quantized on the fly per token and block of 32 (as llama.cpp's Q8 activations):
+// sx[t, b] = max|x| / 127, xq = round_half_even(x / sx) in -127..127, so every block's inner product
+// dot_b = sum_{k in b} xq[t, k] * q[n, k] is an exact integer.
 //
-// Like llama.cpp's Q8 path, x is quantized on the fly per block of 32 (sx = max|x| / 127,
-// xq = round(x / sx) in -127..127), so the inner products are exact integer dot products:
-//   y = sum_b (d[n, b] * sx[b] * dot(xq_b, q_b) + m[n, b] * sx[b] * sum(xq_b))
-// AVX-512 VNNI does 64 of those products per vpdpbusd (u8 x s8 -> int32 lanes of 4 products); the
-// unsigned operand is the weight (nibbles 0..15).
+// The float math, one fixed sequence per output element (every path and every T, so results are
+// batch invariant: a token's row of y does not depend on which tokens share the call, which
+// speculative verification and continuous batching rely on; and all ISA paths agree bit for bit):
+//   int8  acc = 0; for b: acc = fma(float(dot_b), sx[t, b], acc);                      y = fma(acc, sw[n], bias[n])
+//   q4    acc = 0; for b: acc = fma(float(dot_b) * sx[t, b], d[n, b], acc);
+//                         acc = fma(m[n, b], xs[t, b], acc);   (xs = sx * sum_k xq)    y = acc + bias[n]
+// (no bias: + 0). float(dot_b) is exact (|dot_b| <= 32 * 127 * 127 < 2^24).
 //
-// Layout (see kernels/quant_formats.py): K is padded to Kp, a multiple of 64 (a "chunk" = two
-// blocks); padded weights and activations are zero. q4 packs a chunk into 32 bytes: byte j holds
-// element j (low nibble) and element j + 32 (high nibble), so one 32-byte load + shift + mask gives
-// one zmm whose low half is block 2c and high half block 2c + 1; int32 lanes 0-7 are block 2c,
-// 8-15 block 2c + 1. d and m are fp16 bit patterns (uint16) [N, Kp / 32].
+// Paths:
+//   AVX-512 VNNI  Row tiles of 16 rows are repacked (into a per-thread scratch, once per call and
+//                 token block) so that one zmm holds 4 consecutive k of each of the 16 rows:
+//                 vpdpbusd then adds 4 products into each row's int32 lane, 64 multiply-adds per
+//                 instruction, and the per-block float step above runs on 16 rows at once (once
+//                 per 8 vpdpbusd) instead of once per row. The repack is a 16 x 16 transpose of
+//                 4-byte groups (q4: after splitting the nibbles) and costs about as much as 4
+//                 tokens' dot products on a tile, so it pays for itself from T = 1 on (batch-1
+//                 decode waits on DRAM, not on these instructions). vpdpbusd multiplies unsigned
+//                 by signed bytes: q4 codes are unsigned already; int8 codes are biased to
+//                 q + 128 while packing and the bias is taken off exactly in int32:
+//                 dot_b = raw_b - 128 * sum_{k in b} xq[t, k].
+//                 Two tiles (32 rows) x up to 4 tokens share each weight load and x broadcast.
+//   AVX2          Per row and block, exact dot_b with vpmaddubsw / vpmaddwd (int8: |q| x sign-
+//                 adjusted x, so no pair of products saturates int16), then the float step in
+//                 scalar code. Also used by AVX-512 CPUs without VNNI.
+//   scalar        Plain loops.
+// Rows are split over OpenMP threads in tiles of 16; x is walked in token blocks of at most
+// ~256 KB of xq so that it stays in L2 while the weights stream through.
 //
-// Paths: AVX-512 with VNNI; AVX2 (maddubs, also used by AVX-512 CPUs without VNNI); scalar. Rows
-// are split over OpenMP threads; each thread walks blocks of 16 rows x up to 8 tokens, so a row's
-// weights come from DRAM once per call and the tokens' activations stay in L1/L2.
+// Axes: T tokens, N output rows, K input features, Kp padded K (a multiple of 64), B = Kp / 32 blocks.
 #include <omp.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -33,25 +52,17 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kChunk = 64;
-constexpr int64_t kRowTile = 16;
-constexpr int kMaxTokens = 8;  // tokens per pass over a row tile
-constexpr int64_t kMinParallelWork = 1 << 16;
+constexpr int64_t kTile = 16;                    // rows per packed tile (zmm lanes)
+constexpr int kTokens = 4;                       // tokens per pass over a tile pair
+constexpr int64_t kTokenBlockBytes = 256 << 10;  // xq bytes per token block
+constexpr int64_t kMinParallelWork = 1 << 16;    // weights x tokens; below this one thread wins
 
-bool cpu_has_vnni() {
-  static const bool v = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512f") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512dq");
-  }();
-  return v;
-}
 
 enum class QPath { kScalar, kAvx2, kVnni };
 
 QPath active_path() {
   const Isa isa = active_isa();
-  if (isa == Isa::kAvx512 && cpu_has_vnni()) return QPath::kVnni;
+  if (isa == Isa::kAvx512 && cpu_has_vnni() && dot_extensions_enabled()) return QPath::kVnni;
   if (isa == Isa::kAvx512 || isa == Isa::kAvx2) return QPath::kAvx2;  // F16C comes with every AVX2 CPU
   return QPath::kScalar;
 }
@@ -80,13 +91,14 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
+// ------------------------------------------------------------------ activation quantization
 // Per-token quantized activations (scratch, reused per calling thread).
 struct QActs {
-  int64_t Kp = 0, nb = 0, nc = 0;
-  std::vector<int8_t> q;          // [T, Kp]
-  std::vector<float> sx;          // [T, nb] block scales
-  std::vector<float> xs;          // [T, nb] sx * sum(xq of the block): the q4 min term
-  std::vector<float> sxexp;       // [T, nc, 16] lanes 0-7 sx[2c], 8-15 sx[2c + 1] (VNNI lanes)
+  int64_t Kp = 0, nb = 0;
+  std::vector<int8_t> q;      // [T, Kp]
+  std::vector<float> sx;      // [T, nb] block scales
+  std::vector<int32_t> qsum;  // [T, nb] sum of the block's codes
+  std::vector<float> xs;      // [T, nb] sx * qsum (the q4 min term)
   const int8_t* qt(int64_t t) const { return q.data() + t * Kp; }
 };
 
@@ -120,224 +132,341 @@ DUET_AVX512 void quantize_block_avx512(const float* x, int64_t n, int8_t* q, flo
   *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
 }
 
-void quantize_acts(QActs& a, const float* x, int64_t x_stride, int64_t T, int64_t K, int64_t Kp, QPath path,
+void quantize_acts(QActs& a, const float* x, int64_t x_stride, int64_t T, int64_t K, int64_t Kp, bool avx512,
                    int nt) {
   a.Kp = Kp;
   a.nb = Kp / kBlock;
-  a.nc = Kp / kChunk;
   a.q.resize(T * Kp);
   a.sx.resize(T * a.nb);
+  a.qsum.resize(T * a.nb);
   a.xs.resize(T * a.nb);
-  if (path == QPath::kVnni) a.sxexp.resize(T * a.nc * 16);
   parallel_for(T >= 4 ? nt : 1, T, [&](int64_t t) {
     const float* xt = x + t * x_stride;
     for (int64_t b = 0; b < a.nb; ++b) {
       const int64_t k0 = b * kBlock, n = K - k0 < 0 ? 0 : (K - k0 < kBlock ? K - k0 : kBlock);
       int8_t* q = a.q.data() + t * Kp + k0;
       float* sx = a.sx.data() + t * a.nb + b;
-      int32_t qsum;
-      if (path == QPath::kVnni) {
-        quantize_block_avx512(xt + k0, n, q, sx, &qsum);
+      int32_t* qsum = a.qsum.data() + t * a.nb + b;
+      if (avx512) {
+        quantize_block_avx512(xt + k0, n, q, sx, qsum);
       } else {
-        quantize_block(xt + k0, n, q, sx, &qsum);
+        quantize_block(xt + k0, n, q, sx, qsum);
       }
-      a.xs[t * a.nb + b] = *sx * static_cast<float>(qsum);
-      if (path == QPath::kVnni)
-        for (int i = 0; i < 8; ++i) a.sxexp[(t * a.nc + b / 2) * 16 + (b % 2) * 8 + i] = *sx;
+      a.xs[t * a.nb + b] = *sx * static_cast<float>(*qsum);
     }
   });
 }
 
-struct QProblem {
-  const void* w;      // packed q4 [N, Kp / 2]
-  const uint16_t* d;  // fp16 [N, nb]
-  const uint16_t* m;  // fp16 [N, nb]
-  const float* bias;
+// ------------------------------------------------------------------ weights and the float step
+enum class WKind { kInt8, kQ4 };
+
+struct QWeights {
+  const int8_t* w8;   // int8: [N, Kp]
+  const float* sw;    // int8: [N]
+  const uint8_t* w4;  // q4: packed nibbles [N, Kp / 2]
+  const uint16_t* d;  // q4: fp16 [N, nb]
+  const uint16_t* m;  // q4: fp16 [N, nb]
+  const float* bias;  // [N] or null
   float* y;
-  int64_t y_stride;
+  int64_t y_stride, N;
 };
 
-// Rows per VNNI block: enough independent accumulator chains to hide the FMA latency (one chain per
-// row x token), at most 8 accumulators so weights, activations and scales stay in registers.
-template <int TT>
-constexpr int vnni_rows() { return TT <= 2 ? 4 : TT <= 4 ? 2 : 1; }
-
-// Writes the 16 row sums of a tile (sums[t * 16 + r] = lane partials of row r0 + r, token t):
-// one transposed reduction per token, then bias, masked to the tile's rows.
-DUET_VNNI DUET_INLINE void store_tile(const QProblem& p, int TT, const __m512* sums, int64_t r0, int64_t rows,
-                                      int64_t t0) {
-  const __mmask16 m = tail_mask512(static_cast<int>(rows));
-  const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(m, p.bias + r0) : _mm512_setzero_ps();
-  for (int t = 0; t < TT; ++t)
-    _mm512_mask_storeu_ps(p.y + (t0 + t) * p.y_stride + r0, m, _mm512_add_ps(hsum16x16(sums + t * 16), bias));
-}
-
-// ---------------------------------------------------------------- q4, blocks of 32 with d and m
 inline uint8_t q4_at(const uint8_t* row, int64_t k) {
   const int64_t c = k / kChunk, e = k % kChunk;
   const uint8_t byte = row[c * 32 + (e % 32)];
   return e < 32 ? (byte & 0x0F) : (byte >> 4);
 }
 
-template <int TT>
-void q4_scalar(const QProblem& p, const QActs& a, int64_t n0, int64_t n1, int64_t t0) {
+// The float step of one element (see the top of the file), from its exact block dots.
+template <WKind KIND>
+inline float finish_element(const QWeights& W, const QActs& a, const int32_t* dots, int64_t t, int64_t n) {
+  const float* sx = a.sx.data() + t * a.nb;
+  float acc = 0.f;
+  if (KIND == WKind::kInt8) {
+    for (int64_t b = 0; b < a.nb; ++b) acc = std::fma(static_cast<float>(dots[b]), sx[b], acc);
+    return std::fma(acc, W.sw[n], W.bias ? W.bias[n] : 0.f);
+  }
+  const float* xs = a.xs.data() + t * a.nb;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    acc = std::fma(static_cast<float>(dots[b]) * sx[b], half_to_float(W.d[n * a.nb + b]), acc);
+    acc = std::fma(half_to_float(W.m[n * a.nb + b]), xs[b], acc);
+  }
+  return acc + (W.bias ? W.bias[n] : 0.f);
+}
+
+// ------------------------------------------------------------------ scalar
+template <WKind KIND>
+void rows_scalar(const QWeights& W, const QActs& a, int64_t n0, int64_t n1, int64_t t0, int64_t t1) {
+  std::vector<int32_t> dots(a.nb);
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* w = static_cast<const uint8_t*>(p.w) + n * a.Kp / 2;
-    for (int t = 0; t < TT; ++t) {
-      const int8_t* xq = a.qt(t0 + t);
-      const float* sx = a.sx.data() + (t0 + t) * a.nb;
-      const float* xs = a.xs.data() + (t0 + t) * a.nb;
-      float acc = 0.f;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int8_t* xq = a.qt(t);
       for (int64_t b = 0; b < a.nb; ++b) {
         int32_t s = 0;
-        for (int64_t i = b * kBlock; i < (b + 1) * kBlock; ++i) s += q4_at(w, i) * xq[i];
-        acc += half_to_float(p.d[n * a.nb + b]) * sx[b] * static_cast<float>(s) + half_to_float(p.m[n * a.nb + b]) * xs[b];
+        for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k)
+          s += (KIND == WKind::kInt8 ? W.w8[n * a.Kp + k] : q4_at(W.w4 + n * a.Kp / 2, k)) * xq[k];
+        dots[b] = s;
       }
-      p.y[(t0 + t) * p.y_stride + n] = acc + (p.bias ? p.bias[n] : 0.f);
+      W.y[t * W.y_stride + n] = finish_element<KIND>(W, a, dots.data(), t, n);
     }
   }
 }
 
-template <int TT>
-DUET_AVX2_F16C void q4_avx2(const QProblem& p, const QActs& a, int64_t n0, int64_t n1, int64_t t0) {
+// ------------------------------------------------------------------ AVX2
+DUET_AVX2 DUET_INLINE int32_t hsum_epi32_256(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+template <WKind KIND>
+DUET_AVX2_F16C void rows_avx2(const QWeights& W, const QActs& a, int64_t n0, int64_t n1, int64_t t0, int64_t t1) {
   const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
-  std::vector<float> dm(2 * a.nb);  // this row's d, then m, as fp32
+  std::vector<int32_t> dots(a.nb);
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* w = static_cast<const uint8_t*>(p.w) + n * a.Kp / 2;
-    for (int64_t b = 0; b < a.nb; ++b) {
-      dm[b] = half_to_float(p.d[n * a.nb + b]);
-      dm[a.nb + b] = half_to_float(p.m[n * a.nb + b]);
-    }
-    __m256 acc[TT];
-    float macc[TT];
-    for (int t = 0; t < TT; ++t) {
-      acc[t] = _mm256_setzero_ps();
-      const float* xs = a.xs.data() + (t0 + t) * a.nb;
-      float s = 0.f;
-      for (int64_t b = 0; b < a.nb; ++b) s += dm[a.nb + b] * xs[b];
-      macc[t] = s;
-    }
-    for (int64_t c = 0; c < a.nc; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
-      const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      for (int t = 0; t < TT; ++t) {
-        const int8_t* xq = a.qt(t0 + t) + c * kChunk;
-        const float* sx = a.sx.data() + (t0 + t) * a.nb + 2 * c;
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
-        const __m256i s0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), ones);
-        const __m256i s1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), ones);
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(dm[2 * c] * sx[0]), acc[t]);
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(dm[2 * c + 1] * sx[1]), acc[t]);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int8_t* xq = a.qt(t);
+      for (int64_t c = 0; c < a.Kp / kChunk; ++c) {
+        __m256i wb[2];
+        if (KIND == WKind::kInt8) {
+          for (int h = 0; h < 2; ++h)
+            wb[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W.w8 + n * a.Kp + c * kChunk + h * 32));
+        } else {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(W.w4 + n * a.Kp / 2 + c * 32));
+          wb[0] = _mm256_and_si256(v, low4);
+          wb[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+        for (int h = 0; h < 2; ++h) {
+          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + c * kChunk + h * 32));
+          __m256i wu = wb[h];
+          if (KIND == WKind::kInt8) {  // |w| x (x with w's sign): u8 x s8 pairs stay within int16
+            xv = _mm256_sign_epi8(xv, wu);
+            wu = _mm256_abs_epi8(wu);
+          }
+          dots[2 * c + h] = hsum_epi32_256(_mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones));
+        }
       }
+      W.y[t * W.y_stride + n] = finish_element<KIND>(W, a, dots.data(), t, n);
     }
-    for (int t = 0; t < TT; ++t)
-      p.y[(t0 + t) * p.y_stride + n] = hsum256(acc[t]) + macc[t] + (p.bias ? p.bias[n] : 0.f);
   }
 }
 
-// lanes 0-7 <- element 2i of a 16-float vector, lanes 8-15 <- element 2i + 1
-alignas(64) const int32_t kPairIdx[8][16] = {
-    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},         {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
-    {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5},         {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
-    {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9},         {10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
-    {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13},
-    {14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15}};
+// ------------------------------------------------------------------ AVX-512 VNNI
+// Scratch of one thread: two packed tiles. Tile layout: for each k4 step s of the row (Kp / 4 of
+// them; block b holds steps 8b..8b+7) 64 bytes = 4 consecutive codes (u8) of each of the 16 rows.
+// q4 tiles also carry d and m as fp32 [nb][16].
+struct Packed {
+  std::vector<uint8_t> codes;  // [2][Kp / 4][64]
+  std::vector<float> d, m;     // [2][nb][16]
+};
 
-template <int TT, int R>
-DUET_VNNI DUET_INLINE void q4_vnni_block(const QProblem& p, const QActs& a, int64_t n, int64_t t0, __m512* sums) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512 acc[R][TT];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
-  const uint8_t* w = static_cast<const uint8_t*>(p.w) + n * a.Kp / 2;
-  const uint16_t* d = p.d + n * a.nb;
-  const uint16_t* m = p.m + n * a.nb;
-  for (int64_t c0 = 0; c0 < a.nc; c0 += 8) {  // 8 chunks = 16 blocks share one load of d and m
-    const int64_t b0 = 2 * c0, nblk = a.nb - b0 < 16 ? a.nb - b0 : 16;
-    const __mmask16 bm = tail_mask512(static_cast<int>(nblk));
-    __m512 dv[R];
-    for (int r = 0; r < R; ++r) {
-      dv[r] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, d + r * a.nb + b0));
-      const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, m + r * a.nb + b0));
-      for (int t = 0; t < TT; ++t)  // min term: m[b] * sx[b] * sum(xq_b), lane b
-        acc[r][t] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(bm, a.xs.data() + (t0 + t) * a.nb + b0), acc[r][t]);
-    }
-    const int64_t c1 = c0 + 8 < a.nc ? c0 + 8 : a.nc;
-    for (int64_t c = c0; c < c1; ++c) {
-      const __m512i idx = _mm512_load_si512(kPairIdx[c - c0]);
-      __m512i q[R];
-      __m512 dexp[R];
-      for (int r = 0; r < R; ++r) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * a.Kp / 2 + c * 32));
-        q[r] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low4);
-        dexp[r] = _mm512_permutexvar_ps(idx, dv[r]);
+// In place: r[i] lane j <-> r[j] lane i (4-byte lanes).
+DUET_VNNI DUET_INLINE void transpose16x16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + j], 128-bit lane L: rows 4i..4i+3 of column 4L + j
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // a 4 x 4 transpose of 128-bit lanes over u[j], u[4 + j], u[8 + j], u[12 + j]
+    const __m512i a0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), a1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+    const __m512i a2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+    const __m512i a3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+    r[j] = _mm512_shuffle_i32x4(a0, a2, 0x88);
+    r[4 + j] = _mm512_shuffle_i32x4(a0, a2, 0xDD);
+    r[8 + j] = _mm512_shuffle_i32x4(a1, a3, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(a1, a3, 0xDD);
+  }
+}
+
+// Packs rows [n0, n0 + nr) (nr <= 16; missing rows are zero codes) into `codes` (and d, m).
+// `next`: the first row of the following tile, whose cache lines are prefetched meanwhile.
+template <WKind KIND>
+DUET_VNNI void pack_tile(const QWeights& W, int64_t Kp, int64_t n0, int64_t nr, uint8_t* codes, float* d, float* m,
+                         bool prefetch_next) {
+  const int64_t nc = Kp / kChunk, nb = Kp / kBlock;
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const int64_t row_bytes = KIND == WKind::kInt8 ? Kp : Kp / 2;
+  const uint8_t* base = KIND == WKind::kInt8 ? reinterpret_cast<const uint8_t*>(W.w8) : W.w4;
+  const bool pf = prefetch_next && n0 + kTile < W.N;
+  for (int64_t c = 0; c < nc; ++c) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) {
+      if (i >= nr) {
+        r[i] = _mm512_setzero_si512();
+        continue;
       }
+      const uint8_t* row = base + (n0 + i) * row_bytes;
+      if (KIND == WKind::kInt8) {
+        r[i] = _mm512_loadu_si512(row + c * kChunk);
+      } else {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 32));
+        r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low4)),
+                                  _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), 1);
+      }
+      if (pf && (KIND == WKind::kInt8 || (c & 1) == 0) && n0 + kTile + i < W.N)
+        _mm_prefetch(reinterpret_cast<const char*>(row + kTile * row_bytes + c * (KIND == WKind::kInt8 ? 64 : 32)),
+                     _MM_HINT_T0);
+    }
+    transpose16x16(r);
+    for (int j = 0; j < 16; ++j) {
+      const __m512i v = KIND == WKind::kInt8 ? _mm512_xor_si512(r[j], bias) : r[j];  // int8: q + 128
+      _mm512_storeu_si512(codes + (c * 16 + j) * 64, v);
+    }
+  }
+  if (KIND == WKind::kQ4) {  // d, m [rows, nb] fp16 -> [nb][16 rows] fp32: 16 blocks at a time, transposed
+    for (int which = 0; which < 2; ++which) {
+      const uint16_t* src = which == 0 ? W.d : W.m;
+      float* dst = which == 0 ? d : m;
+      for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        const int64_t n = nb - b0 < 16 ? nb - b0 : 16;
+        const __mmask16 bm = tail_mask512(static_cast<int>(n));
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i)
+          r[i] = i < nr ? _mm512_castps_si512(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, src + (n0 + i) * nb + b0)))
+                        : _mm512_setzero_si512();
+        transpose16x16(r);  // r[j]: block b0 + j of the 16 rows
+        for (int64_t j = 0; j < n; ++j) _mm512_storeu_si512(dst + (b0 + j) * kTile, r[j]);
+      }
+    }
+  }
+}
+
+// R packed tiles (rows n0 .. n0 + 16R) x TT tokens [t0, t0 + TT): the whole K, then the stores.
+template <WKind KIND, int R, int TT>
+DUET_VNNI void compute_tiles(const QWeights& W, const QActs& a, const Packed& p, int64_t n0, int64_t t0) {
+  const int64_t nb = a.nb, tile_bytes = a.Kp / 4 * 64;
+  __m512 accf[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) accf[r][t] = _mm512_setzero_ps();
+  const int8_t* xq[TT];
+  for (int t = 0; t < TT; ++t) xq[t] = a.qt(t0 + t);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i acci[R][TT];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < TT; ++t) acci[r][t] = _mm512_setzero_si512();
+    const uint8_t* wb = p.codes.data() + b * 8 * 64;
+    for (int s = 0; s < 8; ++s) {
+      __m512i wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_si512(wb + r * tile_bytes + s * 64);
       for (int t = 0; t < TT; ++t) {
-        const int64_t tt = t0 + t;
-        const __m512i xq = _mm512_loadu_si512(a.qt(tt) + c * kChunk);
-        const __m512 sx = _mm512_loadu_ps(a.sxexp.data() + (tt * a.nc + c) * 16);
+        int32_t x4;
+        std::memcpy(&x4, xq[t] + b * kBlock + 4 * s, 4);
+        const __m512i xv = _mm512_set1_epi32(x4);
+        for (int r = 0; r < R; ++r) acci[r][t] = _mm512_dpbusd_epi32(acci[r][t], wv[r], xv);
+      }
+    }
+    for (int t = 0; t < TT; ++t) {
+      const int64_t tb = (t0 + t) * nb + b;
+      const __m512 sx = _mm512_set1_ps(a.sx[tb]);
+      if (KIND == WKind::kInt8) {
+        const __m512i corr = _mm512_set1_epi32(128 * a.qsum[tb]);
+        for (int r = 0; r < R; ++r)
+          accf[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acci[r][t], corr)), sx, accf[r][t]);
+      } else {
+        const __m512 xs = _mm512_set1_ps(a.xs[tb]);
         for (int r = 0; r < R; ++r) {
-          const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[r], xq);
-          acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), sx), dexp[r], acc[r][t]);
+          const __m512 dv = _mm512_loadu_ps(p.d.data() + (r * nb + b) * kTile);
+          const __m512 mv = _mm512_loadu_ps(p.m.data() + (r * nb + b) * kTile);
+          accf[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acci[r][t]), sx), dv, accf[r][t]);
+          accf[r][t] = _mm512_fmadd_ps(mv, xs, accf[r][t]);
         }
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TT; ++t) sums[t * 16 + r] = acc[r][t];
-}
-
-template <int TT>
-DUET_VNNI void q4_vnni(const QProblem& p, const QActs& a, int64_t n0, int64_t n1, int64_t t0) {
-  constexpr int R = vnni_rows<TT>();
-  __m512 sums[TT * 16];
-  for (int i = 0; i < TT * 16; ++i) sums[i] = _mm512_setzero_ps();
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) q4_vnni_block<TT, R>(p, a, n, t0, sums + (n - n0));
-  for (; n < n1; ++n) q4_vnni_block<TT, 1>(p, a, n, t0, sums + (n - n0));
-  store_tile(p, TT, sums, n0, n1 - n0, t0);
-}
-
-// ---------------------------------------------------------------- driver
-using TileFn = void (*)(const QProblem&, const QActs&, int64_t, int64_t, int64_t);
-
-#define DUET_TILE_TABLE(NAME)                                                                        \
-  const TileFn NAME##_table[kMaxTokens] = {NAME<1>, NAME<2>, NAME<3>, NAME<4>, NAME<5>, NAME<6>, NAME<7>, \
-                                           NAME<8>};
-DUET_TILE_TABLE(q4_scalar)
-DUET_TILE_TABLE(q4_avx2)
-DUET_TILE_TABLE(q4_vnni)
-
-void run(const QProblem& p, const QActs& a, const TileFn* table, int64_t T, int64_t N, int nt) {
-  auto rows = [&](int64_t n_begin, int64_t n_end) {
-    for (int64_t r = n_begin; r < n_end; r += kRowTile) {
-      const int64_t r1 = r + kRowTile < n_end ? r + kRowTile : n_end;
-      for (int64_t t0 = 0; t0 < T; t0 += kMaxTokens) {
-        const int64_t tt = T - t0 < kMaxTokens ? T - t0 : kMaxTokens;
-        table[tt - 1](p, a, r, r1, t0);
-      }
+  for (int r = 0; r < R; ++r) {
+    const int64_t rn = n0 + r * kTile, rows = W.N - rn < kTile ? W.N - rn : kTile;
+    const __mmask16 mask = tail_mask512(static_cast<int>(rows));
+    const __m512 bias = W.bias ? _mm512_maskz_loadu_ps(mask, W.bias + rn) : _mm512_setzero_ps();
+    const __m512 sw = KIND == WKind::kInt8 ? _mm512_maskz_loadu_ps(mask, W.sw + rn) : _mm512_setzero_ps();
+    for (int t = 0; t < TT; ++t) {
+      const __m512 y = KIND == WKind::kInt8 ? _mm512_fmadd_ps(accf[r][t], sw, bias) : _mm512_add_ps(accf[r][t], bias);
+      _mm512_mask_storeu_ps(W.y + (t0 + t) * W.y_stride + rn, mask, y);
     }
-  };
-  if (nt == 1) return rows(0, N);
-#pragma omp parallel num_threads(nt)
-  {
-    const int i = omp_get_thread_num(), n_threads = omp_get_num_threads();
-    const int64_t tiles = (N + kRowTile - 1) / kRowTile;
-    const int64_t b0 = tiles * i / n_threads, b1 = tiles * (i + 1) / n_threads;
-    const int64_t n_begin = b0 * kRowTile, n_end = b1 * kRowTile < N ? b1 * kRowTile : N;
-    if (n_begin < n_end) rows(n_begin, n_end);
   }
 }
 
+template <WKind KIND, int R>
+DUET_VNNI void tokens_vnni(const QWeights& W, const QActs& a, const Packed& p, int64_t n0, int64_t t0, int64_t t1) {
+  int64_t t = t0;
+  for (; t + kTokens <= t1; t += kTokens) compute_tiles<KIND, R, kTokens>(W, a, p, n0, t);
+  switch (t1 - t) {
+    case 1: compute_tiles<KIND, R, 1>(W, a, p, n0, t); break;
+    case 2: compute_tiles<KIND, R, 2>(W, a, p, n0, t); break;
+    case 3: compute_tiles<KIND, R, 3>(W, a, p, n0, t); break;
+    default: break;
+  }
+}
+
+thread_local Packed t_packed;
+
+// Rows [n0, n1) (n0 a multiple of 16), tokens [t0, t1): tiles in pairs.
+template <WKind KIND>
+DUET_VNNI void rows_vnni(const QWeights& W, const QActs& a, int64_t n0, int64_t n1, int64_t t0, int64_t t1) {
+  Packed& p = t_packed;
+  const int64_t tile_bytes = a.Kp / 4 * 64, nb = a.nb;
+  if (static_cast<int64_t>(p.codes.size()) < 2 * tile_bytes + 64) p.codes.resize(2 * tile_bytes + 64);
+  if (static_cast<int64_t>(p.d.size()) < 2 * nb * kTile + 16) {
+    p.d.resize(2 * nb * kTile + 16);
+    p.m.resize(2 * nb * kTile + 16);
+  }
+  for (int64_t n = n0; n < n1; n += 2 * kTile) {
+    const int R = n + kTile < n1 ? 2 : 1;
+    for (int r = 0; r < R; ++r) {
+      const int64_t rn = n + r * kTile;
+      pack_tile<KIND>(W, a.Kp, rn, std::min<int64_t>(kTile, W.N - rn), p.codes.data() + r * tile_bytes,
+                      p.d.data() + r * nb * kTile, p.m.data() + r * nb * kTile, true);
+    }
+    if (R == 2) {
+      tokens_vnni<KIND, 2>(W, a, p, n, t0, t1);
+    } else {
+      tokens_vnni<KIND, 1>(W, a, p, n, t0, t1);
+    }
+  }
+}
+
+// ------------------------------------------------------------------ driver
 thread_local QActs t_acts;
+
+template <WKind KIND>
+void run(const QWeights& W, const float* x, int64_t x_stride, int64_t T, int64_t K, int64_t Kp, int max_threads) {
+  if (T <= 0 || W.N <= 0) return;
+  const QPath path = active_path();
+  QActs& a = t_acts;
+  quantize_acts(a, x, x_stride, T, K, Kp, path == QPath::kVnni, max_threads);
+  using RowsFn = void (*)(const QWeights&, const QActs&, int64_t, int64_t, int64_t, int64_t);
+  const RowsFn rows = path == QPath::kVnni ? rows_vnni<KIND> : path == QPath::kAvx2 ? rows_avx2<KIND> : rows_scalar<KIND>;
+  const int64_t tiles = (W.N + kTile - 1) / kTile;
+  const int64_t bytes_per_weight = KIND == WKind::kInt8 ? 8 : 4;  // work weighted like the int8 weight bytes
+  const int nt = pick_threads(max_threads, W.N * Kp * bytes_per_weight / 8 * std::min<int64_t>(T, 8),
+                              kMinParallelWork, tiles / 2 > 0 ? tiles / 2 : 1);
+  const int64_t tb = std::max<int64_t>(kTokens, kTokenBlockBytes / Kp / kTokens * kTokens);
+  auto span = [&](int64_t p0, int64_t p1) {  // tile pairs [p0, p1)
+    const int64_t n0 = p0 * 2 * kTile, n1 = std::min(W.N, p1 * 2 * kTile);
+    if (n0 >= n1) return;
+    for (int64_t t0 = 0; t0 < T; t0 += tb) rows(W, a, n0, n1, t0, std::min(T, t0 + tb));
+  };
+  const int64_t pairs = (tiles + 1) / 2;
+  if (nt == 1) return span(0, pairs);
+#pragma omp parallel num_threads(nt)
+  {
+    const int i = omp_get_thread_num(), n_threads = omp_get_num_threads();
+    span(pairs * i / n_threads, pairs * (i + 1) / n_threads);
+  }
+}
 
 }  // namespace
 
 void quantize_activations_q8(const float* x, int64_t x_stride, int64_t T, int64_t K, int64_t Kp, int8_t* q_out,
                              float* sx_out) {
-  const QPath path = active_path();
-  quantize_acts(t_acts, x, x_stride, T, K, Kp, path, 1);
+  quantize_acts(t_acts, x, x_stride, T, K, Kp, active_path() == QPath::kVnni, 1);
   std::memcpy(q_out, t_acts.q.data(), T * Kp);
   std::memcpy(sx_out, t_acts.sx.data(), T * (Kp / kBlock) * sizeof(float));
 }
@@ -345,12 +474,14 @@ void quantize_activations_q8(const float* x, int64_t x_stride, int64_t T, int64_
 void q4_linear_f32(const float* x, int64_t x_stride, const uint8_t* w, const uint16_t* d, const uint16_t* m,
                    const float* bias, float* y, int64_t y_stride, int64_t T, int64_t N, int64_t K, int64_t Kp,
                    int max_threads) {
-  const QPath path = active_path();
-  const int nt = pick_threads(max_threads, N * Kp / 8, kMinParallelWork, N / kRowTile);
-  quantize_acts(t_acts, x, x_stride, T, K, Kp, path, max_threads);
-  const QProblem p{w, d, m, bias, y, y_stride};
-  const TileFn* table = path == QPath::kVnni ? q4_vnni_table : path == QPath::kAvx2 ? q4_avx2_table : q4_scalar_table;
-  run(p, t_acts, table, T, N, nt);
+  const QWeights W{nullptr, nullptr, w, d, m, bias, y, y_stride, N};
+  run<WKind::kQ4>(W, x, x_stride, T, K, Kp, max_threads);
+}
+
+void int8_linear_f32(const float* x, int64_t x_stride, const int8_t* w, const float* scale, const float* bias,
+                     float* y, int64_t y_stride, int64_t T, int64_t N, int64_t K, int64_t Kp, int max_threads) {
+  const QWeights W{w, scale, nullptr, nullptr, nullptr, bias, y, y_stride, N};
+  run<WKind::kInt8>(W, x, x_stride, T, K, Kp, max_threads);
 }
 
 const char* quant_path_name() {

@@ -1,5 +1,6 @@
-// Attention of several new tokens per sequence over a paged KV cache, fp32 (prefill chunks and
-// speculative verification), with an optional token tree.
+// Attention of several new tokens per sequence over a paged KV cache, fp32 or bf16 (q, cache and
+// out alike; a.bf16: q widened to fp32 as it is copied to the scratch, K/V as loaded, out rounded
+// once), for prefill chunks and speculative verification, with an optional token tree.
 //
 // Sequence b owns query rows [cu[b], cu[b + 1]) (n_b rows) and has ctx_b tokens in the cache, the
 // last n_b of which are its new tokens (their K/V were written before the call). With P = ctx_b - n_b,
@@ -40,19 +41,6 @@ constexpr int64_t kMinSplit = 256;              // shortest key range worth its 
 constexpr int64_t kMinParallelWork = 1 << 17;   // sum(rows x keys) * D below which one thread wins
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-struct Prims {
-  ScoreFn scores;
-  AccumFn accum;
-  ExpSumFn expsum;
-  RowMaxFn rowmax;
-};
-
-Prims prims_for(Isa isa) {
-  if (isa == Isa::kAvx512) return {scores_avx512, accum_avx512, expsum_avx512, rowmax_avx512};
-  if (isa == Isa::kAvx2) return {scores_avx2, accum_avx2, expsum_avx2, rowmax_scalar};
-  return {scores_scalar, accum_scalar, expsum_scalar, rowmax_scalar};
-}
-
 inline int64_t idx(const void* p, bool is64, int64_t i) {
   return is64 ? static_cast<const int64_t*>(p)[i] : static_cast<const int32_t*>(p)[i];
 }
@@ -90,7 +78,8 @@ struct Scratch {
 
 // Rows of the item for kv head g: r = (i - i0) * hpg + hh, i.e. query i, head g * hpg + hh.
 // Results: m/l[(i - i0) * H + h] and acc[((i - i0) * H + h) * D + d] (unnormalised).
-void run_item(const VarlenAttnArgs& a, const Prims& pr, const Seq& sq, const uint8_t* anc, const Item& it, float* m_out,
+template <typename T>
+void run_item(const VarlenAttnArgs& a, const Prims<T>& pr, const Seq& sq, const uint8_t* anc, const Item& it, float* m_out,
               float* l_out, float* acc_out) {
   const int64_t H = a.H, D = a.D, hpg = H / a.G, nq = it.i1 - it.i0, R = nq * hpg;
   static thread_local Scratch sc;
@@ -98,14 +87,20 @@ void run_item(const VarlenAttnArgs& a, const Prims& pr, const Seq& sq, const uin
   float *qb = sc.q.data(), *s = sc.s.data(), *acc = sc.acc.data(), *m = sc.m.data(), *l = sc.l.data();
   for (int64_t g = 0; g < a.G; ++g) {
     for (int64_t i = 0; i < nq; ++i)
-      for (int64_t hh = 0; hh < hpg; ++hh)
-        std::memcpy(qb + (i * hpg + hh) * D, a.q + (sq.row0 + it.i0 + i) * a.q_st + (g * hpg + hh) * a.q_sh,
-                    D * sizeof(float));
+      for (int64_t hh = 0; hh < hpg; ++hh) {
+        const T* src = static_cast<const T*>(a.q) + (sq.row0 + it.i0 + i) * a.q_st + (g * hpg + hh) * a.q_sh;
+        float* dst = qb + (i * hpg + hh) * D;
+        if constexpr (sizeof(T) == 4) {
+          std::memcpy(dst, src, D * sizeof(float));
+        } else {
+          for (int64_t d = 0; d < D; ++d) dst[d] = to_f32(src[d]);
+        }
+      }
     std::fill_n(acc, R * D, 0.f);
     std::fill_n(m, R, kNegInf);
     std::fill_n(l, R, 0.f);
-    const float* kg = a.k_cache + g * a.k_sg;
-    const float* vg = a.v_cache + g * a.v_sg;
+    const T* kg = static_cast<const T*>(a.k_cache) + g * a.k_sg;
+    const T* vg = static_cast<const T*>(a.v_cache) + g * a.v_sg;
     for (int64_t c0 = it.t0; c0 < it.t1; c0 += kChunk) {
       const int64_t c1 = std::min(c0 + kChunk, it.t1), len = c1 - c0;
       for_each_run(a, it.b, c0, c1, [&](int64_t o, int64_t slot, int64_t n) {
@@ -148,14 +143,22 @@ void run_item(const VarlenAttnArgs& a, const Prims& pr, const Seq& sq, const uin
 }
 
 // Final rows of items [i, j) (same sequence and query block): merge partials, normalise, write.
+template <typename T>
 void finish(const VarlenAttnArgs& a, const Seq& sq, const std::vector<Item>& items, const float* part,
             int64_t per_item, int64_t rows_per_item, int64_t i, int64_t j) {
   const int64_t H = a.H, D = a.D, nq = items[i].i1 - items[i].i0;
+  std::vector<float> tmp(sizeof(T) == 4 ? 0 : D);  // bf16: the row in fp32, rounded once at the end
   for (int64_t r = 0; r < nq * H; ++r) {
     const int64_t row = sq.row0 + items[i].i0 + r / H, h = r % H;
     float M = kNegInf;
     for (int64_t p = i; p < j; ++p) M = std::max(M, part[p * per_item + r]);
-    float* o = a.out + row * a.o_st + h * a.o_sh;
+    T* out = static_cast<T*>(a.out) + row * a.o_st + h * a.o_sh;
+    float* o;
+    if constexpr (sizeof(T) == 4) {
+      o = out;
+    } else {
+      o = tmp.data();
+    }
     std::fill_n(o, D, 0.f);
     float L = 0.f;
     if (M != kNegInf)
@@ -170,6 +173,8 @@ void finish(const VarlenAttnArgs& a, const Seq& sq, const std::vector<Item>& ite
       const float inv = 1.0f / L;
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
+    if constexpr (sizeof(T) != 4)
+      for (int64_t d = 0; d < D; ++d) out[d] = from_f32<T>(o[d]);
     if (a.lse) a.lse[row * a.lse_st + h] = L > 0.f ? M + std::log(L) : kNegInf;
   }
 }
@@ -212,8 +217,11 @@ std::string varlen_attention_validate(const VarlenAttnArgs& a) {
   return "";
 }
 
-void varlen_paged_attention_f32(const VarlenAttnArgs& a, int max_threads) {
-  const Prims pr = prims_for(active_isa());
+namespace {
+
+template <typename T>
+void varlen_attention(const VarlenAttnArgs& a, int max_threads) {
+  const Prims<T> pr = prims_for<T>(active_isa());
   const int64_t H = a.H, D = a.D;
   std::vector<Seq> seqs(a.B);
   int64_t anc_size = 0, work = 0, n_blocks = 0;
@@ -256,7 +264,7 @@ void varlen_paged_attention_f32(const VarlenAttnArgs& a, int max_threads) {
   const uint8_t* A = a.tree_parents ? anc.data() : nullptr;
   auto run = [&](int64_t i) {
     float* p = part.data() + i * per_item;
-    run_item(a, pr, seqs[items[i].b], A, items[i], p, p + rows, p + 2 * rows);
+    run_item<T>(a, pr, seqs[items[i].b], A, items[i], p, p + rows, p + 2 * rows);
   };
   if (nt == 1 || n_items == 1) {
     for (int64_t i = 0; i < n_items; ++i) run(i);
@@ -274,8 +282,18 @@ void varlen_paged_attention_f32(const VarlenAttnArgs& a, int max_threads) {
   const int64_t ng = static_cast<int64_t>(groups.size());
   parallel_for(pick_threads(nt, a.T * H * D, kMinParallelWork, ng), ng, [&](int64_t gi) {
     const auto [i, j] = groups[gi];
-    finish(a, seqs[items[i].b], items, part.data(), per_item, rows, i, j);
+    finish<T>(a, seqs[items[i].b], items, part.data(), per_item, rows, i, j);
   });
+}
+
+}  // namespace
+
+void varlen_paged_attention(const VarlenAttnArgs& a, int max_threads) {
+  if (a.bf16) {
+    varlen_attention<bf16_t>(a, max_threads);
+  } else {
+    varlen_attention<float>(a, max_threads);
+  }
 }
 
 }  // namespace duet

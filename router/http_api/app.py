@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -226,7 +226,7 @@ async def _answer(request: Request, generator: FanOut, greq: duet_pb2.GenerateRe
     return EventStreamResponse(_events(generation, first, renderer, include_usage, greq.request_id, rename))
 
 
-async def _collect(generation: AsyncIterator[duet_pb2.GenerateResponse], renderer: Renderer,
+async def _collect(generation: AsyncGenerator[duet_pb2.GenerateResponse, None], renderer: Renderer,
                    rename: Callable[[str], str] | None) -> dict[str, Any]:
     async with aclosing(generation) as responses:
         try:
@@ -237,9 +237,9 @@ async def _collect(generation: AsyncIterator[duet_pb2.GenerateResponse], rendere
     return renderer.response()
 
 
-async def _events(generation: AsyncIterator[duet_pb2.GenerateResponse], first: duet_pb2.GenerateResponse | None,
+async def _events(generation: AsyncGenerator[duet_pb2.GenerateResponse, None], first: duet_pb2.GenerateResponse | None,
                   renderer: Renderer, include_usage: bool, request_id: str,
-                  rename: Callable[[str], str] | None) -> AsyncIterator[bytes]:
+                  rename: Callable[[str], str] | None) -> AsyncGenerator[bytes, None]:
     started = time.monotonic()
     async with aclosing(generation) as responses:
         try:

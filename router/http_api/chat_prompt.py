@@ -72,7 +72,7 @@ class ChatPrompt:
             conversation = _default_turns(turns, tools, self.fmt)
         try:
             text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **kwargs)
-        except Exception as e:  # jinja2 raise_exception() in a template: the conversation is malformed
+        except Exception as e:  # noqa: BLE001 - jinja2 raise_exception() in a template: the conversation is malformed
             raise invalid("messages", f"the chat template rejected the conversation: {e}") from None
         # The template already wrote any BOS/special tokens as text, so add none here (as preprocess.py).
         return list(tok.encode(text, add_special_tokens=False))

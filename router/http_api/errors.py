@@ -26,7 +26,7 @@ maps through ``from_request_error``: the same validation answers both APIs, only
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -99,7 +99,7 @@ def from_request_error(e: RequestError, rename: Callable[[str], str] | None = No
     return OpenAIError(status, message, type=type_, param=param, code=code)
 
 
-def from_pydantic(errors: list[dict[str, Any]]) -> OpenAIError:
+def from_pydantic(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
     """400 naming the first invalid field of a pydantic ValidationError's ``errors()``."""
     first = errors[0]
     param = loc_to_param(first.get("loc", ()))

@@ -36,7 +36,7 @@ class HttpApiServer:
     def __init__(self, config: RouterConfig, app: Any) -> None:
         self.config = config
         self._uvicorn = uvicorn.Server(uvicorn.Config(
-            app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=config.shutdown_grace_s,
+            app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=config.shutdown_grace_s,  # type: ignore[arg-type]  # uvicorn takes float seconds, typed int
             ssl_certfile=config.tls_cert_file, ssl_keyfile=config.tls_key_file, ssl_ca_certs=config.tls_client_ca_file,
             ssl_cert_reqs=ssl.CERT_REQUIRED if config.tls_client_ca_file else ssl.CERT_NONE,
             h11_max_incomplete_event_size=64 * 1024))
@@ -62,7 +62,7 @@ class HttpApiServer:
         if self._socket is None:
             return
         if grace is not None:
-            self._uvicorn.config.timeout_graceful_shutdown = max(grace, 0.001)
+            self._uvicorn.config.timeout_graceful_shutdown = max(grace, 0.001)  # type: ignore[assignment]  # as above
         self._uvicorn.should_exit = True
         if self._ticker is not None:
             with contextlib.suppress(asyncio.CancelledError):

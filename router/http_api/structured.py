@@ -128,7 +128,8 @@ def check_schema(field: str, schema: Any) -> None:
 def _text(field: str, kind: str, value: str) -> Structured:
     if not value.strip():
         raise invalid(field, "must be a non-empty string")
-    return Structured(field, duet_pb2.StructuredOutput(**{kind: value}))
+    spec: dict[str, Any] = {kind: value}
+    return Structured(field, duet_pb2.StructuredOutput(**spec))
 
 
 def _choice(field: str, choices: list[str]) -> Structured:

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from router.policies.base import (
-    NoWorkersAvailable,
     PolicyConfigError,
     RouteRequest,
     RoutingPolicy,

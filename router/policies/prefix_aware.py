@@ -1,10 +1,19 @@
 """prefix_aware: send a request where its prompt prefix is likely cached, unless that worker is
 much busier than the idlest one (after SGLang's cache-aware policy with balance thresholds).
 
+Where matched(w) comes from:
+  * ``holdings`` given (router/prefix_index.py, what ``duet serve`` and ``duet router`` wire in):
+    the blocks worker w *reports* holding (its prefix cache's block events, read on every load
+    poll), so every router of a deployment matches against the same truth; plus the blocks this
+    router itself sent to w in the last ``pending_s`` seconds, which w's next report may not show
+    yet (a burst of one new prefix would otherwise scatter before the first copy is computed).
+    Those pending entries expire by age; nothing this router guesses outlives them.
+  * a worker that does not report holdings (prefix caching off, an older worker), or no
+    ``holdings``: the PrefixTree of what this router sent there (router/prefix_tree.py).
+
 Algorithm, per request (P = the prompt's token ids, load = WorkerState.load_tokens):
- 1. Cut P into full blocks of ``block_size`` tokens (= the workers' KV block size) and look them
-    up in the PrefixTree of what was recently sent to each worker: matched(w) = leading blocks
-    of P that worker w was sent before (router/prefix_tree.py).
+ 1. Cut P into full blocks of ``block_size`` tokens (= the workers' KV block size): matched(w) =
+    leading blocks of P that worker w holds (above).
  2. best  = the healthy worker with the most matched blocks; ties -> lower load (so a popular
             prefix held by several workers is spread by load), then fewer in-flight, then id.
     least = the least-loaded healthy worker (router/policies/least_loaded.py).
@@ -38,9 +47,15 @@ import logging
 from collections.abc import Sequence
 from typing import ClassVar
 
+import time
+from collections import deque
+from collections.abc import Callable
+
 from router.policies.base import PolicyConfigError, RouteRequest, WorkerState, healthy_workers, log_fallback
 from router.policies.least_loaded import least_loaded
+from router.prefix_index import PrefixIndex
 from router.prefix_tree import PrefixTree, block_hashes
+from workers.block_hash import chain_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +65,9 @@ DEFAULT_MAX_BLOCKS_PER_WORKER = 4096  # before a worker reports its KV capacity
 class PrefixAwarePolicy:
     name: ClassVar[str] = "prefix_aware"
 
-    def __init__(self, *, block_size: int = 16, balance_abs_tokens: int = 4096, balance_rel: float = 1.5,
-                 max_blocks_per_worker: int | None = None) -> None:
+    def __init__(self, holdings: PrefixIndex | None = None, clock: Callable[[], float] = time.monotonic, *,
+                 block_size: int = 16, balance_abs_tokens: int = 4096, balance_rel: float = 1.5,
+                 max_blocks_per_worker: int | None = None, pending_s: float = 1.0) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise PolicyConfigError(f"prefix_aware.block_size={block_size!r}: must be an integer >= 1 "
                                     "(use the workers' KV block size)")
@@ -63,7 +79,17 @@ class PrefixAwarePolicy:
                                                   or max_blocks_per_worker < 1):
             raise PolicyConfigError(f"prefix_aware.max_blocks_per_worker={max_blocks_per_worker!r}: must be an "
                                     "integer >= 1, or unset to follow each worker's KV capacity")
+        if not isinstance(pending_s, (int, float)) or not pending_s >= 0:
+            raise PolicyConfigError(f"prefix_aware.pending_s={pending_s!r}: must be a number of seconds >= 0 "
+                                    "(how long this router's own sends count before the workers' reports show them)")
         self.block_size = block_size
+        self.holdings = holdings
+        self.pending_s = float(pending_s)
+        self._clock = clock
+        # (sent at, worker id, chain hashes) of this router's recent sends, oldest first, and
+        # worker id -> hash -> how many of those entries hold it.
+        self._pending: deque[tuple[float, str, tuple[int, ...]]] = deque()
+        self._pending_held: dict[str, dict[int, int]] = {}
         self.balance_abs_tokens = balance_abs_tokens
         self.balance_rel = float(balance_rel)
         self.max_blocks_per_worker = max_blocks_per_worker
@@ -81,7 +107,7 @@ class PrefixAwarePolicy:
         healthy = healthy_workers(workers)
         self._sync_membership(workers)
         hashes = block_hashes(request.prompt_token_ids, self.block_size)
-        matched = self.tree.match(hashes)
+        matched = self._match(request.prompt_token_ids, hashes, healthy)
         least = least_loaded(healthy)
         best = min(healthy, key=lambda w: (-matched.get(w.worker_id, 0), w.load_tokens,
                                            w.in_flight_requests, w.worker_id))
@@ -104,7 +130,10 @@ class PrefixAwarePolicy:
             self.num_prefix_hits += 1
             self.num_matched_tokens += best_blocks * self.block_size
             chosen = best
-        self.tree.insert(chosen.worker_id, hashes, self._max_blocks(chosen))
+        if self.holdings is not None and self.holdings.knows(chosen.worker_id):
+            self._add_pending(chosen.worker_id, request.prompt_token_ids)
+        else:
+            self.tree.insert(chosen.worker_id, hashes, self._max_blocks(chosen))
         return chosen.worker_id
 
     def on_request_complete(self, worker_id: str, request_id: str) -> None:
@@ -118,9 +147,56 @@ class PrefixAwarePolicy:
             "imbalance_fallbacks": self.num_imbalance_fallbacks,
             "worker_resets": self.num_worker_resets,
             "tree_blocks": self.tree.num_blocks(),
+            "reported_blocks": self.holdings.num_blocks() if self.holdings is not None else 0,
         }
 
     # ------------------------------------------------------------- internals
+    def _match(self, token_ids: Sequence[int], hashes: list[int], healthy: Sequence[WorkerState]) -> dict[str, int]:
+        """matched(w) for each healthy worker (module docstring): reported + pending, or the tree."""
+        if self.holdings is None:
+            return self.tree.match(hashes)
+        reporting = [w.worker_id for w in healthy if self.holdings.knows(w.worker_id)]
+        matched = self.holdings.match(token_ids, reporting)
+        self._expire_pending()
+        for wid in reporting:
+            pending = self._pending_held.get(wid)
+            if pending:
+                n = 0
+                for h in chain_hashes(token_ids, self.holdings.block_size(wid)):
+                    if h not in pending:
+                        break
+                    n += 1
+                if n > matched.get(wid, 0):
+                    matched[wid] = n
+        if len(reporting) < len(healthy):
+            tree = self.tree.match(hashes)
+            known = set(reporting)
+            matched.update({wid: n for wid, n in tree.items() if wid not in known})
+        return matched
+
+    def _add_pending(self, worker_id: str, token_ids: Sequence[int]) -> None:
+        if self.pending_s <= 0:
+            return
+        assert self.holdings is not None
+        hashes = tuple(chain_hashes(token_ids, self.holdings.block_size(worker_id)))
+        if not hashes:
+            return
+        self._pending.append((self._clock(), worker_id, hashes))
+        held = self._pending_held.setdefault(worker_id, {})
+        for h in hashes:
+            held[h] = held.get(h, 0) + 1
+
+    def _expire_pending(self) -> None:
+        horizon = self._clock() - self.pending_s
+        while self._pending and self._pending[0][0] < horizon:
+            _, wid, hashes = self._pending.popleft()
+            held = self._pending_held[wid]
+            for h in hashes:
+                if held[h] == 1:
+                    del held[h]
+                else:
+                    held[h] -= 1
+
     def _imbalanced(self, best: WorkerState, least: WorkerState) -> bool:
         hi, lo = best.load_tokens, least.load_tokens
         return hi - lo > self.balance_abs_tokens and hi > self.balance_rel * lo

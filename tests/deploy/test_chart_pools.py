@@ -39,6 +39,9 @@ REACHES_CONFIG: dict[str, tuple[str, str, Any]] = {
     "engine.enablePrefixCaching": ("engine.enablePrefixCaching=false", "engine.enable_prefix_caching", False),
     "engine.device": ("engine.device=cpu", "engine.device", "cpu"),
     "engine.cudaGraphs": ("engine.cudaGraphs=true", "engine.cuda_graphs", True),
+    "engine.hostTierMemory": ("engine.hostTierMemory=2GiB", "engine.host_tier_bytes", 2 << 30),
+    "engine.tierLoadTimeoutSeconds": ("engine.tierLoadTimeoutSeconds=2", "engine.tier_load_timeout_s", 2.0),
+    "engine.diskTierSize": ("engine.diskTierSize=8GiB", "engine.disk_tier_bytes", 8 << 30),  # with a host tier
     "speculative.method": ("speculative.method=ngram", "speculative.method", "ngram"),
     "speculative.numSpeculativeTokens": ("speculative.numSpeculativeTokens=7", "speculative.num_speculative_tokens", 7),
     "speculative.adaptive": ("speculative.adaptive=false", "speculative.adaptive", False),
@@ -115,6 +118,8 @@ def test_pool_value_reaches_its_config_key(helm, tmp_path, key):
     sets = [f"poolDefaults.{assignment}"]
     if key.startswith("speculative.") and key != "speculative.method":
         sets.append("poolDefaults.speculative.method=ngram")  # options of a speculating pool
+    if key == "engine.diskTierSize":
+        sets.append("poolDefaults.engine.hostTierMemory=1GiB")  # the disk tier sits below a host tier
     config = loaded_config(_render(helm, *sets), tmp_path)
     assert _attr(config.pool, attr) == expected
 

@@ -310,9 +310,13 @@ def _check_slo_variant(config, by_kind, groups) -> None:
     a = config.autoscaling
     assert (a.enabled, a.actuator, a.kubernetes.raycluster, a.kubernetes.namespace) == (
         True, "kubernetes", FULLNAME, NAMESPACE)
-    assert a.metrics_urls == (f"http://{FULLNAME}-router:9090/metrics",)
+    assert a.metrics_urls == (f"dns+http://{FULLNAME}-router-pods:9090/metrics",)  # every router, not one
+    assert one(by_kind, "Deployment", f"{FULLNAME}-router")["spec"]["replicas"] == 3
     assert one(by_kind, "Service", f"{FULLNAME}-router")["spec"]["ports"][1] == {
         "name": "metrics", "port": 9090, "targetPort": "metrics"}
+    pods = one(by_kind, "Service", f"{FULLNAME}-router-pods")["spec"]
+    assert pods["clusterIP"] == "None" and pods["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics"}]
+    assert pods["selector"] == one(by_kind, "Service", f"{FULLNAME}-router")["spec"]["selector"]
     assert (a.interval_s, a.drain_grace_s, a.down_cooldown_s) == (10.0, 120.0, 300.0)
     scaled = {p.pool: (p.min_replicas, p.max_replicas, p.slo_ttft_ms, p.slo_tpot_ms) for p in a.pools}
     assert scaled == {"prefill": (1, 3, 1000.0, None), "decode": (1, 6, None, 100.0)}

@@ -13,8 +13,8 @@ from types import ModuleType
 import pytest
 
 from kernels import _build
+from testkit.kernel_paths import DOT_PATHS, ISAS, available_paths, on_path
 
-ISAS = ["avx512", "avx2", "scalar"]
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +37,12 @@ def isa(request: pytest.FixtureRequest, ext: ModuleType) -> Iterator[str]:
         yield request.param
     finally:
         ext.set_isa(old)
+
+
+@pytest.fixture(params=DOT_PATHS)
+def dot_path(request: pytest.FixtureRequest, ext: ModuleType) -> Iterator[str]:
+    """Like ``isa``, over DOT_PATHS: the native AVX512-BF16 / VNNI code and its fallbacks."""
+    if request.param not in available_paths(ext):
+        pytest.skip(f"this CPU has no {request.param.removesuffix('-nodots')} (best: {ext.best_isa()})")
+    with on_path(ext, request.param):
+        yield request.param

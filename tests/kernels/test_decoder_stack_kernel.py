@@ -1,7 +1,9 @@
 """The fused decoder stack (C++) vs the layer-by-layer path through the kernels' wrappers.
 
 Both call the same kernels with the same arguments in the same order, so the hidden states and the
-KV caches they leave must be bit-identical (torch.equal), for fp32, int8 and q4 projections, with
+KV caches they leave must be bit-identical (torch.equal), for fp32, int8 and q4 projections and for
+a bf16 stack (bf16 activations, caches and projections; past BF16_GEMV_MAX_TOKENS its projections
+go to oneDNN's bf16 GEMM in both), with
 and without q/k/v biases, GQA ratios 1 and 3, 1..20 sequences (past GEMV_MAX_TOKENS = 16 the fp32
 projections go to at::linear in both), contexts that end mid-block, on every ISA path. With the
 kernels disabled, decoder_stack_ref runs the torch references: the stack agrees with that within
@@ -25,6 +27,8 @@ BLOCK = 4
 def _lin(kind: str, N: int, K: int, bias: bool, g: torch.Generator) -> StackLinearWeights:
     w = torch.randn(N, K, generator=g) / K**0.5
     b = torch.randn(N, generator=g) * 0.1 if bias else None
+    if kind == "bf16":
+        return StackLinearWeights(kind, (w.bfloat16(),), None if b is None else b.bfloat16(), K)
     tensors = {"fp32": lambda: (w,), "int8": lambda: quantize_int8(w), "q4": lambda: quantize_q4(w)}[kind]()
     return StackLinearWeights(kind, tuple(tensors), b, K)
 
@@ -49,6 +53,11 @@ def _case(kind: str, T: int, H: int, G: int, bias: bool, seed: int, L: int = 3, 
     freqs = pos * (10000.0 ** (-torch.arange(D // 2) / (D // 2)))  # [T, D/2]
     inputs = dict(h=torch.randn(T, E, generator=g), cos=freqs.cos(), sin=freqs.sin(), slot_mapping=slots,
                   block_tables=tables, context_lens=torch.tensor(ctx, dtype=torch.int32), block_size=BLOCK)
+    if kind == "bf16":  # activations, norms and caches in bf16 too
+        bf = torch.bfloat16
+        layers = [StackLayerWeights(l.in_norm.to(bf), l.post_norm.to(bf), l.qkv, l.o, l.gate_up, l.down) for l in layers]
+        final, kv = final.to(bf), [(k.to(bf), v.to(bf)) for k, v in kv]
+        inputs |= {n: inputs[n].to(bf) for n in ("h", "cos", "sin")}
     return layers, final, kv, inputs
 
 
@@ -62,7 +71,7 @@ def _run_both(kind: str, T: int, H: int, G: int, bias: bool, seed: int):
     return got, want, kv, kv_ref
 
 
-@pytest.mark.parametrize("kind", ["fp32", "int8", "q4"])
+@pytest.mark.parametrize("kind", ["fp32", "int8", "q4", "bf16"])
 @pytest.mark.parametrize("T", [1, 3, 17])
 @pytest.mark.parametrize("H,G,bias", [(4, 4, False), (6, 2, True)])
 def test_stack_is_bit_identical_to_the_layer_path(ext, isa: str, kind: str, T: int, H: int, G: int, bias: bool) -> None:
@@ -100,3 +109,7 @@ def test_bad_inputs_raise_clear_errors(ext) -> None:
         stack.forward(*args, kv, x["slot_mapping"], bad_tables, x["context_lens"], BLOCK)
     with pytest.raises(RuntimeError, match="qkv must be"):
         build_decoder_stack(layers, final, 1e-5, 4, 2, 16)  # wrong kv head count for these weights
+    bf16_norms = [StackLayerWeights(l.in_norm.bfloat16(), l.post_norm.bfloat16(), l.qkv, l.o, l.gate_up, l.down)
+                  for l in layers]
+    with pytest.raises(RuntimeError, match="bf16 stack takes bf16 linears only"):
+        build_decoder_stack(bf16_norms, final.bfloat16(), 1e-5, 4, 4, 16)  # bf16 activations, q4 projections

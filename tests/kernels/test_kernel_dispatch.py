@@ -100,12 +100,16 @@ def test_build_failure_warns_once_and_counts(monkeypatch: pytest.MonkeyPatch, ca
 
 
 def test_unsupported_dtype_counts_fallback(ext) -> None:
+    # float32 and bfloat16 have CPU kernels; float16 runs the references and counts.
     kernels.reset_fallback_counts()
-    x = torch.randn(2, 16, dtype=torch.bfloat16)
-    out, _ = kernels.rms_norm(x, torch.ones(16, dtype=torch.bfloat16), 1e-5)
-    assert out.dtype == torch.bfloat16
-    kernels.linear(x, torch.randn(4, 16, dtype=torch.bfloat16))
-    assert kernels.fallback_counts() == {"rms_norm:no kernel for cpu/torch.bfloat16": 1, "linear:no kernel for torch.bfloat16": 1}
+    x = torch.randn(2, 16, dtype=torch.float16)
+    out, _ = kernels.rms_norm(x, torch.ones(16, dtype=torch.float16), 1e-5)
+    assert out.dtype == torch.float16
+    kernels.linear(x, torch.randn(4, 16, dtype=torch.float16))
+    assert kernels.fallback_counts() == {
+        "rms_norm:no kernel for cpu/torch.float16": 1,
+        "linear:no kernel for x torch.float16 with w torch.float16": 1,
+    }
 
 
 def test_failed_build_in_subprocess_falls_back(tmp_path: Path) -> None:

@@ -1,11 +1,12 @@
-"""q4_linear (C++, every ISA path) vs its reference, and the formats' round trips (int8_linear, which
-is weight-only, has tests/kernels/test_int8_linear_kernel.py).
+"""q4_linear (C++, every ISA path) vs its reference, its batch invariance and the agreement of its
+ISA paths, and the formats' round trips (int8_linear, the same kernel with int8 weights, has
+tests/kernels/test_int8_linear_kernel.py).
 
 The reference computes the kernel's own math (x quantized per block of 32, exact integer block dots,
-float64 scaling), so the only difference is fp32 accumulation order over K / 32 blocks: rtol 1e-4 /
-atol 1e-4 on outputs of order 1 leaves a wide margin over that (~1e-6) yet catches a wrong row,
-block, scale, nibble or tail (errors of order 1e-1). The activation rounding itself is checked
-bit for bit against the torch reference.
+float64 scaling), so the only difference is the kernel's fp32 rounding of the per-block sums,
+bounded by tests/testkit/tolerance.py (a wrong row, block, scale, nibble or tail is off by
+orders of magnitude more). The activation rounding itself, batch invariance and the ISA paths'
+agreement are checked bit for bit.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ from kernels.quant_formats import (
     unpack_q4,
 )
 from kernels.quant_linear import quantize_activations_ref
-
-from testkit.tolerance import KERNEL_FP32, BLOCK_QUANT_FP32
+from testkit.kernel_paths import available_paths, on_path
+from testkit.tolerance import INT8_ACTIVATIONS, KERNEL_FP32, assert_within, q4_linear_error_bound
 
 # SmolLM2's matrices plus K not a multiple of 32 or 64 (partial and whole padded blocks), N not a
 # multiple of the 16-row tile, tiny cases.
 SHAPES = [(960, 576), (576, 1536), (3072, 576), (37, 577), (100, 33), (17, 96), (5, 15), (1, 1), (33, 130)]
-TOKENS = [1, 2, 3, 7, 8, 9, 17, 64]
+TOKENS = [1, 2, 3, 4, 5, 7, 8, 9, 17, 33, 64]
 
 
 def _problem(N: int, K: int, T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -40,13 +41,45 @@ def _problem(N: int, K: int, T: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     return w, torch.randn(N, generator=g), torch.randn(T, K, generator=g)
 
 
+def _check(x, q, d, m, b=None) -> None:
+    assert_within(kernels.q4_linear(x, q, d, m, b), kernels.q4_linear_ref(x, q, d, m, b),
+                  q4_linear_error_bound(x, q, d, m, b), "q4_linear")
+
+
 @pytest.mark.parametrize("N,K", SHAPES)
 @pytest.mark.parametrize("T", TOKENS)
-def test_q4_matches_ref(isa: str, T: int, N: int, K: int) -> None:
+def test_q4_matches_ref(dot_path: str, T: int, N: int, K: int) -> None:
     w, b, x = _problem(N, K, T, N * K + T + 1)
     q, d, m = quantize_q4(w)
-    BLOCK_QUANT_FP32.assert_close(kernels.q4_linear(x, q, d, m), kernels.q4_linear_ref(x, q, d, m))
-    BLOCK_QUANT_FP32.assert_close(kernels.q4_linear(x, q, d, m, b), kernels.q4_linear_ref(x, q, d, m, b))
+    _check(x, q, d, m)
+    _check(x, q, d, m, b)
+
+
+@pytest.mark.parametrize("N,K,T", [(960, 576, 9), (37, 577, 33), (100, 33, 4), (3072, 576, 64)])
+def test_isa_paths_agree_bitwise(ext, N: int, K: int, T: int) -> None:
+    w, b, x = _problem(N, K, T, 9)
+    q, d, m = quantize_q4(w)
+    outs = {}
+    for path in available_paths(ext):
+        with on_path(ext, path):
+            outs[path] = kernels.q4_linear(x, q, d, m, b)
+    first = next(iter(outs.values()))
+    for path, y in outs.items():
+        assert torch.equal(y, first), f"{path} differs from {next(iter(outs))}"
+
+
+@pytest.mark.parametrize("N,K", [(960, 576), (37, 577), (100, 33)])
+def test_batch_invariant(dot_path: str, N: int, K: int) -> None:
+    # Row 0 alone vs at every position of batches of 2..40 with random other rows: bit-identical.
+    w, b, x = _problem(N, K, 40, 5)
+    q, d, m = quantize_q4(w)
+    alone = kernels.q4_linear(x[:1], q, d, m, b)[0]  # [N]
+    g = torch.Generator().manual_seed(1)
+    for T in range(2, 41):
+        others = torch.randn(T, K, generator=g) * 3
+        pos = int(torch.randint(0, T, (1,), generator=g))
+        others[pos] = x[0]
+        assert torch.equal(kernels.q4_linear(others, q, d, m, b)[pos], alone), f"T={T}, position {pos}"
 
 
 @pytest.mark.parametrize("T,K", [(1, 576), (5, 577), (3, 15), (64, 1536)])
@@ -65,18 +98,18 @@ def test_close_to_weight_only_product(ext) -> None:
     w, _, x = _problem(512, 1536, 4, 7)
     q, d, m = quantize_q4(w)
     y, y_ref = kernels.q4_linear(x, q, d, m), F.linear(x, dequantize_q4(q, d, m, 1536))
-    assert (y - y_ref).abs().max() < 0.02 * y_ref.abs().max()
+    INT8_ACTIVATIONS.assert_close(y, y_ref)
 
 
 def test_strided_and_leading_dims(ext) -> None:
     w, b, _ = _problem(40, 70, 1, 3)
     q, d, m = quantize_q4(w)
     x = torch.randn(3, 100)[:, 10:80]  # rows 100 floats apart
-    BLOCK_QUANT_FP32.assert_close(kernels.q4_linear(x, q, d, m, b), kernels.q4_linear_ref(x, q, d, m, b))
+    _check(x, q, d, m, b)
     x3 = torch.randn(2, 3, 70)
     y3 = kernels.q4_linear(x3, q, d, m, b)
     assert y3.shape == (2, 3, 40)
-    BLOCK_QUANT_FP32.assert_close(y3.view(6, 40), kernels.q4_linear_ref(x3.view(6, 70), q, d, m, b))
+    assert torch.equal(y3.view(6, 40), kernels.q4_linear(x3.view(6, 70), q, d, m, b))
 
 
 def test_formats_round_trip() -> None:

@@ -64,13 +64,13 @@ def test_async_break_cancels_the_request(target, pool):
     async def main():
         async with DuetClient(target) as client:
             async with contextlib.aclosing(client.generate("x", max_tokens=45)) as chunks:
-                async for chunk in chunks:
+                async for chunk in chunks:  # noqa: B007 - the first chunk is returned below
                     break  # aclosing: the call is cancelled here, not whenever the generator is collected
             return chunk
     first = run_async(main())
     assert first.token_ids
     worker = next(s.worker for s in pool if s.worker.submitted)
-    assert worker.cancelled_event.wait(5)
+    assert worker.cancelled_event.wait(30)  # an event: a pass returns at once; 30 s for an overloaded host
 
 
 def test_async_errors_are_duet_errors(target, pool):
@@ -109,7 +109,7 @@ def test_sync_stream_closed_early_cancels(target, pool):
     assert next(it).token_ids
     it.close()
     worker = next(s.worker for s in pool if s.worker.submitted)
-    assert worker.cancelled_event.wait(5)
+    assert worker.cancelled_event.wait(30)  # an event: a pass returns at once; 30 s for an overloaded host
 
 
 def test_build_request():

@@ -42,7 +42,7 @@ def run_peer(inbox, outbox, timeout_s: float = 10.0, backend: str = "gloo", fing
             kv = kv_of(seed, n)
             if mode == "corrupt":  # lie about block 1's checksum
                 real = kv_channel.checks_of
-                kv_channel.checks_of = lambda x, f, *a: real(x, f, *a) + torch.tensor([[0, 0], [0, 1]] + [[0, 0]] * (x.shape[2] - 2))
+                kv_channel.checks_of = lambda x, f, *a: real(x, f, *a) + torch.tensor([[0, 0], [0, 1]] + [[0, 0]] * (x.shape[2] - 2))  # noqa: B023 - undone in finally
             if mode == "stall":
                 header = kv_channel.encode_header(sender.layout, sender.fingerprint, tid, first, n)
                 channel.announce(tid)

@@ -52,7 +52,7 @@ def _sharded_layers(method: str, w: dict, source: str) -> dict:
     """This rank's quantized layers loaded from float tensors ('float') or QuantizedWeights ('quantized',
     as a GGUF's 4-bit tensors arrive), their outputs and buffers."""
     tp = get_group("tp")
-    load = (lambda t: t) if source == "float" else (lambda t: quantize(method, t))  # noqa: E731
+    load = (lambda t: t) if source == "float" else (lambda t: quantize(method, t))
     heads = attention_shard(HEADS, KV_HEADS, tp.world_size, tp.rank)
     q, kv = heads.q_heads.scaled(HEAD_DIM), heads.kv_heads.scaled(HEAD_DIM)
     qkv = QuantMergedColumnParallelLinear(HIDDEN, {"q": q, "k": kv, "v": kv}, True, method)

@@ -36,7 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.config import RouterConfig
 
-SCRIPT = "Héllo wörld! 日本語のテキスト 🙂 The quick brown fox jumps over the lazy dog. Ünïcödé ✓ done"  # noqa: E501
+SCRIPT = "Héllo wörld! 日本語のテキスト 🙂 The quick brown fox jumps over the lazy dog. Ünïcödé ✓ done"
 WORKER_HEALTH = "duet.worker.v1.Worker"
 
 
@@ -202,7 +202,7 @@ def start_fake_pool(loop_thread: LoopThread, tokenizer: Any, n: int = 2) -> list
     return servers
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_tokenizer(path: str) -> Any:
     """The SmolLM2 tokenizer, loaded once per test session (shared by the router test modules)."""
     from transformers import AutoTokenizer

@@ -242,7 +242,90 @@ def bf16_ulps(n: int) -> Tolerance:
     return Tolerance(f"{n} bf16 ulp", why=bf16_ulps.__doc__ or "", atol=n * BF16_ULP, rtol=n * BF16_ULP)
 
 
-def estimate(want: Any, *, why: str, abs: float | None = None, rel: float | None = None) -> Any:  # noqa: A002
+# ---- bf16 and quantized-activation kernels ----------------------------------------------------------
+# Bounds, not fixed tolerances: each follows the kernel's float sequence (see the kernel's docstring), so
+# it is as tight on an output near 0 as on a large one, and holds on every ISA path.
+
+U_BF16 = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits, round to nearest even)
+
+
+def bf16_rounding_bound(want: torch.Tensor | np.ndarray, roundings: int = 1) -> np.ndarray:
+    """Bound on |got - want| for a bf16 result that rounds ``roundings`` times (to bf16, nearest even)
+    from fp32 values equal to the reference's up to fp32 rounding: each rounding moves a value by at most
+    U_BF16 of itself, and an earlier rounding's error is scaled by at most (1 + U_BF16) by the next."""
+    return roundings * U_BF16 * np.abs(_f64(want)) * (1 + U_BF16) + 1e-30
+
+
+def bf16_linear_error_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                            exact: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Bound on |bf16 linear - exact| for bf16 x, w, b: the sum accumulated in fp32 (any order:
+    linear_error_bound of the bf16 values, exactly representable in fp32), then one rounding to bf16
+    of the result (``exact``: the float64 product of the same bf16 values)."""
+    fp32 = linear_error_bound(x.float(), w.float(), None if b is None else b.float())
+    return fp32 * (1 + U_BF16) + U_BF16 * np.abs(_f64(exact))
+
+
+def bf16_attention_error_bound(exact: torch.Tensor | np.ndarray, v_abs_max: float, context: int,
+                               head_dim: int) -> np.ndarray:
+    """Bound on |bf16 attention - exact| for bf16 q, K, V: scores, softmax and the weighted sum of V in
+    fp32 (each probability within ~8 gamma_(L + D) relative of its exact value: the score dot product,
+    one exp of ~2 ulp, the normalising sum; the weighted sum of V adds gamma_L), then one rounding of
+    the output to bf16. ``exact``: float64 attention over the same bf16 values."""
+    return U_BF16 * np.abs(_f64(exact)) + 8 * gamma(context + head_dim) * v_abs_max + 1e-30
+
+
+def _block_terms(x: torch.Tensor, codes: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """|dot_b| sx_b [T, N, B] and |sum(xq_b)| sx_b [T, B] in float64, for x quantized per block of 32
+    as the kernels do (kernels/quant_linear.py, ``quantize_activations_ref``)."""
+    from kernels.quant_formats import BLOCK
+    from kernels.quant_linear import quantize_activations_ref
+
+    T, (N, Kp) = x.shape[0], codes.shape
+    xq, sx = quantize_activations_ref(x, Kp)
+    xb = xq.double().view(T, -1, BLOCK)
+    dots = torch.einsum("tbk,nbk->tnb", xb, codes.double().view(N, -1, BLOCK)).abs()  # [T, N, B]
+    sxd = sx.double()
+    return (dots * sxd[:, None, :]).numpy(), (xb.sum(-1).abs() * sxd).numpy()
+
+
+def int8_linear_error_bound(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                            bias: torch.Tensor | None = None) -> np.ndarray:
+    """[T, N] bound on |int8_linear - int8_linear_ref| (int8 weights, int8 activations per block of 32).
+    Both quantize x alike and every block dot dot_b (32 integer products) is exact; the kernel then runs
+    acc = fma(dot_b, sx_b, acc) over the B blocks and y = fma(acc, sw, bias): B + 1 roundings of partial
+    sums of |dot_b sx_b sw| and |bias|, so the bound is gamma_(B+2) times their sum."""
+    terms, _ = _block_terms(x, qweight)
+    s = terms.sum(-1) * np.abs(scales.double().numpy())[None, :]
+    if bias is not None:
+        s = s + np.abs(bias.double().numpy())[None, :]
+    return gamma(terms.shape[-1] + 2) * s
+
+
+def q4_linear_error_bound(x: torch.Tensor, qweight: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> np.ndarray:
+    """[T, N] bound on |q4_linear - q4_linear_ref| (Q4_1 weights, int8 activations per block of 32):
+    acc = fma(dot_b * sx_b, d_b, acc); acc = fma(m_b, xs_b, acc) per block (xs_b = sx_b * sum(xq_b),
+    rounded once), then acc + bias: at most 3B + 2 roundings of sums of |dot_b sx_b d_b|, |m_b xs_b|
+    and |bias|."""
+    from kernels.quant_formats import from_fp16_bits, unpack_q4
+
+    terms, xs = _block_terms(x, unpack_q4(qweight))
+    dd, mm = from_fp16_bits(d).double().abs().numpy(), from_fp16_bits(m).double().abs().numpy()  # [N, B]
+    s = (terms * dd[None]).sum(-1) + xs @ mm.T
+    if bias is not None:
+        s = s + np.abs(bias.double().numpy())[None, :]
+    return gamma(3 * terms.shape[-1] + 3) * s
+
+
+INT8_ACTIVATIONS = Tolerance(
+    "int8 activations vs the weight-only fp32 product", rmax=0.02,
+    why="A kernel that quantizes x to int8 per block of 32 (sx = max|x| / 127) vs x @ dequant(W)^T in fp32: each "
+        "element of x moves by at most sx / 2, i.e. 1/254 of its block's largest magnitude, with random signs, so "
+        "over K terms the output moves by ~sqrt(K) (max|x| / 254) |w| -- about 0.3-0.5% of the largest output for "
+        "random inputs of order 1 at K = 1536. 2% keeps ~4x margin; a wrong block scale or row is off by 10% or more.")
+
+
+def estimate(want: Any, *, why: str, abs: float | None = None, rel: float | None = None) -> Any:
     """``pytest.approx`` for a quantity that is estimated rather than computed exactly: a rate measured on a
     sampled trace, a fitted coefficient, a quantization's accuracy cost. Its tolerance is the estimate's
     spread, not float rounding, and ``why`` says where its size comes from (tests/test_tolerance_usage.py

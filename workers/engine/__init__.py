@@ -11,6 +11,8 @@
     device.py        device and dtype resolution ('auto' -> concrete) for one process
     kv_handoff.py    the engine side of P/D: export prompt KV, reserve and import on the decode side
     migration.py     the engine side of live migration: pause, snapshot, import, resume
+    kv_tiers.py      the engine side of the lower KV tiers (host, disk): evicted blocks go down, prefix
+                     hits and preempted requests load back; the TierStore protocol (workers/kv/tiers/)
     proposer.py      the Proposer protocol (speculative drafts) and the Draft message
     speculator.py    what the step calls to draft and record acceptance; draft_length.py adapts depth
     grammar_gate.py  structured-output requests wait here while their grammar compiles

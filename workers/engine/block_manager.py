@@ -14,6 +14,11 @@ Example (block_size=4): request A = [1 2 3 4 5 6 7 8 9] computes blocks k1=(None
 k2=(k1,(5,6,7,8)). Request B = [1 2 3 4 5 6 7 8 0 0] then starts with num_computed_tokens=8 and
 two shared blocks; only [0 0] is computed.
 
+Reporting (workers/engine/block_events.py): each key also has a 64-bit chain hash
+(workers/block_hash.py) that names the same prefix; every canonical key added to the cache is
+recorded as ``stored`` in ``events`` and every one dropped (evicted, reset) as ``removed``, so
+routers can read which prefixes this worker holds (router/prefix_index.py).
+
 Sliding windows: when every layer of the model attends only to its last ``window`` keys, the blocks
 wholly before a request's window are dead weight. ``release_leading(request_id, n)`` gives the first
 ``n`` blocks of its table back (they keep their prefix-cache keys, so a later prompt with the same
@@ -28,8 +33,11 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from workers.block_hash import ROOT, chain_hash
+from workers.engine.block_events import BlockEventLog
 from workers.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -43,6 +51,7 @@ class _Block:
     block_id: int
     ref_count: int = 0
     key: BlockKey | None = None
+    hash: int = 0  # the key's chain hash (workers/block_hash.py), when keyed
 
 
 @dataclass(frozen=True)
@@ -59,7 +68,11 @@ class BlockStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: BlockEventLog | None = None,
+                 on_evict: Callable[[BlockKey, int], None] | None = None) -> None:
+        """on_evict(key, block_id): called before a prefix-cached block is evicted for reuse, while
+        its KV is still intact (the lower KV tiers copy it out: workers/engine/kv_tiers.py)."""
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -70,10 +83,13 @@ class BlockManager:
         self._cached: dict[BlockKey, int] = {}  # key -> block id
         self._tables: dict[str, list[int]] = {}  # request id -> block table
         self._num_hashed: dict[str, int] = {}  # request id -> leading blocks already keyed
-        self._last_key: dict[str, BlockKey] = {}  # request id -> key of its last keyed block
+        self._last_key: dict[str, BlockKey | None] = {}  # request id -> key of its last keyed block
+        self._last_hash: dict[str, int] = {}  # request id -> chain hash of its last keyed block
+        self.events = events if events is not None else BlockEventLog()  # canonical keys added / dropped
         self._num_dropped: dict[str, int] = {}  # request id -> leading entries released (sliding window)
         self._queries = 0
         self._hits = 0
+        self._on_evict = on_evict
 
     # ---------------------------------------------------------------- queries
     @property
@@ -134,7 +150,7 @@ class BlockManager:
             parent = key
         return blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | tuple[int, ...] = ()) -> bool:
         """Make ``seq``'s table cover ``num_computed_tokens + num_new_tokens`` tokens.
 
         ``cached_blocks`` (from :meth:`match_prefix`, only on first admission) are taken first.
@@ -162,6 +178,7 @@ class BlockManager:
         if cached_blocks:
             self._num_hashed[seq.request_id] = len(cached_blocks)
             self._last_key[seq.request_id] = self._blocks[cached_blocks[-1]].key
+            self._last_hash[seq.request_id] = self._blocks[cached_blocks[-1]].hash
         return True
 
     def _pop_free(self) -> int:
@@ -170,7 +187,10 @@ class BlockManager:
         assert block.ref_count == 0
         if block.key is not None:  # evict: its content is about to be overwritten
             if self._cached.get(block.key) == block_id:
+                if self._on_evict is not None:
+                    self._on_evict(block.key, block_id)
                 del self._cached[block.key]
+                self.events.removed((block.hash,))
             block.key = None
         block.ref_count = 1
         return block_id
@@ -192,17 +212,25 @@ class BlockManager:
         # The parent key is remembered, not read from the block: that block may have been released
         # out of the window, evicted and reused since.
         parent = self._last_key.get(seq.request_id) if done else None
+        parent_hash = self._last_hash.get(seq.request_id, ROOT) if done else ROOT
+        added: list[int] = []
         for i in range(done, full):
             block = self._blocks[table[i]]
-            key = (parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            key = (parent, tokens)
+            h = chain_hash(parent_hash, tokens)
             if block.key is None:
-                block.key = key
+                block.key, block.hash = key, h
                 # A concurrent identical prefix may already be cached under another block; keep
                 # the first one as the canonical entry, this block stays private.
-                self._cached.setdefault(key, block.block_id)
-            parent = key
+                if self._cached.setdefault(key, block.block_id) == block.block_id:
+                    added.append(h)
+            parent, parent_hash = key, h
         self._num_hashed[seq.request_id] = full
         self._last_key[seq.request_id] = parent
+        self._last_hash[seq.request_id] = parent_hash
+        if added:
+            self.events.stored(added)
 
     def trim(self, request_id: str, num_tokens: int) -> int:
         """Roll a table back to the blocks that ``num_tokens`` tokens need (speculative decoding:
@@ -258,6 +286,7 @@ class BlockManager:
         table = self._tables.pop(request_id, None)
         self._num_hashed.pop(request_id, None)
         self._last_key.pop(request_id, None)
+        self._last_hash.pop(request_id, None)
         dropped = self._num_dropped.pop(request_id, 0)
         if table is None:
             return
@@ -269,5 +298,6 @@ class BlockManager:
         for block_id in self._free:
             block = self._blocks[block_id]
             if block.key is not None:
-                self._cached.pop(block.key, None)
+                if self._cached.pop(block.key, None) is not None:
+                    self.events.removed((block.hash,))  # the same key has the same hash, whichever block held it
                 block.key = None

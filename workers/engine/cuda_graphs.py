@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -66,7 +66,7 @@ class Graph(Protocol):
 class CudaGraph:
     """A torch.cuda.CUDAGraph sharing one memory pool with the other capture sizes."""
 
-    def __init__(self, pool: object) -> None:
+    def __init__(self, pool: Any) -> None:  # torch.cuda.graph_pool_handle()
         self._graph = torch.cuda.CUDAGraph()
         self._pool = pool
 
@@ -150,6 +150,7 @@ class DecodeGraphs:
         b = input_ids.shape[0]
         size = pick_capture_size(self.sizes, b)
         assert size is not None and meta.num_decodes == b and meta.decode_block_tables is not None
+        assert meta.decode_context_lens is not None
         w = meta.decode_block_tables.shape[1]
         if w > self.width:
             raise ValueError(f"block table of {w} blocks exceeds the captured width {self.width}")

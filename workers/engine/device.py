@@ -7,7 +7,9 @@ tested without a GPU; the rank actor calls them with the node's facts before it 
     resolve_device("auto", gpus=0, cuda_available=True)   -> "cpu"     (the pool reserves no GPU)
     resolve_device("auto", gpus=1, cuda_available=False)  -> ConfigError naming the key
     resolve_dtype("auto", "cuda", "bfloat16")             -> "bfloat16" (the checkpoint's)
-    resolve_dtype("auto", "cpu", "bfloat16")              -> "float32"  (what the CPU kernels run)
+    resolve_dtype("auto", "cpu", "float32", cpu_bf16=True)   -> "bfloat16" (AVX512-BF16 / AMX CPU)
+    resolve_dtype("auto", "cpu", "bfloat16")              -> "float32"  (a CPU without them)
+    resolve_dtype("auto", "cpu", None, cpu_bf16=True, quantization="q4") -> "float32" (int8-activation kernels)
 """
 
 from __future__ import annotations
@@ -53,13 +55,19 @@ def resolve_device(requested: str, *, gpus: float, cuda_available: bool, key: st
 
 
 def resolve_dtype(requested: str, device: str, checkpoint_dtype: str | None, *, key: str = "dtype",
-                  quantization: str = "none") -> str:
-    """auto: the checkpoint's torch_dtype on CUDA (bfloat16 when it names none we run), float32 on
-    CPU and for quantized weights (their kernels take float32 activations); an explicit dtype is kept."""
+                  quantization: str = "none", cpu_bf16: bool = False) -> str:
+    """auto: float32 for quantized weights (their kernels quantize float32 activations to int8); on
+    CUDA the checkpoint's torch_dtype (bfloat16 when it names none we run); on CPU bfloat16 when the
+    CPU computes bf16 natively (``cpu_bf16``: AVX512-BF16 or AMX, kernels/cpu_features.py), whatever
+    the checkpoint records (as vLLM-CPU does: half the bytes per weight, and oneDNN's AMX / AVX512-BF16
+    GEMM for batched steps), else float32 (bf16 without those instructions is slower than float32).
+    An explicit dtype is kept."""
     if requested == "auto":
-        if not device.startswith("cuda") or quantization != "none":
+        if quantization != "none":
             return "float32"
-        return checkpoint_dtype if checkpoint_dtype in DTYPES else "bfloat16"
+        if device.startswith("cuda"):
+            return checkpoint_dtype if checkpoint_dtype in DTYPES else "bfloat16"
+        return "bfloat16" if cpu_bf16 else "float32"
     if requested not in DTYPES:
         raise ConfigError(f"{key}={requested!r}: must be auto or one of {', '.join(DTYPES)}")
     return requested
@@ -83,11 +91,11 @@ def checkpoint_dtype(model_dir: Path) -> str | None:
 
 
 def resolve_engine_config(config: EngineConfig, *, gpus: float, cuda_available: bool, visible_gpus: int | None,
-                          model_dtype: str | None) -> EngineConfig:
+                          model_dtype: str | None, cpu_bf16: bool = False) -> EngineConfig:
     """``config`` with device and dtype resolved (re-validated: e.g. cuda_graphs on a device that
     resolved to cpu is refused naming cuda_graphs)."""
     device = resolve_device(config.device, gpus=gpus, cuda_available=cuda_available, visible_gpus=visible_gpus)
-    dtype = resolve_dtype(config.dtype, device, model_dtype, quantization=config.quantization)
+    dtype = resolve_dtype(config.dtype, device, model_dtype, quantization=config.quantization, cpu_bf16=cpu_bf16)
     if (device, dtype) == (config.device, config.dtype):
         return config
     return dataclasses.replace(config, device=device, dtype=dtype)
@@ -104,7 +112,10 @@ def resolve_for_process(config: EngineConfig, model_dir: Path, gpus: float | Non
     visible = torch.cuda.device_count() if cuda else 0
     held = float(visible) if gpus is None else gpus
     model_dtype = checkpoint_dtype(model_dir) if config.dtype == "auto" else None
-    return resolve_engine_config(config, gpus=held, cuda_available=cuda, visible_gpus=visible, model_dtype=model_dtype)
+    from kernels.cpu_features import fast_bf16
+
+    return resolve_engine_config(config, gpus=held, cuda_available=cuda, visible_gpus=visible, model_dtype=model_dtype,
+                                 cpu_bf16=config.dtype == "auto" and fast_bf16())
 
 
 def resolve_for_rank(config: EngineConfig, gpus: float) -> EngineConfig:

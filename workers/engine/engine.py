@@ -49,6 +49,7 @@ from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer, add_batch, batch_decoder
 from workers.errors import InvalidRequestError
 from workers.engine.kv_handoff import KVCapacityError, KVHandoff
+from workers.engine.kv_tiers import KVTiers, TierStats, TierStore
 from workers.sample.logprobs import TokenLogprob
 from workers.engine.migration import Migration, MigrationError, MigrationSnapshot
 from workers.engine.runner import KVExport, KVLayout, KVTicket, RequestOutput, Runner, RunnerOutput, RunnerTiming
@@ -102,15 +103,19 @@ class EngineStats:
     ep_rank_tokens: tuple[int, ...] = ()  # MoE: assignments computed per expert-parallel rank
     num_reserved: int = 0  # decode side: reservations waiting for their KV transfer
     spec: SpecStats = SpecStats()  # speculative decoding counters (method "none" when off)
+    tiers: TierStats | None = None  # lower KV tiers (None when off)
 
 
 class Engine:
     def __init__(self, config: EngineConfig, runner: Runner, tokenizer: Any, *, block_manager: BlockManager | None = None,
                  scheduler: Scheduler | None = None, handoff: KVHandoff | None = None,
-                 speculator: Speculator | None = None, migration: Migration | None = None) -> None:
+                 speculator: Speculator | None = None, migration: Migration | None = None,
+                 tier_store: TierStore | None = None) -> None:
         """Assemble an engine from its parts; the defaults build the block manager (sized by the
         runner's ``num_blocks``), the scheduler and the hand-off over them. A runner that cannot
-        hold a whole model's KV (one rank of a gang, see workers/engine/runner.py) is refused."""
+        hold a whole model's KV (one rank of a gang, see workers/engine/runner.py) is refused.
+        tier_store: the lower KV tiers (host memory, disk: workers/kv/tiers/), None for none; the
+        engine owns it from here (``close``)."""
         assert runner.kv_layout().holds_all_heads, "an engine's runner holds every kv head (one TP rank does not)"
         self.config = config
         self.runner = runner
@@ -121,8 +126,14 @@ class Engine:
         # request alone always fits and preemption can always make progress).
         limit = self.spec.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit, runner.num_blocks * bs)
-        self.block_manager = block_manager or BlockManager(runner.num_blocks, bs, config.cache.enable_prefix_caching)
-        self.scheduler = scheduler or Scheduler(config.scheduler, self.block_manager, self.spec.releasable_window)
+        self.tiers = (KVTiers(tier_store, runner, bs, config.cache.tier_load_timeout_s)
+                      if tier_store is not None else None)
+        assert self.tiers is None or (block_manager is None and scheduler is None), \
+            "with a tier store the engine builds the block manager and scheduler it wires to it"
+        self.block_manager = block_manager or BlockManager(runner.num_blocks, bs, config.cache.enable_prefix_caching,
+                                                           on_evict=self.tiers.evicted if self.tiers else None)
+        self.scheduler = scheduler or Scheduler(config.scheduler, self.block_manager, self.spec.releasable_window,
+                                                lower_tiers=self.tiers)
         self.handoff = handoff or KVHandoff(self.block_manager, runner)
         self.speculator = speculator
         self.migration = migration or Migration(self.block_manager, self.scheduler, runner, speculator)
@@ -154,7 +165,7 @@ class Engine:
         matcher = self._register(seq)
         if matcher is not None:
             self.grammars.park(seq, matcher, running=False)  # the scheduler gets it once compiled
-        else:
+        elif not (self.tiers is not None and self.tiers.prefetch(seq)):  # parked: its prefix continues on disk
             self.scheduler.add(seq)
         return seq.request_id
 
@@ -258,15 +269,24 @@ class Engine:
         assert stats.num_free_blocks == stats.num_blocks, "warm-up leaked KV blocks"
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or len(self.grammars) > 0
+        return (self.scheduler.has_unfinished() or len(self.grammars) > 0
+                or (self.tiers is not None and self.tiers.num_parked > 0))
+
+    def close(self) -> None:
+        """Release what outlives a step: the lower KV tiers' thread, files and memory. Idempotent."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def stats(self) -> EngineStats:
         s = self.scheduler
         moe = self.runner.moe_stats()
-        return EngineStats(len(s.running), len(s.waiting) + len(self.grammars), s.num_preemptions, self.block_manager.stats(),
+        parked = self.tiers.num_parked if self.tiers is not None else 0  # waiting for disk KV reads
+        return EngineStats(len(s.running), len(s.waiting) + len(self.grammars) + parked, s.num_preemptions,
+                           self.block_manager.stats(),
                            expert_tokens=moe.expert_tokens, ep_rank_tokens=moe.ep_rank_tokens,
                            num_reserved=len(self.reserved()),
-                           spec=self.speculator.stats() if self.speculator is not None else SpecStats())
+                           spec=self.speculator.stats() if self.speculator is not None else SpecStats(),
+                           tiers=self.tiers.stats() if self.tiers is not None else None)
 
     def reserved(self) -> list[Sequence]:
         """Decode side (and migration targets): sequences holding reserved blocks while their KV is in transit."""
@@ -335,12 +355,17 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         failed = self._admit_compiled() if len(self.grammars) else []
+        if self.tiers is not None:
+            for seq in self.tiers.take_ready():  # their disk reads landed in host (or timed out)
+                self.scheduler.add(seq)
         spec = self.speculator
         drafts = spec.draft(self.scheduler.running, self.max_model_len) if spec is not None else {}
         sched = self.scheduler.schedule({rid: d.token_ids for rid, d in drafts.items()})
         if sched.is_empty:
             if not failed and len(self.grammars):
                 self.grammars.wait(0.01)  # only compiles are left: sleep on them, do not spin
+            elif not failed and self.tiers is not None and self.tiers.num_parked:
+                self.tiers.wait(0.01)  # only disk reads are left: the same
             return failed
         t1 = time.perf_counter()
         result = self.runner.execute(sched, drafts)
@@ -356,6 +381,8 @@ class Engine:
         self.last_step = StepTiming(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, decode_rows, prefill_tokens,
                                     result.timing)
         self.scheduler.observe(decode_rows, prefill_tokens, self.last_step.total_s)
+        if self.tiers is not None:
+            self.tiers.observe_prefill(prefill_tokens, t2 - t1)
         return outputs
 
     def _postprocess(self, sched: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
@@ -418,6 +445,8 @@ class Engine:
             self.speculator.release(seq.request_id, handed_over=seq.finish_reason is FinishReason.MIGRATED)
         self.scheduler.remove(seq)
         self.grammars.discard(seq.request_id)
+        if self.tiers is not None:
+            self.tiers.release(seq.request_id)
         self._matchers.pop(seq.request_id, None)
         self.runner.remove_request(seq.request_id)
         delta += self._detok.pop(seq.request_id).flush()

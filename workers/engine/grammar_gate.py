@@ -74,7 +74,7 @@ class GrammarGate:
         """Parked requests whose compile ended (or timed out), in arrival order: (seq, running,
         None if it may run else the error that ends it). They are no longer parked."""
         now = time.monotonic()
-        out = []
+        out: list[tuple[Sequence, bool, InvalidRequestError | None]] = []
         for rid, p in list(self._parked.items()):
             if not p.matcher.ready and now < p.deadline:
                 continue

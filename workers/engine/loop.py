@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from workers.engine.block_events import BlockEventLog
 from workers.engine.engine import Engine
 from workers.engine.kv_handoff import KVCapacityError
 from workers.engine.runner import kv_fingerprint
@@ -51,6 +52,9 @@ class EngineLimits:
     device: str = "cpu"
     model_fingerprint: str = ""  # workers.engine.migration.model_fingerprint: migration peers must agree
     kv_fingerprint: int = 0  # workers/engine/runner.py kv_fingerprint: what KV transfers carry and check
+    # What the prefix cache stores and drops (thread-safe; GetLoad reads it for routers), None
+    # without prefix caching.
+    block_events: BlockEventLog | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,20 @@ class LoadSnapshot:
     spec_draft_seconds: float = 0.0
     spec_verify_seconds: float = 0.0
     spec_fallbacks: int = 0
+    # lower KV tiers (workers/engine/kv_tiers.py TierStats; 0 when off)
+    tier_host_bytes: int = 0
+    tier_disk_bytes: int = 0
+    tier_host_hits: int = 0
+    tier_disk_hits: int = 0
+    tier_bytes_to_host: int = 0
+    tier_bytes_to_disk: int = 0
+    tier_bytes_loaded: int = 0
+    tier_host_evictions: int = 0
+    tier_disk_evictions: int = 0
+    tier_refused_corrupt: int = 0
+    tier_refused_foreign: int = 0
+    tier_deadline_misses: int = 0
+    tier_load_seconds: float = 0.0
 
     @classmethod
     def of(cls, engine: Engine) -> LoadSnapshot:
@@ -91,12 +109,20 @@ class LoadSnapshot:
             m = min(seq.sampling_params.max_tokens, engine.max_model_len - p)
             outstanding += max(p + m - 1 - seq.num_computed_tokens, 0)
         b = stats.blocks
+        t = stats.tiers
+        tiers: dict[str, Any] = {} if t is None else dict(
+            tier_host_bytes=t.host_bytes, tier_disk_bytes=t.disk_bytes, tier_host_hits=t.host_hits,
+            tier_disk_hits=t.disk_hits, tier_bytes_to_host=t.bytes_to_host, tier_bytes_to_disk=t.bytes_to_disk,
+            tier_bytes_loaded=t.bytes_loaded, tier_host_evictions=t.host_evictions,
+            tier_disk_evictions=t.disk_evictions, tier_refused_corrupt=t.refused_corrupt,
+            tier_refused_foreign=t.refused_foreign, tier_deadline_misses=t.deadline_misses,
+            tier_load_seconds=t.load_seconds)
         return cls(stats.num_running, stats.num_waiting, outstanding, engine.block_manager.block_size,
                    b.num_blocks, b.num_blocks - b.num_free_blocks, b.num_cached_blocks,
                    b.prefix_cache_queries, b.prefix_cache_hits, stats.num_preemptions, stats.expert_tokens,
                    stats.ep_rank_tokens, stats.num_reserved, sp.method, sp.num_verifies, sp.num_draft_tokens,
                    sp.num_accepted_tokens, sp.num_emitted_tokens, sp.draft_seconds, sp.verify_seconds,
-                   sp.num_fallbacks)
+                   sp.num_fallbacks, **tiers)
 
 
 Item = RequestOutput | Exception  # what a request's sink receives: outputs, or one error
@@ -212,6 +238,7 @@ class EngineLoop:
         limits = await self._ready
         if limits is None:  # the engine failed to load: the thread has exited; re-raise its error
             await self.wait_closed()
+            assert self._start_error is not None  # set before _ready resolves to None
             raise self._start_error
         return limits
 
@@ -298,7 +325,8 @@ class EngineLoop:
             limits = EngineLimits(
                 engine.max_model_len, engine.spec.vocab_size, layout, engine.config.device,
                 migration_fingerprint(engine) if layout is not None else "",
-                kv_fingerprint(engine.spec, layout.dtype, engine.config.quantization) if layout is not None else 0)
+                kv_fingerprint(engine.spec, layout.dtype, engine.config.quantization) if layout is not None else 0,
+                engine.block_manager.events if engine.block_manager.enable_prefix_caching else None)
         except BaseException as e:  # noqa: BLE001 - handed to start()
             self._start_error = e
             self._deliver([(self._ready, None)])
@@ -328,7 +356,7 @@ class EngineLoop:
                 self.snapshot = LoadSnapshot.of(engine)
                 self._deliver(out)
                 out = []
-        except BaseException as e:  # noqa: BLE001 - a failed engine fails every request, loudly
+        except BaseException as e:  # a failed engine fails every request, loudly
             logger.exception("engine loop failed; the worker stops serving")
             self._deliver(out)  # answers made before the failure still count
             self._close(engine, e, commands)
@@ -410,8 +438,12 @@ class EngineLoop:
                 engine.abort(rid)  # frees its KV blocks (a failed engine is not touched again)
             out.append((sink, reason))
         self._sinks.clear()
-        if engine is not None and error is None:
+        if engine is not None and error is None:  # (a failed engine is not touched again)
             self.snapshot = LoadSnapshot.of(engine)
+            try:
+                engine.close()  # the lower KV tiers' thread, files and memory
+            except Exception:  # the loop must still report done; the error is logged
+                logger.exception("closing the engine failed (its KV tier files may be left)")
         out += [_rejection(cmd, reason) for cmd in unapplied]
         out.append((self.done, error))
         self._deliver(out)

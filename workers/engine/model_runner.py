@@ -25,12 +25,11 @@ import math
 import mmap
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from kernels import cpu_kernels_available, set_cpu_kernels_enabled
 
@@ -40,11 +39,13 @@ from workers.engine.device import resolve_for_process
 from workers.errors import ConfigError
 from workers.layers.attention_metadata import AttentionMetadata, PrefillSpan
 from workers.layers.ring_attention import RingChunk, zigzag_pieces
+from workers.sample.draw import skip_draws
 from workers.sample.logprobs import TokenLogprob
 from workers.sample.penalties import RowContext
 from workers.sample.sampler import Sampler
 from workers.models.config import ModelSpec
 from workers.models.checkpoint import checkpoint_dir
+from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_model
 from workers.models.shared_weights import SharedWeights
 from workers.startup import StartupTimeline
@@ -124,7 +125,7 @@ class ModelRunner:
     """Implements workers.engine.runner.Runner in one process (or as one rank of a gang: then its KV cache
     and ``read_blocks`` / ``write_blocks`` hold only this rank's kv heads, see ``kv_layout``)."""
 
-    def __init__(self, model: nn.Module, spec: ModelSpec, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, spec: ModelSpec, config: EngineConfig, num_blocks: int) -> None:
         self.model = model
         self.spec = spec
         self.config = config
@@ -179,7 +180,7 @@ class ModelRunner:
         return runner
 
     @staticmethod
-    def load(config: EngineConfig, timeline: StartupTimeline | None = None) -> tuple[nn.Module, ModelSpec]:
+    def load(config: EngineConfig, timeline: StartupTimeline | None = None) -> tuple[LlamaForCausalLM, ModelSpec]:
         """The model of ``config`` without a KV cache (what a standby replica holds): the CPU kernels
         loaded, then the weights (mapped from the node's snapshot with ``shared_weights_dir``)."""
         path = checkpoint_dir(config.model)
@@ -224,7 +225,9 @@ class ModelRunner:
         start = num_prompt if output_start is None else output_start
         self._requests[request_id] = _RequestState(params, token_ids, start, num_prompt, matcher)
         if params.seed is not None:
-            self._generators[request_id] = torch.Generator(device="cpu").manual_seed(params.seed)
+            gen = self._generators[request_id] = torch.Generator(device="cpu").manual_seed(params.seed)
+            if num_prompt > start:  # resumed: its earlier run drew one uniform per token it sampled
+                skip_draws(gen, num_prompt - start)
 
     def remove_request(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -268,6 +271,7 @@ class ModelRunner:
         if not sample_rows:
             return RunnerOutput({}, timing=RunnerTiming(self._prepare_s, forward_s))
         logits = self.model.compute_logits(hidden[[r for r, _ in sample_rows]])  # [N, V]
+        assert logits is not None  # the leader (tp rank 0) holds them
         t_logits = time.perf_counter()
         results = masks.result() if masks is not None else {}
         verify = {c.request_id: c for c in sched.chunks if c.num_draft}
@@ -293,6 +297,7 @@ class ModelRunner:
                 errors.update((ids[j], e) for j, e in bad.items())
                 keep = [j for j in range(len(ids)) if j not in bad]
                 plain, ids, rows = [plain[j] for j in keep], [ids[j] for j in keep], [rows[j] for j in keep]
+                assert allowed is not None  # a row had a mask (it failed)
                 allowed = allowed[keep]
         if plain:
             tokens, lps = self.sampler(logits[plain], rows, [self._generator(r) for r in ids], allowed)
@@ -300,10 +305,10 @@ class ModelRunner:
             logprobs.update((r, [lp]) for r, lp in zip(ids, lps) if lp is not None)
         vspans = self._verify_spans(spans, drafts or {}, logits.shape[1], errors)
         if vspans:
-            for s, (tokens, lps) in zip(vspans, verify_spans(self.sampler, logits, vspans)):
-                out[s.request_id] = tokens
-                if lps is not None:
-                    logprobs[s.request_id] = lps
+            for s, (span_tokens, span_lps) in zip(vspans, verify_spans(self.sampler, logits, vspans)):
+                out[s.request_id] = span_tokens
+                if span_lps is not None:
+                    logprobs[s.request_id] = span_lps
         timing = RunnerTiming(self._prepare_s, forward_s, t_logits - t_forward, time.perf_counter() - t_logits)
         return RunnerOutput(out, logprobs, errors, timing)
 
@@ -420,7 +425,9 @@ class ModelRunner:
         table = c.block_table
         piece_slots = [[table[p // bs] * bs + p % bs for p in range(c.start_pos + o, c.start_pos + o + n)]
                        for o, n in zip(offsets, sizes)]
-        ids, pos, slots = [], [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
         for i in (r, 2 * w - 1 - r):
             ids += c.token_ids[offsets[i] : offsets[i] + sizes[i]]
             pos += range(c.start_pos + offsets[i], c.start_pos + offsets[i] + sizes[i])
@@ -430,7 +437,7 @@ class ModelRunner:
                        tuple(torch.tensor(s, dtype=torch.long, device=self.device) for s in piece_slots), prefix)
         return rc, ids, pos, slots
 
-    def _prepare(self, chunks: list[ScheduledChunk], num_singles: int, split: list[ScheduledChunk] = ()):
+    def _prepare(self, chunks: list[ScheduledChunk], num_singles: int, split: Sequence[ScheduledChunk] = ()):
         """Flat inputs and attention metadata: ``chunks`` (the first ``num_singles`` of them decodes),
         then this rank's pieces of the sequence-parallel ``split`` chunks (sampled on sp rank 0,
         which holds every chunk's last piece)."""

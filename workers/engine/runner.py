@@ -89,11 +89,11 @@ class KVLayout:
         return [self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, DTYPE_CODES[self.dtype]]
 
 
-def kv_fingerprint(spec: object, dtype: torch.dtype | str, quantization: str = "none") -> int:
+def kv_fingerprint(spec: Any, dtype: torch.dtype | str, quantization: str = "none") -> int:
     """A signed 64-bit id of (architecture spec, cache dtype, weight format): two workers agree on it
     exactly when one's KV is valid in the other's cache (workers/kv/wire.py carries and checks it).
     ``spec`` is a dataclass (``ModelSpec``); dtype a torch dtype or its name."""
-    fields = dataclasses.asdict(spec) if dataclasses.is_dataclass(spec) else dict(spec)  # type: ignore[arg-type]
+    fields = dataclasses.asdict(spec) if dataclasses.is_dataclass(spec) and not isinstance(spec, type) else dict(spec)
     text = json.dumps({"spec": fields, "dtype": str(dtype).removeprefix("torch."), "quantization": quantization},
                       sort_keys=True, default=repr)
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
@@ -125,7 +125,7 @@ class RunnerOutput:
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     # request id -> why it could not be sampled (structured output: its grammar admits no token);
     # such a request is in neither dict above, and the engine ends it with this error
-    errors: dict[str, InvalidRequestError] = field(default_factory=dict)
+    errors: Mapping[str, InvalidRequestError] = field(default_factory=dict)
     # where the step's time went (None from runners that do not measure it)
     timing: RunnerTiming | None = None
 
@@ -188,7 +188,9 @@ class Runner(Protocol):
     spec: ModelSpec
     block_size: int
     num_blocks: int  # KV blocks this runner's cache holds (every rank of a gang holds the same count)
-    model: Any  # the nn.Module (rank 0's, for a gang): for inspection and tests, not for the engine
+    @property
+    def model(self) -> Any:  # the nn.Module (rank 0's, for a gang): for inspection and tests, not for the engine
+        ...
 
     def add_request(self, request_id: str, params: SamplingParams, token_ids: list[int], num_prompt: int,
                     output_start: int | None = None, matcher: GrammarMatcher | None = None) -> None:

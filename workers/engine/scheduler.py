@@ -28,6 +28,10 @@ c = num_computed_tokens and sees keys c - window + 1 .. c, so the blocks before
 Qwen with max_window_layers) keep every block: one block table serves all layers, and the full
 layers read the whole context. A prefill-only request whose KV is exported keeps its blocks
 (``keep_all_blocks``): the decode side receives, and prefix-caches, every prompt block.
+
+Lower KV tiers (``lower_tiers``, workers/engine/kv_tiers.py): after a waiting sequence's device
+prefix hits, the blocks that continue its prefix in host memory are loaded into its newly
+allocated blocks instead of computed (a preempted request resumes from them: swap, not recompute).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import logging
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from workers.engine.block_manager import BlockManager
 from workers.config import SchedulerConfig
@@ -86,15 +91,32 @@ class SchedulerOutput:
         return decode, prefill
 
 
+class PrefixLoad(Protocol):
+    """Blocks a lower tier holds for one admission (workers/engine/kv_tiers.py ``PrefixLoad``)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def write(self, block_ids: list[int]) -> None:
+        """Copy the blocks into these (freshly allocated) device blocks."""
+
+
+class LowerTiers(Protocol):
+    def match(self, seq: Sequence, first_block: int, max_blocks: int) -> PrefixLoad | None:
+        """The blocks first_block.. (at most max_blocks) of seq's prefix that can be loaded, or None."""
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, window: int | None = None,
-                 budget: TokenBudget | None = None) -> None:
+                 budget: TokenBudget | None = None, lower_tiers: LowerTiers | None = None) -> None:
         """window: the model's sliding window when every layer slides (None: keep every block).
-        budget: the per-step token budget (default: the one ``config`` asks for)."""
+        budget: the per-step token budget (default: the one ``config`` asks for).
+        lower_tiers: where prefix blocks evicted from the device can be loaded back from (None: off)."""
         assert window is None or window >= 1
         self.config = config
         self.budget = budget or make_budget(config.max_num_batched_tokens, config.target_itl_ms)
         self.block_manager = block_manager
+        self.lower_tiers = lower_tiers
         self.window = window
         self._keep_all: set[str] = set()  # requests whose blocks stay until they finish (exports)
         self.waiting: deque[Sequence] = deque()
@@ -181,19 +203,27 @@ class Scheduler:
                 scheduled[seq.request_id] += extra
                 budget -= extra
 
+        max_num_seqs = self.config.max_num_seqs
+        assert max_num_seqs is not None  # SchedulerConfig.__post_init__ sets it
         while (
             self.waiting
             and budget > 0
             and not preempted
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) < max_num_seqs
         ):
             seq = self.waiting[0]
-            cached = self.block_manager.match_prefix(seq)  # also speeds up recompute after preemption
-            seq.num_computed_tokens = len(cached) * self.block_manager.block_size
+            bm = self.block_manager
+            cached = bm.match_prefix(seq)  # also speeds up recompute after preemption
+            load = (self.lower_tiers.match(seq, len(cached), (seq.num_tokens - 1) // bm.block_size - len(cached))
+                    if self.lower_tiers is not None and bm.enable_prefix_caching else None)
+            num_loaded = load.num_blocks if load is not None else 0
+            seq.num_computed_tokens = (len(cached) + num_loaded) * bm.block_size
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.allocate(seq, n, cached):
+            if not bm.allocate(seq, n, cached):
                 seq.num_computed_tokens = 0
                 break
+            if load is not None:  # into the blocks just allocated after the device hits
+                load.write(bm.block_table(seq.request_id)[len(cached):len(cached) + num_loaded])
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
             self.waiting.popleft()

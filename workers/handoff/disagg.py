@@ -30,6 +30,7 @@ drops the pair. P holds no blocks while it sends: the export is a copy.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -186,7 +187,7 @@ class Disaggregation:
         key = self.sender_key(request.decode_worker_id, request.decode_incarnation, request.pair_generation,
                               request.backend)
         channel_future = sender.channel(key, request.kv_store_address)
-        rid, sink = f"prefill/{request.request_id}", asyncio.Queue()
+        rid, sink = f"prefill/{request.request_id}", asyncio.Queue[Any]()
         self._engine.add(rid, list(request.prompt_token_ids), params, sink, export_from_block=request.first_block,
                          resumed_output_tokens=request.resumed_output_tokens)
         finished = False

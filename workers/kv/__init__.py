@@ -5,4 +5,6 @@
     shm.py       the shared-memory ring between processes on one node (block streams)
     buffers.py   receive buffers reused once every tensor viewing them is gone
     transfer.py  KVSender / KVReceiver over whichever transport the pair has
+    tiers/       one worker's KV below its device cache: host memory and local disk (checksummed,
+                 fingerprinted blocks; the engine side is workers/engine/kv_tiers.py)
 """

@@ -13,6 +13,7 @@ import logging
 import socket
 import threading
 import time
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ def check_kv_backend(requested: object) -> str:
     """Validate a ``kv_transfer_backend`` value at the edge; raises ValueError naming the setting."""
     if requested not in KV_BACKENDS:
         raise ValueError(f"kv_transfer_backend={requested!r}: must be one of {', '.join(KV_BACKENDS)}")
-    return requested  # type: ignore[return-value]
+    return requested
 
 
 def resolve_kv_backend(requested: str, device: str) -> str:
@@ -167,13 +168,14 @@ class PairChannel:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"kv-{key.prefill_id}-{key.decode_id}")
         pstore = self.store = PrefixStore(key.prefix, store)
         self._wait_store = PrefixStore(key.prefix, wait_store) if wait_store is not None else pstore
-        self.group = None
+        self.group: Any = None  # a ProcessGroupGloo or ProcessGroupNCCL of the pair (None over shm)
+        self.transport: ShmRing | _GroupTransport
         if backend == "shm":
             self.transport = offer_ring(pstore, timeout_s) if rank == 1 else attach_ring(pstore, timeout_s)
         elif backend == "nccl":
             from torch.distributed import ProcessGroupNCCL
 
-            self.group = ProcessGroupNCCL(pstore, rank, 2)
+            self.group = ProcessGroupNCCL(pstore, rank, 2)  # type: ignore[call-arg]  # options has a default
         else:
             self.group = ProcessGroupGloo(pstore, rank, 2, self.timeout)
         if self.group is not None:
@@ -188,7 +190,7 @@ class PairChannel:
         self._closed.set()
         if self.rank == 1:
             try:
-                self.store.set(f"announce/{self._announced}", b"")
+                self.store.set(f"announce/{self._announced}", "")
             except Exception:  # noqa: BLE001 - the store is gone: the loop fails on its own
                 pass
         if isinstance(self.transport, ShmRing):
@@ -200,7 +202,7 @@ class PairChannel:
     def announce(self, transfer_id: str) -> None:
         """Rank 0, holding ``lock``: tell the receive loop that the next transfer on the stream is this one."""
         self._announced += 1
-        self.store.set(f"announce/{self._announced}", transfer_id.encode())
+        self.store.set(f"announce/{self._announced}", transfer_id)
 
     def receive_loop(self, layout: KVLayout, deliver, fail) -> None:
         """Rank 1, on ``executor``: for announcement 1, 2, ...: receive that transfer and call

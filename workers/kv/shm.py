@@ -136,12 +136,12 @@ class ShmRing:
         if self._mm is None:
             return
         self.mark_closed()
-        self._lines = self._data = self._bytes = None
+        self._lines = self._data = self._bytes = None  # type: ignore[assignment]  # closed: released
         try:
             self._mm.close()
         except BufferError:  # a received tensor never views the ring (it is copied out): should not happen
             pass
-        self._mm = None
+        self._mm = None  # type: ignore[assignment]  # closed: released
 
     @property
     def closed(self) -> bool:
@@ -180,13 +180,13 @@ class ShmRing:
         for i in range(n):
             if staged:
                 stage = np.ascontiguousarray(blocks[:, :, i]).reshape(-1)
-                hashes.append(signed64(xxhash.xxh3_64_intdigest(stage)))
+                hashes.append(signed64(xxhash.xxh3_64_intdigest(stage)))  # type: ignore[arg-type]  # an ndarray is a buffer
                 self._write(torch.from_numpy(stage))
                 continue
             pos, step = self._claim(nb, for_write=True)
             ring = self._bytes[pos : pos + nb]
             np.copyto(ring.reshape(shape), blocks[:, :, i])
-            hashes.append(signed64(xxhash.xxh3_64_intdigest(ring)))
+            hashes.append(signed64(xxhash.xxh3_64_intdigest(ring)))  # type: ignore[arg-type]  # an ndarray is a buffer
             self._lines[_WRITTEN] += step  # publish after the copy (x86-64 store order)
             _futex_wake(self._addr[_WRITTEN])
         return hashes
@@ -207,13 +207,13 @@ class ShmRing:
         for i in range(n):
             if stage is not None:
                 self._read(torch.from_numpy(stage))
-                hashes.append(signed64(xxhash.xxh3_64_intdigest(stage)))
+                hashes.append(signed64(xxhash.xxh3_64_intdigest(stage)))  # type: ignore[arg-type]  # an ndarray is a buffer
                 np.copyto(blocks[:, :, i], stage.reshape(shape))
                 continue
             pos, step = self._claim(nb, for_write=False)
             ring = self._bytes[pos : pos + nb]
             np.copyto(blocks[:, :, i], ring.reshape(shape))
-            hashes.append(signed64(xxhash.xxh3_64_intdigest(ring)))
+            hashes.append(signed64(xxhash.xxh3_64_intdigest(ring)))  # type: ignore[arg-type]  # an ndarray is a buffer
             self._lines[_READ] += step  # the bytes are ours: the sender may overwrite them
             _futex_wake(self._addr[_READ])
         return hashes
@@ -350,6 +350,7 @@ def attach_ring(store, timeout_s: float) -> ShmRing:
     if error is not None:
         store.set("shm/attached", json.dumps({"error": error}))
         raise KVTransferError(error)
+    assert ring is not None  # mapped, or error was set
     if offer["pidns"] == pid_namespace():
         ring.peer_pid = int(offer["pid"])
     store.set("shm/attached", json.dumps({"pid": os.getpid(), "pidns": pid_namespace()}))

@@ -127,7 +127,7 @@ class KVSender:
             old = self._channels.get(key.decode_id)
             if old is not None and getattr(old, "key", None) == key:
                 return old
-            fut = Future()
+            fut: Future[PairChannel] = Future()
             fut.key = key  # type: ignore[attr-defined]
             self._channels[key.decode_id] = fut
         _close_channel(old)

@@ -77,17 +77,21 @@ class PagedAttention(nn.Module):
         """Decodes and (replicated) prefill chunks, K/V already in the cache -> [T, H * D]."""
         nd = meta.num_decodes
         if nd == q.shape[0]:  # decode-only step: the kernel output is the whole result
-            out = paged_decode_attention(
+            assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+            res = paged_decode_attention(
                 q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.block_size, self.scale
             )
-            return out.view(nd, -1)
+            assert isinstance(res, torch.Tensor)  # no lse asked for
+            return res.view(nd, -1)
         out = torch.empty_like(q)
         if nd:
+            assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
             paged_decode_attention(
                 q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.block_size,
                 self.scale, out=out[:nd],
             )
         if meta.prefill_cu_seqlens is not None and varlen_kernel_available(q):
+            assert meta.prefill_block_tables is not None and meta.prefill_context_lens is not None
             varlen_paged_attention(
                 q[nd:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens,
                 meta.prefill_context_lens, meta.block_size, self.scale, out=out[nd:],

@@ -28,6 +28,7 @@ def sequence_slots(meta: AttentionMetadata) -> Iterator[tuple[int, int, torch.Te
     step: the decode rows (one each), then each prefill chunk."""
     bs = meta.block_size
     for i in range(meta.num_decodes):
+        assert meta.decode_context_lens is not None and meta.decode_block_tables is not None
         n_ctx = int(meta.decode_context_lens[i])
         blocks = meta.decode_block_tables[i, : (n_ctx + bs - 1) // bs].long()  # [nb]
         slots = (blocks[:, None] * bs + torch.arange(bs, device=blocks.device)).reshape(-1)[:n_ctx]

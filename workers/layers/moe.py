@@ -58,6 +58,10 @@ class ExpertWeights(nn.Module):
 class SparseMoE(nn.Module):
     """The MoE MLP of one decoder layer; parameter names follow transformers 5 (mlp.gate, mlp.experts.*)."""
 
+    expert_counts: torch.Tensor  # buffers (registered in __init__)
+    rank_rows: torch.Tensor
+    comm_rows: torch.Tensor
+
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, ep: GroupCoordinator,
                  renormalize: bool = True) -> None:
         super().__init__()
@@ -78,7 +82,8 @@ class SparseMoE(nn.Module):
     def _dispatch_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The placement's lookup tables on the routing tensors' device (moved once per placement)."""
         if self._tables[0].device != device:
-            self._tables = tuple(t.to(device) for t in self._tables)
+            a, b, c = (t.to(device) for t in self._tables)
+            self._tables = a, b, c
         return self._tables
 
     # ------------------------------------------------------------- loading

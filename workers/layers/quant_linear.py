@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -95,11 +96,15 @@ def quantize(method: str, w: torch.Tensor) -> QuantizedWeight:
         tensors = dict(zip(_BUFFERS["q4"], quantize_q4(w)))
     else:
         raise ValueError(f"quantization {method!r}: must be one of {QUANTIZATIONS[1:]}")
-    return QuantizedWeight(method, tuple(w.shape), tensors)
+    return QuantizedWeight(method, (w.shape[0], w.shape[1]), tensors)
 
 
 class QuantLinear(nn.Module):
     """y = x dequant(W)^T (+ b), W [out, in] stored quantized (buffers), bias fp32."""
+
+    qweight: torch.Tensor  # buffers (registered in __init__; mins for q4 only)
+    scales: torch.Tensor
+    mins: torch.Tensor
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, method: str = "int8") -> None:
         super().__init__()
@@ -117,7 +122,7 @@ class QuantLinear(nn.Module):
             self.register_buffer("mins", torch.zeros(N, Kp // 32, dtype=torch.int16))
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]  # read back by load_weights
         else:
             self.register_parameter("bias", None)
 
@@ -156,7 +161,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]. Reads _buffers / _parameters directly: nn.Module.__getattr__ is a
         # slow Python fallback, and a decode step would make hundreds of those lookups.
-        b, bias = self._buffers, self._parameters["bias"]
+        b: dict[str, Any] = self._buffers  # all registered in __init__
+        bias = self._parameters["bias"]
         if self._int8:
             return int8_linear(x, b["qweight"], b["scales"], bias)
         return q4_linear(x, b["qweight"], b["scales"], b["mins"], bias)

@@ -57,7 +57,7 @@ def quantize_cols(method: str, w: torch.Tensor, shard: Shard) -> QuantizedWeight
     if method != "int8":
         return quantize(method, part)
     qweight, scales = quantize_int8(part, amax=w.detach().float().abs().amax(dim=1))
-    return QuantizedWeight("int8", tuple(part.shape), {"qweight": qweight, "scales": scales})
+    return QuantizedWeight("int8", (part.shape[0], part.shape[1]), {"qweight": qweight, "scales": scales})
 
 
 class QuantMergedColumnParallelLinear(QuantMergedLinear):
@@ -71,9 +71,11 @@ class QuantMergedColumnParallelLinear(QuantMergedLinear):
 
     def load_weight(self, loaded: Loaded, shard_id: str | None = None) -> None:
         """``loaded``: the whole checkpoint matrix of ``shard_id`` ([rows, in]); keeps this rank's rows."""
+        assert shard_id is not None  # a merged layer's loads name their shard
         super().load_weight(take_rows(loaded, self.parts[shard_id]), shard_id)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        assert shard_id is not None  # a merged layer's loads name their shard
         super().weight_loader(param, take(loaded, 0, self.parts[shard_id]), shard_id)
 
 
@@ -138,7 +140,7 @@ class QuantParallelLMHead(QuantLinear):
         assert embedding.shard == self.shard, (embedding.shard, self.shard)
         super().load_weight(embedding.weight.data[: self.shard.size])
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]  # an LM head
         """hidden [N, E] (the sampled rows) -> logits [N, V] on tp rank 0; None on other ranks.
         Collective over the tp group: every tp rank calls it with the same rows."""
         return gather_vocab_logits(super().forward(hidden), self.tp, self.vocab_size)  # [N, V / W] -> [N, V]

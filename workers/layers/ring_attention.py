@@ -33,6 +33,7 @@ W sp ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -124,7 +125,8 @@ def ring_attention(
     parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {a: [], b: []}
     for hop in range(1, w + 1):
         owner = (r - hop + 1) % w  # whose pieces ``cur`` holds
-        reqs, incoming = [], None
+        reqs: list[Any] = []
+        incoming: torch.Tensor | None = None
         if hop < w:  # post the next transfer first, then compute on cur while it flies
             src = (r - hop) % w
             incoming = cur.new_empty(2, rc.sizes[src] + rc.sizes[2 * w - 1 - src], *cur.shape[2:])
@@ -137,7 +139,8 @@ def ring_attention(
             _attend_remote(q, cur, owner, rc, w, scale, parts, k_cache, v_cache)
         for req in reqs:
             req.wait()
-        cur = incoming
+        if incoming is not None:  # None after the last hop, where cur is not read again
+            cur = incoming
     out = torch.empty_like(q)
     for piece, rows in ((a, slice(0, na)), (b, slice(na, None))):
         os_, ls = zip(*parts[piece])

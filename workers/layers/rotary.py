@@ -95,6 +95,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     rope_type = rope_type_of(scaling)
     if rope_type in ("default", "dynamic"):
         return inv_freq
+    assert scaling is not None  # every other type comes from a rope_scaling entry
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
     if rope_type == "llama3":
@@ -117,9 +118,11 @@ def rope_table(head_dim: int, max_position: int, theta: float, scaling: dict[str
     positions = torch.arange(max_position, dtype=torch.float32)
     scale = 1.0
     if rope_type == "yarn":
+        assert scaling is not None  # yarn and longrope come from a rope_scaling entry
         inv_freq, scale = _yarn(head_dim, theta, scaling, max_position)
         freqs = torch.outer(positions, inv_freq)
     elif rope_type == "longrope":
+        assert scaling is not None
         orig = int(scaling["original_max_position_embeddings"])
         factor = scaling.get("factor") or max_position / orig
         scale = scaling.get("attention_factor") or (

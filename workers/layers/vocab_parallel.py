@@ -31,7 +31,7 @@ class VocabParallelEmbedding(nn.Module):
         self.shard = vocab_shard(vocab_size, self.tp.world_size, self.tp.rank)
         self.rows = -(-vocab_size // self.tp.world_size)  # padded rows per rank
         self.weight = nn.Parameter(torch.zeros(self.rows, hidden_size), requires_grad=False)  # [V / W, E]
-        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]  # read back by load_weights
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         assert shard_id is None and loaded.shape == (self.vocab_size, param.shape[1]), (loaded.shape, param.shape)
@@ -62,7 +62,7 @@ class ParallelLMHead(nn.Module):
             rows = VocabParallelEmbedding(vocab_size, hidden_size, self.tp)
             self.shard = rows.shard
             self.weight = rows.weight  # [V / W, E], loaded through the embedding's loader
-            self.weight.weight_loader = rows.weight_loader
+            self.weight.weight_loader = rows.weight_loader  # type: ignore[attr-defined]  # read back by load_weights
 
     def head_weight(self) -> torch.Tensor:
         return self._tied[0].weight if self._tied else self.weight  # [V / W, E]

@@ -70,12 +70,12 @@ class ModelSpec:
         return self.sliding_window
 
     @classmethod
-    def from_pretrained(cls, path: Path) -> "ModelSpec":
+    def from_pretrained(cls, path: Path) -> ModelSpec:
         from transformers import AutoConfig
 
         try:
             cfg = AutoConfig.from_pretrained(path)
-        except Exception as e:  # noqa: BLE001 - any parse failure is a checkpoint problem
+        except Exception as e:  # any parse failure is a checkpoint problem
             raise CheckpointError(f"{path}/config.json cannot be read ({e}); re-prepare the checkpoint") from e
         from transformers import GenerationConfig
 
@@ -86,7 +86,7 @@ class ModelSpec:
                                   "it is not an architecture this engine runs (workers/models/registry.py)") from None
 
     @classmethod
-    def from_hf_config(cls, cfg: Any, eos_token_ids: tuple[int, ...] = ()) -> "ModelSpec":
+    def from_hf_config(cls, cfg: Any, eos_token_ids: tuple[int, ...] = ()) -> ModelSpec:
         """The spec of a transformers config object; ConfigError for an option the engine does not build."""
         from workers.models.variants import rope_of, variant_fields  # imports workers.layers
 

@@ -46,7 +46,7 @@ class DeepseekMoE(SparseMoE):
         s = self.spec
         logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())  # [T, E]
         scores = logits.sigmoid() if s.scoring_func == "sigmoid" else logits.softmax(dim=-1)
-        choice = scores + self.gate.e_score_correction_bias.float() if s.router_bias else scores
+        choice = scores + self.gate.e_score_correction_bias.float() if s.router_bias else scores  # type: ignore[operator]  # a Parameter set in __init__
         if s.n_group > 1:
             grouped = choice.view(-1, s.n_group, s.num_experts // s.n_group)  # [T, n_group, E / n_group]
             group_score = grouped.topk(2, dim=-1)[0].sum(-1) if s.router_bias else grouped.max(dim=-1).values

@@ -87,7 +87,7 @@ def _reader_class():
     from gguf import GGUFReader
 
     class _ArrayReader(GGUFReader):
-        @property
+        @property  # type: ignore[override]  # a property over GGUFReader's plain attribute
         def data(self) -> np.ndarray:
             return self._mapped
 

@@ -28,6 +28,7 @@ Axes: T tokens in the step, E hidden, H query heads, G kv heads, D head dim, V v
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -153,8 +154,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head: nn.Module = ParallelLMHead(spec.vocab_size, spec.hidden_size, tied)
         else:  # int8 (module doc); tied: a separate int8 copy of the embedding's rows, filled after loading
             self.lm_head = QuantParallelLMHead(spec.vocab_size, spec.hidden_size)
-        self.num_local_kv_heads = self.model.layers[0].self_attn.g  # KV cache width of this rank
-        self._stack: object | None = None  # fused decode stack (workers/models/decode_stack.py), built on first use
+        self.num_local_kv_heads = self.model.layers[0].self_attn.g  # type: ignore[union-attr]  # KV cache width of this rank
+        self._stack: Any = None  # fused decode stack (workers/models/decode_stack.py), built on first use
         self.fused_decode = True  # EngineConfig.fused_decode; reset _stack to None after changing it
 
     def make_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:

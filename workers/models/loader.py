@@ -22,12 +22,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from workers.errors import CheckpointError
 from workers.models.checkpoint import gguf_source
 from workers.models.config import ModelSpec
 from workers.models.gguf_weights import has_native_tensors, iter_gguf
+from workers.models.llama import LlamaForCausalLM
 from workers.models.registry import check_spec, model_class
 from workers.models.shared_weights import SharedWeights, files_fingerprint
 from workers.parallel.groups import get_group
@@ -48,14 +48,14 @@ def iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torc
                     yield name, st.get_tensor(name).to(dtype)
         except CheckpointError:
             raise
-        except Exception as e:  # noqa: BLE001 - safetensors raises several types for bad files
+        except Exception as e:  # safetensors raises several types for bad files
             raise CheckpointError(f"{f}: unreadable safetensors file ({e}); re-prepare the checkpoint") from e
 
 
 def load_model(
     path: Path, dtype: torch.dtype, device: str = "cpu", quantization: str = "none", use_gguf: bool = True,
     fused_decode: bool = True, shared: SharedWeights | None = None, spec: ModelSpec | None = None,
-) -> tuple[nn.Module, ModelSpec]:
+) -> tuple[LlamaForCausalLM, ModelSpec]:
     """The model of checkpoint ``path``; ``use_gguf=False`` makes 'q4' quantize the safetensors even when a GGUF source exists (tests
     compare the two). fused_decode: False keeps a Llama-family model's decode steps off the fused
     decoder stack (workers/models/decode_stack.py). shared: the node's shared snapshots (None: load
@@ -76,7 +76,7 @@ def load_model(
     def load() -> None:
         weights = iter_gguf(gguf, spec, quantization) if gguf is not None else iter_safetensors(path, dtype)
         try:
-            loaded = model.load_weights(weights)
+            loaded = model.load_weights(weights)  # type: ignore[arg-type]  # GGUF QuantizedWeights go to quantized layers
         except KeyError as e:
             raise CheckpointError(f"{path}: unexpected tensor {e.args[0]!r} for model_type {spec.model_type!r}") from None
         missing = model.expected_weights() - loaded

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-
 from workers.errors import CheckpointError, ConfigError
 from workers.models.config import ModelSpec
 from workers.models.deepseek import DeepseekForCausalLM
@@ -25,7 +23,7 @@ from workers.models.mixtral import MixtralForCausalLM
 from workers.models.phi3 import Phi3ForCausalLM
 from workers.models.qwen2_moe import Qwen2MoeForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,  # q/k/v biases come from ModelSpec.attention_bias
     "mixtral": MixtralForCausalLM,  # sparse MoE MLP, expert parallel over the "ep" group
@@ -75,7 +73,7 @@ def capabilities(spec: ModelSpec) -> Capabilities:
     return caps
 
 
-def model_class(spec: ModelSpec) -> type[nn.Module]:
+def model_class(spec: ModelSpec) -> type[LlamaForCausalLM]:
     try:
         return MODEL_REGISTRY[spec.model_type]
     except KeyError:

@@ -18,14 +18,14 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from workers.layers.attention_metadata import AttentionMetadata, PrefillSpan
 from workers.models.config import ModelSpec
+from workers.models.llama import LlamaForCausalLM
 
 
 @torch.inference_mode()
-def next_token_logits(model: nn.Module, spec: ModelSpec, ids: list[int], block_size: int = 16) -> torch.Tensor:
+def next_token_logits(model: LlamaForCausalLM, spec: ModelSpec, ids: list[int], block_size: int = 16) -> torch.Tensor:
     """Logits of the next token after each prefix ids[: i + 1], i < L - 1: [L - 1, V] fp32."""
     L = len(ids)
     assert L >= 2, "need at least two tokens to score"
@@ -45,14 +45,16 @@ def next_token_logits(model: nn.Module, spec: ModelSpec, ids: list[int], block_s
     )
     tokens = torch.tensor(ids)
     hidden = model(tokens, torch.arange(L), [(layer[0], layer[1]) for layer in kv], meta)  # [L, E]
-    return model.compute_logits(hidden[:-1]).float()  # [L - 1, V]
+    logits = model.compute_logits(hidden[:-1])  # [L - 1, V]
+    assert logits is not None  # one process: it is tp rank 0
+    return logits.float()
 
 
-def token_logprobs(model: nn.Module, spec: ModelSpec, ids: list[int]) -> torch.Tensor:
+def token_logprobs(model: LlamaForCausalLM, spec: ModelSpec, ids: list[int]) -> torch.Tensor:
     """log p(ids[i + 1] | ids[: i + 1]) for i < L - 1: [L - 1]."""
     logits = next_token_logits(model, spec, ids)  # [L - 1, V]
     return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
 
 
-def perplexity(model: nn.Module, spec: ModelSpec, ids: list[int]) -> float:
+def perplexity(model: LlamaForCausalLM, spec: ModelSpec, ids: list[int]) -> float:
     return math.exp(-token_logprobs(model, spec, ids).mean().item())

@@ -82,7 +82,7 @@ class SnapshotMismatch(Exception):
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of ``model`` by name, tied ones under each of their names."""
-    out = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    out: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     out.update({n: b for n, b in model.named_buffers(remove_duplicate=False) if b is not None})
     return out
 

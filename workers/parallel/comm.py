@@ -26,10 +26,12 @@ import torch
 import torch.distributed as dist
 
 from workers.parallel.groups import GroupCoordinator
+from workers.parallel.shm_comm import ShmCommunicator
 
 
-def _shm(x: torch.Tensor, g: GroupCoordinator) -> bool:
-    return g.shm is not None and x.device.type == "cpu"
+def _shm(x: torch.Tensor, g: GroupCoordinator) -> ShmCommunicator | None:
+    """The group's shared-memory communicator when it carries x (a CPU tensor), else None."""
+    return g.shm if x.device.type == "cpu" else None
 
 
 def all_to_all_rows(
@@ -39,8 +41,8 @@ def all_to_all_rows(
     Returns [sum(recv_counts), F]: the rows from group rank 0, then 1, ... ."""
     if g.is_trivial:
         return x
-    if _shm(x, g):
-        return g.shm.all_to_all(x, send_counts, recv_counts)
+    if (shm := _shm(x, g)) is not None:
+        return shm.all_to_all(x, send_counts, recv_counts)
     out = x.new_empty(sum(recv_counts), *x.shape[1:])
     dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=g.group)
     return out
@@ -53,11 +55,13 @@ def all_gather_rows(x: torch.Tensor, counts: list[int], g: GroupCoordinator) -> 
     width = max(counts)
     padded = x.new_zeros(width, *x.shape[1:])
     padded[: x.shape[0]] = x
-    if _shm(x, g):
-        parts = g.shm.all_gather(padded)
+    parts: list[torch.Tensor] | None
+    if (shm := _shm(x, g)) is not None:
+        parts = shm.all_gather(padded)
     else:
         parts = [torch.empty_like(padded) for _ in range(g.world_size)]
         dist.all_gather(parts, padded, group=g.group)
+    assert parts is not None  # not root_only: every rank gets them
     return torch.cat([p[:n] for p, n in zip(parts, counts)])
 
 
@@ -77,8 +81,8 @@ def ring_shift(x: torch.Tensor, out: torch.Tensor, max_numel: int, g: GroupCoord
     may differ per rank; ``max_numel`` is the largest any rank sends, the same on every rank).
     Returns the requests to wait on (none on shared memory, where the step completes here)."""
     w, r = g.world_size, g.rank
-    if _shm(x, g):
-        g.shm.shift(x, out, (r - 1) % w, max_numel * x.element_size())
+    if (shm := _shm(x, g)) is not None:
+        shm.shift(x, out, (r - 1) % w, max_numel * x.element_size())
         return []
     return [dist.isend(x.contiguous(), g.ranks[(r + 1) % w], group=g.group),
             dist.irecv(out, g.ranks[(r - 1) % w], group=g.group)]
@@ -112,8 +116,8 @@ def all_reduce(x: torch.Tensor, g: GroupCoordinator) -> torch.Tensor:
     """Sum of x over the group, in place (x itself is returned)."""
     if g.is_trivial:
         return x
-    if _shm(x, g):
-        return g.shm.all_reduce(x)
+    if (shm := _shm(x, g)) is not None:
+        return shm.all_reduce(x)
     dist.all_reduce(x, group=g.group)
     return x
 
@@ -123,8 +127,8 @@ def gather_to_first(x: torch.Tensor, g: GroupCoordinator) -> list[torch.Tensor] 
     if g.is_trivial:
         return [x]
     x = x.contiguous()
-    if _shm(x, g):
-        return g.shm.all_gather(x, root_only=True)
+    if (shm := _shm(x, g)) is not None:
+        return shm.all_gather(x, root_only=True)
     parts = [torch.empty_like(x) for _ in range(g.world_size)] if g.rank == 0 else None
     dist.gather(x, parts, dst=g.ranks[0], group=g.group)
     return parts

@@ -43,7 +43,7 @@ class Shard:
     def end(self) -> int:
         return self.start + self.size
 
-    def scaled(self, unit: int) -> "Shard":
+    def scaled(self, unit: int) -> Shard:
         """The same shard in finer units, e.g. heads -> rows of head_dim each."""
         return Shard(self.start * unit, self.size * unit)
 

@@ -140,12 +140,12 @@ class ShmCommunicator:
         if self._mm is None:
             return
         self._typed.clear()
-        self._slots = self._seqs = None
+        self._slots = self._seqs = None  # type: ignore[assignment]  # closed: every use checks _mm first
         try:
             self._mm.close()
         except BufferError:  # a tensor returned to a caller still views the slots: leave it to the GC
             pass
-        self._mm = None
+        self._mm = None  # type: ignore[assignment]  # closed (checked by close and the collectives)
         self._broken = self._broken or "closed"
 
     def _views(self, buf: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -199,6 +199,7 @@ class ShmCommunicator:
     def _check_peers(self, pending: list[int], seq: int, waited: float) -> None:
         dead = [r for r in pending if self._pids is not None and not alive(self._pids[r])]
         if dead:
+            assert self._pids is not None  # dead ranks are found through their pids
             self._broken = f"rank {dead[0]} (pid {self._pids[dead[0]]}) died during collective #{seq}"
         elif waited > self.timeout_s:
             self._broken = (f"rank {pending[0]} did not reach collective #{seq} within {self.timeout_s:.0f} s "
@@ -275,6 +276,7 @@ class ShmCommunicator:
         for s in range(first, n, SLOT_BYTES):
             views = self._round(buf[8 + s : 8 + s + SLOT_BYTES] if buf is not None else None, torch.uint8)
             m = min(SLOT_BYTES, n - s)
+            assert dst is not None  # n > 0 here
             dst[s : s + m].copy_(views[src][:m])
         return bytes(out)
 
@@ -357,6 +359,7 @@ def open_group(pg, rank: int, world: int, name: str, timeout_s: float) -> ShmCom
         dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
         path, nonce, error = box[0]
         if not error:
+            assert path is not None and nonce is not None  # rank 0 created the segment
             try:
                 comm = ShmCommunicator(path, nonce, rank, world, pids, timeout_s, name)
             except (OSError, CollectiveError) as e:

@@ -40,6 +40,13 @@ import torch
 BLOCK = 256  # tokens per first-level block (V / B block sums + B in-block terms per row)
 
 
+def skip_draws(generator: torch.Generator, n: int) -> None:
+    """Advance ``generator`` past the uniforms of ``n`` drawn tokens (a seeded request resumed after
+    ``n`` tokens continues with the numbers an unbroken run would draw next)."""
+    if n > 0:
+        torch.rand(n, generator=generator, dtype=torch.float64)
+
+
 def uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
     """One U[0, 1) float64 per row from the row's generator, drawn generator by generator in row
     order (rows sharing a generator take consecutive numbers from it): [N]."""

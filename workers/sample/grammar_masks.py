@@ -21,6 +21,7 @@ Axes: N rows, K draft tokens, V vocabulary.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -87,7 +88,7 @@ class MaskWorker:
         self.eos_token_ids = eos_token_ids
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
-        self._executor = None  # llguidance.LLExecutor, made on first use
+        self._executor: Any = None  # llguidance.LLExecutor, made on first use
 
     def start(self, jobs: dict[str, tuple[RowContext, GrammarMatcher]]) -> Future | None:
         """Start computing the masks of ``jobs`` (request id -> its row and matcher); None if empty.

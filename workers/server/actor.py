@@ -114,6 +114,8 @@ class WorkerActor:
                         timeline.notes.get("weights", ""))
 
     def _preload(self, timeline: StartupTimeline) -> Preloaded:
+        import torch  # the worker process only (the driver imports this module too)
+
         torch.set_num_threads(self._num_threads)  # this thread's OpenMP pool, as on the engine thread
         pre = preload(self._config, timeline)
         pre.warm_up(self._config, timeline)
@@ -139,7 +141,7 @@ class WorkerActor:
                 self._preloaded = None  # the engine owns the model now
                 self._timelines["start"] = timeline
                 logger.info("actor %s: %d torch threads, serving on %s (%s in %.2f s)", self._worker_id,
-                            self._num_threads, self._server.endpoint, "promoted" if make_engine else "started",
+                            self._num_threads, self._server.endpoint, "promoted" if make_engine is not None else "started",
                             timeline.elapsed_s)
         return self._server.endpoint
 

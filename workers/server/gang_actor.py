@@ -89,7 +89,7 @@ class GangFollowerActor:
             init_parallel_groups(self._parallel, self._rank, init_method, timeout=COLLECTIVE_TIMEOUT,
                                  device=self._config.device)
             steps = follow(ModelRunner.from_config(self._config), get_group("gang"))
-        except BaseException as e:  # noqa: BLE001 - any failure breaks the gang
+        except BaseException as e:  # any failure breaks the gang
             _exit_soon(f"rank {self._rank}: {e!r}")
             raise
         destroy_parallel_groups()

@@ -49,7 +49,8 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from typing import Any, NoReturn
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -61,7 +62,7 @@ from workers.build import build_engine
 from workers.engine.engine import Engine
 from workers.engine.kv_handoff import KVCapacityError
 from workers.engine.runner import RequestOutput
-from workers.engine.loop import EngineLimits, EngineLoop, LoadSnapshot, WorkerUnavailableError
+from workers.engine.loop import EngineLimits, EngineLoop, Sink, WorkerUnavailableError
 from workers.errors import InvalidRequestError
 from workers.kv.transfer import check_kv_backend
 from workers.sample.logprobs_proto import to_proto
@@ -91,7 +92,7 @@ def to_sampling_params(p: worker_pb2.SamplingParams) -> SamplingParams:
                                                   else None),
                           presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                           repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
-                          min_p=p.min_p, min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias),
+                          min_p=p.min_p, min_tokens=p.min_tokens, logit_bias=tuple(p.logit_bias.items()),
                           top_logprobs=p.top_logprobs if p.HasField("top_logprobs") else None,
                           structured=spec_from_proto(p.structured) if p.HasField("structured") else None)
 
@@ -106,6 +107,7 @@ def _merge(outputs: list[RequestOutput], migrated_to: worker_pb2.MigratedTo | No
         assert migrated_to is not None, "a migrated request's source knows where it went"
         msg.migrated_to.CopyFrom(migrated_to)
     elif last.finished:
+        assert last.finish_reason is not None  # finished
         msg.finish_reason = worker_pb2.FinishReason.Value(f"FINISH_REASON_{last.finish_reason.name}")
         msg.usage.CopyFrom(worker_pb2.Usage(prompt_tokens=last.num_prompt_tokens,
                                             completion_tokens=last.num_output_tokens,
@@ -121,6 +123,12 @@ def _drafter_assignment(request_id: str, d: worker_pb2.DrafterRef) -> Callable[[
         if engine.speculator is not None:
             engine.speculator.assign(request_id, ref)
     return assign
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
+    """context.abort, typed as what it does: it raises (grpc's stubs do not say so)."""
+    await context.abort(code, details)
+    raise AssertionError("context.abort raises")  # pragma: no cover
 
 
 def _status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
@@ -156,7 +164,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._inflight: set[str] = set()  # request ids with a live Submit handler
         self.disagg: Disaggregation | None = None  # set by start_worker_server
         self.migrator: Migrator | None = None  # set by start_worker_server (with disagg)
-        self.on_drain: Callable[[], object] | None = None  # set by WorkerServer: health NOT_SERVING
+        self.on_drain: Callable[[], Awaitable[object]] | None = None  # set by WorkerServer: health NOT_SERVING
         self.prefix_pull: PrefixPull | None = None  # set by start_worker_server (with disagg)
 
     @property
@@ -245,7 +253,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             finished = True
             try:  # free its blocks first, then answer
                 await asyncio.wait_for(asyncio.shield(self._engine.abort(rid)), RELEASE_WAIT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 logger.warning("request %s: the engine did not confirm the abort within %.0f s", rid, RELEASE_WAIT_S)
             await context.abort(*_status_of(e))
         finally:
@@ -265,13 +273,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.prefix_pull is not None:
             transfers.update(self.prefix_pull.load_fields())
         migrations = self.migrator.load_fields() if self.migrator is not None else {}
-        return worker_pb2.LoadReport(worker_id=self.worker_id, incarnation=self.incarnation,
-                                     **dataclasses.asdict(self._engine.snapshot), **transfers, **migrations)
+        fields: dict[str, Any] = {**dataclasses.asdict(self._engine.snapshot), **transfers, **migrations}
+        report = worker_pb2.LoadReport(worker_id=self.worker_id, incarnation=self.incarnation, **fields)
+        events = self.limits.block_events
+        if request.block_events and events is not None:
+            # A cursor from another incarnation means nothing here: read from 0 (a snapshot).
+            since = request.block_events_since if request.block_events_incarnation == self.incarnation else 0
+            diff = events.read(since)
+            report.block_events_supported = True
+            report.block_seq, report.block_snapshot = diff.seq, diff.snapshot
+            report.blocks_stored.extend(diff.stored)
+            report.blocks_removed.extend(diff.removed)
+        return report
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PrefillResponse]:
         no_transfer = (grpc.StatusCode.FAILED_PRECONDITION, "this worker has no KV transfer set up")
         params = await self._admit(request, context, no_transfer if self.disagg is None else None)
+        assert self.disagg is not None  # _admit refused the request otherwise
         try:
             async for response in self.disagg.prefill(request, params):
                 yield response
@@ -283,36 +302,36 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def PullPrefix(self, request: worker_pb2.PullPrefixRequest,
                          context: grpc.aio.ServicerContext) -> worker_pb2.PullPrefixResponse:
         if not self.accepting:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining or shutting down")
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, "worker is draining or shutting down")
         if self.prefix_pull is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker has no KV transfer set up")
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "this worker has no KV transfer set up")
         try:
             return await self.prefix_pull.serve(request)
         except (WorkerUnavailableError, PrefillRejected) as e:
             logger.warning("prefix pull %s: %s", request.transfer_id, e)
-            await context.abort(*_status_of(e))
+            await _abort(context, *_status_of(e))
 
     async def Migrate(self, request: worker_pb2.MigrateRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.MigrateResponse:
         if self.migrator is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker has no KV transfer set up")
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "this worker has no KV transfer set up")
         if request.request_id not in self._inflight:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: {request.request_id!r} is not in flight here")
+            await _abort(context, grpc.StatusCode.NOT_FOUND, f"request_id: {request.request_id!r} is not in flight here")
         try:
             return await self.migrator.migrate(request.request_id, request.target)
         except MigrationFailed as e:
-            await context.abort(e.code, str(e))
+            await _abort(context, e.code, str(e))
 
     async def TakeOver(self, request: worker_pb2.TakeOverRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.TakeOverResponse]:
         if self.migrator is None or not self.accepting:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining, shutting down or has no KV transfer")
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, "worker is draining, shutting down or has no KV transfer")
         try:
             async for response in self.migrator.take_over(request):
                 yield response
         except MigrationFailed as e:
             logger.warning("take-over of %s: %s", request.request_id, e)
-            await context.abort(e.code, str(e))
+            await _abort(context, e.code, str(e))
 
     async def Drain(self, request: worker_pb2.DrainRequest,
                     context: grpc.aio.ServicerContext) -> worker_pb2.DrainResponse:

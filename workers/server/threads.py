@@ -72,7 +72,9 @@ def apply(config: EngineConfig, num_threads: int, environ: Mapping[str, str] | N
         logger.warning("OMP_WAIT_POLICY is %r in this worker process, the config asks for %r (omp_wait_policy); "
                        "it is read once at start, so this process keeps the former: start the worker with "
                        "workers.server.threads.process_env(config) in its environment (duet serve does)", have, want)
-    if config.niceness is not None and os.getpriority(os.PRIO_PROCESS, 0) != config.niceness:
+    # every thread, not only this one: Ray applies RAY_worker_niceness to the thread that reads it, after
+    # some of its own threads exist, so the calling thread can be right while others are not
+    if config.niceness is not None and thread_niceness() != {config.niceness}:
         set_niceness(config.niceness)
     return ThreadSettings(num_threads, have, os.getpriority(os.PRIO_PROCESS, 0))
 

@@ -132,7 +132,8 @@ class DraftModelProposer:
         if not ray.is_initialized():
             raise ConfigError("speculative.method='draft_model' runs the drafter as a Ray actor: start the engine "
                               "inside Ray (duet serve does), or pass a proposer to build_engine(...) (workers/build.py)")
-        actor = DrafterActor.options(num_cpus=spec.drafter_cpus, resources=dict(spec.drafter_resources),
+        assert spec.draft_model is not None  # SpeculativeConfig requires it without a drafter_pool
+        actor = DrafterActor.options(num_cpus=spec.drafter_cpus, resources=dict(spec.drafter_resources),  # type: ignore[attr-defined]  # a @ray.remote class
                                      max_restarts=-1).remote(
             private_drafter_config(spec.draft_model, spec.draft_quantization, engine), vocab_size,
             spec.draft_vocab_size, spec.drafter_threads)
@@ -260,6 +261,7 @@ class DraftModelProposer:
             item.full_context = True
             item.new_token_ids.extend(a.token_ids)
         else:
+            assert st.held is not None  # keep > 0
             item.keep, item.held_len = keep, len(st.held)
             item.new_token_ids.extend(a.token_ids[keep:])
         return item
@@ -269,6 +271,7 @@ class DraftModelProposer:
         items = [self._item(a, extra) for a in asks]
         new_tokens = sum(len(i.new_token_ids) for i in items)
         self._stats.extra["rounds"] += 1
+        assert slot.link is not None  # the caller attached it
         return slot.link.send(items), self.timeout_s * (1 + new_tokens / 256)
 
     def _collect(self, slot: _Slot, asks: list[DraftAsk], fut: Future, timeout: float,
@@ -353,6 +356,7 @@ class DraftModelProposer:
             items.append(drafter_pb2.DraftItem(request_id=a.request_id, keep=len(ctx), held_len=len(ctx),
                                                num_tokens=a.num_tokens + 1, sampling=_sampling(a.params),
                                                vocab_limit=self.vocab_limit))
+        assert slot.link is not None  # the caller attached it
         fut = slot.link.send(items)
         for rid, ctx in contexts:
             self._requests[rid].ahead = (fut, ctx)
@@ -366,6 +370,7 @@ class DraftModelProposer:
             return
         self._forget(request_id)
         st = self._request(request_id, slot)
+        assert slot.link is not None  # attached just above
         slot.link.send([drafter_pb2.DraftItem(request_id=request_id, full_context=True, new_token_ids=token_ids,
                                               num_tokens=0, sampling=_sampling(params),
                                               vocab_limit=self.vocab_limit)])

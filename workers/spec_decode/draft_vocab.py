@@ -37,6 +37,7 @@ from torch import nn
 
 from kernels.quant_formats import dequantize_int8, dequantize_q4
 from workers.layers.quant_linear import QuantLinear, make_linear
+from workers.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -88,16 +89,16 @@ def draft_token_ids(model_dir: Path, vocab_size: int, size: int) -> torch.Tensor
     return torch.tensor(sorted(keep), dtype=torch.long)
 
 
-def _head_rows(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def _head_rows(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
     """The float rows [P, E] of the model's LM head for these ids (the embedding's when tied)."""
     head = model.lm_head
     if model.spec.tie_word_embeddings:
         return model.model.embed_tokens.weight.data[ids].float()
     if isinstance(head, QuantLinear):
-        b = head._buffers
         if head.method == "int8":
-            return dequantize_int8(b["qweight"][ids], b["scales"][ids], head.in_features)
-        return dequantize_q4(b["qweight"][ids], b["scales"][ids], b["mins"][ids], head.in_features)
+            return dequantize_int8(head.qweight[ids], head.scales[ids], head.in_features)
+        return dequantize_q4(head.qweight[ids], head.scales[ids], head.mins[ids], head.in_features)
+    assert isinstance(head.weight, torch.Tensor)
     return head.weight.data[ids].float()
 
 
@@ -105,7 +106,9 @@ class PrunedHead(nn.Module):
     """logits over the kept ids: hidden [N, E] -> [N, P]; ``ids`` [P] maps a column to its token id.
     quantization: the kept rows' format ('none', 'int8' or 'q4'; the drafter's own by default)."""
 
-    def __init__(self, model: nn.Module, ids: torch.Tensor, quantization: str) -> None:
+    ids: torch.Tensor  # buffer (registered in __init__)
+
+    def __init__(self, model: LlamaForCausalLM, ids: torch.Tensor, quantization: str) -> None:
         super().__init__()
         rows = _head_rows(model, ids)  # [P, E]
         self._model = (model,)  # a tuple: not registered as a child
@@ -116,7 +119,7 @@ class PrunedHead(nn.Module):
         if isinstance(self.linear, QuantLinear):
             self.linear.load_weight(rows)
         else:
-            self.linear.weight.data.copy_(rows)
+            self.linear.weight.data.copy_(rows)  # type: ignore[operator]  # a Linear: its weight Parameter
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, E] -> [N, P]
         return self.linear(hidden)

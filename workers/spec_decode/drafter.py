@@ -353,6 +353,7 @@ class DraftEngine:
             if params.greedy:
                 token = greedy[row]
             else:
+                assert logits is not None  # returned whenever a row samples
                 q = target_probs(logits[row : row + 1], params)[0]  # [V]
                 token = int(torch.multinomial(q, 1, generator=self._gens.get(seq.request_id, self._default_gen)))
                 res.probs.append(q)
@@ -367,7 +368,9 @@ class DraftEngine:
         request's target cannot score (vocab_limit) and, with a pruned head, outside its scored ids."""
         limits = [j.item.vocab_limit if 0 < j.item.vocab_limit < self.vocab_size else self.vocab_size for j in jobs]
         if self.head is None:
-            logits = self.runner.model.compute_logits(hidden)[:, : self.vocab_size]  # [N, V]
+            full = self.runner.model.compute_logits(hidden)
+            assert full is not None  # a drafter is one rank
+            logits = full[:, : self.vocab_size]  # [N, V]
             for row, limit in enumerate(limits):
                 if limit < self.vocab_size:
                     logits[row, limit:] = float("-inf")

@@ -71,6 +71,7 @@ class DrafterActor:
                                                          idle_timeout_s=self._idle_timeout_s)
             logger.info("drafter %s serving on %s (%d threads)", self._worker_id or "(private)", self._endpoint,
                         self._threads)
+        assert self._endpoint is not None  # serving
         return self._endpoint
 
     def info(self) -> dict[str, object]:

@@ -20,7 +20,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 
 import grpc
@@ -55,7 +55,7 @@ class DrafterLink:
     def alive(self) -> bool:
         return self.error is None
 
-    def send(self, items: list[drafter_pb2.DraftItem], release: list[str] = ()) -> Future:
+    def send(self, items: list[drafter_pb2.DraftItem], release: Sequence[str] = ()) -> Future:
         """One round (its items, and releases to apply before them); -> Future[RoundResponse]."""
         fut: Future = Future()
         round_id = next(self._rounds)
@@ -95,7 +95,7 @@ class DrafterLink:
             self._fail("the drafter ended the stream")
         except grpc.RpcError as e:
             self._fail(f"{e.code().name}: {e.details()}")
-        except Exception as e:  # noqa: BLE001 - a bug here must still fail the waiting rounds
+        except Exception as e:  # a bug here must still fail the waiting rounds
             logger.exception("drafter link to %s: reader failed", self.endpoint)
             self._fail(repr(e))
 

@@ -86,9 +86,9 @@ class DraftScheduler:
         self._thread = threading.Thread(target=self._run, name="drafter-scheduler", daemon=True)
         self._thread.start()
 
-    def submit(self, round_id: int, items: list[DraftItem | None],
+    def submit(self, round_id: int, items: list[DraftItem | _Invalid],
                reply: Callable[[drafter_pb2.RoundResponse], None]) -> None:
-        """Queue a round (None items: invalid ones, answered with no drafts); ``reply`` gets its
+        """Queue a round (_Invalid items: refused ones, answered with no drafts); ``reply`` gets its
         response on the scheduler thread."""
         with self._cv:
             self._queue.append(("round", round_id, items, reply, time.perf_counter()))
@@ -215,7 +215,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     self.scheduler.submit(req.round, [_item(i) for i in req.items], out.put)
         except grpc.RpcError:
             pass  # the target went away (it closed the stream, or its process ended)
-        except Exception:  # noqa: BLE001 - a bug in this reader: end the stream (the target falls back)
+        except Exception:  # a bug in this reader: end the stream (the target falls back)
             logger.exception("drafter: reading the stream of %s failed", peer["target"])
         finally:
             out.put(None)

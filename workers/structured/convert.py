@@ -35,7 +35,7 @@ def spec_from_proto(msg: Any) -> StructuredOutput | None:
 def spec_to_proto(spec: StructuredOutput | None, message_type: type[M]) -> M:
     """``spec`` as a ``message_type`` (duet_pb2.StructuredOutput or worker_pb2.StructuredOutput);
     an empty message (no kind set) for None."""
-    msg = message_type()
+    msg: Any = message_type()  # either message class: the same fields
     if spec is None:
         return msg
     if spec.kind == "json_object":

@@ -58,9 +58,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_TIMEOUT_S = 10.0
 # JSON in json.dumps' default style; whitespace_flexible False: no whitespace beyond the separators.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # A bound on the work one compile may do (llguidance's defaults are 1M fuel / 500k symbols).
-PARSER_LIMITS = dict(initial_lexer_fuel=1_000_000, max_grammar_size=500_000, verbose_errors=False)
+PARSER_LIMITS: dict[str, Any] = dict(initial_lexer_fuel=1_000_000, max_grammar_size=500_000, verbose_errors=False)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ Axes: K draft tokens, V vocabulary (the model's logits width), W = ceil(V / 32) 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 from concurrent.futures import Future
 
 import numpy as np
@@ -61,12 +62,13 @@ class GrammarMatcher:
         if isinstance(grammar, CompiledGrammar):
             done: Future[CompiledGrammar] = Future()
             done.set_result(grammar)
-            grammar, spec = done, grammar.spec
+            spec = grammar.spec
+            grammar = done
         assert spec is not None, "a pending grammar needs its spec (for error messages)"
         self.spec = spec
         self._future = grammar
         self._timeout_s = timeout_s
-        self._matcher = None  # llguidance.LLMatcher, built on first use
+        self._matcher: Any = None  # llguidance.LLMatcher, built on first use
         self._words: np.ndarray | None = None  # int32 [W] scratch row for the mask
         self.num_consumed = 0  # generated tokens consumed so far
 
@@ -128,6 +130,7 @@ class GrammarMatcher:
         if m.is_error():
             raise GrammarError(self.field, f"the grammar failed after {self.num_consumed} tokens: {m.get_error()}")
         words = self._words
+        assert words is not None  # made by _ensure
         m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)  # drops the GIL
         if m.is_error():
             raise GrammarError(self.field, f"the grammar failed after {self.num_consumed} tokens: {m.get_error()}")

@@ -117,3 +117,90 @@ def test_bad_windows_are_refused():
         PrometheusWindows([])
     with pytest.raises(ValueError, match="latency_buckets"):
         PrometheusWindows([lambda: []], window_buckets=2, latency_buckets=3)
+
+
+def test_routers_differenced_apart_restart_join_and_miss_a_scrape():
+    """sum(rate()) over routers: a router missing one scrape, restarting (counters back to 0) or joining
+    neither dips nor inflates the summed arrival rate."""
+    (m1, r1), (m2, r2) = _router(), _router()
+    up = {"r2": True}
+    routers = {"r1": r1}
+
+    def source():
+        return {name: list(reg.collect()) for name, reg in routers.items() if name != "r2" or up["r2"]}
+
+    provider = PrometheusWindows([source], window_buckets=4, latency_buckets=1)
+    provider.windows(["dec"], 0.0)
+    _serve(m1, 10, ttft=0.2, tpot=0.03)
+    routers["r2"] = r2  # joins with 50 requests already counted: its baseline, not an arrival burst
+    _serve(m2, 50, ttft=0.2, tpot=0.03)
+    assert provider.windows(["dec"], 1.0)["dec"].arrivals_rps == [pytest.approx(10.0)]
+    _serve(m1, 4, ttft=0.2, tpot=0.03)
+    _serve(m2, 6, ttft=0.2, tpot=0.03)
+    assert provider.windows(["dec"], 2.0)["dec"].arrivals_rps[-1] == pytest.approx(10.0)
+    up["r2"] = False  # one scrape of r2 fails: that step counts r1 alone, then r2's increase comes back
+    _serve(m1, 5, ttft=0.2, tpot=0.03)
+    assert provider.windows(["dec"], 3.0)["dec"].arrivals_rps[-1] == pytest.approx(5.0)
+    up["r2"] = True
+    m3, r3 = _router()  # r2 restarts: its counters start from zero again
+    routers["r2"] = r3
+    _serve(m3, 3, ttft=0.2, tpot=0.03)
+    w = provider.windows(["dec"], 4.0)["dec"]
+    assert w.arrivals_rps[-1] == pytest.approx(3.0)  # r2 against its reading at 2.0, reset: its 3 new ones
+    _serve(m3, 2, ttft=0.2, tpot=0.03)
+    _serve(m1, 1, ttft=0.2, tpot=0.03)
+    w = provider.windows(["dec"], 5.0)["dec"]
+    assert w.arrivals_rps == [pytest.approx(r) for r in (10.0, 5.0, 3.0, 3.0)]  # 21 arrivals, none lost or doubled
+    assert w.latency_samples == 3 and w.mean_prompt_tokens == 40.0
+
+
+def test_dns_source_reads_every_address_a_name_resolves_to(monkeypatch):
+    """dns+http://: each address of the name is scraped as its own router (a headless Service)."""
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from cluster.autoscale.metrics import dns_source
+
+    (m1, r1), (m2, r2) = _router(), _router()
+    _serve(m1, 2, ttft=0.2, tpot=0.03)
+    _serve(m2, 5, ttft=0.2, tpot=0.03)
+    by_address = {"127.0.0.1": r1, "127.0.0.2": r2}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = generate_latest(by_address[self.server.server_address[0]])
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    first = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = first.server_address[1]
+    try:
+        second = ThreadingHTTPServer(("127.0.0.2", port), Handler)
+    except OSError:
+        first.server_close()
+        pytest.skip("127.0.0.2 is not routable on this host's loopback")
+    servers = [first, second]
+    for srv in servers:
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    real = socket.getaddrinfo
+
+    def resolve(host, *args, **kw):
+        if host == "routers.test":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port)) for a in by_address]
+        return real(host, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    try:
+        got = dns_source(f"dns+http://routers.test:{port}/metrics")()
+        assert sorted(got) == [f"127.0.0.1:{port}", f"127.0.0.2:{port}"]
+        totals = read_pools(list(got.values()))["dec"].counters["arrived"]
+        assert totals == 7.0
+    finally:
+        for srv in servers:
+            srv.shutdown()
+            srv.server_close()

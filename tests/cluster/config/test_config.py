@@ -237,3 +237,14 @@ autoscaling:
 """)
     resolved, note = resolve_cpus(load_config(path, env={}), 8)
     assert resolved.pool.cpus_per_replica == 2 and "3 ranks" in note  # (8 - 1) // 3: room for 3 replicas
+
+
+def test_kv_tier_keys_reach_the_engine_and_are_checked_at_load(tmp_path):
+    ok = load_config(_yaml(tmp_path, "pools:\n  - name: default\n    engine: {host_tier_bytes: 64MiB, "
+                                     "disk_tier_bytes: 1GiB, tier_load_timeout_s: 2}\n"), env={})
+    cache = ok.to_engine_config().cache
+    assert (cache.host_tier_bytes, cache.disk_tier_bytes, cache.tier_load_timeout_s) == (64 << 20, 1 << 30, 2.0)
+    assert DuetConfig().to_engine_config().cache.host_tier_bytes == 0  # off by default
+    with pytest.raises(ClusterConfigError, match=r"pools\[0\]\.engine\.disk_tier_bytes=1073741824 .* with "
+                                                 r"pools\[0\]\.engine\.host_tier_bytes=0"):
+        load_config(_yaml(tmp_path, "pools:\n  - name: default\n    engine: {disk_tier_bytes: 1GiB}\n"), env={})

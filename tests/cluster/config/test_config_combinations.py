@@ -36,6 +36,8 @@ def _yaml(tmp_path: Path, text: str) -> Path:
     ("pools: [{name: p, role: prefill, engine: {block_size: 32}}, {name: d, role: decode}]\n",
      ["pools=['p', 'd']", "same engine.block_size", "[16, 32]"]),
     ("pools: [{name: p, role: prefill}]\n", ["pools=['p']", "needs a colocated or decode pool"]),
+    ("pools: [{tp_size: 2, gpus_per_rank: 1, engine: {device: cuda, cuda_graphs: true}}]\n",
+     ["pools[0].engine.cuda_graphs=True", "with pools[0].tp_size=2", "set cuda_graphs to false"]),
 ])
 def test_refused_with_both_keys(tmp_path, text, words):
     with pytest.raises(ClusterConfigError) as err:

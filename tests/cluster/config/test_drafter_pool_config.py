@@ -145,7 +145,19 @@ def test_a_drafter_pool_autoscales_following_the_pool_drafting_on_it(tmp_path):
     assert lead > 1 and decisions["drafters"].desired == min(4, -(-lead // 2))  # ceil(0.5 x main's)
 
 
+def test_a_drafter_pool_scales_on_draft_demand_and_benefit_when_given_rows_per_replica(tmp_path):
+    c = load_config(_autoscaled(tmp_path, """    - {pool: main, slo_ttft_ms: 500, slo_tpot_ms: 80, profile: PROFILE, max_replicas: 8}
+    - {pool: drafters, ratio: 0.5, rows_per_replica: 12, min_speedup: 1.2, verify_token_cost: 0.3, max_replicas: 4}"""),
+                    env={})
+    d = c.to_autoscaler_config().pool("drafters")
+    assert (d.rows_per_replica, d.min_speedup, d.verify_token_cost, d.min_verifies) == (12.0, 1.2, 0.3, 100)
+
+
 @pytest.mark.parametrize("pools, words", [
+    ("    - {pool: main, slo_ttft_ms: 500, slo_tpot_ms: 80, profile: PROFILE, rows_per_replica: 8}",
+     ["autoscaling.pools[0].rows_per_replica=8.0", "for drafter pools only"]),
+    ("    - {pool: main, slo_ttft_ms: 500, slo_tpot_ms: 80, profile: PROFILE, min_speedup: 1.5}",
+     ["autoscaling.pools[0].min_speedup=1.5", "for drafter pools only"]),
     ("    - {pool: main, slo_ttft_ms: 500, slo_tpot_ms: 80, profile: PROFILE}\n    - {pool: drafters, max_replicas: 4}",
      ["autoscaling.pools[1].profile=None"]),  # a drafter pool without ratio is scaled like a target: needs a profile
     ("    - {pool: main, slo_ttft_ms: 500, slo_tpot_ms: 80, profile: PROFILE}\n"

@@ -1,4 +1,4 @@
-"""`duet status` and /metrics show KV transfers and prefix pulls: the status text gains a line per
+"""`duet status` and /metrics show KV transfers, prefix pulls and KV tiers: the status text gains a line per
 worker that moved KV or pulled prefixes, and every worker counter the metrics exporter reads is a
 LoadReport field."""
 
@@ -30,3 +30,18 @@ def test_every_exported_worker_counter_is_a_load_report_field():
     fields = set(worker_pb2.LoadReport.DESCRIPTOR.fields_by_name)
     names = [f for f, _, _ in WORKER_COUNTERS]
     assert {"prefix_pulls", "prefix_pull_bytes", "prefix_pull_failures"} <= set(names) and set(names) <= fields
+
+
+def test_status_shows_kv_tiers_only_when_on():
+    assert "KV tiers" not in format_status({"workers": [_worker()]})
+    busy = format_status({"workers": [_worker(
+        tier_host_bytes=8_000_000, tier_disk_bytes=20_000_000, tier_host_hits=12, tier_disk_hits=3,
+        tier_host_evictions=40, tier_disk_evictions=1, tier_refused_corrupt=2, tier_refused_foreign=0,
+        tier_deadline_misses=1)]})
+    assert ("KV tiers: host 8.0 MB (12 hits, 40 evicted), disk 20.0 MB (3 hits, 1 evicted), refused 2 corrupt / "
+            "0 foreign, 1 deadline misses") in busy
+    fields = set(worker_pb2.LoadReport.DESCRIPTOR.fields_by_name)
+    from router.prometheus import WORKER_GAUGES
+
+    assert {f for f, _, _ in WORKER_COUNTERS + WORKER_GAUGES if f.startswith("tier_")} == {
+        f for f in fields if f.startswith("tier_")}

@@ -42,6 +42,31 @@ def test_resolve_dtype(req, device, ckpt, want) -> None:
     assert resolve_dtype(req, device, ckpt) == want
 
 
+@pytest.mark.parametrize("req,device,ckpt,quant,want", [
+    ("auto", "cpu", "float32", "none", "bfloat16"), ("auto", "cpu", "bfloat16", "none", "bfloat16"),
+    ("auto", "cpu", None, "none", "bfloat16"), ("auto", "cpu", "bfloat16", "int8", "float32"),
+    ("auto", "cpu", None, "q4", "float32"), ("float32", "cpu", "bfloat16", "none", "float32"),
+    ("auto", "cuda", "float32", "none", "float32"),
+])
+def test_resolve_dtype_on_a_cpu_with_native_bf16(req, device, ckpt, quant, want) -> None:
+    # cpu_bf16: the CPU has AVX512-BF16 or AMX (kernels/cpu_features.fast_bf16)
+    assert resolve_dtype(req, device, ckpt, quantization=quant, cpu_bf16=True) == want
+
+
+def test_fast_bf16_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels.cpu_features import ENV_FAST_BF16, fast_bf16, features
+
+    monkeypatch.setenv(ENV_FAST_BF16, "1")
+    assert fast_bf16()
+    monkeypatch.setenv(ENV_FAST_BF16, "0")
+    assert not fast_bf16()
+    monkeypatch.delenv(ENV_FAST_BF16)
+    assert fast_bf16() == (features().avx512_bf16 or features().amx)
+    monkeypatch.setenv(ENV_FAST_BF16, "yes")
+    with pytest.raises(ValueError, match="DUET_CPU_BF16='yes': must be 0 or 1"):
+        fast_bf16()
+
+
 def test_resolve_dtype_refuses_unknown() -> None:
     with pytest.raises(ConfigError, match="model.dtype='half': must be auto or one of"):
         resolve_dtype("half", "cuda", None, key="model.dtype")
@@ -63,6 +88,9 @@ def test_resolve_engine_config() -> None:
     assert (cfg.device, cfg.dtype, cfg.resolved) == ("cuda", "bfloat16", True)
     cpu = resolve_engine_config(EngineConfig(), gpus=0, cuda_available=False, visible_gpus=0, model_dtype="bfloat16")
     assert (cpu.device, cpu.dtype) == ("cpu", "float32")
+    cpu = resolve_engine_config(EngineConfig(), gpus=0, cuda_available=False, visible_gpus=0, model_dtype="float32",
+                                cpu_bf16=True)
+    assert (cpu.device, cpu.dtype) == ("cpu", "bfloat16")
     assert resolve_engine_config(EngineConfig(quantization="q4"), **gpu, model_dtype="bfloat16").dtype == "float32"
     with pytest.raises(ConfigError, match="cuda_graphs=true needs device cuda \\(got device='cpu'\\)"):
         resolve_engine_config(EngineConfig(cuda_graphs=True), gpus=0, cuda_available=False, visible_gpus=0,

@@ -103,7 +103,7 @@ def test_sampled_outputs_validate(llm: LLM):
               (StructuredOutput("grammar", GRAMMAR), "grammar")]
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=160, structured=spec) for spec, _ in cases for s in SEEDS]
     outs = llm.generate([PROMPT] * len(params), params)
-    for (spec, name), i in zip(cases, range(0, len(outs), len(SEEDS))):
+    for (_spec, name), i in zip(cases, range(0, len(outs), len(SEEDS))):
         for out in outs[i: i + len(SEEDS)]:
             assert out.finish_reason is FinishReason.STOP and out.error is None, (name, out.text)
             assert out.token_ids[-1] == llm.engine.spec.eos_token_ids[0]  # ends with EOS: the grammar completed

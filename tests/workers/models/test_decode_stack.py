@@ -1,6 +1,6 @@
 """Decode steps through the fused C++ decoder stack vs the module path, on the real SmolLM2.
 
-For fp32, int8 and q4 weights the engine runs the same prompts (a batch of mixed lengths, so
+For fp32, int8 and q4 weights (fp32 activations) and a bf16 model the engine runs the same prompts (a batch of mixed lengths, so
 steps mix prefill and decode-only, and decode-only steps carry 1..4 sequences) twice, with
 the fused stack on and off (EngineConfig.fused_decode, the model's ``fused_decode``): every step's
 logits must be bit-identical, and with them the greedy tokens. Models the stack does not cover (MoE
@@ -44,9 +44,11 @@ def _run(llm: LLM, monkeypatch: pytest.MonkeyPatch, fused: bool) -> tuple[list[l
     return [o.token_ids for o in outs], logits
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "q4"])
-def test_fused_decode_is_bit_identical(smollm2_path: Path, monkeypatch: pytest.MonkeyPatch, quantization: str) -> None:
-    llm = LLM(str(smollm2_path), quantization=quantization, enable_prefix_caching=False,
+@pytest.mark.parametrize("quantization,dtype", [("none", "float32"), ("int8", "float32"), ("q4", "float32"),
+                                                ("none", "bfloat16")])
+def test_fused_decode_is_bit_identical(smollm2_path: Path, monkeypatch: pytest.MonkeyPatch, quantization: str,
+                                       dtype: str) -> None:
+    llm = LLM(str(smollm2_path), quantization=quantization, dtype=dtype, enable_prefix_caching=False,
               kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=48)
     tokens_fused, logits_fused = _run(llm, monkeypatch, fused=True)
     tokens_plain, logits_plain = _run(llm, monkeypatch, fused=False)

@@ -1,5 +1,6 @@
 """dtype 'auto' on a real checkpoint: the recorded dtype is read, and a half-precision checkpoint runs
-float32 on CPU (the resolution rules themselves: tests/workers/engine/test_device.py)."""
+float32 on a CPU without AVX512-BF16 / AMX, bfloat16 on one with them (the resolution rules
+themselves: tests/workers/engine/test_device.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def test_engine_config_default_is_auto(tmp_path):
         EngineConfig(dtype="fp8")
 
 
-def test_llm_on_a_bf16_checkpoint_runs_float32_on_cpu(tiny_checkpoint):
+def test_llm_on_a_bf16_checkpoint_runs_float32_on_a_cpu_without_native_bf16(tiny_checkpoint):
+    # the suite runs with DUET_CPU_BF16=0 (tests/conftest.py): a CPU without AVX512-BF16 or AMX
     from transformers import AutoConfig
 
     from workers.llm import LLM
@@ -47,3 +49,16 @@ def test_llm_on_a_bf16_checkpoint_runs_float32_on_cpu(tiny_checkpoint):
     llm = LLM(str(path), kv_cache_memory_bytes=4 << 20, block_size=8)
     assert llm.engine.config.dtype == "float32"
     assert llm.engine.runner.kv_cache.dtype is torch.float32
+
+
+def test_llm_runs_bfloat16_on_a_cpu_with_native_bf16(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch):
+    # DUET_CPU_BF16=1 states the CPU fact (kernels/cpu_features.py); the bf16 kernels run on any x86-64 CPU
+    from workers.llm import LLM
+    from workers.sampling_params import SamplingParams
+
+    monkeypatch.setenv("DUET_CPU_BF16", "1")
+    llm = LLM(str(tiny_checkpoint("qwen3", head_dim=16)), kv_cache_memory_bytes=4 << 20, block_size=8)
+    assert llm.engine.config.dtype == "bfloat16"
+    assert llm.engine.runner.kv_cache.dtype is torch.bfloat16
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4

@@ -3,21 +3,22 @@ and quality against the float32 model.
 
 Quality (measured on this repository's SmolLM2, whose only source is a Q4_1 GGUF, so the "fp32"
 model is that GGUF de-quantized, q4 re-uses its exact 4-bit codes, and int8 rounds those 16 levels
-per block once more onto its per-row grid; both use a weight-only int8 LM head):
-  * perplexity on tests/data/public_domain_sample.txt: int8 and q4 within 2% of fp32 (measured
-    fp32 12.185, int8 12.135, q4 12.134);
+per block once more onto its per-row grid; both quantize activations to int8 per token and block of
+32 inside the kernels, and use an int8 LM head; benchmarks/quality_vs_fp32.py, benchmarks/README.md):
+  * perplexity on tests/data/public_domain_sample.txt: int8, q4 and bf16 within 2% of fp32 (measured
+    fp32 12.18, int8 12.21, q4 12.14, bf16 12.19);
   * greedy tokens, teacher-forced on the same sample (617 positions): argmax equal to fp32's at
-    >= 95% (int8, measured 96.1%) / >= 93% (q4, measured 95.8%) of positions. Where they differ,
-    fp32's own top two logits are close (median gap 0.12 for int8, vs 1.20 over all positions);
+    >= 92% (int8, measured 93.4%; 96.1% when its activations stayed fp32), >= 93% (q4, measured
+    95.9%) and >= 95% (bf16, measured 97.1%) of positions;
   * greedy tokens, free-running on 16 chat-templated prompts x 32 tokens (int8 vs fp32, both
-    batch-invariant, so batching does not change either side): measured 5 of 16 continuations
-    identical and 52% of tokens before the first divergence; asserted >= 4 of 16 and >= 45%. Not
-    "most": every divergence starts where fp32 itself nearly ties (int8's token within 1 logit of
-    fp32's under fp32's own logits, asserted; measured 0.07-0.39), after which the texts differ by construction. What
-    perturbs the logits is the weights alone (activations are fp32): int8 moves each weight by up
-    to half a step of its row's max/127 (0.84% relative rms error per matrix, median), small, but
-    enough to flip a near-tie within 32 tokens on two thirds of the prompts (q4, exact weights
-    but int8 activations, keeps 8 of 16 on the same prompts).
+    batch-invariant, so batching does not change either side): asserted >= 1 of 16 continuations
+    identical and >= 45% of tokens before the first divergence (measured 2 of 16 and 50.2% with
+    int8 activations; 5 of 16 and 52% when they stayed fp32). Not "most": every divergence starts where fp32 itself nearly ties (int8's token
+    within 1 logit of fp32's under fp32's own logits, asserted), after which the texts differ by
+    construction. What perturbs the logits: int8 moves each weight by up to half a step of its
+    row's max/127 (0.84% relative rms error per matrix, median), and each activation by up to half
+    a step of its block's max/127 -- small, but enough to flip a near-tie within 32 tokens on most
+    prompts.
 """
 
 from __future__ import annotations
@@ -151,13 +152,14 @@ def sample_ids(tokenizer) -> list[int]:
 
 def test_perplexity_and_teacher_forced_greedy(smollm2_path: Path, sample_ids: list[int]) -> None:
     ppl, top1 = {}, {}
-    for q in ("none", "int8", "q4"):
-        model, spec = load_model(smollm2_path, torch.float32, quantization=q)
+    for q in ("none", "int8", "q4", "bf16"):
+        dtype = torch.bfloat16 if q == "bf16" else torch.float32
+        model, spec = load_model(smollm2_path, dtype, quantization="none" if q == "bf16" else q)
         logits = next_token_logits(model, spec, sample_ids)  # [L - 1, V]
         ppl[q] = perplexity(model, spec, sample_ids)
         top1[q] = logits.argmax(-1)
     assert 5 < ppl["none"] < 30, ppl  # a sane model on plain English
-    for q, least in (("int8", 0.95), ("q4", 0.93)):
+    for q, least in (("int8", 0.92), ("q4", 0.93), ("bf16", 0.95)):
         assert ppl[q] / ppl["none"] == estimate(1.0, abs=0.02, why="a quantization's perplexity cost: below 2%"), ppl
         agree = (top1[q] == top1["none"]).float().mean().item()
         assert agree >= least, f"{q}: greedy token equals fp32's at {agree:.1%} of positions"
@@ -188,5 +190,5 @@ def test_int8_free_running_greedy_vs_fp32(smollm2_path: Path, tokenizer) -> None
             gaps.append((logits[a[j]] - logits[b[j]]).item())
     msg = (f"int8 vs fp32: {exact}/{len(prompts)} prompts identical, {rate:.1%} of tokens before the first "
            f"divergence (at {firsts}); fp32 logit gaps at the divergences {[round(g, 3) for g in gaps]}")
-    assert exact >= 4 and rate >= 0.45, msg
+    assert exact >= 1 and rate >= 0.45, msg
     assert all(0 <= g < 1.0 for g in gaps), msg

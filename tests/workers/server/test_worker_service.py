@@ -23,7 +23,8 @@ from workers.engine.speculator import SpecStats
 from workers.config import CacheConfig, EngineConfig
 from workers.errors import ModelNotFoundError
 from workers.sampling_params import SamplingParams
-from workers.server.service import SERVICE_NAME, EngineLoop, LoadSnapshot, WorkerUnavailableError, start_worker_server
+from workers.engine.loop import LoadSnapshot
+from workers.server.service import SERVICE_NAME, EngineLoop, WorkerUnavailableError, start_worker_server
 
 T = TypeVar("T")
 PROMPTS = [
@@ -296,7 +297,7 @@ class ExplodingEngine:
     """Just enough Engine for EngineLoop: accepts requests, then fails its first step."""
 
     max_model_len, spec = 64, SimpleNamespace(vocab_size=100)
-    block_manager, scheduler = SimpleNamespace(block_size=16), SimpleNamespace(running=[], waiting=[])
+    block_manager, scheduler = SimpleNamespace(block_size=16, enable_prefix_caching=False), SimpleNamespace(running=[], waiting=[])
     config = SimpleNamespace(device="cpu")
 
     def __init__(self) -> None:
@@ -305,7 +306,7 @@ class ExplodingEngine:
     def stats(self):
         return SimpleNamespace(num_running=0, num_waiting=len(self.pending), num_preemptions=0,
                                blocks=BlockStats(4, 4, 0, 0, 0), expert_tokens=(), ep_rank_tokens=(),
-                               num_reserved=0, spec=SpecStats())
+                               num_reserved=0, spec=SpecStats(), tiers=None)
 
     def kv_layout(self) -> None:
         return None  # no KV transfer

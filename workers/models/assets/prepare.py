@@ -24,7 +24,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -168,7 +168,7 @@ def _write_marker(out: Path, source: GGUFSource) -> None:
         "source_sha256": source.sha256,
         "source_size": source.size,
         "files": files,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
     (out / MARKER).chmod(0o644)

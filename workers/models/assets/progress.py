@@ -36,7 +36,7 @@ class Progress:
             logger.info("%s: %d%%", self.desc, pct)
             self._next_pct = (pct // 10 + 1) * 10
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:

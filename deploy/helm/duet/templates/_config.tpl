@@ -103,9 +103,6 @@ which must name one. */}}
 {{- if not $v.router.metrics.enabled }}
 {{- fail "autoscaling.duet.enabled=true needs router.metrics.enabled=true: the controller reads the router's /metrics" }}
 {{- end }}
-{{- if gt (int $v.router.replicas) 1 }}
-{{- fail (printf "autoscaling.duet.enabled=true needs router.replicas=1 (it is %v): the autoscaler sums every router's counters, but the router Service reaches one router per scrape; this chart cannot list each router's /metrics yet" $v.router.replicas) }}
-{{- end }}
 {{- if not (include "duet.autoscaledPools" . | fromJsonArray) }}
 {{- fail "autoscaling.duet.enabled=true but no pool has both `slo` and `profile`; give the pools to scale a p90 target and a capacity profile (`duet profile --out FILE`)" }}
 {{- end }}
@@ -233,7 +230,10 @@ grpc: {port: {{ $v.router.port }}}
 {{- $engine := dict "block_size" (int .engine.blockSize) "kv_cache_memory_bytes" (toString .engine.kvCacheMemory)
       "max_num_batched_tokens" (int .engine.maxNumBatchedTokens) "max_num_seqs" (int .engine.maxNumSeqs)
       "enable_prefix_caching" .engine.enablePrefixCaching "device" (.engine.device | default "auto")
-      "cuda_graphs" (.engine.cudaGraphs | default false) }}
+      "cuda_graphs" (.engine.cudaGraphs | default false)
+      "host_tier_bytes" (toString (.engine.hostTierMemory | default "0"))
+      "disk_tier_bytes" (toString (.engine.diskTierSize | default "0"))
+      "tier_load_timeout_s" (float64 (.engine.tierLoadTimeoutSeconds | default 0.5)) }}
 {{- $sp := .speculative }}
 {{- $speculative := dict "method" $sp.method "num_speculative_tokens" (int $sp.numSpeculativeTokens)
       "adaptive" $sp.adaptive "ngram_min" (int $sp.ngramMin) "ngram_max" (int $sp.ngramMax)
@@ -281,7 +281,7 @@ grpc: {port: {{ $v.router.port }}}
 {{- $auto := dict "enabled" true "interval_s" (float64 $d.intervalSeconds) "drain_grace_s" (float64 $d.drainGraceSeconds)
       "down_cooldown_s" (float64 $d.downCooldownSeconds) "actuator" $d.actuator "pools" $scaled
       "scale_to_zero_after_s" (float64 $d.scaleToZeroAfterSeconds)
-      "metrics_urls" (list (printf "http://%s-router:%d/metrics" (include "duet.fullname" $) (int $v.router.metrics.port))) }}
+      "metrics_urls" (list (printf "dns+http://%s-router-pods:%d/metrics" (include "duet.fullname" $) (int $v.router.metrics.port))) }}
 {{- if eq $d.actuator "kubernetes" }}
 {{- $_ := set $auto "kubernetes" (dict "raycluster" (include "duet.fullname" $) "namespace" $.Release.Namespace) }}
 {{- end }}

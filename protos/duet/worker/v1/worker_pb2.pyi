@@ -410,11 +410,17 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("block_events", "block_events_since", "block_events_incarnation")
+    BLOCK_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_EVENTS_SINCE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_EVENTS_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    block_events: bool
+    block_events_since: int
+    block_events_incarnation: str
+    def __init__(self, block_events: _Optional[bool] = ..., block_events_since: _Optional[int] = ..., block_events_incarnation: _Optional[str] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "num_running", "num_waiting", "outstanding_tokens", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers_sent", "kv_bytes_sent", "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfer_seconds", "num_reserved", "expert_tokens", "ep_rank_tokens", "spec_method", "spec_verifies", "spec_draft_tokens", "spec_accepted_tokens", "spec_emitted_tokens", "spec_draft_seconds", "spec_verify_seconds", "spec_fallbacks", "migrations_out", "migrations_in", "migration_failures", "migration_kv_bytes", "migration_seconds", "draining", "prefix_pulls", "prefix_pull_blocks", "prefix_pull_bytes", "prefix_pull_failures", "prefix_pulls_served")
+    __slots__ = ("worker_id", "incarnation", "num_running", "num_waiting", "outstanding_tokens", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers_sent", "kv_bytes_sent", "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfer_seconds", "num_reserved", "expert_tokens", "ep_rank_tokens", "spec_method", "spec_verifies", "spec_draft_tokens", "spec_accepted_tokens", "spec_emitted_tokens", "spec_draft_seconds", "spec_verify_seconds", "spec_fallbacks", "migrations_out", "migrations_in", "migration_failures", "migration_kv_bytes", "migration_seconds", "block_events_supported", "block_seq", "block_snapshot", "blocks_stored", "blocks_removed", "draining", "prefix_pulls", "prefix_pull_blocks", "prefix_pull_bytes", "prefix_pull_failures", "prefix_pulls_served", "tier_host_bytes", "tier_disk_bytes", "tier_host_hits", "tier_disk_hits", "tier_bytes_to_host", "tier_bytes_to_disk", "tier_bytes_loaded", "tier_host_evictions", "tier_disk_evictions", "tier_refused_corrupt", "tier_refused_foreign", "tier_deadline_misses", "tier_load_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -449,12 +455,30 @@ class LoadReport(_message.Message):
     MIGRATION_FAILURES_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     MIGRATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_EVENTS_SUPPORTED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PULLS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PULL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PULL_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PULL_FAILURES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_PULLS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    TIER_HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_HOST_HITS_FIELD_NUMBER: _ClassVar[int]
+    TIER_DISK_HITS_FIELD_NUMBER: _ClassVar[int]
+    TIER_BYTES_TO_HOST_FIELD_NUMBER: _ClassVar[int]
+    TIER_BYTES_TO_DISK_FIELD_NUMBER: _ClassVar[int]
+    TIER_BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
+    TIER_HOST_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    TIER_DISK_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    TIER_REFUSED_CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    TIER_REFUSED_FOREIGN_FIELD_NUMBER: _ClassVar[int]
+    TIER_DEADLINE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    TIER_LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     num_running: int
@@ -489,10 +513,28 @@ class LoadReport(_message.Message):
     migration_failures: int
     migration_kv_bytes: int
     migration_seconds: float
+    block_events_supported: bool
+    block_seq: int
+    block_snapshot: bool
+    blocks_stored: _containers.RepeatedScalarFieldContainer[int]
+    blocks_removed: _containers.RepeatedScalarFieldContainer[int]
     draining: bool
     prefix_pulls: int
     prefix_pull_blocks: int
     prefix_pull_bytes: int
     prefix_pull_failures: int
     prefix_pulls_served: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_transfers_received: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_reserved: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., ep_rank_tokens: _Optional[_Iterable[int]] = ..., spec_method: _Optional[str] = ..., spec_verifies: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_emitted_tokens: _Optional[int] = ..., spec_draft_seconds: _Optional[float] = ..., spec_verify_seconds: _Optional[float] = ..., spec_fallbacks: _Optional[int] = ..., migrations_out: _Optional[int] = ..., migrations_in: _Optional[int] = ..., migration_failures: _Optional[int] = ..., migration_kv_bytes: _Optional[int] = ..., migration_seconds: _Optional[float] = ..., draining: _Optional[bool] = ..., prefix_pulls: _Optional[int] = ..., prefix_pull_blocks: _Optional[int] = ..., prefix_pull_bytes: _Optional[int] = ..., prefix_pull_failures: _Optional[int] = ..., prefix_pulls_served: _Optional[int] = ...) -> None: ...
+    tier_host_bytes: int
+    tier_disk_bytes: int
+    tier_host_hits: int
+    tier_disk_hits: int
+    tier_bytes_to_host: int
+    tier_bytes_to_disk: int
+    tier_bytes_loaded: int
+    tier_host_evictions: int
+    tier_disk_evictions: int
+    tier_refused_corrupt: int
+    tier_refused_foreign: int
+    tier_deadline_misses: int
+    tier_load_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_transfers_sent: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., kv_transfers_received: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_transfer_failures: _Optional[int] = ..., kv_transfer_seconds: _Optional[float] = ..., num_reserved: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., ep_rank_tokens: _Optional[_Iterable[int]] = ..., spec_method: _Optional[str] = ..., spec_verifies: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_emitted_tokens: _Optional[int] = ..., spec_draft_seconds: _Optional[float] = ..., spec_verify_seconds: _Optional[float] = ..., spec_fallbacks: _Optional[int] = ..., migrations_out: _Optional[int] = ..., migrations_in: _Optional[int] = ..., migration_failures: _Optional[int] = ..., migration_kv_bytes: _Optional[int] = ..., migration_seconds: _Optional[float] = ..., block_events_supported: _Optional[bool] = ..., block_seq: _Optional[int] = ..., block_snapshot: _Optional[bool] = ..., blocks_stored: _Optional[_Iterable[int]] = ..., blocks_removed: _Optional[_Iterable[int]] = ..., draining: _Optional[bool] = ..., prefix_pulls: _Optional[int] = ..., prefix_pull_blocks: _Optional[int] = ..., prefix_pull_bytes: _Optional[int] = ..., prefix_pull_failures: _Optional[int] = ..., prefix_pulls_served: _Optional[int] = ..., tier_host_bytes: _Optional[int] = ..., tier_disk_bytes: _Optional[int] = ..., tier_host_hits: _Optional[int] = ..., tier_disk_hits: _Optional[int] = ..., tier_bytes_to_host: _Optional[int] = ..., tier_bytes_to_disk: _Optional[int] = ..., tier_bytes_loaded: _Optional[int] = ..., tier_host_evictions: _Optional[int] = ..., tier_disk_evictions: _Optional[int] = ..., tier_refused_corrupt: _Optional[int] = ..., tier_refused_foreign: _Optional[int] = ..., tier_deadline_misses: _Optional[int] = ..., tier_load_seconds: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,312 @@
+"""KV tiers below the device cache: what the engine does with them (the stores live in workers/kv/tiers/).
+
+Terms:
+    device tier   the runner's block pool (GPU or CPU memory): what the block manager allocates
+    lower tiers   host memory, then local disk: each with a byte budget, least recently used first
+                  out (LRU); a ``TierStore`` (workers/kv/tiers/store.py) owns them
+    digest        a block's identity below the device: 16 bytes, XXH3-128 over the parent block's
+                  digest and the block's token ids (so it names the whole prefix, as the block
+                  manager's chained key does); ``chain_digests(tokens, bs)``
+    park          a new request whose prefix continues on disk waits outside the scheduler until
+                  those reads are done or ``cache.tier_load_timeout_s`` passes (then it recomputes);
+                  the step loop never waits on disk
+
+The data flow (one direction per event):
+    eviction      the block manager evicts a prefix-cached block (workers/engine/block_manager.py
+                  ``on_evict``) -> ``KVTiers.evicted`` copies it out of the runner (its checksum and
+                  the model fingerprint are attached by the store) into host; host's LRU spills to
+                  disk on the store's writer thread; disk's LRU is deleted
+    admission     the scheduler takes device prefix hits, then asks ``match`` for the blocks that
+                  continue the prefix in host memory (verified: a corrupt or foreign block ends the
+                  match there, is counted and recomputed), allocates, and ``PrefixLoad.write`` copies
+                  them into the new blocks; they count as cached tokens, not computed ones
+    new request   ``prefetch`` starts disk reads of its prefix blocks (they land in host) and parks it
+    preemption    swap instead of recompute: a preempted request's full blocks stay prefix-cached;
+                  if they are evicted before it resumes they go to host like any other, and its
+                  resume loads them back by the same admission path (only its last partial block,
+                  < block_size tokens, is recomputed)
+
+When recompute is cheaper: loading a block costs one host copy plus one checksum; recomputing it
+costs block_size tokens of prefill. ``match`` loads while the measured load time per block (an
+exponential average of ``write`` calls) is at most the measured prefill time of block_size tokens
+(fed by the engine from each step's shape and time, ``observe_prefill``); before both are measured
+it loads. Figures: benchmarks/README.md (kv_tiers).
+
+Worked example (block_size 4, device cache of 2 blocks, host tier on)::
+
+    A = [1..12] computes blocks a0 a1 a2; B = [20..31] evicts a0, a1 (-> host, digests d(a0), d(a1))
+    A' = A + [13] arrives: the device has no hit, ``match`` finds d(a0), d(a1), d(a2)... in host,
+    the scheduler allocates 4 blocks and writes 2-3 of them from host; only the rest is computed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import torch
+import xxhash
+
+from workers.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+DIGEST_BYTES = 16
+ROOT_DIGEST = bytes(DIGEST_BYTES)  # the parent of a prompt's first block
+
+
+def next_digest(parent: bytes, tokens: tuple[int, ...] | list[int]) -> bytes:
+    """The digest of a block with these token ids whose parent block has digest ``parent``."""
+    h = xxhash.xxh3_128(parent)
+    h.update(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes())
+    return h.digest()
+
+
+def key_digest(key: tuple) -> bytes:
+    """The digest of a block manager key ``(parent key | None, tokens)`` (walks its chain)."""
+    chain = []
+    while key is not None:
+        chain.append(key[1])
+        key = key[0]
+    digest = ROOT_DIGEST
+    for tokens in reversed(chain):
+        digest = next_digest(digest, tokens)
+    return digest
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """Counters of the lower tiers since start (bytes are KV payload bytes)."""
+
+    host_capacity_bytes: int = 0
+    host_bytes: int = 0
+    host_blocks: int = 0
+    disk_capacity_bytes: int = 0
+    disk_bytes: int = 0
+    disk_blocks: int = 0
+    host_hits: int = 0  # blocks loaded back into the device from host
+    disk_hits: int = 0  # blocks read back from disk into host
+    stored_blocks: int = 0  # blocks evicted from the device into host (or disk without a host tier)
+    bytes_to_host: int = 0
+    bytes_to_disk: int = 0
+    bytes_loaded: int = 0  # host -> device
+    host_evictions: int = 0  # host LRU out (spilled to disk, or dropped without a disk tier)
+    disk_evictions: int = 0  # disk LRU out (deleted)
+    refused_corrupt: int = 0  # checksum, size or digest mismatch: dropped and recomputed
+    refused_foreign: int = 0  # another model's fingerprint or KV layout: dropped and recomputed
+    disk_errors: int = 0  # write or read failures (the block is dropped)
+    deadline_misses: int = 0  # parked requests admitted with disk reads still in flight (recompute)
+    load_seconds: float = 0.0  # host -> device copy and verification time
+
+
+class TierStore(Protocol):
+    """The lower tiers as the engine sees them (workers/kv/tiers/store.py ``TieredStore``).
+    Digests are ``next_digest`` chains; kv is one block, [L, 2, 1, bs, G, D] on the CPU."""
+
+    def put(self, digest: bytes, kv: torch.Tensor) -> None:
+        """Keep an evicted block (its checksum and the fingerprint are attached here)."""
+
+    def where(self, digest: bytes) -> str | None:
+        """'host', 'disk' or None."""
+
+    def touch(self, digest: bytes) -> None:
+        """Mark a host-resident block most recently used."""
+
+    def get(self, digest: bytes) -> torch.Tensor | None:
+        """A host-resident block, verified (None: absent, or refused: counted and dropped)."""
+
+    def prefetch(self, digest: bytes) -> bool:
+        """Start reading a disk-resident block into host; True while such a read is in flight."""
+
+    def poll(self) -> None:
+        """Move finished disk reads into host (engine thread)."""
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until a disk read finishes or ``timeout`` seconds pass."""
+
+    def count_deadline_miss(self) -> None: ...
+
+    def stats(self) -> TierStats: ...
+
+    def close(self) -> None:
+        """Stop the disk thread and remove every file and segment this store made."""
+
+
+class BlockIO(Protocol):
+    """What the tiers need from the runner (workers/engine/runner.py ``Runner``)."""
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor: ...
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None: ...
+
+
+@dataclass
+class _Parked:
+    seq: Sequence
+    digests: list[bytes]  # disk reads it waits for
+    deadline: float
+
+
+@dataclass
+class PrefixLoad:
+    """Blocks found in host for one admission: ``write`` copies them into the allocated blocks."""
+
+    tiers: KVTiers
+    kv: list[torch.Tensor] = field(default_factory=list)  # each [L, 2, 1, bs, G, D]
+    verify_s: float = 0.0  # time spent finding and verifying them (part of the load's cost)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.kv)
+
+    def write(self, block_ids: list[int]) -> None:
+        assert len(block_ids) == len(self.kv)
+        t0 = time.perf_counter()
+        self.tiers.io.write_blocks(block_ids, torch.cat(self.kv, dim=2))
+        self.tiers.loaded(len(block_ids), sum(k.numel() * k.element_size() for k in self.kv),
+                          time.perf_counter() - t0 + self.verify_s)
+
+
+class KVTiers:
+    """The engine's side of the lower tiers: eviction out, admission in, parking on disk reads."""
+
+    EMA = 0.2  # weight of the newest measurement in the load / prefill cost averages
+    PROBE_EVERY = 16  # while recompute is cheaper, every 16th match loads anyway (re-measures the load)
+
+    def __init__(self, store: TierStore, io: BlockIO, block_size: int, load_timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.io = io
+        self.block_size = block_size
+        self.load_timeout_s = load_timeout_s
+        self._clock = clock
+        self._digests: dict[str, list[bytes]] = {}  # request id -> digests of its full blocks so far
+        self._parked: list[_Parked] = []
+        self._load_s_per_block: float | None = None
+        self._prefill_s_per_token: float | None = None
+        self._load_seconds = 0.0
+        self._host_hits = 0
+        self._skipped = 0  # matches recomputed by the rule since the last load
+        self._bytes_loaded = 0
+
+    # -------------------------------------------------------------- eviction
+    def evicted(self, key: tuple, block_id: int) -> None:
+        """The block manager is about to reuse ``block_id`` (prefix key ``key``): keep a copy below."""
+        digest = key_digest(key)
+        if self.store.where(digest) == "host":  # inclusive: the copy from its last load is still there
+            self.store.touch(digest)
+            return
+        self.store.put(digest, self.io.read_blocks([block_id]).to("cpu"))
+
+    # ------------------------------------------------------------- admission
+    def digests(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The digests of ``seq``'s first ``num_blocks`` full blocks (cached per request)."""
+        got = self._digests.setdefault(seq.request_id, [])
+        bs = self.block_size
+        while len(got) < num_blocks:
+            i = len(got)
+            got.append(next_digest(got[-1] if got else ROOT_DIGEST, seq.token_ids[i * bs:(i + 1) * bs]))
+        return got[:num_blocks]
+
+    def recompute_is_cheaper(self) -> bool:
+        """The rule in the module docstring: load unless both costs are measured and loading is slower."""
+        load, prefill = self._load_s_per_block, self._prefill_s_per_token
+        return load is not None and prefill is not None and load > prefill * self.block_size
+
+    def match(self, seq: Sequence, first_block: int, max_blocks: int) -> PrefixLoad | None:
+        """Blocks first_block.. of ``seq``'s prefix that host holds (at most ``max_blocks``),
+        verified; None when there are none or recompute is cheaper."""
+        if max_blocks <= 0:
+            return None
+        if self.recompute_is_cheaper():
+            self._skipped += 1
+            if self._skipped % self.PROBE_EVERY:
+                return None
+        t0 = time.perf_counter()
+        load = PrefixLoad(self)
+        for digest in self.digests(seq, first_block + max_blocks)[first_block:]:
+            if self.store.where(digest) != "host":
+                self.store.prefetch(digest)  # from disk for next time (no-op if absent)
+                break
+            kv = self.store.get(digest)
+            if kv is None:  # refused (counted by the store): recompute from here
+                break
+            load.kv.append(kv)
+        load.verify_s = time.perf_counter() - t0
+        return load if load.kv else None
+
+    def loaded(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        self._load_seconds += seconds
+        self._host_hits += num_blocks
+        self._bytes_loaded += num_bytes
+        per_block = seconds / num_blocks
+        old = self._load_s_per_block
+        self._load_s_per_block = per_block if old is None else old + self.EMA * (per_block - old)
+
+    def observe_prefill(self, num_prefill_tokens: int, seconds: float) -> None:
+        """A step computed ``num_prefill_tokens`` prompt tokens in ``seconds`` (an upper bound of
+        their share: the step's decodes ran too)."""
+        if num_prefill_tokens >= self.block_size:
+            per_token = seconds / num_prefill_tokens
+            old = self._prefill_s_per_token
+            self._prefill_s_per_token = per_token if old is None else old + self.EMA * (per_token - old)
+
+    # --------------------------------------------------------------- parking
+    def prefetch(self, seq: Sequence) -> bool:
+        """Start disk reads for the prefix blocks of a new request; True: park it (``take_ready``)."""
+        bs = self.block_size
+        waiting = []
+        for digest in self.digests(seq, (seq.num_tokens - 1) // bs):
+            where = self.store.where(digest)
+            if where is None:
+                break
+            if where == "disk" and self.store.prefetch(digest):
+                waiting.append(digest)
+        if waiting:
+            self._parked.append(_Parked(seq, waiting, self._clock() + self.load_timeout_s))
+        return bool(waiting)
+
+    def take_ready(self) -> list[Sequence]:
+        """Parked requests whose disk reads finished (or timed out: they recompute), oldest first.
+        Called every step: finished reads move into host also when nobody is parked (reads started
+        by ``match`` for a resuming request)."""
+        self.store.poll()
+        if not self._parked:
+            return []
+        now = self._clock()
+        ready, keep = [], []
+        for p in self._parked:
+            p.digests = [d for d in p.digests if self.store.prefetch(d)]
+            if not p.digests:
+                ready.append(p.seq)
+            elif now >= p.deadline:
+                self.store.count_deadline_miss()
+                logger.warning("request %s: %d disk KV reads missed the %.3fs deadline; recomputing",
+                               p.seq.request_id, len(p.digests), self.load_timeout_s)
+                ready.append(p.seq)
+            else:
+                keep.append(p)
+        self._parked = keep
+        return ready
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def wait(self, timeout: float) -> None:
+        self.store.wait(timeout)
+
+    def release(self, request_id: str) -> None:
+        """A request ended: forget its digests (and its parking, if it was aborted parked)."""
+        self._digests.pop(request_id, None)
+        self._parked = [p for p in self._parked if p.seq.request_id != request_id]
+
+    def stats(self) -> TierStats:
+        return replace(self.store.stats(), host_hits=self._host_hits, bytes_loaded=self._bytes_loaded,
+                       load_seconds=self._load_seconds)
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,108 @@
+"""One KV block below the device, as the tiers keep it: the payload plus what proves it.
+
+A block leaving the device carries its checksum (XXH3-64 of its bytes, as the transfer wire
+computes it: workers/kv/wire.py ``block_checksums``) and the model fingerprint
+(workers/engine/runner.py ``kv_fingerprint``). In host memory those ride beside the tensor
+(``TierBlock``); on disk they lead the file:
+
+    header   int64[HEADER_WORDS]: magic, version, fingerprint, layout words (layers, block size,
+             kv heads, head dim, dtype code), checksum, payload bytes, digest (2 words)
+    payload  the block's bytes, [L, 2, 1, bs, G, D] in the cache dtype
+
+``check`` refuses a block whose fingerprint or layout is another model's (``foreign``) or whose
+digest, size or checksum does not match (``corrupt``); a refused block is never served.
+
+Worked example::
+
+    raw = encode(block, fingerprint, layout)        # bytes to write
+    decode(raw, digest, fingerprint, layout)        # -> TierBlock; raises BlockRefused otherwise
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.runner import KVLayout
+from workers.kv.wire import block_checksums
+
+MAGIC = 0x4455_4554_5449_4552  # "DUETTIER"
+VERSION = 1
+HEADER_WORDS = 12
+
+
+class BlockRefused(Exception):
+    """A block that must not be used. kind: 'corrupt' or 'foreign'."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class TierBlock:
+    digest: bytes
+    kv: torch.Tensor  # [L, 2, 1, bs, G, D], CPU, contiguous
+    checksum: int  # block_checksums(kv)[0] when it left the device
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+def seal(digest: bytes, kv: torch.Tensor) -> TierBlock:
+    """A block fresh from the device, with its checksum."""
+    kv = kv.contiguous()
+    return TierBlock(digest, kv, int(block_checksums(kv)[0]))
+
+
+def verify(block: TierBlock) -> None:
+    """Raises BlockRefused('corrupt') when the payload no longer matches its checksum."""
+    got = int(block_checksums(block.kv)[0])
+    if got != block.checksum:
+        raise BlockRefused("corrupt", f"block {block.digest.hex()}: checksum {got & (2**64 - 1):016x}, "
+                           f"stored {block.checksum & (2**64 - 1):016x}")
+
+
+def block_shape(layout: KVLayout) -> tuple[int, ...]:
+    return (layout.num_layers, 2, 1, layout.block_size, layout.num_kv_heads, layout.head_dim)
+
+
+def encode(block: TierBlock, fingerprint: int, layout: KVLayout) -> bytes:
+    d = int.from_bytes(block.digest, "little", signed=False)
+    words = [MAGIC, VERSION, fingerprint, *layout.as_words(), block.checksum, block.nbytes,
+             _signed(d & (2**64 - 1)), _signed(d >> 64)]
+    head = torch.tensor(words, dtype=torch.int64).numpy().tobytes()
+    return head + block.kv.view(torch.uint8).numpy().tobytes()
+
+
+def decode(raw: bytes, digest: bytes, fingerprint: int, layout: KVLayout) -> TierBlock:
+    """The block in ``raw`` (a file's bytes), verified. Raises BlockRefused."""
+    n_head = HEADER_WORDS * 8
+    if len(raw) < n_head:
+        raise BlockRefused("corrupt", f"block {digest.hex()}: {len(raw)} bytes, shorter than its header")
+    words = torch.frombuffer(bytearray(raw[:n_head]), dtype=torch.int64).tolist()
+    if words[0] != MAGIC or words[1] != VERSION:
+        raise BlockRefused("corrupt", f"block {digest.hex()}: bad magic or version ({words[0]:#x}, {words[1]})")
+    if words[2] != fingerprint or words[3:8] != layout.as_words():
+        raise BlockRefused("foreign", f"block {digest.hex()}: model fingerprint {words[2] & (2**64 - 1):016x} / "
+                           f"layout {words[3:8]}, this worker {fingerprint & (2**64 - 1):016x} / "
+                           f"{layout.as_words()}: another model's KV is refused")
+    d = int.from_bytes(digest, "little", signed=False)
+    if words[10:12] != [_signed(d & (2**64 - 1)), _signed(d >> 64)]:
+        raise BlockRefused("corrupt", f"block {digest.hex()}: the file holds another block's digest")
+    payload = raw[n_head:]
+    dtype = layout.dtype
+    want = torch.Size(block_shape(layout)).numel() * torch.empty((), dtype=dtype).element_size()
+    if words[9] != len(payload) or len(payload) != want:
+        raise BlockRefused("corrupt", f"block {digest.hex()}: {len(payload)} payload bytes, header says "
+                           f"{words[9]}, a block is {want}")
+    kv = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(block_shape(layout))
+    block = TierBlock(digest, kv, words[8])
+    verify(block)
+    return block
+
+
+def _signed(u: int) -> int:
+    return u - (1 << 64) if u >= 1 << 63 else u

@@ -1,0 +1,141 @@
+"""TieredStore: host memory over local disk, the engine's ``TierStore`` (workers/engine/kv_tiers.py).
+
+A block evicted from the device comes in with ``put``: it is sealed with its checksum (the
+fingerprint is the store's) and kept in host; what falls out of host's budget is written to disk
+(or dropped without a disk tier); what falls out of disk's budget is deleted. ``get`` serves a
+host block after checking its checksum; ``prefetch`` starts a disk read whose result ``poll`` (on
+the engine thread) verifies and moves into host. A block that fails a check is refused: dropped
+from its tier, counted (``refused_corrupt`` / ``refused_foreign``) and never served; the engine
+recomputes it.
+
+Example::
+
+    store = TieredStore(HostTier(64 << 20), DiskTier(1 << 30, fingerprint, layout))
+    store.put(digest, kv)                   # kv [L, 2, 1, bs, G, D] on the CPU
+    store.where(digest)                     # 'host'
+    store.get(digest)                       # the tensor, verified
+    store.close()
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+
+import torch
+
+from workers.config import CacheConfig
+from workers.engine.kv_tiers import TierStats
+from workers.engine.runner import KVLayout
+from workers.kv.tiers.block_file import BlockRefused, TierBlock, seal, verify
+from workers.kv.tiers.disk import DiskTier
+from workers.kv.tiers.host import HostTier
+
+logger = logging.getLogger(__name__)
+
+
+class TieredStore:
+    def __init__(self, host: HostTier, disk: DiskTier | None = None) -> None:
+        self.host = host
+        self.disk = disk
+        self._reads: dict[bytes, concurrent.futures.Future] = {}
+        # (host hits and bytes loaded into the device are counted where the load happens: KVTiers)
+        self._n = dict(disk_hits=0, stored_blocks=0, bytes_to_host=0, bytes_to_disk=0, host_evictions=0, disk_evictions=0, refused_corrupt=0, refused_foreign=0,
+                       deadline_misses=0)
+
+    def put(self, digest: bytes, kv: torch.Tensor) -> None:
+        block = seal(digest, kv)
+        self._n["stored_blocks"] += 1
+        self._n["bytes_to_host"] += block.nbytes
+        self._spill(self.host.put(block))
+
+    def _spill(self, victims: list[TierBlock]) -> None:
+        """Blocks out of host's budget go to disk (dropped without a disk tier)."""
+        for victim in victims:
+            self._n["host_evictions"] += 1
+            if self.disk is not None:
+                self._n["bytes_to_disk"] += victim.nbytes
+                self._n["disk_evictions"] += self.disk.put(victim)
+
+    def touch(self, digest: bytes) -> None:
+        self.host.touch(digest)
+
+    def where(self, digest: bytes) -> str | None:
+        if digest in self.host:
+            return "host"
+        if self.disk is not None and digest in self.disk:
+            return "disk"
+        return None
+
+    def get(self, digest: bytes) -> torch.Tensor | None:
+        block = self.host.get(digest)
+        if block is None:
+            return None
+        try:
+            verify(block)
+        except BlockRefused as e:
+            self._refuse(e)
+            self.host.drop(digest)
+            return None
+        return block.kv
+
+    def prefetch(self, digest: bytes) -> bool:
+        if digest in self._reads:
+            return True
+        if self.disk is None or digest in self.host or digest not in self.disk:
+            return False
+        self._reads[digest] = self.disk.read(digest)
+        return True
+
+    def poll(self) -> None:
+        for digest, fut in list(self._reads.items()):
+            if not fut.done():
+                continue
+            del self._reads[digest]
+            try:
+                block = fut.result()
+            except BlockRefused as e:
+                self._refuse(e)
+                assert self.disk is not None
+                self.disk.drop(digest)
+                continue
+            self._n["disk_hits"] += 1
+            self._spill(self.host.put(block))
+
+    def wait(self, timeout: float) -> None:
+        if self._reads:
+            concurrent.futures.wait(list(self._reads.values()), timeout, concurrent.futures.FIRST_COMPLETED)
+
+    def count_deadline_miss(self) -> None:
+        self._n["deadline_misses"] += 1
+
+    def _refuse(self, e: BlockRefused) -> None:
+        self._n[f"refused_{e.kind}"] += 1
+        logger.warning("KV tier block refused (%s), it will be recomputed: %s", e.kind, e)
+
+    def stats(self) -> TierStats:
+        d = self.disk
+        return TierStats(
+            host_capacity_bytes=self.host.capacity_bytes, host_bytes=self.host.bytes, host_blocks=len(self.host),
+            disk_capacity_bytes=d.capacity_bytes if d else 0, disk_bytes=d.bytes if d else 0,
+            disk_blocks=len(d) if d else 0, disk_errors=d.num_errors if d else 0, **self._n)
+
+    def close(self) -> None:
+        for fut in self._reads.values():
+            fut.cancel()
+        self._reads.clear()
+        self.host.clear()
+        if self.disk is not None:
+            self.disk.close()
+
+
+def make_tier_store(cache: CacheConfig, layout: KVLayout, fingerprint: int, pin: bool) -> TieredStore | None:
+    """The store ``cache`` asks for (None when ``cache.host_tier_bytes`` is 0). pin: page-locked
+    host memory (a GPU runner)."""
+    if not cache.tiers_enabled:
+        return None
+    disk = (DiskTier(cache.disk_tier_bytes, fingerprint, layout, cache.disk_tier_dir)
+            if cache.disk_tier_bytes else None)
+    logger.info("KV tiers: host %d bytes%s, disk %s, policy %s", cache.host_tier_bytes, " (pinned)" if pin else "",
+                f"{cache.disk_tier_bytes} bytes in {disk.dir}" if disk else "off", cache.tier_policy)
+    return TieredStore(HostTier(cache.host_tier_bytes, pin=pin), disk)
