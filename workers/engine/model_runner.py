@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import threading
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -96,11 +97,17 @@ def _decode_rows(c: ScheduledChunk) -> list[ScheduledChunk]:
             for i, t in enumerate(c.token_ids)]
 
 
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python 3.11 lacks the name
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, populate: bool = False) -> torch.Tensor:
     """A zero-filled tensor. On the CPU it lives in an anonymous private memory map: the kernel hands
-    out zero pages on first touch, so allocating is O(1) and only the KV blocks a worker uses become
-    resident (a start or a standby's promotion pays nothing for cache it has not used; ``torch.zeros``
-    writes every byte up front, ~0.5 s for 256 MiB on a busy host). Elsewhere ``torch.zeros``."""
+    out zero pages on first touch, so allocating is O(1) (a start or a standby's promotion does not
+    wait for it; ``torch.zeros`` writes every byte up front, ~0.5 s for 256 MiB on a busy host).
+    populate: commit the memory anyway, on a background thread (MADV_POPULATE_WRITE: faults every page
+    in writable without touching its contents, so it is safe beside the engine's writes), so the
+    worker's memory is all resident soon after it serves -- a memory limit is hit at start, not
+    under load later, and the resident size stays flat while serving. Elsewhere ``torch.zeros``."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
@@ -108,7 +115,16 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if populate:
+        threading.Thread(target=_populate, args=(buf,), name="duet-kv-populate", daemon=True).start()
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+
+
+def _populate(buf: mmap.mmap) -> None:
+    try:
+        buf.madvise(_MADV_POPULATE_WRITE)
+    except (OSError, ValueError) as e:  # an older kernel: pages stay lazily committed, nothing else changes
+        logger.info("KV cache: MADV_POPULATE_WRITE unsupported here (%s); its pages become resident on first use", e)
 
 
 def cache_blocks(config: EngineConfig, spec: ModelSpec) -> int:
@@ -146,7 +162,8 @@ class ModelRunner:
         assert g == self.kv_heads.size, (g, self.kv_heads)
         # [layers, 2, S, G, D]; zeros, not empty: padded gathers read unused slots, which are masked
         # out, but NaN garbage would still poison the masked softmax.
-        self.kv_cache = zeroed((spec.num_layers, 2, slots, g, spec.head_dim), config.torch_dtype, self.device)
+        self.kv_cache = zeroed((spec.num_layers, 2, slots, g, spec.head_dim), config.torch_dtype, self.device,
+                               populate=True)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler(frozenset(spec.eos_token_ids))
         self._requests: dict[str, _RequestState] = {}

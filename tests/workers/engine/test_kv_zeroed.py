@@ -37,3 +37,19 @@ def test_only_written_blocks_become_resident():
     assert _rss() - before < 16 << 20  # nothing touched yet
     t[0].fill_(1.0)  # one layer: 16 MiB
     assert 12 << 20 < _rss() - before < 40 << 20
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="resident memory is read from Linux's /proc")
+def test_populate_commits_every_page_in_the_background_and_keeps_what_was_written():
+    import time
+
+    before = _rss()
+    t = zeroed((8, 2, 4096, 4, 128), torch.float32, torch.device("cpu"), populate=True)  # 128 MiB
+    t[3].fill_(2.0)  # written while the populating thread runs
+    deadline = time.monotonic() + 30
+    while _rss() - before < 120 << 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _rss() - before >= 120 << 20  # all of it resident, although only one layer was written
+    want = torch.zeros(8, 2, 4096, 4, 128)
+    want[3] = 2.0
+    assert torch.equal(t, want)
