@@ -9,6 +9,10 @@ One run, side by side, on the same trace, service model and routing:
     duet-migrate  the same, rebalancer off
     duet-drain    the same policy, scale-down by draining (removed replicas finish their requests),
                   no migration at all
+    duet-standby  ``duet`` with standby replicas: the autoscaler keeps as many as the bursts it saw
+                  lately need (cluster/autoscale/standby.py, at most --max-standby per pool), a
+                  scale-up promotes them (they serve after the measured standby time), and each
+                  costs --standby-cost replicas while it waits (counted in replica-hours)
     today         the SLO autoscaler as it was before scale-down by migration: one rate window
                   (short_window_s 0), no recovery hold, draining, headroom 0.05 / band 0.05 /
                   prefill headroom 1.0 (the values tuned on this file's default day trace)
@@ -25,9 +29,15 @@ Workload (defaults): a day-long synthetic trace, diurnal 4 -> 20 req/s with burs
 x2 for ~5 min), prompts ~1,000 tokens and long generations ~3,000 tokens (log-normal, cv 1):
 a reasoning-style mix, so that a day that needs ~1,000 replicas at its peak is ~1.2 M requests
 (what a Python discrete-event simulation replays in well under a minute per policy). Disaggregated:
-a prefill pool (TTFT p90 <= 1 s) and a decode pool (TPOT p90 <= 60 ms, up to 1,000 replicas);
-replicas take 120 s to start. Service model: prefill 20 ms + 0.1 ms/token; decode step
-20 ms + 4 ms per sequence, batches of up to 16 (a GPU-class replica of a mid-size model).
+a prefill pool (TTFT p90 <= 1 s) and a decode pool (TPOT p90 <= 60 ms, up to 1,000 replicas).
+Service model: prefill 20 ms + 0.1 ms/token; decode step 20 ms + 4 ms per sequence, batches of up to
+16 (a GPU-class replica of a mid-size model).
+
+Start-up: measured, not assumed (cluster/sim/startup.py): a new replica takes the profile's
+``cold_s`` (or ``shared_s`` with --startup-kind shared), a promoted standby its ``standby_s``,
+from --startup-profile's entry --startup-model (default: SmolLM2-135M-Instruct on CPU, measured by
+benchmarks/startup_bench.py); --startup-s overrides it with a constant (120 s: the assumption of
+the earlier tables in benchmarks/README.md). The autoscaler's horizon is the new replica's start-up.
 
 Metrics: SLO attainment = the fraction of requests whose TTFT and TPOT both meet the SLO (target
 >= 99%); replica-hours / oracle replica-hours (target <= 1.2x); peak replicas / the oracle's peak;
@@ -60,12 +70,13 @@ from cluster.sim.report import OracleScaling, oracle_schedule, plot_timeline, si
 from cluster.sim.trace import Trace, read_azure, read_burstgpt, synthetic_trace
 from cluster.sim.pool import SimPool
 from cluster.sim.simulator import Simulation
+from cluster.sim.startup import DEFAULT_KEY, DEFAULT_PROFILES, load_startup
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SVC = ServiceModel(prefill_base_s=0.02, prefill_per_token_s=0.0001, decode_base_s=0.02, decode_per_seq_s=0.004,
                    max_batch=16)
 SLO = SLOTargets(ttft_p90_s=1.0, tpot_p90_s=0.06)
-POLICIES = ("duet", "duet-migrate", "duet-drain", "today", "queue", "queue-migrate", "oracle")
+POLICIES = ("duet", "duet-standby", "duet-migrate", "duet-drain", "today", "queue", "queue-migrate", "oracle")
 TODAY = {"headroom": 0.05, "down_band": 0.05, "prefill_headroom": 1.0}  # the shipped tuning, before migration
 
 
@@ -83,7 +94,18 @@ def build_parser(description: str | None = None, *, trace_args: bool = True) -> 
         p.add_argument("--azure", type=Path, help="replay an Azure LLM inference trace CSV instead")
     p.add_argument("--max-decode", type=int, default=1000, help="decode pool max replicas [1000]")
     p.add_argument("--max-prefill", type=int, default=64)
-    p.add_argument("--startup-s", type=float, default=120.0)
+    p.add_argument("--startup-s", type=float, default=None,
+                   help="a new replica's start-up, a constant (default: measured, from --startup-profile)")
+    p.add_argument("--startup-profile", type=Path, default=DEFAULT_PROFILES,
+                   help="measured start-ups (cluster/sim/startup.py) [cluster/sim/data/startup_profiles.json]")
+    p.add_argument("--startup-model", default=DEFAULT_KEY, help=f"<model>@<device> entry of the profile [{DEFAULT_KEY}]")
+    p.add_argument("--startup-kind", default="cold", choices=("cold", "shared"),
+                   help="a new replica's start-up: cold (weights from disk) or shared (the node holds them) [cold]")
+    p.add_argument("--standby-s", type=float, default=None, help="a promoted standby's start-up (default: measured)")
+    p.add_argument("--max-standby", type=int, default=1000, help="duet-standby: most standby replicas per pool; "
+                   "the burst risk decides how many [1000: no cap]")
+    p.add_argument("--standby-cost", type=float, default=0.1,
+                   help="duet-standby: one standby replica's cost in serving replicas [0.1]")
     p.add_argument("--route-candidates", type=int, default=2,
                    help="replicas each routing decision sees, sampled (power of two choices, as Ray Serve's router) [2]")
     p.add_argument("--policies", default="duet,today,queue,oracle", help=f"comma-separated, of {', '.join(POLICIES)}")
@@ -119,17 +141,31 @@ def _trace(args: argparse.Namespace) -> Trace:
                            mean_output=args.mean_output, seed=args.seed, name="synthetic-diurnal-bursty")
 
 
+def resolve_startup(args: argparse.Namespace) -> None:
+    """Fill ``args.startup_s`` and ``args.standby_s`` from the measured profile unless given."""
+    if args.startup_s is None or args.standby_s is None:
+        measured = load_startup(args.startup_profile, args.startup_model)
+        if args.startup_s is None:
+            args.startup_s = measured.new_replica_s(args.startup_kind)
+        if args.standby_s is None:
+            args.standby_s = measured.standby_s
+        args.startup_source = measured.source
+    else:
+        args.startup_source = "given"
+
+
 def _config(args: argparse.Namespace, cap_p, cap_d, residence_d: float, *, today: bool = False,
-            scale_down: str = "migrate") -> AutoscalerConfig:
+            scale_down: str = "migrate", standby: bool = False) -> AutoscalerConfig:
     knobs = TODAY if today else {"headroom": args.headroom, "down_band": args.down_band,
                                  "prefill_headroom": args.prefill_headroom}
     new = {} if today else {"short_window_s": args.short_window_s, "burst_sigmas": args.burst_sigmas,
                             "scale_down": scale_down}
+    spares = {"max_standby": args.max_standby, "standby_cost": args.standby_cost} if standby else {}
     return AutoscalerConfig(pools=(
         PoolScaling("prefill", "prefill", SLOTargets(ttft_p90_s=SLO.ttft_p90_s), cap_p, 1, args.max_prefill,
-                    headroom=knobs["prefill_headroom"]),
+                    headroom=knobs["prefill_headroom"], **spares),
         PoolScaling("decode", "decode", SLOTargets(tpot_p90_s=SLO.tpot_p90_s), cap_d, 1, args.max_decode,
-                    smoothing_s=residence_d, fed_by=None if today else "prefill")),
+                    smoothing_s=residence_d, fed_by=None if today else "prefill", **spares)),
         horizon_s=args.startup_s, headroom=knobs["headroom"], down_band=knobs["down_band"],
         **({"short_window_s": 0.0, "hold_when_recovering": False, "scale_down": "drain"} if today else new))
 
@@ -137,6 +173,7 @@ def _config(args: argparse.Namespace, cap_p, cap_d, residence_d: float, *, today
 def run(args: argparse.Namespace, trace: Trace | None = None) -> dict[str, Any]:
     """Every policy of ``args.policies`` on ``trace`` (default: the one the arguments describe)."""
     t0 = time.perf_counter()
+    resolve_startup(args)
     trace = _trace(args) if trace is None else trace
     mp, mo = float(trace.prompt.mean()), float(trace.output.mean())
     q = args.capacity_quantile
@@ -153,6 +190,8 @@ def run(args: argparse.Namespace, trace: Trace | None = None) -> dict[str, Any]:
                   "mean_prompt": mp, "mean_output": mo,
                   "peak_rps_1min": float(trace.rate_series(60.0).max())},
         "service": SVC.__dict__, "slo": SLO.__dict__, "migration": migration.__dict__,
+        "startup": {"new_replica_s": args.startup_s, "standby_s": args.standby_s, "kind": args.startup_kind,
+                    "profile": args.startup_model, "source": args.startup_source},
         "capacity": {"prefill_rps": cap_p.requests_per_s, "decode_rps": cap_d.requests_per_s,
                      "prefill_in_flight": inflight_p, "decode_in_flight": inflight_d,
                      "quantile": q, "decode_residence_s": residence_d},
@@ -165,6 +204,8 @@ def run(args: argparse.Namespace, trace: Trace | None = None) -> dict[str, Any]:
                                       QueueScaling("decode", inflight_d * args.queue_target_scale, 1, args.max_decode)))
     policies: dict[str, tuple[Callable[[], Any], Any, bool]] = {  # name -> (policy factory, how removed replicas leave, decode rebalancer on)
         "duet": (lambda: SLOAutoscaler(config), migration, True),
+        "duet-standby": (lambda: SLOAutoscaler(_config(args, cap_p, cap_d, residence_d, standby=True)), migration,
+                         True),
         "duet-migrate": (lambda: SLOAutoscaler(config), migration, False),
         "duet-drain": (lambda: SLOAutoscaler(_config(args, cap_p, cap_d, residence_d, scale_down="drain")), None,
                        False),
@@ -179,7 +220,8 @@ def run(args: argparse.Namespace, trace: Trace | None = None) -> dict[str, Any]:
             raise SystemExit(f"--policies: unknown policy {name!r}; choose from {', '.join(POLICIES)}")
         make, mig, rebalance = policies[name]
         pools = [SimPool(p, p, SVC, int(sizes[p][0]), args.startup_s, migration=mig,
-                         rebalance=rebalance and p == "decode") for p in ("prefill", "decode")]
+                         rebalance=rebalance and p == "decode", standby_s=args.standby_s,
+                         standby_cost=args.standby_cost) for p in ("prefill", "decode")]
         sim = Simulation(trace, pools, slo=SLO, scaling=make(), route_candidates=args.route_candidates, seed=args.seed)
         r = sim.run()
         results[name] = r
@@ -196,7 +238,8 @@ def run(args: argparse.Namespace, trace: Trace | None = None) -> dict[str, Any]:
             "decode_leave_s_median": drains[len(drains) // 2] if drains else None,
             "decode_leave_s_p90": drains[int(0.9 * (len(drains) - 1))] if drains else None,
             "completed": int((~(r.ttft != r.ttft)).sum()), "events": r.events, "wall_s": r.wall_s,
-            "cpu_s": r.cpu_s}
+            "cpu_s": r.cpu_s, "standby_hours": r.standby_hours, "promotions": sum(r.promotions.values()),
+            "standby_peak": int(max(a + b for a, b in zip(r.timeline["prefill.standby"], r.timeline["decode.standby"])))}
         logging.getLogger(__name__).info("%s: %s", name, res["runs"][name])
     res["wall_s"] = time.perf_counter() - t0
     res["_results"] = results
@@ -206,7 +249,8 @@ def run(args: argparse.Namespace, trace: Trace | None = None) -> dict[str, Any]:
 
 def print_table(res: dict[str, Any]) -> None:
     print(f"trace {res['trace']['name']}: {res['trace']['requests']} requests over {res['trace']['duration_h']:.1f} h;"
-          f" oracle {res['oracle']['replica_hours']:.0f} replica-hours, peak {res['oracle']['peak_replicas']} replicas")
+          f" oracle {res['oracle']['replica_hours']:.0f} replica-hours, peak {res['oracle']['peak_replicas']} replicas;"
+          f" start-up {res['startup']['new_replica_s']:.1f} s, standby {res['startup']['standby_s']:.2f} s")
     print(f"{'policy':13} {'SLO att.':>9} {'missed':>7} {'rep-hours':>10} {'vs oracle':>9} {'peak/or.':>8} "
           f"{'leave s':>8} {'migr.':>6} {'cpu s':>6}")
     for name, r in res["runs"].items():

@@ -237,8 +237,9 @@ class AttemptBudget:
         self.resumes += 1
         return Decision(Action.RESUME)
 
-    def no_worker(self, reason: str, streamed: int) -> Decision:
-        """No route within ``worker_wait_s`` (or the deadline): always a FAIL."""
+    def no_worker(self, reason: str, streamed: int, wait: str | None = None) -> Decision:
+        """No route within ``worker_wait_s`` (or the deadline; ``wait`` says otherwise, e.g. a
+        request held while its pool woke from zero: router/hold.py): always a FAIL."""
         if streamed:
             return Decision(Action.FAIL, grpc.StatusCode.UNAVAILABLE,
                             f"{self.last.message if self.last else reason}; no healthy worker to resume on within "
@@ -246,8 +247,9 @@ class AttemptBudget:
                             "incomplete, retry the request", mid_stream=True)
         if self.last is not None:
             return self._give_up()
-        return Decision(Action.FAIL, grpc.StatusCode.UNAVAILABLE, "no healthy worker to serve the request (waited "
-                        f"up to {self.worker_wait_s:g} s or the deadline): {reason}")
+        wait = wait or f"waited up to {self.worker_wait_s:g} s or the deadline"
+        return Decision(Action.FAIL, grpc.StatusCode.UNAVAILABLE, f"no healthy worker to serve the request ({wait}): "
+                        f"{reason}")
 
     def _give_up(self) -> Decision:
         assert self.last is not None

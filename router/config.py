@@ -60,6 +60,9 @@ class RouterConfig:
     worker_wait_s: how long a request (new, retried or resuming) waits for a healthy worker when
         none is, while some worker it has not failed on may come back (e.g. restarting); within
         its deadline and holding its admission slot. 0 = fail at once with UNAVAILABLE.
+    wake_timeout_s: how long a request is held while the controller wakes a pool scaled to zero
+        (router/hold.py: held in arrival order, within its deadline); past it the request fails with
+        UNAVAILABLE (HTTP 503) naming the wait.
     worker_failure_threshold: consecutive failed polls before a worker is marked unhealthy.
     stream_failure_cooldown_s: after a worker's stream fails, it is not re-admitted by a
         successful poll until this long has passed (stops a flapping worker taking traffic).
@@ -98,6 +101,7 @@ class RouterConfig:
     resume_on_worker_failure: bool = True
     max_resumes: int = 2
     worker_wait_s: float = 10.0
+    wake_timeout_s: float = 60.0
     # Disaggregation (router/policies/disagg.py; only with prefill-role workers in the membership):
     # prompts shorter than this run colocated on the decode worker; the workers' KV block size.
     disagg_min_prompt_tokens: int = 256
@@ -189,6 +193,8 @@ class RouterConfig:
         _int_at_least("max_resumes", self.max_resumes, 0)
         if not _finite(self.worker_wait_s) or self.worker_wait_s < 0:
             _fail("worker_wait_s", self.worker_wait_s, "must be a number of seconds >= 0")
+        if not _finite(self.wake_timeout_s) or self.wake_timeout_s < 0:
+            _fail("wake_timeout_s", self.wake_timeout_s, "must be a number of seconds >= 0")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             _fail("tls_cert_file" if self.tls_cert_file is None else "tls_key_file", None,
                   "TLS needs both tls_cert_file and tls_key_file (PEM); set both or neither")

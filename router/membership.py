@@ -7,6 +7,9 @@ the last list it applied -- its own health polling still takes dead workers out 
 with exponential backoff (``min_backoff_s`` doubling to ``max_backoff_s``); the first list after a
 reconnect replaces the old one whole.
 
+``wake_pools`` asks the same service to wake pools scaled to zero (the router's held requests,
+router/hold.py).
+
 Example::
 
     watcher = MembershipWatcher("10.0.0.2:50052", directory_apply, watcher_name="router 10.0.0.3:50051")
@@ -25,6 +28,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from protos.duet.control.v1 import control_pb2, control_pb2_grpc
+from router.hold import WakeResult
 
 logger = logging.getLogger(__name__)
 
@@ -102,3 +106,13 @@ class MembershipWatcher:
             self.num_reconnects += 1
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self._max_backoff)
+
+
+async def wake_pools(address: str, roles: tuple[str, ...] | list[str], requester: str = "",
+                     timeout_s: float = 5.0) -> WakeResult:
+    """Ask the controller at ``address`` to wake the pools of ``roles`` scaled to zero
+    (duet.control.v1.Membership/Wake); router/hold.py calls this for a held request."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await control_pb2_grpc.MembershipStub(channel).Wake(
+            control_pb2.WakeRequest(roles=list(roles), requester=requester), timeout=timeout_s)
+    return WakeResult(tuple(reply.woken), tuple(reply.waking), tuple(reply.from_standby))

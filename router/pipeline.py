@@ -31,9 +31,10 @@ Terms:
                  sampled request continues with a fresh sampler state (valid samples, not the same
                  ones). With ``resume_on_worker_failure`` off, or once resumes run out, the stream
                  ends with UNAVAILABLE, retryable by the client.
-    waiting      with no healthy worker (all restarting, say), a request waits up to
-                 ``worker_wait_s`` (and its deadline) for one that it has not failed on, holding
-                 its admission slot, instead of failing at once.
+    waiting      with no healthy worker (all restarting, say, or its pool scaled to zero), a request
+                 is held (router/hold.py: in arrival order, holding its admission slot) up to
+                 ``worker_wait_s`` -- ``wake_timeout_s`` while the controller wakes its pool --
+                 and its deadline, for one that it has not failed on, instead of failing at once.
 
 Error mapping (worker status -> client status): router/attempt.py. In short: bad input passes
 through, DEADLINE_EXCEEDED stays, a dead worker (UNAVAILABLE, CANCELLED by the worker, a stream
@@ -63,6 +64,7 @@ from router.admission import AdmissionController, AdmissionRejected
 from router.attempt import Action, AttemptBudget, AttemptOutcome, Decision, OutcomeKind
 from router.config import RouterConfig
 from router.drafters import DrafterRouting
+from router.hold import HeldTooLong, WorkerHold
 from router.policies import NoWorkersAvailable, RouteRequest, RoutingPolicy
 from router.policies.disagg import DisaggRouter, Route
 from router.policies.drafter import make_drafter_policy
@@ -75,13 +77,14 @@ from workers.detokenizer import IncrementalDetokenizer  # the one sanctioned wor
 
 logger = logging.getLogger(__name__)
 
-_DEADLINE_MARGIN_S = 0.25  # a request waiting for a worker gives up this long before its deadline
+
 _OFFLOAD_CHARS = 16_384  # prompts longer than this are tokenized on a thread, off the event loop
 
 
 class Pipeline:
     def __init__(self, config: RouterConfig, model: ServedModel, directory: WorkerDirectory,
-                 policy: RoutingPolicy, admission: AdmissionController, metrics: RequestMetrics | None = None) -> None:
+                 policy: RoutingPolicy, admission: AdmissionController, metrics: RequestMetrics | None = None,
+                 hold: WorkerHold | None = None) -> None:
         self.config = config
         self.model = model
         self.directory = directory
@@ -95,6 +98,8 @@ class Pipeline:
             directory.drafters, make_drafter_policy(config.drafter_policy, **config.drafter_policy_options))
         self.counts: Counter[str] = Counter()
         self.metrics = metrics or RequestMetrics()  # per-pool latency histograms (router/request_metrics.py)
+        # requests no worker can take yet, in arrival order (router/hold.py; the server passes one that wakes pools)
+        self.hold = hold or WorkerHold(worker_wait_s=config.worker_wait_s, wake_timeout_s=config.wake_timeout_s)
 
     async def generate(self, request: duet_pb2.GenerateRequest, *,
                        deadline: float | None = None) -> AsyncGenerator[duet_pb2.GenerateResponse, None]:
@@ -138,6 +143,8 @@ class Pipeline:
             try:
                 chosen = self._migration_route(migration) or \
                     await self._select(route, budget.tried, deadline, budget.require_prefill)
+            except HeldTooLong as e:
+                decision = budget.no_worker(str(e), streamed, wait=e.wait)
             except NoWorkersAvailable as e:
                 decision = budget.no_worker(str(e), streamed)
             else:
@@ -227,31 +234,44 @@ class Pipeline:
     async def _select(self, route: RouteRequest, tried: set[str], deadline: float | None,
                       require_prefill: bool) -> Route:
         """The route among healthy workers not in ``tried`` (a prefill worker required after a
-        prefill failure); with none, wait up to ``worker_wait_s`` (and the deadline) while a worker
-        not in ``tried`` may come back or join."""
-        wait_until = time.monotonic() + self.config.worker_wait_s
-        if deadline is not None:  # stop in time to answer UNAVAILABLE (not DEADLINE_EXCEEDED)
-            wait_until = min(wait_until, deadline - _DEADLINE_MARGIN_S)
-        waited = False
-        while True:
-            workers = self.directory.snapshot()
-            if tried:
-                workers = [replace(w, healthy=False) if w.worker_id in tried else w for w in workers]
-            try:
-                chosen = self.router.select(route, workers, require_prefill=require_prefill)
-                if self.pull_planner is not None and chosen.prefill_id is None:
-                    chosen = replace(chosen, pull=self.pull_planner.plan(route, chosen.decode_id, workers))
-                if waited:
-                    self.counts["waited_for_worker"] += 1
-                return chosen
-            except NoWorkersAvailable:
-                needed = [w for w in workers if w.role == "prefill"] if require_prefill else workers
-                # (no members at all: restarting workers rejoin, so wait for them too)
-                hopeless = (not needed) if require_prefill else bool(needed)
-                if time.monotonic() >= wait_until or (hopeless and all(w.worker_id in tried for w in needed)):
-                    raise
-            waited = True
-            await asyncio.sleep(0.05)
+        prefill failure); with none, the request is held (router/hold.py: in arrival order, while
+        a worker not in ``tried`` may come back or join, or its pool wakes from zero)."""
+        ticket, reason = None, "no healthy worker"
+        try:
+            while True:
+                workers = self.directory.snapshot()
+                if tried:
+                    workers = [replace(w, healthy=False) if w.worker_id in tried else w for w in workers]
+                if ticket is None and self.hold.held:  # others are held: no overtaking
+                    ticket = self.hold.enter(("prefill",) if require_prefill else ("colocated", "decode"), deadline)
+                if ticket is None or self.hold.is_head(ticket):
+                    try:
+                        chosen = self.router.select(route, workers, require_prefill=require_prefill)
+                        if self.pull_planner is not None and chosen.prefill_id is None:
+                            chosen = replace(chosen, pull=self.pull_planner.plan(route, chosen.decode_id, workers))
+                        if ticket is not None:
+                            self.counts["waited_for_worker"] += 1
+                            self.hold.leave(ticket, served=True)
+                            ticket = None
+                        return chosen
+                    except NoWorkersAvailable as e:
+                        needed = [w for w in workers if w.role == "prefill"] if require_prefill else workers
+                        # (no members at all: restarting workers rejoin, or a pool wakes: wait for them)
+                        hopeless = (not needed) if require_prefill else bool(needed)
+                        if hopeless and all(w.worker_id in tried for w in needed):
+                            raise
+                        if ticket is not None and self.hold.expired(ticket):
+                            raise HeldTooLong(str(e), self.hold.why(ticket)) from None
+                        reason = str(e)
+                if ticket is None:
+                    ticket = self.hold.enter(("prefill",) if require_prefill else ("colocated", "decode"), deadline)
+                elif self.hold.expired(ticket):
+                    raise HeldTooLong(reason if self.hold.is_head(ticket) else "requests held before it took the "
+                                      "workers", self.hold.why(ticket))
+                await self.hold.wait(ticket)
+        finally:
+            if ticket is not None:
+                self.hold.leave(ticket, served=False)
 
     def stats(self) -> dict[str, object]:
         return {"requests": dict(self.counts), "admission": self.admission.stats(),
@@ -259,5 +279,5 @@ class Pipeline:
                 "policy": {**self.router.counters(), **self.drafters.counters(),
                            **(self.pull_planner.counters() if self.pull_planner is not None else {})},
                 "drafters": self.directory.drafters.describe(),
-                "worker_stream_failures": self.directory.num_stream_failures}
+                "worker_stream_failures": self.directory.num_stream_failures, "hold": self.hold.stats()}
 

@@ -11,6 +11,9 @@ nothing. Exposed names (all prefixed ``duet_router_``):
     requests_total, admitted_total, rejected_total, cancelled_total counters
     outcomes_total{outcome}                                         counter per request outcome / policy event
     worker_stream_failures_total, membership_version
+    held                                                            gauge: requests held for a worker (router/hold.py)
+    held_requests_total, hold_timed_out_total, wakes_total,         counters: holding requests, waking pools
+    pools_woken_total                                               from zero
 
 Per pool (label ``pool``), observed on the request path by router/request_metrics.py (TTFT, TPOT,
 ITL and E2E histograms, arrivals, prompt/output lengths; see there) and, from the workers' latest
@@ -86,6 +89,14 @@ class RouterStatsCollector:
                                   value=s["worker_stream_failures"])
         yield GaugeMetricFamily(PREFIX + "membership_version", "version of the member list last applied",
                                 value=s.get("membership_version", 0))
+        hold = s.get("hold", {})
+        yield GaugeMetricFamily(PREFIX + "held", "requests held until a worker can take them (a pool waking from "
+                                "zero, workers restarting)", value=hold.get("held", 0))
+        for name, key, help_ in (("held_requests", "held_total", "requests that were held"),
+                                 ("hold_timed_out", "hold_timed_out", "held requests that gave up"),
+                                 ("wakes", "wakes", "wake requests sent to the controller"),
+                                 ("pools_woken", "pools_woken", "pools the controller woke from zero for this router")):
+            yield CounterMetricFamily(PREFIX + name, help_, value=hold.get(key, 0))
 
 
 # LoadReport gauges and counters exported per worker: (LoadReport field, metric name, help).

@@ -15,6 +15,8 @@ common ones (ARCHITECTURE.md, cluster/bench/metrics.py):
     duet_inter_token_latency_seconds{pool}         histogram  gap between streamed chunks
     duet_e2e_request_latency_seconds{pool}         histogram  router receipt -> last token
     duet_requests_finished_total{pool,finish_reason}  counter finished requests by finish reason
+    duet_wake_seconds{pool}                        histogram  a request held while its pool woke from zero
+                                                              replicas: held -> a worker taken (router/hold.py)
 
 The router measures from when it receives a request, so TTFT includes tokenization, admission
 queueing and routing: what a client sees, minus the network. Only requests that finish are
@@ -75,6 +77,13 @@ class RequestMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         self.finished = Counter("duet_requests_finished", "finished requests by finish reason",
                                 ["pool", "finish_reason"], registry=r)
+        self.wake = Histogram("duet_wake_seconds", "a request held while its pool woke from zero replicas: held to "
+                              "a worker taken", pool, buckets=E2E_BUCKETS, registry=r)
+
+    def woke(self, pools: tuple[str, ...], seconds: float) -> None:
+        """A request held while ``pools`` woke from zero took a worker after ``seconds``."""
+        for pool in pools:
+            self.wake.labels(pool).observe(seconds)
 
     def routed(self, clock: RequestClock, prompt_pool: str, decode_pool: str, prompt_tokens: int) -> None:
         """A route was chosen. Counts one arrival per pool involved, on the request's first route only."""

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import argparse
 import asyncio
+import functools
 import contextlib
 from contextlib import aclosing
 import logging
@@ -55,7 +56,8 @@ from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from router.admin import RouterAdminServicer
 from router.admission import AdmissionController
 from router.config import RouterConfig, RouterConfigError
-from router.membership import MembershipWatcher
+from router.hold import WorkerHold
+from router.membership import MembershipWatcher, wake_pools
 from router.fanout import FanOut
 from router.pipeline import Pipeline
 from router.policies import make_policy
@@ -180,9 +182,15 @@ class RouterServer:
             stream_failure_cooldown_s=config.stream_failure_cooldown_s, on_health_change=self._on_health_change,
             prefix_index=self.prefix_index)
         self.metrics = RequestMetrics()  # per-pool histograms; router/prometheus.py exports them
+        waker = None
+        if config.membership_address is not None:  # a pool scaled to zero is woken by the controller
+            address = config.membership_address
+            waker = functools.partial(wake_pools, address, requester=f"router {config.address}")
+        hold = WorkerHold(worker_wait_s=config.worker_wait_s, wake_timeout_s=config.wake_timeout_s, waker=waker,
+                          on_wake_s=self.metrics.woke)
         policy = make_policy(config.policy, self.prefix_index, **config.policy_options)
         self.pipeline = Pipeline(config, model, self.directory, policy,
-                                 AdmissionController(config.max_in_flight, config.max_queue), self.metrics)
+                                 AdmissionController(config.max_in_flight, config.max_queue), self.metrics, hold)
         self.auth = BearerTokenInterceptor(TokenStore.load(config.auth_tokens_file)) if config.auth_tokens_file else None
         self._credentials = (server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
                              if config.tls_cert_file and config.tls_key_file else None)

@@ -342,6 +342,9 @@ class EngineConfig:
         'auto' (shared memory from a peer on the same host when the KV cache is on the CPU, else
         nccl on CUDA, else gloo), or forced 'shm' | 'gloo' | 'nccl' (nccl needs the cache on CUDA);
         see workers/kv/transfer.py.
+    shared_weights_dir: a node-local directory where the first worker of a node writes its loaded
+        weights once and every other worker maps them (workers/models/shared_weights.py): later
+        replicas load in milliseconds and the node holds one copy; None = each worker loads its own.
     omp_wait_policy: what an idle OpenMP thread of the worker process does (set in its environment
         at start, workers/server/threads.py): 'passive' (default) sleeps at once, so a thread the
         OS descheduled (another process took its core) never leaves the others spinning at every
@@ -368,6 +371,7 @@ class EngineConfig:
     cuda_graphs: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     kv_transfer_backend: str = "auto"
+    shared_weights_dir: str | None = None
     omp_wait_policy: str = "passive"
     niceness: int | None = 0
 
@@ -398,6 +402,8 @@ class EngineConfig:
         capture_sizes(self.cuda_graphs, self.device, self.cuda_graph_batch_sizes, self.scheduler.max_num_seqs)
         if self.kv_transfer_backend not in KV_BACKENDS:
             raise ConfigError(f"kv_transfer_backend={self.kv_transfer_backend!r}: must be one of {', '.join(KV_BACKENDS)}")
+        if self.shared_weights_dir is not None and not str(self.shared_weights_dir).strip():
+            raise ConfigError("shared_weights_dir='': must be a directory path, or unset to load a copy per worker")
         if self.omp_wait_policy not in OMP_WAIT_POLICIES:
             raise ConfigError(f"omp_wait_policy={self.omp_wait_policy!r}: must be one of {', '.join(OMP_WAIT_POLICIES)}")
         if self.niceness is not None and (isinstance(self.niceness, bool) or not isinstance(self.niceness, int)

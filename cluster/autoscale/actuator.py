@@ -14,8 +14,10 @@ Terms (per pool):
     pending   replicas that cannot be placed (no room in the cluster: a Ray placement group or a
               Kubernetes pod stuck Pending): reported, never counted as capacity
     draining  replicas told to stop taking new requests; they leave once idle (no request dropped)
+    standby   replicas started and loaded but unrouted (no KV cache): a scale-up promotes them
+              first, and they serve in about a second; not capacity until promoted
 
-Invariant: ready + starting + pending + draining covers every replica the actuator knows of.
+Invariant: ready + starting + pending + draining + standby covers every replica the actuator knows of.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class PoolStatus:
     starting: int
     pending: int
     draining: int = 0
+    standby: int = 0
+    standby_target: int = 0  # what the last set_standby asked for
 
     @property
     def capacity_replicas(self) -> int:
@@ -49,5 +53,10 @@ class PoolActuator(Protocol):
 
     def scale_to(self, pool: str, replicas: int) -> None:
         """Ask for ``replicas`` replicas. Scaling down drains (no request is dropped); the call
-        returns once the request is recorded, not when the pool has reached the size."""
+        returns once the request is recorded, not when the pool has reached the size. Scaling up
+        promotes standby replicas first."""
+        ...
+
+    def set_standby(self, pool: str, replicas: int) -> None:
+        """Keep ``replicas`` standby replicas in the pool (created and released in the background)."""
         ...

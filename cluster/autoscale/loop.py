@@ -108,6 +108,9 @@ class AutoscaleLoop:
                 logger.info("autoscaler: %s %d -> %d (%s)", pool, d.current, d.desired, d.reason)
             else:
                 logger.debug("autoscaler: %s holds %d (%s)", pool, d.current, d.reason)
+            if d.standby_changed:
+                self.actuator.set_standby(pool, d.standby)  # type: ignore[arg-type]
+                logger.info("autoscaler: %s standby %d -> %d", pool, d.standby_current, d.standby)
         self.last = decisions
         self.num_steps += 1
         return decisions

@@ -72,6 +72,14 @@ The algorithm, per pool (prefill, decode and colocated pools independently; draf
     (acceptance x target step time vs draft round latency: a pool whose drafting does not pay
     shrinks toward its minimum); without draft metrics, ``ceil(ratio x`` the lead's desired``)``.
     cluster/autoscale/drafter.py has the model and a worked example.
+ 6. Standby replicas (a pool with ``max_standby`` > 0; cluster/autoscale/standby.py): as many as the
+    burst risk the pool saw lately needs (how far the forecast rose above the window's mean before
+    the last ``horizon_s``: load that came faster than a start-up, in replicas, remembered as a
+    decaying maximum), at most ``max_standby``; their cost (``standby_cost`` serving replicas each)
+    is in the reason. A scale-up promotes them first.
+ 7. Scale to zero (``min_replicas`` 0): the pool is sized as with a minimum of 1 while it is used,
+    goes to 0 after ``scale_to_zero_after_s`` idle, and stays there until a request arrives (the
+    router wakes it through the controller at once; the next round sees the activity and holds it).
 
 Worked example (decode pool, capacity 1.6 req/s at 64 output tokens = 102.4 tok/s per replica,
 headroom 0.1, band 0.1, horizon 60 s, buckets of 10 s). Arrival rates [8, 8, 9, 10, 11, 12] req/s
@@ -93,6 +101,7 @@ from cluster.autoscale.actuator import PoolStatus
 from cluster.autoscale.drafter import DraftWindow, demand_replicas, draft_speedup
 from cluster.autoscale.forecast import RateEstimate, estimate_rates, holt_forecast  # noqa: F401 (re-exported)
 from cluster.autoscale.profile import ReplicaCapacity, SLOTargets
+from cluster.autoscale.standby import StandbyMemory, burst_risk, idle, standby_count
 
 ROLES = ("prefill", "decode", "colocated", "drafter")
 SCALE_DOWN = ("drain", "migrate")
@@ -119,6 +128,8 @@ class PoolScaling:
     new replicas start.
     fed_by: for a decode pool, the prefill pool whose output is its input (None = not known):
     a burst the decode pool sees is planned for at most that pool's forecast (step 1).
+    max_standby: the most standby replicas (step 6) the autoscaler keeps; 0 = it leaves the
+    pool's standby count alone. standby_cost: one standby replica's cost in serving replicas.
     Drafter pools (step 5, cluster/autoscale/drafter.py): rows_per_replica: rows one replica
     batches within a round latency that pays (None: follow ``ratio`` only); min_speedup: the
     measured speed-up under which drafting does not pay and the pool shrinks to its minimum;
@@ -136,6 +147,8 @@ class PoolScaling:
     smoothing_s: float = 0.0
     headroom: float | None = None
     fed_by: str | None = None
+    max_standby: int = 0
+    standby_cost: float = 0.1
     rows_per_replica: float | None = None
     min_speedup: float = 1.1
     verify_token_cost: float = 0.05
@@ -166,6 +179,8 @@ class AutoscalerConfig:
     hold_when_recovering: bool = True
     scale_down: str = "drain"
     migration_s: float = 10.0
+    standby_memory_s: float = 3600.0
+    scale_to_zero_after_s: float = 300.0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -181,7 +196,8 @@ def _validate(c: AutoscalerConfig) -> None:
 
     need(len(c.pools) >= 1, "pools", c.pools, "list at least one pool to scale")
     for key in ("horizon_s", "up_cooldown_s", "down_cooldown_s", "down_interval_s", "headroom", "down_band",
-                "queue_breach_per_replica", "short_window_s", "burst_sigmas", "migration_s"):
+                "queue_breach_per_replica", "short_window_s", "burst_sigmas", "migration_s", "standby_memory_s",
+                "scale_to_zero_after_s"):
         need(getattr(c, key) >= 0, key, getattr(c, key), "must be >= 0")
     need(c.scale_down in SCALE_DOWN, "scale_down", c.scale_down,
          "must be drain (removed replicas finish their requests) or migrate (they move them away)")
@@ -197,6 +213,8 @@ def _validate(c: AutoscalerConfig) -> None:
         need(p.role in ROLES, f"{k}.role", p.role, f"must be one of {', '.join(ROLES)}")
         need(p.headroom is None or p.headroom >= 0, f"{k}.headroom", p.headroom, "must be >= 0 or unset")
         need(p.smoothing_s >= 0, f"{k}.smoothing_s", p.smoothing_s, "must be >= 0 seconds (0 = per bucket)")
+        need(p.max_standby >= 0, f"{k}.max_standby", p.max_standby, "must be >= 0 (0 = leave the standby count alone)")
+        need(p.standby_cost >= 0, f"{k}.standby_cost", p.standby_cost, "must be >= 0 (serving replicas per standby)")
         need(0 <= p.min_replicas <= p.max_replicas, f"{k}.min_replicas", p.min_replicas,
              f"must be between 0 and max_replicas ({p.max_replicas})")
         if p.role == "drafter":
@@ -252,6 +270,7 @@ class PoolMemory:
     last_starting: float = NEVER  # last decision that saw replicas starting
     offset: int = 0
     last_ratio: float | None = None  # the worst p90 / SLO the last round saw (None: too few samples)
+    standby: StandbyMemory = StandbyMemory()  # steps 6 and 7
 
 
 @dataclass(frozen=True)
@@ -273,6 +292,12 @@ class Decision:
     offset: int = 0
     capacity_replicas: int = 0  # ready + starting: what serves now or soon
     pending: int = 0  # asked for, not placed: not capacity
+    standby: int | None = None  # standby replicas to keep (step 6); None = leave the count alone
+    standby_current: int = 0  # the standby target the actuator had
+
+    @property
+    def standby_changed(self) -> bool:
+        return self.standby is not None and self.standby != self.standby_current
 
     @property
     def changed(self) -> bool:
@@ -488,7 +513,41 @@ def _decide_pool(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics
     if st.pending:
         notes.append(f"{st.pending} pending (no room; not counted as capacity)")
     mem = replace(mem, last_starting=now if st.starting else mem.last_starting)
+    desired, standby, sm = _standby_and_zero(c, p, now, m, st, mem.standby, est, headroom, desired, notes)
+    mem = replace(mem, standby=sm)
     burst = f" (burst: {est.short:.2f} over level {est.level:.2f})" if est.burst else ""
     reason = f"forecast {forecast:.2f} req/s{burst} -> {up_target} replicas, offset {offset:+d}; " + "; ".join(notes)
     return Decision(p.pool, current, desired, reason, forecast, up_target, offset, st.capacity_replicas,
-                    st.pending), mem
+                    st.pending, standby, st.standby_target), mem
+
+
+def _standby_and_zero(c: AutoscalerConfig, p: PoolScaling, now: float, m: PoolMetrics, st: PoolStatus,
+                      sm: StandbyMemory, est: RateEstimate, headroom: float, desired: int,
+                      notes: list[str]) -> tuple[int, int | None, StandbyMemory]:
+    """Steps 6 and 7 (cluster/autoscale/standby.py): (desired, standby or None, memory)."""
+    to_zero = p.min_replicas == 0
+    if to_zero:
+        active = not idle(m.arrivals_rps, m.in_flight, m.queue_depth, st.starting)
+        if active:
+            sm = replace(sm, last_active=now)
+        if st.desired == 0 and not active:
+            desired = 0  # asleep: a request wakes it (the router, through the controller)
+            notes.append("at zero (idle)")
+        elif active:
+            desired = max(desired, 1)
+        elif now - sm.last_active >= c.scale_to_zero_after_s:
+            desired = 0
+            notes.append(f"idle {now - sm.last_active:.0f} s: scale to zero")
+        else:
+            desired = max(desired, 1)
+    if p.max_standby <= 0:
+        return desired, None, sm
+    k = max(1, math.ceil(c.horizon_s / m.bucket_s))  # a start-up's worth of buckets
+    before = m.arrivals_rps[:-k]
+    base = sum(before) / len(before) if before else est.forecast
+    rise = max(0.0, work_replicas(p, m, est.forecast) - work_replicas(p, m, base)) * (1 + headroom)
+    risk = burst_risk(sm, now, rise, c.standby_memory_s)
+    sm = replace(sm, risk=risk, risk_at=now)
+    standby = standby_count(risk, p.max_standby, to_zero=to_zero)
+    notes.append(f"standby {standby} (burst risk {risk:.1f} replicas, cost {standby * p.standby_cost:.2f} replicas)")
+    return desired, standby, sm

@@ -7,7 +7,11 @@ source and the fix), then turned into the decision function's ``AutoscalerConfig
     slo_ttft_ms / slo_tpot_ms   p90 targets: prefill pools scale on TTFT, decode pools on TPOT,
                                 colocated pools on both (each role needs its targets)
     profile                     a capacity profile of one replica (``duet profile --out FILE``)
-    min_replicas / max_replicas bounds (min >= 1: a pool at zero would serve nothing)
+    min_replicas / max_replicas bounds; min 0 = scale to zero after ``scale_to_zero_after_s`` idle
+                                (a request then waits while the router has the controller wake the
+                                pool: router/hold.py, cluster/deploy/wake.py)
+    max_standby / standby_cost  standby replicas the autoscaler keeps from the burst risk it sees
+                                (cluster/autoscale/standby.py), and one standby's cost in replicas
     ratio                       drafter pools only (instead of SLOs and a profile): replicas per
                                 replica of the pool that drafts on it (its speculative.drafter_pool),
                                 which must be scaled too: ceil(ratio x that pool's desired) -- the
@@ -66,7 +70,9 @@ class AutoscalePoolSection(Section):
 
     pool: str = Field("", min_length=1, description="The pool of `pools` to scale.",
                       json_schema_extra={"hint": "must name a pool of `pools` to scale"})
-    min_replicas: int = Field(1, ge=1, description="Fewest replicas (>= 1: a pool at zero would serve nothing).")
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas; 0 = scale to zero after "
+                              "autoscaling.scale_to_zero_after_s idle (a request then waits while the pool wakes: "
+                              "router.wake_timeout_s).")
     max_replicas: int = Field(8, ge=1, description="Most replicas.")
     slo_ttft_ms: float | None = Field(None, gt=0, description="p90 time-to-first-token target (prefill and colocated "
                                       "pools).", json_schema_extra={"hint": _MS})
@@ -76,6 +82,12 @@ class AutoscalePoolSection(Section):
     smoothing_s: float = Field(0.0, ge=0, description="Arrival-rate time constant, ~ a request's stay in the pool "
                                "(0 = per bucket).", json_schema_extra={"hint": "must be >= 0 seconds (0 = per bucket)"})
     headroom: float | None = Field(None, ge=0, description="Spare capacity fraction (null = 0.1).")
+    max_standby: int = Field(0, ge=0, description="Most standby replicas (loaded, unrouted; promoted first on a "
+                             "scale-up) the autoscaler keeps, sized from the bursts it saw lately; 0 = leave the "
+                             "pool's standby_replicas alone.", json_schema_extra={"hint": "must be >= 0"})
+    standby_cost: float = Field(0.1, ge=0, description="One standby replica's cost in serving replicas (its "
+                                "process and reservation without a KV cache or, with shared weights, a weight "
+                                "copy); reported with each decision.", json_schema_extra={"hint": "must be >= 0"})
     ratio: float | None = Field(None, gt=0, description="Drafter pools only, instead of SLOs and a profile: replicas "
                                 "per replica of the pool drafting on it (its speculative.drafter_pool, scaled too): "
                                 "ceil(ratio x that pool's desired); with rows_per_replica, the size until draft demand "
@@ -138,6 +150,12 @@ class AutoscalingSection(Section):
                                json_schema_extra=_SECONDS)
     drain_grace_s: float = Field(300.0, ge=0, description="How long a removed replica's in-flight requests may take "
                                  "to finish (the rest resume elsewhere).", json_schema_extra=_SECONDS)
+    standby_memory_s: float = Field(3600.0, gt=0, description="How long a burst keeps standby replicas ready for "
+                                    "the next one (the time constant its memory decays with).",
+                                    json_schema_extra={"hint": "must be > 0 seconds"})
+    scale_to_zero_after_s: float = Field(300.0, ge=0, description="A pool with min_replicas 0 goes to zero after "
+                                         "this long idle (no arrival, nothing running, queued or starting).",
+                                         json_schema_extra=_SECONDS)
     metrics_urls: tuple[str, ...] = Field((), description="The routers' /metrics (`duet router --metrics-port`), "
                                           "each http(s)://host:port/metrics, or dns+http(s)://name:port/metrics to "
                                           "read every address name resolves to each round (a headless Service of "
@@ -152,7 +170,7 @@ class AutoscalingSection(Section):
 
 def check_autoscale_pool(p: AutoscalePoolSection, key: str, s: Sources) -> None:
     need(p.min_replicas <= p.max_replicas, f"{key}.min_replicas", p.min_replicas, s,
-         f"must be >= 1 and <= max_replicas ({p.max_replicas})")
+         f"must be >= 0 and <= max_replicas ({p.max_replicas})")
     if p.ratio is not None:
         return  # a drafter pool follows its targets: no SLO, no profile (check_against_pools)
     need(p.profile is not None and Path(p.profile).expanduser().is_file(), f"{key}.profile", p.profile, s,
@@ -241,13 +259,15 @@ def to_autoscaler_config(a: AutoscalingSection, roles: dict[str, str], leaders: 
                                                       _seconds(p.slo_tpot_ms) if roles[p.pool] != "prefill" else None),
                     _load(p, f"autoscaling.pools[{i}]", {}).capacity, p.min_replicas, p.max_replicas,
                     smoothing_s=p.smoothing_s, headroom=p.headroom,
-                    fed_by=fed_by if roles[p.pool] == "decode" else None)
+                    fed_by=fed_by if roles[p.pool] == "decode" else None, max_standby=p.max_standby,
+                    standby_cost=p.standby_cost)
         for i, p in enumerate(a.pools))
     try:
         return AutoscalerConfig(pools, horizon_s=a.horizon_s, up_cooldown_s=a.up_cooldown_s,
                                 down_cooldown_s=a.down_cooldown_s, down_interval_s=a.down_interval_s,
                                 short_window_s=a.short_window_s, scale_down=a.scale_down,
-                                migration_s=a.migration_s)
+                                migration_s=a.migration_s, standby_memory_s=a.standby_memory_s,
+                                scale_to_zero_after_s=a.scale_to_zero_after_s)
     except AutoscalerConfigError as e:
         raise ClusterConfigError(str(e).replace("autoscaler.", "autoscaling.", 1)) from None
 

@@ -24,7 +24,18 @@ def check_combinations(c: Any, s: Sources) -> None:
         _check_role(pool, p, s)
         _check_embedded_resources(c, pool, p, s)
         _check_pool_device(pool, p, s)
+        _check_standby(pool, p, s)
     _check_drafter_pools(c, s)
+
+
+def _check_standby(pool: Any, p: str, s: Sources) -> None:
+    """Standby replicas are single-rank engine workers (a gang's ranks load together when it starts;
+    a drafter actor has no standby state)."""
+    need(pool.standby_replicas == 0 or pool.gang_size == 1, f"{p}.standby_replicas", pool.standby_replicas, s,
+         f"{p} is a gang of {pool.gang_size} ranks (ep_size x sp_size x tp_size): standby replicas are single-rank "
+         "workers; set standby_replicas to 0 or the parallel sizes to 1")
+    need(pool.standby_replicas == 0 or pool.role != "drafter", f"{p}.standby_replicas", pool.standby_replicas, s,
+         f"{p}.role is 'drafter': standby replicas are engine workers; a drafter pool keeps none (set 0)")
 
 
 def _check_drafter_pools(c: Any, s: Sources) -> None:

@@ -91,6 +91,7 @@ ROLES = ("colocated", "prefill", "decode", "drafter")
     ("dtype", Part(EngineConfig, "dtype")),
     ("max_model_len", Part(EngineConfig, "max_model_len")),
     ("quantization", Part(EngineConfig, "quantization")),
+    ("shared_weights_dir", Part(EngineConfig, "shared_weights_dir")),
 ])
 class ModelSection(DerivedSection):
     """What every worker serves (workers.config.EngineConfig)."""
@@ -151,6 +152,11 @@ def _resource_pairs(value: Any) -> Any:
               "drafter (prefill + decode pools make a disaggregated deployment; drafter pools serve the drafts of "
               "the pools that name them in speculative.drafter_pool)"}))),
     ("replicas", (int, Field(1, ge=1, description="Replicas (gangs of ranks) in the pool."))),
+    ("standby_replicas", (int, Field(0, ge=0, description="Standby replicas: started and loaded but unrouted (no "
+                          "KV cache), promoted first on a scale-up, when they serve in about a second "
+                          "(cluster/deploy/controller.py); one that dies is replaced. With model.shared_weights_dir "
+                          "each maps the node's one copy of the weights. The autoscaler may change the count "
+                          "(autoscaling.pools[].max_standby).", json_schema_extra={"hint": "must be >= 0"}))),
     ("cpus_per_replica", (int | None, Field(None, ge=1, description="CPUs reserved per rank = its torch threads. "
                           "null: an embedded Ray shares this machine's CPUs, less one for the router, among the ranks "
                           "that leave it unset; with ray.address, 1 (cluster/deploy/cpu_share.py).",
@@ -208,6 +214,7 @@ class PoolSection(_Pool):
     ("max_queue", Part(RouterConfig, "max_queue", "Admitted requests waiting for an in-flight slot; beyond both "
                        "limits a request gets RESOURCE_EXHAUSTED.")),
     ("shutdown_grace_s", Part(RouterConfig, "shutdown_grace_s", "Seconds in-flight streams get to finish on shutdown.")),
+    ("wake_timeout_s", Part(RouterConfig, "wake_timeout_s")),
     ("tls_cert_file", Part(RouterConfig, "tls_cert_file", "PEM certificate; with tls_key_file both ports serve TLS only.")),
     ("tls_key_file", Part(RouterConfig, "tls_key_file", "PEM private key of tls_cert_file.")),
     ("tls_client_ca_file", Part(RouterConfig, "tls_client_ca_file", "PEM CA: require client certificates it signed "
@@ -358,7 +365,9 @@ SWITCHES: dict[str, Switch] = {
     "model.dtype": Switch("DUET_DTYPE", "--dtype"),
     "model.max_model_len": Switch("DUET_MAX_MODEL_LEN", "--max-model-len"),
     "model.quantization": Switch("DUET_QUANTIZATION", "--quantization"),
+    "model.shared_weights_dir": Switch("DUET_SHARED_WEIGHTS_DIR", "--shared-weights-dir"),
     "pool.replicas": Switch("DUET_REPLICAS", "--replicas"),
+    "pool.standby_replicas": Switch("DUET_STANDBY_REPLICAS", "--standby-replicas"),
     "pool.cpus_per_replica": Switch("DUET_CPUS_PER_REPLICA", "--cpus-per-replica"),
     "pool.gpus_per_rank": Switch("DUET_GPUS_PER_RANK", "--gpus-per-rank"),
     "pool.engine.kv_cache_memory_bytes": Switch("DUET_KV_CACHE_MEMORY", "--kv-cache-memory"),

@@ -96,7 +96,7 @@ HINTS: dict[str, dict[str, Any]] = {
 
 # chart value (its path in values.yaml; "pool." = pools[] and poolDefaults alike) -> the config key
 # it feeds (templates/_config.tpl) and what the chart narrows further.
-_POOL = {"replicas": "replicas", "epSize": "ep_size", "spSize": "sp_size", "tpSize": "tp_size",
+_POOL = {"replicas": "replicas", "standbyReplicas": "standby_replicas", "epSize": "ep_size", "spSize": "sp_size", "tpSize": "tp_size",
          "placementStrategy": "placement_strategy", "maxRestarts": "max_restarts",
          **{f"engine.{k}": f"engine.{v}" for k, v in (
              ("blockSize", "block_size"), ("kvCacheMemory", "kv_cache_memory_bytes"),
@@ -128,6 +128,8 @@ CHART_KEYS: dict[str, tuple[str, dict[str, Any]]] = {
     "router.policy": ("router.policy", {}), "router.policyOptions": ("router.policy_options", {}),
     "router.maxInFlight": ("router.max_in_flight", {}), "router.maxQueue": ("router.max_queue", {}),
     "router.shutdownGraceSeconds": ("router.shutdown_grace_s", {}),
+    "router.wakeTimeoutSeconds": ("router.wake_timeout_s", {}),
+    "autoscaling.duet.scaleToZeroAfterSeconds": ("autoscaling.scale_to_zero_after_s", {}),
     "router.maxRequestBytes": ("router.max_request_bytes", {}),
     # the chart fills maxNumSeqs' default in (64) rather than leaving it to the scheduler
     **{f"pool.{k}": (f"pools[].{v}", {"type": "integer"} if k == "engine.maxNumSeqs" else {}) for k, v in _POOL.items()},

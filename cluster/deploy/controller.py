@@ -4,7 +4,8 @@ Terms:
     member      a replica that is started and reachable through Ray: (worker_id, endpoint). The
                 member list is what the router routes over.
     probe       one ``info()`` call on a replica's actor, every ``poll_interval_s`` (at most one
-                outstanding call per replica: a slow actor is never flooded).
+                outstanding call per replica: a slow actor is never flooded). A start() or
+                prepare() that returns ends the wait early: a replica joins as soon as it serves.
     liveness    the controller's concern: is the actor alive and started (Ray's view). *Routing*
                 health (gRPC health + load, every ``load_poll_interval_s``) is the router's own concern
                 (router/workers.py); the controller does not duplicate it.
@@ -32,6 +33,21 @@ work (anything routed meanwhile gets UNAVAILABLE before its first token, which t
 elsewhere). ``stop(grace)`` waits up to ``grace`` for in-flight requests, aborting only what
 outlives it (the router resumes those on another worker); then the pool kills the actors and
 frees the placement (``WorkerPool.release``).
+
+Standby (warm spare) replicas: a pool may keep ``set_standby(pool, n)`` replicas started and loaded
+but unrouted (the actor's ``prepare()``: weights mapped from the node's snapshot, no KV cache, no
+engine, no endpoint):
+
+    preparing --prepare() returned--> standby --promote()--> starting --start() returned--> up
+        (a promotion asked for while preparing starts as soon as the load is done)
+
+A standby replica is no member; ``describe()`` and ``pool_states()`` list it (``duet status``, the
+router's /metrics). Every poll keeps each pool's standby count at its target: missing ones are
+created (``WorkerPool.add_replica``) and prepared, extra ones released (nothing to drain). A standby
+replica that dies is released and replaced at once, never restarted in place; one whose
+``prepare()`` raised stays ``failed`` (shown, counted against the target, not retried: a bad model
+would fail again). ``promote(pool)`` turns the oldest ready standby into a serving replica (the
+autoscaler's Ray actuator does this before it creates new replicas); the keeper replaces it.
 
 A replica is a member exactly while it is ``up``. Every change of the member list (a join, a
 leave, a restart's new endpoint, a drain) is pushed, as the *full* list, to every subscriber
@@ -64,6 +80,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -92,6 +109,11 @@ class _Replica:
     slow_warned: bool = False
     drain_at: float = 0.0  # draining: when to call stop(drain_grace_s)
     drain_grace_s: float = 0.0
+    standby: bool = False  # kept loaded and unrouted (preparing | standby) until promoted
+    promote_pending: bool = False  # promoted while preparing: start() once prepare() returns
+    created_at: float = 0.0  # time.monotonic() of the scale-up decision (add or promote) until it is up
+    joined_as: str = "started"  # "started" | "promoted": how its latest join came about
+    ready_at: float | None = None  # when it last became up (or standby)
 
 
 class Controller:
@@ -112,15 +134,22 @@ class Controller:
         self._pushed: dict[int, Any] = {}  # subscriber index -> the list it last accepted
         self._push_lock = threading.Lock()  # one push at a time, in order
         self._stop = threading.Event()
+        self._kick = threading.Event()  # a start() or prepare() was issued: _wait_poll waits for it
         self._thread: threading.Thread | None = None
         self.num_restarts = 0  # replicas found restarted by Ray and started again
         self.num_drained = 0  # replicas retired after draining
+        self._standby_target: dict[str, int] = {p.name: 0 for p in pools}
+        self.num_promoted = 0  # standby replicas promoted to serving
+        self.num_standby_replaced = 0  # standby replicas that died and were replaced
+        # (worker id, "started" | "promoted", seconds from the decision to serving), the latest 100
+        self.joins: deque[tuple[str, str, float]] = deque(maxlen=100)
 
     # ---------------------------------------------------------------- public
     def start(self) -> None:
         """Issue start() on every replica and begin polling."""
         assert self._thread is None, "Controller.start() called twice"
         for r in self._replicas:
+            r.created_at = time.monotonic()
             self._issue_start(r)
         self._thread = threading.Thread(target=self._run, name="duet-controller", daemon=True)
         self._thread.start()
@@ -144,14 +173,75 @@ class Controller:
         with self._lock:
             return self._details_locked()
 
-    def add(self, replica: Replica) -> None:
-        """Track ``replica`` (created at runtime by ``WorkerPool.add_replica``) and start it."""
-        r = _Replica(replica)
+    def add(self, replica: Replica, *, standby: bool = False) -> None:
+        """Track ``replica`` (created at runtime by ``WorkerPool.add_replica``) and start it, or
+        with ``standby`` load it as a standby replica (module docstring)."""
+        r = _Replica(replica, state="preparing" if standby else "starting", standby=standby,
+                     created_at=time.monotonic())
         with self._lock:
             self._roles[replica.worker_id] = self._pools[replica.pool].section.role
             self._pool_of[replica.worker_id] = replica.pool
             self._replicas.append(r)
-            self._issue_start(r)
+            (self._issue_prepare if standby else self._issue_start)(r)
+
+    # ---------------------------------------------------------------- standby
+    def set_standby(self, pool: str, count: int) -> None:
+        """Keep ``count`` standby replicas in ``pool`` (created or released on the next poll)."""
+        if count < 0:
+            raise ValueError(f"set_standby({pool!r}, {count}): count must be >= 0")
+        if pool not in self._pools:
+            raise KeyError(pool)
+        with self._lock:
+            self._standby_target[pool] = count
+
+    def standby_target(self, pool: str) -> int:
+        return self._standby_target[pool]
+
+    def promote(self, pool: str) -> str | None:
+        """Turn one standby replica of ``pool`` into a serving one: the oldest ready one, else the
+        oldest still preparing (it starts when loaded). Returns its worker id, None if there is none."""
+        with self._changed:
+            spares = [r for r in self._replicas if r.replica.pool == pool and r.standby and not r.promote_pending
+                      and r.state in ("standby", "preparing")]
+            if not spares:
+                return None
+            r = min(spares, key=lambda x: (x.state != "standby", x.replica.index))
+            r.standby, r.created_at, r.joined_as = False, time.monotonic(), "promoted"
+            self.num_promoted += 1
+            if r.state == "standby":  # now, even with a probe outstanding (its answer is dropped)
+                r.state = "starting"
+                self._issue_start(r)
+            else:
+                r.promote_pending = True  # prepare() is outstanding: start once it returns
+            self._changed.notify_all()
+        logger.info("controller: %s promoted from standby", r.replica.worker_id)
+        return r.replica.worker_id
+
+    def _keep_standby(self) -> None:
+        """Each pool's standby count to its target (module docstring)."""
+        for name, pool in self._pools.items():
+            with self._lock:
+                target = self._standby_target[name]
+                spares = [r for r in self._replicas if r.replica.pool == name and r.standby]
+            extra = sorted((r for r in spares if r.state != "failed"), key=lambda r: (r.state == "standby", -r.replica.index))
+            for r in extra[: max(0, len(spares) - target)]:
+                self._drop_standby(r, "no longer needed")
+            for _ in range(target - len(spares)):
+                try:
+                    replica = pool.add_replica()
+                except Exception:
+                    logger.exception("controller: pool %s: could not create a standby replica", name)
+                    break
+                self.add(replica, standby=True)
+
+    def _drop_standby(self, r: _Replica, why: str) -> None:
+        with self._changed:
+            if r not in self._replicas:
+                return
+            self._replicas.remove(r)
+            self._changed.notify_all()
+        logger.info("controller: standby %s released (%s)", r.replica.worker_id, why)
+        self._pools[r.replica.pool].release(r.replica)
 
     def retire(self, worker_id: str, *, drain_grace_s: float = 300.0, drain_settle_s: float = 1.0) -> None:
         """Take a replica away without dropping a request (module docstring). Returns at once."""
@@ -173,7 +263,7 @@ class Controller:
     def wait_ready(self, count: int | None = None, timeout: float | None = None) -> bool:
         """Block until ``count`` replicas (default: all) are up; False on timeout, or as soon as
         too many have failed to start for ``count`` to be reachable."""
-        count = len(self._replicas) if count is None else count
+        count = sum(not r.standby for r in self._replicas) if count is None else count
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
             while len(self._members_locked()) < count:
@@ -217,23 +307,63 @@ class Controller:
             return [{"pool": r.replica.pool, "role": self.role_of(r.replica.worker_id), "index": r.replica.index,
                      "worker_id": r.replica.worker_id, "state": r.state,
                      "endpoint": r.endpoint, "incarnation": r.incarnation, "node_id": r.node_id, "starts": r.starts,
+                     "standby": r.standby, "ready_at": r.ready_at,
                      "last_error": (f"its node {r.node_id[:8]} died ({r.last_error})"
                                     if r.state == "down" and r.node_id in dead else r.last_error)}
                     for r in self._replicas]
 
+    def pool_states(self) -> dict[str, dict[str, int]]:
+        """Per pool: how many replicas are in each state (up, starting, down, failed, draining,
+        preparing, standby; a failed standby counts as ``standby_failed``) and the standby target."""
+        out: dict[str, dict[str, int]] = {}
+        with self._lock:
+            for name in self._pools:
+                counts = dict.fromkeys(("up", "starting", "down", "failed", "draining", "preparing", "standby",
+                                        "standby_failed"), 0)
+                for r in self._replicas:
+                    if r.replica.pool == name:
+                        counts["standby_failed" if r.standby and r.state == "failed" else r.state] += 1
+                counts["standby_target"] = self._standby_target[name]
+                out[name] = counts
+        return out
+
     def stop(self) -> None:
         """Stop polling (before the pool is shut down, so nothing is restarted meanwhile)."""
         self._stop.set()
+        self._kick.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
 
     # ---------------------------------------------------------------- loop
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_interval_s):
+        while not self._stop.is_set():
+            self._wait_poll()
+            if self._stop.is_set():
+                return
             try:
                 self._tick()
             except Exception:  # a bug: log it and keep the pool watched
                 logger.exception("controller: poll failed")
+
+    def _wait_poll(self) -> None:
+        """Until the next poll: ``poll_interval_s``, or sooner when a start() or prepare() returns, so a
+        replica (a promoted standby above all) joins the member list as soon as it serves instead of
+        up to a poll interval later. A start issued meanwhile (``promote``, ``add``: other threads)
+        is waited for too (``_kick``)."""
+        import ray
+
+        deadline = time.monotonic() + self.poll_interval_s
+        while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            self._kick.clear()
+            with self._lock:
+                starting = [r.call for r in self._replicas if r.call is not None
+                            and r.call_kind in ("start", "prepare")]
+            if starting:
+                ready, _ = ray.wait(starting, num_returns=1, timeout=min(left, 0.1))
+                if ready:
+                    return
+            else:
+                self._kick.wait(left)
 
     def _tick(self) -> None:
         import ray
@@ -257,6 +387,7 @@ class Controller:
             elif now >= r.drain_at:
                 peers = self._migration_peers(r)
                 r.call, r.call_kind, r.call_since = r.replica.actor.stop.remote(r.drain_grace_s, peers), "drain", now
+        self._keep_standby()
         for index, (push, detailed) in enumerate(list(self._subscribers)):
             self._push(index, push, detailed)
 
@@ -282,16 +413,35 @@ class Controller:
         try:
             result = ray.get(call)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            if r.standby:  # nothing runs on it: replace it now rather than wait for Ray's restart
+                self.num_standby_replaced += 1
+                self._drop_standby(r, f"died: {type(e).__name__}: {_first_line(e)}")
+                return
             self._set(r, "down", None, f"{type(e).__name__}: {_first_line(e)}")
             return
         except ray.exceptions.RayTaskError as e:  # start() itself raised (bad model, port taken, ...)
             self._set(r, "failed", None, f"{kind} failed: {_first_line(e.cause if e.cause else e)}")
             logger.error("controller: %s %s failed (not retried): %s", wid, kind, e)
             return
+        if r.promote_pending and kind == "prepare":  # promoted while it was loading
+            r.promote_pending = False
+            self._set(r, "starting", None, "")
+            self._issue_start(r)
+            return
         if kind == "start":
             self._set(r, "up", result, "")
             return
+        if kind == "prepare":
+            self._set(r, "standby", None, "")
+            return
         endpoint, incarnation = result.get("endpoint"), result.get("incarnation")
+        if r.standby and endpoint is None:
+            if not result.get("standby"):  # Ray restarted it: load it again
+                self._set(r, "preparing", None, "restarted by Ray")
+                self._issue_prepare(r)
+            with self._lock:
+                r.node_id = result.get("node_id", r.node_id)
+            return
         if endpoint is None:  # a fresh actor: Ray restarted it (or it was stopped): start it again
             if r.state in ("up", "down"):
                 self.num_restarts += 1
@@ -332,7 +482,7 @@ class Controller:
                 r.call = None
                 self._release(r, f"did not finish draining within {now - r.call_since:.0f} s")
             return
-        limit = self.start_timeout_s if r.call_kind == "start" else self.probe_timeout_s
+        limit = self.start_timeout_s if r.call_kind in ("start", "prepare") else self.probe_timeout_s
         if now - r.call_since > limit and not r.slow_warned:
             r.slow_warned = True
             r.last_error = f"{r.call_kind} has not answered for {now - r.call_since:.0f} s"
@@ -341,6 +491,12 @@ class Controller:
     def _issue_start(self, r: _Replica) -> None:
         r.call, r.call_kind, r.call_since, r.slow_warned = r.replica.actor.start.remote(), "start", time.monotonic(), False
         r.starts += 1
+        self._kick.set()
+
+    def _issue_prepare(self, r: _Replica) -> None:
+        r.call, r.call_kind, r.call_since, r.slow_warned = r.replica.actor.prepare.remote(), "prepare", time.monotonic(), False
+        r.starts += 1
+        self._kick.set()
 
     def _issue_probe(self, r: _Replica) -> None:
         r.call, r.call_kind, r.call_since, r.slow_warned = r.replica.actor.info.remote(), "probe", time.monotonic(), False
@@ -351,6 +507,11 @@ class Controller:
                 return  # retired meanwhile (retire() ran between this call's check and here): draining is final
             before = (r.state, r.endpoint)
             r.state, r.endpoint = state, endpoint
+            if state in ("up", "standby") and before[0] != state:
+                r.ready_at = time.monotonic()
+                if state == "up" and before[0] == "starting" and r.created_at:  # a join: how long it took
+                    self.joins.append((r.replica.worker_id, r.joined_as, r.ready_at - r.created_at))
+                    r.created_at = 0.0
             if error:
                 r.last_error = error
             if before != (state, endpoint):

@@ -20,7 +20,8 @@ def resolve_cpus(c: DuetConfig, node_cpus: int | None) -> tuple[DuetConfig, str]
     node_cpus: the CPUs an embedded Ray offers (None: an existing cluster, whose nodes this process
     cannot see: 1 CPU per rank). Embedded, the CPUs left after the explicit pools, the drafters and
     ``ROUTER_CPUS`` are shared evenly among the ranks of the pools that leave it unset (at least 1).
-    An autoscaled pool counts at its ``max_replicas``, so the replicas it may add have room too."""
+    An autoscaled pool counts at its ``max_replicas``, so the replicas it may add have room too, and
+    standby replicas count like serving ones (each reserves its CPUs)."""
     unset = [p for p in c.pools if p.cpus_per_replica is None]
     if not unset:
         return c, "cpus_per_replica as configured"
@@ -28,10 +29,11 @@ def resolve_cpus(c: DuetConfig, node_cpus: int | None) -> tuple[DuetConfig, str]
         chosen = 1
         why = "1 (ray.address is set: size pools with cpus_per_replica)"
     else:
-        most = {a.pool: a.max_replicas for a in c.autoscaling.pools} if c.autoscaling.enabled else {}
+        scaled = {a.pool: a for a in c.autoscaling.pools} if c.autoscaling.enabled else {}
 
         def replicas(p) -> int:
-            return max(p.replicas, most.get(p.name, 0))
+            a = scaled.get(p.name)
+            return max(p.replicas, a.max_replicas if a else 0) + max(p.standby_replicas, a.max_standby if a else 0)
         fixed = sum(replicas(p) * p.gang_size * p.cpus_per_replica for p in c.pools if p.cpus_per_replica is not None)
         drafters = sum(replicas(p) * p.speculative.drafter_cpus for p in c.pools  # private drafter actors
                        if p.speculative.method == "draft_model" and not p.speculative.drafter_pool)

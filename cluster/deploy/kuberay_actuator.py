@@ -33,6 +33,11 @@ have a rank on a pod that looks idle; and if fewer pods look idle than must go, 
 rest (logged). A replica on a deleted pod ends like a failed worker: Ray re-places its bundle, the
 controller restarts it, and the router resumes its interrupted streams on other workers.
 
+Standby replicas (``set_standby``) are pods of the group as well: the group holds the pool's
+serving replicas plus its standby ones. What is NOT guaranteed: a standby has no endpoint, so the
+pod hosting one looks idle to a shrink (above) and may be picked; the replica then ends like a
+failed worker and the controller replaces it.
+
 ``status(pool)`` is the RayActuator's (replica states as the controller sees them: a replica whose
 pod is Pending/Unschedulable shows as *pending* because its placement group is not placed).
 """
@@ -63,6 +68,7 @@ class KubeRayPoolActuator:
         self._ray, self._kube, self._hosts = ray, kube, hosts
         self._pods: dict[str, int] = {}  # pool -> group size last set (initially the configured size)
         self._shrink: dict[str, int] = {}  # pool -> group size to apply once its drains are done
+        self._standby: dict[str, int] = {}  # pool -> standby replicas last set (pods beside the serving ones)
         self._lock = threading.Lock()
 
     def status(self, pool: str) -> PoolStatus:
@@ -75,16 +81,30 @@ class KubeRayPoolActuator:
         if replicas < 0:
             raise ValueError(f"scale_to({pool!r}, {replicas}): replicas must be >= 0")
         with self._lock:
-            pods = self._pods.setdefault(pool, self._ray.status(pool).desired)
-            if replicas > pods:  # pods first: room for the new actors
-                self._kube.scale_to(pool, replicas)
-                self._pods[pool] = replicas
-            self._ray.scale_to(pool, replicas)  # on the way down: the victims start draining
-            if replicas < self._pods[pool]:
-                self._shrink[pool] = replicas
-                self._settle(pool, self._ray.status(pool))
-            else:
-                self._shrink.pop(pool, None)  # a scale-up superseded a shrink still waiting for drains
+            self._resize(pool, replicas, self._standby.get(pool, self._ray.status(pool).standby_target),
+                         lambda: self._ray.scale_to(pool, replicas))
+
+    def set_standby(self, pool: str, replicas: int) -> None:
+        """Standby replicas are pods of the group too (one per replica): pods first on the way up,
+        after they are released on the way down (a standby has nothing to drain)."""
+        if replicas < 0:
+            raise ValueError(f"set_standby({pool!r}, {replicas}): replicas must be >= 0")
+        with self._lock:
+            self._resize(pool, self._ray.status(pool).desired, replicas, lambda: self._ray.set_standby(pool, replicas))
+            self._standby[pool] = replicas
+
+    def _resize(self, pool: str, replicas: int, standby: int, apply: Callable[[], None]) -> None:
+        pods = self._pods.setdefault(pool, self._ray.status(pool).desired + self._standby.get(pool, 0))
+        want = replicas + standby
+        if want > pods:  # pods first: room for the new actors
+            self._kube.scale_to(pool, want)
+            self._pods[pool] = want
+        apply()  # on the way down: the victims start draining (standby ones are released at once)
+        if want < self._pods[pool]:
+            self._shrink[pool] = want
+            self._settle(pool, self._ray.status(pool))
+        else:
+            self._shrink.pop(pool, None)  # a scale-up superseded a shrink still waiting for drains
 
     def _settle(self, pool: str, status: PoolStatus) -> None:
         """Shrink the pool's group once none of its replicas drains or starts (a starting replica's

@@ -8,6 +8,10 @@ with ``draining`` set (routers send it nothing new and let its streams finish) u
 the server's pool per watcher (``max_watchers``; routers are few). Stopping the service ends every
 stream (the routers then keep their last list and reconnect, see router/membership.py).
 
+``Wake`` (a router holds a request no member can take) wakes the pools of the roles it names that
+are scaled to zero, through the ``wake`` callable ``duet serve`` installs (cluster/deploy/wake.py
+``PoolWaker.wake``); without one, nothing sleeps and the reply is empty.
+
 The same server answers grpc.health.v1 (service "" and "duet.control.v1.Membership"): SERVING
 from the moment it listens -- which ``duet serve`` reaches only once its workers are up, so a
 Kubernetes startup probe on this port waits out model loading -- and NOT_SERVING once stopping.
@@ -25,6 +29,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -45,9 +50,11 @@ class MembershipServicer(control_pb2_grpc.MembershipServicer):
     """Holds the latest list (and its version) and wakes every parked Watch when it changes."""
 
     def __init__(self, role_of: Callable[[str], str] = lambda worker_id: "colocated",
-                 drafter_pool_of: Callable[[str], str] = lambda worker_id: "") -> None:
+                 drafter_pool_of: Callable[[str], str] = lambda worker_id: "",
+                 wake: Callable[[list[str], str], Any] | None = None) -> None:
         self._role_of = role_of  # worker id -> pool role, sent with each member
         self._drafter_pool_of = drafter_pool_of  # worker id -> the drafter pool its requests draft on
+        self._wake_pools = wake  # (roles, requester) -> cluster.deploy.wake.WakeOutcome
         self._cond = threading.Condition()
         self._version = 0
         self._message = control_pb2.MemberList()
@@ -103,6 +110,17 @@ class MembershipServicer(control_pb2_grpc.MembershipServicer):
         with self._cond:
             self._cond.notify_all()
 
+    def Wake(self, request: control_pb2.WakeRequest, context: grpc.ServicerContext) -> control_pb2.WakeReply:
+        if self._wake_pools is None:
+            return control_pb2.WakeReply()
+        try:
+            out = self._wake_pools(list(request.roles), request.requester or context.peer())
+        except Exception as e:
+            logger.exception("membership: waking pools for %s failed", request.requester or context.peer())
+            context.abort(grpc.StatusCode.INTERNAL, f"waking pools failed: {e}")
+        return control_pb2.WakeReply(woken=list(out.woken), waking=list(out.waking),
+                                     from_standby=list(out.from_standby))
+
 
 class MembershipService:
     """A started Membership server (``serve_membership``)."""
@@ -123,9 +141,11 @@ class MembershipService:
         self._server.stop(grace).wait(grace + 5)
 
 
-def serve_membership(controller: Controller, host: str, port: int, *, max_watchers: int = 16) -> MembershipService:
-    """Listen on host:port (0 = any free port) and follow ``controller``'s member list."""
-    servicer = MembershipServicer(controller.role_of, controller.drafter_pool_of)
+def serve_membership(controller: Controller, host: str, port: int, *, max_watchers: int = 16,
+                     wake: Callable[[list[str], str], Any] | None = None) -> MembershipService:
+    """Listen on host:port (0 = any free port) and follow ``controller``'s member list. wake:
+    answers Wake (cluster/deploy/wake.py ``PoolWaker.wake``); None = nothing sleeps."""
+    servicer = MembershipServicer(controller.role_of, controller.drafter_pool_of, wake)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_watchers, thread_name_prefix="duet-membership"),
                          options=[("grpc.so_reuseport", 0)])
     control_pb2_grpc.add_MembershipServicer_to_server(servicer, server)

@@ -357,16 +357,17 @@ def _check_embedded_capacity(section: PoolSection, bundle: dict[str, float], clu
     """An embedded Ray cannot grow: a pool needing more of any resource than it has fails at once."""
     ranks = section.gang_size
     for name, amount in bundle.items():
-        needed, have = section.replicas * ranks * amount, cluster.get(name, 0)
+        needed, have = (section.replicas + section.standby_replicas) * ranks * amount, cluster.get(name, 0)
         if needed <= have:
             continue
         fix = {"CPU": "cpus_per_replica or raise ray.num_cpus", "GPU": "gpus_per_rank"}.get(
             name, "resources_per_rank (an embedded Ray offers no custom resources; join a cluster whose "
                   "nodes do with ray.address)")
+        standby = f" (+ {section.standby_replicas} standby)" if section.standby_replicas else ""
         raise PoolError(
-            f"pool {section.name!r} needs {section.replicas} replicas x {ranks} ranks (ep_size x sp_size x tp_size) "
-            f"x {amount:g} {name} = {needed:g} {name}, but the embedded Ray has {have:g}; lower the pool's replicas / "
-            f"ep_size / tp_size / sp_size / {fix}")
+            f"pool {section.name!r} needs {section.replicas} replicas{standby} x {ranks} ranks (ep_size x sp_size x "
+            f"tp_size) x {amount:g} {name} = {needed:g} {name}, but the embedded Ray has {have:g}; lower the pool's "
+            f"replicas / standby_replicas / ep_size / tp_size / sp_size / {fix}")
 
 
 def _check_embedded_drafters(section: PoolSection, cluster: dict[str, float]) -> None:

@@ -15,6 +15,11 @@
             and retried elsewhere by the router; one that outlives ``drain_grace_s`` is resumed
             on another worker by the router.
 
+Standby replicas (cluster/deploy/controller.py): ``scale_to`` promotes the pool's standby replicas
+before it creates new ones (a promotion serves in about a second, a new replica after a full
+start), and ``set_standby(pool, n)`` sets how many the controller keeps; they are no live replica
+(``scale_to`` never removes one) and ``status`` reports them as ``standby``.
+
 ``status(pool)`` reads the controller's replica states: up -> ready; starting or down (Ray is
 restarting it) -> starting, unless its bundles are not placed (not yet, or no longer: its node died
 and Ray is re-placing them where there is room, ``WorkerPool.is_placed``) -> pending; failed (its
@@ -58,19 +63,27 @@ class RayActuator:
 
     def status(self, pool: str) -> PoolStatus:
         states = self._states(pool)
-        count = {s: sum(1 for _, st in states if st == s) for s in ("up", "starting", "pending", "draining")}
+        count = {s: sum(1 for _, st in states if st == s) for s in ("up", "starting", "pending", "draining",
+                                                                     "standby")}
         return PoolStatus(pool, self._desired[pool], count["up"], count["starting"], count["pending"],
-                          count["draining"])
+                          count["draining"], standby=count["standby"],
+                          standby_target=self._controller.standby_target(pool))
+
+    def set_standby(self, pool: str, replicas: int) -> None:
+        self._controller.set_standby(pool, replicas)
 
     def scale_to(self, pool: str, replicas: int) -> None:
         if replicas < 0:
             raise ValueError(f"scale_to({pool!r}, {replicas}): replicas must be >= 0")
         p = self._pools[pool]
         with self._lock:
-            live = [(row, st) for row, st in self._states(pool) if st != "draining"]
+            live = [(row, st) for row, st in self._states(pool) if st not in ("draining", "standby")]
             if replicas > len(live):
                 for _ in range(replicas - len(live)):
-                    self._controller.add(p.add_replica())
+                    if (wid := self._controller.promote(pool)) is not None:
+                        logger.info("ray actuator: pool %s: promoted standby %s", pool, wid)
+                    else:
+                        self._controller.add(p.add_replica())
             elif replicas < len(live):
                 ranked = sorted(live, key=lambda x: (_VICTIM_ORDER[x[1]], -int(x[0]["index"])))
                 for row, _state in ranked[: len(live) - replicas]:
@@ -89,7 +102,9 @@ class RayActuator:
                 continue
             state = str(row["state"])
             replica = replicas.get(str(row["worker_id"]))
-            if state == "failed" or (state in ("starting", "down") and replica is not None
+            if row.get("standby"):  # preparing, standby or failed: a spare, never a live replica
+                out.append((row, "standby"))
+            elif state == "failed" or (state in ("starting", "down") and replica is not None
                                      and not p.is_placed(replica)):
                 out.append((row, "pending"))
             elif state == "down":

@@ -10,9 +10,11 @@ The order, in ``start_deployment`` (each step undone, in reverse, if a later one
     3. the pools, in config order: each its own placement group + worker actors (cluster/deploy/pools.py);
        a disaggregated deployment has a prefill pool and a decode pool, sized and placed apart; a
        drafter pool's replicas are drafter actors that the router hands to the pools naming it
-    4. the controller starts every worker and waits until they serve (cluster/deploy/controller.py)
+    4. the controller starts every worker and waits until they serve (cluster/deploy/controller.py);
+       it also loads each pool's ``standby_replicas`` (loaded, unrouted: promoted first on a scale-up)
     5. the controller's membership service (duet.control.v1.Membership on ``controller.port``,
-       cluster/deploy/membership_service.py)
+       cluster/deploy/membership_service.py), whose Wake wakes pools scaled to zero through the
+       deployment's actuator (cluster/deploy/wake.py) when a router holds a request for one
     6. the router (``router.replicas`` of them, active-active on consecutive ports: router i serves
        gRPC on ``router.port + i`` and HTTP on ``router.http_port + i``), each on a background thread
        with the workers as its first members; every one polls every worker, so all see the same load
@@ -64,8 +66,10 @@ from cluster.config.duet import DuetConfig
 from cluster.deploy.cpu_share import resolve_cpus
 from cluster.deploy.controller import Controller
 from cluster.deploy.membership_service import MembershipService, serve_membership
+from cluster.deploy.pool_metrics import PoolStateCollector
 from cluster.deploy.pools import WorkerPool, create_pool
 from cluster.deploy.ray_conn import RayConnection, connect
+from cluster.deploy.wake import PoolWaker
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +90,8 @@ class Deployment:
     router: Any = None  # router.server.RouterHandle: the first of ``routers``
     routers: list[Any] = field(default_factory=list)  # every router this process runs (router.replicas)
     autoscaler: Any = None  # cluster.autoscale.loop.AutoscaleLoop, with autoscaling enabled
-    actuator: Any = None  # cluster.deploy.kuberay_actuator.make_actuator's, with autoscaling enabled
+    actuator: Any = None  # autoscaling.actuator's (cluster/deploy/kuberay_actuator.py), else a RayActuator
+    waker: Any = None  # cluster.deploy.wake.PoolWaker: wakes pools scaled to zero for the routers
     model_path: Path | None = None
     max_model_len: int | None = None
     cpus_note: str = ""  # what resolve_cpus chose, for the startup line
@@ -211,6 +216,8 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
                                    placement_timeout_s=config.controller.placement_timeout_s))
     d.controller = Controller(d.pools, poll_interval_s=config.controller.poll_interval_s,
                               start_timeout_s=config.controller.start_timeout_s)
+    for section in config.pools:  # loaded from the controller's first poll on, beside the serving replicas
+        d.controller.set_standby(section.name, section.standby_replicas)
     d.controller.start()
     replicas = sum(len(p.replicas) for p in d.pools)
     logger.info("duet: waiting for %d workers to load %s", replicas, config.model.name)
@@ -229,7 +236,9 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
     assert d.model_path is not None  # resolved before the pools start
     d.max_model_len = min(effective_max_model_len(d.model_path, config.model.max_model_len, endpoint)
                           for endpoint in targets)  # a prompt must fit every pool's KV
-    d.membership = serve_membership(d.controller, config.controller.host, config.controller.port)
+    d.actuator = _make_actuator(d)
+    d.waker = PoolWaker(d.actuator, {p.name: p.role for p in config.pools})
+    d.membership = serve_membership(d.controller, config.controller.host, config.controller.port, wake=d.waker.wake)
     if not with_router:
         _start_autoscaler(d)
         logger.info("duet: controller serving %d workers of %s (context %d tokens), no router here; routers "
@@ -242,6 +251,7 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
         d.routers.append(serve_router(dataclasses.replace(
             router_config, port=router_config.port + i if router_config.port else 0,
             http_port=router_config.http_port + i if router_config.http_port else 0), d.controller.router_members()))
+        d.routers[-1].server.metrics.registry.register(PoolStateCollector(d.controller))  # standby etc. on /metrics
     d.router = d.routers[0]
     _start_autoscaler(d)
     logger.info("duet: serving %s on %s (gRPC)%s (%d workers, policy %s, context %d tokens, %s; members from %s)",
@@ -250,11 +260,23 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
                 len(d.controller.members()), router_config.policy, d.max_model_len, d.cpus_note, d.membership.address)
 
 
+def _make_actuator(d: Deployment) -> Any:
+    """The actuator of ``autoscaling.actuator`` (the Ray one when autoscaling is off: it wakes pools
+    scaled to zero and promotes standby replicas for the membership service's Wake)."""
+    from cluster.deploy.kuberay_actuator import make_actuator
+    from cluster.deploy.ray_actuator import RayActuator
+
+    a = d.config.autoscaling
+    assert d.controller is not None  # started before the actuator
+    if a.enabled:
+        return make_actuator(a, d.pools, d.controller)
+    return RayActuator(d.pools, d.controller, drain_grace_s=a.drain_grace_s)
+
+
 def _start_autoscaler(d: Deployment) -> None:
     """Step 7 of the module docstring (nothing when autoscaling is off)."""
     from cluster.autoscale.loop import AutoscaleLoop, SLOAutoscaler
     from cluster.autoscale.metrics import PrometheusWindows, source_for
-    from cluster.deploy.kuberay_actuator import make_actuator
     from router.prometheus import metrics_registry
 
     a = d.config.autoscaling
@@ -263,7 +285,6 @@ def _start_autoscaler(d: Deployment) -> None:
     sources = [source_for(url) for url in a.metrics_urls]
     if not sources:  # checked in start_deployment: without metrics_urls, this process runs the router
         sources = [metrics_registry(r.stats, r.server.metrics.registry).collect for r in d.routers]
-    d.actuator = make_actuator(a, d.pools, d.controller)
     d.autoscaler = AutoscaleLoop(SLOAutoscaler(d.config.to_autoscaler_config()),
                                  PrometheusWindows(sources, window_buckets=a.window_buckets,
                                                    latency_buckets=a.latency_buckets),

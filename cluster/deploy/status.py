@@ -18,14 +18,16 @@ Example output::
     router 127.0.0.1:50051: SERVING, model SmolLM2-135M-Instruct (context 1456)
       policy prefix_aware, in flight 1/128, queued 0/512; requests 12 (rejected 0, cancelled 1),
       2 workers healthy of 2, member list v3
-    pool default: 2 workers
+    pool default: 2 workers, 1 standby
       default-0  10.0.0.5:41231  SERVING  running 1 waiting 0  outstanding 40 tok  KV 3/91 blocks  pid 1234  node 5c1a09e2
       default-1  10.0.0.5:40877  SERVING  running 0 waiting 0  outstanding 0 tok   KV 0/91 blocks  pid 1240  node 8f03b7d1
                  migrations: 8 out, 0 in, 0 failed, 36.9 MB; draining
+      default-2  -               STANDBY  loaded, unrouted (promoted first on a scale-up)  pid 1251  node 5c1a09e2
     pool drafters: 1 drafters
       drafters-0 10.0.0.7:40111  SERVING  requests 3 (drafting 2)  streams 2  KV 5/400 blocks  mean batch 2.6  pid 1250  node 77aa01c3
                  rounds 812, 2904 draft tokens, 0 evicted, 0 expired
-(the migrations line appears once a worker has migrated or is draining: workers/handoff/migration_service.py)
+(the migrations line appears once a worker has migrated or is draining: workers/handoff/migration_service.py;
+a STANDBY worker is a loaded, unrouted spare: cluster/deploy/controller.py)
 """
 
 from __future__ import annotations
@@ -83,8 +85,10 @@ def worker_status(namespace: str, timeout: float = 5.0) -> list[dict[str, Any]]:
             workers.append(entry)
             continue
         entry.update(endpoint=info.get("endpoint"), incarnation=info.get("incarnation"), pid=info.get("pid"),
-                     node_id=info.get("node_id"), role=info.get("role", "worker"))
-        if entry["endpoint"] is None:
+                     node_id=info.get("node_id"), standby=bool(info.get("standby")), role=info.get("role", "worker"))
+        if entry["standby"]:
+            pass  # loaded, unrouted: promoted first on a scale-up
+        elif entry["endpoint"] is None:
             entry["error"] = "not serving (starting, or restarted by Ray and not started yet)"
         elif entry["role"] == "drafter":
             entry.update(_drafter_load(entry["endpoint"], timeout))
@@ -189,9 +193,14 @@ def format_status(status: dict[str, Any]) -> str:
     for w in workers or []:
         pools.setdefault(w["pool"], []).append(w)
     for pool, members in pools.items():
+        spares = sum(bool(w.get("standby")) for w in members)
         kind = "drafters" if any(w.get("role") == "drafter" for w in members) else "workers"
-        lines.append(f"pool {pool}: {len(members)} {kind}")
+        lines.append(f"pool {pool}: {len(members) - spares} {kind}" + (f", {spares} standby" if spares else ""))
         for w in members:
+            if w.get("standby"):
+                lines.append(f"  {w['worker_id']:<12} {'-':<22} STANDBY     loaded, unrouted (promoted first on a "
+                             f"scale-up)  pid {w['pid']}{_node(w)}")
+                continue
             if "error" in w:
                 lines.append(f"  {w['worker_id']:<12} {w.get('endpoint') or '-':<22} {w['error']}")
                 continue

@@ -3,11 +3,14 @@ reads and drives, over the simulated pools of cluster/sim/simulator.py.
 
     SimMetrics    the MetricsProvider: each pool's window of per-tick buckets, the same fields a
                   Prometheus-backed provider reads (see autoscale_loop.py for the metric names)
-    SimActuator   the PoolActuator: replicas start after the pool's ``startup_s``; beyond
-                  ``max_total_replicas`` they are pending until a replica leaves. Scale-down
-                  cancels pending, then starting (newest first), then removes the ready replicas
-                  with the fewest requests in flight: they drain, or migrate their requests away
-                  when the pool has a MigrationModel (cluster/sim/migration.py)
+    SimActuator   the PoolActuator: a scale-up promotes the pool's loaded standby replicas first
+                  (each serves after ``standby_s``), then starts new replicas (after ``startup_s``;
+                  beyond ``max_total_replicas`` they are pending until a replica leaves). The
+                  standby count is kept at its target (``set_standby``): a promoted spare is
+                  replaced by a new one that loads for ``startup_s``. Scale-down cancels pending,
+                  then starting (newest first), then removes the ready replicas with the fewest
+                  requests in flight: they drain, or migrate their requests away when the pool has
+                  a MigrationModel (cluster/sim/migration.py)
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class ControlHost(Protocol):
     max_total: int | None
     migrator: Migrator
 
-    def schedule_ready(self, r: SimReplica) -> None: ...
+    def schedule_ready(self, r: SimReplica, after_s: float | None = None) -> None: ...
     def drain(self, r: SimReplica) -> None: ...
 
 
@@ -100,7 +103,42 @@ class SimActuator:
         p = self.sim.pools[pool]
         states = [r.state for r in p.replicas.values()]
         return PoolStatus(pool, p.desired, states.count("ready"), states.count("starting"), p.pending,
-                          states.count("draining"))
+                          states.count("draining"), standby=len(p.spares), standby_target=p.standby_target)
+
+    def set_standby(self, pool: str, replicas: int) -> None:
+        p = self.sim.pools[pool]
+        p.standby_target = replicas
+        self.keep_standby(p)
+
+    def keep_standby(self, p: PoolState) -> None:
+        """The pool's standby count to its target: new spares load for startup_s, extra ones go
+        (the ones still loading first)."""
+        now = self.sim.now
+        p.count_spares(now)
+        while len(p.spares) < p.standby_target:
+            r = SimReplica(f"{p.name}-{p.next_index}", p.name, p.spec.service, p.colocated, now)
+            p.next_index += 1
+            r.state = "preparing"
+            p.spares.append(r)
+            self.sim.schedule_ready(r, p.spec.startup_s)
+        if len(p.spares) > p.standby_target:
+            p.spares.sort(key=lambda r: r.state == "standby")  # preparing ones go first
+            for r in p.spares[: len(p.spares) - p.standby_target]:
+                r.state = "gone"
+            p.spares = p.spares[len(p.spares) - p.standby_target:]
+
+    def _promote(self, p: PoolState, now: float) -> bool:
+        spare = next((r for r in p.spares if r.state == "standby"), None)
+        if spare is None:
+            return False
+        p.count_spares(now)
+        p.spares.remove(spare)
+        spare.state, spare.created_at = "starting", now
+        p.replicas[spare.worker_id] = spare
+        p.count_alive(now, +1)
+        p.promotions += 1
+        self.sim.schedule_ready(spare, p.spec.standby_s)
+        return True
 
     def scale_to(self, pool: str, replicas: int) -> None:
         p, now = self.sim.pools[pool], self.sim.now
@@ -112,6 +150,9 @@ class SimActuator:
                 r.state, r.drain_at = "ready", float("inf")
                 p.routable.append(r)
                 have += 1
+            while have < replicas and self._promote(p, now):
+                have += 1
+            self.keep_standby(p)
             for _ in range(replicas - have):
                 if self._room():
                     self.sim.schedule_ready(self.add_replica(p, now))

@@ -52,7 +52,13 @@ class SimPool:
     replica's running requests move (None: it drains, waiting for them to finish). rebalance: every
     tick, replicas far above the pool's mean load move sequences to the ones below it (the router's
     rebalancer; cluster/sim/migration.py). spec: a decoding pool's speculation (cluster/sim/spec.py);
-    draft: a drafter pool's round cost (its ``service`` is unused)."""
+    draft: a drafter pool's round cost (its ``service`` is unused).
+
+    startup_s: a new replica's time from the scale-up decision to serving; standby_s: a standby
+    replica's (promoted); both measured per model and device (cluster/sim/startup.py,
+    benchmarks/startup_bench.py). standby: standby replicas kept from the start (the autoscaler
+    may change the count); a standby takes startup_s to become one, costs ``standby_cost``
+    serving replicas while it waits, and a scale-up promotes it before starting new replicas."""
 
     name: str
     role: str
@@ -63,12 +69,19 @@ class SimPool:
     policy_options: dict[str, Any] = field(default_factory=dict, hash=False)
     migration: MigrationModel | None = None
     rebalance: bool = False
+    standby_s: float = 1.0
+    standby: int = 0
+    standby_cost: float = 0.1
     spec: SpecModel | None = None
     draft: DraftCost | None = None
 
     def __post_init__(self) -> None:
         if self.rebalance and self.migration is None:
             raise ValueError(f"pool {self.name!r}: rebalance moves running requests, so it needs a migration model")
+        for key in ("startup_s", "standby_s", "standby_cost"):
+            v = getattr(self, key)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"pool {self.name!r}: {key}={v!r}: must be a number >= 0")
         if (self.role == "drafter") != (self.draft is not None):
             raise ValueError(f"pool {self.name!r}: a drafter pool needs a draft cost, and only a drafter pool has one")
         if self.spec is not None and (self.role not in ("colocated", "decode") or self.migration is not None):
@@ -107,6 +120,12 @@ class PoolState:
         self.alive = 0  # starting + ready + draining
         self.alive_since = 0.0
         self.replica_seconds = 0.0
+        self.standby_target = spec.standby
+        self.spares: list[SimReplica] = []  # standby replicas: preparing (loading) or standby (loaded)
+        self.spares_since = 0.0
+        self.standby_seconds = 0.0  # replica-seconds of standby replicas (costed at spec.standby_cost)
+        self.promotions = 0
+        self.wakes = 0  # scaled up from zero by an arriving request
         self.bucket = Bucket()
         self.history: deque[Bucket] = deque()
         self.spec_counters = SpecCounters()  # since the last tick (speculating pools)
@@ -115,3 +134,8 @@ class PoolState:
     def count_alive(self, now: float, delta: int) -> None:
         self.replica_seconds += self.alive * (now - self.alive_since)
         self.alive, self.alive_since = self.alive + delta, now
+
+    def count_spares(self, now: float) -> None:
+        """Close the standby replica-seconds up to ``now`` (call before changing ``spares``)."""
+        self.standby_seconds += len(self.spares) * (now - self.spares_since)
+        self.spares_since = now

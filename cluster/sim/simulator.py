@@ -31,7 +31,9 @@ Events (a heap of (time, seq, kind, ...); O(log n) per event, O(1) events per re
 autoscaler tick): arrival, prefill done, decode done (lazily invalidated by a per-replica version
 when the batch changes), replica ready, tick, and for migrations a source's link free / a sequence
 arrived on its target. Requests that find no ready replica wait in the
-pool's router queue (FIFO) and count in ``queue_depth``.
+pool's router queue (FIFO) and count in ``queue_depth``; a request for a pool scaled to zero wakes
+it at once (``scale_to(pool, 1)``, as the router's Wake does: cluster/deploy/wake.py), and again
+at a tick while requests wait there and the pool is at zero (the router's wake retry).
 
 Replica-hours integrate every replica that exists (starting, ready or draining) over time.
 ``SimResult.migration`` counts migrations, bytes moved and how long each removed replica took to
@@ -89,6 +91,8 @@ class SimResult:
     cpu_s: float  # process CPU time of the run (the wall time on a shared machine is not the cost)
     end_s: float
     migration: MigrationStats = field(default_factory=MigrationStats)
+    standby_seconds: dict[str, float] = field(default_factory=dict)  # standby replica-seconds x standby_cost
+    promotions: dict[str, int] = field(default_factory=dict)  # standby replicas promoted, per pool
     spec: dict[str, SpecCounters] = field(default_factory=dict)  # speculating pool -> its counters
 
     @property
@@ -97,7 +101,13 @@ class SimResult:
 
     @property
     def replica_hours(self) -> float:
-        return sum(self.replica_seconds.values()) / 3600.0
+        """Serving replicas (starting, ready, draining) plus standby replicas at their cost."""
+        return (sum(self.replica_seconds.values()) + sum(self.standby_seconds.values())) / 3600.0
+
+    @property
+    def standby_hours(self) -> float:
+        """The standby replicas' share of ``replica_hours`` (already weighted by their cost)."""
+        return sum(self.standby_seconds.values()) / 3600.0
 
     def p90(self, which: str) -> float:
         x = getattr(self, which)
@@ -142,7 +152,7 @@ class Simulation:
                                   clock=lambda: self.now) if scaling is not None else None
         self.timeline: dict[str, list[float]] = {"t": [], "arrival_rps": [], "ttft_p90": [], "tpot_p90": []}
         for p in self.pools.values():
-            for key in ("ready", "alive", "desired"):
+            for key in ("ready", "alive", "desired", "standby"):
                 self.timeline[f"{p.name}.{key}"] = []
 
     # ------------------------------------------------------------------ driver
@@ -152,12 +162,16 @@ class Simulation:
             for _ in range(p.spec.replicas):
                 r = self.actuator.add_replica(p, 0.0)
                 self._ready(r)  # the initial replicas are up at t = 0
+            self.actuator.keep_standby(p)
+            for r in p.spares:  # so are the initial standby replicas
+                self._ready(r)
         if len(self.trace):
             self._push(float(self.trace.t[0]), ARRIVAL, 0)
         self._push(self.tick_s, TICK, None)
         events = self._loop()
         for p in self.pools.values():
             p.count_alive(self.now, 0)
+            p.count_spares(self.now)
             self._take_spec(p)
         ttft = np.asarray(self.first) - self.trace.t
         out = self.trace.output
@@ -169,7 +183,10 @@ class Simulation:
             met &= np.isnan(tpot) | (tpot <= self.slo.tpot_p90_s)
         return SimResult(ttft, tpot, met, {p.name: p.replica_seconds for p in self.pools.values()},
                          self.timeline, events, time.perf_counter() - wall, time.process_time() - cpu, self.now,
-                         self.migrator.stats, {p.name: p.spec_total for p in self.pools.values() if p.spec.spec})
+                         self.migrator.stats, {p.name: p.standby_seconds * p.spec.standby_cost
+                                               for p in self.pools.values()},
+                         {p.name: p.promotions for p in self.pools.values()},
+                         {p.name: p.spec_total for p in self.pools.values() if p.spec.spec})
 
     def _push(self, t: float, kind: int, a: Any, b: int = 0) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, a, b))
@@ -218,6 +235,9 @@ class Simulation:
     def _route(self, pool: PoolState, i: int) -> SimReplica | None:
         if not pool.routable:
             pool.queue.append(i)
+            if pool.desired == 0:  # scaled to zero: the router holds the request and wakes the pool
+                self.actuator.scale_to(pool.name, 1)
+                pool.wakes += 1
             return None
         return self.pick(pool, pool.routable, i)
 
@@ -300,8 +320,12 @@ class Simulation:
 
     # ------------------------------------------------------------------ replicas
     def _ready(self, r: SimReplica) -> None:
+        if r.state == "preparing":  # a standby replica finished loading
+            self.pools[r.pool].count_spares(self.now)
+            r.state = "standby"
+            return
         if r.state != "starting":
-            return  # cancelled while starting
+            return  # cancelled while starting (or a spare dropped while loading)
         r.state, r.ready_at = "ready", self.now
         pool = self.pools[r.pool]
         pool.routable.append(r)
@@ -313,9 +337,9 @@ class Simulation:
         if r.state == "draining" and r.idle() and not self.migrator.busy(r):
             self.actuator.remove(self.pools[r.pool], r)
 
-    def schedule_ready(self, r: SimReplica) -> None:
-        """A replica just asked for is ready after its pool's start-up time."""
-        self._push(self.now + self.pools[r.pool].spec.startup_s, READY, r)
+    def schedule_ready(self, r: SimReplica, after_s: float | None = None) -> None:
+        """A replica just asked for is ready after ``after_s`` (default its pool's start-up time)."""
+        self._push(self.now + (self.pools[r.pool].spec.startup_s if after_s is None else after_s), READY, r)
 
     def drain(self, r: SimReplica) -> None:
         """``r`` was just taken out of routing: it migrates its requests away, or drains."""
@@ -355,6 +379,9 @@ class Simulation:
         if self.loop is not None:
             self.loop.step(self.now)
         for p in self.pools.values():
+            if p.queue and p.desired == 0:  # held requests ask again (the router's wake retry)
+                self.actuator.scale_to(p.name, 1)
+                p.wakes += 1
             if p.spec.rebalance:
                 self.migrator.rebalance(p)
         self._record()
@@ -370,3 +397,4 @@ class Simulation:
             tl[f"{p.name}.ready"].append(len(p.routable))
             tl[f"{p.name}.alive"].append(p.alive)
             tl[f"{p.name}.desired"].append(p.desired)
+            tl[f"{p.name}.standby"].append(len(p.spares))

@@ -24,6 +24,7 @@ from cluster.deploy.pools import rank_bundle
 # here, in POD_ONLY or in NOT_YET_USED: a new value cannot be added without saying where it goes.
 REACHES_CONFIG: dict[str, tuple[str, str, Any]] = {
     "replicas": ("replicas=3", "replicas", 3),
+    "standbyReplicas": ("standbyReplicas=2", "standby_replicas", 2),  # also sizes the group (+2 pods)
     "cpusPerRank": ("cpusPerRank=5", "cpus_per_replica", 5),
     "epSize": ("epSize=2", "ep_size", 2),
     "spSize": ("spSize=2", "sp_size", 2),
@@ -70,7 +71,8 @@ P0 = ["pools[0].name=p"]
 DRAFT = ["poolDefaults.speculative.method=draft_model", "poolDefaults.speculative.draftModel=/m/d"]
 POD_ONLY = {"minReplicas", "maxReplicas", "memoryPerRank", "nodeSelector", "tolerations", "affinity"}
 NOT_YET_USED: set[str] = set()  # the README and NOTES say so (test_chart_readme.py)
-AUTOSCALING = {"slo", "profile"}  # reach autoscaling.pools[] with autoscaling.duet (test_chart_autoscaling.py)
+AUTOSCALING = {"slo", "profile", "maxStandby"}  # reach autoscaling.pools[] with autoscaling.duet
+# (test_chart_autoscaling.py, test_chart_coldstart.py)
 FREE_FORM = {"slo", "profile", "nodeSelector", "affinity", "drafterResources"}  # maps that are one value each
 
 

@@ -21,14 +21,18 @@ Axes: T tokens in the step, B single-token chunks, L context, S cache slots, G k
 from __future__ import annotations
 
 import logging
+import math
+import mmap
+import threading
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from kernels import set_cpu_kernels_enabled
+from kernels import cpu_kernels_available, set_cpu_kernels_enabled
 
 from workers.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs, Graph
@@ -44,6 +48,8 @@ from workers.models.config import ModelSpec
 from workers.models.checkpoint import checkpoint_dir
 from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_model
+from workers.models.shared_weights import SharedWeights
+from workers.startup import StartupTimeline
 from workers.parallel.groups import get_group
 from workers.parallel.sharding import attention_shard
 from workers.engine.runner import KVLayout, MoEStats, RunnerOutput, RunnerTiming
@@ -91,6 +97,36 @@ def _decode_rows(c: ScheduledChunk) -> list[ScheduledChunk]:
             for i, t in enumerate(c.token_ids)]
 
 
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python 3.11 lacks the name
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, populate: bool = False) -> torch.Tensor:
+    """A zero-filled tensor. On the CPU it lives in an anonymous private memory map: the kernel hands
+    out zero pages on first touch, so allocating is O(1) (a start or a standby's promotion does not
+    wait for it; ``torch.zeros`` writes every byte up front, ~0.5 s for 256 MiB on a busy host).
+    populate: commit the memory anyway, on a background thread (MADV_POPULATE_WRITE: faults every page
+    in writable without touching its contents, so it is safe beside the engine's writes), so the
+    worker's memory is all resident soon after it serves -- a memory limit is hit at start, not
+    under load later, and the resident size stays flat while serving. Elsewhere ``torch.zeros``."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if populate:
+        threading.Thread(target=_populate, args=(buf,), name="duet-kv-populate", daemon=True).start()
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+
+
+def _populate(buf: mmap.mmap) -> None:
+    try:
+        buf.madvise(_MADV_POPULATE_WRITE)
+    except (OSError, ValueError) as e:  # an older kernel: pages stay lazily committed, nothing else changes
+        logger.info("KV cache: MADV_POPULATE_WRITE unsupported here (%s); its pages become resident on first use", e)
+
+
 def cache_blocks(config: EngineConfig, spec: ModelSpec) -> int:
     """KV blocks per rank: ``cache.num_blocks``, or what ``kv_cache_memory_bytes`` holds. Under tensor
     parallelism the pool is sized by the largest per-rank share of kv heads (rank 0's), so every
@@ -126,9 +162,8 @@ class ModelRunner:
         assert g == self.kv_heads.size, (g, self.kv_heads)
         # [layers, 2, S, G, D]; zeros, not empty: padded gathers read unused slots, which are masked
         # out, but NaN garbage would still poison the masked softmax.
-        self.kv_cache = torch.zeros(
-            spec.num_layers, 2, slots, g, spec.head_dim, dtype=config.torch_dtype, device=self.device
-        )
+        self.kv_cache = zeroed((spec.num_layers, 2, slots, g, spec.head_dim), config.torch_dtype, self.device,
+                               populate=True)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler(frozenset(spec.eos_token_ids))
         self._requests: dict[str, _RequestState] = {}
@@ -151,15 +186,37 @@ class ModelRunner:
                                    -(-max_model_len // self.block_size), self.device, graph_factory)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> ModelRunner:
-        """Load ``config.model`` (this rank's shard of it inside a gang) and size the KV cache."""
+    def from_config(cls, config: EngineConfig, timeline: StartupTimeline | None = None) -> ModelRunner:
+        """Load ``config.model`` (this rank's shard of it inside a gang) and size the KV cache.
+        timeline: marks the kernels, weights and kv phases (workers/startup.py)."""
+        config = resolve_for_process(config, checkpoint_dir(config.model))  # idempotent (an engine's is resolved)
+        model, spec = cls.load(config, timeline)
+        runner = cls(model, spec, config, cache_blocks(config, spec))
+        if timeline is not None:
+            timeline.mark("kv")
+        return runner
+
+    @staticmethod
+    def load(config: EngineConfig, timeline: StartupTimeline | None = None) -> tuple[LlamaForCausalLM, ModelSpec]:
+        """The model of ``config`` without a KV cache (what a standby replica holds): the CPU kernels
+        loaded, then the weights (mapped from the node's snapshot with ``shared_weights_dir``)."""
         path = checkpoint_dir(config.model)
         config = resolve_for_process(config, path)  # idempotent: an engine passes a resolved config
+        spec = ModelSpec.from_pretrained(path)
+        if timeline is not None:
+            timeline.mark("config")
         if not config.cpu_kernels:
             set_cpu_kernels_enabled(False)  # process-wide: this process runs one model
+        elif config.device == "cpu":
+            cpu_kernels_available()  # load (or build) now rather than inside the first request
+        if timeline is not None:
+            timeline.mark("kernels")
+        shared = SharedWeights(Path(config.shared_weights_dir)) if config.shared_weights_dir else None
         model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
-                                 fused_decode=config.fused_decode)
-        return cls(model, spec, config, cache_blocks(config, spec))
+                                 fused_decode=config.fused_decode, shared=shared, spec=spec)
+        if timeline is not None:
+            timeline.mark("weights", note=shared.last_source if shared is not None else "checkpoint")
+        return model, spec
 
     def kv_layout(self) -> KVLayout:
         s = self.spec

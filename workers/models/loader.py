@@ -8,6 +8,10 @@ checkpoint prepared from a GGUF (the embedded SmolLM2, a user's .gguf file) load
 instead, its Q4_0 / Q4_1 / Q4_K tensors kept as codes for 'q4' and its Q8_0 ones for 'int8'
 (workers/models/gguf_weights.py, gguf_quants.py): the model is then the GGUF's, not a
 re-quantization of its de-quantized copy.
+
+Weights shared per node (``shared``, workers/models/shared_weights.py): the loaded and processed
+tensors are written once per node to a snapshot file that every later worker maps instead of
+loading (the load below runs only on a miss); the node then holds one copy of the weights.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from workers.models.config import ModelSpec
 from workers.models.gguf_weights import has_native_tensors, iter_gguf
 from workers.models.llama import LlamaForCausalLM
 from workers.models.registry import check_spec, model_class
+from workers.models.shared_weights import SharedWeights, files_fingerprint
 from workers.parallel.groups import get_group
 
 logger = logging.getLogger(__name__)
@@ -49,34 +54,49 @@ def iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torc
 
 def load_model(
     path: Path, dtype: torch.dtype, device: str = "cpu", quantization: str = "none", use_gguf: bool = True,
-    fused_decode: bool = True,
+    fused_decode: bool = True, shared: SharedWeights | None = None, spec: ModelSpec | None = None,
 ) -> tuple[LlamaForCausalLM, ModelSpec]:
-    """The model of checkpoint ``path``; ``use_gguf=False`` makes 'q4' quantize the safetensors even
-    when a GGUF source exists (tests compare the two). fused_decode: False keeps a Llama-family
-    model's decode steps off the fused decoder stack (workers/models/decode_stack.py)."""
+    """The model of checkpoint ``path``; ``use_gguf=False`` makes 'q4' quantize the safetensors even when a GGUF source exists (tests
+    compare the two). fused_decode: False keeps a Llama-family model's decode steps off the fused
+    decoder stack (workers/models/decode_stack.py). shared: the node's shared snapshots (None: load
+    a private copy); ``shared.last_source`` then says where the tensors came from. spec: the
+    checkpoint's ModelSpec when the caller has read it already."""
     t0 = time.perf_counter()
-    spec = ModelSpec.from_pretrained(path)
-    check_spec(spec, str(path), tp_size=get_group("tp").world_size, sp_size=get_group("sp").world_size,
-               ep_size=get_group("ep").world_size, quantization=quantization)
+    spec = spec or ModelSpec.from_pretrained(path)
+    tp, sp, ep = get_group("tp"), get_group("sp"), get_group("ep")
+    check_spec(spec, str(path), tp_size=tp.world_size, sp_size=sp.world_size, ep_size=ep.world_size,
+               quantization=quantization)
     cls = model_class(spec)
     with torch.device(device):
         model = cls(spec, quantization).to(dtype)
     gguf = gguf_source(path) if quantization != "none" and use_gguf else None
     if gguf is not None and quantization == "int8" and not has_native_tensors(gguf, "int8"):
         gguf = None  # no Q8_0 linear weights: the safetensors (the same de-quantized values) load faster
-    weights = iter_gguf(gguf, spec, quantization) if gguf is not None else iter_safetensors(path, dtype)
-    try:
-        loaded = model.load_weights(weights)  # type: ignore[arg-type]  # GGUF QuantizedWeights go to quantized layers
-    except KeyError as e:
-        raise CheckpointError(f"{path}: unexpected tensor {e.args[0]!r} for model_type {spec.model_type!r}") from None
-    missing = model.expected_weights() - loaded
-    if missing:
-        names = sorted(f"{n}[{s}]" if s else n for n, s in missing)[:5]
-        raise CheckpointError(f"{path}: checkpoint is missing {len(missing)} tensors, e.g. {names}")
-    model.process_weights_after_loading()
+
+    def load() -> None:
+        weights = iter_gguf(gguf, spec, quantization) if gguf is not None else iter_safetensors(path, dtype)
+        try:
+            loaded = model.load_weights(weights)  # type: ignore[arg-type]  # GGUF QuantizedWeights go to quantized layers
+        except KeyError as e:
+            raise CheckpointError(f"{path}: unexpected tensor {e.args[0]!r} for model_type {spec.model_type!r}") from None
+        missing = model.expected_weights() - loaded
+        if missing:
+            names = sorted(f"{n}[{s}]" if s else n for n, s in missing)[:5]
+            raise CheckpointError(f"{path}: checkpoint is missing {len(missing)} tensors, e.g. {names}")
+        model.process_weights_after_loading()
+
+    if shared is None:
+        load()
+        source = "checkpoint"
+    else:
+        files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+        key = {"files": files_fingerprint(files + ([gguf] if gguf is not None else [])), "dtype": str(dtype),
+               "quantization": quantization, "gguf": gguf is not None, "device": torch.device(device).type,
+               "ranks": [(g.rank, g.world_size) for g in (tp, sp, ep)]}
+        source = shared.load(model, key, load)
     model.eval()
     if hasattr(model, "fused_decode"):  # the Llama family (decode_stack.py covers only its layers)
         model.fused_decode = fused_decode
-    logger.info("loaded %s (%s, %d layers, quantization %s%s) in %.1fs", path, spec.model_type, spec.num_layers,
-                quantization, f" from {gguf.name}" if gguf else "", time.perf_counter() - t0)
+    logger.info("loaded %s (%s, %d layers, quantization %s%s; %s) in %.1fs", path, spec.model_type, spec.num_layers,
+                quantization, f" from {gguf.name}" if gguf else "", source, time.perf_counter() - t0)
     return model, spec

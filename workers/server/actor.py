@@ -22,6 +22,12 @@ Worked example (from the cluster side)::
     ray.get(actor.stop.remote())                    # drain, abort the rest, stop serving
     ray.kill(actor)
 
+Standby (cluster/deploy/pools.py): ``prepare()`` loads the model and tokenizer (weights mapped from
+the node's snapshot when ``shared_weights_dir`` is set), warms them up once through a throwaway
+engine, and stops there: no KV cache, no engine, no endpoint. A later ``start()`` promotes it: it
+builds the KV cache and engine around what is loaded and serves, in a fraction of a cold start. ``startup()`` reports both starts' phases
+(workers/startup.py).
+
 After a Ray restart the actor comes back *not serving* (``__init__`` runs again, ``start`` does
 not): whoever owns the pool calls ``start()`` again and learns the new endpoint (the port is chosen
 afresh unless one was given) and, from GetLoad, the new incarnation.
@@ -33,15 +39,19 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 
 import ray
 
+from workers.build import Preloaded, build_engine, preload
 from workers.config import EngineConfig
+from workers.engine.engine import Engine
 from workers.engine.device import resolve_for_rank
 from workers.models.assets.resolve import resolve_model
 from workers.server.service import WorkerServer, start_worker_server
 from workers.server.threads import apply as apply_threads
 from workers.server.threads import thread_niceness
+from workers.startup import StartupTimeline
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +74,7 @@ class WorkerActor:
     """
 
     def __init__(self, engine_config: EngineConfig, worker_id: str, host: str | None = None, port: int = 0) -> None:
+        self._init_at = time.monotonic()  # the end of the cluster-side "schedule" phase
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
         self._threads = apply_threads(engine_config, max(1, int(cpus)))
         self._num_threads = self._threads.num_threads
@@ -73,17 +84,73 @@ class WorkerActor:
         self._host = host or ray.util.get_node_ip_address()
         self._port = port
         self._server: WorkerServer | None = None
+        self._preloaded: Preloaded | None = None
+        self._resolved = False
+        self._timelines: dict[str, StartupTimeline] = {}  # "prepare" (standby load), "start"
+        self._lock: asyncio.Lock | None = None  # created on the actor's event loop
+
+    def _guard(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    async def _resolve(self, timeline: StartupTimeline) -> None:
+        if not self._resolved:
+            self._config = await asyncio.to_thread(rank_config, self._config, float(len(self._gpu_ids)))
+            self._resolved = True
+            timeline.mark("resolve")
+
+    async def prepare(self) -> None:
+        """Standby: load the model and tokenizer, no KV cache, no serving (module docstring). Idempotent;
+        a no-op once serving."""
+        async with self._guard():
+            if self._preloaded is not None or self._server is not None:
+                return
+            timeline = StartupTimeline.start(self._init_at)
+            await self._resolve(timeline)
+            self._preloaded = await asyncio.to_thread(self._preload, timeline)
+            self._timelines["prepare"] = timeline
+            logger.info("actor %s: standby (loaded in %.2f s; %s)", self._worker_id, timeline.elapsed_s,
+                        timeline.notes.get("weights", ""))
+
+    def _preload(self, timeline: StartupTimeline) -> Preloaded:
+        import torch  # the worker process only (the driver imports this module too)
+
+        torch.set_num_threads(self._num_threads)  # this thread's OpenMP pool, as on the engine thread
+        pre = preload(self._config, timeline)
+        pre.warm_up(self._config, timeline)
+        return pre
 
     async def start(self) -> str:
-        """Load the engine and serve; returns the endpoint ("host:port"). Idempotent."""
-        if self._server is None:
-            self._config = await asyncio.to_thread(rank_config, self._config, float(len(self._gpu_ids)))
-            self._server = await start_worker_server(
-                self._config, self._host, self._port, self._worker_id, num_threads=self._num_threads
-            )
-            logger.info("actor %s: %d torch threads, serving on %s", self._worker_id, self._num_threads,
-                        self._server.endpoint)
+        """Load the engine and serve (promote a standby: only the KV cache, warm-up and server are
+        left); returns the endpoint ("host:port"). Idempotent."""
+        async with self._guard():
+            if self._server is None:
+                timeline = StartupTimeline.start(self._init_at if self._preloaded is None else None)
+                await self._resolve(timeline)
+                make_engine = None
+                if (pre := self._preloaded) is not None:
+                    config = self._config
+
+                    def make_engine() -> Engine:
+                        return build_engine(config, runner=pre.runner(config, timeline), tokenizer=pre.tokenizer,
+                                            timeline=timeline)
+                self._server = await start_worker_server(
+                    self._config, self._host, self._port, self._worker_id, num_threads=self._num_threads,
+                    make_engine=make_engine, timeline=timeline, warm_up=make_engine is None)
+                self._preloaded = None  # the engine owns the model now
+                self._timelines["start"] = timeline
+                logger.info("actor %s: %d torch threads, serving on %s (%s in %.2f s)", self._worker_id,
+                            self._num_threads, self._server.endpoint, "promoted" if make_engine is not None else "started",
+                            timeline.elapsed_s)
         return self._server.endpoint
+
+    def startup(self) -> dict[str, object]:
+        """This incarnation's start-up: ``init_at`` (monotonic time ``__init__`` began: the end of the
+        cluster's schedule phase) and the timelines (workers/startup.py ``to_dict``) of ``prepare``
+        (a standby's load) and ``start`` (a cold start, or a promotion), each None if not run."""
+        return {"init_at": self._init_at, **{k: (t.to_dict() if (t := self._timelines.get(k)) else None)
+                                             for k in ("prepare", "start")}}
 
     def rank_device(self) -> dict[str, object]:
         """The GPUs Ray assigned this worker and the device its engine config asks for."""
@@ -111,6 +178,7 @@ class WorkerActor:
             "niceness": sorted(thread_niceness()),  # of every thread of the process
             "gpu_ids": self._gpu_ids,
             "device": self._config.device,
+            "standby": self._preloaded is not None and self._server is None,
         }
 
     async def stop(self, grace: float = 5.0, migrate_to: list[tuple[str, str]] | None = None) -> None:

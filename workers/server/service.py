@@ -70,6 +70,7 @@ from workers.handoff.migration_service import MigrationFailed, Migrator
 from workers.handoff.prefix_pull import PrefixPull
 from workers.sampling_params import SamplingParams
 from workers.engine.proposer import DrafterRef
+from workers.startup import StartupTimeline
 from workers.engine.sequence import FinishReason
 from workers.structured.convert import spec_from_proto
 
@@ -412,7 +413,8 @@ async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.
                               worker_id: str | None = None, *, num_threads: int | None = None,
                               max_inflight: int = 1024, kv_transfer_timeout_s: float = 30.0,
                               kv_transfer_backend: str | None = None, migration_attach_timeout_s: float = 30.0,
-                              make_engine: Callable[[], Engine] | None = None) -> WorkerServer:
+                              make_engine: Callable[[], Engine] | None = None,
+                              timeline: StartupTimeline | None = None, warm_up: bool = True) -> WorkerServer:
     """Load the engine on its own thread, then serve on ``host:port`` (0 = any free port).
 
     num_threads: torch intra-op threads for the engine thread (match the CPUs reserved for it).
@@ -425,13 +427,17 @@ async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.
         before it is aborted (workers/handoff/migration_service.py).
     make_engine: builds the engine on the engine thread (default ``build_engine(engine_config)``; a gang
     leader also joins its process group there, see workers/server/gang_actor.py).
+    timeline: marks this start's phases (workers/startup.py): the default engine build's, then
+    warm_up and serve (a custom ``make_engine`` marks its own).
+    warm_up: run one warm-up request before serving; False when this process already paid the
+    first-call costs (a promoted standby replica: workers/build.py ``Preloaded.warm_up``).
     """
     if kv_transfer_backend is None:
         kv_transfer_backend = engine_config.kv_transfer_backend
     check_kv_backend(kv_transfer_backend)  # fails before the engine loads; the device is checked once resolved
     loop = asyncio.get_running_loop()
-    build = make_engine or (lambda: build_engine(engine_config))
-    engine = EngineLoop(lambda: _warmed_up(build()), loop, num_threads=num_threads)
+    build = make_engine or (lambda: build_engine(engine_config, timeline=timeline))
+    engine = EngineLoop(lambda: _warmed_up(build(), timeline) if warm_up else build(), loop, num_threads=num_threads)
     limits = await engine.start()
     worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
     servicer = WorkerServicer(engine, limits, worker_id, max_inflight)
@@ -460,12 +466,16 @@ async def start_worker_server(engine_config: EngineConfig, host: str = "127.0.0.
         servicer.migrator = Migrator(engine, servicer.disagg, limits, worker_id, servicer.incarnation, endpoint,
                                      to_sampling_params, timeout_s=kv_transfer_timeout_s,
                                      attach_timeout_s=migration_attach_timeout_s)
+    if timeline is not None:
+        timeline.mark("serve")
     logger.info("worker %s serving on %s (max_model_len %d)", worker_id, endpoint, limits.max_model_len)
     return WorkerServer(server, servicer, engine, health_servicer, endpoint)
 
 
-def _warmed_up(engine: Engine) -> Engine:
+def _warmed_up(engine: Engine, timeline: StartupTimeline | None) -> Engine:
     engine.warm_up()  # on the engine thread, before SERVING: the first request's TTFT is a steady-state one
+    if timeline is not None:
+        timeline.mark("warm_up")
     return engine
 
 

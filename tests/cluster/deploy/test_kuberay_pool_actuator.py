@@ -33,6 +33,9 @@ class FakeRay:
         self.desired = n
         self.log.append(("ray", n))
 
+    def set_standby(self, pool: str, n: int) -> None:
+        self.log.append(("standby", n))
+
 
 class FakeKube:
     """A KubeRayActuator stand-in: ``group`` is its pods as (name, IP, state); ``deleted`` the
@@ -171,3 +174,14 @@ def test_selection_builds_the_actuator_the_config_names(config_file, tmp_path):
 def test_actuator_config_errors_name_the_key_and_the_fix(config_file, extra, message):
     with pytest.raises(ClusterConfigError, match=message):
         load_config(config_file(extra), env={})
+
+
+def test_standby_replicas_are_pods_of_the_group_too():
+    log: list = []
+    a = KubeRayPoolActuator(FakeRay(log, size=2), FakeKube(log))
+    a.set_standby("decode", 1)
+    assert log == [("pods", 3), ("standby", 1)]  # a pod for the standby before the actor
+    a.scale_to("decode", 3)  # the serving replicas and the standby together
+    assert log[2:] == [("pods", 4), ("ray", 3)]
+    a.set_standby("decode", 0)  # released at once (nothing to drain): the group shrinks after
+    assert log[4:] == [("standby", 0), ("pods", 3)]

@@ -58,3 +58,8 @@ def prepare_named(name: str, cache_dir: Path | None = None, force: bool = False)
     if (canonical := qwen.canonical_name(name)) is not None:
         return qwen.prepare_qwen(canonical, cache_dir, force=force)
     raise ModelNotFoundError(f"model {name!r} is not a known model name: {CHECKPOINT_HINT}")
+
+
+def is_known_name(name: str) -> bool:
+    """Whether ``prepare_named`` knows ``name`` (SmolLM2 or a Qwen2.5-Coder alias)."""
+    return name in SMOLLM2_ALIASES or qwen.canonical_name(name) is not None

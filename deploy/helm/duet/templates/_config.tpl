@@ -244,7 +244,7 @@ grpc: {port: {{ $v.router.port }}}
       "cpus_per_replica" (int .cpusPerRank) "placement_strategy" .placementStrategy
       "max_restarts" (int .maxRestarts) "ep_size" (int .epSize) "sp_size" (int .spSize) "tp_size" (int .tpSize)
       "gpus_per_rank" (int .gpusPerRank) "resources_per_rank" (dict .rayResource 1)
-      "engine" $engine "speculative" $speculative }}
+      "standby_replicas" (int .standbyReplicas) "engine" $engine "speculative" $speculative }}
 {{- if eq .role "drafter" }}
 {{- $d := .drafter }}
 {{- $_ := set $pool "drafter" (dict "model" $d.model "quantization" $d.quantization "threads" (int $d.threads)
@@ -254,12 +254,15 @@ grpc: {port: {{ $v.router.port }}}
 {{- end }}
 {{- $config := dict
   "model" (dict "name" $v.model.name "dtype" $v.model.dtype "max_model_len" $v.model.maxModelLen
-      "quantization" $v.model.quantization)
+      "quantization" $v.model.quantization
+      "shared_weights_dir" (ternary (printf "%s/weights" $v.modelCache.mountPath) nil
+                                    (and $v.modelCache.enabled $v.modelCache.sharedWeights)))
   "pools" $pools
   "router" (dict "host" "0.0.0.0" "port" (int $v.router.port) "http_port" (int $v.router.httpPort)
       "policy" $v.router.policy
       "policy_options" $v.router.policyOptions "max_in_flight" (int $v.router.maxInFlight)
       "max_queue" (int $v.router.maxQueue) "shutdown_grace_s" (float64 $v.router.shutdownGraceSeconds)
+      "wake_timeout_s" (float64 $v.router.wakeTimeoutSeconds)
       "max_request_bytes" (toString $v.router.maxRequestBytes))
   "ray" (dict "address" "auto" "namespace" $v.rayNamespace)
   "controller" (dict "poll_interval_s" (float64 $v.head.controller.pollIntervalSeconds)
@@ -269,7 +272,7 @@ grpc: {port: {{ $v.router.port }}}
 {{- $scaled := list }}
 {{- range . }}
 {{- $p := dict "pool" .name "min_replicas" (int .minReplicas) "max_replicas" (int .maxReplicas)
-      "profile" (printf "/etc/duet/profile-%s.json" .name) }}
+      "profile" (printf "/etc/duet/profile-%s.json" .name) "max_standby" (int .maxStandby) }}
 {{- if .slo.ttftMs }}{{ $_ := set $p "slo_ttft_ms" (float64 .slo.ttftMs) }}{{ end }}
 {{- if .slo.tpotMs }}{{ $_ := set $p "slo_tpot_ms" (float64 .slo.tpotMs) }}{{ end }}
 {{- $scaled = append $scaled $p }}
@@ -277,6 +280,7 @@ grpc: {port: {{ $v.router.port }}}
 {{- $d := $v.autoscaling.duet }}
 {{- $auto := dict "enabled" true "interval_s" (float64 $d.intervalSeconds) "drain_grace_s" (float64 $d.drainGraceSeconds)
       "down_cooldown_s" (float64 $d.downCooldownSeconds) "actuator" $d.actuator "pools" $scaled
+      "scale_to_zero_after_s" (float64 $d.scaleToZeroAfterSeconds)
       "metrics_urls" (list (printf "dns+http://%s-router-pods:%d/metrics" (include "duet.fullname" $) (int $v.router.metrics.port))) }}
 {{- if eq $d.actuator "kubernetes" }}
 {{- $_ := set $auto "kubernetes" (dict "raycluster" (include "duet.fullname" $) "namespace" $.Release.Namespace) }}

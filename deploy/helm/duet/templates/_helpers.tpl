@@ -47,7 +47,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/* Environment of every Duet container. */}}
 {{- define "duet.env" -}}
 - name: DUET_CACHE_DIR
-  value: {{ .Values.cacheDir | quote }}
+  value: {{ ternary .Values.modelCache.mountPath .Values.cacheDir .Values.modelCache.enabled | quote }}
 - name: DUET_CONFIG
   value: /etc/duet/duet.yaml
 {{- end }}
@@ -62,6 +62,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   mountPath: {{ .Values.modelVolume.mountPath }}
   readOnly: true
 {{- end }}
+{{- if .Values.modelCache.enabled }}
+- name: node-model-cache
+  mountPath: {{ .Values.modelCache.mountPath }}
+{{- end }}
 {{- end }}
 
 {{- define "duet.volumes" -}}
@@ -71,6 +75,34 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if .Values.modelVolume.enabled }}
 - name: models
   {{- toYaml .Values.modelVolume.source | nindent 2 }}
+{{- end }}
+{{- if .Values.modelCache.enabled }}
+- name: node-model-cache
+  hostPath:
+    path: {{ .Values.modelCache.hostPath }}
+    type: DirectoryOrCreate
+{{- end }}
+{{- end }}
+
+{{/* The node model cache's pre-pull (modelCache.prePull): an init container that copies the image's
+cache (prepared default model, built kernels) into the node's directory where missing, then prepares
+or downloads model.name there, so the pod's own containers find it and a later pod on the node
+downloads nothing. Nothing when the cache is off. */}}
+{{- define "duet.prePull" -}}
+{{- $v := .Values }}
+{{- if and $v.modelCache.enabled $v.modelCache.prePull }}
+- name: model-cache-pre-pull
+  image: {{ include "duet.image" . }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  securityContext:
+    {{- toYaml $v.securityContext | nindent 4 }}
+  command: ["/bin/sh", "-c", "cp -Rn \"$DUET_IMAGE_CACHE\"/. \"$DUET_CACHE_DIR\"/ 2>/dev/null; exec python -m workers.models.assets --model \"$DUET_PRE_PULL_MODEL\""]
+  env:
+    {{- include "duet.env" . | nindent 4 }}
+    - {name: DUET_IMAGE_CACHE, value: {{ $v.cacheDir | quote }}}
+    - {name: DUET_PRE_PULL_MODEL, value: {{ $v.model.name | quote }}}
+  volumeMounts:
+    {{- include "duet.volumeMounts" . | nindent 4 }}
 {{- end }}
 {{- end }}
 
@@ -92,6 +124,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/* .Values.pools with poolDefaults filled in (deep merge; the pool wins), as a JSON list, each with
 the derived keys the templates share:
   gang           ranks per replica = epSize * spSize * tpSize (a replica is one worker pod)
+  groupReplicas / groupMinReplicas / groupMaxReplicas   the worker group's pods: the replicas' plus
+                 one per standby replica (standbyReplicas, or up to maxStandby when autoscaled)
   podCpus/podGpus/podMemory   what that pod requests: gang x the per-rank amounts
   rayResource    the pool's own custom Ray resource, duet_pool_<name>: each rank's bundle asks for one
                  unit (resources_per_rank in the ConfigMap), and only the pool's worker group offers it
@@ -104,6 +138,10 @@ Numbers come back as float64 from JSON: wrap them in int where an integer is nee
 {{- $pool := mustMergeOverwrite (deepCopy $.Values.poolDefaults) (deepCopy .) }}
 {{- if kindIs "invalid" $pool.minReplicas }}{{ $_ := set $pool "minReplicas" $pool.replicas }}{{ end }}
 {{- if kindIs "invalid" $pool.maxReplicas }}{{ $_ := set $pool "maxReplicas" $pool.replicas }}{{ end }}
+{{- $spare := int $pool.standbyReplicas }}
+{{- $_ := set $pool "groupReplicas" (add (int $pool.replicas) $spare) }}
+{{- $_ := set $pool "groupMinReplicas" (add (int $pool.minReplicas) $spare) }}
+{{- $_ := set $pool "groupMaxReplicas" (add (int $pool.maxReplicas) (max $spare (int $pool.maxStandby))) }}
 {{- $gang := mul (int $pool.epSize) (int $pool.spSize) (int $pool.tpSize) }}
 {{- $memAmount := regexFind "^[0-9]+" (toString $pool.memoryPerRank) | atoi }}
 {{- $memUnit := regexFind "(Mi|Gi)$" (toString $pool.memoryPerRank) }}
@@ -199,6 +237,10 @@ resources use the form KubeRay documents: resources: '"{\"drafter\": 8}"'. */}}
       {{- with $g.affinity }}
       affinity:
         {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with (include "duet.prePull" .root) }}
+      initContainers:
+        {{- . | nindent 8 }}
       {{- end }}
       {{- $drain := and $v.workerDrain.enabled (ne $g.role "drafter") }}
       {{- if $drain }}

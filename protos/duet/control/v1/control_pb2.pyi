@@ -6,6 +6,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class WakeRequest(_message.Message):
+    __slots__ = ("roles", "requester")
+    ROLES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    roles: _containers.RepeatedScalarFieldContainer[str]
+    requester: str
+    def __init__(self, roles: _Optional[_Iterable[str]] = ..., requester: _Optional[str] = ...) -> None: ...
+
+class WakeReply(_message.Message):
+    __slots__ = ("woken", "waking", "from_standby")
+    WOKEN_FIELD_NUMBER: _ClassVar[int]
+    WAKING_FIELD_NUMBER: _ClassVar[int]
+    FROM_STANDBY_FIELD_NUMBER: _ClassVar[int]
+    woken: _containers.RepeatedScalarFieldContainer[str]
+    waking: _containers.RepeatedScalarFieldContainer[str]
+    from_standby: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, woken: _Optional[_Iterable[str]] = ..., waking: _Optional[_Iterable[str]] = ..., from_standby: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class WatchRequest(_message.Message):
     __slots__ = ("watcher",)
     WATCHER_FIELD_NUMBER: _ClassVar[int]

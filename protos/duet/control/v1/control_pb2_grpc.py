@@ -39,6 +39,11 @@ class MembershipStub:
                 request_serializer=duet_dot_control_dot_v1_dot_control__pb2.WatchRequest.SerializeToString,
                 response_deserializer=duet_dot_control_dot_v1_dot_control__pb2.MemberList.FromString,
                 _registered_method=True)
+        self.Wake = channel.unary_unary(
+                '/duet.control.v1.Membership/Wake',
+                request_serializer=duet_dot_control_dot_v1_dot_control__pb2.WakeRequest.SerializeToString,
+                response_deserializer=duet_dot_control_dot_v1_dot_control__pb2.WakeReply.FromString,
+                _registered_method=True)
 
 
 class MembershipServicer:
@@ -52,6 +57,15 @@ class MembershipServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Wake(self, request, context):
+        """A router holds a request no member can take: wake the pools that could take it if they are
+        scaled to zero (promoting a standby replica, else starting one). Idempotent; cheap when
+        nothing sleeps. The woken replica joins the member list as usual.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MembershipServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +73,11 @@ def add_MembershipServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=duet_dot_control_dot_v1_dot_control__pb2.WatchRequest.FromString,
                     response_serializer=duet_dot_control_dot_v1_dot_control__pb2.MemberList.SerializeToString,
+            ),
+            'Wake': grpc.unary_unary_rpc_method_handler(
+                    servicer.Wake,
+                    request_deserializer=duet_dot_control_dot_v1_dot_control__pb2.WakeRequest.FromString,
+                    response_serializer=duet_dot_control_dot_v1_dot_control__pb2.WakeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +107,33 @@ class Membership:
             '/duet.control.v1.Membership/Watch',
             duet_dot_control_dot_v1_dot_control__pb2.WatchRequest.SerializeToString,
             duet_dot_control_dot_v1_dot_control__pb2.MemberList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Wake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.control.v1.Membership/Wake',
+            duet_dot_control_dot_v1_dot_control__pb2.WakeRequest.SerializeToString,
+            duet_dot_control_dot_v1_dot_control__pb2.WakeReply.FromString,
             options,
             channel_credentials,
             insecure,
