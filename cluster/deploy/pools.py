@@ -30,6 +30,14 @@ replica in its bundle and re-runs ``__init__``, but not ``start()``: the control
 (cluster/deploy/controller.py) notices and starts it again. The CPUs reserved per replica are also its
 torch thread count (WorkerActor reads them from Ray).
 
+Controller restarts (an existing cluster only: ``embedded=False``): the actors and placement groups
+are created *detached*, so they outlive the ``duet serve`` that made them, and every replica is
+recorded in Ray (cluster/deploy/registry.py: its slot or own placement group, its gang followers'
+names). ``create_pool`` with recorded replicas of the pool *adopts* them: it finds the placement
+group and the actors by name and creates only the ones that are gone (in their recorded bundles);
+the controller's ``start()`` is idempotent, so an adopted worker that serves answers with its
+endpoint at once (no reload, its KV cache intact) and one that Ray restarted meanwhile loads again.
+
 Example::
 
     pool = create_pool(config.pool, config.to_engine_config(), namespace="duet")
@@ -47,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.config.duet import PoolSection
+from cluster.deploy.registry import Registry, ReplicaRecord
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +86,8 @@ class WorkerPool:
     worker / gang factory; None = the pool cannot grow)."""
 
     def __init__(self, section: PoolSection, namespace: str, placement_group: Any, replicas: list[Replica],
-                 make_actors: ActorFactory | None = None) -> None:
+                 make_actors: ActorFactory | None = None, registry: Registry | None = None,
+                 free_slots: list[int] | None = None) -> None:
         self.section = section
         self.name = section.name
         self.namespace = namespace
@@ -86,8 +96,11 @@ class WorkerPool:
         self._make_actors = make_actors
         self._lock = threading.Lock()
         self._next_index = max((r.index for r in replicas), default=-1) + 1
-        self._free_slots: list[int] = []
+        self._free_slots: list[int] = list(free_slots or [])
         self._shut_down = False
+        self._registry = registry  # records each replica for a restarted controller (None: embedded Ray)
+        for r in replicas:
+            self._record(r)
 
     def replica(self, worker_id: str) -> Replica:
         with self._lock:
@@ -107,7 +120,8 @@ class WorkerPool:
         own = None
         if slot is None:
             own = placement_group([rank_bundle(self.section) for _ in range(ranks)], strategy="PACK",
-                                  name=f"duet-{self.namespace}-{worker_id}")
+                                  name=f"duet-{self.namespace}-{worker_id}",
+                                  lifetime="detached" if self._registry is not None else None)
         try:
             actor, followers = self._make_actors(worker_id, own if own is not None else self.placement_group,
                                                  0 if slot is None else slot * ranks)
@@ -121,10 +135,23 @@ class WorkerPool:
         replica = Replica(self.name, index, worker_id, actor, followers, own, slot)
         with self._lock:
             self.replicas.append(replica)
+        self._record(replica)
         where = f"slot {slot} of the pool's placement group" if own is None else "its own placement group"
         logger.info("pool %s: added replica %s in %s (%s)", self.name, worker_id, where,
                     "placed" if self.is_placed(replica) else "waiting for room in the cluster")
         return replica
+
+    def _record(self, r: Replica) -> None:
+        if self._registry is None:
+            return
+        import ray
+
+        own = r.own_placement_group
+        own_name = None
+        if own is not None:
+            own_name = ray.util.placement_group_table(own).get("name") or f"duet-{self.namespace}-{r.worker_id}"
+        followers = tuple(_follower_name(r.worker_id, rank) for rank in range(1, len(r.followers) + 1))
+        self._registry.record(ReplicaRecord(self.name, r.index, r.worker_id, r.slot, own_name, followers))
 
     def is_placed(self, replica: Replica) -> bool:
         """Whether every bundle of the replica is reserved on a node that is alive now. False: its
@@ -158,6 +185,8 @@ class WorkerPool:
             if replica not in self.replicas:
                 return
             self.replicas.remove(replica)
+        if self._registry is not None:
+            self._registry.forget(replica.worker_id)
         for actor in (replica.actor, *replica.followers):
             try:
                 ray.kill(actor, no_restart=True)
@@ -194,20 +223,29 @@ class WorkerPool:
         for pg in [self.placement_group, *(r.own_placement_group for r in replicas)]:
             if pg is not None:
                 remove_placement_group(pg)
+        if self._registry is not None:
+            for r in replicas:
+                self._registry.forget(r.worker_id)
         logger.info("pool %s: %d replicas stopped, placement groups removed", self.name, len(replicas))
 
 
 def create_pool(section: PoolSection, engine_config: Any, namespace: str, *, embedded: bool = True,
-                placement_timeout_s: float = 60.0, host: str | None = None) -> WorkerPool:
+                placement_timeout_s: float = 60.0, host: str | None = None,
+                registry: Registry | None = None) -> WorkerPool:
     """Reserve the pool's placement group and create (not start) its replicas.
 
     engine_config: the workers.config.EngineConfig every replica runs (a drafter pool's: its draft
     model's, ``DuetConfig.to_drafter_engine_config``). host: address the workers bind and advertise
     (default: each node's IP). embedded: the Ray cluster cannot grow, so a
-    shortfall of CPUs fails at once instead of after ``placement_timeout_s``.
+    shortfall of CPUs fails at once instead of after ``placement_timeout_s``. registry (an existing
+    cluster): actors and placement groups are detached and recorded there, and recorded replicas of
+    this pool are adopted (module docstring).
     """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
+
+    if registry is not None and (records := registry.records(section.name)):
+        return _adopt(section, engine_config, namespace, host, registry, records)
 
     cpus = section.cpus_per_replica
     ranks = section.gang_size  # bundles per replica: one per rank of its gang
@@ -216,9 +254,9 @@ def create_pool(section: PoolSection, engine_config: Any, namespace: str, *, emb
         _check_embedded_capacity(section, bundle, ray.cluster_resources())
         _check_embedded_drafters(section, ray.cluster_resources())
     pg = placement_group([dict(bundle) for _ in range(section.replicas * ranks)], strategy=section.placement_strategy,
-                         name=f"duet-{namespace}-{section.name}")
+                         name=f"duet-{namespace}-{section.name}", lifetime="detached" if registry is not None else None)
     replicas: list[Replica] = []
-    make_actors = _actor_factory(section, engine_config, namespace, host)
+    make_actors = _actor_factory(section, engine_config, namespace, host, detached=registry is not None)
     try:
         shortfall = None if embedded else strict_shortfall(section, bundle, ray.nodes())
         if shortfall:
@@ -245,19 +283,81 @@ def create_pool(section: PoolSection, engine_config: Any, namespace: str, *, emb
         raise
     logger.info("pool %s: %d replicas x %d CPU (%s) created in namespace %r", section.name, section.replicas, cpus,
                 section.placement_strategy, namespace)
-    return WorkerPool(section, namespace, pg, replicas, make_actors)
+    return WorkerPool(section, namespace, pg, replicas, make_actors, registry)
 
 
-def _actor_factory(section: PoolSection, engine_config: Any, namespace: str, host: str | None) -> ActorFactory:
-    """The pool's ActorFactory: a WorkerActor, or a gang, named ``worker_id``, from bundle ``first_bundle``."""
+def _adopt(section: PoolSection, engine_config: Any, namespace: str, host: str | None, registry: Registry,
+           records: list[ReplicaRecord]) -> WorkerPool:
+    """A restarted controller's pool: the recorded replicas whose bundles still exist, their actors
+    found by name (or created again in those bundles when Ray lost them); the pool's unused slots
+    become free ones. Replicas whose own placement group is gone are forgotten (the autoscaler or
+    the configured size brings the pool back up)."""
+    import ray
+    from ray.util import get_placement_group
+
+    ranks = section.gang_size
+    make_actors = _actor_factory(section, engine_config, namespace, host, detached=True)
+
+    def find_pg(name: str) -> Any:
+        try:
+            return get_placement_group(name)
+        except ValueError:
+            return None
+
+    def find_actor(name: str) -> Any:
+        try:
+            return ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return None
+
+    pg = find_pg(f"duet-{namespace}-{section.name}")
+    slots = len(ray.util.placement_group_table(pg).get("bundles", {})) // ranks if pg is not None else 0
+    replicas: list[Replica] = []
+    recreated = 0
+    for rec in records:
+        own = find_pg(rec.own_placement_group) if rec.own_placement_group else None
+        where, first = (own, 0) if own is not None else (pg, (rec.slot or 0) * ranks)
+        if where is None or (own is None and (rec.slot is None or rec.slot >= slots)):
+            logger.warning("pool %s: recorded replica %s has no placement left; forgetting it", section.name,
+                           rec.worker_id)
+            registry.forget(rec.worker_id)
+            continue
+        actor, followers = find_actor(rec.worker_id), tuple(find_actor(n) for n in rec.followers)
+        if actor is None or any(f is None for f in followers):
+            for a in (actor, *followers):
+                if a is not None:
+                    ray.kill(a, no_restart=True)
+            actor, followers = make_actors(rec.worker_id, where, first)
+            recreated += 1
+        replicas.append(Replica(section.name, rec.index, rec.worker_id, actor, followers, own,
+                                None if own is not None else rec.slot))
+    if pg is None:  # the pool's own group is gone: later replicas get groups of their own
+        logger.warning("pool %s: its placement group is gone; adopted only replicas with their own", section.name)
+    used = {r.slot for r in replicas if r.slot is not None}
+    logger.info("pool %s: adopted %d recorded replicas (%d created again: their actors were gone) in namespace %r",
+                section.name, len(replicas), recreated, namespace)
+    return WorkerPool(section, namespace, pg, replicas, make_actors, registry,
+                      free_slots=[s for s in range(slots) if s not in used])
+
+
+def _follower_name(worker_id: str, rank: int) -> str:
+    return f"{worker_id}.rank{rank}"
+
+
+def _actor_factory(section: PoolSection, engine_config: Any, namespace: str, host: str | None,
+                   detached: bool = False) -> ActorFactory:
+    """The pool's ActorFactory: a WorkerActor, or a gang, named ``worker_id``, from bundle ``first_bundle``.
+    detached: the actors outlive this process (an existing cluster: module docstring)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from workers.server.actor import WorkerActor
 
+    lifetime = {"lifetime": "detached"} if detached else {}
+
     def make(worker_id: str, pg: Any, first_bundle: int) -> tuple[Any, tuple[Any, ...]]:
         options = dict(
             name=worker_id, namespace=namespace, **rank_actor_options(section, engine_config),
-            max_restarts=section.max_restarts,
+            max_restarts=section.max_restarts, **lifetime,
             max_task_retries=0,  # a call lost with its process is reported, never silently re-run
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle))
         try:
@@ -297,12 +397,15 @@ def _create_gang(section: PoolSection, engine_config: Any, host: str | None, pg:
 
     ranks = section.gang_size
     parallel = section.parallel
+    named = ({"name": _follower_name(leader_options["name"], r), "namespace": leader_options["namespace"],
+              "lifetime": "detached"} if leader_options.get("lifetime") == "detached" else {} for r in range(1, ranks))
     followers = tuple(
         GangFollowerActor.options(  # type: ignore[attr-defined]  # a @ray.remote class
             **rank_actor_options(section, engine_config), max_restarts=section.max_restarts, max_task_retries=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + r),
+            **extra,
         ).remote(engine_config, parallel, r)
-        for r in range(1, ranks)
+        for r, extra in zip(range(1, ranks), named, strict=True)
     )
     try:
         leader = GangLeaderActor.options(**leader_options).remote(  # type: ignore[attr-defined]  # a @ray.remote class

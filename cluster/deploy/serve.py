@@ -9,7 +9,10 @@ The order, in ``start_deployment`` (each step undone, in reverse, if a later one
        leave cpus_per_replica unset get their share of the embedded Ray's CPUs (``resolve_cpus``)
     3. the pools, in config order: each its own placement group + worker actors (cluster/deploy/pools.py);
        a disaggregated deployment has a prefill pool and a decode pool, sized and placed apart; a
-       drafter pool's replicas are drafter actors that the router hands to the pools naming it
+       drafter pool's replicas are drafter actors that the router hands to the pools naming it. On an
+       existing cluster (``ray.address``) they are detached and recorded in Ray, under a lease this
+       process holds (cluster/deploy/registry.py): a ``duet serve`` restarted after a crash (or a
+       restarted head pod) adopts the running workers instead of loading new ones
     4. the controller starts every worker and waits until they serve (cluster/deploy/controller.py);
        it also loads each pool's ``standby_replicas`` (loaded, unrouted: promoted first on a scale-up)
     5. the controller's membership service (duet.control.v1.Membership on ``controller.port``,
@@ -69,6 +72,7 @@ from cluster.deploy.membership_service import MembershipService, serve_membershi
 from cluster.deploy.pool_metrics import PoolStateCollector
 from cluster.deploy.pools import WorkerPool, create_pool
 from cluster.deploy.ray_conn import RayConnection, connect
+from cluster.deploy.registry import Registry
 from cluster.deploy.wake import PoolWaker
 
 logger = logging.getLogger(__name__)
@@ -90,6 +94,7 @@ class Deployment:
     router: Any = None  # router.server.RouterHandle: the first of ``routers``
     routers: list[Any] = field(default_factory=list)  # every router this process runs (router.replicas)
     autoscaler: Any = None  # cluster.autoscale.loop.AutoscaleLoop, with autoscaling enabled
+    registry: Registry | None = None  # an existing Ray cluster: the replica records and controller lease
     actuator: Any = None  # autoscaling.actuator's (cluster/deploy/kuberay_actuator.py), else a RayActuator
     waker: Any = None  # cluster.deploy.wake.PoolWaker: wakes pools scaled to zero for the routers
     model_path: Path | None = None
@@ -130,7 +135,8 @@ class Deployment:
                  ("router", lambda: [r.stop() for r in self.routers]),
                  ("membership", lambda: self.membership.stop()),  # type: ignore[union-attr]  # None: skipped below
                  ("controller", lambda: self.controller.stop()),  # type: ignore[union-attr]  # None: skipped below
-                 ("pools", self._stop_pools), ("ray", self.ray.close)]
+                 ("pools", self._stop_pools), ("registry", lambda: self.registry.release()),  # type: ignore[union-attr]  # None: skipped below
+                 ("ray", self.ray.close)]
         for name, step in steps:
             if name != "ray" and not getattr(self, name):
                 continue
@@ -159,6 +165,7 @@ class Deployment:
         threading.Thread(target=run, name="duet-stop-pools", daemon=True).start()
         while not done.wait(0.5):
             if not self.ray.reachable():
+                self.registry = None  # nothing to release in a Ray that is gone (and each call would block)
                 logger.warning("shutdown: Ray's GCS at %s is gone (the signal reached it too?); not waiting for the "
                                "worker actors' drain (they stop with their raylet)", self.ray.address)
                 return
@@ -208,12 +215,15 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
     from router.server import serve_router
 
     config = d.config
+    if d.ray.kind != "embedded":  # workers outlive this process; a restarted duet serve adopts them
+        d.registry = Registry(config.ray.namespace)
+        d.registry.acquire()
     for section in config.pools:
         engine_config = (config.to_drafter_engine_config(section) if section.role == "drafter"
                          else config.to_engine_config(section))
         d.pools.append(create_pool(section, engine_config, config.ray.namespace,
                                    embedded=d.ray.kind == "embedded",
-                                   placement_timeout_s=config.controller.placement_timeout_s))
+                                   placement_timeout_s=config.controller.placement_timeout_s, registry=d.registry))
     d.controller = Controller(d.pools, poll_interval_s=config.controller.poll_interval_s,
                               start_timeout_s=config.controller.start_timeout_s)
     for section in config.pools:  # loaded from the controller's first poll on, beside the serving replicas

@@ -1,0 +1,151 @@
+"""What a deployment on an existing Ray cluster leaves in Ray for the next controller: replica records and a lease.
+
+On an existing cluster (``ray.address`` set: the Helm chart's head, a cluster you run) the worker
+actors and placement groups are *detached*: they outlive the ``duet serve`` process that created
+them, so a controller that crashes or restarts (a head pod restarted with KubeRay's GCS fault
+tolerance, a killed process) does not take the workers and their KV caches with it. The next
+``duet serve`` with the same namespace *adopts* them instead of loading new ones
+(cluster/deploy/pools.py ``create_pool``). For that it needs what Ray alone does not keep:
+
+    replica record   per worker id: its pool, index, where its bundles are (a slot of the pool's
+                     placement group, or a placement group of its own) and its gang followers'
+                     actor names. Written when a replica is created, deleted when it is released.
+    controller lease who manages the namespace now (host, pid) and when it last said so. A new
+                     controller waits until the lease is older than ``LEASE_TTL_S`` before it adopts,
+                     so two live controllers never drive the same workers.
+
+Both live in Ray's internal key-value store (the GCS; with GCS fault tolerance, in its Redis), under
+the Ray namespace ``duet`` and keys ``<namespace>/replica/<worker id>`` and ``<namespace>/lease``.
+An embedded Ray dies with its ``duet serve``: nothing is recorded there.
+
+Example::
+
+    reg = Registry("duet")
+    reg.record(ReplicaRecord("decode", 3, "decode-3", slot=None, own_placement_group="duet-duet-decode-3"))
+    reg.records("decode")          # [ReplicaRecord(pool='decode', index=3, ...)]
+    reg.forget("decode-3")
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+logger = logging.getLogger(__name__)
+
+KV_NAMESPACE = "duet"
+LEASE_TTL_S = 10.0  # a lease not renewed for this long belongs to a dead controller
+LEASE_RENEW_S = 2.0
+
+
+@dataclass(frozen=True)
+class ReplicaRecord:
+    pool: str
+    index: int
+    worker_id: str
+    slot: int | None = None  # bundles slot*gang_size.. of the pool's placement group
+    own_placement_group: str | None = None  # else: the name of its own placement group
+    followers: tuple[str, ...] = ()  # a gang's follower actors' names, rank order
+
+
+class LeaseHeld(RuntimeError):
+    """Another live controller manages this namespace."""
+
+
+class Registry:
+    """Replica records and the controller lease of Ray namespace ``namespace`` (module docstring)."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self._owner = f"{socket.gethostname()}:{os.getpid()}"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- replicas
+    def record(self, r: ReplicaRecord) -> None:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        _internal_kv_put(self._key(f"replica/{r.worker_id}"), json.dumps(asdict(r)), namespace=KV_NAMESPACE)
+
+    def forget(self, worker_id: str) -> None:
+        from ray.experimental.internal_kv import _internal_kv_del
+
+        _internal_kv_del(self._key(f"replica/{worker_id}"), namespace=KV_NAMESPACE)
+
+    def records(self, pool: str | None = None) -> list[ReplicaRecord]:
+        """The recorded replicas (of ``pool``), by index."""
+        from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
+
+        out = []
+        for key in _internal_kv_list(self._key("replica/"), namespace=KV_NAMESPACE):
+            raw = _internal_kv_get(key, namespace=KV_NAMESPACE)
+            if raw is None:  # deleted meanwhile
+                continue
+            d = json.loads(raw)
+            r = ReplicaRecord(**{**d, "followers": tuple(d.get("followers", ()))})
+            if pool is None or r.pool == pool:
+                out.append(r)
+        return sorted(out, key=lambda r: (r.pool, r.index))
+
+    # ---------------------------------------------------------------- lease
+    def acquire(self, wait_s: float = LEASE_TTL_S + 5.0) -> None:
+        """Take the namespace's lease, waiting up to ``wait_s`` for a previous holder's to expire
+        (a crashed controller's runs out after LEASE_TTL_S); then renew it on a thread until
+        ``release``. Raises LeaseHeld if a live controller keeps renewing it."""
+        deadline = time.monotonic() + wait_s
+        told = False
+        while True:
+            held = self._lease()
+            if held is None or held["owner"] == self._owner or time.time() - held["at"] > LEASE_TTL_S:
+                break
+            if time.monotonic() > deadline:
+                raise LeaseHeld(f"Ray namespace {self.namespace!r} is managed by another duet serve ({held['owner']}, "
+                                f"lease renewed {time.time() - held['at']:.0f} s ago); stop it, or give this one "
+                                "another ray.namespace")
+            if not told:
+                logger.info("registry: namespace %r is leased to %s (renewed %.0f s ago); waiting until it is "
+                            "%.0f s old (a controller that died) before adopting its workers", self.namespace,
+                            held["owner"], time.time() - held["at"], LEASE_TTL_S)
+                told = True
+            time.sleep(0.5)
+        self._renew()
+        self._thread = threading.Thread(target=self._keep, name="duet-lease", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        """Stop renewing and drop the lease (a clean shutdown: the next controller need not wait)."""
+        from ray.experimental.internal_kv import _internal_kv_del
+
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        held = self._lease()
+        if held is not None and held["owner"] == self._owner:
+            _internal_kv_del(self._key("lease"), namespace=KV_NAMESPACE)
+
+    def _keep(self) -> None:
+        while not self._stop.wait(LEASE_RENEW_S):
+            try:
+                self._renew()
+            except Exception as e:  # noqa: BLE001 - the GCS may be restarting (GCS FT): retry next round
+                logger.warning("registry: renewing the lease failed: %r", e)
+
+    def _renew(self) -> None:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        _internal_kv_put(self._key("lease"), json.dumps({"owner": self._owner, "at": time.time()}),
+                         namespace=KV_NAMESPACE)
+
+    def _lease(self) -> dict | None:
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        raw = _internal_kv_get(self._key("lease"), namespace=KV_NAMESPACE)
+        return json.loads(raw) if raw else None
+
+    def _key(self, rest: str) -> str:
+        return f"{self.namespace}/{rest}"
