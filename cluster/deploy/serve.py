@@ -63,6 +63,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from cluster.config.duet import DuetConfig
@@ -134,8 +135,8 @@ class Deployment:
         steps = [("autoscaler", lambda: self.autoscaler.stop()),
                  ("router", lambda: [r.stop() for r in self.routers]),
                  ("membership", lambda: self.membership.stop()),  # type: ignore[union-attr]  # None: skipped below
-                 ("controller", lambda: self.controller.stop()),  # type: ignore[union-attr]  # None: skipped below
-                 ("pools", self._stop_pools), ("registry", lambda: self.registry.release()),  # type: ignore[union-attr]  # None: skipped below
+                 ("controller", lambda: self._unless_ray_gone("the controller's poll", self.controller.stop)),  # type: ignore[union-attr]  # None: skipped below
+                 ("pools", lambda: self._unless_ray_gone("the worker actors' drain", self._stop_pools)), ("registry", lambda: self.registry.release()),  # type: ignore[union-attr]  # None: skipped below
                  ("ray", self.ray.close)]
         for name, step in steps:
             if name != "ray" and not getattr(self, name):
@@ -147,28 +148,35 @@ class Deployment:
         logger.info("duet: stopped")
 
     def _stop_pools(self) -> None:
-        """Drain and stop every pool's actors, unless Ray's GCS goes away meanwhile: a SIGTERM to the
-        whole process group (``timeout``, systemd, supervisors) stops the embedded Ray with us, and an
-        actor call then blocks until Ray's 60 s GCS timeout kills this process. The actors stop with
-        their raylet then; the drain runs on a thread this one stops waiting for."""
+        for pool in self.pools:
+            pool.shutdown()
+
+    def _unless_ray_gone(self, what: str, step: Callable[[], None]) -> None:
+        """Run a teardown step that calls Ray, unless Ray's GCS goes away meanwhile: a SIGTERM to the
+        whole process group (``timeout``, systemd, supervisors) stops the embedded Ray with us, and a
+        Ray call then blocks until Ray's 60 s GCS timeout kills this process. The step runs on a
+        thread this one stops waiting for once the GCS no longer accepts connections (the actors
+        stop with their raylet then)."""
         done = threading.Event()
+        failed: list[BaseException] = []
 
         def run() -> None:
             try:
-                for pool in self.pools:
-                    pool.shutdown()
-            except Exception:  # the main thread logs nothing of this thread otherwise
-                logger.exception("shutdown: stopping the pools failed")
+                step()
+            except Exception as e:  # noqa: BLE001 - re-raised below, where stop() logs it
+                failed.append(e)
             finally:
                 done.set()
 
-        threading.Thread(target=run, name="duet-stop-pools", daemon=True).start()
+        threading.Thread(target=run, name=f"duet-stop-{what.split()[-1]}", daemon=True).start()
         while not done.wait(0.5):
             if not self.ray.reachable():
                 self.registry = None  # nothing to release in a Ray that is gone (and each call would block)
-                logger.warning("shutdown: Ray's GCS at %s is gone (the signal reached it too?); not waiting for the "
-                               "worker actors' drain (they stop with their raylet)", self.ray.address)
+                logger.warning("shutdown: Ray's GCS at %s is gone (the signal reached it too?); not waiting for "
+                               "%s (the actors stop with their raylet)", self.ray.address, what)
                 return
+        if failed:
+            raise failed[0]
 
     def __enter__(self) -> Deployment:
         return self

@@ -205,7 +205,11 @@ def test_serve_stops_promptly_when_a_group_sigterm_stops_its_ray_too(smollm2_pat
         out.wait_for(r"duet: ready\.", timeout=240)
         os.killpg(proc.pid, signal.SIGTERM)
         t0 = time.monotonic()
-        assert proc.wait(timeout=60) == 0, "".join(out.lines[-40:])
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("still running 60 s after the SIGTERM:\n" + "".join(out.lines[-40:])) from None
+        assert code == 0, "".join(out.lines[-40:])
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
