@@ -16,7 +16,11 @@ means decode plainly this step).
 Per request, a is an exponential moving average of accepted / drafted (prior 0.6, so a new request
 speculates). A request whose drafts keep failing reaches k = 0; it is re-probed with k = 1 every
 ``probe_every`` steps, so a request whose text turns repetitive picks speculation back up -- unless
-even perfect drafts would not pay at this batch (then a probe could not change the answer).
+even perfect drafts would not pay at this batch (then a probe could not change the answer). That
+verdict rests on the fitted draft cost, which only drafting updates: one slow round (a drafter
+still warming up, a load spike) would otherwise turn speculation off for good, every later request
+included. So after ``stale_after`` choices without a draft sample, the next due probe runs anyway
+and re-measures the drafter.
 
 Worked example: batch 1, step(n) = 20 ms + 1 ms n, a = 0.8, prompt lookup (no draft cost):
 r = 1/21 tokens/ms; k = 4 gains E(4) - 1 = 2.36 tokens for 4 ms (0.19 tokens' worth): draft 4.
@@ -92,10 +96,12 @@ class _Request:
 class DraftLengthPolicy:
     """k_max: the configured num_speculative_tokens; adaptive False always asks for k_max."""
 
-    def __init__(self, k_max: int, adaptive: bool = True, probe_every: int = 8) -> None:
+    def __init__(self, k_max: int, adaptive: bool = True, probe_every: int = 8, stale_after: int = 64) -> None:
         self.k_max = k_max
         self.adaptive = adaptive
         self.probe_every = probe_every
+        self.stale_after = stale_after
+        self._since_draft = 0  # choices since the draft cost last got a sample
         self.step = LinearCost(prior_ratio=0.05)  # target step seconds vs tokens it computes
         self.draft = LinearCost(prior_ratio=1e3)  # seconds waiting for a drafter call vs tokens drafted per request
         self._requests: dict[str, _Request] = {}
@@ -114,11 +120,16 @@ class DraftLengthPolicy:
         step, draft = (NOMINAL_STEP, NOMINAL_DRAFT) if reproducible else (self.step, self.draft)
         batch = 1 if reproducible else batch
         best_k = _best_k(st.acceptance, k_cap, step, draft, batch)
+        self._since_draft += 1
         if best_k == 0:
             st.steps_at_zero += 1
             # probe (re-measure acceptance) only where some acceptance could make drafting pay: at a
-            # batch where even perfect drafts do not, a probe is a drafter call and a verify for nothing
-            if st.steps_at_zero % self.probe_every == 0 and _best_k(1.0, k_cap, step, draft, batch):
+            # batch where even perfect drafts do not, a probe is a drafter call and a verify for nothing;
+            # unless that verdict rests on a draft cost nobody has re-measured for stale_after choices
+            stale = not reproducible and self._since_draft >= self.stale_after
+            if st.steps_at_zero % self.probe_every == 0 and (stale or _best_k(1.0, k_cap, step, draft, batch)):
+                if stale:
+                    self._since_draft = 0  # one stale probe per stale_after choices, not one per request
                 return 1
         else:
             st.steps_at_zero = 0
@@ -137,6 +148,7 @@ class DraftLengthPolicy:
 
     def observe_draft(self, tokens_per_request: float, seconds: float) -> None:
         self.draft.add(tokens_per_request, seconds)
+        self._since_draft = 0
 
     def release(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

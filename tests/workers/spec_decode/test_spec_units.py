@@ -168,6 +168,22 @@ def test_adaptive_does_not_probe_where_even_perfect_drafts_would_not_pay():
     assert [pol.choose("r", 10, batch=8) for _ in range(16)] == [0] * 16  # no probes
 
 
+def test_adaptive_remeasures_a_draft_cost_that_turned_drafting_off_for_good():
+    # one slow round (a drafter warming up) priced every draft token above a target step: no request
+    # drafts, so no round ever corrects the estimate -- unless a probe re-measures it once it is stale
+    pol = DraftLengthPolicy(k_max=4, stale_after=64)
+    for n in (1, 2, 3, 1, 2, 3):
+        pol.observe_step(n, 0.150 + 0.005 * n)
+    pol.observe_draft(1.0, 0.400)
+    ks = [pol.choose(f"r{i // 40}", 10) for i in range(200)]  # five requests of 40 steps, perfect drafts
+    probes = [i for i, k in enumerate(ks) if k]
+    assert ks[:8] == [0] * 8 and ks.count(1) == len(probes) and 1 <= len(probes) <= 200 // 64 + 1
+    for _ in range(8):  # the probes find the drafter fast now
+        pol.observe_draft(1.0, 0.010)
+        pol.observe("r9", 1, 1)
+    assert pol.choose("r9", 10) > 0  # drafting again
+
+
 def test_adaptive_respects_the_limit_and_switch():
     pol = _trained()
     assert pol.choose("r", 2) <= 2 and pol.choose("r", 0) == 0
