@@ -15,7 +15,7 @@ Three origins, one name space (an adapter's name is unique in the deployment and
                 each of them (or use the watched directory).
 
 The router never reads an adapter's files: it hands ``AdapterSpec(name, source)`` to the worker
-with each request (SubmitRequest.adapter) and the worker loads it on first use (workers/lora/).
+with each request (SubmitRequest.adapter) and the worker loads it on first use.
 
 Example::
 

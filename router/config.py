@@ -51,7 +51,7 @@ class AdapterSpec:
         ._-@/+, no ':'; unique in the deployment, and no model's name).
     source: where its PEFT files are (a directory holding adapter_config.json and
         adapter_model.safetensors, on every worker's node; or a Hub id where a hub is reachable).
-        Workers load it from there on its first request (workers/lora/).
+        Workers load it from there on its first request.
     pinned: workers never evict it from their bounded adapter set (LRU); it still counts against it.
     """
 

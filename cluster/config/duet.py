@@ -511,6 +511,7 @@ def _check(c: DuetConfig, s: Sources) -> None:
     need(len(set(names)) == len(names), "pools", names, s, "pool names must be unique (they name the actors)")
     need(bool({pool.role for pool in c.pools} & {"colocated", "decode"}), "pools", names, s,
          "needs a colocated or decode pool to stream tokens (a prefill pool only computes prompts)")
+    _check_model_pools(c, s)
     sizes = {pool.engine.block_size for pool in c.pools if pool.role != "drafter"}  # a drafter's KV stays home
     need(len(sizes) == 1, "pools", names, s,
          f"every pool must use the same engine.block_size (KV blocks move between them), got {sorted(sizes)}")
@@ -557,11 +558,17 @@ def _check_models(c: DuetConfig, s: Sources) -> None:
              f"with several models each pool names the one it serves: one of {', '.join(sorted(served))}")
         need(pool.model is None or pool.model in served, f"pools[{i}].model", pool.model, s,
              f"unknown model; served: {', '.join(sorted(served))}")
+
+
+def _check_model_pools(c: DuetConfig, s: Sources) -> None:
+    """With several models: each has a pool that streams its tokens (colocated or decode)."""
+    if len(c.served_models) < 2:
+        return  # the one model: the check across all pools says it
     for i, m in enumerate(c.served_models):
         roles = {p.role for p in c.pools_of(m)}
-        need(bool(roles & {"colocated", "decode"}), _model_key(c, i), m.served, s,
-             "no colocated or decode pool serves this model (set `model:` on one)" if roles else
-             "no pool serves this model: add one whose `model` names it, or remove the model")
+        need(bool(roles & {"colocated", "decode"}), f"{_model_key(c, i)}.name", m.name, s,
+             f"no colocated or decode pool serves {m.served!r} (set `model: {m.served}` on one)" if roles else
+             f"no pool serves {m.served!r}: add one with `model: {m.served}`, or remove the model")
 
 
 def _check_placement_resources(pool: PoolSection, p: str, s: Sources) -> None:

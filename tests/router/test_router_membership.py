@@ -19,7 +19,7 @@ from router.server import serve_router
 
 class FakeController:
     """What serve_membership needs of cluster.deploy.controller.Controller: subscribe(push), role_of(id),
-    drafter_pool_of(id)."""
+    drafter_pool_of(id), model_of(id) (workers whose id starts with "t" serve the model "tiny")."""
 
     def __init__(self, initial: list[tuple[str, str]]) -> None:
         self.members = list(initial)
@@ -30,6 +30,9 @@ class FakeController:
 
     def drafter_pool_of(self, worker_id: str) -> str:
         return ""
+
+    def model_of(self, worker_id: str) -> str:
+        return "tiny" if worker_id.startswith("t") else ""
 
     def subscribe(self, push: Callable[[list[tuple[str, str]]], None], *, detailed: bool = False) -> None:
         self.pushes.append(push)
