@@ -13,6 +13,11 @@
              FAILED_PRECONDITION (requests still running with it) leaves it to that worker's LRU,
              reported as ``busy``.
     list     every registered adapter, with the workers whose latest load report lists it.
+    pinned   ``keep_pinned`` (every few seconds, RouterServer): each pinned adapter is loaded with
+             ``pin`` on every healthy worker of its model that serves adapters (its report's
+             max_loaded_adapters > 0) and does not list it; once per worker incarnation, so a
+             refusal is logged once, not retried in a loop. A request names no pin: without this,
+             a config adapter's ``pinned`` would only hold on the worker a preload chose.
 
 Errors are AdapterError (a gRPC status + message naming the field); the HTTP API maps NOT_FOUND to
 404, INVALID_ARGUMENT to 400, as the issue's API asks (vLLM's status codes).
@@ -63,6 +68,8 @@ class AdapterAdmin:
         self._stub_of = stub_of
         self._serves = serves
         self.timeout_s = timeout_s
+        self._pin_tried: set[tuple[str, str, str]] = set()  # (worker id, incarnation, adapter)
+        self.num_pinned_loads = 0
 
     def _model_workers(self, base: str, healthy: bool = True) -> list[WorkerState]:
         return [w for w in self._workers() if self._serves(w, base) and (w.healthy or not healthy)]
@@ -131,6 +138,26 @@ class AdapterAdmin:
         logger.info("adapter %s unloaded (from %s; still busy on %s)", adapter.name, ", ".join(done) or "-",
                     ", ".join(busy) or "-")
         return UnloadResult(adapter, tuple(done), tuple(busy))
+
+    async def keep_pinned(self) -> None:
+        """Load every pinned adapter, pinned, where it is missing (the module docstring's ``pinned``)."""
+        for adapter in self.registry.adapters():
+            if not adapter.spec.pinned:
+                continue
+            for w in self._model_workers(adapter.base):
+                key = (w.worker_id, w.incarnation, adapter.name)
+                if not w.max_loaded_adapters or adapter.name in w.adapters or key in self._pin_tried:
+                    continue
+                self._pin_tried.add(key)
+                ref = worker_pb2.AdapterRef(name=adapter.name, source=adapter.spec.source)
+                try:
+                    await self._stub_of(w.worker_id).LoadAdapter(worker_pb2.LoadAdapterRequest(adapter=ref, pin=True),
+                                                                 timeout=self.timeout_s)
+                    self.num_pinned_loads += 1
+                    logger.info("pinned adapter %s loaded on %s", adapter.name, w.worker_id)
+                except grpc.aio.AioRpcError as e:
+                    logger.warning("pinned adapter %s: %s refused to load it (%s: %s); not retried until it restarts",
+                                   adapter.name, w.worker_id, e.code().name, e.details())
 
     def list(self) -> list[tuple[RegisteredAdapter, list[str]]]:
         """Every registered adapter and the workers whose latest report lists it loaded."""

@@ -210,6 +210,7 @@ class RouterServer:
         self.port = 0
         self._stopped = False
         self._health_tasks: set[asyncio.Task[None]] = set()
+        self._pin_task: asyncio.Future[None] | None = None
         self.membership: MembershipWatcher | None = None
         self.membership_version = 0
         self.rebalancer: Rebalancer | None = None
@@ -252,6 +253,7 @@ class RouterServer:
         if self.http is not None:
             await self.http.start()
         await self.directory.set_members(members)
+        self._pin_task = asyncio.ensure_future(self._keep_pinned())
         if self.rebalancer is not None:
             self.rebalancer.start()
         if self.config.membership_address is not None:
@@ -328,6 +330,9 @@ class RouterServer:
         await self.health.enter_graceful_shutdown()
         if self.rebalancer is not None:
             await self.rebalancer.stop()
+        if self._pin_task is not None:
+            self._pin_task.cancel()
+            await asyncio.gather(self._pin_task, return_exceptions=True)
         if self.membership is not None:
             await self.membership.stop()
         grace = self.config.shutdown_grace_s if grace is None else grace
@@ -337,6 +342,15 @@ class RouterServer:
         handoff.cancel()
         await self.directory.close()
         logger.info("router on %s stopped", self.address)
+
+    async def _keep_pinned(self) -> None:
+        """Pinned adapters on every worker of their model (router/adapter_admin.py), every few polls."""
+        while True:
+            await asyncio.sleep(max(1.0, 5 * self.config.load_poll_interval_s))
+            try:
+                await self.adapter_admin.keep_pinned()
+            except Exception:  # a bug: say so, keep the router serving
+                logger.exception("router: keeping pinned adapters loaded failed")
 
     async def _hand_off_after(self, delay: float) -> None:
         await asyncio.sleep(delay)

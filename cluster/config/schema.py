@@ -116,6 +116,7 @@ _POOL = {"replicas": "replicas", "standbyReplicas": "standby_replicas", "epSize"
 CHART_KEYS: dict[str, tuple[str, dict[str, Any]]] = {
     "model.name": ("model.name", {}), "model.dtype": ("model.dtype", {}),
     "model.maxModelLen": ("model.max_model_len", {}), "model.quantization": ("model.quantization", {}),
+    "model.adapterDir": ("model.adapter_dir", {}), "pool.model": ("pools[].model", {}),
     "rayNamespace": ("ray.namespace", {}),
     "head.controller.pollIntervalSeconds": ("controller.poll_interval_s", {}),
     "head.controller.startTimeoutSeconds": ("controller.start_timeout_s", {}),

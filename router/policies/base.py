@@ -92,6 +92,7 @@ class WorkerState:
     incarnation: str = ""  # LoadReport.incarnation; "" until the first report
     model: str = ""  # the served model (its pool's); "" = the router's default model
     adapters: frozenset[str] = frozenset()  # LoRA adapters its latest LoadReport lists as loaded
+    max_loaded_adapters: int = 0  # its adapter set's bound (LoadReport); 0 = it serves no adapters
     # From the latest LoadReport.
     num_running: int = 0
     num_waiting: int = 0
@@ -115,6 +116,7 @@ class WorkerState:
             kv_blocks_total=report.kv_blocks_total, kv_blocks_used=report.kv_blocks_used,
             in_flight_requests=in_flight_requests, routed_requests_since_report=routed_requests_since_report,
             routed_tokens_since_report=routed_tokens_since_report, adapters=frozenset(report.adapters),
+            max_loaded_adapters=report.max_loaded_adapters,
         )
 
     @property

@@ -225,3 +225,23 @@ def test_admin_api_over_grpc_needs_the_admin_scope(router, workers):
             stub = duet_pb2_grpc.DuetStub(channel)
             return await stub.ListModels(duet_pb2.ListModelsRequest(), metadata=auth_metadata(GEN_TOKEN), timeout=10)
     assert [m.name for m in run_async(gen()).models] == [SMOL, TINY, "sql"]
+
+
+def test_a_pinned_adapter_is_loaded_pinned_on_every_worker_of_its_model(smollm2_path, tiny_dir, tok, workers):
+    for s in workers.values():
+        s.worker.reset()
+    for wid in ("s0", "s1"):
+        workers[wid].worker.lora = True
+    cfg = router_config(smollm2_path, adapters=(AdapterSpec("sql", "/adapters/sql", pinned=True),),
+                        models=(ModelSpec(TINY, str(tiny_dir)),), load_poll_interval_s=0.05, max_model_len=None)
+    members = [(wid, s.endpoint, "colocated", wid[0], False, "", TINY if wid[0] == "t" else "")
+               for wid, s in workers.items()]
+    with serve_router(cfg, members, tokenizer=tok) as r:
+        wait_until(lambda: all("sql" in workers[w].worker.adapters for w in ("s0", "s1")), timeout=10,
+                   what="sql pinned on both SmolLM2 workers")
+        assert all(workers[w].worker.adapters["sql"].pinned for w in ("s0", "s1"))
+        wait_until(lambda: sum(w["adapters"] == ["sql"] for w in r.stats()["workers"]) == 2, what="the reports")
+        r.server.adapter_admin._pin_tried.clear()
+        r._run(r.server.adapter_admin.keep_pinned(), 10)  # on the router loop; nothing left to do: no second load
+    assert [c for w in ("s0", "s1") for c in workers[w].worker.adapter_calls] == [("load", "sql"), ("load", "sql")]
+    assert not workers["t0"].worker.adapter_calls and not workers["t1"].worker.adapter_calls  # another model
