@@ -75,7 +75,7 @@ each model has a pool that streams its tokens. */}}
 {{- if or (eq $p.role "colocated") (eq $p.role "decode") }}{{ $streaming = append $streaming ($p.model | default (first $served)) }}{{ end }}
 {{- end }}
 {{- end }}
-{{- range $served }}
+{{- range (ternary $served list (gt (len $served) 1)) }}
 {{- if not (has . $streaming) }}
 {{- fail (printf "models: no colocated or decode pool serves %s; add a pool with model: %s" . .) }}
 {{- end }}
