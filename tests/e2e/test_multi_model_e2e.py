@@ -38,6 +38,7 @@ def _free_port() -> int:
 def deployment(ray_cluster, smollm2_path, tmp_path_factory):
     d = tmp_path_factory.mktemp("multi_model")
     tiny = save_tiny(d / "tiny-llama", smollm2_path, "llama")
+    (d / "pki").mkdir()
     pki = make_pki(d / "pki")
     config_file = d / "duet.yaml"
     config_file.write_text(yaml.safe_dump({
