@@ -355,6 +355,12 @@ class EngineConfig:
         15, under which the router, Ray's daemons and any other process preempt the engine).
         Lowering a process's niceness below its parent's needs CAP_SYS_NICE (root); duet serve
         starts each worker with it (Ray's RAY_worker_niceness in the actor's runtime_env).
+    memory_tuning: how the worker process uses host memory (true by default; workers/server/threads.py):
+        transparent huge pages for the CPU KV cache and for the heap, and a heap that keeps large
+        freed blocks for reuse (glibc malloc tunables in the process's environment at start), so the
+        scattered KV reads of decode attention and the weight reads of the linear layers miss the
+        TLB less, and a step's large temporaries (logits, sampling) are not unmapped and faulted in
+        again every step. false = the system's defaults (and a GLIBC_TUNABLES of your own).
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -374,6 +380,7 @@ class EngineConfig:
     shared_weights_dir: str | None = None
     omp_wait_policy: str = "passive"
     niceness: int | None = 0
+    memory_tuning: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_batch_sizes, list):
@@ -410,6 +417,8 @@ class EngineConfig:
                                           or not -20 <= self.niceness <= 19):
             raise ConfigError(f"niceness={self.niceness!r}: must be an integer in [-20, 19] (0 = normal priority), "
                               "or null for Ray's default (15)")
+        if not isinstance(self.memory_tuning, bool):
+            raise ConfigError(f"memory_tuning={self.memory_tuning!r}: must be true or false")
         if self.kv_transfer_backend == "nccl" and self.device == "cpu":
             raise ConfigError("kv_transfer_backend='nccl' with device='cpu': nccl moves KV between GPUs; use auto, "
                               "shm or gloo, or device cuda")
