@@ -355,6 +355,11 @@ class EngineConfig:
         15, under which the router, Ray's daemons and any other process preempt the engine).
         Lowering a process's niceness below its parent's needs CAP_SYS_NICE (root); duet serve
         starts each worker with it (Ray's RAY_worker_niceness in the actor's runtime_env).
+    prepack_weights: bf16 linear layers and LM head on the CPU keep oneDNN's blocked (AMX /
+        AVX512-BF16) copy of their weights, made once at load, for batches past the bf16 GEMV's 8
+        rows (kernels/linear.py ``prepack``): ``F.linear`` on a plain bf16 weight reorders it on every
+        call. The results are oneDNN's GEMM's either way; the cost is a second copy of those weights
+        in memory (true by default; false: one copy, the per-call reorder).
     memory_tuning: how the worker process uses host memory (true by default; workers/server/threads.py):
         transparent huge pages for the CPU KV cache and for the heap, and a heap that keeps large
         freed blocks for reuse (glibc malloc tunables in the process's environment at start), so the
@@ -381,6 +386,7 @@ class EngineConfig:
     omp_wait_policy: str = "passive"
     niceness: int | None = 0
     memory_tuning: bool = True
+    prepack_weights: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.cuda_graph_batch_sizes, list):
@@ -417,8 +423,9 @@ class EngineConfig:
                                           or not -20 <= self.niceness <= 19):
             raise ConfigError(f"niceness={self.niceness!r}: must be an integer in [-20, 19] (0 = normal priority), "
                               "or null for Ray's default (15)")
-        if not isinstance(self.memory_tuning, bool):
-            raise ConfigError(f"memory_tuning={self.memory_tuning!r}: must be true or false")
+        for key in ("memory_tuning", "prepack_weights"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key}={getattr(self, key)!r}: must be true or false")
         if self.kv_transfer_backend == "nccl" and self.device == "cpu":
             raise ConfigError("kv_transfer_backend='nccl' with device='cpu': nccl moves KV between GPUs; use auto, "
                               "shm or gloo, or device cuda")

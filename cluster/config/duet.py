@@ -118,6 +118,7 @@ class ModelSection(DerivedSection):
     ("omp_wait_policy", Part(EngineConfig, "omp_wait_policy")),
     ("niceness", Part(EngineConfig, "niceness")),
     ("memory_tuning", Part(EngineConfig, "memory_tuning")),
+    ("prepack_weights", Part(EngineConfig, "prepack_weights")),
 ])
 class EngineSection(DerivedSection):
     """Per-worker engine settings (workers.config)."""

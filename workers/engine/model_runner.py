@@ -223,7 +223,8 @@ class ModelRunner:
             timeline.mark("kernels")
         shared = SharedWeights(Path(config.shared_weights_dir)) if config.shared_weights_dir else None
         model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
-                                 fused_decode=config.fused_decode, shared=shared, spec=spec)
+                                 fused_decode=config.fused_decode, shared=shared, spec=spec,
+                                 prepack_weights=config.prepack_weights)
         if timeline is not None:
             timeline.mark("weights", note=shared.last_source if shared is not None else "checkpoint")
         return model, spec
