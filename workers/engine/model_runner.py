@@ -328,7 +328,9 @@ class ModelRunner:
                 assert allowed is not None  # a row had a mask (it failed)
                 allowed = allowed[keep]
         if plain:
-            tokens, lps = self.sampler(logits[plain], rows, [self._generator(r) for r in ids], allowed)
+            # every row (the usual step): the logits themselves, not a gathered copy of them
+            own = logits if len(plain) == logits.shape[0] else logits[plain]
+            tokens, lps = self.sampler(own, rows, [self._generator(r) for r in ids], allowed)
             out.update((r, [t]) for r, t in zip(ids, tokens))
             logprobs.update((r, [lp]) for r, lp in zip(ids, lps) if lp is not None)
         vspans = self._verify_spans(spans, drafts or {}, logits.shape[1], errors)
