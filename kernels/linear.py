@@ -67,14 +67,21 @@ def prepack(w: torch.Tensor, rows_hint: int = 64) -> torch.Tensor | None:
         return None
 
 
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bf16 @ the weight ``packed`` (``prepack``'s copy of a [out_features, K] weight)^T
+    (+ bias) through oneDNN's bf16 GEMM -> [..., out_features] bf16."""
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    return y.view(*x.shape[:-1], out_features)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     # x [T, K] (or [..., K]), w [N, K], bias [N] -> [T, N] (or [..., N])
     # packed: ``prepack(w)``; rows past the GEMV's range then go through oneDNN on it (the same GEMM
     # as F.linear on w, without the per-call reorder of W)
     if packed is not None and x.dtype is _BF16 and x.numel() > BF16_GEMV_MAX_TOKENS * x.shape[-1]:
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
-        return y.view(*x.shape[:-1], w.shape[0])
+        return packed_linear(x, packed, w.shape[0], bias)
     if x.is_cpu:
         dt = x.dtype
         if (dt is _F32 or dt is _BF16) and w.dtype is dt and (bias is None or bias.dtype is dt):

@@ -119,6 +119,7 @@ class ModelSection(DerivedSection):
     ("niceness", Part(EngineConfig, "niceness")),
     ("memory_tuning", Part(EngineConfig, "memory_tuning")),
     ("prepack_weights", Part(EngineConfig, "prepack_weights")),
+    ("quantized_batches", Part(EngineConfig, "quantized_batches")),
 ])
 class EngineSection(DerivedSection):
     """Per-worker engine settings (workers.config)."""

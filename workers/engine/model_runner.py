@@ -224,7 +224,7 @@ class ModelRunner:
         shared = SharedWeights(Path(config.shared_weights_dir)) if config.shared_weights_dir else None
         model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
                                  fused_decode=config.fused_decode, shared=shared, spec=spec,
-                                 prepack_weights=config.prepack_weights)
+                                 prepack_weights=config.prepack_weights, quantized_batches=config.quantized_batches)
         if timeline is not None:
             timeline.mark("weights", note=shared.last_source if shared is not None else "checkpoint")
         return model, spec

@@ -70,7 +70,10 @@ def test_apply_sets_every_thread_and_checks_the_policy():
 
 
 @pytest.mark.parametrize("kwargs, key", [({"omp_wait_policy": "spin"}, "omp_wait_policy"),
-                                         ({"niceness": 20}, "niceness"), ({"niceness": 1.5}, "niceness")])
+                                         ({"niceness": 20}, "niceness"), ({"niceness": 1.5}, "niceness"),
+                                         ({"memory_tuning": "yes"}, "memory_tuning"),
+                                         ({"prepack_weights": 1}, "prepack_weights"),
+                                         ({"quantized_batches": "fp8"}, "quantized_batches")])
 def test_bad_thread_settings_name_the_key(kwargs, key):
     with pytest.raises(ConfigError, match=f"^{key}="):
         EngineConfig(**kwargs)
