@@ -144,6 +144,9 @@ class ModelSection(_Model):
     ("kv_transfer_backend", Part(EngineConfig, "kv_transfer_backend")),
     ("omp_wait_policy", Part(EngineConfig, "omp_wait_policy")),
     ("niceness", Part(EngineConfig, "niceness")),
+    ("memory_tuning", Part(EngineConfig, "memory_tuning")),
+    ("prepack_weights", Part(EngineConfig, "prepack_weights")),
+    ("quantized_batches", Part(EngineConfig, "quantized_batches")),
 ])
 class EngineSection(DerivedSection):
     """Per-worker engine settings (workers.config)."""
