@@ -87,6 +87,12 @@ def test_two_models_are_routed_by_name(router, workers):
         _gen(router, "gpt-4", retries=0)
     assert e.value.code == grpc.StatusCode.NOT_FOUND and "unknown model 'gpt-4'" in str(e.value)
     assert f"served models: {SMOL}, {TINY}" in str(e.value)
+    # every series of a pool carries the model that pool serves (vLLM's model_name label)
+    text = httpx.get(f"http://{router.http_address}/metrics", headers={"authorization": f"Bearer {ADMIN_TOKEN}"}).text
+    pool_lines = [line for line in text.splitlines() if 'pool="' in line and not line.startswith("#")]
+    assert any('pool="tiny"' in line for line in pool_lines) and any('pool="smol"' in line for line in pool_lines)
+    for line in pool_lines:
+        assert (f'model_name="{TINY}"' in line) == ('pool="tiny"' in line), line
 
 
 def test_list_models_names_every_model_and_adapter(router):
