@@ -240,6 +240,16 @@ class Pipeline:
             self.counts["failed_mid_stream"] += 1
             logger.warning("request %s (internal %s): %s", prep.request_id, prep.internal_id, decision.message)
 
+    def _check_adapter_support(self, route: RouteRequest, model: str) -> None:
+        """An adapter request for a model whose healthy workers all report no adapter support
+        (LoadReport.max_loaded_adapters 0) is refused, not run on the base model."""
+        mine = [w for w in self.directory.snapshot() if w.healthy and self.serves(w, model)]
+        if mine and not any(w.max_loaded_adapters for w in mine):
+            self.counts["adapter_unsupported"] += 1
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"model: adapter {route.adapter!r}: no worker of {model or self.catalog.default.name} "
+                               "serves LoRA adapters (their load reports say max_loaded_adapters 0)")
+
     def serves(self, worker: WorkerState, model: str) -> bool:
         """Whether ``worker`` serves served model ``model`` (a member without a model serves the default)."""
         return (worker.model or self.catalog.default.name) == (model or self.catalog.default.name)
@@ -252,6 +262,8 @@ class Pipeline:
         from zero). Workers of other models are shown to the policies as unhealthy (as ``tried``
         ones are), so their per-worker state (prefix trees) survives requests for other models."""
         ticket, reason = None, "no healthy worker"
+        if route.adapter:
+            self._check_adapter_support(route, model)
         try:
             while True:
                 workers = self.directory.snapshot()

@@ -13,6 +13,9 @@ latest LoadReport lists A in ``adapters``; least = the least-loaded healthy work
     holders, none usable -> least (logged, counted: it loads A; A then spreads)  (overload fallback)
     no holder          -> least (it loads A on first use)                        (cold)
 
+Only workers that serve adapters (LoadReport.max_loaded_adapters > 0) are candidates; the pipeline
+refuses an adapter request whose model has none (FAILED_PRECONDITION).
+
 A request without an adapter goes to the inner policy untouched. The thresholds are
 prefix_aware's (4096 tokens and 1.5x by default) for the same reason: loading an adapter costs
 about one prefill of its weights, not worth it for a small imbalance, but a popular adapter must
@@ -30,7 +33,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import ClassVar
 
-from router.policies.base import PolicyConfigError, RouteRequest, RoutingPolicy, WorkerState, healthy_workers, log_fallback
+from router.policies.base import (NoWorkersAvailable, PolicyConfigError, RouteRequest, RoutingPolicy, WorkerState,
+                                  healthy_workers, log_fallback)
 from router.policies.least_loaded import least_loaded
 
 logger = logging.getLogger(__name__)
@@ -53,7 +57,9 @@ class AdapterAffinityPolicy:
     def select(self, request: RouteRequest, workers: Sequence[WorkerState]) -> str:
         if not request.adapter:
             return self.inner.select(request, workers)
-        healthy = healthy_workers(workers)
+        healthy = [w for w in healthy_workers(workers) if w.max_loaded_adapters > 0]
+        if not healthy:  # the pipeline refuses such a request first (FAILED_PRECONDITION)
+            raise NoWorkersAvailable(f"request {request.request_id}: no healthy worker serves LoRA adapters")
         least = least_loaded(healthy)
         holders = [w for w in healthy if request.adapter in w.adapters]
         usable = {w.worker_id for w in holders if not self._overloaded(w, least)}

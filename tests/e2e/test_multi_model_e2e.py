@@ -105,6 +105,11 @@ def test_adapter_admin_needs_the_admin_scope(deployment, tmp_path):
     assert httpx.post(f"{d.http_url}/load_lora_adapter", headers=admin, json=body).status_code == 200
     ids = [(m["id"], m["parent"]) for m in httpx.get(f"{d.http_url}/models", headers=gen).json()["data"]]
     assert ("poet", TINY) in ids
+    # never run on the base model instead: workers without LoRA support are refused by the router
+    # (FAILED_PRECONDITION), a LoRA worker refuses the missing directory (INVALID_ARGUMENT)
+    with pytest.raises(grpc.RpcError) as e:
+        _generate(d.address, "poet", PROMPTS[0])
+    assert e.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
     # preloading a directory that is no adapter is refused (whichever way the worker refuses it)
     bad = httpx.post(f"{d.http_url}/load_lora_adapter", headers=admin,
                      json={"lora_name": "broken", "lora_path": str(tmp_path / "nothing")})

@@ -10,7 +10,7 @@ import pytest
 from router.adapters import CONFIG, DIRECTORY, RUNTIME, AdapterError, AdapterRegistry
 from router.catalog import ModelCatalog
 from router.config import AdapterSpec, ModelSpec, RouterConfig, RouterConfigError
-from router.policies import RouteRequest, WorkerState, make_policy
+from router.policies import NoWorkersAvailable, RouteRequest, WorkerState, make_policy
 from router.policies.adapter_affinity import AdapterAffinityPolicy
 from router.prefix_index import BlockReport, PrefixIndex
 from router.preprocess import RequestError, ServedModel
@@ -119,8 +119,10 @@ def test_router_config_refuses_a_name_used_twice():
         ModelSpec("m:x", "/a")
 
 
-def _worker(wid: str, load: int = 0, adapters: tuple[str, ...] = (), healthy: bool = True) -> WorkerState:
-    return WorkerState(wid, healthy=healthy, outstanding_tokens=load, adapters=frozenset(adapters))
+def _worker(wid: str, load: int = 0, adapters: tuple[str, ...] = (), healthy: bool = True,
+            lora: bool = True) -> WorkerState:
+    return WorkerState(wid, healthy=healthy, outstanding_tokens=load, adapters=frozenset(adapters),
+                       max_loaded_adapters=4 if lora else 0)
 
 
 def test_adapter_affinity_prefers_a_holder_unless_overloaded():
@@ -136,9 +138,13 @@ def test_adapter_affinity_prefers_a_holder_unless_overloaded():
     assert policy.select(req, [_worker("w0", 300), _worker("w1", 200, ("other",))]) == "w1"
     # an unhealthy holder is no holder
     assert policy.select(req, [_worker("w0", 300), _worker("w1", 0, ("sql",), healthy=False)]) == "w0"
+    # a worker without adapter support is no candidate, however idle
+    assert policy.select(req, [_worker("w0", 0, lora=False), _worker("w1", 800)]) == "w1"
+    with pytest.raises(NoWorkersAvailable):
+        policy.select(req, [_worker("w0", 0, lora=False)])
     # no adapter: the inner policy alone (holding "sql" does not attract base requests)
     assert policy.select(RouteRequest("b", [1, 2, 3]), [_worker("w0", 900, ("sql",)), _worker("w1", 100)]) == "w1"
-    assert policy.counters() == {"adapter_hits": 2, "adapter_cold": 2, "adapter_overload_fallbacks": 1}
+    assert policy.counters() == {"adapter_hits": 2, "adapter_cold": 3, "adapter_overload_fallbacks": 1}
 
 
 def test_prefix_aware_never_matches_a_prefix_across_adapters():

@@ -185,6 +185,13 @@ def test_admin_api_loads_lists_and_unloads_adapters_over_http(router, workers):
     # tiny's workers serve no adapters (UNIMPLEMENTED): refused, naming why
     tiny = _http(router, "/v1/load_lora_adapter", ADMIN_TOKEN, {"lora_name": "t", "lora_path": "/a/t", "base_model": TINY})
     assert tiny.status_code == 400 and "serves no LoRA adapters" in tiny.json()["error"]["message"]
+    # registered without preload, an adapter of tiny is refused per request: tiny's workers serve none
+    lazy = {"lora_name": "t", "lora_path": "/a/t", "base_model": TINY, "preload": False}
+    assert _http(router, "/v1/load_lora_adapter", ADMIN_TOKEN, lazy).status_code == 200
+    with pytest.raises(DuetError) as e:
+        _gen(router, f"{TINY}:t", retries=0)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "serves LoRA adapters" in str(e.value)
+    assert not any(req.adapter.name for wid in ("t0", "t1") for req in workers[wid].worker.submitted)
     unknown_base = _http(router, "/v1/load_lora_adapter", ADMIN_TOKEN,
                          {"lora_name": "x", "lora_path": "/a/x", "base_model": "nope"})
     assert unknown_base.status_code == 404
