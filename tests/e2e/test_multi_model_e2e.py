@@ -9,6 +9,8 @@ support is tested with them, tests/workers/)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import httpx
 import pytest
@@ -22,6 +24,7 @@ from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from router.client import auth_metadata
 from tests.testkit.tiny_families import NEW, PROMPTS, hf_generate, save_tiny
 
+ROOT = Path(__file__).resolve().parents[2]
 SMOL, TINY = "SmolLM2-135M-Instruct", "tiny"
 NAMESPACE = "duet_multi_model"
 
@@ -121,3 +124,19 @@ def test_adapter_admin_needs_the_admin_scope(deployment, tmp_path):
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
     assert httpx.post(f"{d.http_url}/unload_lora_adapter", headers=admin,
                       json={"lora_name": "poet"}).status_code == 404
+
+
+def test_duet_generate_picks_the_model_by_name(deployment):
+    import subprocess
+    import sys
+
+    _, d = deployment
+
+    def run(model: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--target", d.address, "--model", model,
+                               "--token", GEN_TOKEN, "--max-tokens", "4", "Hello"], capture_output=True, text=True,
+                              timeout=120, cwd=ROOT)
+    ok = run(TINY)
+    assert ok.returncode == 0 and "[4 tokens, length" in ok.stderr, ok.stderr
+    bad = run("nope")
+    assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr and "unknown model 'nope'" in bad.stderr, bad.stderr
