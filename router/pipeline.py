@@ -10,6 +10,12 @@ done, is retried or resumed on another worker, or fails with a status for the cl
 holds no gRPC server context: ``generate`` takes a public GenerateRequest and a monotonic
 deadline, yields GenerateResponses and raises RequestError, for any front door (gRPC, HTTP).
 
+Several models and LoRA adapters (router/catalog.py): ``prepare`` resolves the request's ``model``
+to its served model (its tokenizer, chat template and context limit) and adapter; the route is
+chosen among that model's workers only (``serves``: the member's model), an adapter request
+prefers the workers holding its adapter (router/policies/adapter_affinity.py) and carries it to
+the worker (SubmitRequest.adapter), on every attempt, retry and resume.
+
 Speculative requests on a worker whose pool drafts on a drafter pool also get a drafter replica
 (router/drafters.py ``DrafterRouting``, router/policies/drafter.py) with each attempt; the worker
 is handed its endpoint and streams the request's draft rounds there itself.
