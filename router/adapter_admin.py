@@ -9,7 +9,7 @@
              bad path, rank or module is refused here, with the worker's message, and nothing is
              registered. Without preload a worker loads it on its first request.
     unload   unregister it (new requests naming it get NOT_FOUND), then ask every worker of its model
-             to unload it (worker RPC UnloadAdapter): NOT_FOUND there (never loaded) is fine;
+             that serves adapters to unload it (worker RPC UnloadAdapter): NOT_FOUND there (never loaded) is fine;
              FAILED_PRECONDITION (requests still running with it) leaves it to that worker's LRU,
              reported as ``busy``.
     list     every registered adapter, with the workers whose latest load report lists it.
@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 _LOAD_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
                 grpc.StatusCode.NOT_FOUND: grpc.StatusCode.INVALID_ARGUMENT,
                 grpc.StatusCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,  # LoRA off there
                 grpc.StatusCode.UNIMPLEMENTED: grpc.StatusCode.FAILED_PRECONDITION}
 
 
@@ -72,7 +73,10 @@ class AdapterAdmin:
         self.num_pinned_loads = 0
 
     def _model_workers(self, base: str, healthy: bool = True) -> list[WorkerState]:
-        return [w for w in self._workers() if self._serves(w, base) and (w.healthy or not healthy)]
+        """The workers of ``base`` (healthy ones only, by default) that serve adapters (their load
+        report's max_loaded_adapters > 0)."""
+        return [w for w in self._workers() if self._serves(w, base) and (w.healthy or not healthy)
+                and w.max_loaded_adapters > 0]
 
     async def load(self, name: str, source: str, base: str = "", *, preload: bool = True,
                    pinned: bool = False) -> RegisteredAdapter:
@@ -99,6 +103,10 @@ class AdapterAdmin:
     async def _preload(self, adapter: RegisteredAdapter) -> None:
         healthy = self._model_workers(adapter.base)
         if not healthy:
+            if any(w.healthy and self._serves(w, adapter.base) for w in self._workers()):
+                raise AdapterError(grpc.StatusCode.FAILED_PRECONDITION, f"base_model: no worker of {adapter.base} "
+                                   f"serves LoRA adapters (their load reports say max_loaded_adapters 0); adapter "
+                                   f"{adapter.name} not registered")
             raise AdapterError(grpc.StatusCode.UNAVAILABLE, f"no healthy worker serves {adapter.base} to load "
                                f"adapter {adapter.name} on; retry, or load it with preload off")
         worker = least_loaded(healthy)
@@ -146,7 +154,7 @@ class AdapterAdmin:
                 continue
             for w in self._model_workers(adapter.base):
                 key = (w.worker_id, w.incarnation, adapter.name)
-                if not w.max_loaded_adapters or adapter.name in w.adapters or key in self._pin_tried:
+                if adapter.name in w.adapters or key in self._pin_tried:
                     continue
                 self._pin_tried.add(key)
                 ref = worker_pb2.AdapterRef(name=adapter.name, source=adapter.spec.source)

@@ -182,9 +182,10 @@ def test_admin_api_loads_lists_and_unloads_adapters_over_http(router, workers):
     bad = _http(router, "/v1/load_lora_adapter", ADMIN_TOKEN, {"lora_name": "broken", "lora_path": "/bad"})
     assert bad.status_code == 400 and "no adapter_config.json" in bad.json()["error"]["message"]
     assert "broken" not in [c["id"] for c in _http(router, "/v1/models", GEN_TOKEN).json()["data"]]
-    # tiny's workers serve no adapters (UNIMPLEMENTED): refused, naming why
+    # tiny's workers serve no adapters (their reports say so): refused, naming why, none of them asked
     tiny = _http(router, "/v1/load_lora_adapter", ADMIN_TOKEN, {"lora_name": "t", "lora_path": "/a/t", "base_model": TINY})
-    assert tiny.status_code == 400 and "serves no LoRA adapters" in tiny.json()["error"]["message"]
+    assert tiny.status_code == 400 and f"no worker of {TINY} serves LoRA adapters" in tiny.json()["error"]["message"]
+    assert not workers["t0"].worker.adapter_calls and not workers["t1"].worker.adapter_calls
     # registered without preload, an adapter of tiny is refused per request: tiny's workers serve none
     lazy = {"lora_name": "t", "lora_path": "/a/t", "base_model": TINY, "preload": False}
     assert _http(router, "/v1/load_lora_adapter", ADMIN_TOKEN, lazy).status_code == 200
