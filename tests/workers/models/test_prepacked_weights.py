@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from kernels.linear import BF16_GEMV_MAX_TOKENS
@@ -27,6 +28,10 @@ def _packed(model: torch.nn.Module) -> list[bool]:
 def test_bf16_model_prepacks_and_scores_like_the_plain_path(smollm2_path: Path) -> None:
     from transformers import AutoTokenizer
 
+    from kernels.linear import prepack
+
+    if prepack(torch.zeros(2, 2, dtype=torch.bfloat16)) is None:
+        pytest.skip("this torch / CPU has no oneDNN bf16 linear to pack for: the plain path is the only one")
     ids = AutoTokenizer.from_pretrained(smollm2_path).encode(SAMPLE.read_text())[:300]
     plain, spec = load_model(smollm2_path, torch.bfloat16, prepack_weights=False)
     packed, _ = load_model(smollm2_path, torch.bfloat16)
