@@ -19,8 +19,10 @@ speculates). A request whose drafts keep failing reaches k = 0; it is re-probed 
 even perfect drafts would not pay at this batch (then a probe could not change the answer). That
 verdict rests on the fitted draft cost, which only drafting updates: one slow round (a drafter
 still warming up, a load spike) would otherwise turn speculation off for good, every later request
-included. So after ``stale_after`` choices without a draft sample, the next due probe runs anyway
-and re-measures the drafter.
+included. So after ``stale_after`` choices without a draft sample, the next due probe runs anyway,
+followed by one more round at the next step: the first catches the drafter up on the tokens since
+it last drafted (not a sample: workers/engine/speculator.py fits steady rounds only), the second
+re-measures it.
 
 Worked example: batch 1, step(n) = 20 ms + 1 ms n, a = 0.8, prompt lookup (no draft cost):
 r = 1/21 tokens/ms; k = 4 gains E(4) - 1 = 2.36 tokens for 4 ms (0.19 tokens' worth): draft 4.
@@ -91,6 +93,7 @@ def _best_k(acceptance: float, k_cap: int, step: LinearCost, draft: LinearCost, 
 class _Request:
     acceptance: float = PRIOR_ACCEPTANCE
     steps_at_zero: int = 0
+    probe_again: bool = False  # a stale probe's second round (the one that measures) is due
 
 
 class DraftLengthPolicy:
@@ -121,6 +124,9 @@ class DraftLengthPolicy:
         batch = 1 if reproducible else batch
         best_k = _best_k(st.acceptance, k_cap, step, draft, batch)
         self._since_draft += 1
+        if st.probe_again:
+            st.probe_again = False
+            return max(best_k, 1)
         if best_k == 0:
             st.steps_at_zero += 1
             # probe (re-measure acceptance) only where some acceptance could make drafting pay: at a
@@ -130,6 +136,7 @@ class DraftLengthPolicy:
             if st.steps_at_zero % self.probe_every == 0 and (stale or _best_k(1.0, k_cap, step, draft, batch)):
                 if stale:
                     self._since_draft = 0  # one stale probe per stale_after choices, not one per request
+                    st.probe_again = True
                 return 1
         else:
             st.steps_at_zero = 0

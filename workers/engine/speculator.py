@@ -57,7 +57,10 @@ class Speculator:
         self.policy = DraftLengthPolicy(config.num_speculative_tokens, config.adaptive)
         self._verifies = self._drafted = self._accepted = self._emitted = 0
         self._draft_s = self._verify_s = 0.0
-        self._drafted_before: set[str] = set()  # requests past their first draft (which computes a prompt)
+        # tokens each request had at its last draft call: a call that must first catch the drafter up
+        # on more than one round's worth (its first, which computes the prompt, or one after a pause)
+        # says nothing about the cost of a draft token
+        self._drafted_at: dict[str, int] = {}
         self._drafters: dict[str, DrafterRef] = {}  # request id -> its drafter replica (drafter pools)
 
     def assign(self, request_id: str, drafter: DrafterRef | None) -> None:
@@ -93,9 +96,12 @@ class Speculator:
         dt = time.perf_counter() - t0
         self._draft_s += dt
         # Fit the draft cost on steady-state calls only: a request's first call also computes its
-        # prompt on the drafter, a one-off that says nothing about the cost of a draft token.
-        steady = all(a.request_id in self._drafted_before for a in asks)
-        self._drafted_before.update(a.request_id for a in asks)
+        # prompt on the drafter, and one after steps without drafts (k = 0 until a probe) catches the
+        # drafter up on every token since: one-offs that say nothing about the cost of a draft token.
+        round_tokens = self.config.num_speculative_tokens + 2  # the accepted drafts, the target's token, the guess
+        steady = all(a.request_id in self._drafted_at and len(a.token_ids) - self._drafted_at[a.request_id]
+                     <= round_tokens for a in asks)
+        self._drafted_at.update((a.request_id, len(a.token_ids)) for a in asks)
         if drafts and steady:
             self.policy.observe_draft(sum(len(d.token_ids) for d in drafts.values()) / len(drafts), dt)
         return drafts
@@ -132,7 +138,7 @@ class Speculator:
 
     def release(self, request_id: str, *, handed_over: bool = False) -> None:
         """The request ended here; handed_over: it continues on another worker (Proposer.release)."""
-        self._drafted_before.discard(request_id)
+        self._drafted_at.pop(request_id, None)
         self._drafters.pop(request_id, None)
         self.policy.release(request_id)
         self.proposer.release(request_id, handed_over=handed_over)

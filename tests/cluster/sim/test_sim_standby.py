@@ -16,6 +16,7 @@ from cluster.sim.pool import SimPool
 from cluster.sim.report import sim_capacity
 from cluster.sim.simulator import Simulation
 from cluster.sim.trace import synthetic_trace
+from testkit.tolerance import estimate
 
 SVC = ServiceModel(prefill_base_s=0.02, prefill_per_token_s=0.0002, decode_base_s=0.02, decode_per_seq_s=0.001,
                    max_batch=32)
@@ -53,7 +54,8 @@ def test_a_scale_up_promotes_standby_replicas_first():
     assert ready[(t > 605) & (t < 700)].min() == 3  # both promoted spares serve within seconds of the step
     assert standby[(t > 605) & (t < 700)].max() == 2  # replacements loading (counted as standby) ...
     # ... and costed at standby_cost for every second they exist (2 spares x 1200 s x 0.5, about)
-    assert res.standby_seconds["main"] == pytest.approx(2 * res.end_s * 0.5, rel=0.05)
+    assert res.standby_seconds["main"] == estimate(2 * res.end_s * 0.5, rel=0.05, why="the spares exist from "
+                                                   "their creation a few simulated seconds in, not from t = 0")
     assert res.replica_hours == pytest.approx((sum(res.replica_seconds.values()) + res.standby_seconds["main"]) / 3600)
 
 
