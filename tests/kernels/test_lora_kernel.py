@@ -1,0 +1,110 @@
+"""Batched LoRA (kernels/lora.py): the CPU path (on every ISA path of the C++ grouped GEMM, and
+with the CPU kernels off) and the Triton kernel (in the interpreter) vs ``lora_ref``.
+
+Cases: tokens of several slots interleaved with base tokens (-1), slots with no tokens, a batch of
+only base tokens, a single token, more tokens of one slot than the GEMV threshold, K and N that are
+not multiples of the SIMD width, ranks zero-padded. Tolerance: fp32 dot products of length K then R
+summed in another order (KERNEL_FP32); bf16 outputs: the update rounded once into bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels.grouped_gemm import GEMV_MAX_ROWS
+from kernels.lora import lora, lora_groups, lora_ref
+
+from testkit.tolerance import KERNEL_FP32, bf16_ulps
+
+CASES = [
+    # (idx, S, R, K, N)
+    ([0, -1, 1, 0, 2, -1, 1], 4, 8, 64, 96),
+    ([-1, -1, -1], 3, 4, 16, 16),
+    ([2], 3, 16, 33, 17),
+    ([1] * (GEMV_MAX_ROWS + 3) + [0, -1] * 5, 2, 8, 40, 72),
+    ([3, 3, 0, -1, 3], 5, 12, 65, 129),
+]
+
+
+def make(idx: list[int], s: int, r: int, k: int, n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    t = len(idx)
+    x = torch.randn(t, k, generator=g)
+    y = torch.randn(t, n, generator=g)
+    a = torch.randn(s, r, k, generator=g) / k**0.5
+    b = torch.randn(s, n, r, generator=g) / r**0.5
+    a[:, r // 2 :] = 0  # the upper half of the rank zero-padded, as in the slots
+    b[:, :, r // 2 :] = 0
+    scales = torch.rand(s, generator=g) + 0.5
+    return y, x, a, b, scales, torch.tensor(idx)
+
+
+def test_ref_worked_example() -> None:
+    x = torch.tensor([[1.0], [2.0], [3.0]])
+    a = torch.tensor([[[2.0]], [[3.0]]])
+    b = torch.tensor([[[10.0]], [[1.0]]])
+    y = lora_ref(torch.zeros(3, 1), x, a, b, torch.tensor([0.5, 1.0]), torch.tensor([0, -1, 1]))
+    assert y.tolist() == [[10.0], [0.0], [9.0]]
+
+
+@pytest.mark.parametrize("idx,s,r,k,n", CASES)
+def test_cpu_path_matches_ref(isa: str, idx, s, r, k, n) -> None:
+    y, x, a, b, scales, ix = make(idx, s, r, k, n)
+    want = lora_ref(y.clone(), x, a, b, scales, ix)
+    got = lora(y.clone(), x, a, b, scales, ix)
+    KERNEL_FP32.assert_close(got, want)
+    base = ix < 0
+    assert torch.equal(got[base], y[base])  # base tokens untouched, bit for bit
+
+
+@pytest.mark.parametrize("idx,s,r,k,n", CASES[:2])
+def test_cpu_kernels_off_matches_ref(idx, s, r, k, n) -> None:
+    y, x, a, b, scales, ix = make(idx, s, r, k, n, seed=3)
+    old = kernels.set_cpu_kernels_enabled(False)
+    try:
+        got = lora(y.clone(), x, a, b, scales, ix)
+    finally:
+        kernels.set_cpu_kernels_enabled(old)
+    KERNEL_FP32.assert_close(got, lora_ref(y.clone(), x, a, b, scales, ix))
+
+
+def test_bf16_activations_update_in_fp32(ext) -> None:
+    y, x, a, b, scales, ix = make(*CASES[0], seed=4)
+    got = lora(y.bfloat16(), x.bfloat16(), a, b, scales, ix)
+    want = lora_ref(y.bfloat16().float(), x.bfloat16().float(), a, b, scales, ix).bfloat16()
+    assert got.dtype is torch.bfloat16
+    bf16_ulps(1).assert_close(got, want)
+
+
+def test_groups_sort_tokens_by_slot() -> None:
+    g = lora_groups(torch.tensor([2, -1, 0, 2, 0]), 3)
+    assert g.rows.tolist() == [2, 4, 0, 3] and g.offsets.tolist() == [0, 2, 2, 4]
+    assert g.row_slots.tolist() == [0, 0, 2, 2]
+    with pytest.raises(ValueError, match="adapter index 3 >= 3 slots"):
+        lora_groups(torch.tensor([3]), 3)
+
+
+def test_shape_errors_name_the_shapes() -> None:
+    y, x, a, b, scales, ix = make(*CASES[0])
+    with pytest.raises(ValueError, match="shapes disagree"):
+        lora(y, x, a, b[:, :5], scales, ix)
+
+
+@pytest.mark.skipif(not kernels._triton.triton_available(), reason="the optional triton extra is not installed")
+@pytest.mark.parametrize("idx,s,r,k,n", CASES)
+def test_triton_kernel_matches_ref(idx, s, r, k, n) -> None:
+    import importlib
+    import os
+    import sys
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"  # set session-wide by tests/conftest.py
+    from triton.runtime.interpreter import InterpretedFunction
+
+    mod = importlib.import_module("kernels.triton_ops.lora")
+    if not isinstance(mod._lora_kernel, InterpretedFunction):  # imported earlier without the interpreter
+        mod = importlib.reload(sys.modules["kernels.triton_ops.lora"])
+    y, x, a, b, scales, ix = make(idx, s, r, k, n, seed=1)
+    want = lora_ref(y.clone(), x, a, b, scales, ix)
+    KERNEL_FP32.assert_close(mod.lora_triton(y.clone(), x, a, b, scales, ix), want)
