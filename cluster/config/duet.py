@@ -117,6 +117,7 @@ class ModelSection(DerivedSection):
     ("kv_transfer_backend", Part(EngineConfig, "kv_transfer_backend")),
     ("omp_wait_policy", Part(EngineConfig, "omp_wait_policy")),
     ("niceness", Part(EngineConfig, "niceness")),
+    ("lora", Part(EngineConfig, "lora")),
 ])
 class EngineSection(DerivedSection):
     """Per-worker engine settings (workers.config)."""

@@ -1,25 +1,25 @@
-"""LoraStacks: every adapter slot's weights, stacked per layer and projection for kernels/lora.py.
+"""LoraStacks: every adapter slot's weights, stacked per layer and module for kernels/lora.py.
 
-For each (layer, projection) that a model can adapt (workers/lora/targets.py) the stacks hold
+For each (layer, PEFT module) that a loaded adapter targets (workers/lora/targets.py) the stacks hold
 
-    a [S, P R, in]    slot s's lora_A of part p in rows [p R, p R + r)
-    b [S, out, P R]   slot s's lora_B of part p in rows part_rows(p), columns [p R, p R + r)
+    a [S, R, in]     slot s's lora_A in rows [0, r) (zero below a rank r < R)
+    b [S, rows, R]   slot s's lora_B in columns [0, r); rows: the module's part of its projection
 
-(P the projection's parts: 3 for qkv, 2 for gate_up, else 1), zero elsewhere. So the fused qkv
-projection applies its q, k and v adapters in one batched LoRA of rank 3R whose B is block
-diagonal: a part an adapter does not target, and the padding of a rank below R, add exactly 0.
-``scales[s]`` is slot s's lora_alpha / r (or / sqrt(r)).
+and ``scales[s]`` = slot s's lora_alpha / r (or / sqrt(r) with rslora). A module's update goes
+into its part of the fused projection's output (q, k, v of qkv_proj; gate, up of gate_up_proj):
+``apply`` runs the batched LoRA once per targeted part on that column range of y. Parts no loaded
+adapter targets have no buffers and cost nothing (PEFT's default q_proj + v_proj touches two parts
+of qkv and nothing else); a slot whose adapter skips a part has zeros there, which add exactly 0.
 
-Buffers are allocated for a projection when the first adapter targeting it is placed (an engine
-whose adapters touch only q and v pays for qkv alone) and are float32 on the model's device. Cost:
-per slot and projection P R (in + out) floats, e.g. SmolLM2-135M at R = 16 with all seven modules
-targeted: 7.3M floats (29 MB) per slot over its 30 layers.
+Buffers are float32 on the model's device, allocated when the first adapter targeting the module
+is placed. Cost: per slot and module R (in + rows) floats, e.g. SmolLM2-135M at R = 16 with all
+seven modules targeted: 2.6M floats (10 MB) per slot over its 30 layers.
 
 Per step the runner calls ``begin_step(slots)`` with each token's slot (-1 = base): the grouping
-(kernels/lora.py ``lora_groups``) is computed once and every projection of every layer reuses it;
-a step without adapter tokens sets none, and ``apply`` then costs one attribute check.
+(kernels/lora.py ``lora_groups``) is computed once and every module of every layer reuses it; a
+step without adapter tokens sets none, and ``apply`` then costs one attribute check.
 
-Axes: S slots, R max rank, P parts, T tokens in the step.
+Axes: S slots, R max rank, T tokens in the step.
 """
 
 from __future__ import annotations
@@ -38,32 +38,35 @@ class LoraStacks:
         self.max_rank = max_rank
         self.device = torch.device(device)
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=self.device)  # [S]
-        self._a: dict[tuple[int, str], torch.Tensor] = {}  # (layer, projection) -> [S, P R, in]
-        self._b: dict[tuple[int, str], torch.Tensor] = {}  # (layer, projection) -> [S, out, P R]
+        self._a: dict[tuple[int, str], torch.Tensor] = {}  # (layer, PEFT module) -> [S, R, in]
+        self._b: dict[tuple[int, str], torch.Tensor] = {}  # (layer, PEFT module) -> [S, rows, R]
+        # (layer, projection) -> its targeted parts: (first output row, rows, module), in output order
+        self._parts: dict[tuple[int, str], list[tuple[int, int, str]]] = {}
         self._step: LoraGroups | None = None
 
     # ------------------------------------------------------------- placement
-    def _buffers(self, layer: int, projection: str) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (layer, projection)
+    def _buffers(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (layer, module)
         if key not in self._a:
+            projection, part = PEFT_MODULES[module]
             shape = self.targets[layer][projection]
-            width = shape.num_parts * self.max_rank
-            self._a[key] = torch.zeros(self.num_slots, width, shape.in_features, device=self.device)
-            self._b[key] = torch.zeros(self.num_slots, shape.out_features, width, device=self.device)
+            start, rows = shape.part(part)
+            a = torch.zeros(self.num_slots, self.max_rank, shape.in_features, device=self.device)
+            b = torch.zeros(self.num_slots, rows, self.max_rank, device=self.device)
+            self._a[key], self._b[key] = a, b
+            # published last, as a new list: a step on the engine thread reads whole lists only
+            self._parts[(layer, projection)] = sorted([*self._parts.get((layer, projection), []),
+                                                       (start, rows, module)])
         return self._a[key], self._b[key]
 
     def place(self, slot: int, adapter: LoraAdapter) -> None:
         """Write ``adapter`` into ``slot`` (clearing what the slot held before)."""
         self.clear(slot)
         for (layer, module), (a, b) in adapter.weights.items():
-            projection, part = PEFT_MODULES[module]
-            shape = self.targets[layer][projection]
-            sa, sb = self._buffers(layer, projection)
-            p, r = shape.part_index(part), a.shape[0]
-            start, rows = shape.part(part)
-            col = p * self.max_rank
-            sa[slot, col : col + r].copy_(a)
-            sb[slot, start : start + rows, col : col + r].copy_(b)
+            sa, sb = self._buffers(layer, module)
+            r = a.shape[0]
+            sa[slot, :r].copy_(a)
+            sb[slot, :, :r].copy_(b)
         self.scales[slot] = adapter.scale
 
     def clear(self, slot: int) -> None:
@@ -94,11 +97,12 @@ class LoraStacks:
         return self._step is not None
 
     def apply(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y [T, out] += each adapter token's update of ``projection`` in ``layer`` (x [T, in])."""
+        """y [T, out] += each adapter token's update of ``projection`` in ``layer`` (x [T, in]),
+        part by part into the part's columns of y."""
         step = self._step
         if step is None:
             return y
-        a = self._a.get((layer, projection))
-        if a is None:  # no loaded adapter targets it
-            return y
-        return lora(y, x, a, self._b[(layer, projection)], self.scales, groups=step)
+        for start, rows, module in self._parts.get((layer, projection), ()):
+            key = (layer, module)
+            lora(y.narrow(1, start, rows), x, self._a[key], self._b[key], self.scales, groups=step)
+        return y
