@@ -13,8 +13,9 @@
    processes caused (CpuLoadMeter).
 2. adapter load time: read + validate + place into a slot (AdapterSet.load), median over the adapters.
 
-The adapters are random PEFT LoRAs of rank ``--rank`` on all seven projections (the most work per
-token), written with peft once per run into a temporary directory.
+The adapters are random PEFT LoRAs of rank ``--rank``, written with peft into a temporary directory,
+for each ``--targets`` set: ``qv`` (q_proj + v_proj, PEFT's default for Llama models) and ``all``
+(all seven projections: the most work per token).
 
     nice -n 10 python benchmarks/lora_bench.py            # ~5 min on 2 quiet cores
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -51,12 +53,15 @@ RESULTS = REPO_ROOT / "benchmarks" / "results"
 ALL_MODULES = list(PEFT_MODULES)
 
 
-def make_adapters(base: Path, out: Path, n: int, rank: int) -> list[Path]:
+TARGET_SETS = {"qv": ["q_proj", "v_proj"], "all": ALL_MODULES}
+
+
+def make_adapters(base: Path, out: Path, n: int, rank: int, targets: list[str]) -> list[Path]:
     from peft import LoraConfig as PeftLoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    peft_model = get_peft_model(model, PeftLoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ALL_MODULES,
+    peft_model = get_peft_model(model, PeftLoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
                                                       lora_dropout=0.0, task_type="CAUSAL_LM"))
     paths = []
     for i in range(n):
@@ -118,22 +123,11 @@ class MergedWeights:
                 self.params[n].copy_(t)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--prompt-tokens", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="auto", help="the engine's dtype (auto: bf16 on AMX / AVX512-BF16 CPUs)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "lora_bench.json")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    base = prepare_smollm2()
+def run_set(base: Path, targets: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Section 1 and 2 of the module docstring for one target set."""
     n_max = max(args.adapters)
     tmp = tempfile.TemporaryDirectory(prefix="lora_bench_")
-    paths = make_adapters(base, Path(tmp.name), n_max, args.rank)
+    paths = make_adapters(base, Path(tmp.name), n_max, args.rank, TARGET_SETS[targets])
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 20000, (args.prompt_tokens,), generator=g).tolist() for _ in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -168,37 +162,59 @@ def main() -> None:
                 seconds, tokens = seconds + s, tokens + t
             merged.restore()
             record(f"merged_{n}", seconds, tokens, ttft)
-        logger.warning("repeat %d done", rep + 1)
+        logger.warning("%s: repeat %d done", targets, rep + 1)
     load = meter.read()
-
     summary: dict[str, Any] = {}
     for name, rs in runs.items():
         summary[name] = {"tok_s_median": statistics.median(r["tok_s"] for r in rs),
                          "ttft_median_s": statistics.median(r["ttft_median_s"] for r in rs), "runs": rs}
     base_tok_s = summary["base"]["tok_s_median"]
-    for name, s in summary.items():
+    for s in summary.values():
         s["vs_base"] = s["tok_s_median"] / base_tok_s
     for n in args.adapters:
         summary[f"batched_{n}"]["vs_merged"] = summary[f"batched_{n}"]["tok_s_median"] / \
             summary[f"merged_{n}"]["tok_s_median"]
+    info = llm.engine.adapters.list()
+    return {"targets": TARGET_SETS[targets], "others_cpu_share": load, "engine_dtype": str(llm.engine.config.torch_dtype),
+            "adapter_bytes": info[0].bytes, "slots_bytes": llm.engine.adapters.stacks.nbytes,
+            "adapter_load_s": {"median": statistics.median(load_s), "max": max(load_s), "all": load_s},
+            "results": summary}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--targets", nargs="+", default=["qv", "all"], choices=sorted(TARGET_SETS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="auto", help="the engine's dtype (auto: bf16 on AMX / AVX512-BF16 CPUs)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "lora_bench.json")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    base = prepare_smollm2()
+    sets = {t: run_set(base, t, args) for t in args.targets}
     result = {
         "benchmark": "lora_bench", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
-        "code": code_version(), "others_cpu_share": load,
+        "code": code_version(), "loadavg_1m_end": os.getloadavg()[0],
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "engine_dtype": str(llm.engine.config.torch_dtype),
-        "adapter_load_s": {"median": statistics.median(load_s), "max": max(load_s), "all": load_s},
-        "results": summary,
+        "target_sets": sets,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
-    print(f"engine dtype {result['engine_dtype']}, batch {args.batch}, {args.max_tokens} tokens each, rank {args.rank}; "
-          f"others' CPU share {load:.0%}")
-    print(f"{'config':<12} {'tok/s':>8} {'vs base':>8} {'vs merged':>10} {'TTFT med':>9}")
-    for name, s in summary.items():
-        vm = f"{s['vs_merged']:.2f}x" if "vs_merged" in s else ""
-        print(f"{name:<12} {s['tok_s_median']:8.1f} {s['vs_base']:7.2f}x {vm:>10} {s['ttft_median_s'] * 1e3:7.0f}ms")
-    print(f"adapter load: median {result['adapter_load_s']['median'] * 1e3:.0f} ms, max "
-          f"{result['adapter_load_s']['max'] * 1e3:.0f} ms; wrote {args.out}")
+    for t, r in sets.items():
+        print(f"\n[{t}: {', '.join(r['targets'])}] engine dtype {r['engine_dtype']}, batch {args.batch}, "
+              f"{args.max_tokens} tokens each, rank {args.rank}; others' CPU share {r['others_cpu_share']:.0%}")
+        print(f"{'config':<12} {'tok/s':>8} {'vs base':>8} {'vs merged':>10} {'TTFT med':>9}")
+        for name, s in r["results"].items():
+            vm = f"{s['vs_merged']:.2f}x" if "vs_merged" in s else ""
+            print(f"{name:<12} {s['tok_s_median']:8.1f} {s['vs_base']:7.2f}x {vm:>10} "
+                  f"{s['ttft_median_s'] * 1e3:7.0f}ms")
+        print(f"adapter load: median {r['adapter_load_s']['median'] * 1e3:.0f} ms, max "
+              f"{r['adapter_load_s']['max'] * 1e3:.0f} ms ({r['adapter_bytes'] / 1e6:.1f} MB each)")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

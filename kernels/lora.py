@@ -22,6 +22,14 @@ with the scale applied to the rank-R intermediate:
     h = grouped_gemm(x[rows], A, offsets) * scales[slot of row]     # [M, R]
     y.index_add_(0, rows, grouped_gemm(h, B, offsets))              # [M, N] added to y's rows
 
+Decode-sized steps (at most GATHER_MAX_ROWS adapter tokens) take the gathered form instead: each
+token's own A and B are gathered (``a[slot of row]``, [M, R, K] and [M, N, R]) and the two products
+run as batched matrix-vector products (torch.bmm): one call each however many slots the tokens
+use. The grouped GEMMs would run one tiny product per slot (a GEMV over a K = R input for the
+expand), each its own parallel region; the gather copies what the products read anyway (M R (K + N)
+floats, a few hundred KB at decode sizes). Larger steps (prefill) keep the grouped form, where a
+gather would copy each slot's weights once per token.
+
 Precision: the update is computed in float32 whatever y's dtype (the slots' weights are float32;
 a bf16 model's x is widened, the update rounded once when added to y).
 
@@ -46,6 +54,9 @@ from kernels import _build, _triton
 from kernels.grouped_gemm import grouped_gemm
 
 _F32 = torch.float32
+
+# Steps with at most this many adapter tokens use the gathered batched products (docstring).
+GATHER_MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -117,9 +128,15 @@ def lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sca
     xs = x.index_select(0, groups.rows)
     if xs.dtype is not _F32:
         xs = xs.to(_F32)
-    h = grouped_gemm(xs, a, groups.offsets)  # [M, R]
-    h.mul_(scales.index_select(0, groups.row_slots).unsqueeze(1))
-    delta = grouped_gemm(h, b, groups.offsets)  # [M, N]
+    if groups.rows.numel() <= GATHER_MAX_ROWS:
+        slots = groups.row_slots
+        h = torch.bmm(a.index_select(0, slots), xs.unsqueeze(2))  # [M, R, 1]
+        h.mul_(scales.index_select(0, slots).view(-1, 1, 1))
+        delta = torch.bmm(b.index_select(0, slots), h).squeeze(2)  # [M, N]
+    else:
+        h = grouped_gemm(xs, a, groups.offsets)  # [M, R]
+        h.mul_(scales.index_select(0, groups.row_slots).unsqueeze(1))
+        delta = grouped_gemm(h, b, groups.offsets)  # [M, N]
     y.index_add_(0, groups.rows, delta if y.dtype is _F32 else delta.to(y.dtype))
     return y
 

@@ -3,7 +3,8 @@ with the CPU kernels off) and the Triton kernel (in the interpreter) vs ``lora_r
 
 Cases: tokens of several slots interleaved with base tokens (-1), slots with no tokens, a batch of
 only base tokens, a single token, more tokens of one slot than the GEMV threshold, K and N that are
-not multiples of the SIMD width, ranks zero-padded. Tolerance: fp32 dot products of length K then R
+not multiples of the SIMD width, ranks zero-padded; steps of up to GATHER_MAX_ROWS adapter tokens
+(the gathered batched products) and more (the grouped GEMMs). Tolerance: fp32 dot products of length K then R
 summed in another order (KERNEL_FP32); bf16 outputs: the update rounded once into bf16.
 """
 
@@ -14,7 +15,7 @@ import torch
 
 import kernels
 from kernels.grouped_gemm import GEMV_MAX_ROWS
-from kernels.lora import lora, lora_groups, lora_ref
+from kernels.lora import GATHER_MAX_ROWS, lora, lora_groups, lora_ref
 
 from testkit.tolerance import KERNEL_FP32, bf16_ulps
 
@@ -25,6 +26,7 @@ CASES = [
     ([2], 3, 16, 33, 17),
     ([1] * (GEMV_MAX_ROWS + 3) + [0, -1] * 5, 2, 8, 40, 72),
     ([3, 3, 0, -1, 3], 5, 12, 65, 129),
+    ([i % 3 - 1 for i in range(3 * GATHER_MAX_ROWS)], 2, 8, 48, 40),  # > GATHER_MAX_ROWS: the grouped GEMMs
 ]
 
 
