@@ -110,3 +110,23 @@ def test_triton_kernel_matches_ref(idx, s, r, k, n) -> None:
     y, x, a, b, scales, ix = make(idx, s, r, k, n, seed=1)
     want = lora_ref(y.clone(), x, a, b, scales, ix)
     KERNEL_FP32.assert_close(mod.lora_triton(y.clone(), x, a, b, scales, ix), want)
+
+
+@pytest.mark.skipif(not kernels._triton.triton_available(), reason="the optional triton extra is not installed")
+def test_triton_kernel_on_a_column_slice_leaves_the_rest() -> None:
+    """A fused projection's part: y is a column slice of a wider output (rows strided)."""
+    import importlib
+    import sys
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    mod = importlib.import_module("kernels.triton_ops.lora")
+    if not isinstance(mod._lora_kernel, InterpretedFunction):
+        mod = importlib.reload(sys.modules["kernels.triton_ops.lora"])
+    y, x, a, b, scales, ix = make(*CASES[0], seed=2)
+    wide = torch.randn(y.shape[0], y.shape[1] + 20)
+    got = wide.clone()
+    mod.lora_triton(got[:, 10:10 + y.shape[1]], x, a, b, scales, ix)
+    want = lora_ref(wide[:, 10:10 + y.shape[1]].clone(), x, a, b, scales, ix)
+    KERNEL_FP32.assert_close(got[:, 10:10 + y.shape[1]], want)
+    assert torch.equal(got[:, :10], wide[:, :10]) and torch.equal(got[:, 10 + y.shape[1]:], wide[:, 10 + y.shape[1]:])
