@@ -10,9 +10,9 @@ ids (no prefix-cache hits) and makes exactly --output-tokens tokens (ignore_eos)
 concurrency N: each of N streams sends its next request when the previous one ends,
 --requests-per-stream times (after one warm-up round).
 
-    offline  a child process (the worker's thread settings: --cpus torch threads, OMP_WAIT_POLICY
-             passive, niceness 0) drives ``Engine`` directly: N requests in flight, a finished one
-             replaced at once. Output tokens / wall time; ITL = a request's gap between tokens.
+    offline  a child process (the worker's settings: --cpus torch threads, the environment a pool's
+             worker starts with, workers/server/threads.py process_env) drives ``Engine`` directly:
+             N requests in flight, a finished one replaced at once. Output tokens / wall time; ITL = a request's gap between tokens.
     served   ``duet serve`` (a child process: embedded Ray with --cpus + 1 CPUs, one worker with
              --cpus CPUs, the router's OpenAI HTTP API) and this process as the client: N
              concurrent POST /v1/completions with stream=true and prompt token ids. Output tokens /
@@ -105,7 +105,12 @@ print(json.dumps({"tokens": tokens, "wall_s": wall, "itl": itl, "cpu_s": time.pr
 def offline(args: argparse.Namespace, n: int, work: list[list[int]], warm: list[list[int]]) -> dict[str, Any]:
     payload = {"model": args.model, "quant": args.quant, "cpus": args.cpus, "temperature": args.temperature,
                "output_tokens": args.output_tokens, "n": n, "prompts": work, "warmup": warm}
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    from workers.config import EngineConfig
+    from workers.server.threads import process_env
+
+    # the environment a pool's worker starts with (OpenMP wait policy, malloc tunables), so both
+    # sides run the engine the same way
+    env = {**os.environ, **process_env(EngineConfig()), "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run([sys.executable, "-c", _OFFLINE], input=json.dumps(payload), env=env, capture_output=True,
                          text=True, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])

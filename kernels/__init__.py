@@ -5,7 +5,8 @@ wrapper `<op>` that runs the C++ CPU kernel (kernels/csrc/) on fp32 CPU tensors,
 
     rms_norm(x, weight, eps, residual=None) -> (out, new_residual | None)
     silu_and_mul(x) -> out
-    linear(x, w, bias=None) -> y                 (C++ GEMV for T <= 16 rows, else MKL via F.linear)
+    linear(x, w, bias=None, packed=None) -> y    (C++ GEMV for T <= 16 rows (bf16: 8), else MKL / oneDNN
+                                                  via F.linear, or oneDNN on ``prepack(w)``'s blocked copy)
     paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out=None)
     rotary_and_cache_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)   (in place)
     varlen_paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, block_size,
@@ -27,7 +28,7 @@ from kernels._build import (
     set_cpu_kernels_enabled,
 )
 from kernels.grouped_gemm import grouped_gemm, grouped_gemm_ref
-from kernels.linear import linear, linear_ref
+from kernels.linear import linear, linear_ref, prepack
 from kernels.merge_attn_states import merge_attn_states, merge_attn_states_ref
 from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
 from kernels.int8_linear import int8_linear, int8_linear_ref
@@ -49,6 +50,7 @@ __all__ = [
     "q4_linear_ref",
     "linear",
     "linear_ref",
+    "prepack",
     "merge_attn_states",
     "merge_attn_states_ref",
     "paged_decode_attention",

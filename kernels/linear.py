@@ -52,8 +52,36 @@ def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     return F.linear(x, w, bias)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def prepack(w: torch.Tensor, rows_hint: int = 64) -> torch.Tensor | None:
+    """oneDNN's own blocked copy of a bf16 CPU weight w [N, K], for ``linear(..., packed=)``; None
+    where there is nothing to gain or this torch has no oneDNN linear. ``F.linear`` on a plain bf16
+    weight has oneDNN reorder W into the blocked (AMX / AVX512-BF16) layout on every call, a full
+    read and write of W per step; the packed copy does it once. rows_hint: the batch oneDNN tunes
+    the blocking for (the results do not depend on it)."""
+    if not (w.is_cpu and w.dtype is _BF16 and w.dim() == 2 and torch.backends.mkldnn.is_available()):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows_hint)
+    except (AttributeError, RuntimeError) as e:  # a torch built without the op: the plain path stays
+        _build.note_fallback("linear", f"no oneDNN weight prepacking in this torch ({e})")
+        return None
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bf16 @ the weight ``packed`` (``prepack``'s copy of a [out_features, K] weight)^T
+    (+ bias) through oneDNN's bf16 GEMM -> [..., out_features] bf16."""
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
+    return y.view(*x.shape[:-1], out_features)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
     # x [T, K] (or [..., K]), w [N, K], bias [N] -> [T, N] (or [..., N])
+    # packed: ``prepack(w)``; rows past the GEMV's range then go through oneDNN on it (the same GEMM
+    # as F.linear on w, without the per-call reorder of W)
+    if packed is not None and x.dtype is _BF16 and x.numel() > BF16_GEMV_MAX_TOKENS * x.shape[-1]:
+        return packed_linear(x, packed, w.shape[0], bias)
     if x.is_cpu:
         dt = x.dtype
         if (dt is _F32 or dt is _BF16) and w.dtype is dt and (bias is None or bias.dtype is dt):

@@ -28,6 +28,7 @@ PARALLEL_AXES = ("ep", "sp", "tp")  # mesh order, outermost first (workers/paral
 COMM_MODES = ("auto", "shm", "gloo")  # ParallelConfig.comm
 KV_BACKENDS = ("auto", "shm", "gloo", "nccl")  # EngineConfig.kv_transfer_backend (workers/kv/transfer.py)
 TIER_POLICIES = ("lru",)  # CacheConfig.tier_policy (workers/kv/tiers/)
+QUANTIZED_BATCHES = ("auto", "kernel", "bf16")  # EngineConfig.quantized_batches (workers/layers/quant_linear.py)
 OMP_WAIT_POLICIES = ("passive", "active", "runtime")  # EngineConfig.omp_wait_policy (workers/server/threads.py)
 
 
@@ -385,6 +386,23 @@ class EngineConfig:
         15, under which the router, Ray's daemons and any other process preempt the engine).
         Lowering a process's niceness below its parent's needs CAP_SYS_NICE (root); duet serve
         starts each worker with it (Ray's RAY_worker_niceness in the actor's runtime_env).
+    prepack_weights: bf16 linear layers and LM head on the CPU keep oneDNN's blocked (AMX /
+        AVX512-BF16) copy of their weights, made once at load, for batches past the bf16 GEMV's 8
+        rows (kernels/linear.py ``prepack``): ``F.linear`` on a plain bf16 weight reorders it on every
+        call. The results are oneDNN's GEMM's either way; the cost is a second copy of those weights
+        in memory (true by default; false: one copy, the per-call reorder).
+    quantized_batches: how a quantized model (int8, q4) on the CPU runs batches of more than 64 rows
+        (prompt chunks; decode batches up to 64 always take the quantized kernels):
+        'kernel' on the quantized kernels; 'bf16' on a oneDNN-packed bf16 copy of each layer's
+        de-quantized weight (the same values to bf16's 8 significant bits, 2 more bytes per weight
+        of memory; workers/layers/quant_linear.py); 'auto' (default) = 'bf16' where the CPU has AMX,
+        whose bf16 GEMM does ~3x the int8 dot's work per second, else 'kernel'.
+    memory_tuning: how the worker process uses host memory (true by default; workers/server/threads.py):
+        transparent huge pages for the CPU KV cache and for the heap, and a heap that keeps large
+        freed blocks for reuse (glibc malloc tunables in the process's environment at start), so the
+        scattered KV reads of decode attention and the weight reads of the linear layers miss the
+        TLB less, and a step's large temporaries (logits, sampling) are not unmapped and faulted in
+        again every step. false = the system's defaults (and a GLIBC_TUNABLES of your own).
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -404,6 +422,9 @@ class EngineConfig:
     shared_weights_dir: str | None = None
     omp_wait_policy: str = "passive"
     niceness: int | None = 0
+    memory_tuning: bool = True
+    prepack_weights: bool = True
+    quantized_batches: str = "auto"
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
@@ -443,6 +464,12 @@ class EngineConfig:
                                           or not -20 <= self.niceness <= 19):
             raise ConfigError(f"niceness={self.niceness!r}: must be an integer in [-20, 19] (0 = normal priority), "
                               "or null for Ray's default (15)")
+        if self.quantized_batches not in QUANTIZED_BATCHES:
+            raise ConfigError(f"quantized_batches={self.quantized_batches!r}: must be one of "
+                              f"{', '.join(QUANTIZED_BATCHES)}")
+        for key in ("memory_tuning", "prepack_weights"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key}={getattr(self, key)!r}: must be true or false")
         if self.lora.enabled and self.cuda_graphs:
             raise ConfigError("lora.enabled=true with cuda_graphs=true: the captured decode graphs hold no LoRA "
                               "step; set cuda_graphs to false or lora.enabled to false")

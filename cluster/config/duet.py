@@ -117,6 +117,9 @@ class ModelSection(DerivedSection):
     ("kv_transfer_backend", Part(EngineConfig, "kv_transfer_backend")),
     ("omp_wait_policy", Part(EngineConfig, "omp_wait_policy")),
     ("niceness", Part(EngineConfig, "niceness")),
+    ("memory_tuning", Part(EngineConfig, "memory_tuning")),
+    ("prepack_weights", Part(EngineConfig, "prepack_weights")),
+    ("quantized_batches", Part(EngineConfig, "quantized_batches")),
     ("lora", Part(EngineConfig, "lora")),
 ])
 class EngineSection(DerivedSection):

@@ -36,7 +36,7 @@ from cluster.config.derive import field_docs
 from cluster.config.duet import SWITCHES, DuetConfig
 from router.policies import POLICIES
 from router.policies.drafter import DRAFTER_POLICIES
-from workers.config import (COMM_MODES, DRAFTER_DEVICES, DTYPES, KV_BACKENDS, MIN_DRAFT_VOCAB, OMP_WAIT_POLICIES,
+from workers.config import (COMM_MODES, DRAFTER_DEVICES, DTYPES, KV_BACKENDS, MIN_DRAFT_VOCAB, OMP_WAIT_POLICIES, QUANTIZED_BATCHES,
                             QUANTIZATIONS, SPEC_METHODS)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,6 +58,7 @@ HINTS: dict[str, dict[str, Any]] = {
     "pools[].engine.target_itl_ms": {"exclusiveMinimum": 0},
     "pools[].engine.omp_wait_policy": {"enum": list(OMP_WAIT_POLICIES)},
     "pools[].engine.niceness": {"minimum": -20, "maximum": 19},
+    "pools[].engine.quantized_batches": {"enum": list(QUANTIZED_BATCHES)},
     "pools[].ep_size": _SIZE, "pools[].sp_size": _SIZE, "pools[].tp_size": _SIZE,
     "pools[].comm": {"enum": list(COMM_MODES)},
     "pools[].speculative.method": {"enum": list(SPEC_METHODS)},

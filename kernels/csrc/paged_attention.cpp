@@ -62,11 +62,30 @@ inline void for_each_run(const PagedDecodeArgs& a, int64_t b, int64_t t0, int64_
   }
 }
 
-// One work item: m[h], l[h] and the unnormalised acc[h * D + d] for all H heads of sequence b.
+// Asks for the cache lines of run (slot, n) of one cache (K or V, slot stride ss elements of T) to
+// be loaded ahead. A sequence's blocks lie anywhere in a pool much larger than the caches, and the
+// hardware prefetchers stop at every block (page) boundary: without this, each run's first loads
+// wait on DRAM one after another, and decode attention over a large batch ran at a fraction of the
+// memory bandwidth (benchmarks/README.md, "decode attention prefetch").
 template <typename T>
-void run_item(const PagedDecodeArgs& a, const Prims<T>& pr, const Item& it, float* m, float* l, float* acc) {
+inline void prefetch_run(const T* cache, int64_t ss, int64_t slot, int64_t n, int64_t row_elems) {
+  const char* p = reinterpret_cast<const char*>(cache + slot * ss);
+  const int64_t bytes = ((n - 1) * ss + row_elems) * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+struct Run {
+  int64_t i, slot, n;  // offset from the item's first token, first cache slot, length
+};
+
+// One work item: m[h], l[h] and the unnormalised acc[h * D + d] for all H heads of sequence b.
+// next: the item that runs after this one on this thread (its first K run is prefetched), or null.
+template <typename T>
+void run_item(const PagedDecodeArgs& a, const Prims<T>& pr, const Item& it, const Item* next, float* m, float* l,
+              float* acc) {
   const int64_t H = a.H, G = a.G, D = a.D, hpg = H / G, len = it.t1 - it.t0;
   static thread_local std::vector<float> scratch, qf;
+  static thread_local std::vector<Run> runs;
   if (static_cast<int64_t>(scratch.size()) < H * len) scratch.resize(H * len);
   float* s = scratch.data();  // [H, len] scores, then unnormalised probabilities
   const T* qt = static_cast<const T*>(a.q) + it.b * a.q_sb;
@@ -83,21 +102,40 @@ void run_item(const PagedDecodeArgs& a, const Prims<T>& pr, const Item& it, floa
   }
   const T* k_cache = static_cast<const T*>(a.k_cache);
   const T* v_cache = static_cast<const T*>(a.v_cache);
-  for_each_run(a, it.b, it.t0, it.t1, [&](int64_t i, int64_t slot, int64_t n) {
-    const T* k = k_cache + slot * a.k_ss;
+  // a slot's bytes that a run reads: from its first kv head's row to the end of its last one's
+  const int64_t k_row = (G - 1) * a.k_sg + D, v_row = (G - 1) * a.v_sg + D;
+  runs.clear();
+  for_each_run(a, it.b, it.t0, it.t1, [&](int64_t i, int64_t slot, int64_t n) { runs.push_back({i, slot, n}); });
+  const int64_t nr = static_cast<int64_t>(runs.size());
+  // K runs one ahead (the first one unless the item before fetched it), the first V run while the
+  // softmax of the scores runs, then the next item's first K run during the accumulation
+  prefetch_run(k_cache, a.k_ss, runs[0].slot, runs[0].n, k_row);
+  for (int64_t r = 0; r < nr; ++r) {
+    const Run& u = runs[r];
+    if (r + 1 < nr) prefetch_run(k_cache, a.k_ss, runs[r + 1].slot, runs[r + 1].n, k_row);
+    const T* k = k_cache + u.slot * a.k_ss;
     for (int64_t g = 0; g < G; ++g)
-      pr.scores(q + g * hpg * q_sh, q_sh, hpg, k + g * a.k_sg, a.k_ss, n, D, a.scale, s + g * hpg * len + i, len);
-  });
+      pr.scores(q + g * hpg * q_sh, q_sh, hpg, k + g * a.k_sg, a.k_ss, u.n, D, a.scale, s + g * hpg * len + u.i, len);
+  }
+  prefetch_run(v_cache, a.v_ss, runs[0].slot, runs[0].n, v_row);
   for (int64_t h = 0; h < H; ++h) {
     m[h] = pr.rowmax(s + h * len, len);
     l[h] = pr.expsum(s + h * len, len, m[h]);
   }
   std::fill(acc, acc + H * D, 0.f);
-  for_each_run(a, it.b, it.t0, it.t1, [&](int64_t i, int64_t slot, int64_t n) {
-    const T* v = v_cache + slot * a.v_ss;
+  for (int64_t r = 0; r < nr; ++r) {
+    const Run& u = runs[r];
+    if (r + 1 < nr) {
+      prefetch_run(v_cache, a.v_ss, runs[r + 1].slot, runs[r + 1].n, v_row);
+    } else if (next != nullptr) {
+      for_each_run(a, next->b, next->t0, next->t1, [&, done = false](int64_t, int64_t slot, int64_t n) mutable {
+        if (!done) prefetch_run(k_cache, a.k_ss, slot, n, k_row), done = true;
+      });
+    }
+    const T* v = v_cache + u.slot * a.v_ss;
     for (int64_t g = 0; g < G; ++g)
-      pr.accum(s + g * hpg * len + i, len, hpg, n, v + g * a.v_sg, a.v_ss, D, acc + g * hpg * D);
-  });
+      pr.accum(s + g * hpg * len + u.i, len, hpg, u.n, v + g * a.v_sg, a.v_ss, D, acc + g * hpg * D);
+  }
 }
 
 // out[b] from the items [i, j) of sequence b (consecutive in the item list).
@@ -176,15 +214,15 @@ void paged_decode(const PagedDecodeArgs& a, int max_threads) {
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t per_item = a.H * (a.D + 2);  // m[H], l[H], acc[H * D]
   std::vector<float> part(n_items * per_item);
-  auto run = [&](int64_t i) {
+  auto run = [&](int64_t i, bool serial) {
     float* p = part.data() + i * per_item;
-    run_item<T>(a, pr, items[i], p, p + a.H, p + 2 * a.H);
+    run_item<T>(a, pr, items[i], serial && i + 1 < n_items ? &items[i + 1] : nullptr, p, p + a.H, p + 2 * a.H);
   };
   if (nt0 == 1 || n_items == 1) {
-    for (int64_t i = 0; i < n_items; ++i) run(i);
-  } else {
+    for (int64_t i = 0; i < n_items; ++i) run(i, true);
+  } else {  // which item a thread takes next is not known: none is prefetched across items
 #pragma omp parallel for num_threads(nt0) schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_items; ++i) run(i);
+    for (int64_t i = 0; i < n_items; ++i) run(i, false);
   }
   for (int64_t i = 0; i < n_items;) {
     int64_t j = i + 1;

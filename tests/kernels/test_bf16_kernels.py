@@ -92,6 +92,29 @@ def test_linear(dot_path: str, T: int, N: int, K: int) -> None:
     assert_within(y, exact, bf16_linear_error_bound(x, w, b, exact), f"bf16 linear T={T}")
 
 
+@pytest.mark.parametrize("T", [1, 8, 9, 33, 130])
+@pytest.mark.parametrize("N,K", [(960, 576), (37, 577), (576, 1536)])
+def test_linear_on_a_prepacked_weight(T: int, N: int, K: int) -> None:
+    # kernels.prepack: oneDNN's blocked copy of w; rows past the GEMV's go through it, fewer keep the
+    # GEMV on w. Within the bf16 linear bound of the exact product either way, and of the plain path.
+    g = torch.Generator().manual_seed(N + K + T)
+    x, w, b = _rand(T, K, g=g), _rand(N, K, g=g, scale=K**-0.5), _rand(N, g=g)
+    packed = kernels.prepack(w)
+    if packed is None:
+        pytest.skip("this torch has no oneDNN linear to prepack for (the plain path is the only one)")
+    y = kernels.linear(x, w, b, packed)
+    assert y.dtype == BF and y.shape == (T, N)
+    exact = F.linear(x.double(), w.double(), b.double())
+    bound = bf16_linear_error_bound(x, w, b, exact)
+    assert_within(y, exact, bound, f"bf16 linear on a prepacked weight T={T}")
+    assert_within(y.double(), kernels.linear(x, w, b).double(), 2 * bound, f"prepacked vs plain T={T}")
+    if T <= BF16_GEMV_MAX_TOKENS:  # the GEMV's rows never touch the packed copy
+        assert torch.equal(y, kernels.linear(x, w, b))
+    y3 = kernels.linear(x.view(1, T, K), w, b, packed)  # leading dims kept
+    assert y3.shape == (1, T, N) and torch.equal(y3[0], y)
+    assert kernels.prepack(w.float()) is None  # fp32 weights keep MKL's path
+
+
 def test_gemv_directly_on_every_path(ext) -> None:
     # The GEMV on each path: vdpbf16ps where the CPU has AVX512-BF16, its AVX-512 fallback, scalar.
     g = torch.Generator().manual_seed(7)

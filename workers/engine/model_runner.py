@@ -103,14 +103,19 @@ def _decode_rows(c: ScheduledChunk) -> list[ScheduledChunk]:
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python 3.11 lacks the name
 
 
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, populate: bool = False) -> torch.Tensor:
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, populate: bool = False,
+           huge_pages: bool = False) -> torch.Tensor:
     """A zero-filled tensor. On the CPU it lives in an anonymous private memory map: the kernel hands
     out zero pages on first touch, so allocating is O(1) (a start or a standby's promotion does not
     wait for it; ``torch.zeros`` writes every byte up front, ~0.5 s for 256 MiB on a busy host).
     populate: commit the memory anyway, on a background thread (MADV_POPULATE_WRITE: faults every page
     in writable without touching its contents, so it is safe beside the engine's writes), so the
     worker's memory is all resident soon after it serves -- a memory limit is hit at start, not
-    under load later, and the resident size stays flat while serving. Elsewhere ``torch.zeros``."""
+    under load later, and the resident size stays flat while serving.
+    huge_pages: ask for transparent huge pages (MADV_HUGEPAGE; Linux with THP in 'madvise' or 'always'
+    mode): decode attention reads every running sequence's blocks each step, scattered over the whole
+    pool, and with 4 KiB pages most of those reads also miss the TLB. Where the kernel has no THP the
+    advice is ignored and the map keeps ordinary pages. Elsewhere ``torch.zeros``."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
@@ -118,6 +123,11 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pop
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):  # before the first touch, so faults take huge pages
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError as e:  # THP compiled out or disabled: ordinary pages, nothing else changes
+            logger.info("KV cache: transparent huge pages unavailable here (%s); it keeps 4 KiB pages", e)
     if populate:
         threading.Thread(target=_populate, args=(buf,), name="duet-kv-populate", daemon=True).start()
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
@@ -166,7 +176,7 @@ class ModelRunner:
         # [layers, 2, S, G, D]; zeros, not empty: padded gathers read unused slots, which are masked
         # out, but NaN garbage would still poison the masked softmax.
         self.kv_cache = zeroed((spec.num_layers, 2, slots, g, spec.head_dim), config.torch_dtype, self.device,
-                               populate=True)
+                               populate=True, huge_pages=config.memory_tuning)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler(frozenset(spec.eos_token_ids))
         self._requests: dict[str, _RequestState] = {}
@@ -218,7 +228,8 @@ class ModelRunner:
             timeline.mark("kernels")
         shared = SharedWeights(Path(config.shared_weights_dir)) if config.shared_weights_dir else None
         model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
-                                 fused_decode=config.fused_decode, shared=shared, spec=spec)
+                                 fused_decode=config.fused_decode, shared=shared, spec=spec,
+                                 prepack_weights=config.prepack_weights, quantized_batches=config.quantized_batches)
         if timeline is not None:
             timeline.mark("weights", note=shared.last_source if shared is not None else "checkpoint")
         return model, spec
@@ -325,7 +336,9 @@ class ModelRunner:
                 assert allowed is not None  # a row had a mask (it failed)
                 allowed = allowed[keep]
         if plain:
-            tokens, lps = self.sampler(logits[plain], rows, [self._generator(r) for r in ids], allowed)
+            # every row (the usual step): the logits themselves, not a gathered copy of them
+            own = logits if len(plain) == logits.shape[0] else logits[plain]
+            tokens, lps = self.sampler(own, rows, [self._generator(r) for r in ids], allowed)
             out.update((r, [t]) for r, t in zip(ids, tokens))
             logprobs.update((r, [lp]) for r, lp in zip(ids, lps) if lp is not None)
         vspans = self._verify_spans(spans, drafts or {}, logits.shape[1], errors)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.linear import linear
+from kernels.linear import linear, prepack
 from workers.parallel import comm
 from workers.parallel.groups import GroupCoordinator, get_group
 from workers.parallel.sharding import Shard, even_shard, take
@@ -43,14 +43,25 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]  # read back by load_weights
         else:
             self.register_parameter("bias", None)
+        # oneDNN's blocked copy of a bf16 CPU weight (kernels.linear.prepack), made by ``prepack``
+        # once the weights are final; a plain attribute, not a buffer: it is derived state, never
+        # saved, shared or loaded
+        self.packed: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         assert shard_id is None and param.shape == loaded.shape, (param.shape, loaded.shape)
         param.data.copy_(loaded)
+        self.packed = None  # the weight changed: a copy made before is stale
+
+    def prepack(self) -> bool:
+        """Keep oneDNN's blocked copy of the weight for batches past the GEMV's (bf16 on the CPU
+        only); True if made. Call again after changing the weight in place."""
+        self.packed = prepack(self.weight.data)
+        return self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
-        return linear(x, self.weight, self.bias)  # GEMV kernel at decode sizes, MKL GEMM above
+        return linear(x, self.weight, self.bias, self.packed)  # GEMV kernel at decode sizes, oneDNN / MKL GEMM above
 
 
 class MergedColumnParallelLinear(Linear):
@@ -78,6 +89,7 @@ class MergedColumnParallelLinear(Linear):
         src = take(loaded, 0, self.parts[shard_id])
         assert dst.shape == src.shape, (shard_id, dst.shape, src.shape)
         dst.copy_(src)
+        self.packed = None  # the weight changed: a copy made before is stale
 
 
 class MergedLinear(MergedColumnParallelLinear):
@@ -118,6 +130,6 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in / W] -> [T, out], the same on every rank
         if self.tp.is_trivial:
-            return linear(x, self.weight, self.bias)
-        y = comm.all_reduce(linear(x, self.weight), self.tp)  # [T, out]: sum of the ranks' partials
+            return linear(x, self.weight, self.bias, self.packed)
+        y = comm.all_reduce(linear(x, self.weight, packed=self.packed), self.tp)  # [T, out]: sum of the ranks' partials
         return y if self.bias is None else y.add_(self.bias)

@@ -42,11 +42,17 @@ from kernels.quant_formats import (
     unpack_q4,
 )
 from kernels.int8_linear import int8_linear
+from kernels.linear import packed_linear, prepack
 from kernels.quant_linear import q4_linear
 from workers.config import QUANTIZATIONS
 from workers.layers.linear import Linear
 
 _BUFFERS = {"int8": ("qweight", "scales"), "q4": ("qweight", "scales", "mins")}
+# A batch of more rows than this runs on the layer's bf16 copy when it has one (``make_bf16_copy``):
+# up to here (every decode batch of a default scheduler) the quantized kernel, whose int8 dot
+# products are batch-invariant and stream 4x (q4) fewer weight bytes; past it (prompt chunks)
+# oneDNN's bf16 GEMM on AMX does ~3x the work per second of the int8 dot (benchmarks/README.md).
+BF16_COPY_MIN_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,20 @@ class QuantLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]  # read back by load_weights
         else:
             self.register_parameter("bias", None)
+        # the de-quantized weight in bf16, oneDNN-packed (``make_bf16_copy``; None = none): derived
+        # state, never saved or shared
+        self.bf16_copy: torch.Tensor | None = None
+
+    def make_bf16_copy(self) -> bool:
+        """Keep the de-quantized weight as a oneDNN-packed bf16 copy (kernels/linear.py ``prepack``) for
+        batches of more than BF16_COPY_MIN_ROWS rows; True if made (CPU with oneDNN only). The copy
+        holds this layer's quantized values (each rounded to bf16: 8 significant bits, far finer
+        than the 4- or 8-bit grid they sit on); it costs 2 bytes per weight of memory."""
+        if not self.qweight.is_cpu:
+            return False
+        w = self.quantized_weight().dequantize()  # [N, K] fp32
+        self.bf16_copy = prepack(w.to(torch.bfloat16))
+        return self.bf16_copy is not None
 
     # Shards: None = the whole layer (MergedLinear's subclass maps its shard ids).
     def _rows(self, shard_id: str | None) -> tuple[int, int]:
@@ -146,6 +166,7 @@ class QuantLinear(nn.Module):
         q = loaded if isinstance(loaded, QuantizedWeight) else quantize(self.method, loaded)
         for name in _BUFFERS[self.method]:
             getattr(self, name).narrow(0, start, size).copy_(q.tensors[name])
+        self.bf16_copy = None  # the weight changed: a copy made before is stale
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         """Loader of the fp bias (same contract as Linear.weight_loader)."""
@@ -163,6 +184,9 @@ class QuantLinear(nn.Module):
         # slow Python fallback, and a decode step would make hundreds of those lookups.
         b: dict[str, Any] = self._buffers  # all registered in __init__
         bias = self._parameters["bias"]
+        if self.bf16_copy is not None and x.numel() > BF16_COPY_MIN_ROWS * x.shape[-1]:
+            y = packed_linear(x.to(torch.bfloat16), self.bf16_copy, self.out_features).float()
+            return y if bias is None else y.add_(bias)
         if self._int8:
             return int8_linear(x, b["qweight"], b["scales"], bias)
         return q4_linear(x, b["qweight"], b["scales"], b["mins"], bias)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.linear import linear
+from kernels.linear import linear, prepack
 from workers.parallel import comm
 from workers.parallel.groups import GroupCoordinator, get_group
 from workers.parallel.sharding import take, vocab_shard
@@ -58,6 +58,7 @@ class ParallelLMHead(nn.Module):
         self.tp = tp or get_group("tp")
         self.vocab_size = vocab_size
         self._tied = (tied,) if tied is not None else ()  # a tuple: nn.Module does not register it
+        self.packed: torch.Tensor | None = None  # ``prepack``: derived state, never saved or shared
         if tied is None:
             rows = VocabParallelEmbedding(vocab_size, hidden_size, self.tp)
             self.shard = rows.shard
@@ -67,10 +68,17 @@ class ParallelLMHead(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self._tied[0].weight if self._tied else self.weight  # [V / W, E]
 
+    def prepack(self) -> bool:
+        """Keep oneDNN's blocked copy of the head's weight (bf16 on the CPU; kernels.linear.prepack);
+        True if made. The weight is final by then (tied: the embedding's)."""
+        self.packed = prepack(self.head_weight().data)
+        return self.packed is not None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, E] (the sampled rows) -> logits [N, V] on tp rank 0; None on other ranks.
         Collective over the tp group: every tp rank calls it with the same rows."""
-        local = linear(hidden, self.head_weight())  # [N, V / W]: the largest matrix, GEMV kernel at decode sizes
+        # [N, V / W]: the largest matrix, GEMV kernel at decode sizes
+        local = linear(hidden, self.head_weight(), packed=self.packed)
         return gather_vocab_logits(local, self.tp, self.vocab_size)
 
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from kernels.linear import gemv_max_tokens
 from workers.layers.activation import gated_activation
 from workers.layers.attention import PagedAttention
 from workers.layers.attention_metadata import AttentionMetadata
@@ -174,6 +175,9 @@ class LlamaForCausalLM(nn.Module):
         self.num_local_kv_heads = self.model.layers[0].self_attn.g  # type: ignore[union-attr]  # KV cache width of this rank
         self._stack: Any = None  # fused decode stack (workers/models/decode_stack.py), built on first use
         self.fused_decode = True  # EngineConfig.fused_decode; reset _stack to None after changing it
+        # its bf16 linear layers hold oneDNN-packed weights (EngineConfig.prepack_weights): a decode
+        # step with more rows than the GEMV takes runs them through the module path, which uses them
+        self.prepacked = False
         self.lora: LoraStacks | None = None  # LoRA adapters' slots (attach_lora), None without LoRA
 
     def lora_targets(self) -> LoraTargets:
@@ -220,9 +224,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, E]
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary.lookup(positions, h.dtype)  # [T, D/2] each
-        # decode-only step: the fused stack if eligible, and no token of the step runs a LoRA adapter
-        # (the stack applies none: such steps take the module path below)
-        if meta.num_decodes == h.shape[0] > 0 and not meta.ring and not (self.lora is not None and self.lora.active):
+        # decode-only step: the fused stack if eligible (it computes the bf16 projections on the plain
+        # weights, so a batch that the packed ones serve faster keeps the module path: the same results),
+        # and no token of the step runs a LoRA adapter (the stack applies none: the module path does)
+        if meta.num_decodes == h.shape[0] > 0 and not meta.ring and not (
+                self.prepacked and h.shape[0] > gemv_max_tokens(h.dtype)) and not (
+                self.lora is not None and self.lora.active):
             if self._stack is None:
                 self._stack = fused_stack(self, FUSED_STACK_TYPES) or False
             if self._stack:

@@ -24,6 +24,10 @@ from pathlib import Path
 import torch
 
 from workers.errors import CheckpointError
+from kernels.cpu_features import features
+from workers.layers.linear import Linear
+from workers.layers.quant_linear import BF16_COPY_MIN_ROWS, QuantLinear
+from workers.layers.vocab_parallel import ParallelLMHead
 from workers.models.checkpoint import gguf_source
 from workers.models.config import ModelSpec
 from workers.models.gguf_weights import has_native_tensors, iter_gguf
@@ -55,12 +59,16 @@ def iter_safetensors(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torc
 def load_model(
     path: Path, dtype: torch.dtype, device: str = "cpu", quantization: str = "none", use_gguf: bool = True,
     fused_decode: bool = True, shared: SharedWeights | None = None, spec: ModelSpec | None = None,
+    prepack_weights: bool = True, quantized_batches: str = "kernel",
 ) -> tuple[LlamaForCausalLM, ModelSpec]:
     """The model of checkpoint ``path``; ``use_gguf=False`` makes 'q4' quantize the safetensors even when a GGUF source exists (tests
     compare the two). fused_decode: False keeps a Llama-family model's decode steps off the fused
     decoder stack (workers/models/decode_stack.py). shared: the node's shared snapshots (None: load
     a private copy); ``shared.last_source`` then says where the tensors came from. spec: the
-    checkpoint's ModelSpec when the caller has read it already."""
+    checkpoint's ModelSpec when the caller has read it already. prepack_weights: bf16 linear layers
+    and LM head on the CPU keep oneDNN's blocked copy of their weights for batches past the GEMV's
+    (kernels.linear.prepack; a second copy of those weights in memory). quantized_batches:
+    EngineConfig.quantized_batches ('auto' resolved here from the CPU's features)."""
     t0 = time.perf_counter()
     spec = spec or ModelSpec.from_pretrained(path)
     tp, sp, ep = get_group("tp"), get_group("sp"), get_group("ep")
@@ -97,6 +105,15 @@ def load_model(
     model.eval()
     if hasattr(model, "fused_decode"):  # the Llama family (decode_stack.py covers only its layers)
         model.fused_decode = fused_decode
+    if quantization != "none" and torch.device(device).type == "cpu" and (
+            quantized_batches == "bf16" or (quantized_batches == "auto" and features().amx)):
+        copies = sum(m.make_bf16_copy() for m in model.modules() if isinstance(m, QuantLinear))
+        logger.info("%d quantized layers keep a bf16 copy for batches of more than %d rows", copies,
+                    BF16_COPY_MIN_ROWS)
+    if prepack_weights:
+        packed = sum(m.prepack() for m in model.modules() if isinstance(m, (Linear, ParallelLMHead)))
+        if packed and hasattr(model, "prepacked"):
+            model.prepacked = True  # its decode steps past the GEMV's rows leave the fused stack for them
     logger.info("loaded %s (%s, %d layers, quantization %s%s; %s) in %.1fs", path, spec.model_type, spec.num_layers,
                 quantization, f" from {gguf.name}" if gguf else "", source, time.perf_counter() - t0)
     return model, spec

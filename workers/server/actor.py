@@ -165,7 +165,8 @@ class WorkerActor:
 
     def info(self) -> dict[str, object]:
         """Identity for status pages: worker id, endpoint, incarnation, context limit (None until
-        started), pid, torch threads, OpenMP wait policy and the nice values of its threads, the Ray node it runs on (hex id)."""
+        started), pid, torch threads, OpenMP wait policy and the nice values of its threads, the malloc tunables it
+        started with, the Ray node it runs on (hex id)."""
         return {
             "worker_id": self._worker_id,
             "endpoint": self.endpoint(),
@@ -176,6 +177,7 @@ class WorkerActor:
             "num_threads": self._num_threads,
             "omp_wait_policy": self._threads.omp_wait_policy,
             "niceness": sorted(thread_niceness()),  # of every thread of the process
+            "glibc_tunables": self._threads.glibc_tunables,  # malloc's settings since start (memory_tuning)
             "gpu_ids": self._gpu_ids,
             "device": self._config.device,
             "standby": self._preloaded is not None and self._server is None,

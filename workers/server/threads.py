@@ -1,4 +1,5 @@
-"""A worker process's threads: how many compute threads, how idle OpenMP threads wait, what priority.
+"""A worker process's threads: how many compute threads, how idle OpenMP threads wait, what priority,
+and how its memory is paged.
 
 Why it matters (benchmarks/README.md, "threads on a busy node"): torch runs its CPU ops on an
 OpenMP thread pool with a barrier after every parallel region (hundreds per decode step). By
@@ -18,9 +19,18 @@ thread, so ``apply`` sets every thread of the process (threads started later inh
 lowering it needs CAP_SYS_NICE, which is why the start-up environment (Ray applies
 RAY_worker_niceness itself) is the main mechanism.
 
+Memory (``EngineConfig.memory_tuning``, on by default): glibc's malloc reads ``GLIBC_TUNABLES`` once,
+at start, too. ``hugetlb=1`` makes it ask for transparent huge pages (MADV_HUGEPAGE) on what it maps,
+so the weights and activations the linear layers stream miss the TLB less where THP is in 'madvise'
+mode (the common default); the mmap and trim thresholds keep a step's large temporaries (the
+logits of a 64-row batch are 12 MiB) in a heap that is reused, where glibc would otherwise unmap
+them when freed and fault 3,000 fresh pages in again the next step. The KV cache, mapped by the
+engine itself, asks for huge pages on its own map (workers/engine/model_runner.py ``zeroed``).
+
 Worked example::
 
-    env = process_env(EngineConfig())    # {"OMP_WAIT_POLICY": "PASSIVE", "RAY_worker_niceness": "0"}
+    env = process_env(EngineConfig())    # {"OMP_WAIT_POLICY": "PASSIVE", "RAY_worker_niceness": "0",
+                                         #  "GLIBC_TUNABLES": MALLOC_TUNABLES}
     actor = WorkerActor.options(runtime_env={"env_vars": env}).remote(config, "w0")
     # inside the actor: apply(config, num_threads=2) -> ThreadSettings(2, "PASSIVE", 0)
 """
@@ -39,6 +49,11 @@ from workers.config import EngineConfig
 logger = logging.getLogger(__name__)
 
 RAY_NICENESS_ENV = "RAY_worker_niceness"  # read by Ray's core worker when the process starts
+# glibc malloc, read at process start (memory_tuning): transparent huge pages on its maps; blocks up
+# to 64 MiB from the reusable heap rather than a map of their own; return free heap to the system
+# only past 512 MiB at its top
+MALLOC_TUNABLES = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=67108864:"
+                   "glibc.malloc.trim_threshold=536870912")
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,7 @@ class ThreadSettings:
     num_threads: int
     omp_wait_policy: str | None  # the OMP_WAIT_POLICY the process started with (None: unset)
     niceness: int  # of the calling thread after ``apply`` (every thread of the process has it)
+    glibc_tunables: str | None = None  # the GLIBC_TUNABLES the process started with (None: unset)
 
 
 def process_env(config: EngineConfig) -> dict[str, str]:
@@ -57,6 +73,8 @@ def process_env(config: EngineConfig) -> dict[str, str]:
         env["OMP_WAIT_POLICY"] = config.omp_wait_policy.upper()
     if config.niceness is not None:
         env[RAY_NICENESS_ENV] = str(config.niceness)
+    if config.memory_tuning:
+        env["GLIBC_TUNABLES"] = MALLOC_TUNABLES
     return env
 
 
@@ -72,11 +90,16 @@ def apply(config: EngineConfig, num_threads: int, environ: Mapping[str, str] | N
         logger.warning("OMP_WAIT_POLICY is %r in this worker process, the config asks for %r (omp_wait_policy); "
                        "it is read once at start, so this process keeps the former: start the worker with "
                        "workers.server.threads.process_env(config) in its environment (duet serve does)", have, want)
+    if config.memory_tuning and MALLOC_TUNABLES not in environ.get("GLIBC_TUNABLES", ""):
+        logger.warning("GLIBC_TUNABLES is %r in this worker process; memory_tuning asks for %r, which glibc reads "
+                       "once at start: this process keeps the system's malloc settings (start it with "
+                       "workers.server.threads.process_env(config) in its environment, as duet serve does)",
+                       environ.get("GLIBC_TUNABLES"), MALLOC_TUNABLES)
     # every thread, not only this one: Ray applies RAY_worker_niceness to the thread that reads it, after
     # some of its own threads exist, so the calling thread can be right while others are not
     if config.niceness is not None and thread_niceness() != {config.niceness}:
         set_niceness(config.niceness)
-    return ThreadSettings(num_threads, have, os.getpriority(os.PRIO_PROCESS, 0))
+    return ThreadSettings(num_threads, have, os.getpriority(os.PRIO_PROCESS, 0), environ.get("GLIBC_TUNABLES"))
 
 
 def thread_niceness() -> set[int]:

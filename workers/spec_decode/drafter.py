@@ -119,7 +119,8 @@ class DraftEngine:
         if not config.cpu_kernels:
             set_cpu_kernels_enabled(False)  # process-wide: the drafter replica runs one engine
         model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
-                                 fused_decode=config.fused_decode)
+                                 fused_decode=config.fused_decode, prepack_weights=config.prepack_weights,
+                                 quantized_batches=config.quantized_batches)
         bs = config.cache.block_size
         num_blocks = config.cache.num_blocks or config.cache.kv_cache_memory_bytes // kv_bytes_per_block(
             spec, bs, config.torch_dtype)

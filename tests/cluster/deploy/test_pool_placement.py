@@ -17,6 +17,7 @@ import pytest
 
 from cluster.config.duet import ClusterConfigError, DuetConfig, PoolSection, load_config
 from cluster.deploy.pools import PoolError, create_pool, rank_actor_options, rank_bundle
+from workers.server.threads import MALLOC_TUNABLES
 
 SLOT = "duet_test_slot"  # offered by the ray_cluster fixture (tests/conftest.py)
 
@@ -42,19 +43,21 @@ def test_rank_bundle_and_the_actor_options_ask_for_the_same(section, bundle):
 
 
 def test_actor_options_start_the_rank_with_its_thread_settings(tmp_path: Path):
-    """The engine section's omp_wait_policy / niceness reach each rank's process environment at
-    start (workers/server/threads.py: Ray reads RAY_worker_niceness, libgomp OMP_WAIT_POLICY)."""
+    """The engine section's omp_wait_policy / niceness / memory_tuning reach each rank's process
+    environment at start (workers/server/threads.py: Ray reads RAY_worker_niceness, libgomp
+    OMP_WAIT_POLICY, glibc GLIBC_TUNABLES)."""
     path = tmp_path / "duet.yaml"
     path.write_text("pools:\n  - {cpus_per_replica: 1, engine: {omp_wait_policy: active, niceness: 4, "
-                    "target_itl_ms: 40}}\n")
+                    "target_itl_ms: 40, memory_tuning: false}}\n")
     config = load_config(path, env={})
     engine = config.to_engine_config()
-    assert (engine.omp_wait_policy, engine.niceness, engine.scheduler.target_itl_ms) == ("active", 4, 40)
+    assert (engine.omp_wait_policy, engine.niceness, engine.scheduler.target_itl_ms, engine.memory_tuning) == (
+        "active", 4, 40, False)
     options = rank_actor_options(config.pool, engine)
     assert options["runtime_env"] == {"env_vars": {"OMP_WAIT_POLICY": "ACTIVE", "RAY_worker_niceness": "4"}}
     default = DuetConfig().to_engine_config()
     assert rank_actor_options(PoolSection(cpus_per_replica=1), default)["runtime_env"] == {
-        "env_vars": {"OMP_WAIT_POLICY": "PASSIVE", "RAY_worker_niceness": "0"}}
+        "env_vars": {"OMP_WAIT_POLICY": "PASSIVE", "RAY_worker_niceness": "0", "GLIBC_TUNABLES": MALLOC_TUNABLES}}
 
 
 def test_config_keys_default_load_and_round_trip(tmp_path: Path):

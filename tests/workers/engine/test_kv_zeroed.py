@@ -53,3 +53,66 @@ def test_populate_commits_every_page_in_the_background_and_keeps_what_was_writte
     want = torch.zeros(8, 2, 4096, 4, 128)
     want[3] = 2.0
     assert torch.equal(t, want)
+
+
+def _thp_mode() -> str | None:
+    p = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not p.exists():
+        return None
+    text = p.read_text()
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def _smaps_field(address: int, field: str) -> int | None:
+    """A field of the /proc/self/smaps entry of the mapping that holds ``address``."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if lo <= address < hi:
+                for entry in lines[i + 1:]:
+                    if entry.startswith(field + ":"):
+                        return int(entry.split()[1])
+                return None
+    return None
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"),
+                    reason="transparent huge pages are off (or not Linux): the advice has nothing to do")
+def test_huge_pages_map_is_eligible_for_transparent_huge_pages_and_equals_torch_zeros():
+    plain = zeroed((4, 2, 1024, 4, 128), torch.float32, torch.device("cpu"))  # 16 MiB
+    huge = zeroed((4, 2, 1024, 4, 128), torch.float32, torch.device("cpu"), huge_pages=True)
+    if _thp_mode() == "madvise":  # 'always' makes every map eligible, advised or not
+        assert _smaps_field(plain.data_ptr(), "THPeligible") == 0
+    assert _smaps_field(huge.data_ptr(), "THPeligible") == 1
+    assert torch.equal(huge, torch.zeros_like(huge))
+    huge[1, 0, 7].fill_(5.0)
+    want = torch.zeros_like(huge)
+    want[1, 0, 7] = 5.0
+    assert torch.equal(huge, want)
+
+
+def test_engine_generates_the_same_tokens_with_and_without_memory_tuning(smollm2_path):
+    """memory_tuning changes how the KV cache is paged, never what is in it: the same greedy tokens
+    for a small batch, fp32 and q4, as the engine with the system's paging."""
+    from workers.build import build_engine
+    from workers.config import CacheConfig, EngineConfig
+    from workers.sampling_params import SamplingParams
+
+    prompts = [[1, 504, 3458, 282, 4114, 314] * k for k in (1, 3, 5)]
+    for quantization in ("none", "q4"):
+        outs = []
+        for tuning in (False, True):
+            engine = build_engine(EngineConfig(model=str(smollm2_path), quantization=quantization, memory_tuning=tuning,
+                                               cache=CacheConfig(kv_cache_memory_bytes=64 << 20)))
+            assert (_smaps_field(engine.runner.kv_cache.data_ptr(), "THPeligible") == 1) is (
+                tuning or _thp_mode() == "always") or _thp_mode() not in ("madvise", "always")
+            for i, p in enumerate(prompts):
+                engine.add_request(f"r{i}", p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+            got: dict[str, list[int]] = {}
+            while engine.has_unfinished():
+                for o in engine.step():
+                    got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            outs.append(got)
+        assert outs[0] == outs[1] and all(len(v) == 12 for v in outs[0].values())

@@ -12,7 +12,7 @@ import pytest
 
 from workers.config import EngineConfig
 from workers.errors import ConfigError
-from workers.server.threads import process_env
+from workers.server.threads import MALLOC_TUNABLES, process_env
 
 _CHILD = r'''
 import json, sys, threading
@@ -36,10 +36,26 @@ def _run(config: dict, env: dict[str, str]) -> tuple[dict, str]:
 
 
 def test_process_env_follows_the_config():
-    assert process_env(EngineConfig()) == {"OMP_WAIT_POLICY": "PASSIVE", "RAY_worker_niceness": "0"}
-    assert process_env(EngineConfig(omp_wait_policy="active", niceness=7)) == {"OMP_WAIT_POLICY": "ACTIVE",
-                                                                              "RAY_worker_niceness": "7"}
-    assert process_env(EngineConfig(omp_wait_policy="runtime", niceness=None)) == {}
+    assert process_env(EngineConfig()) == {"OMP_WAIT_POLICY": "PASSIVE", "RAY_worker_niceness": "0",
+                                           "GLIBC_TUNABLES": MALLOC_TUNABLES}
+    assert process_env(EngineConfig(omp_wait_policy="active", niceness=7, memory_tuning=False)) == {
+        "OMP_WAIT_POLICY": "ACTIVE", "RAY_worker_niceness": "7"}
+    assert process_env(EngineConfig(omp_wait_policy="runtime", niceness=None, memory_tuning=False)) == {}
+
+
+def test_malloc_tunables_are_ones_this_glibc_reads():
+    """glibc parses GLIBC_TUNABLES at process start and drops a name it does not know without a word,
+    so its dynamic loader lists the values a process started with process_env's environment runs with."""
+    loader = next((p for p in ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-x86-64.so.2") if os.path.exists(p)), None)
+    if loader is None:
+        pytest.skip("no glibc x86-64 dynamic loader at its usual path (another C library: GLIBC_TUNABLES is glibc's)")
+    out = subprocess.run([loader, "--list-tunables"], env={**os.environ, **process_env(EngineConfig())},
+                         capture_output=True, text=True, timeout=30, check=True)
+    got = {name: value.split()[0] for name, value in (line.split(": ", 1) for line in out.stdout.splitlines()
+                                                      if ": " in line)}
+    for item in MALLOC_TUNABLES.split(":"):
+        name, value = item.split("=")
+        assert int(got[name], 0) == int(value), (name, got.get(name))
 
 
 def test_apply_sets_every_thread_and_checks_the_policy():
@@ -54,7 +70,10 @@ def test_apply_sets_every_thread_and_checks_the_policy():
 
 
 @pytest.mark.parametrize("kwargs, key", [({"omp_wait_policy": "spin"}, "omp_wait_policy"),
-                                         ({"niceness": 20}, "niceness"), ({"niceness": 1.5}, "niceness")])
+                                         ({"niceness": 20}, "niceness"), ({"niceness": 1.5}, "niceness"),
+                                         ({"memory_tuning": "yes"}, "memory_tuning"),
+                                         ({"prepack_weights": 1}, "prepack_weights"),
+                                         ({"quantized_batches": "fp8"}, "quantized_batches")])
 def test_bad_thread_settings_name_the_key(kwargs, key):
     with pytest.raises(ConfigError, match=f"^{key}="):
         EngineConfig(**kwargs)

@@ -75,17 +75,19 @@ def test_worker_actor_serves_greedy_and_goes_away(ray_cluster, smollm2_path, llm
 
 def test_worker_actor_runs_with_the_configured_threads(ray_cluster, smollm2_path):
     """The actor started the way a pool starts it (cluster/deploy/pools.py: its thread settings'
-    environment in the runtime_env) has every thread at the configured niceness and the OpenMP wait
-    policy the config names; Ray's own default would be niceness 15."""
+    environment in the runtime_env) has every thread at the configured niceness, the OpenMP wait
+    policy and the malloc tunables the config names; Ray's own default would be niceness 15."""
     from workers.server.threads import process_env
 
     for config in (EngineConfig(model=str(smollm2_path)),
-                   EngineConfig(model=str(smollm2_path), omp_wait_policy="active", niceness=3)):
+                   EngineConfig(model=str(smollm2_path), omp_wait_policy="active", niceness=3,
+                                memory_tuning=False)):
         actor = WorkerActor.options(num_cpus=1, runtime_env={"env_vars": process_env(config)}).remote(
             config, "w-threads", "127.0.0.1")
         try:
             info = ray.get(actor.info.remote(), timeout=120)
             assert info["niceness"] == [config.niceness]
             assert info["omp_wait_policy"] == config.omp_wait_policy.upper() and info["num_threads"] == 1
+            assert info["glibc_tunables"] == process_env(config).get("GLIBC_TUNABLES")
         finally:
             ray.kill(actor)
