@@ -116,11 +116,19 @@ class MergedWeights:
                 w, start = self._param(layer, module)
                 rows = w[start: start + b.shape[0]]
                 rows.copy_((rows.float() + adapter.scale * (b @ a)).to(w.dtype))
+        self._repack()
 
     def restore(self) -> None:
         with torch.no_grad():
             for n, t in self.original.items():
                 self.params[n].copy_(t)
+        self._repack()
+
+    def _repack(self) -> None:
+        """Layers that keep a oneDNN-packed copy of their weight (EngineConfig.prepack_weights) re-pack it."""
+        for m in self.model.modules():
+            if getattr(m, "packed", None) is not None:
+                m.prepack()
 
 
 def run_set(base: Path, targets: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -81,3 +81,24 @@ def test_an_adapter_on_an_engine_without_lora_is_refused(tiny_llama: Path) -> No
     with pytest.raises(LoraDisabled, match="adapter 'a': this worker runs without LoRA"):
         llm.generate([PROMPT], GREEDY, adapters="a")
     assert llm.engine.runner.adapters is None and llm.engine.runner.model.lora is None
+
+
+def test_lower_tier_digests_follow_the_adapter() -> None:
+    """A block evicted to the host / disk tier is named by its key's digest (kv_tiers.key_digest) and
+    found again by the digests of a new request's prompt (KVTiers.digests): both start from the
+    adapter's root, so they agree under one adapter and differ across adapters and the base."""
+    from workers.engine.block_manager import root_key
+    from workers.engine.kv_tiers import KVTiers, key_digest
+    from workers.engine.sequence import Sequence
+
+    tiers = KVTiers.__new__(KVTiers)  # digests() needs only the block size and its per-request cache
+    tiers.block_size, tiers._digests = BS, {}
+    blocks = [tuple(PROMPT[i * BS:(i + 1) * BS]) for i in range(2)]
+    got = {}
+    for adapter in ("", "a", "b"):
+        key = (root_key(adapter), blocks[0])
+        key = (key, blocks[1])
+        seq = Sequence(f"r-{adapter}", PROMPT, GREEDY, 0, adapter=adapter)
+        got[adapter] = tiers.digests(seq, 2)
+        assert key_digest(key) == got[adapter][1]
+    assert len({d for ds in got.values() for d in ds}) == 6
