@@ -22,16 +22,27 @@ with the scale applied to the rank-R intermediate:
     h = grouped_gemm(x[rows], A, offsets) * scales[slot of row]     # [M, R]
     y.index_add_(0, rows, grouped_gemm(h, B, offsets))              # [M, N] added to y's rows
 
-Decode-sized steps (at most GATHER_MAX_ROWS adapter tokens) take the gathered form instead: each
-token's own A and B are gathered (``a[slot of row]``, [M, R, K] and [M, N, R]) and the two products
-run as batched matrix-vector products (torch.bmm): one call each however many slots the tokens
-use. The grouped GEMMs would run one tiny product per slot (a GEMV over a K = R input for the
-expand), each its own parallel region; the gather copies what the products read anyway (M R (K + N)
-floats, a few hundred KB at decode sizes). Larger steps (prefill) keep the grouped form, where a
-gather would copy each slot's weights once per token.
+Decode-sized steps (at most DENSE_MAX_TOKENS tokens) take the dense form instead: every token is
+multiplied by the A of every slot up to the highest slot the step uses (U slots), the rank-R
+blocks of other slots are zeroed by a per-token mask that also carries the scale (0 for base
+tokens), and one product with all those slots' B adds the update to every row of y:
 
-Precision: the update is computed in float32 whatever y's dtype (the slots' weights are float32;
-a bf16 model's x is widened, the update rounded once when added to y).
+    h = (x @ A[:U].view(U R, K)^T) * mask            # [T, U R]; mask[t, s R + r] = scales[s] [s = idx[t]]
+    y += h @ B[:U]^T.view(U R, N)                     # [T, N]
+
+Two GEMMs per call however many slots the step mixes, each slot's weights read once and never
+copied, no sort and no scatter (base rows get an exact 0 added). The products do U times the
+useful multiply-adds, which at decode sizes is far below the base layer's own (T U R (K + N) vs
+T K N). Larger steps (prefill) keep the grouped form, which does only the useful work.
+
+``b`` is read as its transpose: a ``b`` that is the transposed view of a contiguous [S, R, N]
+buffer (workers/lora/stacks.py stores B so) makes ``B[:U]^T.view(U R, N)`` a view, not a copy.
+
+Precision: the slots' weights are float32, or bfloat16 for a bf16 model (half the bytes a step
+reads: at decode sizes the update is bound by reading every used slot's A and B). The dense form
+computes in the slots' dtype (bf16 products accumulate in fp32 inside oneDNN, h and the update are
+rounded to bf16, as the base layer's own output is); the grouped form and the reference compute in
+float32 and round the update once when adding it to y.
 
 Dispatch: CPU -> the two grouped GEMMs above through the C++ grouped GEMM kernel (GEMV below
 GEMV_MAX_ROWS rows per slot, MKL above; ``grouped_gemm`` counts a fallback to its torch reference
@@ -55,8 +66,8 @@ from kernels.grouped_gemm import grouped_gemm
 
 _F32 = torch.float32
 
-# Steps with at most this many adapter tokens use the gathered batched products (docstring).
-GATHER_MAX_ROWS = 32
+# Steps with at most this many tokens use the dense form (docstring).
+DENSE_MAX_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,12 @@ class LoraGroups:
     offsets: torch.Tensor  # [S + 1] int64: slot s owns rows[offsets[s]:offsets[s + 1]]
     row_slots: torch.Tensor  # [M] int64: the slot of each of rows
     idx: torch.Tensor  # [T] int64: every token's slot (-1 = base), what the Triton kernel reads
+    onehot: torch.Tensor  # [T, U] float32: onehot[t, s] = 1 where idx[t] = s (dense form)
+
+    @property
+    def num_used(self) -> int:
+        """U: one more than the highest slot a token uses (slots above it are not read)."""
+        return self.onehot.shape[1]
 
     @property
     def empty(self) -> bool:
@@ -84,7 +101,11 @@ def lora_groups(idx: torch.Tensor, num_slots: int) -> LoraGroups:
     counts = torch.bincount(row_slots, minlength=num_slots)
     offsets = torch.zeros(num_slots + 1, dtype=torch.long, device=idx.device)
     torch.cumsum(counts, 0, out=offsets[1:])
-    return LoraGroups(rows, offsets, row_slots, idx)
+    used = int(row_slots[-1]) + 1 if row_slots.numel() else 0
+    onehot = torch.zeros(idx.shape[0], used, dtype=_F32, device=idx.device)
+    if rows.numel():
+        onehot[rows, row_slots] = 1.0
+    return LoraGroups(rows, offsets, row_slots, idx, onehot)
 
 
 def lora_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor,
@@ -113,8 +134,8 @@ def _check(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s
 
 def lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor,
          idx: torch.Tensor | None = None, groups: LoraGroups | None = None) -> torch.Tensor:
-    # y [T, N] += per-token LoRA update (in place, returned); x [T, K]; a [S, R, K], b [S, N, R] and
-    # scales [S] float32; either idx [T] or the step's groups (lora_groups(idx, S))
+    # y [T, N] += per-token LoRA update (in place, returned); x [T, K]; a [S, R, K] and b [S, N, R]
+    # float32 or bfloat16, scales [S] float32; either idx [T] or the step's groups (lora_groups(idx, S))
     _check(y, x, a, b, scales)
     if groups is None:
         assert idx is not None, "lora: pass idx or groups"
@@ -125,20 +146,29 @@ def lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sca
         if _triton.triton_available():
             return _triton.ops("lora").lora_triton(y, x, a, b, scales, groups.idx)
         _build.note_fallback("lora", "triton unavailable")
+    if x.shape[0] <= DENSE_MAX_TOKENS:
+        return _dense(y, x, a, b, scales, groups)
     xs = x.index_select(0, groups.rows)
     if xs.dtype is not _F32:
         xs = xs.to(_F32)
-    if groups.rows.numel() <= GATHER_MAX_ROWS:
-        slots = groups.row_slots
-        h = torch.bmm(a.index_select(0, slots), xs.unsqueeze(2))  # [M, R, 1]
-        h.mul_(scales.index_select(0, slots).view(-1, 1, 1))
-        delta = torch.bmm(b.index_select(0, slots), h).squeeze(2)  # [M, N]
-    else:
-        h = grouped_gemm(xs, a, groups.offsets)  # [M, R]
-        h.mul_(scales.index_select(0, groups.row_slots).unsqueeze(1))
-        delta = grouped_gemm(h, b, groups.offsets)  # [M, N]
+    h = grouped_gemm(xs, a.to(_F32), groups.offsets)  # [M, R] (bf16 slots widened: the C++ kernel is fp32)
+    h.mul_(scales.index_select(0, groups.row_slots).unsqueeze(1))
+    delta = grouped_gemm(h, b.to(_F32).contiguous(), groups.offsets)  # [M, N]
     y.index_add_(0, groups.rows, delta if y.dtype is _F32 else delta.to(y.dtype))
     return y
+
+
+def _dense(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor,
+           groups: LoraGroups) -> torch.Tensor:
+    """The dense form of the module docstring (every token, the first U slots)."""
+    u, r, k = groups.num_used, a.shape[1], a.shape[2]
+    n = b.shape[1]
+    xf = x if x.dtype is a.dtype else x.to(a.dtype)
+    mask = (groups.onehot * scales[:u]).unsqueeze(2).to(a.dtype)  # [T, U, 1]
+    h = (xf @ a[:u].reshape(u * r, k).T).view(-1, u, r).mul_(mask)  # [T, U, R]
+    bt = b[:u].transpose(1, 2).reshape(u * r, n)  # [U R, N]: a view when b is a transposed [S, R, N]
+    delta = h.view(-1, u * r) @ bt  # [T, N]
+    return y.add_(delta)
 
 
 __all__ = ["LoraGroups", "lora", "lora_groups", "lora_ref"]

@@ -3,8 +3,8 @@ with the CPU kernels off) and the Triton kernel (in the interpreter) vs ``lora_r
 
 Cases: tokens of several slots interleaved with base tokens (-1), slots with no tokens, a batch of
 only base tokens, a single token, more tokens of one slot than the GEMV threshold, K and N that are
-not multiples of the SIMD width, ranks zero-padded; steps of up to GATHER_MAX_ROWS adapter tokens
-(the gathered batched products) and more (the grouped GEMMs). Tolerance: fp32 dot products of length K then R
+not multiples of the SIMD width, ranks zero-padded; steps of up to DENSE_MAX_TOKENS tokens (the
+dense form, with B contiguous and as the transposed view the slots hold) and more (the grouped GEMMs). Tolerance: fp32 dot products of length K then R
 summed in another order (KERNEL_FP32); bf16 outputs: the update rounded once into bf16.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 import kernels
 from kernels.grouped_gemm import GEMV_MAX_ROWS
-from kernels.lora import GATHER_MAX_ROWS, lora, lora_groups, lora_ref
+from kernels.lora import DENSE_MAX_TOKENS, lora, lora_groups, lora_ref
 
 from testkit.tolerance import KERNEL_FP32, bf16_ulps
 
@@ -26,7 +26,8 @@ CASES = [
     ([2], 3, 16, 33, 17),
     ([1] * (GEMV_MAX_ROWS + 3) + [0, -1] * 5, 2, 8, 40, 72),
     ([3, 3, 0, -1, 3], 5, 12, 65, 129),
-    ([i % 3 - 1 for i in range(3 * GATHER_MAX_ROWS)], 2, 8, 48, 40),  # > GATHER_MAX_ROWS: the grouped GEMMs
+    ([i % 3 - 1 for i in range(3 * DENSE_MAX_TOKENS)], 2, 8, 48, 40),  # > DENSE_MAX_TOKENS: the grouped GEMMs
+    ([4, -1, 0, 4, 2] * 9, 6, 8, 40, 24),  # > DENSE_MAX_TOKENS, B a transposed view
 ]
 
 
@@ -80,10 +81,30 @@ def test_bf16_activations_update_in_fp32(ext) -> None:
     bf16_ulps(1).assert_close(got, want)
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[-1]])
+def test_b_as_a_transposed_view(ext, case) -> None:
+    """The slots hold B transposed ([S, R, N]) and pass ``bt.transpose(1, 2)``: same result."""
+    y, x, a, b, scales, ix = make(*case, seed=5)
+    view = b.transpose(1, 2).contiguous().transpose(1, 2)
+    KERNEL_FP32.assert_close(lora(y.clone(), x, a, view, scales, ix), lora_ref(y.clone(), x, a, b, scales, ix))
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[-2]])
+def test_bf16_slots(ext, case) -> None:
+    """A bf16 model's slots are bf16: the dense form computes in bf16 (h and the update rounded to
+    bf16 once each, then added to bf16 y), the grouped form widens them to fp32."""
+    y, x, a, b, scales, ix = make(*case, seed=6)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    got = lora(y.bfloat16(), x.bfloat16(), a16, b16, scales, ix)
+    want = lora_ref(y.bfloat16().float(), x.bfloat16().float(), a16.float(), b16.float(), scales, ix).bfloat16()
+    bf16_ulps(4).assert_close(got, want)
+
+
 def test_groups_sort_tokens_by_slot() -> None:
     g = lora_groups(torch.tensor([2, -1, 0, 2, 0]), 3)
     assert g.rows.tolist() == [2, 4, 0, 3] and g.offsets.tolist() == [0, 2, 2, 4]
-    assert g.row_slots.tolist() == [0, 0, 2, 2]
+    assert g.row_slots.tolist() == [0, 0, 2, 2] and g.num_used == 3
+    assert g.onehot.tolist() == [[0, 0, 1], [0, 0, 0], [1, 0, 0], [0, 0, 1], [1, 0, 0]]
     with pytest.raises(ValueError, match="adapter index 3 >= 3 slots"):
         lora_groups(torch.tensor([3]), 3)
 

@@ -39,6 +39,7 @@ def attach_lora(model: Any, lora: LoraConfig, device: torch.device) -> AdapterSe
     stacks = model.lora  # a preloaded model serves several runners in turn (warm-up, then the engine)
     if stacks is None or (stacks.num_slots, stacks.max_rank) != (lora.max_loaded, lora.max_rank):
         assert stacks is None, "a model's LoRA slots are attached once"
-        stacks = LoraStacks(targets, lora.max_loaded, lora.max_rank, device)
+        dtype = torch.bfloat16 if model.model.embed_tokens.weight.dtype is torch.bfloat16 else torch.float32
+        stacks = LoraStacks(targets, lora.max_loaded, lora.max_rank, device, dtype)
         model.attach_lora(stacks)
     return AdapterSet(stacks, lora)

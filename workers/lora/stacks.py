@@ -3,7 +3,9 @@
 For each (layer, PEFT module) that a loaded adapter targets (workers/lora/targets.py) the stacks hold
 
     a [S, R, in]     slot s's lora_A in rows [0, r) (zero below a rank r < R)
-    b [S, rows, R]   slot s's lora_B in columns [0, r); rows: the module's part of its projection
+    bt [S, R, rows]  slot s's lora_B transposed, in rows [0, r); rows: the module's part of its
+                     projection (kernels/lora.py reads B as ``bt.transpose(1, 2)``: its dense form
+                     then multiplies by every used slot's B without a copy)
 
 and ``scales[s]`` = slot s's lora_alpha / r (or / sqrt(r) with rslora). A module's update goes
 into its part of the fused projection's output (q, k, v of qkv_proj; gate, up of gate_up_proj):
@@ -11,8 +13,9 @@ into its part of the fused projection's output (q, k, v of qkv_proj; gate, up of
 adapter targets have no buffers and cost nothing (PEFT's default q_proj + v_proj touches two parts
 of qkv and nothing else); a slot whose adapter skips a part has zeros there, which add exactly 0.
 
-Buffers are float32 on the model's device, allocated when the first adapter targeting the module
-is placed. Cost: per slot and module R (in + rows) floats, e.g. SmolLM2-135M at R = 16 with all
+Buffers are on the model's device, in bfloat16 for a bf16 model and float32 otherwise (fp16 and
+quantized models included: quantized layers take fp32 activations), allocated when the first
+adapter targeting the module is placed. Cost: per slot and module R (in + rows) floats, e.g. SmolLM2-135M at R = 16 with all
 seven modules targeted: 2.6M floats (10 MB) per slot over its 30 layers.
 
 Per step the runner calls ``begin_step(slots)`` with each token's slot (-1 = base): the grouping
@@ -32,14 +35,17 @@ from workers.lora.targets import PEFT_MODULES, LoraTargets
 
 
 class LoraStacks:
-    def __init__(self, targets: LoraTargets, num_slots: int, max_rank: int, device: torch.device | str) -> None:
+    def __init__(self, targets: LoraTargets, num_slots: int, max_rank: int, device: torch.device | str,
+                 dtype: torch.dtype = torch.float32) -> None:
+        assert dtype in (torch.float32, torch.bfloat16), dtype
+        self.dtype = dtype
         self.targets = targets
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.device = torch.device(device)
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=self.device)  # [S]
         self._a: dict[tuple[int, str], torch.Tensor] = {}  # (layer, PEFT module) -> [S, R, in]
-        self._b: dict[tuple[int, str], torch.Tensor] = {}  # (layer, PEFT module) -> [S, rows, R]
+        self._b: dict[tuple[int, str], torch.Tensor] = {}  # (layer, PEFT module) -> B^T [S, R, rows]
         # (layer, projection) -> its targeted parts: (first output row, rows, module), in output order
         self._parts: dict[tuple[int, str], list[tuple[int, int, str]]] = {}
         self._step: LoraGroups | None = None
@@ -51,8 +57,8 @@ class LoraStacks:
             projection, part = PEFT_MODULES[module]
             shape = self.targets[layer][projection]
             start, rows = shape.part(part)
-            a = torch.zeros(self.num_slots, self.max_rank, shape.in_features, device=self.device)
-            b = torch.zeros(self.num_slots, rows, self.max_rank, device=self.device)
+            a = torch.zeros(self.num_slots, self.max_rank, shape.in_features, device=self.device, dtype=self.dtype)
+            b = torch.zeros(self.num_slots, self.max_rank, rows, device=self.device, dtype=self.dtype)
             self._a[key], self._b[key] = a, b
             # published last, as a new list: a step on the engine thread reads whole lists only
             self._parts[(layer, projection)] = sorted([*self._parts.get((layer, projection), []),
@@ -66,7 +72,7 @@ class LoraStacks:
             sa, sb = self._buffers(layer, module)
             r = a.shape[0]
             sa[slot, :r].copy_(a)
-            sb[slot, :, :r].copy_(b)
+            sb[slot, :r].copy_(b.T)
         self.scales[slot] = adapter.scale
 
     def clear(self, slot: int) -> None:
@@ -104,5 +110,5 @@ class LoraStacks:
             return y
         for start, rows, module in self._parts.get((layer, projection), ()):
             key = (layer, module)
-            lora(y.narrow(1, start, rows), x, self._a[key], self._b[key], self.scales, groups=step)
+            lora(y.narrow(1, start, rows), x, self._a[key], self._b[key].transpose(1, 2), self.scales, groups=step)
         return y
