@@ -380,8 +380,9 @@ class EngineConfig:
         barrier; 'active' spins (a little lower latency per parallel region where every worker
         owns its cores outright); 'runtime' leaves the OpenMP runtime's default (libgomp: spin
         ~300k iterations first) or what the environment already says.
-    lora: LoRA adapters (see LoraConfig); off by default. Needs tensor parallel size 1 and no CUDA
-        graphs (refused at engine start, workers/lora/attach.py, naming both keys).
+    lora: LoRA adapters (see LoraConfig); off by default. Needs one-rank workers (tp, sp and ep size 1)
+        and no CUDA graphs (refused at the config edge and at engine start, workers/lora/attach.py,
+        naming both keys).
     niceness: the worker process's nice value (0 default; None = Ray's default for worker processes,
         15, under which the router, Ray's daemons and any other process preempt the engine).
         Lowering a process's niceness below its parent's needs CAP_SYS_NICE (root); duet serve

@@ -141,4 +141,18 @@ def test_config_edge() -> None:
         EngineConfig(device="cuda", cuda_graphs=True, lora=LoraConfig(enabled=True))
     with pytest.raises(ConfigError, match=r"lora.enabled=true with tp_size=2: .* set tp_size to 1 or lora.enabled"):
         check_lora_parallel(LoraConfig(enabled=True), ParallelConfig(tp_size=2).tp_size, 1)
+    with pytest.raises(ConfigError, match=r"lora.enabled=true with ep_size=2: .* set ep_size to 1"):
+        check_lora_parallel(LoraConfig(enabled=True), 1, 1, 2)
+    check_lora_parallel(LoraConfig(enabled=False), 4, 2, 2)  # off: any layout
     assert EngineConfig(lora={"enabled": True, "max_loaded": 3}).lora == LoraConfig(True, 3, 16)
+
+
+def test_preflight_refuses_lora_in_a_gang(tiny_llama) -> None:
+    """The config edge (workers/models/support.py, run by duet serve's preflight) names both keys."""
+    from workers.config import EngineConfig, ParallelConfig
+    from workers.models.support import check_support
+
+    lora = EngineConfig(model=str(tiny_llama), lora=LoraConfig(enabled=True))
+    with pytest.raises(ConfigError, match=r"lora.enabled=true with tp_size=2"):
+        check_support(tiny_llama, lora, ParallelConfig(tp_size=2))
+    assert check_support(tiny_llama, lora, ParallelConfig()).num_layers == 2
