@@ -8,6 +8,8 @@ Layers, lowest first (each imports only those before it; tests/test_package_grap
     parallel/       process groups and collectives (TP / EP / SP), shared-memory transport
     layers/         model layers: linear (parallel, quantized), attention, MoE, rotary, norms
     sample/         sampling: sampler, penalties, logprobs, rejection sampler, grammar masks
+    lora/           LoRA adapters: PEFT reader, the per-worker AdapterSet (LRU, pins), the stacked
+                    slots the model's layers apply per step (kernels/lora.py)
     models/         one file per model family, registry and loader; checkpoint.py reads a prepared
                     checkpoint directory; assets/ turns names, Hub ids and GGUFs into one
     engine/         the engine: step = schedule -> run -> postprocess; runner protocol, model

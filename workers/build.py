@@ -73,7 +73,8 @@ def build_engine(config: EngineConfig, *, runner: Runner | None = None, tokenize
     layout = runner.kv_layout()
     tier_store = make_tier_store(config.cache, layout.whole(), kv_fingerprint(runner.spec, layout.dtype,
                                  config.quantization), pin=config.device.startswith("cuda"))
-    engine = Engine(config, runner, tokenizer, speculator=speculator, tier_store=tier_store)
+    adapters = runner.adapters if isinstance(runner, ModelRunner) else None  # LoRA: a one-rank runner's (lora.enabled)
+    engine = Engine(config, runner, tokenizer, speculator=speculator, tier_store=tier_store, adapters=adapters)
     if config.cuda_graphs:
         if not isinstance(runner, ModelRunner):  # the cluster config refuses the combination first
             raise ConfigError(f"cuda_graphs=true: {type(runner).__name__} captures no CUDA graphs (only a one-rank "

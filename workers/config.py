@@ -310,6 +310,34 @@ class DrafterConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters served on the base model's weights (workers/lora/).
+
+    enabled: accept requests that name an adapter, and the adapter admin RPCs. Off (the default),
+        the model has no LoRA buffers and no step pays for them; a request naming an adapter is
+        refused (FAILED_PRECONDITION).
+    max_loaded: the most adapters this worker holds at once (its adapter slots); loading one more
+        evicts the least recently used adapter that is neither pinned nor in use.
+    max_rank: the largest adapter rank accepted; every slot is sized for it (an adapter of a smaller
+        rank is zero-padded), so the buffers hold max_loaded * max_rank * (in + out) weights per
+        targeted projection.
+    """
+
+    KEY_PREFIX: ClassVar[str] = "lora."  # how this type's messages spell its keys
+
+    enabled: bool = False
+    max_loaded: int = 8
+    max_rank: int = 16
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"lora.enabled={self.enabled!r}: must be true or false")
+        for key, value, top in (("max_loaded", self.max_loaded, 256), ("max_rank", self.max_rank, 256)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+                raise ConfigError(f"lora.{key}={value!r}: must be an integer in 1..{top}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs.
 
@@ -352,6 +380,9 @@ class EngineConfig:
         barrier; 'active' spins (a little lower latency per parallel region where every worker
         owns its cores outright); 'runtime' leaves the OpenMP runtime's default (libgomp: spin
         ~300k iterations first) or what the environment already says.
+    lora: LoRA adapters (see LoraConfig); off by default. Needs one-rank workers (tp, sp and ep size 1)
+        and no CUDA graphs (refused at the config edge and at engine start, workers/lora/attach.py,
+        naming both keys).
     niceness: the worker process's nice value (0 default; None = Ray's default for worker processes,
         15, under which the router, Ray's daemons and any other process preempt the engine).
         Lowering a process's niceness below its parent's needs CAP_SYS_NICE (root); duet serve
@@ -395,8 +426,11 @@ class EngineConfig:
     memory_tuning: bool = True
     prepack_weights: bool = True
     quantized_batches: str = "auto"
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):  # from YAML (cluster/config/duet.py EngineSection) or a JSON config
+            object.__setattr__(self, "lora", LoraConfig(**self.lora))
         if isinstance(self.cuda_graph_batch_sizes, list):
             object.__setattr__(self, "cuda_graph_batch_sizes", tuple(self.cuda_graph_batch_sizes))
         if not isinstance(self.model, str) or not self.model.strip():
@@ -437,6 +471,9 @@ class EngineConfig:
         for key in ("memory_tuning", "prepack_weights"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}={getattr(self, key)!r}: must be true or false")
+        if self.lora.enabled and self.cuda_graphs:
+            raise ConfigError("lora.enabled=true with cuda_graphs=true: the captured decode graphs hold no LoRA "
+                              "step; set cuda_graphs to false or lora.enabled to false")
         if self.kv_transfer_backend == "nccl" and self.device == "cpu":
             raise ConfigError("kv_transfer_backend='nccl' with device='cpu': nccl moves KV between GPUs; use auto, "
                               "shm or gloo, or device cuda")

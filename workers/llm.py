@@ -5,6 +5,10 @@ Worked example::
     llm = LLM()  # SmolLM2-135M-Instruct on CPU
     [out] = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
     print(out.text, out.finish_reason)
+
+LoRA (lora=LoraConfig(enabled=True)): ``llm.load_adapter("sql", "/path/to/peft-adapter")``, then
+``llm.generate(prompts, params, adapters=["sql", ""])`` runs the first prompt under adapter "sql"
+and the second on the base model, in one batch.
 """
 
 from __future__ import annotations
@@ -66,18 +70,24 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        adapters: str | list[str] | None = None,
     ) -> list[Completion]:
-        """Run all prompts to completion with continuous batching; results in prompt order."""
+        """Run all prompts to completion with continuous batching; results in prompt order.
+        adapters: the LoRA adapter of every prompt (one name for all, or one per prompt; "" = the
+        base model), each loaded first (``load_adapter``)."""
         one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
         batch = cast(Sequence[Prompt], [prompts] if one else prompts)
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(batch)
         if len(params) != len(batch):
             raise ValueError(f"sampling_params: {len(params)} given for {len(batch)} prompts")
+        names = [adapters or ""] * len(batch) if adapters is None or isinstance(adapters, str) else adapters
+        if len(names) != len(batch):
+            raise ValueError(f"adapters: {len(names)} given for {len(batch)} prompts")
         results: dict[str, Completion] = {}
         try:
-            for prompt, p in zip(batch, params):
-                rid = self.engine.add_request(None, prompt, p)
+            for prompt, p, adapter in zip(batch, params, names):
+                rid = self.engine.add_request(None, prompt, p, adapter=adapter)
                 results[rid] = Completion(rid, prompt)
             while self.engine.has_unfinished():
                 for out in self.engine.step():
@@ -95,3 +105,14 @@ class LLM:
                 self.engine.abort(rid)
             raise
         return list(results.values())
+
+    def load_adapter(self, name: str, source: str, pin: bool = False) -> None:
+        """Load the PEFT adapter in directory ``source`` as ``name`` (needs lora=LoraConfig(enabled=True))."""
+        if self.engine.adapters is None:
+            raise ValueError("load_adapter: this LLM runs without LoRA; pass lora=LoraConfig(enabled=True)")
+        self.engine.adapters.load(name, source, pin)
+
+    def unload_adapter(self, name: str) -> None:
+        if self.engine.adapters is None:
+            raise ValueError("unload_adapter: this LLM runs without LoRA")
+        self.engine.adapters.unload(name)

@@ -133,6 +133,27 @@ def case_grouped_gemm(dtype, dev):
     return [(kernels.grouped_gemm(x, w, offsets), kernels.grouped_gemm_ref(x, w, offsets))]
 
 
+def case_lora(dtype, dev):
+    """Batched LoRA (kernels/lora.py -> kernels/triton_ops/lora.py): 5 slots, base tokens (-1)
+    interleaved, rank 16 zero-padded to 24 (a non-power-of-two R), y in the model's dtype, the
+    slots' A/B and scales float32; y updated in place on a column slice (a fused projection's part)."""
+    import kernels.lora as kl
+
+    S, R, K, N, T = 5, 24, 576, 960, 37
+    g = torch.Generator(device="cpu").manual_seed(3)
+    a = torch.randn(S, R, K, generator=g) / K**0.5
+    b = torch.randn(S, N, R, generator=g) / R**0.5
+    a[:, 16:], b[:, :, 16:] = 0, 0
+    scales = torch.rand(S, generator=g) + 0.5
+    idx = torch.randint(-1, S, (T,), generator=g)
+    x = torch.randn(T, K, generator=g).to(dtype)
+    y = torch.randn(T, N + 64, generator=g).to(dtype)
+    want = kl.lora_ref(y.float().clone()[:, 32:32 + N], x.float(), a, b, scales, idx)
+    got = y.to(dev).clone()
+    kl.lora(got[:, 32:32 + N], x.to(dev), a.to(dev), b.to(dev), scales.to(dev), idx.to(dev))
+    return [(got[:, 32:32 + N], want), (got[:, :32], y[:, :32]), (got[:, 32 + N:], y[:, 32 + N:])]
+
+
 def case_int8_linear(dtype, dev):
     import kernels
     from kernels.quant_formats import quantize_int8
@@ -165,6 +186,7 @@ CASES = {
     "varlen_paged_attention": (case_varlen_paged_attention, (torch.float32, torch.bfloat16)),
     "merge_attn_states": (case_merge_attn_states, (torch.float32, torch.bfloat16)),
     "grouped_gemm": (case_grouped_gemm, (torch.float32, torch.bfloat16)),
+    "lora": (case_lora, (torch.float32, torch.bfloat16)),
     "int8_linear": (case_int8_linear, (torch.float32,)),
     "q4_linear": (case_q4_linear, (torch.float32,)),
 }

@@ -147,6 +147,7 @@ class ModelSection(_Model):
     ("memory_tuning", Part(EngineConfig, "memory_tuning")),
     ("prepack_weights", Part(EngineConfig, "prepack_weights")),
     ("quantized_batches", Part(EngineConfig, "quantized_batches")),
+    ("lora", Part(EngineConfig, "lora")),
 ])
 class EngineSection(DerivedSection):
     """Per-worker engine settings (workers.config)."""

@@ -36,13 +36,20 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from workers.block_hash import ROOT, chain_hash
+from workers.block_hash import ROOT, adapter_root, chain_hash
 from workers.engine.block_events import BlockEventLog
 from workers.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-BlockKey = tuple  # (parent BlockKey | None, tuple[int, ...])
+BlockKey = tuple  # (parent BlockKey | root, tuple[int, ...]); root: None (base model) or adapter_root(name)
+
+
+def root_key(adapter: str) -> int | None:
+    """The parent of a prompt's first block key: None for the base model, the adapter's chain root
+    (workers/block_hash.py) for a request run under a LoRA adapter, so no key (and no cached block)
+    is shared across adapters or with the base model."""
+    return adapter_root(adapter) if adapter else None
 DROPPED_BLOCK = 0  # table entry of a block released out of the window (never read or written)
 
 
@@ -121,7 +128,7 @@ class BlockManager:
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs
         blocks: list[int] = []
-        parent: BlockKey | None = None
+        parent: BlockKey | int | None = root_key(seq.adapter)
         for i in range(max_blocks):
             key = (parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
             self._queries += 1
@@ -133,14 +140,15 @@ class BlockManager:
             parent = key
         return blocks
 
-    def cached_prefix(self, token_ids: list[int]) -> list[int]:
-        """The cached blocks spelling the longest cached prefix of ``token_ids`` (full blocks only,
-        the last one included; a lookup, not a query: the hit counters are left alone)."""
+    def cached_prefix(self, token_ids: list[int], adapter: str = "") -> list[int]:
+        """The cached blocks spelling the longest cached prefix of ``token_ids`` computed under
+        ``adapter`` ("" = the base model) (full blocks only, the last one included; a lookup, not a
+        query: the hit counters are left alone)."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         blocks: list[int] = []
-        parent: BlockKey | None = None
+        parent: BlockKey | int | None = root_key(adapter)
         for i in range(len(token_ids) // bs):
             key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
             block_id = self._cached.get(key)
@@ -211,8 +219,8 @@ class BlockManager:
             return
         # The parent key is remembered, not read from the block: that block may have been released
         # out of the window, evicted and reused since.
-        parent = self._last_key.get(seq.request_id) if done else None
-        parent_hash = self._last_hash.get(seq.request_id, ROOT) if done else ROOT
+        parent = self._last_key.get(seq.request_id) if done else root_key(seq.adapter)
+        parent_hash = self._last_hash.get(seq.request_id, ROOT) if done else adapter_root(seq.adapter)
         added: list[int] = []
         for i in range(done, full):
             block = self._blocks[table[i]]

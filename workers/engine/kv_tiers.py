@@ -50,6 +50,7 @@ from typing import Protocol
 import torch
 import xxhash
 
+from workers.engine.block_manager import root_key
 from workers.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -65,13 +66,21 @@ def next_digest(parent: bytes, tokens: tuple[int, ...] | list[int]) -> bytes:
     return h.digest()
 
 
+def root_digest(root: int | None) -> bytes:
+    """The parent digest of a prompt's first block: ROOT_DIGEST for the base model, else derived
+    from the LoRA adapter's chain root (workers/engine/block_manager.py ``root_key``), so a block
+    computed under an adapter never matches the base model's or another adapter's below the device."""
+    return ROOT_DIGEST if root is None else root.to_bytes(8, "little") + bytes(DIGEST_BYTES - 8)
+
+
 def key_digest(key: tuple) -> bytes:
-    """The digest of a block manager key ``(parent key | None, tokens)`` (walks its chain)."""
+    """The digest of a block manager key ``(parent key | root, tokens)`` (walks its chain)."""
     chain = []
-    while key is not None:
-        chain.append(key[1])
-        key = key[0]
-    digest = ROOT_DIGEST
+    node: tuple | int | None = key
+    while isinstance(node, tuple):
+        chain.append(node[1])
+        node = node[0]
+    digest = root_digest(node)
     for tokens in reversed(chain):
         digest = next_digest(digest, tokens)
     return digest
@@ -208,7 +217,8 @@ class KVTiers:
         bs = self.block_size
         while len(got) < num_blocks:
             i = len(got)
-            got.append(next_digest(got[-1] if got else ROOT_DIGEST, seq.token_ids[i * bs:(i + 1) * bs]))
+            got.append(next_digest(got[-1] if got else root_digest(root_key(seq.adapter)),
+                                   seq.token_ids[i * bs:(i + 1) * bs]))
         return got[:num_blocks]
 
     def recompute_is_cheaper(self) -> bool:

@@ -29,6 +29,8 @@ from workers.engine.engine import Engine
 from workers.engine.kv_handoff import KVCapacityError
 from workers.engine.runner import kv_fingerprint
 from workers.errors import InvalidRequestError
+from workers.lora.adapter_set import AdapterSet
+from workers.lora.errors import AdapterNotLoaded, LoraDisabled
 from workers.sample.logprobs import TokenLogprob
 from workers.engine.migration import MigrationError, MigrationSnapshot
 from workers.engine.migration import model_fingerprint as migration_fingerprint
@@ -55,6 +57,9 @@ class EngineLimits:
     # What the prefix cache stores and drops (thread-safe; GetLoad reads it for routers), None
     # without prefix caching.
     block_events: BlockEventLog | None = None
+    # The LoRA adapter set (thread-safe; the service loads, unloads and lists through it), None
+    # without LoRA.
+    adapters: AdapterSet | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,7 @@ class _Add:
     sink: Sink
     export_from_block: int | None = None  # prefill side of a disaggregated request
     resumed_output_tokens: int = 0  # see Engine.add_request
+    adapter: str = ""  # its LoRA adapter (loaded before it is queued: workers/server/service.py)
 
 
 @dataclass(frozen=True)
@@ -151,8 +157,9 @@ class _Reserve:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    reply: asyncio.Future  # -> KVTicket | Exception (InvalidRequestError, KVCapacityError)
+    reply: asyncio.Future  # -> KVTicket | Exception (InvalidRequestError, KVCapacityError, LoRA errors)
     resumed_output_tokens: int = 0
+    adapter: str = ""
 
 
 @dataclass(frozen=True)
@@ -243,15 +250,17 @@ class EngineLoop:
         return limits
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink, *,
-            export_from_block: int | None = None, resumed_output_tokens: int = 0) -> None:
+            export_from_block: int | None = None, resumed_output_tokens: int = 0, adapter: str = "") -> None:
         """Queue a request; its outputs (or one exception) arrive on ``sink``. export_from_block
-        (prefill only), resumed_output_tokens: see ``Engine.add_request``."""
-        self._post(_Add(request_id, prompt_token_ids, params, sink, export_from_block, resumed_output_tokens))
+        (prefill only), resumed_output_tokens, adapter: see ``Engine.add_request``."""
+        self._post(_Add(request_id, prompt_token_ids, params, sink, export_from_block, resumed_output_tokens,
+                        adapter))
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                resumed_output_tokens: int = 0) -> asyncio.Future:
+                resumed_output_tokens: int = 0, adapter: str = "") -> asyncio.Future:
         """Decode side: reserve KV blocks (``Engine.reserve``); the future holds the KVTicket or the error."""
-        cmd = _Reserve(request_id, prompt_token_ids, params, self._loop.create_future(), resumed_output_tokens)
+        cmd = _Reserve(request_id, prompt_token_ids, params, self._loop.create_future(), resumed_output_tokens,
+                       adapter)
         self._post(cmd)
         return cmd.reply
 
@@ -326,7 +335,8 @@ class EngineLoop:
                 engine.max_model_len, engine.spec.vocab_size, layout, engine.config.device,
                 migration_fingerprint(engine) if layout is not None else "",
                 kv_fingerprint(engine.spec, layout.dtype, engine.config.quantization) if layout is not None else 0,
-                engine.block_manager.events if engine.block_manager.enable_prefix_caching else None)
+                engine.block_manager.events if engine.block_manager.enable_prefix_caching else None,
+                engine.adapters)
         except BaseException as e:  # noqa: BLE001 - handed to start()
             self._start_error = e
             self._deliver([(self._ready, None)])
@@ -368,8 +378,8 @@ class EngineLoop:
             try:
                 engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
                                    export_from_block=cmd.export_from_block,
-                                   resumed_output_tokens=cmd.resumed_output_tokens)
-            except InvalidRequestError as e:
+                                   resumed_output_tokens=cmd.resumed_output_tokens, adapter=cmd.adapter)
+            except (InvalidRequestError, LoraDisabled, AdapterNotLoaded) as e:
                 out.append((cmd.sink, e))
             else:
                 self._sinks[cmd.request_id] = cmd.sink
@@ -377,8 +387,8 @@ class EngineLoop:
         if isinstance(cmd, _Reserve):
             try:
                 out.append((cmd.reply, engine.reserve(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                                      cmd.resumed_output_tokens)))
-            except (InvalidRequestError, KVCapacityError) as e:
+                                                      cmd.resumed_output_tokens, cmd.adapter)))
+            except (InvalidRequestError, KVCapacityError, LoraDisabled, AdapterNotLoaded) as e:
                 out.append((cmd.reply, e))
             return
         if isinstance(cmd, _Call):

@@ -86,6 +86,8 @@ class MigrationSnapshot:
     detokenizer: DetokenizerState | None = None
     spec_state: tuple[float, int] | None = None  # (acceptance, steps at zero): draft-length policy
     drafter: DrafterRef | None = None  # the drafter replica it drafts on (a drafter pool's; its state is there)
+    adapter: str = ""  # its LoRA adapter ("" = the base model), loaded on the target from adapter_source
+    adapter_source: str = ""
 
     @property
     def token_ids(self) -> list[int]:

@@ -38,6 +38,8 @@ from workers.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs, Graph
 from workers.engine.device import resolve_for_process
 from workers.errors import ConfigError
+from workers.lora.adapter_set import AdapterSet
+from workers.lora.attach import attach_lora
 from workers.layers.attention_metadata import AttentionMetadata, PrefillSpan
 from workers.layers.ring_attention import RingChunk, zigzag_pieces
 from workers.sample.draw import skip_draws
@@ -78,6 +80,7 @@ class _RequestState:
     output_start: int
     num_prompt: int
     matcher: GrammarMatcher | None = None  # structured output: the request's grammar state
+    lora_slot: int = -1  # the slot of its LoRA adapter (workers/lora/), -1 = the base model
 
     def context(self) -> RowContext:
         return RowContext(self.params, self.token_ids, self.output_start, len(self.token_ids) - self.num_prompt)
@@ -183,6 +186,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # CUDA graphs for decode-only steps (capture_graphs)
         self._mask_worker: MaskWorker | None = None  # structured output: masks beside the forward pass
         self._prepare_s = 0.0  # the latest forward's input preparation (seconds)
+        # LoRA (config.lora.enabled): the adapter slots the model's layers apply, per step by token
+        self.adapters: AdapterSet | None = attach_lora(model, config.lora, self.device) if config.lora.enabled else None
 
     def capture_graphs(self, max_model_len: int, sizes: tuple[int, ...] | None = None,
                        graph_factory: Callable[[], Graph] | None = None) -> None:
@@ -244,14 +249,17 @@ class ModelRunner:
 
     # ---------------------------------------------------------- request state
     def add_request(self, request_id: str, params: SamplingParams, token_ids: list[int],
-                    num_prompt: int, output_start: int | None = None, matcher: GrammarMatcher | None = None) -> None:
+                    num_prompt: int, output_start: int | None = None, matcher: GrammarMatcher | None = None,
+                    lora_slot: int = -1) -> None:
         """token_ids: the request's live token list (the engine appends generated tokens to it; the
         runner only reads it); its first num_prompt are the prompt. output_start: where the tokens
         counted as generated for presence/frequency penalties start (default num_prompt; earlier
         when a resumed request's prompt ends with tokens generated before). matcher: structured
-        output (ready before the request is scheduled): its masks constrain every sampled token."""
+        output (ready before the request is scheduled): its masks constrain every sampled token.
+        lora_slot: the adapter slot its tokens run with (``adapters.acquire``; -1 = the base model)."""
         start = num_prompt if output_start is None else output_start
-        self._requests[request_id] = _RequestState(params, token_ids, start, num_prompt, matcher)
+        assert lora_slot < 0 or self.adapters is not None, "a LoRA slot on a runner without LoRA"
+        self._requests[request_id] = _RequestState(params, token_ids, start, num_prompt, matcher, lora_slot)
         if params.seed is not None:
             gen = self._generators[request_id] = torch.Generator(device="cpu").manual_seed(params.seed)
             if num_prompt > start:  # resumed: its earlier run drew one uniform per token it sampled
@@ -410,8 +418,20 @@ class ModelRunner:
             return self.graphs.run(input_ids, positions, meta), sample_rows
         rest, split = self.sp_split(multis)
         input_ids, positions, meta, sample_rows = self._prepare(singles + rest, len(singles), split)
-        self._prepare_s = time.perf_counter() - t0  # (RunnerTiming.prepare_s of this step)
-        return self.model(input_ids, positions, self.kv_caches, meta), sample_rows
+        if self.adapters is None:
+            self._prepare_s = time.perf_counter() - t0  # (RunnerTiming.prepare_s of this step)
+            return self.model(input_ids, positions, self.kv_caches, meta), sample_rows
+        stacks = self.adapters.stacks  # LoRA: each token's adapter slot, in row order (sp is refused with lora)
+        stacks.begin_step([self._lora_slot(c.request_id) for c in singles + rest for _ in c.token_ids])
+        self._prepare_s = time.perf_counter() - t0
+        try:
+            return self.model(input_ids, positions, self.kv_caches, meta), sample_rows
+        finally:
+            stacks.end_step()
+
+    def _lora_slot(self, request_id: str) -> int:
+        state = self._requests.get(request_id)
+        return -1 if state is None else state.lora_slot
 
     @staticmethod
     def sp_split(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:

@@ -92,20 +92,26 @@ class Disaggregation:
     # ------------------------------------------------------------- decode half
     async def decode(self, request_id: str, prompt: list[int], params: SamplingParams,
                      sampling: worker_pb2.SamplingParams, remote: worker_pb2.RemotePrefill, sink: Sink,
-                     resumed_output_tokens: int = 0) -> None:
+                     resumed_output_tokens: int = 0, adapter: worker_pb2.AdapterRef | None = None) -> None:
         """Reserve, have ``remote`` prefill, receive and verify, import. Outputs then arrive on
         ``sink`` (the first one carries token 1). Raises InvalidRequestError / KVCapacityError
-        (from reserve) or RemotePrefillError; the caller aborts the request on any error."""
-        ticket = await self._engine.reserve(request_id, prompt, params, resumed_output_tokens)
+        (from reserve) or RemotePrefillError; the caller aborts the request on any error.
+        adapter: the request's LoRA adapter (loaded here already): the prefill worker computes the
+        prompt under it (loading it from its source first) and both sides key the KV with it."""
+        name = adapter.name if adapter is not None else ""
+        ticket = await self._engine.reserve(request_id, prompt, params, resumed_output_tokens, name)
         if isinstance(ticket, Exception):
             raise ticket
         backend = self.backend_for(remote.endpoint)
         key = self.receiver.pair_key(remote.worker_id, remote.incarnation, backend)
         expected = self.receiver.expect(key, ticket.transfer_id, ticket.first_block, ticket.num_blocks)
         self.receiver.channel(key)  # start the rendezvous now; P joins when the request reaches it
-        call = self._stub(remote.endpoint).Prefill(self._prefill_request(request_id, prompt, sampling, ticket, key,
-                                                                         remote.incarnation, resumed_output_tokens,
-                                                                         backend))
+        prefill = self._prefill_request(request_id, prompt, sampling, ticket, key, remote.incarnation,
+                                        resumed_output_tokens, backend)
+        if name:
+            assert adapter is not None
+            prefill.adapter.CopyFrom(adapter)
+        call = self._stub(remote.endpoint).Prefill(prefill)
         try:
             first = await call.read()
             if first is grpc.aio.EOF:
@@ -189,7 +195,8 @@ class Disaggregation:
         channel_future = sender.channel(key, request.kv_store_address)
         rid, sink = f"prefill/{request.request_id}", asyncio.Queue[Any]()
         self._engine.add(rid, list(request.prompt_token_ids), params, sink, export_from_block=request.first_block,
-                         resumed_output_tokens=request.resumed_output_tokens)
+                         resumed_output_tokens=request.resumed_output_tokens,
+                         adapter=request.adapter.name if request.HasField("adapter") else "")
         finished = False
         try:
             out = await sink.get()

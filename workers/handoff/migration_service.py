@@ -39,6 +39,7 @@ from workers.detokenizer import DetokenizerState
 from workers.handoff.disagg import CHANNEL_OPTIONS, Disaggregation, PrefillRejected
 from workers.engine.loop import EngineLimits, EngineLoop, Sink, WorkerUnavailableError
 from workers.errors import InvalidRequestError
+from workers.lora.errors import AdapterCapacityError, AdapterError, AdapterNotLoaded, LoraDisabled
 from workers.engine.kv_handoff import KVCapacityError
 from workers.kv.transfer import KVTransferError
 from workers.engine.migration import MigrationError, MigrationSnapshot
@@ -91,6 +92,8 @@ def snapshot_to_proto(snap: MigrationSnapshot) -> worker_pb2.MigrationState:
     if snap.drafter is not None:
         msg.drafter.CopyFrom(worker_pb2.DrafterRef(worker_id=snap.drafter.worker_id, endpoint=snap.drafter.endpoint,
                                                    incarnation=snap.drafter.incarnation))
+    if snap.adapter:
+        msg.adapter.CopyFrom(worker_pb2.AdapterRef(name=snap.adapter, source=snap.adapter_source))
     return msg
 
 
@@ -107,7 +110,8 @@ def snapshot_from_proto(request_id: str, msg: worker_pb2.MigrationState,
         msg.num_computed_tokens, msg.num_resumed_tokens, msg.num_cached_tokens, msg.generator_state or None, detok,
         (msg.spec_acceptance, msg.spec_steps_at_zero) if msg.HasField("spec_acceptance") else None,
         DrafterRef(msg.drafter.worker_id, msg.drafter.endpoint, msg.drafter.incarnation)
-        if msg.HasField("drafter") else None)
+        if msg.HasField("drafter") else None,
+        msg.adapter.name if msg.HasField("adapter") else "", msg.adapter.source if msg.HasField("adapter") else "")
     snap.check()
     return snap
 
@@ -150,6 +154,7 @@ class Migrator:
         self.fingerprint = limits.model_fingerprint
         self._layout_words = limits.kv_layout.as_words()
         self._engine, self._disagg, self._to_params = engine, disagg, to_params
+        self._adapters = limits.adapters  # LoRA: a migrated request's adapter is loaded here before it resumes
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._moved: dict[str, worker_pb2.MigratedTo] = {}  # source: handed over, stream not yet ended
         self._parked: dict[str, _Parked] = {}  # target: resumed here, router not attached yet
@@ -256,12 +261,16 @@ class Migrator:
             snap = snapshot_from_proto(rid, request.state, self._to_params)
         except (InvalidRequestError, MigrationError) as e:
             raise MigrationFailed(grpc.StatusCode.INVALID_ARGUMENT, f"state: {e}") from None
+        if snap.adapter:  # the request's LoRA adapter, loaded here first (off the engine thread)
+            await self._load_adapter(snap.adapter, snap.adapter_source)
         ticket = await self._engine.call(lambda e: e.reserve_migration(snap))
         if isinstance(ticket, KVCapacityError):
             raise MigrationFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room to take {rid} over: {ticket}")
         if isinstance(ticket, InvalidRequestError):
             code = grpc.StatusCode.ALREADY_EXISTS if ticket.field == "request_id" else grpc.StatusCode.FAILED_PRECONDITION
             raise MigrationFailed(code, str(ticket))
+        if isinstance(ticket, (LoraDisabled, AdapterNotLoaded)):  # evicted again before the reservation
+            raise MigrationFailed(grpc.StatusCode.FAILED_PRECONDITION, f"state.adapter: {ticket}")
         if isinstance(ticket, Exception):
             raise MigrationFailed(grpc.StatusCode.UNAVAILABLE, str(ticket))
         receiver, adopted = self._disagg.receiver, False
@@ -293,6 +302,16 @@ class Migrator:
             if not adopted:  # refused, failed, or the source went away: return the reserved blocks
                 self.stats.migration_failures += 1
                 self._engine.abort(rid)
+
+    async def _load_adapter(self, name: str, source: str) -> None:
+        adapters = self._adapters
+        if adapters is None:
+            raise MigrationFailed(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"state.adapter: {name!r}: this worker runs without LoRA (lora.enabled is false)")
+        try:
+            await asyncio.to_thread(adapters.load, name, source)
+        except (AdapterError, AdapterCapacityError) as e:
+            raise MigrationFailed(grpc.StatusCode.FAILED_PRECONDITION, f"state.adapter: {e}") from None
 
     def _refuse_unless_compatible(self, request: worker_pb2.TakeOverRequest) -> None:
         if self.draining:

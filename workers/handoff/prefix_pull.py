@@ -85,14 +85,17 @@ class PrefixPull:
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ puller
-    async def pull(self, request_id: str, prompt: list[int], source: worker_pb2.PrefixSource) -> bool:
+    async def pull(self, request_id: str, prompt: list[int], source: worker_pb2.PrefixSource,
+                   adapter: str = "") -> bool:
         """Pull the prefix ``source`` names into this worker's prefix cache. Returns whether blocks
-        were installed; never raises (a failure is logged and counted, the prompt is computed)."""
+        were installed; never raises (a failure is logged and counted, the prompt is computed).
+        adapter: the LoRA adapter the request runs with ("" = the base model): the holder's blocks
+        computed under it are pulled and keyed under it here (workers/engine/block_manager.py root_key)."""
         pull_id = f"pull/{request_id}/{next(self._ids)}"
         installed = False
         try:
             tokens = self._prefix_tokens(prompt, source)
-            installed = await asyncio.wait_for(self._pull(pull_id, tokens, source), self.timeout_s)
+            installed = await asyncio.wait_for(self._pull(pull_id, tokens, source, adapter), self.timeout_s)
         except (KVTransferError, KVCapacityError, PrefixMissing, PrefillRejected, WorkerUnavailableError,
                 grpc.aio.AioRpcError, TimeoutError, ValueError) as e:
             self.stats.failures += 1
@@ -113,8 +116,8 @@ class PrefixPull:
             raise ValueError("prefix_source.worker_id and .endpoint: both required")
         return prompt[:n]
 
-    async def _pull(self, pull_id: str, tokens: list[int], source: worker_pb2.PrefixSource) -> bool:
-        reserved = await self._engine.call(lambda engine: self._reserve(engine, pull_id, tokens))
+    async def _pull(self, pull_id: str, tokens: list[int], source: worker_pb2.PrefixSource, adapter: str) -> bool:
+        reserved = await self._engine.call(lambda engine: self._reserve(engine, pull_id, tokens, adapter))
         if isinstance(reserved, Exception):
             raise reserved
         if reserved is None:
@@ -132,6 +135,8 @@ class PrefixPull:
                 kv_store_address=receiver.address, receiver_worker_id=disagg.worker_id,
                 receiver_incarnation=disagg.incarnation, pair_generation=key.generation,
                 expected_incarnation=source.incarnation, backend=backend)
+            if adapter:
+                request.adapter.name = adapter
             await disagg.stub(source.endpoint).PullPrefix(request, timeout=self.timeout_s)
             received = await asyncio.wrap_future(expected)
         finally:
@@ -146,15 +151,15 @@ class PrefixPull:
         return True
 
     # engine thread ---------------------------------------------------------------
-    def _reserve(self, engine: Engine, pull_id: str, tokens: list[int]) -> tuple[int, int] | None:
+    def _reserve(self, engine: Engine, pull_id: str, tokens: list[int], adapter: str) -> tuple[int, int] | None:
         """(first block to pull, blocks to pull) with those blocks allocated; None if all are cached here."""
         bm = engine.block_manager
         assert bm.block_size == self.block_size
-        cached = bm.cached_prefix(tokens)
+        cached = bm.cached_prefix(tokens, adapter)
         total = len(tokens) // bm.block_size
         if len(cached) >= total:
             return None
-        seq = Sequence(pull_id, list(tokens), SamplingParams(), -1)
+        seq = Sequence(pull_id, list(tokens), SamplingParams(), -1, adapter=adapter)
         seq.num_computed_tokens = len(cached) * bm.block_size
         if not bm.allocate(seq, len(tokens) - seq.num_computed_tokens, cached):
             raise KVCapacityError(f"{total - len(cached)} KV blocks needed for the pulled prefix, "
@@ -199,7 +204,8 @@ class PrefixPull:
         key = disagg.sender_key(request.receiver_worker_id, request.receiver_incarnation, request.pair_generation,
                                 request.backend)
         channel_future = sender.channel(key, request.kv_store_address)
-        kv = await self._engine.call(lambda engine: self._export(engine, tokens, request.first_block))
+        adapter = request.adapter.name if request.HasField("adapter") else ""
+        kv = await self._engine.call(lambda engine: self._export(engine, tokens, request.first_block, adapter))
         if isinstance(kv, PrefixMissing):
             raise PrefillRejected(grpc.StatusCode.FAILED_PRECONDITION, f"prefix_token_ids: {kv}")
         if isinstance(kv, Exception):
@@ -217,10 +223,10 @@ class PrefixPull:
                                              transfer_seconds=time.monotonic() - start)
 
     @staticmethod
-    def _export(engine: Engine, tokens: list[int], first_block: int) -> torch.Tensor | PrefixMissing:
-        """Engine thread: a copy of the prefix's blocks first_block.. ([L, 2, n, bs, G, D]), or
-        PrefixMissing (returned, not raised: a normal outcome, not an engine failure)."""
-        blocks = engine.block_manager.cached_prefix(tokens)
+    def _export(engine: Engine, tokens: list[int], first_block: int, adapter: str = "") -> torch.Tensor | PrefixMissing:
+        """Engine thread: a copy of the prefix's blocks first_block.. ([L, 2, n, bs, G, D]) computed
+        under ``adapter``, or PrefixMissing (returned, not raised: a normal outcome, not an engine failure)."""
+        blocks = engine.block_manager.cached_prefix(tokens, adapter)
         total = len(tokens) // engine.block_manager.block_size
         if len(blocks) < total:
             return PrefixMissing(f"this worker holds {len(blocks)} of the prefix's {total} blocks (evicted since)")

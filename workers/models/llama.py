@@ -28,7 +28,7 @@ Axes: T tokens in the step, E hidden, H query heads, G kv heads, D head dim, V v
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -48,6 +48,10 @@ from workers.models.decode_stack import fused_stack
 from workers.parallel.groups import get_group
 from workers.parallel.sharding import attention_shard, even_shard
 
+if TYPE_CHECKING:
+    from workers.lora.stacks import LoraStacks
+    from workers.lora.targets import LoraTargets
+
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K, V each [S, G, D]
 
 
@@ -63,6 +67,8 @@ class LlamaAttention(nn.Module):
         heads = attention_shard(spec.num_heads, spec.num_kv_heads, tp.world_size, tp.rank)
         h, g = heads.q_heads.size, heads.kv_heads.size  # this rank's heads
         self.h, self.g, self.d = h, g, d
+        self.layer_idx = layer_idx
+        self.lora: LoraStacks | None = None  # LoRA adapters' slots (LlamaForCausalLM.attach_lora)
         o_bias = spec.attention_bias and spec.model_type not in ("qwen2", "qwen2_moe")
         q, kv = heads.q_heads.scaled(d), heads.kv_heads.scaled(d)  # this rank's rows of q_proj, of k/v_proj
         self.qkv_proj = column_parallel(spec.hidden_size, {"q": q, "k": kv, "v": kv}, spec.attention_bias, quant)
@@ -75,13 +81,18 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x).view(t, self.h + 2 * self.g, self.d)  # [T, H + 2G, D]
+        qkv = self.qkv_proj(x)  # [T, (H + 2G) D]
+        if self.lora is not None:
+            self.lora.apply(self.layer_idx, "qkv", x, qkv)
+        qkv = qkv.view(t, self.h + 2 * self.g, self.d)  # [T, H + 2G, D]
         q, k, v = qkv.split([self.h, self.g, self.g], dim=1)  # views: [T, H, D], [T, G, D], [T, G, D]
         if hasattr(self, "q_norm"):
             q = self.q_norm(q.reshape(t * self.h, self.d))[0].view(t, self.h, self.d)
             k = self.k_norm(k.reshape(t * self.g, self.d))[0].view(t, self.g, self.d)
         o = self.attn(q, k, v, cos, sin, kv[0], kv[1], meta)  # [T, H D]
-        return self.o_proj(o)
+        if self.lora is None:
+            return self.o_proj(o)
+        return self.lora.apply(self.layer_idx, "o", o, self.o_proj(o))
 
 
 class LlamaMLP(nn.Module):
@@ -93,9 +104,15 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = column_parallel(spec.hidden_size, {"gate": i, "up": i}, spec.mlp_bias, quant)
         self.down_proj = row_parallel(width, spec.hidden_size, spec.mlp_bias, quant, shard=i)
         self.act = gated_activation(spec.hidden_act)
+        self.layer_idx = -1  # set with lora (LlamaForCausalLM.attach_lora)
+        self.lora: LoraStacks | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        if self.lora is None:
+            return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.lora.apply(self.layer_idx, "gate_up", x, self.gate_up_proj(x))  # [T, 2 I]
+        h = self.act(gate_up)  # [T, I]
+        return self.lora.apply(self.layer_idx, "down", h, self.down_proj(h))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -161,6 +178,36 @@ class LlamaForCausalLM(nn.Module):
         # its bf16 linear layers hold oneDNN-packed weights (EngineConfig.prepack_weights): a decode
         # step with more rows than the GEMV takes runs them through the module path, which uses them
         self.prepacked = False
+        self.lora: LoraStacks | None = None  # LoRA adapters' slots (attach_lora), None without LoRA
+
+    def lora_targets(self) -> LoraTargets:
+        """The projections a LoRA adapter may target, per layer (workers/lora/targets.py): the
+        attention and dense MLP of every layer built from LlamaAttention / LlamaMLP; MoE experts,
+        MLA attention and other classes take none."""
+        from workers.lora.targets import projection_shape
+
+        targets: LoraTargets = {}
+        for i, layer in enumerate(self.model.layers):
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            found = {}
+            if isinstance(attn, LlamaAttention):
+                found["qkv"] = projection_shape(attn.qkv_proj, "qkv")
+                found["o"] = projection_shape(attn.o_proj, "o")
+            if isinstance(mlp, LlamaMLP):
+                found["gate_up"] = projection_shape(mlp.gate_up_proj, "gate_up")
+                found["down"] = projection_shape(mlp.down_proj, "down")
+            if found:
+                targets[i] = found
+        return targets
+
+    def attach_lora(self, stacks: LoraStacks) -> None:
+        """Let the layers of ``lora_targets`` apply the adapters in ``stacks`` (once, before serving)."""
+        assert self.lora is None, "LoRA is attached once"
+        self.lora = stacks
+        for i, layer in enumerate(self.model.layers):
+            for part in (getattr(layer, "self_attn", None), getattr(layer, "mlp", None)):
+                if isinstance(part, (LlamaAttention, LlamaMLP)):
+                    part.layer_idx, part.lora = i, stacks
 
     def make_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
         return LlamaMLP(spec, quant=self.quantization)
@@ -178,9 +225,11 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary.lookup(positions, h.dtype)  # [T, D/2] each
         # decode-only step: the fused stack if eligible (it computes the bf16 projections on the plain
-        # weights, so a batch that the packed ones serve faster keeps the module path: the same results)
+        # weights, so a batch that the packed ones serve faster keeps the module path: the same results),
+        # and no token of the step runs a LoRA adapter (the stack applies none: the module path does)
         if meta.num_decodes == h.shape[0] > 0 and not meta.ring and not (
-                self.prepacked and h.shape[0] > gemv_max_tokens(h.dtype)):
+                self.prepacked and h.shape[0] > gemv_max_tokens(h.dtype)) and not (
+                self.lora is not None and self.lora.active):
             if self._stack is None:
                 self._stack = fused_stack(self, FUSED_STACK_TYPES) or False
             if self._stack:

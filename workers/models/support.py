@@ -5,7 +5,7 @@ same checks the layers run while they are built (the same functions, so the answ
 the architecture is in workers/models/registry.py; ep_size > 1 needs an MoE model whose experts it
 divides (workers/parallel/expert_placement.py); tp_size splits the attention heads
 (workers/parallel/sharding.py); quantized row-parallel layers split on 32-feature blocks
-(workers/layers/quant_parallel.py). Failures are ``CheckpointError`` (the architecture) or
+(workers/layers/quant_parallel.py); lora.enabled needs tp_size, sp_size and ep_size 1 (workers/lora/attach.py). Failures are ``CheckpointError`` (the architecture) or
 ``ConfigError`` naming the engine key (``tp_size=3: ...``), for the caller to rename to its own key.
 
 Worked example::
@@ -53,6 +53,10 @@ def check_support(path: Path, config: EngineConfig, parallel: ParallelConfig) ->
         ExpertPlacement.contiguous(spec.num_experts, parallel.ep_size)
     if parallel.tp_size > 1:
         _check_tensor_parallel(spec, config.quantization, parallel.tp_size)
+    if config.lora.enabled:
+        from workers.lora.attach import check_lora_parallel
+
+        check_lora_parallel(config.lora, parallel.tp_size, parallel.sp_size, parallel.ep_size)
     return spec
 
 

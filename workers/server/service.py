@@ -31,6 +31,10 @@ another worker (its Submit stream then ends with ``migrated_to``), TakeOver is t
 Submit with ``migration_id`` attaches to a request migrated here, Drain (and ``stop(grace,
 migrate_to=...)``) moves every running request away. GetLoad reports migration counters.
 
+LoRA (workers/server/adapters.py, workers/lora/): LoadAdapter / UnloadAdapter / ListAdapters manage
+the engine's adapter set; a Submit or Prefill naming an adapter this worker lacks loads it from the
+request's AdapterRef.source first (off the engine thread); GetLoad reports the adapters loaded.
+
 Worked example::
 
     server = await start_worker_server(EngineConfig(model=str(resolve_model("SmolLM2-135M-Instruct"))), port=50061)
@@ -68,6 +72,7 @@ from workers.kv.transfer import check_kv_backend
 from workers.sample.logprobs_proto import to_proto
 from workers.handoff.migration_service import MigrationFailed, Migrator
 from workers.handoff.prefix_pull import PrefixPull
+from workers.server.adapters import LORA_ERRORS, AdapterAdmin, lora_status
 from workers.sampling_params import SamplingParams
 from workers.engine.proposer import DrafterRef
 from workers.startup import StartupTimeline
@@ -132,6 +137,9 @@ async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, detai
 
 
 def _status_of(error: Exception) -> tuple[grpc.StatusCode, str]:
+    lora = lora_status(error)
+    if lora is not None:
+        return lora
     if isinstance(error, InvalidRequestError):
         code = grpc.StatusCode.ALREADY_EXISTS if error.field == "request_id" else grpc.StatusCode.INVALID_ARGUMENT
         # a structured-output spec that failed to compile or a grammar at a dead end (mid-stream):
@@ -166,6 +174,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.migrator: Migrator | None = None  # set by start_worker_server (with disagg)
         self.on_drain: Callable[[], Awaitable[object]] | None = None  # set by WorkerServer: health NOT_SERVING
         self.prefix_pull: PrefixPull | None = None  # set by start_worker_server (with disagg)
+        self.adapter_admin = AdapterAdmin(limits.adapters)  # LoRA (workers/server/adapters.py)
 
     @property
     def num_inflight(self) -> int:
@@ -226,17 +235,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._inflight.add(rid)
         finished = False
         try:
+            # LoRA: load the request's adapter first if this worker lacks it (off the engine thread)
+            adapter = await self.adapter_admin.ensure(request.adapter) \
+                if request.HasField("adapter") and attached is None else ""
             if attached is not None:
                 logger.info("request %s: attached to its migrated run here", rid)
             elif request.HasField("remote_prefill"):
                 assert self.disagg is not None
                 await self.disagg.decode(rid, list(request.prompt_token_ids), params, request.sampling,
-                                         request.remote_prefill, sink, request.resumed_output_tokens)
+                                         request.remote_prefill, sink, request.resumed_output_tokens,
+                                         request.adapter if adapter else None)
             else:
                 if request.HasField("prefix_source") and self.prefix_pull is not None:
-                    await self.prefix_pull.pull(rid, list(request.prompt_token_ids), request.prefix_source)
+                    await self.prefix_pull.pull(rid, list(request.prompt_token_ids), request.prefix_source, adapter)
                 self._engine.add(rid, list(request.prompt_token_ids), params, sink,
-                                 resumed_output_tokens=request.resumed_output_tokens)
+                                 resumed_output_tokens=request.resumed_output_tokens, adapter=adapter)
             while not finished:
                 items = [await sink.get()]
                 while not sink.empty():  # a slow reader gets the backlog as one message
@@ -248,7 +261,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 finished = items[-1].finished
                 migrated = items[-1].finish_reason is FinishReason.MIGRATED
                 yield _merge(items, self.migrator.migrated_to(rid) if migrated and self.migrator else None)
-        except (InvalidRequestError, KVCapacityError, RemotePrefillError, PrefillRejected) as e:  # disaggregated path
+        except (InvalidRequestError, KVCapacityError, RemotePrefillError, PrefillRejected, *LORA_ERRORS) as e:
+            # the disaggregated path's errors, and the request's adapter that could not be loaded
             logger.warning("request %s: %s", rid, e)
             finished = True
             try:  # free its blocks first, then answer
@@ -273,7 +287,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.prefix_pull is not None:
             transfers.update(self.prefix_pull.load_fields())
         migrations = self.migrator.load_fields() if self.migrator is not None else {}
-        fields: dict[str, Any] = {**dataclasses.asdict(self._engine.snapshot), **transfers, **migrations}
+        fields: dict[str, Any] = {**dataclasses.asdict(self._engine.snapshot), **transfers, **migrations,
+                                  **self.adapter_admin.load_fields()}
         report = worker_pb2.LoadReport(worker_id=self.worker_id, incarnation=self.incarnation, **fields)
         events = self.limits.block_events
         if request.block_events and events is not None:
@@ -292,9 +307,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         params = await self._admit(request, context, no_transfer if self.disagg is None else None)
         assert self.disagg is not None  # _admit refused the request otherwise
         try:
+            if request.HasField("adapter"):  # computed under the request's adapter: loaded here first
+                await self.adapter_admin.ensure(request.adapter)
             async for response in self.disagg.prefill(request, params):
                 yield response
-        except (InvalidRequestError, WorkerUnavailableError, PrefillRejected) as e:
+        except (InvalidRequestError, WorkerUnavailableError, PrefillRejected, *LORA_ERRORS) as e:
             logger.warning("prefill of %s: %s", request.request_id, e)
             await context.abort(*_status_of(e))
 
@@ -310,6 +327,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except (WorkerUnavailableError, PrefillRejected) as e:
             logger.warning("prefix pull %s: %s", request.transfer_id, e)
             await _abort(context, *_status_of(e))
+
+    async def LoadAdapter(self, request: worker_pb2.LoadAdapterRequest,
+                          context: grpc.aio.ServicerContext) -> worker_pb2.AdapterInfo:
+        try:
+            return await self.adapter_admin.load(request)
+        except LORA_ERRORS as e:
+            await _abort(context, *_status_of(e))
+
+    async def UnloadAdapter(self, request: worker_pb2.UnloadAdapterRequest,
+                            context: grpc.aio.ServicerContext) -> worker_pb2.UnloadAdapterResponse:
+        try:
+            return self.adapter_admin.unload(request)
+        except LORA_ERRORS as e:
+            await _abort(context, *_status_of(e))
+
+    async def ListAdapters(self, request: worker_pb2.ListAdaptersRequest,
+                           context: grpc.aio.ServicerContext) -> worker_pb2.AdapterList:
+        return self.adapter_admin.list()
 
     async def Migrate(self, request: worker_pb2.MigrateRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.MigrateResponse:
