@@ -565,14 +565,26 @@ def _check_models(c: DuetConfig, s: Sources) -> None:
 
 
 def _check_model_pools(c: DuetConfig, s: Sources) -> None:
-    """With several models: each has a pool that streams its tokens (colocated or decode)."""
-    if len(c.served_models) < 2:
-        return  # the one model: the check across all pools says it
-    for i, m in enumerate(c.served_models):
+    """A model with adapters (``adapters`` or ``adapter_dir``) has a pool with engine.lora.enabled (else
+    every request naming one would be refused); with several models, each has a pool that streams its
+    tokens (colocated or decode)."""
+    several = c.served_models if len(c.served_models) > 1 else ()  # one model: the check across all pools says it
+    for i, m in enumerate(several):
         roles = {p.role for p in c.pools_of(m)}
         need(bool(roles & {"colocated", "decode"}), f"{_model_key(c, i)}.name", m.name, s,
              f"no colocated or decode pool serves {m.served!r} (set `model: {m.served}` on one)" if roles else
              f"no pool serves {m.served!r}: add one with `model: {m.served}`, or remove the model")
+    for i, m in enumerate(c.served_models):
+        if not (m.adapters or m.adapter_dir):
+            continue
+        serving = {q.name for q in c.pools_of(m)}  # names are unique (checked before)
+        pools = [(j, p) for j, p in enumerate(c.pools) if p.name in serving]
+        key = f"{_model_key(c, i)}.{'adapters' if m.adapters else 'adapter_dir'}"
+        need(any(p.engine.lora.enabled for _, p in pools), key,
+             [a.name for a in m.adapters] if m.adapters else m.adapter_dir, s,
+             f"no pool serving {m.served!r} has engine.lora.enabled, so its workers would refuse every adapter; "
+             f"set {' / '.join(f'pools[{j}].engine.lora.enabled' for j, _ in pools) or 'engine.lora.enabled'}: true "
+             "(docs/serving/lora-engine.md), or drop the adapters")
 
 
 def _check_placement_resources(pool: PoolSection, p: str, s: Sources) -> None:

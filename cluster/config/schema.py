@@ -58,6 +58,8 @@ HINTS: dict[str, dict[str, Any]] = {
     "pools[].engine.target_itl_ms": {"exclusiveMinimum": 0},
     "pools[].engine.omp_wait_policy": {"enum": list(OMP_WAIT_POLICIES)},
     "pools[].engine.niceness": {"minimum": -20, "maximum": 19},
+    "pools[].engine.lora.max_loaded": {"minimum": 1, "maximum": 256},
+    "pools[].engine.lora.max_rank": {"minimum": 1, "maximum": 256},
     "pools[].engine.quantized_batches": {"enum": list(QUANTIZED_BATCHES)},
     "pools[].ep_size": _SIZE, "pools[].sp_size": _SIZE, "pools[].tp_size": _SIZE,
     "pools[].comm": {"enum": list(COMM_MODES)},
@@ -104,7 +106,8 @@ _POOL = {"replicas": "replicas", "standbyReplicas": "standby_replicas", "epSize"
              ("maxNumBatchedTokens", "max_num_batched_tokens"), ("maxNumSeqs", "max_num_seqs"),
              ("enablePrefixCaching", "enable_prefix_caching"), ("device", "device"), ("cudaGraphs", "cuda_graphs"),
              ("hostTierMemory", "host_tier_bytes"), ("diskTierSize", "disk_tier_bytes"),
-             ("tierLoadTimeoutSeconds", "tier_load_timeout_s"))},
+             ("tierLoadTimeoutSeconds", "tier_load_timeout_s"), ("lora.enabled", "lora.enabled"),
+             ("lora.maxLoaded", "lora.max_loaded"), ("lora.maxRank", "lora.max_rank"))},
          **{f"speculative.{k}": f"speculative.{v}" for k, v in (
              ("method", "method"), ("numSpeculativeTokens", "num_speculative_tokens"), ("adaptive", "adaptive"),
              ("ngramMin", "ngram_min"), ("ngramMax", "ngram_max"), ("draftModel", "draft_model"),

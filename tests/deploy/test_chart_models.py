@@ -25,6 +25,7 @@ def test_two_models_and_their_adapters_reach_the_config(helm, tmp_path):
     assert (engine.model, engine.quantization, engine.dtype) == ("/models/Qwen2.5-Coder-0.5B-Instruct", "int8",
                                                                   "float32")
     assert config.to_engine_config(config.pools[0]).model == "SmolLM2-135M-Instruct"
+    assert engine.lora.enabled and engine.lora.max_loaded == 4  # each pool's adapter slots
     router = config.to_router_config({"SmolLM2-135M-Instruct": "/a", "coder": "/b"})
     assert [m.name for m in router.served_models] == ["SmolLM2-135M-Instruct", "coder"]
     assert [a.name for a in router.adapters] == ["sql", "support"]
@@ -34,10 +35,10 @@ def test_the_single_model_chart_is_unchanged_and_takes_adapters(helm, tmp_path):
     config = loaded_config(by_kind(render(helm)), tmp_path)
     assert config.models == () and config.model.name == "SmolLM2-135M-Instruct" and config.pools[0].model is None
     kinds = by_kind(render(helm, None, "model.adapters[0].name=sql", "model.adapters[0].source=/models/sql",
-                           "model.adapterDir=/models/adapters"))
+                           "model.adapterDir=/models/adapters", "poolDefaults.engine.lora.enabled=true"))
     config = loaded_config(kinds, tmp_path)
     assert [(a.name, a.source) for a in config.model.adapters] == [("sql", "/models/sql")]
-    assert config.model.adapter_dir == "/models/adapters"
+    assert config.model.adapter_dir == "/models/adapters" and config.pools[0].engine.lora.enabled
 
 
 def test_the_pre_pull_prepares_every_model(helm):

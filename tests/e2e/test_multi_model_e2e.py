@@ -4,8 +4,9 @@ pool each, addressed by name over gRPC and the OpenAI HTTP API. The tiny model's
 through the router equal transformers' ``generate`` on its checkpoint (so its requests ran on its
 own pool), SmolLM2's equal a plain SmolLM2 deployment's answer shape; an unknown model is
 NOT_FOUND / 404; ListModels, /v1/models and ``duet status`` show both models, their pools and the
-config adapter; the adapter admin API answers under its token scopes (the workers' own LoRA
-support is tested with them, tests/workers/)."""
+config adapter; the adapter admin API answers under its token scopes; an adapter loaded at runtime
+(a PEFT adapter made in the test) answers by name with PEFT's merged model's greedy tokens, and an
+adapter of a model whose pool runs without LoRA is refused, never run on the base model."""
 
 from __future__ import annotations
 
@@ -45,10 +46,12 @@ def deployment(ray_cluster, smollm2_path, tmp_path_factory):
     pki = make_pki(d / "pki")
     config_file = d / "duet.yaml"
     config_file.write_text(yaml.safe_dump({
-        "models": [{"name": SMOL, "adapters": [{"name": "sql", "source": str(d / "adapters" / "sql")}]},
+        "models": [{"name": SMOL, "dtype": "float32",  # float32: comparable with PEFT's merged model
+                    "adapters": [{"name": "sql", "source": str(d / "adapters" / "sql")}]},
                    {"name": str(tiny), "served_name": TINY}],
         "pools": [{"name": "smol", "model": SMOL, "cpus_per_replica": 1,
-                   "engine": {"kv_cache_memory_bytes": "16MiB", "block_size": 8, "max_num_batched_tokens": 64}},
+                   "engine": {"kv_cache_memory_bytes": "16MiB", "block_size": 8, "max_num_batched_tokens": 64,
+                              "lora": {"enabled": True, "max_loaded": 2, "max_rank": 8}}},
                   {"name": "tiny", "model": TINY, "cpus_per_replica": 1,
                    "engine": {"kv_cache_memory_bytes": "8MiB", "block_size": 8, "max_num_batched_tokens": 64}}],
         "router": {"port": 0, "http_port": _free_port(), "auth_tokens_file": str(pki / "tokens")},
@@ -89,6 +92,28 @@ def test_two_models_served_by_name_over_grpc_and_http(deployment):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     models = httpx.get(f"{d.http_url}/models", headers=auth, timeout=30).json()["data"]
     assert [(m["id"], m["parent"]) for m in models] == [(SMOL, None), (TINY, None), ("sql", SMOL)]
+
+
+def test_an_adapter_loaded_at_runtime_serves_requests_by_name(deployment, smollm2_path, tmp_path):
+    """The whole path: HTTP load (preloaded on the SmolLM2 worker), then a request naming the adapter
+    gives the greedy tokens of PEFT's merged model; the base model's stay the base model's."""
+    from tests.testkit.lora_cases import merged_greedy, save_adapter
+
+    _, d = deployment
+    adapter = save_adapter(smollm2_path, tmp_path / "chat", seed=7, r=4, targets=["q_proj", "v_proj", "down_proj"])
+    admin = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+    r = httpx.post(f"{d.http_url}/load_lora_adapter", headers=admin, timeout=120,
+                   json={"lora_name": "chat", "lora_path": str(adapter)})
+    assert r.status_code == 200, r.text
+    prompt = PROMPTS[0]
+    want_adapter, want_base = merged_greedy(smollm2_path, adapter, [prompt], NEW)[0], \
+        merged_greedy(smollm2_path, None, [prompt], NEW)[0]
+    assert want_adapter != want_base  # the adapter changes the answer
+    assert _generate(d.address, "chat", prompt) == want_adapter
+    assert _generate(d.address, f"{SMOL}:chat", prompt) == want_adapter
+    assert _generate(d.address, SMOL, prompt) == want_base
+    assert httpx.post(f"{d.http_url}/unload_lora_adapter", headers=admin, timeout=60,
+                      json={"lora_name": "chat"}).status_code == 200
 
 
 def test_status_shows_the_pools_of_each_model(deployment):

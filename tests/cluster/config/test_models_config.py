@@ -18,7 +18,8 @@ TWO = {
     "models": [{"name": "SmolLM2-135M-Instruct", "adapters": [{"name": "sql", "source": "/a/sql", "pinned": True}]},
                {"name": "/models/tiny-llama", "served_name": "tiny", "dtype": "float32", "quantization": "int8",
                 "max_model_len": 256, "adapter_dir": "/a/tiny"}],
-    "pools": [{"name": "smol", "model": "SmolLM2-135M-Instruct"}, {"name": "tiny", "model": "tiny"}],
+    "pools": [{"name": "smol", "model": "SmolLM2-135M-Instruct", "engine": {"lora": {"enabled": True}}},
+              {"name": "tiny", "model": "tiny", "engine": {"lora": {"enabled": True}}}],
 }
 
 
@@ -51,7 +52,7 @@ def test_the_single_model_config_is_unchanged(tmp_path):
     assert c.model_name_of(c.pool) == ""  # members say "the default model"
     assert c.to_router_config("/ckpt/my-model").served_models[0].name == "my-model"
     c = _load(tmp_path, {"model": {"name": "SmolLM2-135M-Instruct", "adapters": [{"name": "sql", "source": "/a"}]},
-                         "pools": [{"name": "p", "model": "SmolLM2-135M-Instruct"}]})
+                         "pools": [{"name": "p", "model": "SmolLM2-135M-Instruct", "engine": {"lora": {"enabled": True}}}]})
     assert [a.name for a in c.to_router_config("/x").adapters] == ["sql"]
 
 
@@ -80,6 +81,10 @@ def _with(path: str, value):
     (_with("pools.1.model", "SmolLM2-135M-Instruct"), "models[1].name='/models/tiny-llama' (from"),
     ({**TWO, "pools": [*TWO["pools"], {"name": "d", "role": "drafter", "model": "tiny", "drafter": {"model": "x"}}]},
      "pools[2].model='tiny'"),
+    (_with("pools.1.engine", None), ("models[1].adapter_dir='/a/tiny' (from ",
+                                     "no pool serving 'tiny' has engine.lora.enabled", "set pools[1].engine.lora.enabled")),
+    ({"model": {"adapters": [{"name": "sql", "source": "/a"}]}}, ("model.adapters=['sql']",
+                                                                   "set pools[0].engine.lora.enabled: true")),
 ])
 def test_bad_model_combinations_are_refused_naming_the_key(tmp_path, data, words):
     with pytest.raises(ClusterConfigError) as e:
