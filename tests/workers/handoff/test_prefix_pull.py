@@ -92,7 +92,7 @@ def test_pulled_prefix_gives_the_recomputed_tokens(tiny_llama, holder, held_bloc
     if held_blocks:  # the puller already holds the first 60 blocks: only the rest travels
         generate(puller, "warm", PREFIX[: held_blocks * BS] + [7], PARAMS[0])
     for i, p in enumerate(PARAMS):
-        reserved = pull._reserve(puller, f"pull/{i}", PREFIX)
+        reserved = pull._reserve(puller, f"pull/{i}", PREFIX, "")
         if i == 0:
             assert reserved == (held_blocks, PREFIX_TOKENS // BS - held_blocks)
             kv = PrefixPull._export(holder, PREFIX, reserved[0])  # [L, 2, n, bs, G, D]
@@ -109,7 +109,7 @@ def test_pulled_prefix_gives_the_recomputed_tokens(tiny_llama, holder, held_bloc
 def test_released_reservation_and_evicted_prefix_leave_nothing(tiny_llama):
     engine = build_engine(engine_config(str(tiny_llama), **SMALL))
     pull = PrefixPull(None, None, BS, 5.0)
-    assert pull._reserve(engine, "pull/x", PREFIX) == (0, PREFIX_TOKENS // BS)
+    assert pull._reserve(engine, "pull/x", PREFIX, "") == (0, PREFIX_TOKENS // BS)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks - PREFIX_TOKENS // BS
     pull._release(engine, "pull/x")
     assert all_free(engine) and not pull._reserved

@@ -299,6 +299,7 @@ class ExplodingEngine:
     max_model_len, spec = 64, SimpleNamespace(vocab_size=100)
     block_manager, scheduler = SimpleNamespace(block_size=16, enable_prefix_caching=False), SimpleNamespace(running=[], waiting=[])
     config = SimpleNamespace(device="cpu")
+    adapters = None  # no LoRA
 
     def __init__(self) -> None:
         self.pending: list[str] = []
@@ -314,7 +315,7 @@ class ExplodingEngine:
     def reserved(self) -> list:
         return []
 
-    def add_request(self, request_id, prompt, params, export_from_block=None, resumed_output_tokens=0) -> None:
+    def add_request(self, request_id, prompt, params, export_from_block=None, resumed_output_tokens=0, adapter=None) -> None:
         self.pending.append(request_id)
 
     def has_unfinished(self) -> bool:
