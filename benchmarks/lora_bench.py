@@ -72,7 +72,7 @@ def make_adapters(base: Path, out: Path, n: int, rank: int, targets: list[str]) 
                     p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
                 elif "lora_B" in name:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        peft_model.save_pretrained(out / f"a{i}")
+        peft_model.save_pretrained(str(out / f"a{i}"))
         paths.append(out / f"a{i}")
     return paths
 
@@ -182,9 +182,11 @@ def run_set(base: Path, targets: str, args: argparse.Namespace) -> dict[str, Any
     for n in args.adapters:
         summary[f"batched_{n}"]["vs_merged"] = summary[f"batched_{n}"]["tok_s_median"] / \
             summary[f"merged_{n}"]["tok_s_median"]
-    info = llm.engine.adapters.list()
+    adapters = llm.engine.adapters
+    assert adapters is not None  # the engine was built with lora enabled
+    info = adapters.list()
     return {"targets": TARGET_SETS[targets], "others_cpu_share": load, "engine_dtype": str(llm.engine.config.torch_dtype),
-            "adapter_bytes": info[0].bytes, "slots_bytes": llm.engine.adapters.stacks.nbytes,
+            "adapter_bytes": info[0].bytes, "slots_bytes": adapters.stacks.nbytes,
             "adapter_load_s": {"median": statistics.median(load_s), "max": max(load_s), "all": load_s},
             "results": summary}
 

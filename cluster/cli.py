@@ -99,6 +99,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=os.environ.get("DUET_TARGET", DEFAULT_TARGET),
                    help=f"router host:port (default $DUET_TARGET or {DEFAULT_TARGET})")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template applied)")
+    p.add_argument("--model", default="", metavar="NAME", help="a served model or LoRA adapter (<adapter> or "
+                   "<model>:<adapter>), as `duet status` lists them (default: the router's default model)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, (0, 1] (default 1 = off)")
@@ -216,7 +218,8 @@ def config_error(message: str) -> Exception:
 def _generate(args: argparse.Namespace) -> int:
     from router.client import stream
 
-    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+    kwargs = dict(model=args.model, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k,
                   seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, structured=structured_spec(args))
     if args.chat:
         kwargs["messages"] = [{"role": "user", "content": args.prompt}]

@@ -157,9 +157,13 @@ class Completion:
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """One entry of ListModels: a base model, or a LoRA adapter (``parent`` = its base model)."""
+
     name: str
     is_default: bool
     max_model_len: int
+    parent: str = ""
+    source: str = ""
 
 
 Message = Mapping[str, str] | tuple[str, str]
@@ -412,7 +416,7 @@ class DuetClient:
             r = await self._stub().ListModels(duet_pb2.ListModelsRequest(), timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
             raise DuetError.from_rpc(e) from None
-        return [ModelInfo(m.name, m.is_default, m.max_model_len) for m in r.models]
+        return [ModelInfo(m.name, m.is_default, m.max_model_len, m.parent, m.source) for m in r.models]
 
     async def health(self, service: str = "", timeout: float | None = 5.0) -> str:
         """The router's health status name, e.g. "SERVING" or "NOT_SERVING"."""

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -39,6 +40,71 @@ class RouterConfigError(ValueError):
     """A RouterConfig value is invalid; the message names the field and what to change."""
 
 
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@/+-]*$")
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A LoRA adapter registered on a base model (router/adapters.py).
+
+    name: what requests name: the adapter alone, or "<base model>:<name>" (letters, digits and
+        ._-@/+, no ':'; unique in the deployment, and no model's name).
+    source: where its PEFT files are (a directory holding adapter_config.json and
+        adapter_model.safetensors, on every worker's node; or a Hub id where a hub is reachable).
+        Workers load it from there on its first request.
+    pinned: workers never evict it from their bounded adapter set (LRU); it still counts against it.
+    """
+
+    name: str
+    source: str
+    pinned: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            _fail("name", self.name, "must be letters, digits and ._-@/+ (no ':' and no spaces), e.g. sql-lora")
+        if not isinstance(self.source, str) or not self.source.strip():
+            _fail("source", self.source, "must be the adapter's directory (adapter_config.json + "
+                  "adapter_model.safetensors) or a Hub id")
+        if not isinstance(self.pinned, bool):
+            _fail("pinned", self.pinned, "must be true or false")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model a router serves, beside its default (RouterConfig.models).
+
+    name: the served name (what GenerateRequest.model and HTTP ``model`` select).
+    tokenizer_path: its checkpoint (or tokenizer) directory.
+    max_model_len: its context limit; None = the checkpoint's.
+    adapters: LoRA adapters registered on it from config (AdapterSpec).
+    adapter_dir: a directory the router watches: each subdirectory holding an adapter_config.json
+        is an adapter of this model named after the subdirectory (rescanned on lookups, at most
+        every few seconds); None = none. Every router and worker must see the same path.
+    """
+
+    name: str
+    tokenizer_path: str
+    max_model_len: int | None = None
+    adapters: tuple[AdapterSpec, ...] = ()
+    adapter_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "adapters", tuple(self.adapters))
+        if not isinstance(self.name, str) or not self.name.strip() or ":" in self.name:
+            _fail("name", self.name, "must be a non-empty name without ':' (what GenerateRequest.model accepts; "
+                  "'<model>:<adapter>' names an adapter)")
+        if not isinstance(self.tokenizer_path, str) or not self.tokenizer_path:
+            _fail("tokenizer_path", self.tokenizer_path, "must be a local tokenizer/checkpoint directory")
+        if self.max_model_len is not None:
+            _int_at_least("max_model_len", self.max_model_len, 2, " (or None to read it from the checkpoint)")
+        if self.adapter_dir is not None and (not isinstance(self.adapter_dir, str) or not self.adapter_dir.strip()):
+            _fail("adapter_dir", self.adapter_dir, "must be a directory of adapter subdirectories, or null")
+        names = [a.name for a in self.adapters]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            _fail("adapters", names, f"adapter names must be unique; {', '.join(dup)} listed twice")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """Router settings. ``tokenizer_path`` is a local directory ``AutoTokenizer`` can load
@@ -47,6 +113,9 @@ class RouterConfig:
     max_model_len: context limit (prompt + output) checked before routing; None = the checkpoint's
         ``config.json`` ``max_position_embeddings`` (else the tokenizer's ``model_max_length``).
         Set it to the workers' effective limit when their KV budget makes it smaller.
+    adapters / adapter_dir: the default model's LoRA adapters (ModelSpec).
+    models: further models served beside the default one (``served_models`` lists all, default
+        first); every name (model or adapter) must be unique.
     policy / policy_options: a routing policy from router.policies and its keyword options.
     drafter_policy / drafter_policy_options: how a speculative request's drafter replica is picked
         from the drafter pool its worker names (router/policies/drafter.py): least_loaded_affinity
@@ -71,6 +140,12 @@ class RouterConfig:
     tokenizer_path: str
     model_name: str = DEFAULT_MODEL_NAME
     max_model_len: int | None = None
+    # LoRA adapters of the default model (router/adapters.py) and its watched adapter directory.
+    adapters: tuple[AdapterSpec, ...] = ()
+    adapter_dir: str | None = None
+    # Further models this router serves beside the default one (model_name / tokenizer_path):
+    # requests select one by GenerateRequest.model; each worker member names its model.
+    models: tuple[ModelSpec, ...] = ()
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     # The OpenAI-compatible HTTP API (router/http/) on the same host; 0 = off. Same TLS and tokens.
@@ -144,6 +219,9 @@ class RouterConfig:
             _fail("model_name", self.model_name, "must be a non-empty name (what GenerateRequest.model accepts)")
         if self.max_model_len is not None:
             _int_at_least("max_model_len", self.max_model_len, 2, " (or None to read it from the checkpoint)")
+        object.__setattr__(self, "adapters", tuple(self.adapters))
+        object.__setattr__(self, "models", tuple(self.models))
+        self._check_models()
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             _fail("port", self.port, "must be in 0..65535 (0 picks a free port)")
         if not isinstance(self.http_port, int) or isinstance(self.http_port, bool) or not 0 <= self.http_port <= 65535:
@@ -215,6 +293,24 @@ class RouterConfig:
         _int_at_least("disagg_min_prompt_tokens", self.disagg_min_prompt_tokens, 0)
         _int_at_least("disagg_block_size", self.disagg_block_size, 1)
         _int_at_least("prefix_pull_min_tokens", self.prefix_pull_min_tokens, 0, " (0 = off)")
+
+    def _check_models(self) -> None:
+        default = ModelSpec(self.model_name, self.tokenizer_path, self.max_model_len, self.adapters, self.adapter_dir)
+        seen: dict[str, str] = {}
+        for m in (default, *self.models):
+            if not isinstance(m, ModelSpec):
+                _fail("models", m, "must hold router.config.ModelSpec entries")
+            for name, what in ((m.name, "model"), *((a.name, f"adapter of {m.name}") for a in m.adapters)):
+                if name in seen:
+                    _fail("models", name, f"the name is used twice ({seen[name]} and {what}); model and adapter "
+                          "names must be unique in a deployment")
+                seen[name] = what
+
+    @property
+    def served_models(self) -> tuple[ModelSpec, ...]:
+        """Every model this router serves, the default (``model_name``) first."""
+        return (ModelSpec(self.model_name, self.tokenizer_path, self.max_model_len, self.adapters, self.adapter_dir),
+                *self.models)
 
     @property
     def tls(self) -> bool:

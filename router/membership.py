@@ -32,9 +32,9 @@ from router.hold import WakeResult
 
 logger = logging.getLogger(__name__)
 
-# (worker_id, endpoint, role, pool, draining, drafter_pool): router.workers.MemberInfo; role "drafter"
-# members are drafter replicas (the directory hands them to router.drafters.DrafterDirectory)
-Members = list[tuple[str, str, str, str, bool, str]]
+# (worker_id, endpoint, role, pool, draining, drafter_pool, model): router.workers.MemberInfo; role
+# "drafter" members are drafter replicas (the directory hands them to router.drafters.DrafterDirectory)
+Members = list[tuple[str, str, str, str, bool, str, str]]
 Apply = Callable[[Members, int], Awaitable[None]]
 
 
@@ -84,7 +84,7 @@ class MembershipWatcher:
                             logger.info("membership: watching the controller at %s", self.address)
                         backoff = self._min_backoff
                         await self._apply([(m.worker_id, m.endpoint, m.role or "colocated", m.pool or m.role or "colocated",
-                                            m.draining, m.drafter_pool) for m in msg.members], msg.version)
+                                            m.draining, m.drafter_pool, m.model) for m in msg.members], msg.version)
                         self.version = msg.version
                         self.num_lists += 1
                         self._first.set()

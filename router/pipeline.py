@@ -10,6 +10,12 @@ done, is retried or resumed on another worker, or fails with a status for the cl
 holds no gRPC server context: ``generate`` takes a public GenerateRequest and a monotonic
 deadline, yields GenerateResponses and raises RequestError, for any front door (gRPC, HTTP).
 
+Several models and LoRA adapters (router/catalog.py): ``prepare`` resolves the request's ``model``
+to its served model (its tokenizer, chat template and context limit) and adapter; the route is
+chosen among that model's workers only (``serves``: the member's model), an adapter request
+prefers the workers holding its adapter (router/policies/adapter_affinity.py) and carries it to
+the worker (SubmitRequest.adapter), on every attempt, retry and resume.
+
 Speculative requests on a worker whose pool drafts on a drafter pool also get a drafter replica
 (router/drafters.py ``DrafterRouting``, router/policies/drafter.py) with each attempt; the worker
 is handed its endpoint and streams the request's draft rounds there itself.
@@ -65,7 +71,9 @@ from router.attempt import Action, AttemptBudget, AttemptOutcome, Decision, Outc
 from router.config import RouterConfig
 from router.drafters import DrafterRouting
 from router.hold import HeldTooLong, WorkerHold
-from router.policies import NoWorkersAvailable, RouteRequest, RoutingPolicy
+from router.catalog import ModelCatalog
+from router.policies import NoWorkersAvailable, RouteRequest, RoutingPolicy, WorkerState
+from router.policies.adapter_affinity import AdapterAffinityPolicy
 from router.policies.disagg import DisaggRouter, Route
 from router.policies.drafter import make_drafter_policy
 from router.policies.prefix_pull import PrefixPullPlanner
@@ -84,12 +92,16 @@ _OFFLOAD_CHARS = 16_384  # prompts longer than this are tokenized on a thread, o
 class Pipeline:
     def __init__(self, config: RouterConfig, model: ServedModel, directory: WorkerDirectory,
                  policy: RoutingPolicy, admission: AdmissionController, metrics: RequestMetrics | None = None,
-                 hold: WorkerHold | None = None) -> None:
+                 hold: WorkerHold | None = None, catalog: ModelCatalog | None = None) -> None:
         self.config = config
-        self.model = model
+        self.model = model  # the default model
+        # every served model and adapter (router/catalog.py); one model alone by default
+        self.catalog = catalog or ModelCatalog.single(model)
+        assert self.catalog.default is model, "the catalog's default model must be the pipeline's model"
         self.directory = directory
         self.policy = policy
-        self.router = DisaggRouter(policy, block_size=config.disagg_block_size,
+        # LoRA requests prefer workers holding their adapter (router/policies/adapter_affinity.py)
+        self.router = DisaggRouter(AdapterAffinityPolicy(policy), block_size=config.disagg_block_size,
                                    min_prompt_tokens=config.disagg_min_prompt_tokens)
         self.pull_planner = (PrefixPullPlanner(config.prefix_pull_min_tokens, config.disagg_block_size)
                              if config.prefix_pull_min_tokens else None)
@@ -119,15 +131,18 @@ class Pipeline:
             raise
 
     async def _prepare(self, request: duet_pb2.GenerateRequest) -> PreparedRequest:
+        model, adapter = self.catalog.resolve(request.model)  # NOT_FOUND for an unknown model or adapter
+        spec = adapter.spec if adapter is not None else None
         size = len(request.prompt) + sum(len(m.content) for m in request.messages.messages)
         if size > _OFFLOAD_CHARS or request.sampling.HasField("structured"):  # a grammar compile may take ms
-            return await asyncio.to_thread(prepare_request, request, self.model, self.config)
-        return prepare_request(request, self.model, self.config)
+            return await asyncio.to_thread(prepare_request, request, model, self.config, adapter=spec)
+        return prepare_request(request, model, self.config, adapter=spec)
 
     async def _route_and_stream(self, prep: PreparedRequest, deadline: float | None,
                                 received: float) -> AsyncGenerator[duet_pb2.GenerateResponse, None]:
         """The attempt loop: route, stream one attempt, decide from its outcome; repeat."""
-        progress = Progress(IncrementalDetokenizer(self.model.tokenizer, prep.prompt_token_ids, stop=prep.stop),
+        tokenizer = self.catalog.model(prep.model).tokenizer
+        progress = Progress(IncrementalDetokenizer(tokenizer, prep.prompt_token_ids, stop=prep.stop),
                             RequestClock(received))
         if prep.resume_token_ids:
             self.counts["client_resumes"] += 1
@@ -138,11 +153,11 @@ class Pipeline:
         while True:
             streamed = len(progress.token_ids)
             route = RouteRequest(prep.internal_id, prep.prompt_token_ids + progress.token_ids,
-                                 prep.sampling.max_tokens - streamed)
+                                 prep.sampling.max_tokens - streamed, prep.adapter_name)
             migration = budget.take_migration()
             try:
                 chosen = self._migration_route(migration) or \
-                    await self._select(route, budget.tried, deadline, budget.require_prefill)
+                    await self._select(route, budget.tried, deadline, budget.require_prefill, prep.model)
             except HeldTooLong as e:
                 decision = budget.no_worker(str(e), streamed, wait=e.wait)
             except NoWorkersAvailable as e:
@@ -231,17 +246,36 @@ class Pipeline:
             self.counts["failed_mid_stream"] += 1
             logger.warning("request %s (internal %s): %s", prep.request_id, prep.internal_id, decision.message)
 
+    def _check_adapter_support(self, route: RouteRequest, model: str) -> None:
+        """An adapter request for a model whose healthy workers all report no adapter support
+        (LoadReport.max_loaded_adapters 0) is refused, not run on the base model."""
+        mine = [w for w in self.directory.snapshot() if w.healthy and self.serves(w, model)]
+        if mine and not any(w.max_loaded_adapters for w in mine):
+            self.counts["adapter_unsupported"] += 1
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"model: adapter {route.adapter!r}: no worker of {model or self.catalog.default.name} "
+                               "serves LoRA adapters (their load reports say max_loaded_adapters 0)")
+
+    def serves(self, worker: WorkerState, model: str) -> bool:
+        """Whether ``worker`` serves served model ``model`` (a member without a model serves the default)."""
+        return (worker.model or self.catalog.default.name) == (model or self.catalog.default.name)
+
     async def _select(self, route: RouteRequest, tried: set[str], deadline: float | None,
-                      require_prefill: bool) -> Route:
-        """The route among healthy workers not in ``tried`` (a prefill worker required after a
-        prefill failure); with none, the request is held (router/hold.py: in arrival order, while
-        a worker not in ``tried`` may come back or join, or its pool wakes from zero)."""
+                      require_prefill: bool, model: str = "") -> Route:
+        """The route among the healthy workers of ``model`` not in ``tried`` (a prefill worker
+        required after a prefill failure); with none, the request is held (router/hold.py: in
+        arrival order, while a worker not in ``tried`` may come back or join, or its pool wakes
+        from zero). Workers of other models are shown to the policies as unhealthy (as ``tried``
+        ones are), so their per-worker state (prefix trees) survives requests for other models."""
         ticket, reason = None, "no healthy worker"
+        if route.adapter:
+            self._check_adapter_support(route, model)
         try:
             while True:
                 workers = self.directory.snapshot()
-                if tried:
-                    workers = [replace(w, healthy=False) if w.worker_id in tried else w for w in workers]
+                if tried or len(self.catalog.names) > 1:
+                    workers = [replace(w, healthy=False) if w.worker_id in tried or not self.serves(w, model) else w
+                               for w in workers]
                 if ticket is None and self.hold.held:  # others are held: no overtaking
                     ticket = self.hold.enter(("prefill",) if require_prefill else ("colocated", "decode"), deadline)
                 if ticket is None or self.hold.is_head(ticket):
@@ -255,7 +289,8 @@ class Pipeline:
                             ticket = None
                         return chosen
                     except NoWorkersAvailable as e:
-                        needed = [w for w in workers if w.role == "prefill"] if require_prefill else workers
+                        mine = [w for w in workers if self.serves(w, model)]
+                        needed = [w for w in mine if w.role == "prefill"] if require_prefill else mine
                         # (no members at all: restarting workers rejoin, or a pool wakes: wait for them)
                         hopeless = (not needed) if require_prefill else bool(needed)
                         if hopeless and all(w.worker_id in tried for w in needed):

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from workers.block_hash import chain_hashes
+from workers.block_hash import ROOT, chain_hashes
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,9 @@ class PrefixIndex:
         """True once ``worker_id`` reported its holdings (a worker without prefix caching never does)."""
         return worker_id in self._workers
 
-    def match(self, token_ids: Sequence[int], workers: Iterable[str] | None = None) -> dict[str, int]:
-        """Leading full blocks of ``token_ids`` each known worker holds (workers holding none omitted)."""
+    def match(self, token_ids: Sequence[int], workers: Iterable[str] | None = None, root: int = ROOT) -> dict[str, int]:
+        """Leading full blocks of ``token_ids`` each known worker holds (workers holding none omitted).
+        root: the chain's root (``adapter_root(adapter)`` for a request under a LoRA adapter)."""
         by_size: dict[int, list[int]] = {}
         out: dict[str, int] = {}
         for wid in (self._workers if workers is None else workers):
@@ -93,7 +94,7 @@ class PrefixIndex:
                 continue
             hashes = by_size.get(h.block_size)
             if hashes is None:
-                hashes = by_size[h.block_size] = chain_hashes(token_ids, h.block_size)
+                hashes = by_size[h.block_size] = chain_hashes(token_ids, h.block_size, root=root)
             n = 0
             for x in hashes:
                 if x not in h.held:

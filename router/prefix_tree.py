@@ -34,11 +34,15 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Hash each full block of ``token_ids`` (position is implied by depth in the tree)."""
+def block_hashes(token_ids: Sequence[int], block_size: int, root: int = 0) -> list[int]:
+    """Hash each full block of ``token_ids`` (position is implied by depth in the tree). ``root``:
+    the request's prefix root (RouteRequest.prefix_root, non-zero under a LoRA adapter), mixed into
+    every block so no block matches across adapters or the base model."""
     assert block_size > 0
     ids = tuple(token_ids)  # one copy; slicing a tuple then yields hashable blocks directly
     n = len(ids) - len(ids) % block_size
+    if root:
+        return [hash((root, ids[i : i + block_size])) for i in range(0, n, block_size)]
     return [hash(ids[i : i + block_size]) for i in range(0, n, block_size)]
 
 

@@ -30,7 +30,7 @@ import grpc
 
 from protos.duet.v1 import duet_pb2
 from protos.duet.worker.v1 import worker_pb2
-from router.config import RouterConfig, RouterConfigError
+from router.config import AdapterSpec, ModelSpec, RouterConfig, RouterConfigError
 from workers.errors import InvalidRequestError
 from workers.structured.convert import spec_from_proto, spec_to_proto
 from workers.structured.grammar import GrammarCompiler
@@ -77,17 +77,22 @@ class ServedModel:
 
     @classmethod
     def load(cls, config: RouterConfig, tokenizer: Any | None = None) -> ServedModel:
-        """The model of ``config``; loads the tokenizer from ``config.tokenizer_path`` unless given."""
-        path = Path(config.tokenizer_path).expanduser()
+        """The default model of ``config``; loads the tokenizer from ``config.tokenizer_path`` unless given."""
+        return cls.load_spec(config.served_models[0], tokenizer)
+
+    @classmethod
+    def load_spec(cls, spec: ModelSpec, tokenizer: Any | None = None) -> ServedModel:
+        """The model of ``spec`` (router.config.ModelSpec); loads its tokenizer unless given."""
+        path = Path(spec.tokenizer_path).expanduser()
         if tokenizer is None:
             if not path.is_dir():
-                raise RouterConfigError(f"tokenizer_path={config.tokenizer_path!r}: not a directory; pass the "
-                                        "model checkpoint directory the workers serve")
+                raise RouterConfigError(f"tokenizer_path={spec.tokenizer_path!r} (model {spec.name}): not a "
+                                        "directory; pass the model checkpoint directory the workers serve")
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(path)
             _warm_up(tokenizer)
-        return cls(config.model_name, tokenizer, _max_model_len(config, path, tokenizer), len(tokenizer))
+        return cls(spec.name, tokenizer, _max_model_len(spec.max_model_len, path, tokenizer), len(tokenizer))
 
 
 def _warm_up(tokenizer: Any) -> None:
@@ -99,9 +104,9 @@ def _warm_up(tokenizer: Any) -> None:
         tokenizer.decode(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _max_model_len(config: RouterConfig, path: Path, tokenizer: Any) -> int:
-    if config.max_model_len is not None:
-        return config.max_model_len
+def _max_model_len(configured: int | None, path: Path, tokenizer: Any) -> int:
+    if configured is not None:
+        return configured
     try:
         value = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
     except (OSError, ValueError):
@@ -125,10 +130,23 @@ class PreparedRequest:
     # GenerateRequest.resume: tokens (and text, in code points) the client already received
     resume_token_ids: tuple[int, ...] = ()
     resume_text_chars: int = 0
+    # The served model it runs on ("" = the router's default) and its LoRA adapter (None = the base model)
+    model: str = ""
+    adapter: AdapterSpec | None = None
 
     def submit_request(self) -> worker_pb2.SubmitRequest:
         return worker_pb2.SubmitRequest(request_id=self.internal_id, prompt_token_ids=self.prompt_token_ids,
-                                        sampling=self.sampling)
+                                        sampling=self.sampling, adapter=self.adapter_ref)
+
+    @property
+    def adapter_ref(self) -> worker_pb2.AdapterRef | None:
+        """What SubmitRequest.adapter carries (None: the base model)."""
+        return None if self.adapter is None else worker_pb2.AdapterRef(name=self.adapter.name,
+                                                                        source=self.adapter.source)
+
+    @property
+    def adapter_name(self) -> str:
+        return "" if self.adapter is None else self.adapter.name
 
     @property
     def speculative(self) -> bool:
@@ -143,9 +161,12 @@ def check_model(request: duet_pb2.GenerateRequest, model: ServedModel) -> None:
                            "(or leave model empty for the default)")
 
 
-def prepare_request(request: duet_pb2.GenerateRequest, model: ServedModel, config: RouterConfig) -> PreparedRequest:
-    """Validate and tokenize ``request``; raises RequestError naming the first bad field."""
-    check_model(request, model)
+def prepare_request(request: duet_pb2.GenerateRequest, model: ServedModel, config: RouterConfig, *,
+                    adapter: AdapterSpec | None = None) -> PreparedRequest:
+    """Validate and tokenize ``request`` for ``model`` (and ``adapter``, as router/catalog.py resolved
+    its ``model`` field); raises RequestError naming the first bad field."""
+    if adapter is None:
+        check_model(request, model)
     if len(request.request_id) > MAX_REQUEST_ID_LEN:
         raise invalid("request_id", f"at most {MAX_REQUEST_ID_LEN} characters, got {len(request.request_id)}")
     field, ids = _prompt_ids(request, model)
@@ -156,7 +177,7 @@ def prepare_request(request: duet_pb2.GenerateRequest, model: ServedModel, confi
     internal_id = uuid.uuid4().hex
     resumed = _resume_ids(request, model, sampling, len(ids))
     return PreparedRequest(request.request_id or internal_id, internal_id, ids, sampling, stop,
-                           resumed, request.resume.text_chars if resumed else 0)
+                           resumed, request.resume.text_chars if resumed else 0, model.name, adapter)
 
 
 def _resume_ids(request: duet_pb2.GenerateRequest, model: ServedModel, sampling: worker_pb2.SamplingParams,

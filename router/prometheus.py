@@ -258,17 +258,24 @@ class _RegistryCollector:
 
 
 class _LabelledCollector:
-    """Another collector's metrics with one more constant label on every sample (vLLM's
-    ``model_name``), so dashboards built for vLLM select Duet's series the same way."""
+    """Another collector's metrics with one more label on every sample (vLLM's ``model_name``), so
+    dashboards built for vLLM select Duet's series the same way: a sample of a pool (label
+    ``pool``) gets the model that pool serves (``by_pool()``: pool -> model), any other the
+    default ``value``."""
 
-    def __init__(self, inner: Any, name: str, value: str) -> None:
+    def __init__(self, inner: Any, name: str, value: str,
+                 by_pool: Callable[[], dict[str, str]] | None = None) -> None:
         self._inner = inner
         self._name = name
         self._value = value
+        self._by_pool = by_pool
 
     def collect(self) -> Iterator[Metric]:
+        pools = self._by_pool() if self._by_pool is not None else {}
         for family in self._inner.collect():
-            family.samples = [s._replace(labels={**s.labels, self._name: self._value}) for s in family.samples]
+            family.samples = [s._replace(labels={**s.labels, self._name: pools.get(s.labels.get("pool", ""),
+                                                                                   self._value)})
+                              for s in family.samples]
             yield family
 
 
@@ -276,13 +283,19 @@ def metrics_registry(snapshot: Callable[[], dict[str, Any]], request_metrics: Co
                      model_name: str | None = None) -> CollectorRegistry:
     """A registry with everything a router exports: its counters, the workers' load, and (given
     the router's ``RequestMetrics.registry``) the per-pool request histograms; with
-    ``model_name``, every sample also carries the label ``model_name``."""
+    ``model_name`` (the default model), every sample also carries the label ``model_name``: the
+    model of its pool (the workers' members say it, with several models), else ``model_name``."""
     collectors: list[Any] = [RouterStatsCollector(snapshot), WorkerLoadCollector(snapshot), DrafterLoadCollector(snapshot)]
     if request_metrics is not None:
         collectors.append(_RegistryCollector(request_metrics))
     registry = CollectorRegistry()
+
+    def by_pool() -> dict[str, str]:
+        assert model_name is not None
+        return {str(w["pool"]): str(w.get("model") or model_name) for w in snapshot().get("workers", ())
+                if w.get("pool")}
     for c in collectors:
-        registry.register(c if model_name is None else _LabelledCollector(c, "model_name", model_name))
+        registry.register(c if model_name is None else _LabelledCollector(c, "model_name", model_name, by_pool))
     return registry
 
 

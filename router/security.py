@@ -1,6 +1,7 @@
 """Transport security and authentication for the router's public endpoints (gRPC, and the
 OpenAI-compatible HTTP API of router/http_api/, which applies the same TLS files and tokens:
-``Authorization: Bearer <token>``; the /v1 paths need ``generate``, /metrics ``admin``, /health is
+``Authorization: Bearer <token>``; the /v1 paths need ``generate``, /metrics and the adapter admin
+paths (/v1/load_lora_adapter, /v1/unload_lora_adapter, /v1/lora_adapters) ``admin``, /health is
 open; 401 and 403 stand for UNAUTHENTICATED and PERMISSION_DENIED).
 
 Three independent switches (all off by default, for a router on localhost):
@@ -20,7 +21,8 @@ Token file format (one token per line; '#' starts a comment; scopes default to `
     sha256:9f86d081884c7d65...          generate,admin     # a token given by its SHA-256 hex digest
 
 Scopes: ``generate`` covers duet.v1.Duet (Generate, ListModels) and server reflection;
-``admin`` covers duet.control.v1.RouterAdmin (what ``duet status`` reads). grpc.health.v1 is always
+``admin`` covers duet.control.v1.RouterAdmin (what ``duet status`` reads, and the LoRA adapter
+admin calls LoadAdapter / UnloadAdapter / ListAdapters). grpc.health.v1 is always
 open: load balancers and Kubernetes probes call it without credentials. The router keeps only the
 tokens' SHA-256 digests in memory, so a heap dump or a log line never shows a token.
 

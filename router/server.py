@@ -53,7 +53,10 @@ from grpc_reflection.v1alpha import reflection
 
 from protos.duet.control.v1 import control_pb2, control_pb2_grpc
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
+from router.adapter_admin import AdapterAdmin
+from router.adapters import AdapterRegistry
 from router.admin import RouterAdminServicer
+from router.catalog import ModelCatalog
 from router.admission import AdmissionController
 from router.config import RouterConfig, RouterConfigError
 from router.hold import WorkerHold
@@ -162,15 +165,16 @@ class DuetServicer(duet_pb2_grpc.DuetServicer):
         if isinstance(request, MalformedRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
             raise AssertionError("context.abort raises")
-        model = self.pipeline.model
         return duet_pb2.ListModelsResponse(models=[
-            duet_pb2.ModelInfo(name=model.name, is_default=True, max_model_len=model.max_model_len)])
+            duet_pb2.ModelInfo(name=c.name, is_default=c.is_default, max_model_len=c.max_model_len, parent=c.parent,
+                               source=c.source) for c in self.pipeline.catalog.cards()])
 
 
 class RouterServer:
     """A started router on the current event loop. Build it with ``start_router``."""
 
-    def __init__(self, config: RouterConfig, model: ServedModel) -> None:
+    def __init__(self, config: RouterConfig, model: ServedModel, others: Sequence[ServedModel] = ()) -> None:
+        """model: the default model; others: the rest of ``config.served_models``, loaded."""
         self.config = config
         self.health = health.aio.HealthServicer()
         # The workers' reported prefix-cache holdings: the directory's polls feed it, the policy reads it
@@ -189,8 +193,13 @@ class RouterServer:
         hold = WorkerHold(worker_wait_s=config.worker_wait_s, wake_timeout_s=config.wake_timeout_s, waker=waker,
                           on_wake_s=self.metrics.woke)
         policy = make_policy(config.policy, self.prefix_index, **config.policy_options)
+        self.catalog = ModelCatalog([model, *others], AdapterRegistry(config.served_models))
         self.pipeline = Pipeline(config, model, self.directory, policy,
-                                 AdmissionController(config.max_in_flight, config.max_queue), self.metrics, hold)
+                                 AdmissionController(config.max_in_flight, config.max_queue), self.metrics, hold,
+                                 self.catalog)
+        # LoRA adapters at runtime, over gRPC (RouterAdmin) and HTTP, admin scope (router/adapter_admin.py)
+        self.adapter_admin = AdapterAdmin(self.catalog, self.directory.snapshot, self.directory.stub_of,
+                                          self.pipeline.serves)
         self.auth = BearerTokenInterceptor(TokenStore.load(config.auth_tokens_file)) if config.auth_tokens_file else None
         self._credentials = (server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
                              if config.tls_cert_file and config.tls_key_file else None)
@@ -201,6 +210,7 @@ class RouterServer:
         self.port = 0
         self._stopped = False
         self._health_tasks: set[asyncio.Task[None]] = set()
+        self._pin_task: asyncio.Future[None] | None = None
         self.membership: MembershipWatcher | None = None
         self.membership_version = 0
         self.rebalancer: Rebalancer | None = None
@@ -219,13 +229,14 @@ class RouterServer:
             self.http = HttpApiServer(config, create_app(HttpContext(
                 FanOut(self.pipeline, config.max_n), model, self.auth, self.serving,
                 metrics_registry(self.stats, self.metrics.registry, model_name=config.model_name),
-                config.max_request_bytes)))
+                config.max_request_bytes, self.catalog, self.adapter_admin)))
 
     async def _start(self, members: Members) -> None:
         self.servicer = DuetServicer(self.pipeline, self.config.max_n)
         add_duet_service(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        control_pb2_grpc.add_RouterAdminServicer_to_server(RouterAdminServicer(self.stats), self._server)
+        control_pb2_grpc.add_RouterAdminServicer_to_server(RouterAdminServicer(self.stats, self.adapter_admin),
+                                                           self._server)
         reflection.enable_server_reflection([DUET_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME],
                                             self._server)
         await self._set_health(False)
@@ -242,6 +253,7 @@ class RouterServer:
         if self.http is not None:
             await self.http.start()
         await self.directory.set_members(members)
+        self._pin_task = asyncio.ensure_future(self._keep_pinned())
         if self.rebalancer is not None:
             self.rebalancer.start()
         if self.config.membership_address is not None:
@@ -253,7 +265,9 @@ class RouterServer:
                                "what it has (%d workers) and still trying", self.config.membership_address,
                                self.config.membership_wait_s, len(self.directory.snapshot()))
         security = ("mTLS" if self.config.tls_client_ca_file else "TLS") if self.config.tls else "plaintext"
-        logger.info("router serving %s on %s%s (%s%s; policy %s, %d workers, %d healthy)", self.config.model_name,
+        logger.info("router serving %s on %s%s (%s%s; policy %s, %d workers, %d healthy)",
+                    ", ".join(self.catalog.names) + (f" + {n} adapters" if (n := len(self.catalog.adapters.adapters()))
+                                                     else ""),
                     self.address, f" (gRPC) and {self.http_url} (HTTP)" if self.http else "", security, ", bearer tokens" if self.auth else "", self.config.policy,
                     len(self.directory.snapshot()), sum(w.healthy for w in self.directory.snapshot()))
 
@@ -316,6 +330,9 @@ class RouterServer:
         await self.health.enter_graceful_shutdown()
         if self.rebalancer is not None:
             await self.rebalancer.stop()
+        if self._pin_task is not None:
+            self._pin_task.cancel()
+            await asyncio.gather(self._pin_task, return_exceptions=True)
         if self.membership is not None:
             await self.membership.stop()
         grace = self.config.shutdown_grace_s if grace is None else grace
@@ -325,6 +342,15 @@ class RouterServer:
         handoff.cancel()
         await self.directory.close()
         logger.info("router on %s stopped", self.address)
+
+    async def _keep_pinned(self) -> None:
+        """Pinned adapters on every worker of their model (router/adapter_admin.py), every few polls."""
+        while True:
+            await asyncio.sleep(max(1.0, 5 * self.config.load_poll_interval_s))
+            try:
+                await self.adapter_admin.keep_pinned()
+            except Exception:  # a bug: say so, keep the router serving
+                logger.exception("router: keeping pinned adapters loaded failed")
 
     async def _hand_off_after(self, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -354,8 +380,9 @@ async def start_router(config: RouterConfig, members: Members = (), *, tokenizer
     """Start the router on the running loop: load the tokenizer (unless given; a thread, so the
     loop keeps running), listen on ``config.address``, poll ``members`` once, return."""
     model = await asyncio.to_thread(ServedModel.load, config, tokenizer)
+    others = [await asyncio.to_thread(ServedModel.load_spec, spec) for spec in config.models]
     try:
-        server = RouterServer(config, model)
+        server = RouterServer(config, model, others)
     except SecurityConfigError as e:
         raise RouterConfigError(str(e)) from None
     try:

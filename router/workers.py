@@ -1,7 +1,8 @@
 """WorkerDirectory: the router's view of its worker pool (membership, channels, load, health).
 
 Terms:
-    member      a (worker_id, endpoint[, role[, pool[, draining]]]) entry (``MemberInfo``) pushed by
+    member      a (worker_id, endpoint[, role[, pool[, draining[, drafter_pool[, model]]]]]) entry
+                (``MemberInfo``; model: the served model, "" = the router's default) pushed by
                 whoever knows the pool: a static list, or the cluster controller on every join,
                 leave or drain (``set_members``; no router restart).
     pool        the worker's pool name (``decode``), the label of its metrics; default its role.
@@ -73,6 +74,7 @@ class MemberInfo(NamedTuple):
     pool: str = ""  # "" = the role
     draining: bool = False
     drafter_pool: str = ""  # the drafter pool this worker's speculative requests draft on ("" = none)
+    model: str = ""  # the served model (its pool's); "" = the router's default model
 
 
 @dataclass(eq=False)
@@ -199,6 +201,8 @@ class WorkerDirectory:
             m.pool = infos[m.worker_id].pool
             if m.state.drafter_pool != infos[m.worker_id].drafter_pool:
                 m.state = replace(m.state, drafter_pool=infos[m.worker_id].drafter_pool)
+            if m.state.model != infos[m.worker_id].model:
+                m.state = replace(m.state, model=infos[m.worker_id].model)
             if infos[m.worker_id].draining and not m.draining:
                 m.draining = True
                 logger.info("worker %s (%s) is draining: no new requests; %d still streaming",
@@ -353,7 +357,7 @@ class WorkerDirectory:
                 report, endpoint=m.endpoint, healthy=s.healthy, in_flight_requests=s.in_flight_requests,
                 routed_requests_since_report=s.routed_requests_since_report - sent_requests,
                 routed_tokens_since_report=s.routed_tokens_since_report - sent_tokens),
-            worker_id=m.worker_id, role=s.role, drafter_pool=s.drafter_pool,
+            worker_id=m.worker_id, role=s.role, drafter_pool=s.drafter_pool, model=s.model,
         )
         if status.status != health_pb2.HealthCheckResponse.SERVING:
             name = health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
@@ -418,6 +422,7 @@ class WorkerDirectory:
     def describe(self) -> list[dict[str, object]]:
         """One dict per member (for status pages and tests)."""
         return [{"worker_id": m.worker_id, "endpoint": m.endpoint, "role": m.state.role, "pool": m.pool,
+                 "model": m.state.model, "adapters": sorted(m.state.adapters),
                  "healthy": m.state.healthy, "draining": m.draining,
                  "in_flight": m.state.in_flight_requests, "load_tokens": m.state.load_tokens,
                  "consecutive_poll_failures": m.failures, "last_error": m.last_error,

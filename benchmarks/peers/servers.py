@@ -44,7 +44,7 @@ VLLM_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 LLAMACPP_DTYPES = {"q4_1": "Q4_1 GGUF"}
 KINDS: dict[str, dict[str, Any]] = {"duet": DUET_DTYPES, "vllm": VLLM_DTYPES, "llamacpp": LLAMACPP_DTYPES}
 ALL_SERVERS = tuple(f"{k}-{d}" for k, ds in KINDS.items() for d in ds)
-DEFAULT_SERVERS = ("duet-fp32", "duet-q4", "duet-int8", "vllm-bf16", "vllm-fp32", "llamacpp-q4_1")
+DEFAULT_SERVERS = ("duet-q4", "duet-bf16", "duet-fp32", "vllm-bf16", "vllm-fp32", "llamacpp-q4_1")
 
 
 class MissingPeer(RuntimeError):

@@ -89,7 +89,9 @@ def _build_section(cls: type[D], fields: Sequence[tuple[str, Part | tuple[Any, A
             owner_field = {f.name: f for f in dataclasses.fields(spec.owner)}[spec.name]
             hint = spec.type or typing.get_type_hints(spec.owner)[spec.name]
             default = (dict(default_factory=owner_field.default_factory)
-                       if owner_field.default_factory is not dataclasses.MISSING else dict(default=owner_field.default))
+                       if owner_field.default_factory is not dataclasses.MISSING
+                       else dict(default=owner_field.default) if owner_field.default is not dataclasses.MISSING
+                       else {})  # required (an adapter's name and source)
             specs[field_name] = (hint, Field(**default, description=spec.doc or field_docs(spec.owner)[spec.name]))
             parts[field_name] = spec
         else:

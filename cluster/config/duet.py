@@ -11,7 +11,10 @@ the key, the value, where the value came from, and what to change::
 
 Sections (see ``cluster/duet.example.yaml`` for a documented file, docs/reference/settings.md for
 every key with its env var and flag):
-    model       what every worker serves: name or checkpoint path, dtype, max_model_len
+    model       what every worker serves: name or checkpoint path, dtype, max_model_len, LoRA adapters
+    models      several models in one deployment instead (each a ``model`` section, plus
+                served_name); each pool names the one it serves (``pools[i].model``), requests
+                select one by name (router/catalog.py); the first is the default
     pools       worker pools, each sized and placed on its own; role colocated (each worker prefills
                 and decodes), or a disaggregated pair of pools: prefill (computes prompts and sends
                 their KV) + decode (streams tokens); see router/policies/disagg.py; or drafter (replicas
@@ -64,7 +67,7 @@ from cluster.config.sources import (
     read_yaml,
     validation_error,
 )
-from router.config import RouterConfig  # pure Python
+from router.config import AdapterSpec, ModelSpec, RouterConfig  # pure Python
 from workers.config import (  # no torch
     CacheConfig,
     DrafterConfig,
@@ -86,15 +89,39 @@ ROLES = ("colocated", "prefill", "decode", "drafter")
 # types' own fields under their YAML names (cluster/config/derive.py): their types, defaults, checks
 # and descriptions are defined once, there. pools[i].speculative *is* workers.config.SpeculativeConfig,
 # and pools[i].drafter (role drafter) *is* workers.config.DrafterConfig.
+class _Model(DerivedSection):
+    @property
+    def served(self) -> str:
+        """The name requests select it by (``served_name``, else the last component of ``name``)."""
+        return self.served_name or Path(self.name).name
+
+
+@derived_section([
+    ("name", Part(AdapterSpec, "name")),
+    ("source", Part(AdapterSpec, "source")),
+    ("pinned", Part(AdapterSpec, "pinned")),
+])
+class AdapterSection(DerivedSection):
+    """A LoRA adapter of a model (router.config.AdapterSpec): requests name it alone or as
+    ``<model>:<name>``; workers load it from ``source`` on first use."""
+
+
 @derived_section([
     ("name", Part(EngineConfig, "model")),
+    ("served_name", (str | None, Field(None, description="The name requests select the model by "
+                     "(GenerateRequest.model, HTTP `model`); null = the last path component of name.",
+                     json_schema_extra={"hint": "must be a non-empty name without ':' (or null)"}))),
     ("dtype", Part(EngineConfig, "dtype")),
     ("max_model_len", Part(EngineConfig, "max_model_len")),
     ("quantization", Part(EngineConfig, "quantization")),
     ("shared_weights_dir", Part(EngineConfig, "shared_weights_dir")),
-])
-class ModelSection(DerivedSection):
-    """What every worker serves (workers.config.EngineConfig)."""
+    ("adapters", (tuple[AdapterSection, ...], Field((), description="LoRA adapters of this model (PEFT "
+                  "directories: adapter_config.json + adapter_model.safetensors), each {name, source, pinned}; "
+                  "more can be loaded at runtime (POST /v1/load_lora_adapter)."))),
+    ("adapter_dir", Part(ModelSpec, "adapter_dir")),
+], probe={ModelSpec: {"name": "probe", "tokenizer_path": "probe"}})
+class ModelSection(_Model):
+    """A model the workers serve (workers.config.EngineConfig) and its LoRA adapters."""
 
 
 @derived_section([
@@ -145,6 +172,11 @@ def _resource_pairs(value: Any) -> Any:
 
 
 @derived_section([
+    ("model", (str | None, Field(None, description="The model the pool serves: a models[].served_name (or the "
+               "last path component of its name). null = the default model (models[0], or the one `model`); with "
+               "`models` every pool but a drafter pool names one. A drafter pool drafts for the pools naming it "
+               "and leaves this unset.", json_schema_extra={"hint": "must name a served model (models[].name's "
+                                                                    "last component, or its served_name)"}))),
     ("name", (str, Field("default", pattern=r"^[a-z][a-z0-9_]*$", description="Names the pool's actors "
               "(<name>-<index>) and worker ids.", json_schema_extra={"hint": "must be lower-case letters, digits and "
                                                                      "'_', starting with a letter (it names the actors)"}))),
@@ -278,7 +310,11 @@ class ControllerSection(Section):
 class DuetConfig(Section):
     """The deployment's configuration (module docstring)."""
 
-    model: ModelSection = Field(default_factory=ModelSection, description="What every worker serves.")
+    model: ModelSection = Field(default_factory=ModelSection, description="What every worker serves (one model; "
+                                "for several, list them in `models` instead).")
+    models: tuple[ModelSection, ...] = Field((), description="Several models in one deployment: each pool serves "
+                                             "the one its `model` names; requests select one by name. Empty: the "
+                                             "one `model`. The first is the default (an empty request model).")
     pools: tuple[PoolSection, ...] = Field((PoolSection(),), description="Worker pools, each sized and placed on "
                                            "its own; all use the same engine.block_size.")
     router: RouterSection = Field(default_factory=RouterSection, description="The public gRPC and HTTP servers.")
@@ -291,11 +327,31 @@ class DuetConfig(Section):
         """The first pool (what ``pool.*`` env keys and flags set)."""
         return self.pools[0]
 
+    @property
+    def served_models(self) -> tuple[ModelSection, ...]:
+        """Every model the deployment serves, the default first (``models``, or the one ``model``)."""
+        return self.models or (self.model,)
+
+    def model_of(self, pool: PoolSection) -> ModelSection:
+        """The model ``pool`` serves (its ``model`` key; unset: the default model)."""
+        if pool.model is None:
+            return self.served_models[0]
+        return next(m for m in self.served_models if m.served == pool.model)
+
+    def model_name_of(self, pool: PoolSection) -> str:
+        """What the membership tells routers a worker of ``pool`` serves ("" = the default model)."""
+        return "" if pool.role == "drafter" or pool.model is None else pool.model
+
+    def pools_of(self, model: ModelSection) -> tuple[PoolSection, ...]:
+        """The pools serving ``model`` (drafter pools excluded)."""
+        return tuple(p for p in self.target_pools if self.model_of(p).served == model.served)
+
     def to_engine_config(self, pool: PoolSection | None = None) -> EngineConfig:
-        """The ``workers.config.EngineConfig`` every worker of ``pool`` (default: the pool) runs."""
+        """The ``workers.config.EngineConfig`` every worker of ``pool`` (default: the pool) runs:
+        its model's keys (``model_of``) and the pool's engine keys."""
         pool = pool or self.pool
         e = pool.engine
-        return EngineConfig(**owner_kwargs(self.model, EngineConfig), **owner_kwargs(e, EngineConfig),
+        return EngineConfig(**owner_kwargs(self.model_of(pool), EngineConfig), **owner_kwargs(e, EngineConfig),
                             cache=CacheConfig(**owner_kwargs(e, CacheConfig)),
                             scheduler=SchedulerConfig(**owner_kwargs(e, SchedulerConfig)),
                             speculative=pool.speculative)
@@ -320,13 +376,22 @@ class DuetConfig(Section):
         return {d.name: [p.name for p in self.pools if p.speculative.drafter_pool == d.name]
                 for d in self.pools if d.role == "drafter"}
 
-    def to_router_config(self, tokenizer_path: str, max_model_len: int | None = None, **extra: Any) -> RouterConfig:
-        """The ``router.config.RouterConfig``. tokenizer_path: the resolved checkpoint directory;
-        max_model_len: the workers' effective limit (default: ``model.max_model_len``); extra:
-        further RouterConfig fields (tests shorten poll intervals)."""
+    def to_router_config(self, tokenizer_path: str | Mapping[str, str], max_model_len: int | Mapping[str, int] | None = None,
+                         **extra: Any) -> RouterConfig:
+        """The ``router.config.RouterConfig``. tokenizer_path: the resolved checkpoint directory of
+        the default model, or served name -> directory for every model; max_model_len: the
+        workers' effective limit (one number, or served name -> limit; default: each model's
+        ``max_model_len``); extra: further RouterConfig fields (tests shorten poll intervals)."""
+        paths = tokenizer_path if isinstance(tokenizer_path, Mapping) else {self.served_models[0].served: tokenizer_path}
+        limits = (max_model_len if isinstance(max_model_len, Mapping)
+                  else {self.served_models[0].served: max_model_len} if max_model_len is not None else {})
+        specs = [ModelSpec(m.served, paths[m.served], limits.get(m.served, m.max_model_len),
+                           tuple(AdapterSpec(**owner_kwargs(a, AdapterSpec)) for a in m.adapters), m.adapter_dir)
+                 for m in self.served_models]
+        first = specs[0]
         return RouterConfig(
-            tokenizer_path=tokenizer_path, model_name=Path(self.model.name).name,
-            max_model_len=max_model_len if max_model_len is not None else self.model.max_model_len,
+            tokenizer_path=first.tokenizer_path, model_name=first.name, max_model_len=first.max_model_len,
+            adapters=first.adapters, adapter_dir=first.adapter_dir, models=tuple(specs[1:]),
             **owner_kwargs(self.router, RouterConfig), disagg_block_size=self.target_pools[0].engine.block_size,
             **extra)
 
@@ -436,7 +501,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *, overrides: Mappin
 # ---------------------------------------------------------------------------------- checks across keys
 def _check(c: DuetConfig, s: Sources) -> None:
     """What one value's type and bounds cannot say: the lower types' own checks and the checks across keys."""
-    check_derived(c.model, "model", s)
+    _check_models(c, s)
     for i, pool in enumerate(c.pools):
         check_derived(pool.engine, f"pools[{i}].engine", s)
         check_derived(pool, f"pools[{i}]", s)  # ep_size, tp_size, sp_size, comm: ParallelConfig's checks
@@ -450,6 +515,7 @@ def _check(c: DuetConfig, s: Sources) -> None:
     need(len(set(names)) == len(names), "pools", names, s, "pool names must be unique (they name the actors)")
     need(bool({pool.role for pool in c.pools} & {"colocated", "decode"}), "pools", names, s,
          "needs a colocated or decode pool to stream tokens (a prefill pool only computes prompts)")
+    _check_model_pools(c, s)
     sizes = {pool.engine.block_size for pool in c.pools if pool.role != "drafter"}  # a drafter's KV stays home
     need(len(sizes) == 1, "pools", names, s,
          f"every pool must use the same engine.block_size (KV blocks move between them), got {sorted(sizes)}")
@@ -458,6 +524,55 @@ def _check(c: DuetConfig, s: Sources) -> None:
     check_combinations(c, s)
     check_against_pools(c.autoscaling, {pool.name: pool.role for pool in c.pools},
                         {pool.name: pool.replicas for pool in c.pools}, s, c.drafter_leaders)
+
+
+def _model_key(c: DuetConfig, i: int) -> str:
+    """The dotted key of served model i (``model`` for the one model, ``models[i]`` of several)."""
+    return f"models[{i}]" if c.models else "model"
+
+
+def _check_models(c: DuetConfig, s: Sources) -> None:
+    """Each model's own checks; ``model`` xor ``models``; unique served names (models and adapters
+    alike); every pool names a served model; every model has a pool that streams tokens."""
+    if c.models:
+        changed = next((k for k, v in c.model if v != getattr(ModelSection(), k)), "name")
+        need(c.model == ModelSection(), f"model.{changed}", getattr(c.model, changed), s, "set either `model` (one "
+             "model) or `models` (several), not both: move it into models (--model / DUET_MODEL set `model`)")
+    seen: dict[str, str] = {}
+    for i, m in enumerate(c.served_models):
+        key = _model_key(c, i)
+        check_derived(m, key, s)
+        need(bool(m.served.strip()) and ":" not in m.served, f"{key}.served_name", m.served, s,
+             "must be a non-empty name without ':' ('<model>:<adapter>' names an adapter)")
+        need(m.served not in seen, f"{key}.name", m.name, s, f"two models with one name {m.served!r} "
+             f"({seen.get(m.served)} too); set served_name on one of them")
+        seen[m.served] = key
+        for j, a in enumerate(m.adapters):
+            check_derived(a, f"{key}.adapters[{j}]", s)
+            need(a.name not in seen, f"{key}.adapters[{j}].name", a.name, s,
+                 f"the name is taken by {seen.get(a.name)}; model and adapter names must be unique")
+            seen[a.name] = f"{key}.adapters[{j}]"
+    served = {m.served for m in c.served_models}
+    for i, pool in enumerate(c.pools):
+        if pool.role == "drafter":
+            need(pool.model is None, f"pools[{i}].model", pool.model, s, "a drafter pool drafts for the pools naming "
+                 "it in speculative.drafter_pool (whatever their model); leave model unset")
+            continue
+        need(pool.model is not None or not c.models or len(c.models) == 1, f"pools[{i}].model", pool.model, s,
+             f"with several models each pool names the one it serves: one of {', '.join(sorted(served))}")
+        need(pool.model is None or pool.model in served, f"pools[{i}].model", pool.model, s,
+             f"unknown model; served: {', '.join(sorted(served))}")
+
+
+def _check_model_pools(c: DuetConfig, s: Sources) -> None:
+    """With several models: each has a pool that streams its tokens (colocated or decode)."""
+    if len(c.served_models) < 2:
+        return  # the one model: the check across all pools says it
+    for i, m in enumerate(c.served_models):
+        roles = {p.role for p in c.pools_of(m)}
+        need(bool(roles & {"colocated", "decode"}), f"{_model_key(c, i)}.name", m.name, s,
+             f"no colocated or decode pool serves {m.served!r} (set `model: {m.served}` on one)" if roles else
+             f"no pool serves {m.served!r}: add one with `model: {m.served}`, or remove the model")
 
 
 def _check_placement_resources(pool: PoolSection, p: str, s: Sources) -> None:
@@ -494,7 +609,9 @@ def _check_engine_config(c: DuetConfig, i: int, s: Sources) -> None:
     except ValueError as e:
         if not is_lower_config_error(e):
             raise
-        keys = {**keymap(c.model, "model"), **keymap(pool.engine, f"pools[{i}].engine")}
+        model = c.model_of(pool)
+        keys = {**keymap(model, _model_key(c, c.served_models.index(model))),
+                **keymap(pool.engine, f"pools[{i}].engine")}
         if pool.role == "drafter":
             keys.update({"model": (f"pools[{i}].drafter.model", pool.drafter.model),
                          "quantization": (f"pools[{i}].drafter.quantization", pool.drafter.quantization)})

@@ -117,6 +117,7 @@ _POOL = {"replicas": "replicas", "standbyReplicas": "standby_replicas", "epSize"
 CHART_KEYS: dict[str, tuple[str, dict[str, Any]]] = {
     "model.name": ("model.name", {}), "model.dtype": ("model.dtype", {}),
     "model.maxModelLen": ("model.max_model_len", {}), "model.quantization": ("model.quantization", {}),
+    "model.adapterDir": ("model.adapter_dir", {}), "pool.model": ("pools[].model", {}),
     "rayNamespace": ("ray.namespace", {}),
     "head.controller.pollIntervalSeconds": ("controller.poll_interval_s", {}),
     "head.controller.startTimeoutSeconds": ("controller.start_timeout_s", {}),
@@ -135,6 +136,9 @@ CHART_KEYS: dict[str, tuple[str, dict[str, Any]]] = {
     # the chart fills maxNumSeqs' default in (64) rather than leaving it to the scheduler
     **{f"pool.{k}": (f"pools[].{v}", {"type": "integer"} if k == "engine.maxNumSeqs" else {}) for k, v in _POOL.items()},
 }
+
+
+REQUIRED = object()  # the default of a key without one (an adapter's name and source): the reference says "required"
 
 
 @dataclass(frozen=True)
@@ -173,7 +177,7 @@ def _walk(model: type, prefix: str) -> typing.Iterator[tuple[str, Any, str, dict
             if inner is not None:
                 yield from _walk(inner, f"{prefix}{name}{'[]' if _is_list(field.annotation) else ''}.")
             else:
-                default = field.get_default(call_default_factory=True)
+                default = REQUIRED if field.is_required() else field.get_default(call_default_factory=True)
                 yield f"{prefix}{name}", _plain(default), field.description or "", props[name]
     else:  # a lower layer's dataclass used as a section (pools[].speculative)
         assert dataclasses.is_dataclass(model), model
@@ -256,7 +260,7 @@ def settings_markdown() -> str:
         scope = "" if not s.key.startswith("pools[]") or not (s.env or s.flag) else (
             " (every pool)" if any(k.startswith("pools[*]") and _doc_key(k) == s.key for k in SWITCHES)
             else " (first pool)")
-        cells = [f"`{s.key}`", _type_text(s.schema), f"`{json.dumps(s.default)}`",
+        cells = [f"`{s.key}`", _type_text(s.schema), "required" if s.default is REQUIRED else f"`{json.dumps(s.default)}`",
                  f"`{s.env}`{scope}" if s.env else "", f"`{s.flag}`{scope}" if s.flag else "",
                  s.description.replace("|", "\\|")]
         lines.append("| " + " | ".join(cells) + " |")

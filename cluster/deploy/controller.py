@@ -532,9 +532,17 @@ class Controller:
         p = self._pools.get(self._pool_of.get(worker_id, ""))
         return (p.section.speculative.drafter_pool or "") if p is not None else ""
 
-    def router_members(self) -> list[tuple[str, str, str, str, bool, str]]:
-        """``member_details()`` with each worker's drafter pool: the router's MemberInfo entries."""
-        return [(*m, self.drafter_pool_of(m[0])) for m in self.member_details()]
+    def model_of(self, worker_id: str) -> str:
+        """The served model of the worker's pool (its ``model`` key; "" = the default model, and for
+        drafter replicas, which draft for whichever pools name them)."""
+        p = self._pools.get(self._pool_of.get(worker_id, ""))
+        if p is None or p.section.role == "drafter":
+            return ""
+        return p.section.model or ""
+
+    def router_members(self) -> list[tuple[str, str, str, str, bool, str, str]]:
+        """``member_details()`` with each worker's drafter pool and model: the router's MemberInfo entries."""
+        return [(*m, self.drafter_pool_of(m[0]), self.model_of(m[0])) for m in self.member_details()]
 
     def _push(self, index: int, push: Callable[[Any], None], detailed: bool = False) -> None:
         with self._push_lock:

@@ -2,7 +2,8 @@
 
 ``serve_membership(controller, host, port)`` subscribes to the controller (cluster/deploy/controller.py)
 and serves ``Watch``: each watcher gets the current list at once, then the full list after every
-change. Each member carries its role and pool (drafter replicas are members with role "drafter"; a
+change. Each member carries its role, pool and model (the served name of its pool's ``model``; ""
+for the default model: routers route by it, router/pipeline.py) (drafter replicas are members with role "drafter"; a
 target carries the drafter pool its requests draft on); a replica the autoscaler is draining stays listed
 with ``draining`` set (routers send it nothing new and let its streams finish) until it is gone. A watch is one long-lived server stream parked on a condition variable, so a thread of
 the server's pool per watcher (``max_watchers``; routers are few). Stopping the service ends every
@@ -51,9 +52,11 @@ class MembershipServicer(control_pb2_grpc.MembershipServicer):
 
     def __init__(self, role_of: Callable[[str], str] = lambda worker_id: "colocated",
                  drafter_pool_of: Callable[[str], str] = lambda worker_id: "",
-                 wake: Callable[[list[str], str], Any] | None = None) -> None:
+                 wake: Callable[[list[str], str], Any] | None = None,
+                 model_of: Callable[[str], str] = lambda worker_id: "") -> None:
         self._role_of = role_of  # worker id -> pool role, sent with each member
         self._drafter_pool_of = drafter_pool_of  # worker id -> the drafter pool its requests draft on
+        self._model_of = model_of  # worker id -> the served model of its pool ("" = the default model)
         self._wake_pools = wake  # (roles, requester) -> cluster.deploy.wake.WakeOutcome
         self._cond = threading.Condition()
         self._version = 0
@@ -75,10 +78,11 @@ class MembershipServicer(control_pb2_grpc.MembershipServicer):
 
     def _member(self, m: tuple) -> control_pb2.Member:
         if len(m) == 2:
-            return control_pb2.Member(worker_id=m[0], endpoint=m[1], role=self._role_of(m[0]))
+            return control_pb2.Member(worker_id=m[0], endpoint=m[1], role=self._role_of(m[0]),
+                                      model=self._model_of(m[0]))
         worker_id, endpoint, role, pool, draining = m
         return control_pb2.Member(worker_id=worker_id, endpoint=endpoint, role=role, pool=pool, draining=draining,
-                                  drafter_pool=self._drafter_pool_of(worker_id))
+                                  drafter_pool=self._drafter_pool_of(worker_id), model=self._model_of(worker_id))
 
     def close(self) -> None:
         with self._cond:
@@ -145,7 +149,7 @@ def serve_membership(controller: Controller, host: str, port: int, *, max_watche
                      wake: Callable[[list[str], str], Any] | None = None) -> MembershipService:
     """Listen on host:port (0 = any free port) and follow ``controller``'s member list. wake:
     answers Wake (cluster/deploy/wake.py ``PoolWaker.wake``); None = nothing sleeps."""
-    servicer = MembershipServicer(controller.role_of, controller.drafter_pool_of, wake)
+    servicer = MembershipServicer(controller.role_of, controller.drafter_pool_of, wake, controller.model_of)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_watchers, thread_name_prefix="duet-membership"),
                          options=[("grpc.so_reuseport", 0)])
     control_pb2_grpc.add_MembershipServicer_to_server(servicer, server)

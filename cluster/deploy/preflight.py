@@ -13,7 +13,7 @@ CheckpointError), never a worker that fails minutes later.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +26,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Preflight:
-    """What the checks found: the target's checkpoint directory and architecture."""
+    """What the checks found: the default model's checkpoint directory and architecture, and every
+    served model's directory (served name -> path)."""
 
     model_path: Path
     model_type: str
     num_experts: int
+    model_paths: dict[str, Path] = field(default_factory=dict)
 
 
 def preflight(config: DuetConfig, sources: dict[str, str] | None = None) -> Preflight:
@@ -39,41 +41,52 @@ def preflight(config: DuetConfig, sources: dict[str, str] | None = None) -> Pref
     from workers.models.support import check_support
 
     sources = sources or {}
-    path = resolve_model(config.model.name)
-    spec = None
+    paths = {m.served: resolve_model(m.name) for m in config.served_models}
+    specs: dict[str, Any] = {}
     for i, pool in enumerate(config.pools):
         one_rank = replace(pool.parallel, ep_size=1, sp_size=1, tp_size=1)
         if pool.role == "drafter":
             drafter = config.to_drafter_engine_config(pool)
             draft_path = resolve_model(pool.drafter.model)
             _checked(lambda: check_support(draft_path, drafter, one_rank), config, i, sources, drafter=True)  # noqa: B023 - called in this iteration
-            _check_tokenizer(config, path, draft_path, f"pools[{i}].drafter.model", pool.drafter.model, sources)
+            for leader in config.pools:  # every pool drafting on it: their models must share its tokenizer
+                if leader.speculative.drafter_pool == pool.name:
+                    _check_tokenizer(config, leader, paths, draft_path, f"pools[{i}].drafter.model",
+                                     pool.drafter.model, sources)
             continue
+        model = config.model_of(pool)
+        path = paths[model.served]
         engine = config.to_engine_config(pool)
-        spec = _checked(lambda: check_support(path, engine, pool.parallel), config, i, sources)  # noqa: B023 - called in this iteration
+        specs[model.served] = _checked(lambda: check_support(path, engine, pool.parallel), config, i, sources)  # noqa: B023 - called in this iteration
         sp = pool.speculative
         if sp.method == "draft_model" and not sp.drafter_pool:
             draft_path = resolve_model(sp.draft_model)
             drafter = replace(engine, model=sp.draft_model, quantization=sp.draft_quantization)
             _checked(lambda: check_support(draft_path, drafter, one_rank), config, i, sources, drafter=True)  # noqa: B023 - called in this iteration
-            _check_tokenizer(config, path, draft_path, f"pools[{i}].speculative.draft_model", sp.draft_model, sources)
-    assert spec is not None  # config validation requires a target pool
-    logger.info("duet: model %s -> %s (%s%s)", config.model.name, path, spec.model_type,
-                f", {spec.num_experts} experts" if spec.num_experts else "")
-    return Preflight(path, spec.model_type, spec.num_experts)
+            _check_tokenizer(config, pool, paths, draft_path, f"pools[{i}].speculative.draft_model", sp.draft_model,
+                             sources)
+    default = config.served_models[0].served
+    spec = specs[default]  # config validation requires a pool serving every model
+    for name, path in paths.items():
+        logger.info("duet: model %s -> %s (%s%s)", name, path, specs[name].model_type,
+                    f", {specs[name].num_experts} experts" if specs[name].num_experts else "")
+    return Preflight(paths[default], spec.model_type, spec.num_experts, paths)
 
 
-def _check_tokenizer(config: DuetConfig, target_path: Path, draft_path: Path, key: str, draft: str,
+def _check_tokenizer(config: DuetConfig, pool: Any, paths: dict[str, Path], draft_path: Path, key: str, draft: str,
                      sources: dict[str, str]) -> None:
-    """The drafter at ``key`` (named ``draft``) must share the target's tokenizer."""
+    """The drafter at ``key`` (named ``draft``) must share the tokenizer of ``pool``'s model."""
     from workers.spec_decode.tokenizers import tokenizer_mismatch
 
-    why = tokenizer_mismatch(target_path, draft_path)
+    model = config.model_of(pool)
+    why = tokenizer_mismatch(paths[model.served], draft_path)
     if why is not None:
+        i = config.served_models.index(model)
+        model_key = f"models[{i}].name" if config.models else "model.name"
         raise ClusterConfigError(
             f"{key}={draft!r} ({source_of(key, sources)}): its tokenizer cannot serve the target model "
-            f"model.name={config.model.name!r}: {why}; a drafter must share the target's tokenizer (e.g. a "
-            "smaller model of the same family)")
+            f"{model_key}={model.name!r} (pool {pool.name}): {why}; a drafter must share the target's tokenizer "
+            "(e.g. a smaller model of the same family)")
 
 
 def _checked(check: Any, config: DuetConfig, i: int, sources: dict[str, str], drafter: bool = False) -> Any:
@@ -83,7 +96,9 @@ def _checked(check: Any, config: DuetConfig, i: int, sources: dict[str, str], dr
         if not is_lower_config_error(e):
             raise
         pool = config.pools[i]
-        keys = {**keymap(pool, f"pools[{i}]"), "quantization": ("model.quantization", config.model.quantization)}
+        model = config.model_of(pool)
+        model_key = f"models[{config.served_models.index(model)}]" if config.models else "model"
+        keys = {**keymap(pool, f"pools[{i}]"), "quantization": (f"{model_key}.quantization", model.quantization)}
         if drafter and pool.role == "drafter":
             keys["quantization"] = (f"pools[{i}].drafter.quantization", pool.drafter.quantization)
         elif drafter:

@@ -38,8 +38,8 @@ def run_router_foreground(config: DuetConfig, membership: str, metrics_port: int
     from router.server import serve_router
     from workers.models.assets.resolve import resolve_model
 
-    model_path = resolve_model(config.model.name)
-    router_config = config.to_router_config(str(model_path), membership_address=membership)
+    paths = {m.served: str(resolve_model(m.name)) for m in config.served_models}  # tokenizers only
+    router_config = config.to_router_config(paths, membership_address=membership)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -51,7 +51,8 @@ def run_router_foreground(config: DuetConfig, membership: str, metrics_port: int
         handle = serve_router(router_config)
         metrics = (serve_metrics(metrics_port, handle.stats, handle.server.metrics.registry,
                                  model_name=router_config.model_name) if metrics_port else None)
-        logger.info("duet router: serving %s on %s (gRPC)%s, members from %s%s", router_config.model_name,
+        logger.info("duet router: serving %s on %s (gRPC)%s, members from %s%s",
+                    ", ".join(m.name for m in router_config.served_models),
                     handle.address, f" and {handle.http_url} (OpenAI HTTP, /metrics)" if handle.http_url else "",
                     membership, f", metrics on :{metrics.server_port}/metrics" if metrics else "")
         try:

@@ -98,8 +98,10 @@ class Deployment:
     registry: Registry | None = None  # an existing Ray cluster: the replica records and controller lease
     actuator: Any = None  # autoscaling.actuator's (cluster/deploy/kuberay_actuator.py), else a RayActuator
     waker: Any = None  # cluster.deploy.wake.PoolWaker: wakes pools scaled to zero for the routers
-    model_path: Path | None = None
-    max_model_len: int | None = None
+    model_path: Path | None = None  # the default model's checkpoint
+    max_model_len: int | None = None  # the default model's effective context limit
+    model_paths: dict[str, Path] = field(default_factory=dict)  # served name -> checkpoint, every model
+    max_model_lens: dict[str, int] = field(default_factory=dict)  # served name -> effective context limit
     cpus_note: str = ""  # what resolve_cpus chose, for the startup line
     _stopped: bool = field(default=False, repr=False)
 
@@ -195,7 +197,7 @@ def start_deployment(config: DuetConfig, *, router_overrides: dict[str, Any] | N
     each config key came from (``load_config(sources=...)``), for the preflight's messages."""
     from cluster.deploy.preflight import preflight
 
-    model_path = preflight(config, sources).model_path
+    checked = preflight(config, sources)
     if config.autoscaling.enabled and not with_router and not config.autoscaling.metrics_urls:
         raise ServeError("autoscaling.enabled with no router in this process (--no-router): set "
                          "autoscaling.metrics_urls to the routers' /metrics (`duet router --metrics-port`)")
@@ -208,7 +210,7 @@ def start_deployment(config: DuetConfig, *, router_overrides: dict[str, Any] | N
                              off_hint="0 turns the HTTP API off")
     _check_port_free(config.controller.host, config.controller.port, "controller.port", "--controller-port")
     ray_conn = connect(config.ray, log_to_driver=log_to_driver)
-    deployment = Deployment(config, ray_conn, model_path=model_path)
+    deployment = Deployment(config, ray_conn, model_path=checked.model_path, model_paths=checked.model_paths)
     try:
         deployment.config, deployment.cpus_note = resolve_cpus(config, _embedded_cpus(ray_conn))
         logger.info("duet: %s", deployment.cpus_note)
@@ -238,7 +240,8 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
         d.controller.set_standby(section.name, section.standby_replicas)
     d.controller.start()
     replicas = sum(len(p.replicas) for p in d.pools)
-    logger.info("duet: waiting for %d workers to load %s", replicas, config.model.name)
+    logger.info("duet: waiting for %d workers to load %s", replicas,
+                ", ".join(m.name for m in config.served_models))
     if not d.controller.wait_ready(replicas, timeout=config.controller.start_timeout_s):
         up = d.controller.members()
         problems = "; ".join(f"{r['worker_id']}: {r['state']} {r['last_error']}".strip()
@@ -247,13 +250,20 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
             raise ServeError(f"no worker came up within controller.start_timeout_s="
                              f"{config.controller.start_timeout_s:g} s ({problems})")
         logger.warning("duet: %d of %d workers up; continuing without the rest (%s)", len(up), replicas, problems)
-    targets = [endpoint for _, endpoint, role in d.controller.members_with_roles() if role != "drafter"]
+    targets = [(wid, endpoint) for wid, endpoint, role in d.controller.members_with_roles() if role != "drafter"]
     if not targets:
         raise ServeError("only drafter replicas came up; no worker to serve requests "
                          f"({'; '.join(str(r['worker_id']) + ': ' + str(r['state']) for r in d.controller.describe())})")
     assert d.model_path is not None  # resolved before the pools start
-    d.max_model_len = min(effective_max_model_len(d.model_path, config.model.max_model_len, endpoint)
-                          for endpoint in targets)  # a prompt must fit every pool's KV
+    default = config.served_models[0].served
+    for model in config.served_models:  # a prompt must fit the KV of every pool serving its model
+        mine = [ep for wid, ep in targets if (d.controller.model_of(wid) or default) == model.served]
+        if not mine:
+            raise ServeError(f"no worker of model {model.served} came up "
+                             f"({'; '.join(str(r['worker_id']) + ': ' + str(r['state']) for r in d.controller.describe())})")
+        d.max_model_lens[model.served] = min(effective_max_model_len(d.model_paths[model.served], model.max_model_len,
+                                                                     ep) for ep in mine)
+    d.max_model_len = d.max_model_lens[default]
     d.actuator = _make_actuator(d)
     d.waker = PoolWaker(d.actuator, {p.name: p.role for p in config.pools})
     d.membership = serve_membership(d.controller, config.controller.host, config.controller.port, wake=d.waker.wake)
@@ -261,10 +271,11 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
         _start_autoscaler(d)
         logger.info("duet: controller serving %d workers of %s (context %d tokens), no router here; routers "
                     "follow the member list at %s (`duet router --membership HOST:%d`)", len(d.controller.members()),
-                    config.model.name, d.max_model_len, d.membership.address, d.membership.port)
+                    ", ".join(d.max_model_lens), d.max_model_len, d.membership.address, d.membership.port)
         return
-    router_config = config.to_router_config(str(d.model_path), d.max_model_len,
-                                            membership_address=d.membership.address, **router_overrides)
+    router_config = config.to_router_config({name: str(path) for name, path in d.model_paths.items()},
+                                            d.max_model_lens, membership_address=d.membership.address,
+                                            **router_overrides)
     for i in range(config.router.replicas):  # active-active, consecutive ports (0 stays "any free port")
         d.routers.append(serve_router(dataclasses.replace(
             router_config, port=router_config.port + i if router_config.port else 0,
@@ -273,7 +284,7 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
     d.router = d.routers[0]
     _start_autoscaler(d)
     logger.info("duet: serving %s on %s (gRPC)%s (%d workers, policy %s, context %d tokens, %s; members from %s)",
-                router_config.model_name, ", ".join(d.addresses),
+                ", ".join(m.name for m in router_config.served_models), ", ".join(d.addresses),
                 f" and {', '.join(r.http_url for r in d.routers)} (OpenAI HTTP)" if d.router.http_url else "",
                 len(d.controller.members()), router_config.policy, d.max_model_len, d.cpus_note, d.membership.address)
 

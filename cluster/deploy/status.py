@@ -16,9 +16,10 @@ hiding it.
 Example output::
 
     router 127.0.0.1:50051: SERVING, model SmolLM2-135M-Instruct (context 1456)
+      adapters: sql (on SmolLM2-135M-Instruct)
       policy prefix_aware, in flight 1/128, queued 0/512; requests 12 (rejected 0, cancelled 1),
       2 workers healthy of 2, member list v3
-    pool default: 2 workers, 1 standby
+    pool default (model SmolLM2-135M-Instruct): 2 workers, 1 standby
       default-0  10.0.0.5:41231  SERVING  running 1 waiting 0  outstanding 40 tok  KV 3/91 blocks  pid 1234  node 5c1a09e2
       default-1  10.0.0.5:40877  SERVING  running 0 waiting 0  outstanding 0 tok   KV 0/91 blocks  pid 1240  node 8f03b7d1
                  migrations: 8 out, 0 in, 0 failed, 36.9 MB; draining
@@ -27,7 +28,8 @@ Example output::
       drafters-0 10.0.0.7:40111  SERVING  requests 3 (drafting 2)  streams 2  KV 5/400 blocks  mean batch 2.6  pid 1250  node 77aa01c3
                  rounds 812, 2904 draft tokens, 0 evicted, 0 expired
 (the migrations line appears once a worker has migrated or is draining: workers/handoff/migration_service.py;
-a STANDBY worker is a loaded, unrouted spare: cluster/deploy/controller.py)
+a STANDBY worker is a loaded, unrouted spare: cluster/deploy/controller.py; pools are grouped by the
+model the router says their workers serve, with the LoRA adapters each holds)
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def router_status(target: str, timeout: float = 5.0, *, tls: Any = None, token: 
             out["health"] = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
             models = duet_pb2_grpc.DuetStub(channel).ListModels(duet_pb2.ListModelsRequest(), timeout=timeout,
                                                                 metadata=md)
-            out["models"] = [{"name": m.name, "max_model_len": m.max_model_len} for m in models.models]
+            out["models"] = [{"name": m.name, "max_model_len": m.max_model_len, "is_default": m.is_default,
+                              "parent": m.parent} for m in models.models]
             stats = control_pb2_grpc.RouterAdminStub(channel).GetRouterStats(control_pb2.GetRouterStatsRequest(),
                                                                               timeout=timeout, metadata=md)
             out["stats"] = stats_from_proto(stats)
@@ -167,6 +170,21 @@ def _node(w: dict[str, Any]) -> str:
     return f"  node {w['node_id'][:8]}" if w.get("node_id") else ""
 
 
+def _router_view(r: dict[str, Any] | None) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """worker id -> the model it serves and -> the adapters it holds, as the router sees them
+    (empty without a reachable router: pools are then listed without their model)."""
+    if r is None or "error" in r or r.get("stats") is None:
+        return {}, {}
+    default = next((m["name"] for m in r.get("models", []) if m.get("is_default")), "")
+    workers = r["stats"]["workers"]
+    return ({w["worker_id"]: w.get("model") or default for w in workers},
+            {w["worker_id"]: list(w.get("adapters", ())) for w in workers})
+
+
+def _pool_model(members: list[dict[str, Any]], model_of: dict[str, str]) -> str:
+    return next((model_of[w["worker_id"]] for w in members if w["worker_id"] in model_of), "")
+
+
 def format_status(status: dict[str, Any]) -> str:
     """Human-readable text of ``{"router": ..., "workers": [...] | None, "ray_error": ...}``."""
     lines = []
@@ -175,8 +193,14 @@ def format_status(status: dict[str, Any]) -> str:
         if "error" in r:
             lines.append(f"router {r['target']}: unreachable ({r['error']})")
         else:
-            models = ", ".join(f"{m['name']} (context {m['max_model_len']})" for m in r.get("models", []))
-            lines.append(f"router {r['target']}: {r['health']}, model {models or '(none)'}")
+            bases = [m for m in r.get("models", []) if not m.get("parent")]
+            models = ", ".join(f"{m['name']} (context {m['max_model_len']})" for m in bases)
+            lines.append(f"router {r['target']}: {r['health']}, model{'s' if len(bases) > 1 else ''} "
+                         f"{models or '(none)'}")
+            adapters = [m for m in r.get("models", []) if m.get("parent")]
+            if adapters:
+                listed = ", ".join(f"{m['name']} (on {m['parent']})" for m in adapters)
+                lines.append(f"  adapters: {listed}")
             st = r.get("stats")
             if st is not None:
                 healthy = sum(w["healthy"] for w in st["workers"])
@@ -192,10 +216,13 @@ def format_status(status: dict[str, Any]) -> str:
     pools: dict[str, list[dict[str, Any]]] = {}
     for w in workers or []:
         pools.setdefault(w["pool"], []).append(w)
-    for pool, members in pools.items():
+    model_of, adapters_of = _router_view(r)
+    for pool, members in sorted(pools.items(), key=lambda kv: (_pool_model(kv[1], model_of), kv[0])):
         spares = sum(bool(w.get("standby")) for w in members)
         kind = "drafters" if any(w.get("role") == "drafter" for w in members) else "workers"
-        lines.append(f"pool {pool}: {len(members) - spares} {kind}" + (f", {spares} standby" if spares else ""))
+        model = _pool_model(members, model_of)
+        lines.append(f"pool {pool}{f' (model {model})' if model else ''}: {len(members) - spares} {kind}"
+                     + (f", {spares} standby" if spares else ""))
         for w in members:
             if w.get("standby"):
                 lines.append(f"  {w['worker_id']:<12} {'-':<22} STANDBY     loaded, unrouted (promoted first on a "
@@ -213,6 +240,8 @@ def format_status(status: dict[str, Any]) -> str:
                          f"waiting {ld['num_waiting']}  outstanding {ld['outstanding_tokens']} tok  KV "
                          f"{ld['kv_blocks_used']}/{ld['kv_blocks_total']} blocks  prefix hits {hits}  pid {w['pid']}"
                          f"{_node(w)}")
+            if adapters_of.get(w["worker_id"]):
+                lines.append(f"  {'':<12} adapters loaded: {', '.join(adapters_of[w['worker_id']])}")
             if ld.get("migrations_out") or ld.get("migrations_in") or ld.get("migration_failures") or ld.get("draining"):
                 lines.append(f"  {'':<12} migrations: {ld['migrations_out']} out, {ld['migrations_in']} in, "
                              f"{ld['migration_failures']} failed, {ld['migration_kv_bytes'] / 1e6:.1f} MB"

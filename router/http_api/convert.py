@@ -30,7 +30,7 @@ from typing import Any
 
 from protos.duet.v1 import duet_pb2
 from router.http_api.chat_prompt import ChatPrompt, parse_arguments
-from router.http_api.errors import OpenAIError, invalid, unsupported
+from router.http_api.errors import invalid, unsupported
 from router.http_api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
 from router.http_api.structured import Structured
 from router.http_api.tools import ToolPlan
@@ -174,10 +174,3 @@ def _sampling(s: duet_pb2.SamplingParams, body: _Sampling, max_tokens: int | Non
         if token_id >= 2**32:
             raise invalid(f"logit_bias.{token_id}", "not a token id")
         s.logit_bias[token_id] = bias
-
-
-def check_model(requested: str | None, served: str) -> None:
-    """404 for a model name this router does not serve (before any work)."""
-    if requested and requested != served:
-        raise OpenAIError(404, f"model: the model {requested!r} does not exist; this server serves {served!r}",
-                          param="model", code="model_not_found")

@@ -5,6 +5,11 @@
     least_loaded   smallest WorkerState.load_tokens (reported load + router-side estimate)
     prefix_aware   the worker most likely to hold the prompt's prefix in its KV cache, unless
                    it is overloaded relative to the idlest worker (then least_loaded)
+
+Wrapped around whichever is configured (router/pipeline.py), not chosen by name:
+    adapter_affinity  a LoRA request prefers workers holding its adapter unless they are
+                      overloaded (router/policies/adapter_affinity.py)
+    disagg            the prefill half of a disaggregated route (router/policies/disagg.py)
 """
 
 from router.policies.base import (

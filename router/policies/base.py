@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
+from workers.block_hash import adapter_root
+
 if TYPE_CHECKING:
     from protos.duet.worker.v1 import worker_pb2
 
@@ -50,11 +52,20 @@ class RouteRequest:
     """What a policy sees of a request: its id and prompt token ids (after the chat template).
 
     max_tokens: the output budget (0 if unknown); it only feeds ``cost_tokens``.
+    adapter: the request's LoRA adapter ("" = the base model): its prefix blocks chain from
+        ``prefix_root`` (workers/block_hash.py), so no prefix matches across adapters, and
+        router/policies/adapter_affinity.py prefers workers holding it.
     """
 
     request_id: str
     prompt_token_ids: Sequence[int]
     max_tokens: int = 0
+    adapter: str = ""
+
+    @property
+    def prefix_root(self) -> int:
+        """The root of this request's prefix chain hashes (workers/block_hash.py adapter_root)."""
+        return adapter_root(self.adapter)
 
     @property
     def cost_tokens(self) -> int:
@@ -79,6 +90,9 @@ class WorkerState:
     role: str = "colocated"  # pool role: colocated | prefill | decode (see router/policies/disagg.py)
     drafter_pool: str = ""  # the drafter pool its speculative requests draft on (router/policies/drafter.py)
     incarnation: str = ""  # LoadReport.incarnation; "" until the first report
+    model: str = ""  # the served model (its pool's); "" = the router's default model
+    adapters: frozenset[str] = frozenset()  # LoRA adapters its latest LoadReport lists as loaded
+    max_loaded_adapters: int = 0  # its adapter set's bound (LoadReport); 0 = it serves no adapters
     # From the latest LoadReport.
     num_running: int = 0
     num_waiting: int = 0
@@ -101,7 +115,8 @@ class WorkerState:
             outstanding_tokens=report.outstanding_tokens, kv_block_size=report.kv_block_size,
             kv_blocks_total=report.kv_blocks_total, kv_blocks_used=report.kv_blocks_used,
             in_flight_requests=in_flight_requests, routed_requests_since_report=routed_requests_since_report,
-            routed_tokens_since_report=routed_tokens_since_report,
+            routed_tokens_since_report=routed_tokens_since_report, adapters=frozenset(report.adapters),
+            max_loaded_adapters=report.max_loaded_adapters,
         )
 
     @property

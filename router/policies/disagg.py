@@ -106,7 +106,7 @@ class DisaggRouter:
                 log_fallback(logger, self.counts["no_prefill_fallbacks"], "request %s: no healthy prefill worker "
                              "(%d known); prefilling on decode worker %s", request.request_id, len(prefills), decode_id)
             return Route(decode_id)
-        hashes = block_hashes(request.prompt_token_ids, self.block_size)
+        hashes = block_hashes(request.prompt_token_ids, self.block_size, request.prefix_root)
         matched = self.tree.match(hashes)
         total = -(-len(request.prompt_token_ids) // self.block_size)
         best = min(healthy, key=lambda w: (total - matched.get(w.worker_id, 0) + w.load_tokens / self.block_size,

@@ -11,7 +11,9 @@ Where matched(w) comes from:
   * a worker that does not report holdings (prefix caching off, an older worker), or no
     ``holdings``: the PrefixTree of what this router sent there (router/prefix_tree.py).
 
-Algorithm, per request (P = the prompt's token ids, load = WorkerState.load_tokens):
+Algorithm, per request (P = the prompt's token ids, load = WorkerState.load_tokens; a request under
+a LoRA adapter hashes P from its adapter's root, RouteRequest.prefix_root, so it matches only
+prefixes computed under the same adapter, as the workers key them):
  1. Cut P into full blocks of ``block_size`` tokens (= the workers' KV block size): matched(w) =
     leading blocks of P that worker w holds (above).
  2. best  = the healthy worker with the most matched blocks; ties -> lower load (so a popular
@@ -55,7 +57,7 @@ from router.policies.base import PolicyConfigError, RouteRequest, WorkerState, h
 from router.policies.least_loaded import least_loaded
 from router.prefix_index import PrefixIndex
 from router.prefix_tree import PrefixTree, block_hashes
-from workers.block_hash import chain_hashes
+from workers.block_hash import ROOT, chain_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +108,9 @@ class PrefixAwarePolicy:
     def select(self, request: RouteRequest, workers: Sequence[WorkerState]) -> str:
         healthy = healthy_workers(workers)
         self._sync_membership(workers)
-        hashes = block_hashes(request.prompt_token_ids, self.block_size)
-        matched = self._match(request.prompt_token_ids, hashes, healthy)
+        root = request.prefix_root  # an adapter's prefixes are its own (workers/block_hash.py)
+        hashes = block_hashes(request.prompt_token_ids, self.block_size, root)
+        matched = self._match(request.prompt_token_ids, hashes, healthy, root)
         least = least_loaded(healthy)
         best = min(healthy, key=lambda w: (-matched.get(w.worker_id, 0), w.load_tokens,
                                            w.in_flight_requests, w.worker_id))
@@ -131,7 +134,7 @@ class PrefixAwarePolicy:
             self.num_matched_tokens += best_blocks * self.block_size
             chosen = best
         if self.holdings is not None and self.holdings.knows(chosen.worker_id):
-            self._add_pending(chosen.worker_id, request.prompt_token_ids)
+            self._add_pending(chosen.worker_id, request.prompt_token_ids, root)
         else:
             self.tree.insert(chosen.worker_id, hashes, self._max_blocks(chosen))
         return chosen.worker_id
@@ -151,18 +154,19 @@ class PrefixAwarePolicy:
         }
 
     # ------------------------------------------------------------- internals
-    def _match(self, token_ids: Sequence[int], hashes: list[int], healthy: Sequence[WorkerState]) -> dict[str, int]:
+    def _match(self, token_ids: Sequence[int], hashes: list[int], healthy: Sequence[WorkerState],
+               root: int = ROOT) -> dict[str, int]:
         """matched(w) for each healthy worker (module docstring): reported + pending, or the tree."""
         if self.holdings is None:
             return self.tree.match(hashes)
         reporting = [w.worker_id for w in healthy if self.holdings.knows(w.worker_id)]
-        matched = self.holdings.match(token_ids, reporting)
+        matched = self.holdings.match(token_ids, reporting, root)
         self._expire_pending()
         for wid in reporting:
             pending = self._pending_held.get(wid)
             if pending:
                 n = 0
-                for h in chain_hashes(token_ids, self.holdings.block_size(wid)):
+                for h in chain_hashes(token_ids, self.holdings.block_size(wid), root=root):
                     if h not in pending:
                         break
                     n += 1
@@ -174,11 +178,11 @@ class PrefixAwarePolicy:
             matched.update({wid: n for wid, n in tree.items() if wid not in known})
         return matched
 
-    def _add_pending(self, worker_id: str, token_ids: Sequence[int]) -> None:
+    def _add_pending(self, worker_id: str, token_ids: Sequence[int], root: int = ROOT) -> None:
         if self.pending_s <= 0:
             return
         assert self.holdings is not None
-        hashes = tuple(chain_hashes(token_ids, self.holdings.block_size(worker_id)))
+        hashes = tuple(chain_hashes(token_ids, self.holdings.block_size(worker_id), root=root))
         if not hashes:
             return
         self._pending.append((self._clock(), worker_id, hashes))

@@ -58,7 +58,7 @@ class PrefixPullPlanner:
     def plan(self, request: RouteRequest, chosen_id: str, workers: Sequence[WorkerState]) -> PullSource | None:
         """The pull for a request routed (colocated) to ``chosen_id``, or None; records the route."""
         self._sync(workers)
-        hashes = block_hashes(request.prompt_token_ids, self.block_size)
+        hashes = block_hashes(request.prompt_token_ids, self.block_size, request.prefix_root)
         matched = self.tree.match(hashes)
         chosen = next((w for w in workers if w.worker_id == chosen_id), None)
         source = None

@@ -23,6 +23,7 @@ from cluster.deploy.pools import rank_bundle
 # the PoolSection attribute it sets; what that attribute then holds). Every poolDefaults leaf is
 # here, in POD_ONLY or in NOT_YET_USED: a new value cannot be added without saying where it goes.
 REACHES_CONFIG: dict[str, tuple[str, str, Any]] = {
+    "model": ("model=SmolLM2-135M-Instruct", "model", "SmolLM2-135M-Instruct"),  # several: tests/deploy/test_chart_models.py
     "replicas": ("replicas=3", "replicas", 3),
     "standbyReplicas": ("standbyReplicas=2", "standby_replicas", 2),  # also sizes the group (+2 pods)
     "cpusPerRank": ("cpusPerRank=5", "cpus_per_replica", 5),

@@ -298,6 +298,11 @@ def test_variant_specifics(variant, tmp_path):
         assert (groups["chat"]["replicas"], groups["chat"]["maxReplicas"]) == (2, 4)
     elif name == "slo-values":
         _check_slo_variant(config, by_kind, groups)
+    elif name == "multi-model-values":  # two base models, adapters (tests/deploy/test_chart_models.py)
+        assert [m.served for m in config.served_models] == ["SmolLM2-135M-Instruct", "coder"]
+        assert [(p.name, p.model) for p in config.pools] == [("smol", "SmolLM2-135M-Instruct"), ("coder", "coder")]
+        assert set(groups) == {"smol", "coder"} and groups["smol"]["replicas"] == 2
+        assert pod["coder"]["memory"] == "6Gi" and config.pools[1].cpus_per_replica == 4
     else:
         raise AssertionError(f"new variant {name}: add its checks here")
     if name != "slo-values":  # Duet's autoscaler off: no RBAC, the head keeps the default identity

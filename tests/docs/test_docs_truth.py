@@ -42,9 +42,9 @@ CHART = ROOT / "deploy" / "helm" / "duet"
 TOP_DIRS = ("workers", "cluster", "router", "kernels", "protos", "benchmarks", "deploy", "tests", "docs")
 ROOT_FILES = ("Makefile", "pyproject.toml", "README.md", "mkdocs.yml")
 PACKAGES = ("workers", "cluster", "router", "kernels", "protos", "benchmarks")
-CONFIG_SECTIONS = ("model", "pools", "pool", "router", "ray", "controller", "autoscaling")
+CONFIG_SECTIONS = ("model", "models", "pools", "pool", "router", "ray", "controller", "autoscaling")
 # Inline keys checked: not ``ray.*`` (ray.io, ray.cluster_utils are Ray's own names); YAML blocks check those.
-INLINE_SECTIONS = ("model", "pools", "pool", "router", "controller", "autoscaling")
+INLINE_SECTIONS = ("models", "model", "pools", "pool", "router", "controller", "autoscaling")
 GENERATED = ("benchmarks/results/",)  # outputs the docs name, ignored by git
 
 

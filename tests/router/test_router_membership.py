@@ -19,7 +19,7 @@ from router.server import serve_router
 
 class FakeController:
     """What serve_membership needs of cluster.deploy.controller.Controller: subscribe(push), role_of(id),
-    drafter_pool_of(id)."""
+    drafter_pool_of(id), model_of(id) (workers whose id starts with "t" serve the model "tiny")."""
 
     def __init__(self, initial: list[tuple[str, str]]) -> None:
         self.members = list(initial)
@@ -30,6 +30,9 @@ class FakeController:
 
     def drafter_pool_of(self, worker_id: str) -> str:
         return ""
+
+    def model_of(self, worker_id: str) -> str:
+        return "tiny" if worker_id.startswith("t") else ""
 
     def subscribe(self, push: Callable[[list[tuple[str, str]]], None], *, detailed: bool = False) -> None:
         self.pushes.append(push)
@@ -181,3 +184,28 @@ def test_drafter_replicas_and_a_targets_drafter_pool_travel_with_the_list():
     servicer.publish([("decode-0", "h:1", "decode", "decode", False), ("drafters-0", "h:2", "drafter", "drafters", False)])
     assert [(m.worker_id, m.role, m.pool, m.drafter_pool) for m in servicer._message.members] == [
         ("decode-0", "decode", "decode", "drafters"), ("drafters-0", "drafter", "drafters", "")]
+
+
+def test_each_members_model_travels_with_the_list_and_routes_its_requests(smollm2_path, tok, pool):
+    """The controller tells routers which model each worker serves (Member.model, "" = the default);
+    the router sends a model's requests to its workers only."""
+    from router.client import generate_text
+    from router.config import ModelSpec
+
+    for s in pool:
+        s.worker.reset()
+    controller = FakeController([("t0", pool[0].endpoint), ("w1", pool[1].endpoint)])  # t0 serves "tiny"
+    service = serve_membership(controller, "127.0.0.1", 0)
+    assert [(m.worker_id, m.model) for m in service.servicer._message.members] == [("t0", "tiny"), ("w1", "")]
+    router = serve_router(_config(smollm2_path, service.address, models=(ModelSpec("tiny", str(smollm2_path)),)), [],
+                          tokenizer=tok)
+    try:
+        assert {w["worker_id"]: w["model"] for w in router.server.directory.describe()} == {"t0": "tiny", "w1": ""}
+        wait_until(lambda: router.server.serving(), what="healthy workers")
+        for model in ("tiny", "", "tiny", "SmolLM2-135M-Instruct"):
+            assert generate_text("Hi", target=router.address, model=model, max_tokens=2, timeout=10)
+        assert (len(pool[0].worker.submitted), len(pool[1].worker.submitted)) == (2, 2)
+        assert [w.model for w in _router_stats(router.address).workers] == ["tiny", ""]
+    finally:
+        router.stop()
+        service.stop()

@@ -39,6 +39,9 @@ class _Controller:
     def drafter_pool_of(self, worker_id: str) -> str:
         return ""
 
+    def model_of(self, worker_id: str) -> str:
+        return ""  # the default model
+
     def subscribe(self, push: Callable[[list[tuple[str, str]]], None], *, detailed: bool = False) -> None:
         push(self.members)
 

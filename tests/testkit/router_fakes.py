@@ -16,6 +16,12 @@ deadlines, cancellations. Knobs (set from the test thread, read on the worker lo
     fail                (StatusCode, message): reject every Submit with it
 With sampling.top_logprobs set it sends one TokenLogprob per id (``fake_logprob``).
     hang                stop answering GetLoad and stop streaming (a node that vanished silently)
+    lora                speak the LoRA adapter contract of duet.worker.v1 (LoadAdapter, UnloadAdapter,
+                        ListAdapters, SubmitRequest.adapter, LoadReport.adapters); off (the default),
+                        the adapter RPCs answer UNIMPLEMENTED, as a worker without LoRA support does
+    bad_sources         adapter sources refused with INVALID_ARGUMENT (a bad PEFT directory)
+    busy_adapters       UnloadAdapter answers FAILED_PRECONDITION for these (requests still use them)
+    extra_load          added to the reported outstanding_tokens (an overloaded worker)
 """
 
 from __future__ import annotations
@@ -91,6 +97,48 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.deadlines: dict[str, float | None] = {}
         self.cancelled: list[str] = []
         self.cancelled_event = threading.Event()
+        self.lora = False
+        self.adapters: dict[str, worker_pb2.AdapterInfo] = {}
+        self.bad_sources: set[str] = set()
+        self.busy_adapters: set[str] = set()
+        self.extra_load = 0
+        self.adapter_calls: list[tuple[str, str]] = []  # (rpc, adapter name) in arrival order
+
+    def _load_adapter(self, ref: worker_pb2.AdapterRef, pin: bool) -> worker_pb2.AdapterInfo:
+        """The contract's LoadAdapter: (StatusCode, message) raised as a tuple for a refusal."""
+        if ref.source in self.bad_sources:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"adapter {ref.name}: {ref.source}: no "
+                           "adapter_config.json (not a PEFT adapter directory)")
+        info = self.adapters.get(ref.name) or worker_pb2.AdapterInfo(name=ref.name, source=ref.source, rank=8,
+                                                                     target_modules=["q_proj", "v_proj"])
+        info.pinned = info.pinned or pin
+        self.adapters[ref.name] = info
+        return info
+
+    async def LoadAdapter(self, request: worker_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext):
+        self.adapter_calls.append(("load", request.adapter.name))
+        if not self.lora:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        try:
+            return self._load_adapter(request.adapter, request.pin)
+        except _Refusal as e:
+            await context.abort(e.code, e.message)
+
+    async def UnloadAdapter(self, request: worker_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext):
+        self.adapter_calls.append(("unload", request.name))
+        if not self.lora:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        if request.name not in self.adapters:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"adapter {request.name} is not loaded here")
+        if request.name in self.busy_adapters:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"adapter {request.name}: requests still run")
+        del self.adapters[request.name]
+        return worker_pb2.UnloadAdapterResponse()
+
+    async def ListAdapters(self, request: worker_pb2.ListAdaptersRequest, context: grpc.aio.ServicerContext):
+        if not self.lora:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        return worker_pb2.AdapterList(adapters=list(self.adapters.values()), max_loaded=4)
 
     async def Submit(self, request: worker_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
@@ -98,6 +146,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.deadlines[rid] = context.time_remaining()
         if self.fail is not None:
             await context.abort(*self.fail)
+        if request.adapter.name and self.lora:  # loaded first if this worker lacks it (the contract)
+            try:
+                self._load_adapter(request.adapter, False)
+            except _Refusal as e:
+                await context.abort(e.code, e.message)
         start = _script_offset(list(request.prompt_token_ids), self.script_ids)
         n = min(start + request.sampling.max_tokens, len(self.script_ids))
         self.active += 1
@@ -144,8 +197,16 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             await asyncio.sleep(0.01)
         assert self.server is not None
         return worker_pb2.LoadReport(worker_id=self.worker_id, incarnation=self.server.incarnation,
-                                     num_running=self.active, outstanding_tokens=10 * self.active,
-                                     kv_block_size=16, kv_blocks_total=1024)
+                                     num_running=self.active, outstanding_tokens=10 * self.active + self.extra_load,
+                                     kv_block_size=16, kv_blocks_total=1024, adapters=sorted(self.adapters),
+                                     max_loaded_adapters=4 if self.lora else 0)
+
+
+class _Refusal(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 class FakeWorkerServer:

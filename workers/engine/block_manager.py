@@ -90,7 +90,7 @@ class BlockManager:
         self._cached: dict[BlockKey, int] = {}  # key -> block id
         self._tables: dict[str, list[int]] = {}  # request id -> block table
         self._num_hashed: dict[str, int] = {}  # request id -> leading blocks already keyed
-        self._last_key: dict[str, BlockKey | None] = {}  # request id -> key of its last keyed block
+        self._last_key: dict[str, BlockKey | int | None] = {}  # request id -> key of its last keyed block
         self._last_hash: dict[str, int] = {}  # request id -> chain hash of its last keyed block
         self.events = events if events is not None else BlockEventLog()  # canonical keys added / dropped
         self._num_dropped: dict[str, int] = {}  # request id -> leading entries released (sliding window)

@@ -22,6 +22,7 @@ releases and steps; one lock guards the tables, and a slot is written only while
 
 from __future__ import annotations
 
+import builtins
 import logging
 import threading
 import time
@@ -130,7 +131,7 @@ class AdapterSet:
         with self._lock:
             return [self._info(n, h) for n, h in self._held.items()]
 
-    def names(self) -> list[str]:
+    def names(self) -> builtins.list[str]:
         with self._lock:
             return list(self._held)
 

@@ -188,11 +188,15 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "is_default", "max_model_len")
+    __slots__ = ("name", "is_default", "max_model_len", "parent", "source")
     NAME_FIELD_NUMBER: _ClassVar[int]
     IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     is_default: bool
     max_model_len: int
-    def __init__(self, name: _Optional[str] = ..., is_default: _Optional[bool] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    parent: str
+    source: str
+    def __init__(self, name: _Optional[str] = ..., is_default: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., parent: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...

@@ -60,7 +60,7 @@ class DuetServicer:
 
         Status codes:
         INVALID_ARGUMENT    bad sampling params, empty or over-long prompt (the message names the field)
-        NOT_FOUND           unknown model
+        NOT_FOUND           unknown model or adapter (the message names it and lists what is served)
         RESOURCE_EXHAUSTED  the admission queue is full; retry with backoff
         UNAVAILABLE         no healthy worker, or the worker died mid-stream
         DEADLINE_EXCEEDED, CANCELLED as usual
@@ -70,7 +70,8 @@ class DuetServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListModels(self, request, context):
-        """Lists the models this deployment serves.
+        """Lists the models this deployment serves: every base model, then every LoRA adapter registered
+        on each (ModelInfo.parent names its base).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

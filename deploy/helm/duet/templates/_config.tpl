@@ -25,6 +25,7 @@ pools); each message names the value and the fix. The loader repeats the checks 
 {{- if ne $p.role "drafter" }}{{ $blockSizes = append $blockSizes (int $p.engine.blockSize) | uniq }}{{ end }}
 {{- include "duet.validatePool" (dict "root" $ "p" $p "at" $at "drafterGroup" $drafterGroup) }}
 {{- end }}
+{{- include "duet.validateModels" . }}
 {{- if not (or (has "colocated" $roles) (has "decode" $roles)) }}
 {{- fail (printf "pools: roles %v: needs a colocated or decode pool to stream tokens (a prefill pool only computes prompts)" $roles) }}
 {{- end }}
@@ -50,6 +51,34 @@ pools); each message names the value and the fix. The loader repeats the checks 
 {{- include "duet.validateAutoscaling" . }}
 {{- if and .Values.serviceMonitor.enabled (not .Values.router.metrics.enabled) }}
 {{- fail "serviceMonitor.enabled=true needs router.metrics.enabled=true (there is nothing to scrape otherwise)" }}
+{{- end }}
+{{- end }}
+
+{{/* Several models (models[]): unique served names; every pool but a drafter pool names one of them;
+each model has a pool that streams its tokens. */}}
+{{- define "duet.validateModels" -}}
+{{- $served := include "duet.servedModels" . | fromJsonArray }}
+{{- if ne (len $served) (len (uniq $served)) }}
+{{- fail (printf "models: served names %v: two models with one name; set servedName on one of them" $served) }}
+{{- end }}
+{{- $streaming := list }}
+{{- range $i, $p := (include "duet.pools" . | fromJsonArray) }}
+{{- if eq $p.role "drafter" }}
+{{- if $p.model }}{{ fail (printf "pools[%d] (%s).model=%s: a drafter pool drafts for the pools naming it; leave model unset" $i $p.name $p.model) }}{{ end }}
+{{- else }}
+{{- if and $p.model (not (has $p.model $served)) }}
+{{- fail (printf "pools[%d] (%s).model=%s: unknown model; served: %v" $i $p.name $p.model $served) }}
+{{- end }}
+{{- if and (not $p.model) (gt (len $served) 1) }}
+{{- fail (printf "pools[%d] (%s).model: with several models each pool names the one it serves: one of %v" $i $p.name $served) }}
+{{- end }}
+{{- if or (eq $p.role "colocated") (eq $p.role "decode") }}{{ $streaming = append $streaming ($p.model | default (first $served)) }}{{ end }}
+{{- end }}
+{{- end }}
+{{- range (ternary $served list (gt (len $served) 1)) }}
+{{- if not (has . $streaming) }}
+{{- fail (printf "models: no colocated or decode pool serves %s; add a pool with model: %s" . .) }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -223,6 +252,31 @@ grpc: {port: {{ $v.router.port }}}
 {{- end }}
 
 {{/* The Duet config file (YAML) held by the ConfigMap. */}}
+{{/* One model's Duet config section (JSON) from a `model` / `models[]` value: "m" the value, "shared"
+the shared_weights_dir, "served" whether it may carry servedName (models[] entries). */}}
+{{- define "duet.modelConfig" -}}
+{{- $m := .m }}
+{{- $adapters := list }}
+{{- range ($m.adapters | default list) }}
+{{- $adapters = append $adapters (dict "name" .name "source" .source "pinned" (.pinned | default false)) }}
+{{- end }}
+{{- $out := dict "name" $m.name "dtype" ($m.dtype | default "auto") "max_model_len" $m.maxModelLen
+      "quantization" ($m.quantization | default "none") "shared_weights_dir" .shared "adapters" $adapters
+      "adapter_dir" $m.adapterDir }}
+{{- if and .served $m.servedName }}{{ $_ := set $out "served_name" $m.servedName }}{{ end }}
+{{- toJson $out }}
+{{- end }}
+
+{{/* The served names of the deployment's models (JSON list): models[] (servedName, else the last path
+component of name), or the one model's. */}}
+{{- define "duet.servedModels" -}}
+{{- $out := list }}
+{{- range (.Values.models | default (list .Values.model)) }}
+{{- $out = append $out (.servedName | default (base .name)) }}
+{{- end }}
+{{- toJson $out }}
+{{- end }}
+
 {{- define "duet.config" -}}
 {{- $v := .Values }}
 {{- $pools := list }}
@@ -240,7 +294,7 @@ grpc: {port: {{ $v.router.port }}}
       "draft_model" $sp.draftModel "draft_quantization" $sp.draftQuantization "drafter_cpus" (int $sp.drafterCpus)
       "drafter_resources" .drafterResourcesResolved "draft_timeout_s" (float64 $sp.draftTimeoutSeconds)
       "overlap" $sp.overlap "drafter_device" ($sp.drafterDevice | default "auto") "drafter_pool" $sp.drafterPool }}
-{{- $pool := dict "name" .name "role" .role "replicas" (int .replicas)
+{{- $pool := dict "name" .name "role" .role "model" .model "replicas" (int .replicas)
       "cpus_per_replica" (int .cpusPerRank) "placement_strategy" .placementStrategy
       "max_restarts" (int .maxRestarts) "ep_size" (int .epSize) "sp_size" (int .spSize) "tp_size" (int .tpSize)
       "gpus_per_rank" (int .gpusPerRank) "resources_per_rank" (dict .rayResource 1)
@@ -252,11 +306,12 @@ grpc: {port: {{ $v.router.port }}}
 {{- end }}
 {{- $pools = append $pools $pool }}
 {{- end }}
+{{- $shared := ternary (printf "%s/weights" $v.modelCache.mountPath) nil (and $v.modelCache.enabled $v.modelCache.sharedWeights) }}
+{{- $models := list }}
+{{- range $v.models }}
+{{- $models = append $models (include "duet.modelConfig" (dict "m" . "shared" $shared "served" true) | fromJson) }}
+{{- end }}
 {{- $config := dict
-  "model" (dict "name" $v.model.name "dtype" $v.model.dtype "max_model_len" $v.model.maxModelLen
-      "quantization" $v.model.quantization
-      "shared_weights_dir" (ternary (printf "%s/weights" $v.modelCache.mountPath) nil
-                                    (and $v.modelCache.enabled $v.modelCache.sharedWeights)))
   "pools" $pools
   "router" (dict "host" "0.0.0.0" "port" (int $v.router.port) "http_port" (int $v.router.httpPort)
       "policy" $v.router.policy
@@ -268,6 +323,11 @@ grpc: {port: {{ $v.router.port }}}
   "controller" (dict "poll_interval_s" (float64 $v.head.controller.pollIntervalSeconds)
       "start_timeout_s" (float64 $v.head.controller.startTimeoutSeconds) "host" "0.0.0.0"
       "port" (int $v.head.controller.port)) }}
+{{- if $models }}
+{{- $_ := set $config "models" $models }}
+{{- else }}
+{{- $_ := set $config "model" (include "duet.modelConfig" (dict "m" $v.model "shared" $shared "served" false) | fromJson) }}
+{{- end }}
 {{- with (include "duet.autoscaledPools" . | fromJsonArray) }}
 {{- $scaled := list }}
 {{- range . }}

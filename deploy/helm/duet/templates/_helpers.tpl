@@ -84,9 +84,16 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/* The model names (model.name, or every models[].name) space-separated: what the pre-pull prepares. */}}
+{{- define "duet.modelNames" -}}
+{{- $names := list }}
+{{- range (.Values.models | default (list .Values.model)) }}{{ $names = append $names .name }}{{ end }}
+{{- join " " $names }}
+{{- end }}
+
 {{/* The node model cache's pre-pull (modelCache.prePull): an init container that copies the image's
 cache (prepared default model, built kernels) into the node's directory where missing, then prepares
-or downloads model.name there, so the pod's own containers find it and a later pod on the node
+or downloads model.name (each models[].name) there, so the pod's own containers find it and a later pod on the node
 downloads nothing. Nothing when the cache is off. */}}
 {{- define "duet.prePull" -}}
 {{- $v := .Values }}
@@ -96,11 +103,11 @@ downloads nothing. Nothing when the cache is off. */}}
   imagePullPolicy: {{ $v.image.pullPolicy }}
   securityContext:
     {{- toYaml $v.securityContext | nindent 4 }}
-  command: ["/bin/sh", "-c", "cp -Rn \"$DUET_IMAGE_CACHE\"/. \"$DUET_CACHE_DIR\"/ 2>/dev/null; exec python -m workers.models.assets --model \"$DUET_PRE_PULL_MODEL\""]
+  command: ["/bin/sh", "-c", "cp -Rn \"$DUET_IMAGE_CACHE\"/. \"$DUET_CACHE_DIR\"/ 2>/dev/null; for m in $DUET_PRE_PULL_MODEL; do python -m workers.models.assets --model \"$m\" || exit 1; done"]
   env:
     {{- include "duet.env" . | nindent 4 }}
     - {name: DUET_IMAGE_CACHE, value: {{ $v.cacheDir | quote }}}
-    - {name: DUET_PRE_PULL_MODEL, value: {{ $v.model.name | quote }}}
+    - {name: DUET_PRE_PULL_MODEL, value: {{ include "duet.modelNames" . | quote }}}
   volumeMounts:
     {{- include "duet.volumeMounts" . | nindent 4 }}
 {{- end }}

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64uet/control/v1/control.proto\x12\x0f\x64uet.control.v1\"/\n\x0bWakeRequest\x12\r\n\x05roles\x18\x01 \x03(\t\x12\x11\n\trequester\x18\x02 \x01(\t\"@\n\tWakeReply\x12\r\n\x05woken\x18\x01 \x03(\t\x12\x0e\n\x06waking\x18\x02 \x03(\t\x12\x14\n\x0c\x66rom_standby\x18\x03 \x03(\t\"\x1f\n\x0cWatchRequest\x12\x0f\n\x07watcher\x18\x01 \x01(\t\"q\n\x06Member\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x0c\n\x04pool\x18\x04 \x01(\t\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12\x14\n\x0c\x64rafter_pool\x18\x06 \x01(\t\"G\n\nMemberList\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12(\n\x07members\x18\x02 \x03(\x0b\x32\x17.duet.control.v1.Member\"\x17\n\x15GetRouterStatsRequest\"\x8e\x03\n\x0bRouterStats\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x11\n\tin_flight\x18\x02 \x01(\r\x12\x0e\n\x06queued\x18\x03 \x01(\r\x12\x15\n\rmax_in_flight\x18\x04 \x01(\r\x12\x11\n\tmax_queue\x18\x05 \x01(\r\x12\x10\n\x08requests\x18\x06 \x01(\x04\x12\x10\n\x08\x61\x64mitted\x18\x07 \x01(\x04\x12\x10\n\x08rejected\x18\x08 \x01(\x04\x12\x11\n\tcancelled\x18\t \x01(\x04\x12\x1e\n\x16worker_stream_failures\x18\n \x01(\x04\x12<\n\x08\x63ounters\x18\x0b \x03(\x0b\x32*.duet.control.v1.RouterStats.CountersEntry\x12.\n\x07workers\x18\x0c \x03(\x0b\x32\x1d.duet.control.v1.RouterWorker\x12\x1a\n\x12membership_version\x18\r \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x80\x01\n\x0cRouterWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x13\n\x0bload_tokens\x18\x05 \x01(\x04\x12\x12\n\nlast_error\x18\x06 \x01(\t2\x95\x01\n\nMembership\x12\x45\n\x05Watch\x12\x1d.duet.control.v1.WatchRequest\x1a\x1b.duet.control.v1.MemberList0\x01\x12@\n\x04Wake\x12\x1c.duet.control.v1.WakeRequest\x1a\x1a.duet.control.v1.WakeReply2e\n\x0bRouterAdmin\x12V\n\x0eGetRouterStats\x12&.duet.control.v1.GetRouterStatsRequest\x1a\x1c.duet.control.v1.RouterStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64uet/control/v1/control.proto\x12\x0f\x64uet.control.v1\"/\n\x0bWakeRequest\x12\r\n\x05roles\x18\x01 \x03(\t\x12\x11\n\trequester\x18\x02 \x01(\t\"@\n\tWakeReply\x12\r\n\x05woken\x18\x01 \x03(\t\x12\x0e\n\x06waking\x18\x02 \x03(\t\x12\x14\n\x0c\x66rom_standby\x18\x03 \x03(\t\"\x1f\n\x0cWatchRequest\x12\x0f\n\x07watcher\x18\x01 \x01(\t\"\x80\x01\n\x06Member\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x0c\n\x04pool\x18\x04 \x01(\t\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12\x14\n\x0c\x64rafter_pool\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\"G\n\nMemberList\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12(\n\x07members\x18\x02 \x03(\x0b\x32\x17.duet.control.v1.Member\"g\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x12\n\nbase_model\x18\x03 \x01(\t\x12\x0f\n\x07preload\x18\x04 \x01(\x08\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"9\n\x12UnloadAdapterReply\x12\x15\n\runloaded_from\x18\x01 \x03(\t\x12\x0c\n\x04\x62usy\x18\x02 \x03(\t\"\x15\n\x13ListAdaptersRequest\"t\n\rAdapterStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x0e\n\x06pinned\x18\x04 \x01(\x08\x12\x0e\n\x06origin\x18\x05 \x01(\t\x12\x11\n\tloaded_on\x18\x06 \x03(\t\"E\n\x11\x41\x64\x61pterStatusList\x12\x30\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1e.duet.control.v1.AdapterStatus\"\x17\n\x15GetRouterStatsRequest\"\x8e\x03\n\x0bRouterStats\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x11\n\tin_flight\x18\x02 \x01(\r\x12\x0e\n\x06queued\x18\x03 \x01(\r\x12\x15\n\rmax_in_flight\x18\x04 \x01(\r\x12\x11\n\tmax_queue\x18\x05 \x01(\r\x12\x10\n\x08requests\x18\x06 \x01(\x04\x12\x10\n\x08\x61\x64mitted\x18\x07 \x01(\x04\x12\x10\n\x08rejected\x18\x08 \x01(\x04\x12\x11\n\tcancelled\x18\t \x01(\x04\x12\x1e\n\x16worker_stream_failures\x18\n \x01(\x04\x12<\n\x08\x63ounters\x18\x0b \x03(\x0b\x32*.duet.control.v1.RouterStats.CountersEntry\x12.\n\x07workers\x18\x0c \x03(\x0b\x32\x1d.duet.control.v1.RouterWorker\x12\x1a\n\x12membership_version\x18\r \x01(\x04\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xaf\x01\n\x0cRouterWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x13\n\x0bload_tokens\x18\x05 \x01(\x04\x12\x12\n\nlast_error\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\x12\x10\n\x08\x61\x64\x61pters\x18\x08 \x03(\t\x12\x0c\n\x04pool\x18\t \x01(\t2\x95\x01\n\nMembership\x12\x45\n\x05Watch\x12\x1d.duet.control.v1.WatchRequest\x1a\x1b.duet.control.v1.MemberList0\x01\x12@\n\x04Wake\x12\x1c.duet.control.v1.WakeRequest\x1a\x1a.duet.control.v1.WakeReply2\xf0\x02\n\x0bRouterAdmin\x12V\n\x0eGetRouterStats\x12&.duet.control.v1.GetRouterStatsRequest\x1a\x1c.duet.control.v1.RouterStats\x12R\n\x0bLoadAdapter\x12#.duet.control.v1.LoadAdapterRequest\x1a\x1e.duet.control.v1.AdapterStatus\x12[\n\rUnloadAdapter\x12%.duet.control.v1.UnloadAdapterRequest\x1a#.duet.control.v1.UnloadAdapterReply\x12X\n\x0cListAdapters\x12$.duet.control.v1.ListAdaptersRequest\x1a\".duet.control.v1.AdapterStatusListb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,20 +39,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WAKEREPLY']._serialized_end=163
   _globals['_WATCHREQUEST']._serialized_start=165
   _globals['_WATCHREQUEST']._serialized_end=196
-  _globals['_MEMBER']._serialized_start=198
-  _globals['_MEMBER']._serialized_end=311
-  _globals['_MEMBERLIST']._serialized_start=313
-  _globals['_MEMBERLIST']._serialized_end=384
-  _globals['_GETROUTERSTATSREQUEST']._serialized_start=386
-  _globals['_GETROUTERSTATSREQUEST']._serialized_end=409
-  _globals['_ROUTERSTATS']._serialized_start=412
-  _globals['_ROUTERSTATS']._serialized_end=810
-  _globals['_ROUTERSTATS_COUNTERSENTRY']._serialized_start=763
-  _globals['_ROUTERSTATS_COUNTERSENTRY']._serialized_end=810
-  _globals['_ROUTERWORKER']._serialized_start=813
-  _globals['_ROUTERWORKER']._serialized_end=941
-  _globals['_MEMBERSHIP']._serialized_start=944
-  _globals['_MEMBERSHIP']._serialized_end=1093
-  _globals['_ROUTERADMIN']._serialized_start=1095
-  _globals['_ROUTERADMIN']._serialized_end=1196
+  _globals['_MEMBER']._serialized_start=199
+  _globals['_MEMBER']._serialized_end=327
+  _globals['_MEMBERLIST']._serialized_start=329
+  _globals['_MEMBERLIST']._serialized_end=400
+  _globals['_LOADADAPTERREQUEST']._serialized_start=402
+  _globals['_LOADADAPTERREQUEST']._serialized_end=505
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=507
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=543
+  _globals['_UNLOADADAPTERREPLY']._serialized_start=545
+  _globals['_UNLOADADAPTERREPLY']._serialized_end=602
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=604
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=625
+  _globals['_ADAPTERSTATUS']._serialized_start=627
+  _globals['_ADAPTERSTATUS']._serialized_end=743
+  _globals['_ADAPTERSTATUSLIST']._serialized_start=745
+  _globals['_ADAPTERSTATUSLIST']._serialized_end=814
+  _globals['_GETROUTERSTATSREQUEST']._serialized_start=816
+  _globals['_GETROUTERSTATSREQUEST']._serialized_end=839
+  _globals['_ROUTERSTATS']._serialized_start=842
+  _globals['_ROUTERSTATS']._serialized_end=1240
+  _globals['_ROUTERSTATS_COUNTERSENTRY']._serialized_start=1193
+  _globals['_ROUTERSTATS_COUNTERSENTRY']._serialized_end=1240
+  _globals['_ROUTERWORKER']._serialized_start=1243
+  _globals['_ROUTERWORKER']._serialized_end=1418
+  _globals['_MEMBERSHIP']._serialized_start=1421
+  _globals['_MEMBERSHIP']._serialized_end=1570
+  _globals['_ROUTERADMIN']._serialized_start=1573
+  _globals['_ROUTERADMIN']._serialized_end=1941
 # @@protoc_insertion_point(module_scope)

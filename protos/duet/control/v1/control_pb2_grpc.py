@@ -159,6 +159,21 @@ class RouterAdminStub:
                 request_serializer=duet_dot_control_dot_v1_dot_control__pb2.GetRouterStatsRequest.SerializeToString,
                 response_deserializer=duet_dot_control_dot_v1_dot_control__pb2.RouterStats.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/duet.control.v1.RouterAdmin/LoadAdapter',
+                request_serializer=duet_dot_control_dot_v1_dot_control__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=duet_dot_control_dot_v1_dot_control__pb2.AdapterStatus.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/duet.control.v1.RouterAdmin/UnloadAdapter',
+                request_serializer=duet_dot_control_dot_v1_dot_control__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=duet_dot_control_dot_v1_dot_control__pb2.UnloadAdapterReply.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/duet.control.v1.RouterAdmin/ListAdapters',
+                request_serializer=duet_dot_control_dot_v1_dot_control__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=duet_dot_control_dot_v1_dot_control__pb2.AdapterStatusList.FromString,
+                _registered_method=True)
 
 
 class RouterAdminServicer:
@@ -171,6 +186,37 @@ class RouterAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapters at runtime (router/adapters.py; the `admin` token scope, like the rest of this
+        service). LoadAdapter registers an adapter on a base model, so requests may name it, and with
+        `preload` loads it on the least-loaded healthy worker of that model first (its answer decides:
+        a bad adapter is refused and not registered). UnloadAdapter stops routing it and unloads it
+        from every worker of its model. ListAdapters lists the registered ones and who holds them.
+
+        Status codes:
+        NOT_FOUND          an unknown base model; UnloadAdapter: no adapter of that name
+        INVALID_ARGUMENT   a bad name or source; the worker's refusal of the adapter (its message)
+        ALREADY_EXISTS     LoadAdapter: the name is taken (by a model or another adapter)
+        FAILED_PRECONDITION  the adapter comes from config or the watched directory (UnloadAdapter),
+        or the model's workers cannot load adapters (UNIMPLEMENTED there)
+        UNAVAILABLE        preload asked, but no healthy worker serves the base model
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +224,21 @@ def add_RouterAdminServicer_to_server(servicer, server):
                     servicer.GetRouterStats,
                     request_deserializer=duet_dot_control_dot_v1_dot_control__pb2.GetRouterStatsRequest.FromString,
                     response_serializer=duet_dot_control_dot_v1_dot_control__pb2.RouterStats.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=duet_dot_control_dot_v1_dot_control__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=duet_dot_control_dot_v1_dot_control__pb2.AdapterStatus.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=duet_dot_control_dot_v1_dot_control__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=duet_dot_control_dot_v1_dot_control__pb2.UnloadAdapterReply.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=duet_dot_control_dot_v1_dot_control__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=duet_dot_control_dot_v1_dot_control__pb2.AdapterStatusList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -207,6 +268,87 @@ class RouterAdmin:
             '/duet.control.v1.RouterAdmin/GetRouterStats',
             duet_dot_control_dot_v1_dot_control__pb2.GetRouterStatsRequest.SerializeToString,
             duet_dot_control_dot_v1_dot_control__pb2.RouterStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.control.v1.RouterAdmin/LoadAdapter',
+            duet_dot_control_dot_v1_dot_control__pb2.LoadAdapterRequest.SerializeToString,
+            duet_dot_control_dot_v1_dot_control__pb2.AdapterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.control.v1.RouterAdmin/UnloadAdapter',
+            duet_dot_control_dot_v1_dot_control__pb2.UnloadAdapterRequest.SerializeToString,
+            duet_dot_control_dot_v1_dot_control__pb2.UnloadAdapterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.control.v1.RouterAdmin/ListAdapters',
+            duet_dot_control_dot_v1_dot_control__pb2.ListAdaptersRequest.SerializeToString,
+            duet_dot_control_dot_v1_dot_control__pb2.AdapterStatusList.FromString,
             options,
             channel_credentials,
             insecure,
