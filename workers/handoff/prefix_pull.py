@@ -151,7 +151,7 @@ class PrefixPull:
         return True
 
     # engine thread ---------------------------------------------------------------
-    def _reserve(self, engine: Engine, pull_id: str, tokens: list[int], adapter: str) -> tuple[int, int] | None:
+    def _reserve(self, engine: Engine, pull_id: str, tokens: list[int], adapter: str = "") -> tuple[int, int] | None:
         """(first block to pull, blocks to pull) with those blocks allocated; None if all are cached here."""
         bm = engine.block_manager
         assert bm.block_size == self.block_size
