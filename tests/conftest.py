@@ -42,6 +42,19 @@ import pytest  # noqa: E402 - after OMP_NUM_THREADS is set
 from workers.models.assets.prepare import prepare_smollm2  # noqa: E402 - it imports torch
 
 
+@pytest.fixture(autouse=True)
+def _restore_cpu_kernels_switch():
+    """Every test starts with the process-wide C++ kernel switch as the session had it: an engine
+    built with ``cpu_kernels=False`` turns the kernels off for its whole process (workers/engine/
+    model_runner.py, one model per worker process), which must not leak into the next test of the
+    same pytest worker (a later fused-stack test would silently run the module path)."""
+    from kernels import cpu_kernels_enabled, set_cpu_kernels_enabled
+
+    before = cpu_kernels_enabled()
+    yield
+    set_cpu_kernels_enabled(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The embedded default model as a safetensors checkpoint (converted once per machine, then cached)."""
