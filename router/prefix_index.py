@@ -9,11 +9,14 @@ none of them guesses from what it alone sent. That is the routing state routers 
 are its single source of truth, nothing is replicated between routers.
 
 Terms:
-    held(w)     the chain hashes worker w reported holding (a set).
+    held(w)     the chain hashes worker w reported holding, each with the tier it holds it in
+                (workers/block_hash.py Tier: its device cache, host memory or local disk; the
+                fastest when several: LoadReport.blocks_stored_tiers, all device when absent).
     cursor(w)   (incarnation, block_seq) of the latest report applied; sent back on the next poll.
-    match(P)    for each worker, the number of leading full blocks of prompt P it holds: the
-                chain hash of block i names the whole prefix up to i, so one set lookup per block,
-                stopping at the first miss.
+    match(P)    for each worker, the number of leading full blocks of prompt P it holds (in any
+                tier): the chain hash of block i names the whole prefix up to i, so one dict
+                lookup per block, stopping at the first miss. ``match_tiers`` gives the tier of
+                each of those blocks (the prefix-aware policy weighs them).
 
 Example (block_size 4)::
 
@@ -21,6 +24,9 @@ Example (block_size 4)::
     index.apply("w0", "inc-a", BlockReport(seq=2, snapshot=True, stored=chain_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)),
                 block_size=4)
     index.match([1, 2, 3, 4, 5, 6, 7, 0, 9])   # {"w0": 1}: the first block only
+    index.apply("w0", "inc-a", BlockReport(seq=3, snapshot=False, stored=chain_hashes([1, 2, 3, 4], 4),
+                stored_tiers=[Tier.HOST]), block_size=4)   # the first block moved to host memory
+    index.match_tiers([1, 2, 3, 4, 5, 6, 7, 8, 9])   # {"w0": [Tier.HOST, Tier.DEVICE]}
 
 A worker that restarts (new incarnation) sends a snapshot (its cursor is refused); one that leaves
 is forgotten (``forget``). Single event loop: all methods run on the router's loop.
@@ -31,17 +37,26 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from workers.block_hash import ROOT, chain_hashes
+from workers.block_hash import ROOT, Tier, chain_hashes
 
 
 @dataclass(frozen=True)
 class BlockReport:
-    """The block-event part of one LoadReport (duet.worker.v1.LoadReport.block_*)."""
+    """The block-event part of one LoadReport (duet.worker.v1.LoadReport.block_*).
+    stored_tiers: the Tier of each ``stored`` hash, same order; empty = all on the device."""
 
     seq: int
     snapshot: bool
     stored: Sequence[int] = ()
     removed: Sequence[int] = ()
+    stored_tiers: Sequence[int] = ()
+
+    def held(self) -> dict[int, int]:
+        """stored hash -> its tier."""
+        if not self.stored_tiers:
+            return dict.fromkeys(self.stored, int(Tier.DEVICE))
+        assert len(self.stored_tiers) == len(self.stored), "one tier per stored hash"
+        return dict(zip(self.stored, self.stored_tiers))
 
 
 @dataclass
@@ -49,7 +64,7 @@ class _Holdings:
     incarnation: str
     block_size: int
     seq: int = 0
-    held: set[int] = field(default_factory=set)
+    held: dict[int, int] = field(default_factory=dict)  # chain hash -> Tier
 
 
 class PrefixIndex:
@@ -68,11 +83,12 @@ class PrefixIndex:
         assert block_size > 0
         h = self._workers.get(worker_id)
         if report.snapshot or h is None or h.incarnation != incarnation or h.block_size != block_size:
-            h = self._workers[worker_id] = _Holdings(incarnation, block_size, report.seq, set(report.stored))
+            h = self._workers[worker_id] = _Holdings(incarnation, block_size, report.seq, report.held())
             self.num_snapshots += 1
             return
-        h.held.difference_update(report.removed)
-        h.held.update(report.stored)
+        for x in report.removed:
+            h.held.pop(x, None)
+        h.held.update(report.held())
         h.seq = report.seq
         self.num_diffs += 1
 
@@ -86,8 +102,13 @@ class PrefixIndex:
     def match(self, token_ids: Sequence[int], workers: Iterable[str] | None = None, root: int = ROOT) -> dict[str, int]:
         """Leading full blocks of ``token_ids`` each known worker holds (workers holding none omitted).
         root: the chain's root (``adapter_root(adapter)`` for a request under a LoRA adapter)."""
+        return {wid: len(tiers) for wid, tiers in self.match_tiers(token_ids, workers, root).items()}
+
+    def match_tiers(self, token_ids: Sequence[int], workers: Iterable[str] | None = None,
+                    root: int = ROOT) -> dict[str, list[int]]:
+        """The Tier of each leading full block of ``token_ids`` each known worker holds (as ``match``)."""
         by_size: dict[int, list[int]] = {}
-        out: dict[str, int] = {}
+        out: dict[str, list[int]] = {}
         for wid in (self._workers if workers is None else workers):
             h = self._workers.get(wid)
             if h is None or not h.held:
@@ -95,13 +116,14 @@ class PrefixIndex:
             hashes = by_size.get(h.block_size)
             if hashes is None:
                 hashes = by_size[h.block_size] = chain_hashes(token_ids, h.block_size, root=root)
-            n = 0
+            tiers: list[int] = []
             for x in hashes:
-                if x not in h.held:
+                tier = h.held.get(x)
+                if tier is None:
                     break
-                n += 1
-            if n:
-                out[wid] = n
+                tiers.append(tier)
+            if tiers:
+                out[wid] = tiers
         return out
 
     def block_size(self, worker_id: str) -> int:

@@ -347,7 +347,8 @@ class WorkerDirectory:
         if self.prefix_index is not None and report.block_events_supported and report.kv_block_size:
             self.prefix_index.apply(m.worker_id, report.incarnation,
                                     BlockReport(report.block_seq, report.block_snapshot, report.blocks_stored,
-                                                report.blocks_removed), block_size=report.kv_block_size)
+                                                report.blocks_removed, report.blocks_stored_tiers),
+                                    block_size=report.kv_block_size)
         if report.worker_id and report.worker_id != m.worker_id:
             self._warn_once(m, "id", "worker %s at %s reports worker_id %r; keeping the member id",
                             m.worker_id, m.endpoint, report.worker_id)

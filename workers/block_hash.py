@@ -32,9 +32,20 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from enum import IntEnum
 
 ROOT = 0  # the parent of a prompt's first block
 _MASK = (1 << 64) - 1
+
+
+class Tier(IntEnum):
+    """Where a worker holds a block (LoadReport.blocks_stored_tiers): lower is faster to serve.
+    DEVICE: its KV cache (GPU or CPU memory); HOST and DISK: its lower KV tiers
+    (workers/engine/kv_tiers.py)."""
+
+    DEVICE = 0
+    HOST = 1
+    DISK = 2
 
 
 def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:

@@ -11,12 +11,34 @@ Where matched(w) comes from:
   * a worker that does not report holdings (prefix caching off, an older worker), or no
     ``holdings``: the PrefixTree of what this router sent there (router/prefix_tree.py).
 
+Tiers: a worker with lower KV tiers (workers/engine/kv_tiers.py) reports each block with the tier
+it holds it in (device cache, host memory, local disk); its own recent sends and the PrefixTree count
+as device. A matched block is worth, in blocks of prefill saved:
+
+    tier      weight  why
+    device    1.0     nothing to do: the block is reused in place
+    host      0.9     loaded back with one copy plus a checksum before the step: on CPU ~1.4 ms per
+                      16-token block against ~140 ms to recompute it (benchmarks/README.md,
+                      kv_tiers), so it saves nearly as much as a device hit; 0.1 off keeps device
+                      first among equals and prices a GPU's faster prefill, where a copy over PCIe
+                      is a larger share of what it saves
+    disk      0.5     read on the disk thread while the request waits parked (TTFT pays the read)
+                      and recomputed if the read misses cache.tier_load_timeout_s; it also
+                      displaces host blocks on its way in. Half a block: a disk hit beats
+                      recomputing but loses to a device or host hit of half the length
+    (none)    0       recompute
+
+(``host_weight`` and ``disk_weight`` set them; 0 <= disk <= host <= 1.) So for one prompt of 8
+blocks: w0 holding 4 on device scores 4.0; w1 holding all 8 in host, 7.2; w2 all 8 on disk, 4.0
+(a tie with w0, broken by load). Load enters as before: by the balance thresholds of step 3, and
+as the tie-break.
+
 Algorithm, per request (P = the prompt's token ids, load = WorkerState.load_tokens; a request under
 a LoRA adapter hashes P from its adapter's root, RouteRequest.prefix_root, so it matches only
 prefixes computed under the same adapter, as the workers key them):
  1. Cut P into full blocks of ``block_size`` tokens (= the workers' KV block size): matched(w) =
-    leading blocks of P that worker w holds (above).
- 2. best  = the healthy worker with the most matched blocks; ties -> lower load (so a popular
+    leading blocks of P that worker w holds (above), score(w) = the sum of their tier weights.
+ 2. best  = the healthy worker with the highest score; ties -> lower load (so a popular
             prefix held by several workers is spread by load), then fewer in-flight, then id.
     least = the least-loaded healthy worker (router/policies/least_loaded.py).
  3. matched(best) == 0        -> least      (nothing cached anywhere: plain least-loaded)
@@ -57,7 +79,7 @@ from router.policies.base import PolicyConfigError, RouteRequest, WorkerState, h
 from router.policies.least_loaded import least_loaded
 from router.prefix_index import PrefixIndex
 from router.prefix_tree import PrefixTree, block_hashes
-from workers.block_hash import ROOT, chain_hashes
+from workers.block_hash import ROOT, Tier, chain_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +91,8 @@ class PrefixAwarePolicy:
 
     def __init__(self, holdings: PrefixIndex | None = None, clock: Callable[[], float] = time.monotonic, *,
                  block_size: int = 16, balance_abs_tokens: int = 4096, balance_rel: float = 1.5,
-                 max_blocks_per_worker: int | None = None, pending_s: float = 1.0) -> None:
+                 max_blocks_per_worker: int | None = None, pending_s: float = 1.0,
+                 host_weight: float = 0.9, disk_weight: float = 0.5) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise PolicyConfigError(f"prefix_aware.block_size={block_size!r}: must be an integer >= 1 "
                                     "(use the workers' KV block size)")
@@ -84,6 +107,14 @@ class PrefixAwarePolicy:
         if not isinstance(pending_s, (int, float)) or not pending_s >= 0:
             raise PolicyConfigError(f"prefix_aware.pending_s={pending_s!r}: must be a number of seconds >= 0 "
                                     "(how long this router's own sends count before the workers' reports show them)")
+        for key, w in (("host_weight", host_weight), ("disk_weight", disk_weight)):
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
+                raise PolicyConfigError(f"prefix_aware.{key}={w!r}: must be a number in [0, 1] (blocks of "
+                                        "prefill a hit in that tier saves, a device hit saving 1)")
+        if disk_weight > host_weight:
+            raise PolicyConfigError(f"prefix_aware.disk_weight={disk_weight!r} > prefix_aware.host_weight="
+                                    f"{host_weight!r}: a disk hit is never worth more than a host hit")
+        self.tier_weights = {Tier.DEVICE: 1.0, Tier.HOST: float(host_weight), Tier.DISK: float(disk_weight)}
         self.block_size = block_size
         self.holdings = holdings
         self.pending_s = float(pending_s)
@@ -101,6 +132,7 @@ class PrefixAwarePolicy:
         # Counters (exported as metrics by the router).
         self.num_prefix_hits = 0  # routed to the best-matching worker
         self.num_matched_tokens = 0  # prompt tokens those hits matched
+        self.num_matched_blocks = dict.fromkeys(Tier, 0)  # ... their blocks, by the tier the chosen worker held them in
         self.num_no_match = 0  # no worker held the first block: routed least-loaded
         self.num_imbalance_fallbacks = 0  # best match too loaded: routed least-loaded
         self.num_worker_resets = 0  # tree entries dropped because a worker left or restarted
@@ -111,11 +143,13 @@ class PrefixAwarePolicy:
         root = request.prefix_root  # an adapter's prefixes are its own (workers/block_hash.py)
         hashes = block_hashes(request.prompt_token_ids, self.block_size, root)
         matched = self._match(request.prompt_token_ids, hashes, healthy, root)
+        score = {wid: sum(self.tier_weights[Tier(t)] for t in tiers) for wid, tiers in matched.items()}
         least = least_loaded(healthy)
-        best = min(healthy, key=lambda w: (-matched.get(w.worker_id, 0), w.load_tokens,
+        best = min(healthy, key=lambda w: (-score.get(w.worker_id, 0.0), w.load_tokens,
                                            w.in_flight_requests, w.worker_id))
-        best_blocks = matched.get(best.worker_id, 0)
-        if best_blocks == 0:
+        best_tiers = matched.get(best.worker_id, [])
+        best_blocks = len(best_tiers)
+        if score.get(best.worker_id, 0.0) == 0.0:
             self.num_no_match += 1
             logger.debug("request %s: no cached prefix on any worker, least-loaded -> %s",
                          request.request_id, least.worker_id)
@@ -132,6 +166,8 @@ class PrefixAwarePolicy:
         else:
             self.num_prefix_hits += 1
             self.num_matched_tokens += best_blocks * self.block_size
+            for t in best_tiers:
+                self.num_matched_blocks[Tier(t)] += 1
             chosen = best
         if self.holdings is not None and self.holdings.knows(chosen.worker_id):
             self._add_pending(chosen.worker_id, request.prompt_token_ids, root)
@@ -146,6 +182,7 @@ class PrefixAwarePolicy:
         return {
             "prefix_hits": self.num_prefix_hits,
             "matched_tokens": self.num_matched_tokens,
+            **{f"matched_{t.name.lower()}_blocks": n for t, n in self.num_matched_blocks.items()},
             "no_match": self.num_no_match,
             "imbalance_fallbacks": self.num_imbalance_fallbacks,
             "worker_resets": self.num_worker_resets,
@@ -155,12 +192,13 @@ class PrefixAwarePolicy:
 
     # ------------------------------------------------------------- internals
     def _match(self, token_ids: Sequence[int], hashes: list[int], healthy: Sequence[WorkerState],
-               root: int = ROOT) -> dict[str, int]:
-        """matched(w) for each healthy worker (module docstring): reported + pending, or the tree."""
+               root: int = ROOT) -> dict[str, list[int]]:
+        """The tiers of matched(w)'s blocks for each healthy worker (module docstring): reported +
+        pending, or the tree (both device)."""
         if self.holdings is None:
-            return self.tree.match(hashes)
+            return {wid: [Tier.DEVICE] * n for wid, n in self.tree.match(hashes).items()}
         reporting = [w.worker_id for w in healthy if self.holdings.knows(w.worker_id)]
-        matched = self.holdings.match(token_ids, reporting, root)
+        matched = self.holdings.match_tiers(token_ids, reporting, root)
         self._expire_pending()
         for wid in reporting:
             pending = self._pending_held.get(wid)
@@ -170,12 +208,12 @@ class PrefixAwarePolicy:
                     if h not in pending:
                         break
                     n += 1
-                if n > matched.get(wid, 0):
-                    matched[wid] = n
+                if n:  # sent there just now: its first n blocks will be on its device
+                    matched[wid] = [Tier.DEVICE] * n + matched.get(wid, [])[n:]
         if len(reporting) < len(healthy):
             tree = self.tree.match(hashes)
             known = set(reporting)
-            matched.update({wid: n for wid, n in tree.items() if wid not in known})
+            matched.update({wid: [Tier.DEVICE] * n for wid, n in tree.items() if wid not in known})
         return matched
 
     def _add_pending(self, worker_id: str, token_ids: Sequence[int], root: int = ROOT) -> None:

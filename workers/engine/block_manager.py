@@ -77,9 +77,10 @@ class BlockStats:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  events: BlockEventLog | None = None,
-                 on_evict: Callable[[BlockKey, int], None] | None = None) -> None:
-        """on_evict(key, block_id): called before a prefix-cached block is evicted for reuse, while
-        its KV is still intact (the lower KV tiers copy it out: workers/engine/kv_tiers.py)."""
+                 on_evict: Callable[[BlockKey, int, int], None] | None = None) -> None:
+        """on_evict(key, block_id, chain_hash): called before a prefix-cached block is evicted for
+        reuse, while its KV is still intact (the lower KV tiers copy it out and report it under the
+        same chain hash: workers/engine/kv_tiers.py)."""
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -196,7 +197,7 @@ class BlockManager:
         if block.key is not None:  # evict: its content is about to be overwritten
             if self._cached.get(block.key) == block_id:
                 if self._on_evict is not None:
-                    self._on_evict(block.key, block_id)
+                    self._on_evict(block.key, block_id, block.hash)
                 del self._cached[block.key]
                 self.events.removed((block.hash,))
             block.key = None

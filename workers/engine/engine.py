@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from workers.engine.block_events import BlockEventLog
 from workers.engine.block_manager import BlockManager, BlockStats
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer, add_batch, batch_decoder
@@ -132,11 +133,13 @@ class Engine:
         # request alone always fits and preemption can always make progress).
         limit = self.spec.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit, runner.num_blocks * bs)
-        self.tiers = (KVTiers(tier_store, runner, bs, config.cache.tier_load_timeout_s)
+        events = BlockEventLog()  # one log: the device's blocks (block manager) and the lower tiers' (KVTiers)
+        self.tiers = (KVTiers(tier_store, runner, bs, config.cache.tier_load_timeout_s, events=events)
                       if tier_store is not None else None)
         assert self.tiers is None or (block_manager is None and scheduler is None), \
             "with a tier store the engine builds the block manager and scheduler it wires to it"
         self.block_manager = block_manager or BlockManager(runner.num_blocks, bs, config.cache.enable_prefix_caching,
+                                                           events=events,
                                                            on_evict=self.tiers.evicted if self.tiers else None)
         self.scheduler = scheduler or Scheduler(config.scheduler, self.block_manager, self.spec.releasable_window,
                                                 lower_tiers=self.tiers)

@@ -16,6 +16,12 @@ The data flow (one direction per event):
                   ``on_evict``) -> ``KVTiers.evicted`` copies it out of the runner (its checksum and
                   the model fingerprint are attached by the store) into host; host's LRU spills to
                   disk on the store's writer thread; disk's LRU is deleted
+    reporting     every move below the device (into host, spilled to disk, read back into host,
+                  deleted, refused) is a block event (workers/engine/block_events.py) under the
+                  block's chain hash (workers/block_hash.py) with its tier, in the log the block
+                  manager reports the device in: routers see host and disk holdings as such
+                  (router/prefix_index.py), not as losses; a block loaded back into the device is
+                  stored on the device again by the block manager when the scheduler keys it
     admission     the scheduler takes device prefix hits, then asks ``match`` for the blocks that
                   continue the prefix in host memory (verified: a corrupt or foreign block ends the
                   match there, is counted and recomputed), allocates, and ``PrefixLoad.write`` copies
@@ -50,6 +56,8 @@ from typing import Protocol
 import torch
 import xxhash
 
+from workers.block_hash import Tier
+from workers.engine.block_events import BlockEventLog
 from workers.engine.block_manager import root_key
 from workers.engine.sequence import Sequence
 
@@ -136,6 +144,9 @@ class TierStore(Protocol):
     def wait(self, timeout: float) -> None:
         """Sleep until a disk read finishes or ``timeout`` seconds pass."""
 
+    def changes(self) -> list[bytes]:
+        """The digests whose tiers changed since the last call."""
+
     def count_deadline_miss(self) -> None: ...
 
     def stats(self) -> TierStats: ...
@@ -186,8 +197,12 @@ class KVTiers:
     PROBE_EVERY = 16  # while recompute is cheaper, every 16th match loads anyway (re-measures the load)
 
     def __init__(self, store: TierStore, io: BlockIO, block_size: int, load_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, events: BlockEventLog | None = None) -> None:
+        """events: the block event log to report moves below the device in (the block manager's),
+        None to report nothing."""
         self.store = store
+        self.events = events
+        self._below: dict[bytes, tuple[int, Tier]] = {}  # digest -> (chain hash, tier reported) below the device
         self.io = io
         self.block_size = block_size
         self.load_timeout_s = load_timeout_s
@@ -202,13 +217,39 @@ class KVTiers:
         self._bytes_loaded = 0
 
     # -------------------------------------------------------------- eviction
-    def evicted(self, key: tuple, block_id: int) -> None:
-        """The block manager is about to reuse ``block_id`` (prefix key ``key``): keep a copy below."""
+    def evicted(self, key: tuple, block_id: int, chain_hash: int) -> None:
+        """The block manager is about to reuse ``block_id`` (prefix key ``key``, reported as
+        ``chain_hash``): keep a copy below."""
         digest = key_digest(key)
         if self.store.where(digest) == "host":  # inclusive: the copy from its last load is still there
             self.store.touch(digest)
             return
+        if digest not in self._below:
+            self._below[digest] = (chain_hash, Tier.DEVICE)  # DEVICE: not reported below yet
         self.store.put(digest, self.io.read_blocks([block_id]).to("cpu"))
+        self._report()
+
+    def _report(self) -> None:
+        """Turn the store's moves into block events: each digest's chain hash leaves the lower tier
+        it was reported in and is stored in the one ``where`` names now (none: it is gone)."""
+        for digest in self.store.changes():
+            got = self._below.get(digest)
+            if got is None:
+                continue
+            h, old = got
+            where = self.store.where(digest)
+            new = Tier.HOST if where == "host" else Tier.DISK if where == "disk" else None
+            if new == old:
+                continue
+            if self.events is not None:
+                if new is not None:
+                    self.events.stored((h,), new)
+                if old != Tier.DEVICE:
+                    self.events.removed((h,), old)
+            if new is None:
+                del self._below[digest]
+            else:
+                self._below[digest] = (h, new)
 
     # ------------------------------------------------------------- admission
     def digests(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -246,6 +287,7 @@ class KVTiers:
                 break
             load.kv.append(kv)
         load.verify_s = time.perf_counter() - t0
+        self._report()  # refusals
         return load if load.kv else None
 
     def loaded(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
@@ -284,6 +326,7 @@ class KVTiers:
         Called every step: finished reads move into host also when nobody is parked (reads started
         by ``match`` for a resuming request)."""
         self.store.poll()
+        self._report()
         if not self._parked:
             return []
         now = self._clock()
@@ -320,3 +363,8 @@ class KVTiers:
 
     def close(self) -> None:
         self.store.close()
+        if self.events is not None:
+            for h, tier in self._below.values():
+                if tier != Tier.DEVICE:
+                    self.events.removed((h,), tier)
+        self._below.clear()

@@ -299,6 +299,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             report.block_seq, report.block_snapshot = diff.seq, diff.snapshot
             report.blocks_stored.extend(diff.stored)
             report.blocks_removed.extend(diff.removed)
+            report.blocks_stored_tiers.extend(diff.stored_tiers)
         return report
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,

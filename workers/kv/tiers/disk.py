@@ -59,19 +59,19 @@ class DiskTier:
     def path(self, digest: bytes) -> Path:
         return self.dir / f"{digest.hex()}.kvb"
 
-    def put(self, block: TierBlock) -> int:
-        """Queue a write of ``block``; -> how many blocks the budget evicted (their deletes queued)."""
+    def put(self, block: TierBlock) -> list[bytes]:
+        """Queue a write of ``block``; -> the digests the budget evicted (their deletes queued)."""
         if block.digest in self._index:
             self._index.move_to_end(block.digest)
-            return 0
+            return []
         raw = encode(block, self.fingerprint, self.layout)  # a copy: the tensor may be reused meanwhile
         self._index[block.digest] = block.nbytes
         self.bytes += block.nbytes
         self._pool.submit(self._write, self.path(block.digest), raw)
-        evicted = 0
+        evicted = []
         while self.bytes > self.capacity_bytes and len(self._index) > 1:
-            self.drop(next(iter(self._index)))
-            evicted += 1
+            evicted.append(next(iter(self._index)))
+            self.drop(evicted[-1])
         return evicted
 
     def read(self, digest: bytes) -> concurrent.futures.Future:

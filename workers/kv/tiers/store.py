@@ -6,7 +6,8 @@ fingerprint is the store's) and kept in host; what falls out of host's budget is
 host block after checking its checksum; ``prefetch`` starts a disk read whose result ``poll`` (on
 the engine thread) verifies and moves into host. A block that fails a check is refused: dropped
 from its tier, counted (``refused_corrupt`` / ``refused_foreign``) and never served; the engine
-recomputes it.
+recomputes it. Every digest whose tiers change (stored, spilled, read back, evicted, refused) is
+remembered until ``changes`` hands it over: the engine reports those moves as block events.
 
 Example::
 
@@ -39,6 +40,7 @@ class TieredStore:
         self.host = host
         self.disk = disk
         self._reads: dict[bytes, concurrent.futures.Future] = {}
+        self._changed: set[bytes] = set()  # digests whose tiers changed since the last ``changes``
         # (host hits and bytes loaded into the device are counted where the load happens: KVTiers)
         self._n = dict(disk_hits=0, stored_blocks=0, bytes_to_host=0, bytes_to_disk=0, host_evictions=0, disk_evictions=0, refused_corrupt=0, refused_foreign=0,
                        deadline_misses=0)
@@ -47,15 +49,19 @@ class TieredStore:
         block = seal(digest, kv)
         self._n["stored_blocks"] += 1
         self._n["bytes_to_host"] += block.nbytes
+        self._changed.add(digest)
         self._spill(self.host.put(block))
 
     def _spill(self, victims: list[TierBlock]) -> None:
         """Blocks out of host's budget go to disk (dropped without a disk tier)."""
         for victim in victims:
             self._n["host_evictions"] += 1
+            self._changed.add(victim.digest)
             if self.disk is not None:
                 self._n["bytes_to_disk"] += victim.nbytes
-                self._n["disk_evictions"] += self.disk.put(victim)
+                deleted = self.disk.put(victim)
+                self._n["disk_evictions"] += len(deleted)
+                self._changed.update(deleted)
 
     def touch(self, digest: bytes) -> None:
         self.host.touch(digest)
@@ -76,6 +82,7 @@ class TieredStore:
         except BlockRefused as e:
             self._refuse(e)
             self.host.drop(digest)
+            self._changed.add(digest)
             return None
         return block.kv
 
@@ -98,9 +105,17 @@ class TieredStore:
                 self._refuse(e)
                 assert self.disk is not None
                 self.disk.drop(digest)
+                self._changed.add(digest)
                 continue
             self._n["disk_hits"] += 1
+            self._changed.add(digest)
             self._spill(self.host.put(block))
+
+    def changes(self) -> list[bytes]:
+        """The digests whose tiers changed since the last call (``where`` says where they are now)."""
+        out = list(self._changed)
+        self._changed.clear()
+        return out
 
     def wait(self, timeout: float) -> None:
         if self._reads:
@@ -124,6 +139,7 @@ class TieredStore:
         for fut in self._reads.values():
             fut.cancel()
         self._reads.clear()
+        self._changed.clear()
         self.host.clear()
         if self.disk is not None:
             self.disk.close()

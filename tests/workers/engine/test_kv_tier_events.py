@@ -1,0 +1,168 @@
+"""Block events with KV tiers (workers/engine/block_events.py, workers/engine/kv_tiers.py): a block
+evicted from the device is reported as moved to host, then to disk, then gone; a refused block is
+reported gone; a block loaded back is on the device again; and the index a router builds from those
+events predicts exactly what the engine serves (device hits, then host loads)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from router.prefix_index import BlockReport, PrefixIndex
+from workers.block_hash import Tier, chain_hashes
+from workers.config import SchedulerConfig
+from workers.engine.block_events import BlockEventLog
+from workers.engine.block_manager import BlockManager
+from workers.engine.kv_tiers import KVTiers
+from workers.engine.runner import KVLayout
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import Sequence
+from workers.kv.tiers.disk import DiskTier
+from workers.kv.tiers.host import HostTier
+from workers.kv.tiers.store import TieredStore
+from workers.sampling_params import SamplingParams
+
+BS = 4
+BLOCK_BYTES = 2 * 2 * 1 * BS * 1 * 4 * 4  # [L=2, 2, 1, bs, G=1, D=4] float32
+LAYOUT = KVLayout(num_layers=2, block_size=BS, num_kv_heads=1, head_dim=4, dtype=torch.float32)
+
+
+class TensorPool:
+    """A runner's KV block pool and nothing else: [L, 2, num_blocks, bs, G, D] (BlockIO)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.kv = torch.zeros(2, 2, num_blocks, BS, 1, 4)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return self.kv[:, :, block_ids].clone()
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        self.kv[:, :, block_ids] = kv
+
+
+def build(num_blocks: int, store: TieredStore):
+    pool = TensorPool(num_blocks)
+    events = BlockEventLog()
+    tiers = KVTiers(store, pool, BS, load_timeout_s=5.0, events=events)
+    bm = BlockManager(num_blocks, BS, events=events, on_evict=tiers.evicted)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256), bm, lower_tiers=tiers)
+    return pool, tiers, bm, sched
+
+
+def run_prefill(pool: TensorPool, sched: Scheduler, seq: Sequence) -> int:
+    """Schedule ``seq`` alone, 'compute' its KV (slot of token t holds float(t)), free it; -> the
+    prompt tokens that were not computed (device hits + host loads)."""
+    sched.add(seq)
+    out = sched.schedule()
+    (chunk,) = out.chunks
+    for i, tok in enumerate(chunk.token_ids):
+        pos = chunk.start_pos + i
+        pool.kv[:, :, chunk.block_table[pos // BS], pos % BS] = float(tok)
+    sched.commit(out)
+    sched.remove(seq)
+    return chunk.start_pos
+
+
+def held(events: BlockEventLog) -> dict[int, int]:
+    diff = events.read(0)
+    return BlockReport(diff.seq, diff.snapshot, diff.stored, diff.removed, diff.stored_tiers).held()
+
+
+def test_log_reports_the_fastest_tier_and_only_its_changes():
+    log = BlockEventLog()
+    log.stored([1, 2])
+    assert log.read(0).stored_tiers == []  # all on the device: no tier list on the wire
+    seq = log.seq
+    log.stored([1], Tier.HOST)  # a host copy of a device block: still reported on the device
+    assert log.seq == seq and log.tier(1) == Tier.DEVICE
+    log.removed([1])  # evicted from the device: now in host
+    diff = log.read(seq)
+    assert (diff.stored, diff.removed, diff.stored_tiers) == ([1], [], [Tier.HOST])
+    log.stored([1], Tier.DISK)
+    log.removed([1], Tier.HOST)  # spilled
+    log.removed([2])
+    diff = log.read(diff.seq)
+    assert sorted(zip(diff.stored, diff.stored_tiers)) == [(1, Tier.DISK)] and diff.removed == [2]
+    snap = log.read(0)
+    assert snap.snapshot and list(zip(snap.stored, snap.stored_tiers)) == [(1, Tier.DISK)]
+    log.removed([1], Tier.DISK)
+    assert log.num_held() == 0 and log.read(diff.seq).removed == [1]
+
+
+def test_evicted_blocks_are_reported_in_host_then_disk_then_gone(tmp_path: Path):
+    store = TieredStore(HostTier(2 * BLOCK_BYTES), DiskTier(3 * BLOCK_BYTES, 7, LAYOUT, str(tmp_path)))
+    pool, tiers, bm, sched = build(4, store)
+    a = list(range(1, 14))  # 3 full blocks
+    run_prefill(pool, sched, Sequence("a", a, SamplingParams(), 0))
+    ha = chain_hashes(a, BS)
+    assert held(bm.events) == dict.fromkeys(ha, Tier.DEVICE)
+    run_prefill(pool, sched, Sequence("b", list(range(100, 116)), SamplingParams(), 1))  # evicts a's 3 blocks
+    got = held(bm.events)
+    # host holds 2 blocks, the first evicted spilled to disk (a's tail is evicted first: freed first)
+    assert sorted(got[h] for h in ha) == [Tier.HOST, Tier.HOST, Tier.DISK], got
+    assert tiers.stats().host_blocks == 2 and tiers.stats().disk_blocks == 1
+    run_prefill(pool, sched, Sequence("c", list(range(200, 216)), SamplingParams(), 2))  # b's go down too
+    got = held(bm.events)
+    below = {h: t for h, t in got.items() if t != Tier.DEVICE}
+    assert len(below) == 2 + 3  # what host and disk hold, no more: the rest is reported removed
+    assert sum(t == Tier.DISK for t in below.values()) == 3 and store.disk is not None and len(store.disk) == 3
+    tiers.close()
+    assert all(t == Tier.DEVICE for t in held(bm.events).values())  # nothing below the device after close
+
+
+def test_a_block_loaded_back_is_on_the_device_again():
+    store = TieredStore(HostTier(1 << 20))
+    pool, tiers, bm, sched = build(4, store)
+    a = list(range(1, 13))
+    run_prefill(pool, sched, Sequence("a", a, SamplingParams(), 0))
+    run_prefill(pool, sched, Sequence("b", list(range(100, 116)), SamplingParams(), 1))
+    ha = chain_hashes(a, BS)
+    assert [held(bm.events)[h] for h in ha] == [Tier.HOST] * 3
+    seq = bm.events.seq
+    assert run_prefill(pool, sched, Sequence("a2", a + [13], SamplingParams(), 2)) == 12  # 3 blocks loaded
+    diff = bm.events.read(seq)
+    assert {h: t for h, t in zip(diff.stored, diff.stored_tiers or [Tier.DEVICE] * len(diff.stored))
+            if h in ha} == dict.fromkeys(ha, Tier.DEVICE)  # the restore is a block event
+
+
+def test_a_refused_block_is_reported_gone():
+    store = TieredStore(HostTier(1 << 20))
+    pool, tiers, bm, sched = build(4, store)
+    a = list(range(1, 13))
+    run_prefill(pool, sched, Sequence("a", a, SamplingParams(), 0))
+    run_prefill(pool, sched, Sequence("b", list(range(100, 116)), SamplingParams(), 1))
+    first = tiers.digests(Sequence("p", a, SamplingParams(), 9), 1)[0]
+    block = store.host.get(first)
+    assert block is not None
+    block.kv.view(-1)[0] += 1.0  # damage the host copy: its checksum no longer matches
+    assert run_prefill(pool, sched, Sequence("a2", a + [13], SamplingParams(), 2)) == 0  # refused: recomputed
+    assert store.stats().refused_corrupt == 1
+    ha = chain_hashes(a, BS)
+    assert held(bm.events)[ha[0]] == Tier.DEVICE  # recomputed into the device, not reported from host
+
+
+def test_reported_tiers_predict_what_the_engine_serves():
+    """Equivalence: for random prompts sharing prefixes, under eviction into a host tier, the index a
+    router builds from the events predicts exactly the tokens the engine does not compute (device hits
+    then host loads), and no block reported in host comes before one on the device."""
+    rng = random.Random(11)
+    store = TieredStore(HostTier(10 * BLOCK_BYTES))
+    pool, tiers, bm, sched = build(8, store)
+    index = PrefixIndex()
+    stems = [[rng.randrange(50) for _ in range(16)] for _ in range(5)]
+    seq = 0
+    hosts = 0
+    for i in range(80):
+        prompt = rng.choice(stems)[: rng.choice([4, 8, 12, 16])] + [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
+        diff = bm.events.read(seq)
+        index.apply("w", "inc", BlockReport(diff.seq, diff.snapshot, diff.stored, diff.removed, diff.stored_tiers),
+                    block_size=BS)
+        seq = diff.seq
+        tiers_of = index.match_tiers(prompt).get("w", [])
+        assert tiers_of == sorted(tiers_of) and Tier.DISK not in tiers_of, tiers_of
+        hosts += tiers_of.count(Tier.HOST)
+        predicted = min(len(tiers_of), (len(prompt) - 1) // BS) * BS
+        assert run_prefill(pool, sched, Sequence(f"r{i}", prompt, SamplingParams(), i)) == predicted, (i, prompt)
+    assert hosts > 0 and tiers.stats().host_hits > 0  # the host tier was exercised
