@@ -132,7 +132,10 @@ WORKER_COUNTERS = (
     ("prefix_pull_bytes", "prefix_pull_bytes", "KV bytes pulled for prompt prefixes"),
     ("prefix_pull_failures", "prefix_pull_failures", "prefix pulls that failed (the prompt was computed instead)"),
     ("prefix_pulls_served", "prefix_pulls_served", "prefix pulls this worker served as the holder"),
-    # lower KV tiers (workers/engine/kv_tiers.py); all 0 when cache.host_tier_bytes is 0
+    # lower KV tiers (workers/engine/kv_tiers.py); all 0 when cache.host_tier_bytes is 0. Load latency per
+    # block = rate(..._kv_tier_load_seconds_total) / rate(..._kv_tier_host_hits_total). Where the router sent
+    # prefix hits, by the tier the worker held them in: duet_router_outcomes_total{outcome=
+    # "policy_matched_{device,host,disk}_blocks"} (router/policies/prefix_aware.py)
     ("tier_host_hits", "kv_tier_host_hits", "KV blocks loaded back into the device from the host tier"),
     ("tier_disk_hits", "kv_tier_disk_hits", "KV blocks read back from the disk tier into host"),
     ("tier_bytes_to_host", "kv_tier_to_host_bytes", "KV bytes evicted from the device into the host tier"),

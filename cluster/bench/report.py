@@ -34,6 +34,13 @@ def print_report(res: dict[str, Any]) -> None:
               f"{p['p50_ms']:>6.2f}/{p['p90_ms']:>6.2f}/{p['p99_ms']:>6.2f} {i['p50_ms']:>6.1f}/{i['p99_ms']:<6.1f} "
               f"{e['p50_ms']:>10.1f} {r['request_throughput_rps']:>6.2f} {r['output_throughput_tps']:>7.1f} "
               f"{r['goodput_rps']:>7.2f}")
+    hits = [r for r in res.get("rates", []) if "hit_rate" in r]
+    if hits:
+        print("\nprefix hit rate per KV tier (of prompt blocks; cluster/bench/tier_hits.py):")
+        for r in hits:
+            h = r["hit_rate"]
+            print(f"{r['rate']!s:>6} {r['path']:>7}  device {h['device']:.2f}  host {h['host']:.2f}  "
+                  f"disk (read back) {h['disk_read_back']:.2f}  of {h['prompt_blocks']} blocks")
     for key, title in (("overhead", "router overhead vs the real worker"),
                        ("overhead_echo", "router overhead vs a zero-compute echo worker")):
         if res.get(key):

@@ -20,7 +20,9 @@ workload and senders in cluster/bench/load_gen.py):
                 token, as medians of the per-request differences. Targets: < 1 ms TTFT, < 0.2 ms/token.
     rates       open loop: ``--num-requests`` requests arriving as a Poisson process at each rate of
                 ``--rates`` (req/s; 'inf' = all at once), through the router and (if a worker endpoint
-                is known) straight to the worker: TTFT, TPOT, ITL, E2E p50/p90/p99, throughput, goodput.
+                is known) straight to the worker: TTFT, TPOT, ITL, E2E p50/p90/p99, throughput, goodput,
+                and the prefix hit rate per KV tier (device, host, disk) from the worker's counters
+                (cluster/bench/tier_hits.py; needs the worker endpoint).
     echo        the overhead phase again, ``--echo-overhead-requests`` pairs, against a zero-compute
                 worker (cluster/bench/echo_worker.py, its own process) behind a router in this process:
                 without the engine's ±10 ms step jitter the router's sub-millisecond cost is resolved
@@ -56,11 +58,13 @@ from typing import Any
 
 import grpc
 
+from protos.duet.worker.v1 import worker_pb2_grpc
 from cluster.bench.api import (OpenAISender, http_client, long_prompts, measure_api_overhead, measure_n_fanout,
                                print_api_report)
 from cluster.bench.load_gen import (BenchRequest, RouterSender, Sender, WorkerSender, build_workload,
                                  poisson_arrivals, run_alternating, run_open_loop)
 from cluster.bench.metrics import SLO, percentile, summarize
+from cluster.bench.tier_hits import hit_rates, read_counters
 from cluster.bench.report import (PLOT_HINT, TARGET_PER_TOKEN_OVERHEAD_MS, TARGET_TTFT_OVERHEAD_MS, code_version,
                                   machine, plot, print_report)
 
@@ -159,14 +163,19 @@ async def measure_overhead(senders: list[Sender], requests: list[BenchRequest]) 
 
 
 async def measure_rates(senders: list[Sender], requests: list[BenchRequest], rates: list[float], seed: int,
-                        slo: SLO) -> list[dict[str, Any]]:
+                        slo: SLO, worker: Any = None) -> list[dict[str, Any]]:
+    """worker: the worker's WorkerStub, read before and after each run for its hit rate per tier."""
     results = []
+    prompt_lengths = [len(r.prompt_ids) for r in requests]
     for i, rate in enumerate(rates):
         arrivals = poisson_arrivals(len(requests), rate, seed + i)
         order = senders if i % 2 == 0 else senders[::-1]
         for sender in order:
+            before = await read_counters(worker) if worker is not None else None
             records = await run_open_loop(sender, requests, arrivals)
             summary = summarize(records, slo)
+            if before is not None:
+                summary["hit_rate"] = hit_rates(before, await read_counters(worker), prompt_lengths)
             summary.update(path=sender.name, rate=_rate_json(rate), raw=[asdict(r) for r in records])
             results.append(summary)
             logger.info("rate %s %-6s: %d/%d ok, TTFT p50 %.1f ms, TPOT p50 %.2f ms, %.1f out tok/s, goodput %.2f req/s",
@@ -202,7 +211,8 @@ async def run_phases(args: argparse.Namespace, target: str, worker_endpoint: str
                                                              requests[:args.api_compare_requests], args.timeout,
                                                              tls, token)
         if not args.overhead_only:
-            out["rates"] = await measure_rates(senders, requests[:args.num_requests], rates, args.seed, slo)
+            worker = worker_pb2_grpc.WorkerStub(channels[1]) if worker_endpoint else None
+            out["rates"] = await measure_rates(senders, requests[:args.num_requests], rates, args.seed, slo, worker)
             if args.n_trials > 0:
                 logger.info("n phase: %d trials of n=1 vs n=4 on %d-token prompts", args.n_trials, args.n_prompt_tokens)
                 out["n_fanout"] = await measure_n_fanout(

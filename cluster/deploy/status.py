@@ -138,7 +138,9 @@ def _worker_load(endpoint: str, timeout: float) -> dict[str, Any]:
                      **{f: getattr(r, f) for f in ("tier_host_bytes", "tier_disk_bytes", "tier_host_hits",
                                                    "tier_disk_hits", "tier_host_evictions", "tier_disk_evictions",
                                                    "tier_refused_corrupt", "tier_refused_foreign",
-                                                   "tier_deadline_misses")}}}
+                                                   "tier_deadline_misses", "tier_bytes_to_host",
+                                                   "tier_bytes_to_disk", "tier_bytes_loaded",
+                                                   "tier_load_seconds")}}}
 
 
 def _drafter_load(endpoint: str, timeout: float) -> dict[str, Any]:
@@ -257,6 +259,10 @@ def format_status(status: dict[str, Any]) -> str:
                              f"({ld['tier_disk_hits']} hits, {ld['tier_disk_evictions']} evicted), refused "
                              f"{ld['tier_refused_corrupt']} corrupt / {ld['tier_refused_foreign']} foreign, "
                              f"{ld['tier_deadline_misses']} deadline misses")
+                lines.append(f"  {'':<12} KV tiers moved: {ld.get('tier_bytes_to_host', 0) / 1e6:.1f} MB to host, "
+                             f"{ld.get('tier_bytes_to_disk', 0) / 1e6:.1f} MB to disk, "
+                             f"{ld.get('tier_bytes_loaded', 0) / 1e6:.1f} MB loaded back; load "
+                             f"{_per_block_ms(ld.get('tier_load_seconds', 0.0), ld['tier_host_hits'])} per block")
             if ld.get("kv_transfers_sent") or ld.get("kv_transfers_received") or ld.get("kv_transfer_failures"):
                 lines.append(f"  {'':<12} KV transfers: sent {ld['kv_transfers_sent']} ({ld['kv_bytes_sent'] / 1e6:.1f} "
                              f"MB), received {ld['kv_transfers_received']} ({ld['kv_bytes_received'] / 1e6:.1f} MB), "
@@ -266,3 +272,8 @@ def format_status(status: dict[str, Any]) -> str:
                              f"{ld['prefix_pull_bytes'] / 1e6:.1f} MB), {ld['prefix_pull_failures']} fell back to "
                              f"recompute, {ld['prefix_pulls_served']} served")
     return "\n".join(lines)
+
+
+def _per_block_ms(seconds: float, blocks: int) -> str:
+    """Mean time to load one block from a lower tier into the device ('-' before the first)."""
+    return f"{seconds / blocks * 1e3:.2f} ms" if blocks else "-"

@@ -6,7 +6,15 @@ Terms:
                   out (LRU); a ``TierStore`` (workers/kv/tiers/store.py) owns them
     digest        a block's identity below the device: 16 bytes, XXH3-128 over the parent block's
                   digest and the block's token ids (so it names the whole prefix, as the block
-                  manager's chained key does); ``chain_digests(tokens, bs)``
+                  manager's chained key does): ``next_digest``, ``key_digest``. Not the 64-bit chain
+                  hash the block events report (workers/block_hash.py), although both name the same
+                  prefix: the device reuses a block only after comparing its tokens (the key), so a
+                  chain-hash collision costs a routing guess; below the device the digest *is* the
+                  identity (no tokens are kept to compare), so a collision would serve another
+                  prefix's KV. The chain hash is Python's tuple hash, not collision-resistant; the
+                  digest is 128 bits of XXH3. Each block below the device carries both (the hash
+                  only to report its moves), so the tiers hash a prefix a second time, once per
+                  eviction and per admission lookup, a cost far below the copy it accompanies
     park          a new request whose prefix continues on disk waits outside the scheduler until
                   those reads are done or ``cache.tier_load_timeout_s`` passes (then it recomputes);
                   the step loop never waits on disk

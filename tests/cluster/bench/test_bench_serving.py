@@ -41,6 +41,9 @@ def test_bench_router_vs_direct_writes_json_and_png(smollm2_path, tok, pool, tmp
         assert r["output_tokens"] == res["rates"][0]["output_tokens"]
         assert 0 < r["ttft"]["p50_ms"] <= r["ttft"]["p99_ms"] and r["tpot"]["p50_ms"] > 0
         assert 0 < r["goodput_rps"] <= r["request_throughput_rps"]
+        # hit rate per KV tier, from the worker's counters (the fake worker caches nothing: all 0)
+        assert r["hit_rate"] == {"prompt_blocks": res["rates"][0]["hit_rate"]["prompt_blocks"], "device": 0.0,
+                                 "host": 0.0, "disk_read_back": 0.0} and r["hit_rate"]["prompt_blocks"] > 0
     o = res["overhead"]
     assert o["pairs"] == 3 and len(o["raw"]["router"]) == len(o["raw"]["direct"]) == 3
     assert isinstance(o["ttft_overhead_p50_ms"], float) and isinstance(o["ttft_target_met"], bool)

@@ -37,9 +37,11 @@ def test_status_shows_kv_tiers_only_when_on():
     busy = format_status({"workers": [_worker(
         tier_host_bytes=8_000_000, tier_disk_bytes=20_000_000, tier_host_hits=12, tier_disk_hits=3,
         tier_host_evictions=40, tier_disk_evictions=1, tier_refused_corrupt=2, tier_refused_foreign=0,
-        tier_deadline_misses=1)]})
+        tier_deadline_misses=1, tier_bytes_to_host=30_000_000, tier_bytes_to_disk=10_000_000,
+        tier_bytes_loaded=9_000_000, tier_load_seconds=0.03)]})
     assert ("KV tiers: host 8.0 MB (12 hits, 40 evicted), disk 20.0 MB (3 hits, 1 evicted), refused 2 corrupt / "
             "0 foreign, 1 deadline misses") in busy
+    assert "KV tiers moved: 30.0 MB to host, 10.0 MB to disk, 9.0 MB loaded back; load 2.50 ms per block" in busy
     fields = set(worker_pb2.LoadReport.DESCRIPTOR.fields_by_name)
     from router.prometheus import WORKER_GAUGES
 
