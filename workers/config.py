@@ -47,6 +47,9 @@ class CacheConfig:
         least recently used blocks are written here and read back asynchronously.
     disk_tier_dir: where the disk tier's directory goes (None = the system temp directory); each
         worker process makes its own subdirectory and removes it at shutdown.
+    host_tier_shared: keep the host tier in the node's shared memory (/dev/shm), one copy per node
+        and model, shared by the node's workers and kept across a worker's restart (workers/kv/
+        tiers/node.py); host_tier_bytes is then the node's budget. CPU workers only.
     tier_policy: which block a full tier gives up first: 'lru' (least recently used).
     tier_load_timeout_s: a new request whose prefix continues on disk waits at most this long for
         the reads (outside the scheduler); then it recomputes what has not arrived.
@@ -61,6 +64,7 @@ class CacheConfig:
     host_tier_bytes: int = 0
     disk_tier_bytes: int = 0
     disk_tier_dir: str | None = None
+    host_tier_shared: bool = False
     tier_policy: str = "lru"
     tier_load_timeout_s: float = 0.5
 
@@ -81,6 +85,11 @@ class CacheConfig:
         if self.host_tier_bytes and not self.enable_prefix_caching:
             raise ConfigError(f"cache.host_tier_bytes={self.host_tier_bytes} with cache.enable_prefix_caching=false: "
                               "the tiers keep prefix-cached blocks; enable prefix caching or set host_tier_bytes to 0")
+        if not isinstance(self.host_tier_shared, bool):
+            raise ConfigError(f"cache.host_tier_shared={self.host_tier_shared!r}: must be true or false")
+        if self.host_tier_shared and not self.host_tier_bytes:
+            raise ConfigError("cache.host_tier_shared=true with cache.host_tier_bytes=0: set the node tier's budget "
+                              "in host_tier_bytes (e.g. 4GiB) or host_tier_shared to false")
         if self.tier_policy not in TIER_POLICIES:
             raise ConfigError(f"cache.tier_policy={self.tier_policy!r}: must be one of {', '.join(TIER_POLICIES)}")
         if not self.tier_load_timeout_s > 0:
@@ -477,6 +486,10 @@ class EngineConfig:
         if self.kv_transfer_backend == "nccl" and self.device == "cpu":
             raise ConfigError("kv_transfer_backend='nccl' with device='cpu': nccl moves KV between GPUs; use auto, "
                               "shm or gloo, or device cuda")
+        if self.cache.host_tier_shared and self.device.startswith("cuda"):
+            raise ConfigError(f"cache.host_tier_shared=true with device={self.device!r}: the node's shared host tier "
+                              "is for CPU workers (a GPU worker's host tier is its own pinned memory); set device "
+                              "to cpu or host_tier_shared to false")
 
     @property
     def graph_capture_sizes(self) -> tuple[int, ...]:

@@ -26,17 +26,21 @@ import logging
 import torch
 
 from workers.config import CacheConfig
+from workers.errors import ConfigError
 from workers.engine.kv_tiers import TierStats
 from workers.engine.runner import KVLayout
 from workers.kv.tiers.block_file import BlockRefused, TierBlock, seal, verify
 from workers.kv.tiers.disk import DiskTier
 from workers.kv.tiers.host import HostTier
+from workers.kv.tiers.node import NodeTier
 
 logger = logging.getLogger(__name__)
 
 
 class TieredStore:
-    def __init__(self, host: HostTier, disk: DiskTier | None = None) -> None:
+    def __init__(self, host: HostTier | NodeTier, disk: DiskTier | None = None) -> None:
+        """host: this process's HostTier, or the node's shared NodeTier (a CPU worker with
+        cache.host_tier_shared)."""
         self.host = host
         self.disk = disk
         self._reads: dict[bytes, concurrent.futures.Future] = {}
@@ -74,10 +78,10 @@ class TieredStore:
         return None
 
     def get(self, digest: bytes) -> torch.Tensor | None:
-        block = self.host.get(digest)
-        if block is None:
-            return None
         try:
+            block = self.host.get(digest)  # a NodeTier verifies as it reads (and may refuse)
+            if block is None:
+                return None
             verify(block)
         except BlockRefused as e:
             self._refuse(e)
@@ -150,8 +154,14 @@ def make_tier_store(cache: CacheConfig, layout: KVLayout, fingerprint: int, pin:
     host memory (a GPU runner)."""
     if not cache.tiers_enabled:
         return None
+    if cache.host_tier_shared and pin:
+        raise ConfigError("cache.host_tier_shared=true on a GPU worker (device cuda): the node's shared host tier "
+                          "is for CPU workers; set device to cpu or host_tier_shared to false")
+    host = (NodeTier(cache.host_tier_bytes, fingerprint, layout) if cache.host_tier_shared
+            else HostTier(cache.host_tier_bytes, pin=pin))
     disk = (DiskTier(cache.disk_tier_bytes, fingerprint, layout, cache.disk_tier_dir)
             if cache.disk_tier_bytes else None)
-    logger.info("KV tiers: host %d bytes%s, disk %s, policy %s", cache.host_tier_bytes, " (pinned)" if pin else "",
+    logger.info("KV tiers: host %d bytes%s, disk %s, policy %s", cache.host_tier_bytes,
+                " (pinned)" if pin else f" (shared by the node: {host.dir})" if isinstance(host, NodeTier) else "",
                 f"{cache.disk_tier_bytes} bytes in {disk.dir}" if disk else "off", cache.tier_policy)
-    return TieredStore(HostTier(cache.host_tier_bytes, pin=pin), disk)
+    return TieredStore(host, disk)

@@ -1,0 +1,89 @@
+"""The node's shared host tier through real workers (two SmolLM2 worker servers in this process, one
+node, ``cache.host_tier_shared``): a conversation one worker evicted into the node's tier is a host
+hit on the other worker, and on a worker restarted on the node; the greedy tokens equal the engine's
+with tiers off; stopping every worker leaves no shared-memory file."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import grpc
+import pytest
+from testkit.router_fakes import LoopThread
+
+from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
+from workers.config import CacheConfig, EngineConfig
+from workers.kv.tiers.node import PREFIX
+from workers.server.service import start_worker_server
+
+KV_BYTES = 16 << 20  # 22 blocks of 16 tokens (SmolLM2, fp32): 352 tokens
+SYSTEM = [1, 9690, 198] + list(range(2000, 2125))  # 128 tokens: 8 blocks
+TURN1 = SYSTEM + list(range(3000, 3030))
+FILLERS = [list(range(5000 + 400 * i, 5300 + 400 * i)) for i in range(2)]
+
+
+def _submit(endpoint: str, rid: str, ids: list[int]) -> list[int]:
+    with grpc.insecure_channel(endpoint) as channel:
+        req = worker_pb2.SubmitRequest(request_id=rid, prompt_token_ids=ids, sampling=worker_pb2.SamplingParams(
+            max_tokens=8, temperature=0.0, top_p=1.0, ignore_eos=True))
+        return [t for r in worker_pb2_grpc.WorkerStub(channel).Submit(req, timeout=300) for t in r.token_ids]
+
+
+def _host_hits(endpoint: str) -> int:
+    with grpc.insecure_channel(endpoint) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=10).tier_host_hits
+
+
+def _node_dirs() -> list[Path]:
+    return sorted(Path("/dev/shm").glob(f"{PREFIX}*"))
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path):
+    """Turn 1, turn 2 and turn 3 computed by the engine with tiers off."""
+    from workers.llm import LLM
+    from workers.sampling_params import SamplingParams
+
+    llm = LLM(str(smollm2_path), kv_cache_memory_bytes=KV_BYTES)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out1 = list(llm.generate([TURN1], params)[0].token_ids)
+    turn2 = TURN1 + out1 + list(range(3100, 3130))
+    out2 = list(llm.generate([turn2], params)[0].token_ids)
+    turn3 = turn2 + out2 + list(range(3200, 3230))
+    out3 = list(llm.generate([turn3], params)[0].token_ids)
+    del llm
+    gc.collect()
+    return [(TURN1, out1), (turn2, out2), (turn3, out3)]
+
+
+def test_workers_of_a_node_share_the_host_tier_and_a_restarted_one_reuses_it(smollm2_path, reference):
+    if _node_dirs():
+        pytest.skip(f"another process uses a node tier now ({_node_dirs()}): this test checks /dev/shm is left empty")
+    config = EngineConfig(model=str(smollm2_path), cache=CacheConfig(
+        kv_cache_memory_bytes=KV_BYTES, host_tier_bytes=64 << 20, host_tier_shared=True))
+    lt = LoopThread()
+    workers = [lt.run(start_worker_server(config, worker_id=f"w{i}"), timeout=600) for i in range(2)]
+    try:
+        (turn1, out1), (turn2, out2), (turn3, out3) = reference
+        assert _submit(workers[0].endpoint, "t1", turn1) == out1
+        for i, filler in enumerate(FILLERS):  # push the conversation out of w0's device cache: into the node tier
+            _submit(workers[0].endpoint, f"f{i}", filler)
+        assert len(_node_dirs()) == 1
+        # w1 never saw the conversation: it loads it from the node's tier instead of computing it
+        before = _host_hits(workers[1].endpoint)
+        assert _submit(workers[1].endpoint, "t2", turn2) == out2
+        assert _host_hits(workers[1].endpoint) - before >= len(SYSTEM) // 16
+        # w0 stops (gracefully: it leaves the tier, w1 still uses it) and a new worker takes its place
+        lt.run(workers[0].stop(grace=1))
+        workers[0] = lt.run(start_worker_server(config, worker_id="w0"), timeout=600)
+        for i, filler in enumerate(FILLERS):  # and w1's copy of turn 2 goes down to the node tier too
+            _submit(workers[1].endpoint, f"g{i}", filler)
+        assert _submit(workers[0].endpoint, "t3", turn3) == out3
+        assert _host_hits(workers[0].endpoint) >= len(turn2) // 16 - 1  # the restarted worker reused it
+    finally:
+        for w in workers:
+            lt.run(w.stop(grace=1))
+        lt.close()
+    gc.collect()
+    assert _node_dirs() == []  # the last worker out removed the node tier
