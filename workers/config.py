@@ -48,8 +48,8 @@ class CacheConfig:
     disk_tier_dir: where the disk tier's directory goes (None = the system temp directory); each
         worker process makes its own subdirectory and removes it at shutdown.
     host_tier_shared: keep the host tier in the node's shared memory (/dev/shm), one copy per node
-        and model, shared by the node's workers and kept across a worker's restart (workers/kv/
-        tiers/node.py); host_tier_bytes is then the node's budget. CPU workers only.
+        and model, shared by the node's workers and kept across a worker's restart
+        (workers/kv/tiers/node.py); host_tier_bytes is then the node's budget. CPU workers only.
     tier_policy: which block a full tier gives up first: 'lru' (least recently used).
     tier_load_timeout_s: a new request whose prefix continues on disk waits at most this long for
         the reads (outside the scheduler); then it recomputes what has not arrived.

@@ -134,6 +134,7 @@ class ModelSection(_Model):
     ("host_tier_bytes", Part(CacheConfig, "host_tier_bytes", type=ByteCount)),
     ("disk_tier_bytes", Part(CacheConfig, "disk_tier_bytes", type=ByteCount)),
     ("disk_tier_dir", Part(CacheConfig, "disk_tier_dir")),
+    ("host_tier_shared", Part(CacheConfig, "host_tier_shared")),
     ("tier_policy", Part(CacheConfig, "tier_policy")),
     ("tier_load_timeout_s", Part(CacheConfig, "tier_load_timeout_s")),
     ("fused_decode", Part(EngineConfig, "fused_decode")),

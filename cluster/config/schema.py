@@ -106,6 +106,7 @@ _POOL = {"replicas": "replicas", "standbyReplicas": "standby_replicas", "epSize"
              ("maxNumBatchedTokens", "max_num_batched_tokens"), ("maxNumSeqs", "max_num_seqs"),
              ("enablePrefixCaching", "enable_prefix_caching"), ("device", "device"), ("cudaGraphs", "cuda_graphs"),
              ("hostTierMemory", "host_tier_bytes"), ("diskTierSize", "disk_tier_bytes"),
+             ("hostTierShared", "host_tier_shared"),
              ("tierLoadTimeoutSeconds", "tier_load_timeout_s"), ("lora.enabled", "lora.enabled"),
              ("lora.maxLoaded", "lora.max_loaded"), ("lora.maxRank", "lora.max_rank"))},
          **{f"speculative.{k}": f"speculative.{v}" for k, v in (

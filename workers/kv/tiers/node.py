@@ -154,7 +154,7 @@ class NodeTier:
         return entries
 
     def _evict(self) -> list[TierBlock]:
-        out = []
+        out: list[TierBlock] = []
         entries = self._scan()
         for _, path, n in entries:
             if self.bytes <= EVICT_TO * self.capacity_bytes or len(entries) - len(out) <= 1:
