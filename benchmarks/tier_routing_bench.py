@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import os
 import platform
@@ -122,15 +123,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 order.reverse()
                 for name in order:
                     d = deployments[name]
-                    results: dict[int, tuple[float, list[int]]] = {}
-                    threads = [threading.Thread(target=lambda c=c: results.__setitem__(
-                        c, generate(d["router"].address, prompts[c]))) for c in pair]
-                    for th in threads:
-                        th.start()
-                    for th in threads:
-                        th.join()
+                    with concurrent.futures.ThreadPoolExecutor(len(pair)) as pool:
+                        futures = {c: pool.submit(generate, d["router"].address, prompts[c]) for c in pair}
                     for c in pair:
-                        first, out = results[c]
+                        first, out = futures[c].result()
                         d["ttft"].append(first)
                         if t > 0:
                             d["ttft_later"].append(first)

@@ -1,6 +1,6 @@
 """The node's shared host tier through real workers (two SmolLM2 worker servers in this process, one
 node, ``cache.host_tier_shared``): a conversation one worker evicted into the node's tier is a host
-hit on the other worker, and on a worker restarted on the node; the greedy tokens equal the engine's
+hit on the other worker, and on a worker restarted on the node; the greedy tokens equal a worker's
 with tiers off; stopping every worker leaves no shared-memory file."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from workers.config import CacheConfig, EngineConfig
 from workers.kv.tiers.node import PREFIX
 from workers.server.service import start_worker_server
 
-KV_BYTES = 16 << 20  # 22 blocks of 16 tokens (SmolLM2, fp32): 352 tokens
+KV_BYTES = 16 << 20  # 22 blocks of 16 tokens with fp32 KV (352 tokens), 45 with bf16
 SYSTEM = [1, 9690, 198] + list(range(2000, 2125))  # 128 tokens: 8 blocks
 TURN1 = SYSTEM + list(range(3000, 3030))
-FILLERS = [list(range(5000 + 400 * i, 5300 + 400 * i)) for i in range(2)]
+FILLERS = [list(range(5000 + 400 * i, 5300 + 400 * i)) for i in range(3)]  # 3 x 20 blocks: more than the cache
 
 
 def _submit(endpoint: str, rid: str, ids: list[int]) -> list[int]:
@@ -41,18 +41,19 @@ def _node_dirs() -> list[Path]:
 
 @pytest.fixture(scope="module")
 def reference(smollm2_path):
-    """Turn 1, turn 2 and turn 3 computed by the engine with tiers off."""
-    from workers.llm import LLM
-    from workers.sampling_params import SamplingParams
-
-    llm = LLM(str(smollm2_path), kv_cache_memory_bytes=KV_BYTES)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    out1 = list(llm.generate([TURN1], params)[0].token_ids)
-    turn2 = TURN1 + out1 + list(range(3100, 3130))
-    out2 = list(llm.generate([turn2], params)[0].token_ids)
-    turn3 = turn2 + out2 + list(range(3200, 3230))
-    out3 = list(llm.generate([turn3], params)[0].token_ids)
-    del llm
+    """Turns 1, 2 and 3 computed by a worker with tiers off (the plain path)."""
+    lt = LoopThread()
+    plain = lt.run(start_worker_server(EngineConfig(model=str(smollm2_path), cache=CacheConfig(
+        kv_cache_memory_bytes=KV_BYTES)), worker_id="plain"), timeout=600)
+    try:
+        out1 = _submit(plain.endpoint, "r1", TURN1)
+        turn2 = TURN1 + out1 + list(range(3100, 3130))
+        out2 = _submit(plain.endpoint, "r2", turn2)
+        turn3 = turn2 + out2 + list(range(3200, 3230))
+        out3 = _submit(plain.endpoint, "r3", turn3)
+    finally:
+        lt.run(plain.stop(grace=1))
+        lt.close()
     gc.collect()
     return [(TURN1, out1), (turn2, out2), (turn3, out3)]
 
