@@ -229,35 +229,40 @@ class KVTiers:
         """The block manager is about to reuse ``block_id`` (prefix key ``key``, reported as
         ``chain_hash``): keep a copy below."""
         digest = key_digest(key)
-        if self.store.where(digest) == "host":  # inclusive: the copy from its last load is still there
-            self.store.touch(digest)
-            return
         if digest not in self._below:
             self._below[digest] = (chain_hash, Tier.DEVICE)  # DEVICE: not reported below yet
+        if self.store.where(digest) == "host":  # inclusive: the copy from its last load is still there
+            self.store.touch(digest)  # (or another worker of the node put it in the node's shared tier)
+            self._sync(digest)
+            return
         self.store.put(digest, self.io.read_blocks([block_id]).to("cpu"))
         self._report()
 
     def _report(self) -> None:
-        """Turn the store's moves into block events: each digest's chain hash leaves the lower tier
-        it was reported in and is stored in the one ``where`` names now (none: it is gone)."""
+        """Turn the store's moves into block events (``_sync`` each digest it names)."""
         for digest in self.store.changes():
-            got = self._below.get(digest)
-            if got is None:
-                continue
-            h, old = got
-            where = self.store.where(digest)
-            new = Tier.HOST if where == "host" else Tier.DISK if where == "disk" else None
-            if new == old:
-                continue
-            if self.events is not None:
-                if new is not None:
-                    self.events.stored((h,), new)
-                if old != Tier.DEVICE:
-                    self.events.removed((h,), old)
-            if new is None:
-                del self._below[digest]
-            else:
-                self._below[digest] = (h, new)
+            self._sync(digest)
+
+    def _sync(self, digest: bytes) -> None:
+        """The digest's chain hash leaves the lower tier it was reported in and is stored in the
+        one ``where`` names now (none: it is gone)."""
+        got = self._below.get(digest)
+        if got is None:
+            return
+        h, old = got
+        where = self.store.where(digest)
+        new = Tier.HOST if where == "host" else Tier.DISK if where == "disk" else None
+        if new == old:
+            return
+        if self.events is not None:
+            if new is not None:
+                self.events.stored((h,), new)
+            if old != Tier.DEVICE:
+                self.events.removed((h,), old)
+        if new is None:
+            del self._below[digest]
+        else:
+            self._below[digest] = (h, new)
 
     # ------------------------------------------------------------- admission
     def digests(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -289,6 +294,7 @@ class KVTiers:
         for digest in self.digests(seq, first_block + max_blocks)[first_block:]:
             if self.store.where(digest) != "host":
                 self.store.prefetch(digest)  # from disk for next time (no-op if absent)
+                self._sync(digest)  # reported in host but gone (another worker evicted it from the node's tier)
                 break
             kv = self.store.get(digest)
             if kv is None:  # refused (counted by the store): recompute from here

@@ -166,3 +166,41 @@ def test_reported_tiers_predict_what_the_engine_serves():
         predicted = min(len(tiers_of), (len(prompt) - 1) // BS) * BS
         assert run_prefill(pool, sched, Sequence(f"r{i}", prompt, SamplingParams(), i)) == predicted, (i, prompt)
     assert hosts > 0 and tiers.stats().host_hits > 0  # the host tier was exercised
+
+
+def test_a_block_already_in_the_node_tier_is_reported_by_the_worker_that_evicts_it(tmp_path: Path):
+    """Two workers of one node share the node's host tier: the second evicts a prefix the first
+    already put there (no second copy) and still reports it as held in host."""
+    from workers.kv.tiers.node import NodeTier
+
+    stores = [TieredStore(NodeTier(1 << 20, 7, LAYOUT, str(tmp_path))) for _ in range(2)]
+    built = [build(4, store) for store in stores]
+    a = list(range(1, 13))
+    ha = chain_hashes(a, BS)
+    for i, (pool, _tiers, bm, sched) in enumerate(built):
+        run_prefill(pool, sched, Sequence(f"a{i}", a, SamplingParams(), 0))
+        run_prefill(pool, sched, Sequence(f"b{i}", list(range(100, 116)), SamplingParams(), 1))
+        assert [held(bm.events)[h] for h in ha] == [Tier.HOST] * 3
+    assert len(list(stores[0].host.dir.glob("*.kvb"))) == 3  # a's 3 blocks, once  # type: ignore[union-attr]
+    assert stores[0].stats().stored_blocks == 3 and stores[1].stats().stored_blocks == 0  # no second copy
+    for _, tiers, _, _ in built:
+        tiers.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_block_a_neighbour_deleted_from_the_node_tier_is_reported_gone_on_the_next_lookup(tmp_path: Path):
+    from workers.kv.tiers.node import NodeTier
+
+    store = TieredStore(NodeTier(1 << 20, 7, LAYOUT, str(tmp_path)))
+    pool, tiers, bm, sched = build(4, store)
+    a = list(range(1, 13))
+    ha = chain_hashes(a, BS)
+    run_prefill(pool, sched, Sequence("a", a, SamplingParams(), 0))
+    run_prefill(pool, sched, Sequence("b", list(range(100, 116)), SamplingParams(), 1))
+    assert [held(bm.events)[h] for h in ha] == [Tier.HOST] * 3
+    first = tiers.digests(Sequence("p", a, SamplingParams(), 9), 1)[0]
+    store.host.path(first).unlink()  # a neighbour's eviction pass  # type: ignore[union-attr]
+    assert tiers.match(Sequence("a2", a + [13], SamplingParams(), 2), 0, 3) is None  # the lookup finds it gone
+    got = held(bm.events)
+    assert ha[0] not in got and [got[h] for h in ha[1:]] == [Tier.HOST] * 2  # no stale host claim left
+    tiers.close()
