@@ -14,9 +14,11 @@ at a time so TTFT is not queueing):
     nohit      the same number of requests with prompts of the same lengths that share nothing: what
                the tiers cost when they never hit (every eviction still copies a block down)
 Configs: off (no tiers), host (``--host-mib``, room for everything), host+disk (host of
-``--small-host-mib``, disk ``--disk-mib`` in a temp directory).
+``--small-host-mib``, disk ``--disk-mib`` in a temp directory), and with ``--node``, node (the host
+tier of ``--host-mib`` in the node's shared memory, ``cache.host_tier_shared``: workers/kv/tiers/node.py;
+one engine here, so it measures what files in /dev/shm cost against an in-process host tier).
 
-The three configs run side by side, interleaved: each request runs on every config back to back
+The configs run side by side, interleaved: each request runs on every config back to back
 (rotating which goes first), so load drift on a shared machine hits them alike.
 
 Reported per (workload, config): TTFT p50 / p99 (add -> the step that returns the first token),
@@ -116,6 +118,7 @@ def main() -> None:
     ap.add_argument("--small-host-mib", type=int, default=16)
     ap.add_argument("--disk-mib", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--node", action="store_true", help="add the node config (host tier in /dev/shm)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -130,6 +133,8 @@ def main() -> None:
         "host+disk": dict(host_tier_bytes=args.small_host_mib << 20, disk_tier_bytes=args.disk_mib << 20,
                           tier_load_timeout_s=5.0),
     }
+    if args.node:
+        configs["node"] = dict(host_tier_bytes=args.host_mib << 20, host_tier_shared=True)
     from workers.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.gen_tokens, ignore_eos=True)
@@ -162,7 +167,7 @@ def main() -> None:
                 r["throughput_vs_off"] = r["throughput_tok_s"] / off["throughput_tok_s"]
             for r in results[workload].values():
                 del r["tokens"]
-        left = os.listdir(tmp)
+        left = os.listdir(tmp) + [p.name for p in Path("/dev/shm").glob("duet-kv-node-*")]
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "loadavg": os.getloadavg(),
         "cpu": platform.processor() or platform.machine(), "threads": args.threads, "args": vars(args) | {"out": str(args.out)},
