@@ -137,6 +137,7 @@ class ModelSection(_Model):
     ("host_tier_shared", Part(CacheConfig, "host_tier_shared")),
     ("tier_policy", Part(CacheConfig, "tier_policy")),
     ("tier_load_timeout_s", Part(CacheConfig, "tier_load_timeout_s")),
+    ("kv_cache_dtype", Part(CacheConfig, "kv_cache_dtype")),
     ("fused_decode", Part(EngineConfig, "fused_decode")),
     ("cpu_kernels", Part(EngineConfig, "cpu_kernels")),
     ("device", Part(EngineConfig, "device")),
