@@ -22,7 +22,7 @@ from workers.block_hash import Tier
 from workers.config import CacheConfig, EngineConfig
 from workers.server.service import start_worker_server
 
-KV_BYTES = 16 << 20  # 22 blocks of 16 tokens (SmolLM2, fp32): 352 tokens
+KV_BYTES = 16 << 20  # 22 blocks of 16 tokens with fp32 KV (352 tokens), 45 with bf16
 SYSTEM = [1, 9690, 198] + list(range(2000, 2125))  # 128 tokens: 8 blocks
 
 
@@ -96,8 +96,8 @@ def test_a_prefix_evicted_to_host_is_routed_to_its_host_and_loaded_back(cluster)
     (holder,) = index.match(SYSTEM)
     other = next(w for w in workers if w.worker_id != holder)
     host = next(w for w in workers if w.worker_id == holder)
-    # other traffic on the holder pushes the conversation out of its 352-token device cache
-    for i in range(2):
+    # other traffic on the holder pushes the conversation out of its device cache
+    for i in range(3):  # 3 x 20 blocks: more than the cache with fp32 KV (22 blocks) or bf16 (45)
         _submit(host.endpoint, f"filler{i}", list(range(5000 + 400 * i, 5300 + 400 * i)))
     wait_until(lambda: index.match_tiers(SYSTEM).get(holder, [])[:1] == [Tier.HOST],
                what="the router sees the prefix in the holder's host tier", timeout=10)
