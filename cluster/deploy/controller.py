@@ -41,6 +41,9 @@ engine, no endpoint):
     preparing --prepare() returned--> standby --promote()--> starting --start() returned--> up
         (a promotion asked for while preparing starts as soon as the load is done)
 
+A replica adopted as a standby after a controller restart (cluster/deploy/pools.py ``is_standby``)
+starts as ``preparing`` (prepare() is idempotent: a loaded one answers at once) and stays a standby
+until promoted; a promotion is recorded, so a restart after it starts the replica instead.
 A standby replica is no member; ``describe()`` and ``pool_states()`` list it (``duet status``, the
 router's /metrics). Every poll keeps each pool's standby count at its target: missing ones are
 created (``WorkerPool.add_replica``) and prepared, extra ones released (nothing to drain). A standby
@@ -127,7 +130,9 @@ class Controller:
         self._pools = {p.name: p for p in pools}
         self._roles = {r.worker_id: p.section.role for p in pools for r in p.replicas}
         self._pool_of = {r.worker_id: p.name for p in pools for r in p.replicas}
-        self._replicas = [_Replica(r) for p in pools for r in list(p.replicas)]
+        # a replica adopted as a standby (cluster/deploy/pools.py) stays one: prepared, not started
+        self._replicas = [_Replica(r, state="preparing", standby=True) if p.is_standby(r.worker_id) else _Replica(r)
+                          for p in pools for r in list(p.replicas)]
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._subscribers: list[tuple[Callable[[Any], None], bool]] = []  # (push, detailed)
@@ -146,11 +151,11 @@ class Controller:
 
     # ---------------------------------------------------------------- public
     def start(self) -> None:
-        """Issue start() on every replica and begin polling."""
+        """Issue start() on every replica (prepare() on an adopted standby one) and begin polling."""
         assert self._thread is None, "Controller.start() called twice"
         for r in self._replicas:
             r.created_at = time.monotonic()
-            self._issue_start(r)
+            (self._issue_prepare if r.standby else self._issue_start)(r)
         self._thread = threading.Thread(target=self._run, name="duet-controller", daemon=True)
         self._thread.start()
 
@@ -214,6 +219,7 @@ class Controller:
             else:
                 r.promote_pending = True  # prepare() is outstanding: start once it returns
             self._changed.notify_all()
+        self._pools[pool].mark_serving(r.replica)  # a restarted controller starts it, not prepares it
         logger.info("controller: %s promoted from standby", r.replica.worker_id)
         return r.replica.worker_id
 
@@ -228,7 +234,7 @@ class Controller:
                 self._drop_standby(r, "no longer needed")
             for _ in range(target - len(spares)):
                 try:
-                    replica = pool.add_replica()
+                    replica = pool.add_replica(standby=True)
                 except Exception:
                     logger.exception("controller: pool %s: could not create a standby replica", name)
                     break
