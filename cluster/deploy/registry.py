@@ -150,9 +150,9 @@ class Registry:
             and held["owner"] == self._owner
 
     # ---------------------------------------------------------------- state blobs
-    def state_store(self, name: str) -> StateStore:
+    def state_store(self, name: str) -> StateBlob:
         """The JSON blob ``name`` of this namespace (module docstring)."""
-        return StateStore(self, name)
+        return StateBlob(self, name)
 
     def _put_state(self, name: str, payload: dict) -> bool:
         from ray.experimental.internal_kv import _internal_kv_put
@@ -193,7 +193,7 @@ class Registry:
         return f"{self.namespace}/{rest}"
 
 
-class StateStore:
+class StateBlob:
     """One named JSON blob of a Registry (``Registry.state_store``): ``save`` writes it while the
     registry holds the lease (returns False, logged, when it does not), ``load`` reads it (None: none)."""
 

@@ -275,7 +275,8 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
     d.max_model_len = d.max_model_lens[default]
     d.actuator = _make_actuator(d)
     d.waker = PoolWaker(d.actuator, {p.name: p.role for p in config.pools})
-    d.membership = serve_membership(d.controller, config.controller.host, config.controller.port, wake=d.waker.wake)
+    d.membership = serve_membership(d.controller, config.controller.host, config.controller.port, wake=d.waker.wake,
+                                    adapters_store=d.registry.state_store("adapters") if d.registry is not None else None)
     if not with_router:
         _start_autoscaler(d)
         logger.info("duet: controller serving %d workers of %s (context %d tokens), no router here; routers "
