@@ -100,3 +100,31 @@ def test_an_adopted_standby_stays_standby_and_is_promoted_as_before(recorded_poo
     finally:
         second.stop()
         adopted.shutdown(grace=0)
+
+
+def test_shared_adapters_are_kept_in_ray_for_the_next_controller(ray_cluster):
+    """The membership service's shared adapter list (router/shared_adapters.py) in the registry's
+    Ray KV: a successor's service starts with it, and a clean stop drops it."""
+    from cluster.deploy.membership_service import MembershipServicer
+    from protos.duet.control.v1 import control_pb2
+
+    class Ctx:
+        def abort(self, code, details):
+            raise AssertionError(f"{code}: {details}")
+
+    reg = Registry(f"duet_adapters_test_{uuid.uuid4().hex[:8]}")
+    reg.acquire(wait_s=1.0)
+    try:
+        first = MembershipServicer(adapters_store=reg.state_store("adapters"))
+        first.publish([("w0", "127.0.0.1:1")])
+        first.PutAdapter(control_pb2.SharedAdapter(name="sql", source="/a/sql", base_model="m", pinned=True), Ctx())
+        first.PutAdapter(control_pb2.SharedAdapter(name="chat", source="/a/chat", base_model="m"), Ctx())
+        first.DeleteAdapter(control_pb2.DeleteAdapterRequest(name="chat"), Ctx())
+        successor = MembershipServicer(adapters_store=Registry(reg.namespace).state_store("adapters"))
+        successor.publish([("w0", "127.0.0.1:1")])
+        got = successor._message.adapters
+        assert got.revision == 3 and [(a.name, a.source, a.base_model, a.pinned) for a in got.adapters] == \
+            [("sql", "/a/sql", "m", True)]
+    finally:
+        reg.release()
+    assert Registry(reg.namespace).state_store("adapters").load() is None
