@@ -39,7 +39,9 @@ the controller's ``start()`` is idempotent, so an adopted worker that serves ans
 endpoint at once (no reload, its KV cache intact) and one that Ray restarted meanwhile loads again.
 A standby replica is recorded as one (``add_replica(standby=True)``, until ``mark_serving``) and
 adopted as one (``is_standby``): the controller prepares it again (idempotent) and keeps it unrouted
-until it is promoted, as before the restart.
+until it is promoted, as before the restart. A draining replica is recorded with the end of its drain
+(``mark_draining``) and adopted still draining (``drain_until``): the controller stops and releases
+it once that time has passed, as the dead controller would have.
 
 Example::
 
@@ -90,7 +92,8 @@ class WorkerPool:
 
     def __init__(self, section: PoolSection, namespace: str, placement_group: Any, replicas: list[Replica],
                  make_actors: ActorFactory | None = None, registry: Registry | None = None,
-                 free_slots: list[int] | None = None, standby: frozenset[str] = frozenset()) -> None:
+                 free_slots: list[int] | None = None, standby: frozenset[str] = frozenset(),
+                 draining: dict[str, float] | None = None) -> None:
         self.section = section
         self.name = section.name
         self.namespace = namespace
@@ -103,6 +106,7 @@ class WorkerPool:
         self._shut_down = False
         self._registry = registry  # records each replica for a restarted controller (None: embedded Ray)
         self._standby = set(standby)  # worker ids of standby replicas (adopted as such, or added so)
+        self._draining = dict(draining or {})  # worker id -> wall-clock end of its drain's grace
         for r in replicas:
             self._record(r)
 
@@ -121,6 +125,18 @@ class WorkerPool:
             if replica.worker_id not in self._standby:
                 return
             self._standby.discard(replica.worker_id)
+        self._record(replica)
+
+    def drain_until(self, worker_id: str) -> float | None:
+        """When the replica's drain ends (wall clock), if it is draining (``mark_draining``, or adopted so)."""
+        with self._lock:
+            return self._draining.get(worker_id)
+
+    def mark_draining(self, replica: Replica, until: float) -> None:
+        """The controller is draining the replica until ``until`` (wall clock): record it, so a
+        restarted controller finishes the drain instead of serving from it again."""
+        with self._lock:
+            self._draining[replica.worker_id] = until
         self._record(replica)
 
     def add_replica(self, *, standby: bool = False) -> Replica:
@@ -172,7 +188,8 @@ class WorkerPool:
             own_name = ray.util.placement_group_table(own).get("name") or f"duet-{self.namespace}-{r.worker_id}"
         followers = tuple(_follower_name(r.worker_id, rank) for rank in range(1, len(r.followers) + 1))
         self._registry.record(ReplicaRecord(self.name, r.index, r.worker_id, r.slot, own_name, followers,
-                                            standby=self.is_standby(r.worker_id)))
+                                            standby=self.is_standby(r.worker_id),
+                                            drain_until=self.drain_until(r.worker_id)))
 
     def is_placed(self, replica: Replica) -> bool:
         """Whether every bundle of the replica is reserved on a node that is alive now. False: its
@@ -207,6 +224,7 @@ class WorkerPool:
                 return
             self.replicas.remove(replica)
             self._standby.discard(replica.worker_id)
+            self._draining.pop(replica.worker_id, None)
         if self._registry is not None:
             self._registry.forget(replica.worker_id)
         for actor in (replica.actor, *replica.followers):
@@ -362,7 +380,9 @@ def _adopt(section: PoolSection, engine_config: Any, namespace: str, host: str |
     adopted = {r.worker_id for r in replicas}
     return WorkerPool(section, namespace, pg, replicas, make_actors, registry,
                       free_slots=[s for s in range(slots) if s not in used],
-                      standby=frozenset(rec.worker_id for rec in records if rec.standby and rec.worker_id in adopted))
+                      standby=frozenset(rec.worker_id for rec in records if rec.standby and rec.worker_id in adopted),
+                      draining={rec.worker_id: rec.drain_until for rec in records
+                                if rec.drain_until is not None and rec.worker_id in adopted})
 
 
 def _follower_name(worker_id: str, rank: int) -> str:

@@ -11,7 +11,8 @@ tolerance, a killed process) does not take the workers and their KV caches with 
                      placement group, or a placement group of its own) and its gang followers'
                      actor names. Written when a replica is created, deleted when it is released.
                      A standby replica (loaded, unrouted) is recorded with ``standby`` set, cleared
-                     when it is promoted, so the next controller adopts it as a standby again.
+                     when it is promoted, so the next controller adopts it as a standby again; a
+                     draining one with ``drain_until``, so the next controller finishes its drain.
     controller lease who manages the namespace now (host, pid) and when it last said so. A new
                      controller waits until the lease is older than ``LEASE_TTL_S`` before it adopts,
                      so two live controllers never drive the same workers.
@@ -62,6 +63,7 @@ class ReplicaRecord:
     own_placement_group: str | None = None  # else: the name of its own placement group
     followers: tuple[str, ...] = ()  # a gang's follower actors' names, rank order
     standby: bool = False  # loaded and unrouted until promoted (cluster/deploy/controller.py)
+    drain_until: float | None = None  # draining (scaled down): wall-clock time its drain's grace ends
 
 
 class LeaseHeld(RuntimeError):

@@ -248,7 +248,8 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
                                        config.to_autoscaler_config()).items():
             d.controller.set_standby(pool, n)
     d.controller.start()
-    replicas = sum(not p.is_standby(r.worker_id) for p in d.pools for r in list(p.replicas))  # adopted standbys stay so
+    replicas = sum(not p.is_standby(r.worker_id) and p.drain_until(r.worker_id) is None  # adopted standby or
+                   for p in d.pools for r in list(p.replicas))                              # draining: stay so
     logger.info("duet: waiting for %d workers to load %s", replicas,
                 ", ".join(m.name for m in config.served_models))
     if not d.controller.wait_ready(replicas, timeout=config.controller.start_timeout_s):

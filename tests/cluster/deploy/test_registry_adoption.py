@@ -128,3 +128,39 @@ def test_shared_adapters_are_kept_in_ray_for_the_next_controller(ray_cluster):
     finally:
         reg.release()
     assert Registry(reg.namespace).state_store("adapters").load() is None
+
+
+def test_a_replica_adopted_mid_drain_finishes_its_drain(recorded_pool):
+    """A scale-down in flight when the controller dies: the successor keeps the replica draining
+    (listed as such at its endpoint, routed nothing new) until the recorded end of its drain, then
+    stops and releases it; it is not counted as a live replica."""
+    reg, section, pool = recorded_pool
+    first = Controller([pool], poll_interval_s=0.1)
+    first.start()
+    try:
+        assert first.wait_ready(timeout=60)
+        first.add(pool.add_replica())
+        wait_until(lambda: len(first.members()) == 2, 60, "fake-1 to serve")
+        first.retire("fake-1", drain_grace_s=1.0, drain_settle_s=3.0)
+        [draining] = [r for r in reg.records("fake") if r.drain_until is not None]
+        assert draining.worker_id == "fake-1"
+    finally:
+        first.stop()  # the controller dies inside fake-1's settle time: its stop() was never sent
+
+    adopted = create_pool(section, None, NAMESPACE, embedded=False, registry=reg)
+    assert adopted.drain_until("fake-1") == draining.drain_until and adopted.drain_until("fake-0") is None
+    second = Controller([adopted], poll_interval_s=0.1)
+    second.start()
+    try:
+        assert second.wait_ready(1, timeout=60)
+        actuator = RayActuator([adopted], second, drain_grace_s=1.0, drain_settle_s=0.1)
+        assert actuator.status("fake").desired == 1  # fake-1 is on its way out: no live replica
+        wait_until(lambda: [(m[0], m[4]) for m in second.member_details()] == [("fake-0", False), ("fake-1", True)],
+                   30, "fake-1 listed draining at its endpoint")
+        assert [w for w, _ in second.members()] == ["fake-0"]
+        wait_until(lambda: "fake-1" not in _states(second), 30, "fake-1 released once its drain time is up")
+        assert [r.worker_id for r in reg.records("fake")] == ["fake-0"]
+        assert second.num_drained == 1
+    finally:
+        second.stop()
+        adopted.shutdown(grace=0)
