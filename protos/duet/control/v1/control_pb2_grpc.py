@@ -282,7 +282,8 @@ class RouterAdminServicer:
 
     def LoadAdapter(self, request, context):
         """LoRA adapters at runtime (router/adapters.py; the `admin` token scope, like the rest of this
-        service). LoadAdapter registers an adapter on a base model, so requests may name it, and with
+        service). LoadAdapter registers an adapter on a base model, so requests may name it (through
+        every router of the deployment, when the router follows a controller), and with
         `preload` loads it on the least-loaded healthy worker of that model first (its answer decides:
         a bad adapter is refused and not registered). UnloadAdapter stops routing it and unloads it
         from every worker of its model. ListAdapters lists the registered ones and who holds them.
@@ -293,7 +294,9 @@ class RouterAdminServicer:
         ALREADY_EXISTS     LoadAdapter: the name is taken (by a model or another adapter)
         FAILED_PRECONDITION  the adapter comes from config or the watched directory (UnloadAdapter),
         or the model's workers cannot load adapters (UNIMPLEMENTED there)
-        UNAVAILABLE        preload asked, but no healthy worker serves the base model
+        UNAVAILABLE        preload asked, but no healthy worker serves the base model; or the router
+        follows a controller and could not reach it to share the adapter
+        (Membership.PutAdapter: every router serves a loaded adapter)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
