@@ -17,6 +17,7 @@ Variants per dtype (every one the same engine code, only the settings differ):
     +memory    memory_tuning on (huge pages for the KV cache and heap, malloc tunables)
     +packed    bf16: + prepack_weights (oneDNN-packed bf16 weights past 8 rows)
     +bf16copy  q4: + quantized_batches 'bf16' (prompt chunks on a packed bf16 copy)
+    +kv_bf16   q4: + kv_cache_dtype 'bfloat16' (the KV cache in bf16; the earlier q4 variants pin float32)
 
 Figures: output tokens/s (median over the waves' wall time is not separable, so tokens / measured
 wall time), the median decode-only step (ms) and the median step that also took prompt tokens,
@@ -42,12 +43,12 @@ RESULTS = ROOT / "benchmarks" / "results"
 _CHILD = r'''
 import json, random, statistics, sys, time
 from workers.build import build_engine
-from workers.config import EngineConfig
+from workers.llm import engine_config
 from workers.models.assets.resolve import resolve_model
 from workers.sampling_params import SamplingParams
 from workers.server.threads import apply
 a = json.loads(sys.argv[1])
-config = EngineConfig(model=str(resolve_model(a["model"])), **a["settings"])
+config = engine_config(str(resolve_model(a["model"])), **a["settings"])
 apply(config, 1)
 engine = build_engine(config)
 engine.warm_up()
@@ -89,19 +90,24 @@ VARIANTS: dict[str, dict[str, list[tuple[str, dict[str, Any]]]]] = {
         ("+packed", {"dtype": "bfloat16", "memory_tuning": True, "prepack_weights": True}),
     ]},
     "q4": {"variants": [
-        ("plain", {"quantization": "q4", "memory_tuning": False, "quantized_batches": "kernel"}),
-        ("+memory", {"quantization": "q4", "memory_tuning": True, "quantized_batches": "kernel"}),
-        ("+bf16copy", {"quantization": "q4", "memory_tuning": True, "quantized_batches": "bf16"}),
+        ("plain", {"quantization": "q4", "memory_tuning": False, "quantized_batches": "kernel",
+                   "kv_cache_dtype": "float32"}),
+        ("+memory", {"quantization": "q4", "memory_tuning": True, "quantized_batches": "kernel",
+                     "kv_cache_dtype": "float32"}),
+        ("+bf16copy", {"quantization": "q4", "memory_tuning": True, "quantized_batches": "bf16",
+                       "kv_cache_dtype": "float32"}),
+        ("+kv_bf16", {"quantization": "q4", "memory_tuning": True, "quantized_batches": "bf16",
+                      "kv_cache_dtype": "bfloat16"}),
     ]},
 }
 
 
 def run_variant(args: argparse.Namespace, settings: dict[str, Any], streams: int) -> dict[str, Any]:
-    from workers.config import EngineConfig
+    from workers.llm import engine_config
     from workers.server.threads import process_env
 
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "OMP_WAIT_POLICY")}
-    env.update(process_env(EngineConfig(**settings)))
+    env.update(process_env(engine_config(args.model, **settings)))
     env["PYTHONPATH"] = f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"
     payload = {"model": args.model, "settings": settings, "streams": streams, "waves": args.waves,
                "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens}

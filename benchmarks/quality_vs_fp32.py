@@ -42,8 +42,12 @@ from workers.models.loader import load_model  # noqa: E402
 from workers.models.scoring import next_token_logits  # noqa: E402
 
 SAMPLE = REPO_ROOT / "tests" / "data" / "public_domain_sample.txt"
-VARIANTS = {"fp32": (torch.float32, "none"), "bf16": (torch.bfloat16, "none"),
-            "int8": (torch.float32, "int8"), "q4": (torch.float32, "q4")}
+# name: (activations, quantization, KV cache dtype; None = the activations'). int8 / q4 score with the
+# bf16 KV cache an engine gives them on CPU (cache.kv_cache_dtype: auto), and with an fp32 one.
+VARIANTS = {"fp32": (torch.float32, "none", None), "bf16": (torch.bfloat16, "none", None),
+            "fp32+kv_bf16": (torch.float32, "none", torch.bfloat16),
+            "int8": (torch.float32, "int8", torch.bfloat16), "int8+kv_fp32": (torch.float32, "int8", None),
+            "q4": (torch.float32, "q4", torch.bfloat16), "q4+kv_fp32": (torch.float32, "q4", None)}
 
 
 @torch.inference_mode()
@@ -56,9 +60,9 @@ def run(threads: int) -> dict[str, Any]:
     target = torch.tensor(ids[1:])
     logp: dict[str, torch.Tensor] = {}
     out: dict[str, Any] = {}
-    for name, (dtype, quant) in VARIANTS.items():
+    for name, (dtype, quant, kv_dtype) in VARIANTS.items():
         model, spec = load_model(path, dtype, quantization=quant)
-        logp[name] = torch.log_softmax(next_token_logits(model, spec, ids).double(), dim=-1)  # [L - 1, V]
+        logp[name] = torch.log_softmax(next_token_logits(model, spec, ids, kv_dtype=kv_dtype).double(), dim=-1)
         del model
         nll = -logp[name].gather(1, target[:, None]).mean().item()
         row: dict[str, Any] = {"perplexity": math.exp(nll)}

@@ -46,8 +46,8 @@ def rotary_and_cache_write_ref(
     k.copy_(_rotate(k, c, s))
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.index_copy_(0, slots, k[keep])
-    v_cache.index_copy_(0, slots, v[keep])
+    k_cache.index_copy_(0, slots, k[keep].to(k_cache.dtype))  # a bf16 cache under fp32 activations: rounded
+    v_cache.index_copy_(0, slots, v[keep].to(v_cache.dtype))
 
 
 def rotary_and_cache_write(

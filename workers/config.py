@@ -27,6 +27,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 PARALLEL_AXES = ("ep", "sp", "tp")  # mesh order, outermost first (workers/parallel/groups.py)
 COMM_MODES = ("auto", "shm", "gloo")  # ParallelConfig.comm
 KV_BACKENDS = ("auto", "shm", "gloo", "nccl")  # EngineConfig.kv_transfer_backend (workers/kv/transfer.py)
+CACHE_DTYPES = ("auto", "float32", "bfloat16")  # CacheConfig.kv_cache_dtype
 TIER_POLICIES = ("lru",)  # CacheConfig.tier_policy (workers/kv/tiers/)
 QUANTIZED_BATCHES = ("auto", "kernel", "bf16")  # EngineConfig.quantized_batches (workers/layers/quant_linear.py)
 OMP_WAIT_POLICIES = ("passive", "active", "runtime")  # EngineConfig.omp_wait_policy (workers/server/threads.py)
@@ -50,6 +51,13 @@ class CacheConfig:
     tier_policy: which block a full tier gives up first: 'lru' (least recently used).
     tier_load_timeout_s: a new request whose prefix continues on disk waits at most this long for
         the reads (outside the scheduler); then it recomputes what has not arrived.
+    kv_cache_dtype: the KV cache's element type: 'auto', 'float32' or 'bfloat16'. 'bfloat16' under
+        float32 activations (an int8 / q4 model, or dtype float32) on CPU halves the cache's bytes:
+        twice the blocks in the same budget, and half the bytes decode attention reads per token
+        (the larger part of a step's memory traffic at tens of sequences); keys and values are
+        rounded to bf16 as they are written, scores and softmax stay fp32. 'auto': bfloat16 for an
+        int8 / q4 model on CPU (its weights already trade that much precision for speed), else the
+        activations' dtype. A float32 cache under bf16 activations is refused.
     """
 
     KEY_PREFIX: ClassVar[str] = "cache."  # how this type's messages spell its keys
@@ -63,6 +71,7 @@ class CacheConfig:
     disk_tier_dir: str | None = None
     tier_policy: str = "lru"
     tier_load_timeout_s: float = 0.5
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -85,6 +94,8 @@ class CacheConfig:
             raise ConfigError(f"cache.tier_policy={self.tier_policy!r}: must be one of {', '.join(TIER_POLICIES)}")
         if not self.tier_load_timeout_s > 0:
             raise ConfigError(f"cache.tier_load_timeout_s={self.tier_load_timeout_s}: must be > 0 (seconds)")
+        if self.kv_cache_dtype not in CACHE_DTYPES:
+            raise ConfigError(f"cache.kv_cache_dtype={self.kv_cache_dtype!r}: must be one of {', '.join(CACHE_DTYPES)}")
 
     @property
     def tiers_enabled(self) -> bool:
@@ -450,6 +461,7 @@ class EngineConfig:
                               "dtype to float32 (or auto) or draft_quantization to none")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be >= 2 (or unset)")
+        self._check_cache_dtype()
         if not (self.device in ("auto", "cpu") or self.device == "cuda" or
                 (self.device.startswith("cuda:") and self.device[5:].isdigit())):
             raise ConfigError(f"device={self.device!r}: must be 'auto', 'cpu' or 'cuda[:N]'")
@@ -496,6 +508,31 @@ class EngineConfig:
         # Engines resolve 'auto' first (workers/engine/device.py, resolve_for_process); a config used without
         # a checkpoint (a bare ModelRunner in tests) takes float32, what 'auto' gives on CPU.
         return torch.float32 if self.dtype == "auto" else getattr(torch, self.dtype)
+
+    def _check_cache_dtype(self) -> None:
+        """cache.kv_cache_dtype against the activations (checked again once device and dtype are resolved)."""
+        kv, act = self.cache.kv_cache_dtype, self.dtype
+        if kv == "auto" or act == "auto" or kv == act:
+            return
+        if not (kv == "bfloat16" and act == "float32"):
+            raise ConfigError(f"cache.kv_cache_dtype={kv!r} with dtype={act!r}: the KV cache is the activations' dtype "
+                              "or, under float32 activations, bfloat16; set cache.kv_cache_dtype to auto")
+        if self.device.startswith("cuda"):
+            raise ConfigError(f"cache.kv_cache_dtype={kv!r} with dtype={act!r} on device={self.device!r}: a bf16 cache "
+                              "under float32 activations is a CPU option (the GPU kernels take one dtype); set "
+                              "cache.kv_cache_dtype to auto or dtype to bfloat16")
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's element type: cache.kv_cache_dtype; for 'auto' bfloat16 under a quantized
+        model's float32 activations on CPU, else the activations' (torch_dtype)."""
+        import torch
+
+        if self.cache.kv_cache_dtype != "auto":
+            return getattr(torch, self.cache.kv_cache_dtype)
+        if self.quantization != "none" and self.device == "cpu" and self.torch_dtype is torch.float32:
+            return torch.bfloat16
+        return self.torch_dtype
 
 
 @dataclass(frozen=True)

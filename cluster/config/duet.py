@@ -136,6 +136,7 @@ class ModelSection(_Model):
     ("disk_tier_dir", Part(CacheConfig, "disk_tier_dir")),
     ("tier_policy", Part(CacheConfig, "tier_policy")),
     ("tier_load_timeout_s", Part(CacheConfig, "tier_load_timeout_s")),
+    ("kv_cache_dtype", Part(CacheConfig, "kv_cache_dtype")),
     ("fused_decode", Part(EngineConfig, "fused_decode")),
     ("cpu_kernels", Part(EngineConfig, "cpu_kernels")),
     ("device", Part(EngineConfig, "device")),

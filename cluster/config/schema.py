@@ -106,7 +106,8 @@ _POOL = {"replicas": "replicas", "standbyReplicas": "standby_replicas", "epSize"
              ("maxNumBatchedTokens", "max_num_batched_tokens"), ("maxNumSeqs", "max_num_seqs"),
              ("enablePrefixCaching", "enable_prefix_caching"), ("device", "device"), ("cudaGraphs", "cuda_graphs"),
              ("hostTierMemory", "host_tier_bytes"), ("diskTierSize", "disk_tier_bytes"),
-             ("tierLoadTimeoutSeconds", "tier_load_timeout_s"), ("lora.enabled", "lora.enabled"),
+             ("tierLoadTimeoutSeconds", "tier_load_timeout_s"), ("kvCacheDtype", "kv_cache_dtype"),
+             ("lora.enabled", "lora.enabled"),
              ("lora.maxLoaded", "lora.max_loaded"), ("lora.maxRank", "lora.max_rank"))},
          **{f"speculative.{k}": f"speculative.{v}" for k, v in (
              ("method", "method"), ("numSpeculativeTokens", "num_speculative_tokens"), ("adaptive", "adaptive"),

@@ -60,6 +60,16 @@ void check_same_dtype(const Tensor& t, const Tensor& like, const char* name) {
               t.scalar_type());
 }
 
+// A KV cache tensor: q's dtype, or bfloat16 under a float32 q (a bf16 cache under fp32 activations);
+// true for the latter (the kernels' kv_bf16).
+bool check_cache_dtype(const Tensor& t, const Tensor& q, const char* name) {
+  const bool mixed = q.scalar_type() == at::kFloat && t.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(mixed || t.scalar_type() == q.scalar_type(), name, " must be ", q.scalar_type(),
+              q.scalar_type() == at::kFloat ? " or bfloat16" : "", " for a ", q.scalar_type(), " q, got ",
+              t.scalar_type());
+  return mixed;
+}
+
 duet::bf16_t* bf16_ptr(const Tensor& t) { return reinterpret_cast<duet::bf16_t*>(t.data_ptr<at::BFloat16>()); }
 
 Tensor new_like_dtype(at::IntArrayRef sizes, const Tensor& like) {
@@ -165,8 +175,8 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
                               double scale, const c10::optional<Tensor>& out_opt,
                               const c10::optional<Tensor>& lse_opt) {
   const bool bf16 = check_f32_or_bf16(q, "q");
-  check_same_dtype(k_cache, q, "k_cache");
-  check_same_dtype(v_cache, q, "v_cache");
+  const bool kv_bf16 = check_cache_dtype(k_cache, q, "k_cache");
+  check_same_dtype(v_cache, k_cache, "v_cache");
   check_index(block_tables, "block_tables");
   check_index(context_lens, "context_lens");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with a contiguous last dim, got ", q.sizes());
@@ -194,6 +204,7 @@ Tensor paged_decode_attention(const Tensor& q, const Tensor& k_cache, const Tens
                           context_lens.data_ptr(), context_lens.scalar_type() == at::kLong,
                           out.data_ptr(), out.stride(0), out.stride(1),
                           B, H, G, D, S, block_size, static_cast<float>(scale)};
+  a.kv_bf16 = kv_bf16;
   if (lse_opt.has_value()) {  // [B, H] log-sum-exp, written in place
     check_f32(*lse_opt, "lse");
     TORCH_CHECK(lse_opt->dim() == 2 && lse_opt->size(0) == B && lse_opt->size(1) == H && lse_opt->stride(1) == 1,
@@ -216,8 +227,8 @@ std::tuple<Tensor, c10::optional<Tensor>> varlen_paged_attention(
     const Tensor& cu_seqlens_q, const Tensor& context_lens, int64_t block_size, double scale,
     const c10::optional<Tensor>& tree_parents, const c10::optional<Tensor>& out_opt, bool return_lse) {
   const bool bf16 = check_f32_or_bf16(q, "q");
-  check_same_dtype(k_cache, q, "k_cache");
-  check_same_dtype(v_cache, q, "v_cache");
+  const bool kv_bf16 = check_cache_dtype(k_cache, q, "k_cache");
+  check_same_dtype(v_cache, k_cache, "v_cache");
   check_index(block_tables, "block_tables");
   check_index(cu_seqlens_q, "cu_seqlens_q");
   check_index(context_lens, "context_lens");
@@ -261,6 +272,7 @@ std::tuple<Tensor, c10::optional<Tensor>> varlen_paged_attention(
                          lse.has_value() ? lse->data_ptr<float>() : nullptr, H,
                          B, T, H, G, D, S, block_size, static_cast<float>(scale)};
   a.bf16 = bf16;
+  a.kv_bf16 = kv_bf16;
   const std::string err = duet::varlen_attention_validate(a);
   TORCH_CHECK(err.empty(), "varlen_paged_attention: ", err);
   {
@@ -301,8 +313,10 @@ std::tuple<Tensor, Tensor> merge_attn_states(const std::vector<Tensor>& outs_in,
 void rotary_and_cache_write(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cos, const Tensor& sin,
                             const Tensor& k_cache, const Tensor& v_cache, const Tensor& slot_mapping) {
   const bool bf16 = check_f32_or_bf16(q, "q");
+  const bool kv_bf16 = check_cache_dtype(k_cache, q, "k_cache");
   for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
-    check_same_dtype(*t, q, name);
+    if (t == &v_cache) check_same_dtype(*t, k_cache, name);
+    else if (t != &k_cache) check_same_dtype(*t, q, name);
     TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1, name, " must be 3-D with a contiguous last dim, got ",
                 t->sizes());
   }
@@ -330,6 +344,7 @@ void rotary_and_cache_write(const Tensor& q, const Tensor& k, const Tensor& v, c
                           slot_mapping.data_ptr(), slot_mapping.scalar_type() == at::kLong,
                           T, H, G, D, S};
   a.bf16 = bf16;
+  a.kv_bf16 = kv_bf16;
   const std::string err = duet::rotary_cache_validate(a);
   TORCH_CHECK(err.empty(), "rotary_and_cache_write: ", err);
   duet::rotary_and_cache_write(a, at::get_num_threads());

@@ -16,7 +16,8 @@
 // and at the end rms_norm(h, r) with the final norm. Each linear is fp32 or bf16 (the GEMV kernel up
 // to max_gemv_tokens rows, else at::linear, exactly like the `linear` binding), int8 or q4 (int8
 // activations, quant_linear.cpp). The activations (h, r, q/k/v, the caches) are float32, or bf16 in
-// a bf16 model (bf16 linears only): the same kernels as the layer path in the same dtype.
+// a bf16 model (bf16 linears only): the same kernels as the layer path in the same dtype. Under
+// float32 activations the caches may be bf16 (cache.dtype): k / v rounded as they are written.
 //
 // Scope: decode-only steps (one new token per sequence), one tensor-parallel rank, dense MLP. The
 // caller (workers/models/llama.py) falls back to the module path for anything else.
@@ -158,12 +159,16 @@ class DecoderStack {
     const Tensor h0 = h_in.contiguous();
     const int64_t T = h0.size(0), QKV = (H_ + 2 * G_) * D_;
     const Tensor& kc0 = std::get<0>(kv[0]);
+    // the caches' dtype: the activations', or bf16 under fp32 activations (a bf16 KV cache)
+    const auto cdt = kc0.scalar_type();
+    TORCH_CHECK(cdt == dt_ || (dt_ == at::kFloat && cdt == at::kBFloat16), "the kv caches must be ", dtype_name(dt_),
+                dt_ == at::kFloat ? " or bfloat16" : "", ", got ", cdt);
     for (size_t i = 0; i < kv.size(); ++i) {
       const Tensor &k = std::get<0>(kv[i]), &v = std::get<1>(kv[i]);
-      TORCH_CHECK(k.scalar_type() == dt_ && v.scalar_type() == dt_ && k.sizes() == kc0.sizes() &&
+      TORCH_CHECK(k.scalar_type() == cdt && v.scalar_type() == cdt && k.sizes() == kc0.sizes() &&
                       v.sizes() == kc0.sizes() && k.strides() == kc0.strides() && v.strides() == kc0.strides() &&
                       k.dim() == 3 && k.size(1) == G_ && k.size(2) == D_ && k.stride(2) == 1,
-                  "layer ", i, ": k / v caches must all be ", dtype_name(dt_), " [S, G = ", G_, ", D = ", D_, "] alike");
+                  "layer ", i, ": k / v caches must all be ", dtype_name(cdt), " [S, G = ", G_, ", D = ", D_, "] alike");
     }
     for (const Tensor* t : {&slot_mapping, &context_lens, &block_tables})
       TORCH_CHECK(t->device().is_cpu() && (t->scalar_type() == at::kInt || t->scalar_type() == at::kLong),
@@ -176,7 +181,7 @@ class DecoderStack {
       TORCH_CHECK(t->scalar_type() == dt_ && t->dim() == 2 && t->size(0) == T && t->size(1) == D_ / 2 &&
                       t->stride(1) == 1, "cos / sin must be ", dtype_name(dt_), " [T, D / 2]");
     const int nt = at::get_num_threads();
-    const bool bf16 = dt_ == at::kBFloat16;
+    const bool bf16 = dt_ == at::kBFloat16, kv_bf16 = !bf16 && cdt == at::kBFloat16;
     const int64_t es = bf16 ? 2 : 4;  // bytes per activation element
     Tensor attn = new_of({T, H_, D_}, dt_);
     Tensor h = h0, r, x;
@@ -194,6 +199,7 @@ class DecoderStack {
                                vc.data_ptr(), vc.stride(0), vc.stride(1),
                                slot_mapping.data_ptr(), slot_mapping.scalar_type() == at::kLong,
                                T, H_, G_, D_, kc.size(0), bf16};
+      ra.kv_bf16 = kv_bf16;
       duet::PagedDecodeArgs pa{q, QKV, D_, kc.data_ptr(), kc.stride(0), kc.stride(1),
                                vc.data_ptr(), vc.stride(0), vc.stride(1),
                                block_tables.data_ptr(), block_tables.scalar_type() == at::kLong,
@@ -201,6 +207,7 @@ class DecoderStack {
                                context_lens.data_ptr(), context_lens.scalar_type() == at::kLong,
                                attn.data_ptr(), H_ * D_, D_, T, H_, G_, D_, kc.size(0), block_size, scale_};
       pa.bf16 = bf16;
+      pa.kv_bf16 = kv_bf16;
       if (i == 0) {  // every layer shares the slots, tables and cache shape checked here
         std::string err = duet::rotary_cache_validate(ra);
         TORCH_CHECK(err.empty(), "rotary_and_cache_write: ", err);

@@ -37,6 +37,8 @@ void gemv_bf16(const bf16_t* x, int64_t x_stride, const bf16_t* w, int64_t w_str
 bool gemv_bf16_native();
 
 // Attention and rotary arguments: q, k, v, caches and out are float32, or bf16_t where bf16 is set.
+// kv_bf16: the caches are bf16_t while the rest is float32 (a bf16 KV cache under fp32 activations:
+// half the bytes that decode attention reads per token); with bf16 set the caches are bf16 anyway.
 struct PagedDecodeArgs {
   const void* q;  // [B, H, D], strides q_sb, q_sh
   int64_t q_sb, q_sh;
@@ -56,6 +58,7 @@ struct PagedDecodeArgs {
   float* lse = nullptr;  // [B, H] log-sum-exp of the scores (-inf for an empty context), row stride lse_sb; optional
   int64_t lse_sb = 0;
   bool bf16 = false;
+  bool kv_bf16 = false;
 };
 
 // Empty string if every sequence's context fits its block table and every block it uses lies in
@@ -81,6 +84,7 @@ struct RotaryCacheArgs {
   bool slot_is64;
   int64_t T, H, G, D, S;
   bool bf16 = false;
+  bool kv_bf16 = false;
 };
 
 // Several new tokens per sequence over the paged cache (varlen_attention.cpp has the math).
@@ -107,6 +111,7 @@ struct VarlenAttnArgs {
   int64_t B, T, H, G, D, S, block_size;
   float scale;
   bool bf16 = false;
+  bool kv_bf16 = false;
 };
 
 std::string varlen_attention_validate(const VarlenAttnArgs& a);

@@ -1,6 +1,7 @@
-// Decode attention over a paged KV cache, fp32 or bf16 (q, cache and out alike; a.bf16): one
-// query token per sequence. bf16: q is widened into an fp32 scratch, K/V as they are loaded; the
-// scores, softmax and accumulators are fp32 and each output row is rounded to bf16 once.
+// Decode attention over a paged KV cache, fp32 or bf16 (q, cache and out alike; a.bf16), or fp32 q
+// and out over a bf16 cache (a.kv_bf16): one query token per sequence. bf16: q is widened into an
+// fp32 scratch, K/V as they are loaded; the scores, softmax and accumulators are fp32 and each
+// output row is rounded to bf16 once (fp32 out with a bf16 cache: not rounded).
 //
 // For sequence b and query head h (kv head g = h / (H / G)):
 //   s_t = scale * <q[b, h], K[slot(b, t), g]>,  t < context_lens[b]
@@ -80,8 +81,9 @@ struct Run {
 
 // One work item: m[h], l[h] and the unnormalised acc[h * D + d] for all H heads of sequence b.
 // next: the item that runs after this one on this thread (its first K run is prefetched), or null.
-template <typename T>
-void run_item(const PagedDecodeArgs& a, const Prims<T>& pr, const Item& it, const Item* next, float* m, float* l,
+// T: q's element type; C: the cache's.
+template <typename T, typename C>
+void run_item(const PagedDecodeArgs& a, const Prims<C>& pr, const Item& it, const Item* next, float* m, float* l,
               float* acc) {
   const int64_t H = a.H, G = a.G, D = a.D, hpg = H / G, len = it.t1 - it.t0;
   static thread_local std::vector<float> scratch, qf;
@@ -100,8 +102,8 @@ void run_item(const PagedDecodeArgs& a, const Prims<T>& pr, const Item& it, cons
     q = qf.data();
     q_sh = D;
   }
-  const T* k_cache = static_cast<const T*>(a.k_cache);
-  const T* v_cache = static_cast<const T*>(a.v_cache);
+  const C* k_cache = static_cast<const C*>(a.k_cache);
+  const C* v_cache = static_cast<const C*>(a.v_cache);
   // a slot's bytes that a run reads: from its first kv head's row to the end of its last one's
   const int64_t k_row = (G - 1) * a.k_sg + D, v_row = (G - 1) * a.v_sg + D;
   runs.clear();
@@ -113,7 +115,7 @@ void run_item(const PagedDecodeArgs& a, const Prims<T>& pr, const Item& it, cons
   for (int64_t r = 0; r < nr; ++r) {
     const Run& u = runs[r];
     if (r + 1 < nr) prefetch_run(k_cache, a.k_ss, runs[r + 1].slot, runs[r + 1].n, k_row);
-    const T* k = k_cache + u.slot * a.k_ss;
+    const C* k = k_cache + u.slot * a.k_ss;
     for (int64_t g = 0; g < G; ++g)
       pr.scores(q + g * hpg * q_sh, q_sh, hpg, k + g * a.k_sg, a.k_ss, u.n, D, a.scale, s + g * hpg * len + u.i, len);
   }
@@ -132,7 +134,7 @@ void run_item(const PagedDecodeArgs& a, const Prims<T>& pr, const Item& it, cons
         if (!done) prefetch_run(k_cache, a.k_ss, slot, n, k_row), done = true;
       });
     }
-    const T* v = v_cache + u.slot * a.v_ss;
+    const C* v = v_cache + u.slot * a.v_ss;
     for (int64_t g = 0; g < G; ++g)
       pr.accum(s + g * hpg * len + u.i, len, hpg, u.n, v + g * a.v_sg, a.v_ss, D, acc + g * hpg * D);
   }
@@ -195,9 +197,9 @@ std::string paged_decode_validate(const PagedDecodeArgs& a) {
 
 namespace {
 
-template <typename T>
+template <typename T, typename C>
 void paged_decode(const PagedDecodeArgs& a, int max_threads) {
-  const Prims<T> pr = prims_for<T>(active_isa());
+  const Prims<C> pr = prims_for<C>(active_isa());
   int64_t total_ctx = 0;
   for (int64_t b = 0; b < a.B; ++b) total_ctx += index_at(a.context_lens, a.cl_is64, b);
   const int nt0 = pick_threads(max_threads, total_ctx * a.H * a.D, kMinParallelWork, total_ctx);
@@ -216,7 +218,7 @@ void paged_decode(const PagedDecodeArgs& a, int max_threads) {
   std::vector<float> part(n_items * per_item);
   auto run = [&](int64_t i, bool serial) {
     float* p = part.data() + i * per_item;
-    run_item<T>(a, pr, items[i], serial && i + 1 < n_items ? &items[i + 1] : nullptr, p, p + a.H, p + 2 * a.H);
+    run_item<T, C>(a, pr, items[i], serial && i + 1 < n_items ? &items[i + 1] : nullptr, p, p + a.H, p + 2 * a.H);
   };
   if (nt0 == 1 || n_items == 1) {
     for (int64_t i = 0; i < n_items; ++i) run(i, true);
@@ -236,9 +238,11 @@ void paged_decode(const PagedDecodeArgs& a, int max_threads) {
 
 void paged_decode_attention(const PagedDecodeArgs& a, int max_threads) {
   if (a.bf16) {
-    paged_decode<bf16_t>(a, max_threads);
+    paged_decode<bf16_t, bf16_t>(a, max_threads);
+  } else if (a.kv_bf16) {
+    paged_decode<float, bf16_t>(a, max_threads);
   } else {
-    paged_decode<float>(a, max_threads);
+    paged_decode<float, float>(a, max_threads);
   }
 }
 

@@ -1,4 +1,5 @@
-// RoPE on q and k in place, then k and v written into the paged cache, fp32 or bf16, in one pass.
+// RoPE on q and k in place, then k and v written into the paged cache, fp32 or bf16, in one pass
+// (kv_bf16: fp32 q/k/v, and k and v rounded to bf16 as they are written to a bf16 cache).
 //
 // Rotate-half layout (HF Llama/Qwen2): for a head vector x = [x1 | x2] (halves of D/2) and the
 // token's cos/sin rows c, s (D/2 each):
@@ -11,6 +12,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "common.h"
 #include "kernels.h"
@@ -91,15 +93,26 @@ std::string rotary_cache_validate(const RotaryCacheArgs& a) {
 
 namespace {
 
-template <typename T>
+// Writes one head's row of n elements into the cache: a copy in the same type, or rounded to bf16
+// (round to nearest even, as torch's .to(bfloat16)) from fp32 for a bf16 cache.
+template <typename T, typename C>
+inline void store_row(C* dst, const T* src, int64_t n) {
+  if constexpr (std::is_same_v<T, C>) {
+    std::memcpy(dst, src, n * sizeof(T));
+  } else {
+    for (int64_t d = 0; d < n; ++d) dst[d] = from_f32<C>(src[d]);
+  }
+}
+
+template <typename T, typename C>  // activations' element type, the cache's
 void rotary_cache(const RotaryCacheArgs& a, void (*rot)(T*, const T*, const T*, int64_t), int max_threads) {
   const int64_t half = a.D / 2;
   const int nt = pick_threads(max_threads, a.T * (a.H + 2 * a.G) * a.D, kMinParallelWork, a.T);
   T* q = static_cast<T*>(a.q);
   T* kk = static_cast<T*>(a.k);
   const T* v = static_cast<const T*>(a.v);
-  T* k_cache = static_cast<T*>(a.k_cache);
-  T* v_cache = static_cast<T*>(a.v_cache);
+  C* k_cache = static_cast<C*>(a.k_cache);
+  C* v_cache = static_cast<C*>(a.v_cache);
   parallel_for(nt, a.T, [&](int64_t t) {
     const T* c = static_cast<const T*>(a.cos) + t * a.cos_st;
     const T* s = static_cast<const T*>(a.sin) + t * a.sin_st;
@@ -109,8 +122,8 @@ void rotary_cache(const RotaryCacheArgs& a, void (*rot)(T*, const T*, const T*, 
       T* k = kk + t * a.k_st + g * a.k_sh;
       rot(k, c, s, half);
       if (slot < 0) continue;
-      std::memcpy(k_cache + slot * a.kc_ss + g * a.kc_sg, k, a.D * sizeof(T));
-      std::memcpy(v_cache + slot * a.vc_ss + g * a.vc_sg, v + t * a.v_st + g * a.v_sh, a.D * sizeof(T));
+      store_row(k_cache + slot * a.kc_ss + g * a.kc_sg, k, a.D);
+      store_row(v_cache + slot * a.vc_ss + g * a.vc_sg, v + t * a.v_st + g * a.v_sh, a.D);
     }
   });
 }
@@ -120,9 +133,14 @@ void rotary_cache(const RotaryCacheArgs& a, void (*rot)(T*, const T*, const T*, 
 void rotary_and_cache_write(const RotaryCacheArgs& a, int max_threads) {
   const Isa isa = active_isa();
   if (a.bf16) {
-    rotary_cache<bf16_t>(a, isa == Isa::kAvx512 ? rot_bf16_avx512 : rot_bf16_scalar, max_threads);
+    rotary_cache<bf16_t, bf16_t>(a, isa == Isa::kAvx512 ? rot_bf16_avx512 : rot_bf16_scalar, max_threads);
+    return;
+  }
+  const auto rot = isa == Isa::kAvx512 ? rot_avx512 : isa == Isa::kAvx2 ? rot_avx2 : rot_scalar;
+  if (a.kv_bf16) {
+    rotary_cache<float, bf16_t>(a, rot, max_threads);
   } else {
-    rotary_cache<float>(a, isa == Isa::kAvx512 ? rot_avx512 : isa == Isa::kAvx2 ? rot_avx2 : rot_scalar, max_threads);
+    rotary_cache<float, float>(a, rot, max_threads);
   }
 }
 

@@ -1,6 +1,7 @@
 // Attention of several new tokens per sequence over a paged KV cache, fp32 or bf16 (q, cache and
 // out alike; a.bf16: q widened to fp32 as it is copied to the scratch, K/V as loaded, out rounded
-// once), for prefill chunks and speculative verification, with an optional token tree.
+// once), or fp32 q and out over a bf16 cache (a.kv_bf16), for prefill chunks and speculative
+// verification, with an optional token tree.
 //
 // Sequence b owns query rows [cu[b], cu[b + 1]) (n_b rows) and has ctx_b tokens in the cache, the
 // last n_b of which are its new tokens (their K/V were written before the call). With P = ctx_b - n_b,
@@ -78,8 +79,8 @@ struct Scratch {
 
 // Rows of the item for kv head g: r = (i - i0) * hpg + hh, i.e. query i, head g * hpg + hh.
 // Results: m/l[(i - i0) * H + h] and acc[((i - i0) * H + h) * D + d] (unnormalised).
-template <typename T>
-void run_item(const VarlenAttnArgs& a, const Prims<T>& pr, const Seq& sq, const uint8_t* anc, const Item& it, float* m_out,
+template <typename T, typename C>  // q's element type, the cache's
+void run_item(const VarlenAttnArgs& a, const Prims<C>& pr, const Seq& sq, const uint8_t* anc, const Item& it, float* m_out,
               float* l_out, float* acc_out) {
   const int64_t H = a.H, D = a.D, hpg = H / a.G, nq = it.i1 - it.i0, R = nq * hpg;
   static thread_local Scratch sc;
@@ -99,8 +100,8 @@ void run_item(const VarlenAttnArgs& a, const Prims<T>& pr, const Seq& sq, const 
     std::fill_n(acc, R * D, 0.f);
     std::fill_n(m, R, kNegInf);
     std::fill_n(l, R, 0.f);
-    const T* kg = static_cast<const T*>(a.k_cache) + g * a.k_sg;
-    const T* vg = static_cast<const T*>(a.v_cache) + g * a.v_sg;
+    const C* kg = static_cast<const C*>(a.k_cache) + g * a.k_sg;
+    const C* vg = static_cast<const C*>(a.v_cache) + g * a.v_sg;
     for (int64_t c0 = it.t0; c0 < it.t1; c0 += kChunk) {
       const int64_t c1 = std::min(c0 + kChunk, it.t1), len = c1 - c0;
       for_each_run(a, it.b, c0, c1, [&](int64_t o, int64_t slot, int64_t n) {
@@ -219,9 +220,9 @@ std::string varlen_attention_validate(const VarlenAttnArgs& a) {
 
 namespace {
 
-template <typename T>
+template <typename T, typename C>
 void varlen_attention(const VarlenAttnArgs& a, int max_threads) {
-  const Prims<T> pr = prims_for<T>(active_isa());
+  const Prims<C> pr = prims_for<C>(active_isa());
   const int64_t H = a.H, D = a.D;
   std::vector<Seq> seqs(a.B);
   int64_t anc_size = 0, work = 0, n_blocks = 0;
@@ -264,7 +265,7 @@ void varlen_attention(const VarlenAttnArgs& a, int max_threads) {
   const uint8_t* A = a.tree_parents ? anc.data() : nullptr;
   auto run = [&](int64_t i) {
     float* p = part.data() + i * per_item;
-    run_item<T>(a, pr, seqs[items[i].b], A, items[i], p, p + rows, p + 2 * rows);
+    run_item<T, C>(a, pr, seqs[items[i].b], A, items[i], p, p + rows, p + 2 * rows);
   };
   if (nt == 1 || n_items == 1) {
     for (int64_t i = 0; i < n_items; ++i) run(i);
@@ -290,9 +291,11 @@ void varlen_attention(const VarlenAttnArgs& a, int max_threads) {
 
 void varlen_paged_attention(const VarlenAttnArgs& a, int max_threads) {
   if (a.bf16) {
-    varlen_attention<bf16_t>(a, max_threads);
+    varlen_attention<bf16_t, bf16_t>(a, max_threads);
+  } else if (a.kv_bf16) {
+    varlen_attention<float, bf16_t>(a, max_threads);
   } else {
-    varlen_attention<float>(a, max_threads);
+    varlen_attention<float, float>(a, max_threads);
   }
 }
 

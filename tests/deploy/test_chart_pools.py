@@ -42,6 +42,7 @@ REACHES_CONFIG: dict[str, tuple[str, str, Any]] = {
     "engine.cudaGraphs": ("engine.cudaGraphs=true", "engine.cuda_graphs", True),
     "engine.hostTierMemory": ("engine.hostTierMemory=2GiB", "engine.host_tier_bytes", 2 << 30),
     "engine.tierLoadTimeoutSeconds": ("engine.tierLoadTimeoutSeconds=2", "engine.tier_load_timeout_s", 2.0),
+    "engine.kvCacheDtype": ("engine.kvCacheDtype=bfloat16", "engine.kv_cache_dtype", "bfloat16"),
     "engine.diskTierSize": ("engine.diskTierSize=8GiB", "engine.disk_tier_bytes", 8 << 30),  # with a host tier
     "engine.lora.enabled": ("engine.lora.enabled=true", "engine.lora.enabled", True),
     "engine.lora.maxLoaded": ("engine.lora.maxLoaded=4", "engine.lora.max_loaded", 4),

@@ -147,7 +147,7 @@ def cache_blocks(config: EngineConfig, spec: ModelSpec) -> int:
     tp = get_group("tp")
     kv_heads = attention_shard(spec.num_heads, spec.num_kv_heads, tp.world_size, 0).kv_heads.size
     return config.cache.num_blocks or config.cache.kv_cache_memory_bytes // kv_bytes_per_block(
-        spec, config.cache.block_size, config.torch_dtype, kv_heads)
+        spec, config.cache.block_size, config.kv_dtype, kv_heads)
 
 
 class ModelRunner:
@@ -175,7 +175,7 @@ class ModelRunner:
         assert g == self.kv_heads.size, (g, self.kv_heads)
         # [layers, 2, S, G, D]; zeros, not empty: padded gathers read unused slots, which are masked
         # out, but NaN garbage would still poison the masked softmax.
-        self.kv_cache = zeroed((spec.num_layers, 2, slots, g, spec.head_dim), config.torch_dtype, self.device,
+        self.kv_cache = zeroed((spec.num_layers, 2, slots, g, spec.head_dim), config.kv_dtype, self.device,
                                populate=True, huge_pages=config.memory_tuning)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler(frozenset(spec.eos_token_ids))
@@ -236,7 +236,7 @@ class ModelRunner:
 
     def kv_layout(self) -> KVLayout:
         s = self.spec
-        return KVLayout(s.num_layers, self.block_size, s.num_kv_heads, s.head_dim, self.config.torch_dtype,
+        return KVLayout(s.num_layers, self.block_size, s.num_kv_heads, s.head_dim, self.config.kv_dtype,
                         self.kv_heads.start, self.kv_heads.size)
 
     def moe_stats(self) -> MoEStats:

@@ -124,7 +124,7 @@ class PagedAttention(nn.Module):
             vv = v[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
         else:
-            kk = k_cache[span.context_slots].transpose(0, 1).unsqueeze(0)  # [1, G, L, D]
-            vv = v_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
+            kk = k_cache[span.context_slots].to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, G, L, D]
+            vv = v_cache[span.context_slots].to(q.dtype).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=span.mask, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)  # [n, H, D]

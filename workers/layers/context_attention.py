@@ -71,6 +71,7 @@ def context_attention(q: torch.Tensor, kv_of: KVFn, meta: AttentionMetadata, sca
         if window is not None:
             slots = slots[max(0, slots.shape[0] - (window + end - start - 1)):]
         k, v = kv_of(slots)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # a bf16 cache under fp32 activations (cache.kv_cache_dtype); else no-op
         o = attend_chunk(q[start:end], k, v, scale, window, softcap)  # [n, H, Dv]
         if out is None:
             out = o.new_empty(q.shape[0], *o.shape[1:])

@@ -86,7 +86,7 @@ class MLAttention(nn.Module):
         v_plane.index_copy_(0, slots, latent[:, None, half:].to(v_plane.dtype))
 
         def expand(ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # slots [L] -> k [L, H, dn+dr], v [L, H, dv]
-            lat = torch.cat([k_plane[ctx, 0], v_plane[ctx, 0]], dim=-1)  # [L, r + dr]
+            lat = torch.cat([k_plane[ctx, 0], v_plane[ctx, 0]], dim=-1).to(x.dtype)  # [L, r + dr] (cache.kv_cache_dtype may differ)
             n = lat.shape[0]
             k_nope, v = self.kv_b_proj(lat[:, : self.r]).view(n, self.h, self.dn + self.dv).split([self.dn, self.dv], -1)
             k = torch.cat([k_nope, lat[:, None, self.r:].expand(n, self.h, self.dr)], dim=-1)

@@ -93,8 +93,8 @@ def _local_partial(q, k, v, k_cache, v_cache, rc: RingChunk, scale: float):
     na, nb = rc.sizes[rc.local[0]], rc.sizes[rc.local[1]]
     ks, vs = [k], [v]
     if rc.prefix_slots is not None:
-        ks.insert(0, k_cache[rc.prefix_slots])
-        vs.insert(0, v_cache[rc.prefix_slots])
+        ks.insert(0, k_cache[rc.prefix_slots].to(k.dtype))  # the cache may be bf16 under fp32 activations
+        vs.insert(0, v_cache[rc.prefix_slots].to(v.dtype))
     kt, vt = torch.cat(ks), torch.cat(vs)  # [P + na + nb, G, D]: a one-block cache
     p = kt.shape[0] - na - nb
     dev = q.device
@@ -154,8 +154,8 @@ def _attend_remote(q, kv, owner: int, rc: RingChunk, w: int, scale: float, parts
     n0 = rc.sizes[pieces[0]]
     spans = {pieces[0]: slice(0, n0), pieces[1]: slice(n0, None)}
     for p in pieces:
-        k_cache[rc.piece_slots[p]] = kv[0, spans[p]]
-        v_cache[rc.piece_slots[p]] = kv[1, spans[p]]
+        k_cache[rc.piece_slots[p]] = kv[0, spans[p]].to(k_cache.dtype)
+        v_cache[rc.piece_slots[p]] = kv[1, spans[p]].to(v_cache.dtype)
     a, b = rc.local
     na = rc.sizes[a]
     for local, rows in ((a, slice(0, na)), (b, slice(na, rc.num_rows))):

@@ -25,12 +25,15 @@ from workers.models.llama import LlamaForCausalLM
 
 
 @torch.inference_mode()
-def next_token_logits(model: LlamaForCausalLM, spec: ModelSpec, ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """Logits of the next token after each prefix ids[: i + 1], i < L - 1: [L - 1, V] fp32."""
+def next_token_logits(model: LlamaForCausalLM, spec: ModelSpec, ids: list[int], block_size: int = 16,
+                      kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Logits of the next token after each prefix ids[: i + 1], i < L - 1: [L - 1, V] fp32.
+    kv_dtype: the KV cache's element type (None = the model's dtype; EngineConfig.kv_dtype is what an
+    engine runs, e.g. bfloat16 for an int8 / q4 model on CPU)."""
     L = len(ids)
     assert L >= 2, "need at least two tokens to score"
     blocks = -(-L // block_size)
-    dtype = next(model.parameters()).dtype
+    dtype = kv_dtype or next(model.parameters()).dtype
     kv = torch.zeros(spec.num_layers, 2, blocks * block_size, spec.num_kv_heads, spec.head_dim, dtype=dtype)
     meta = AttentionMetadata(
         block_size=block_size,
@@ -50,11 +53,12 @@ def next_token_logits(model: LlamaForCausalLM, spec: ModelSpec, ids: list[int], 
     return logits.float()
 
 
-def token_logprobs(model: LlamaForCausalLM, spec: ModelSpec, ids: list[int]) -> torch.Tensor:
+def token_logprobs(model: LlamaForCausalLM, spec: ModelSpec, ids: list[int],
+                   kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """log p(ids[i + 1] | ids[: i + 1]) for i < L - 1: [L - 1]."""
-    logits = next_token_logits(model, spec, ids)  # [L - 1, V]
+    logits = next_token_logits(model, spec, ids, kv_dtype=kv_dtype)  # [L - 1, V]
     return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
 
 
-def perplexity(model: LlamaForCausalLM, spec: ModelSpec, ids: list[int]) -> float:
-    return math.exp(-token_logprobs(model, spec, ids).mean().item())
+def perplexity(model: LlamaForCausalLM, spec: ModelSpec, ids: list[int], kv_dtype: torch.dtype | None = None) -> float:
+    return math.exp(-token_logprobs(model, spec, ids, kv_dtype).mean().item())

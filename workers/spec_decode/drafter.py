@@ -123,7 +123,7 @@ class DraftEngine:
                                  quantized_batches=config.quantized_batches)
         bs = config.cache.block_size
         num_blocks = config.cache.num_blocks or config.cache.kv_cache_memory_bytes // kv_bytes_per_block(
-            spec, bs, config.torch_dtype)
+            spec, bs, config.kv_dtype)
         self.model_path = path
         self.spec = spec
         self.max_len = min(spec.max_position_embeddings, num_blocks * bs)

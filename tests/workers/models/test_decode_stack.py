@@ -44,12 +44,18 @@ def _run(llm: LLM, monkeypatch: pytest.MonkeyPatch, fused: bool) -> tuple[list[l
     return [o.token_ids for o in outs], logits
 
 
-@pytest.mark.parametrize("quantization,dtype", [("none", "float32"), ("int8", "float32"), ("q4", "float32"),
-                                                ("none", "bfloat16")])
+@pytest.mark.parametrize("quantization,dtype,kv", [("none", "float32", "auto"), ("int8", "float32", "auto"),
+                                                   ("q4", "float32", "auto"), ("q4", "float32", "float32"),
+                                                   ("none", "float32", "bfloat16"), ("none", "bfloat16", "auto")])
 def test_fused_decode_is_bit_identical(smollm2_path: Path, monkeypatch: pytest.MonkeyPatch, quantization: str,
-                                       dtype: str) -> None:
+                                       dtype: str, kv: str) -> None:
+    """Every activation dtype, quantization and KV cache dtype the stack takes (int8 / q4 with 'auto':
+    a bf16 cache on CPU; an fp32 model with an explicit bf16 cache)."""
     llm = LLM(str(smollm2_path), quantization=quantization, dtype=dtype, enable_prefix_caching=False,
-              kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=48)
+              kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=48, kv_cache_dtype=kv)
+    expected_kv = {"auto": torch.bfloat16 if quantization != "none" else getattr(torch, dtype),
+                   "float32": torch.float32, "bfloat16": torch.bfloat16}[kv]
+    assert llm.engine.runner.kv_cache.dtype == expected_kv
     tokens_fused, logits_fused = _run(llm, monkeypatch, fused=True)
     tokens_plain, logits_plain = _run(llm, monkeypatch, fused=False)
     assert tokens_fused == tokens_plain

@@ -288,6 +288,7 @@ component of name), or the one model's. */}}
       "host_tier_bytes" (toString (.engine.hostTierMemory | default "0"))
       "disk_tier_bytes" (toString (.engine.diskTierSize | default "0"))
       "tier_load_timeout_s" (float64 (.engine.tierLoadTimeoutSeconds | default 0.5))
+      "kv_cache_dtype" (.engine.kvCacheDtype | default "auto")
       "lora" (dict "enabled" .engine.lora.enabled "max_loaded" (int .engine.lora.maxLoaded)
                    "max_rank" (int .engine.lora.maxRank)) }}
 {{- $sp := .speculative }}
