@@ -1,7 +1,7 @@
 """Several routers active-active on the same workers: load imbalance, prefix-hit rate, throughput and
 TTFT with 1, 2 and 3 routers, side by side in one run.
 
-    python -m benchmarks.routers_bench [--workers 4] [--streams 24] [--seconds 6] [--routers 1 2 3]
+    python -m benchmarks.routers_bench [--workers 4] [--streams 24] [--seconds 6] [--routers 1 2 3] [--phases ...]
 
 Setup, all in this process: ``--workers`` echo workers (cluster/bench/echo_worker.py: no model work,
 ``--first-token-ms`` then one id every ``--gap-ms``; an honest load report -- running requests,
@@ -14,6 +14,11 @@ always sending to router i mod N, run for ``--seconds`` per phase:
                   the workers' reports (and only their own sends since the last report) fill them
     prefix_aware  ``--prefixes`` shared 256-token prefixes (16 blocks) + a random 16-token suffix,
                   policy prefix_aware (reported holdings + own sends of the last second)
+    prefix_aware_random  random 64-token prompts, policy prefix_aware: every prompt is new, so this
+                  is how evenly its no-match path (router/policies/cold_home.py) fills the workers
+    *_home        the same with prefix_aware's ``cold_home`` on (a prompt no worker holds goes to
+                  its home, the same worker from every router) against the default (to the
+                  least-loaded worker as this router sees it), side by side in the same run
 
 Reported per phase and N (medians over samples every 20 ms of each worker's running requests):
     imbalance_max_over_mean   max over workers / mean over workers of running requests (1.0 = even)
@@ -67,8 +72,16 @@ class _Loop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
 
+# phase -> (policy, its options). The *_home phases run prefix_aware with cold_home on (a prompt no
+# worker holds goes to its home, router/policies/cold_home.py); the phase without is its baseline.
+PHASES = {"least_loaded": ("least_loaded", {}),
+          "prefix_aware": ("prefix_aware", {}), "prefix_aware_home": ("prefix_aware", {"cold_home": True}),
+          "prefix_aware_random": ("prefix_aware", {}),
+          "prefix_aware_random_home": ("prefix_aware", {"cold_home": True})}
+
+
 def _prompt(rng: random.Random, phase: str, prefixes: list[list[int]]) -> list[int]:
-    if phase == "prefix_aware":
+    if phase in ("prefix_aware", "prefix_aware_home"):
         return rng.choice(prefixes) + [rng.randrange(1000, 20000) for _ in range(16)]
     return [rng.randrange(1000, 20000) for _ in range(64)]
 
@@ -97,7 +110,7 @@ async def _sample(workers: list[EchoWorker], stop_at: float, samples: list[list[
 
 def run_phase(args: argparse.Namespace, n_routers: int, phase: str, members: list[tuple[str, str]],
               workers: list[EchoWorker], prefixes: list[list[int]]) -> dict[str, Any]:
-    routers = [serve_router(RouterConfig(tokenizer_path=str(args.model_path), port=0, http_port=0, policy=phase,
+    routers = [serve_router(RouterConfig(tokenizer_path=str(args.model_path), port=0, http_port=0, policy=PHASES[phase][0], policy_options=PHASES[phase][1],
                                          max_in_flight=1024), members) for _ in range(n_routers)]
     q0, h0 = sum(w.prefix_queries for w in workers), sum(w.prefix_hits for w in workers)
     try:
@@ -144,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--routers", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--prefixes", type=int, default=8)
+    p.add_argument("--phases", nargs="+", choices=sorted(PHASES), default=list(PHASES))
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--first-token-ms", type=float, default=20.0)
     p.add_argument("--gap-ms", type=float, default=10.0)
@@ -154,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     prefixes = [[rng.randrange(1000, 20000) for _ in range(256)] for _ in range(args.prefixes)]
     results = []
-    for phase in ("least_loaded", "prefix_aware"):
+    for phase in args.phases:
         for n in args.routers:
             # fresh workers per point: empty caches, so every N starts from the same state
             workers = [EchoWorker(args.first_token_ms, args.gap_ms) for _ in range(args.workers)]

@@ -13,6 +13,10 @@
              FAILED_PRECONDITION (requests still running with it) leaves it to that worker's LRU,
              reported as ``busy``.
     list     every registered adapter, with the workers whose latest load report lists it.
+    shared   with ``shared`` (a router following a controller: router/shared_adapters.py), a load
+             is shared with every router through the controller once it succeeded here (a refusal
+             there -- the name shared with another source, or no controller reachable -- undoes
+             it: nothing is registered), and an unload is unshared before the workers drop it.
     pinned   ``keep_pinned`` (every few seconds, RouterServer): each pinned adapter is loaded with
              ``pin`` on every healthy worker of its model that serves adapters (its report's
              max_loaded_adapters > 0) and does not list it; once per worker incarnation, so a
@@ -38,6 +42,7 @@ from router.catalog import ModelCatalog
 from router.config import AdapterSpec, RouterConfigError
 from router.policies import WorkerState
 from router.policies.least_loaded import least_loaded
+from router.shared_adapters import SharedAdapters
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +67,14 @@ class AdapterAdmin:
 
     def __init__(self, catalog: ModelCatalog, workers: Callable[[], Sequence[WorkerState]],
                  stub_of: Callable[[str], Any], serves: Callable[[WorkerState, str], bool], *,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, shared: SharedAdapters | None = None) -> None:
         self.catalog = catalog
         self.registry = catalog.adapters
         self._workers = workers
         self._stub_of = stub_of
         self._serves = serves
         self.timeout_s = timeout_s
+        self.shared = shared  # None: adapters loaded here are this router's only
         self._pin_tried: set[tuple[str, str, str]] = set()  # (worker id, incarnation, adapter)
         self.num_pinned_loads = 0
 
@@ -91,12 +97,14 @@ class AdapterAdmin:
             raise AdapterError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"{'lora_name' if field == 'name' else 'lora_path'}: {e}") from None
         adapter = self.registry.register(spec, base)
-        if not preload:
-            return adapter
         try:
-            await self._preload(adapter)
+            if preload:
+                await self._preload(adapter)
+            if self.shared is not None:
+                await self.shared.put(adapter)
         except BaseException:
-            self.registry.unregister(name)
+            if self.registry.get(name) == adapter:
+                self.registry.unregister(name)
             raise
         return adapter
 
@@ -131,6 +139,13 @@ class AdapterAdmin:
                 raise AdapterError(grpc.StatusCode.NOT_FOUND, f"lora_name: {base} has no adapter {short!r}")
             name = short
         adapter = self.registry.unregister(name)
+        if self.shared is not None:
+            try:
+                await self.shared.delete(adapter.name)
+            except BaseException:
+                if self.registry.get(adapter.name) is None:  # still shared: it stays routable here too
+                    self.registry.register(adapter.spec, adapter.base)
+                raise
         done, busy = [], []
         for w in self._model_workers(adapter.base, healthy=False):
             try:

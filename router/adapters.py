@@ -11,8 +11,9 @@ Three origins, one name space (an adapter's name is unique in the deployment and
                 its own: routers that see the same directory agree without talking to each other.
     runtime     registered through the admin API (router/adapter_admin.py: HTTP
                 ``/v1/load_lora_adapter``, gRPC duet.control.v1.RouterAdmin/LoadAdapter) until
-                unloaded. Held by the router that took the call only: with several routers, call
-                each of them (or use the watched directory).
+                unloaded. With a controller, shared with every router through it
+                (router/shared_adapters.py: ``replace_runtime`` applies the deployment's list);
+                a router without one (members set directly) holds its own only.
 
 The router never reads an adapter's files: it hands ``AdapterSpec(name, source)`` to the worker
 with each request (SubmitRequest.adapter) and the worker loads it on first use.
@@ -121,6 +122,28 @@ class AdapterRegistry:
         logger.info("adapter %s registered on %s (source %s%s)", spec.name, base, spec.source,
                     ", pinned" if spec.pinned else "")
         return adapter
+
+    def replace_runtime(self, entries: Sequence[tuple[AdapterSpec, str]]) -> None:
+        """Make the runtime adapters exactly ``entries`` ((spec, base) pairs: the deployment's shared
+        list, router/shared_adapters.py). One whose base this router does not serve, or whose name
+        a model or a config adapter has, is skipped with a warning (once)."""
+        runtime: dict[str, RegisteredAdapter] = {}
+        for spec, base in entries:
+            clash = ("its base model is not served here" if base not in self._models else
+                     "a served model's name" if spec.name in self._models else
+                     f"a config adapter on {self._fixed[spec.name].base}" if spec.name in self._fixed else None)
+            if clash is not None:
+                self._warn_once(f"shared:{spec.name}:{base}", "shared adapter %s on %s skipped: %s", spec.name, base,
+                                clash)
+                continue
+            runtime[spec.name] = self._runtime.get(spec.name) or RegisteredAdapter(spec, base, RUNTIME)
+            if runtime[spec.name].spec != spec or runtime[spec.name].base != base:
+                runtime[spec.name] = RegisteredAdapter(spec, base, RUNTIME)
+        added, gone = sorted(set(runtime) - set(self._runtime)), sorted(set(self._runtime) - set(runtime))
+        if added or gone:
+            logger.info("shared adapters: %d (added: %s; removed: %s)", len(runtime), ", ".join(added) or "-",
+                        ", ".join(gone) or "-")
+        self._runtime = runtime
 
     def unregister(self, name: str) -> RegisteredAdapter:
         """Forget a runtime adapter; config and directory ones cannot be (FAILED_PRECONDITION)."""

@@ -7,6 +7,9 @@ the last list it applied -- its own health polling still takes dead workers out 
 with exponential backoff (``min_backoff_s`` doubling to ``max_backoff_s``); the first list after a
 reconnect replaces the old one whole.
 
+Each list also carries the runtime LoRA adapters shared through the controller; ``apply_adapters``
+gets them (router/shared_adapters.py ``SharedAdapters.apply``).
+
 ``wake_pools`` asks the same service to wake pools scaled to zero (the router's held requests,
 router/hold.py).
 
@@ -36,15 +39,18 @@ logger = logging.getLogger(__name__)
 # "drafter" members are drafter replicas (the directory hands them to router.drafters.DrafterDirectory)
 Members = list[tuple[str, str, str, str, bool, str, str]]
 Apply = Callable[[Members, int], Awaitable[None]]
+# (the deployment's shared runtime adapters, first list since connecting): router/shared_adapters.py
+ApplyAdapters = Callable[[control_pb2.SharedAdapters, bool], None]
 
 
 class MembershipWatcher:
     """One background task watching the controller at ``address`` (host:port)."""
 
     def __init__(self, address: str, apply: Apply, *, watcher_name: str = "", min_backoff_s: float = 0.2,
-                 max_backoff_s: float = 5.0) -> None:
+                 max_backoff_s: float = 5.0, apply_adapters: ApplyAdapters | None = None) -> None:
         self.address = address
         self._apply = apply
+        self._apply_adapters = apply_adapters
         self._name = watcher_name
         self._min_backoff = min_backoff_s
         self._max_backoff = max_backoff_s
@@ -79,9 +85,12 @@ class MembershipWatcher:
                 async with grpc.aio.insecure_channel(self.address) as channel:
                     stub = control_pb2_grpc.MembershipStub(channel)
                     async for msg in stub.Watch(control_pb2.WatchRequest(watcher=self._name)):
-                        if not self.connected:
+                        fresh = not self.connected
+                        if fresh:
                             self.connected = True
                             logger.info("membership: watching the controller at %s", self.address)
+                        if self._apply_adapters is not None and msg.HasField("adapters"):
+                            self._apply_adapters(msg.adapters, fresh)
                         backoff = self._min_backoff
                         await self._apply([(m.worker_id, m.endpoint, m.role or "colocated", m.pool or m.role or "colocated",
                                             m.draining, m.drafter_pool, m.model) for m in msg.members], msg.version)

@@ -61,6 +61,7 @@ from router.admission import AdmissionController
 from router.config import RouterConfig, RouterConfigError
 from router.hold import WorkerHold
 from router.membership import MembershipWatcher, wake_pools
+from router.shared_adapters import SharedAdapters
 from router.fanout import FanOut
 from router.pipeline import Pipeline
 from router.policies import make_policy
@@ -198,8 +199,11 @@ class RouterServer:
                                  AdmissionController(config.max_in_flight, config.max_queue), self.metrics, hold,
                                  self.catalog)
         # LoRA adapters at runtime, over gRPC (RouterAdmin) and HTTP, admin scope (router/adapter_admin.py)
+        # with a controller, shared with every router through it (router/shared_adapters.py)
+        self.shared_adapters = (SharedAdapters(config.membership_address, self.catalog.adapters)
+                                if config.membership_address is not None else None)
         self.adapter_admin = AdapterAdmin(self.catalog, self.directory.snapshot, self.directory.stub_of,
-                                          self.pipeline.serves)
+                                          self.pipeline.serves, shared=self.shared_adapters)
         self.auth = BearerTokenInterceptor(TokenStore.load(config.auth_tokens_file)) if config.auth_tokens_file else None
         self._credentials = (server_credentials(config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file)
                              if config.tls_cert_file and config.tls_key_file else None)
@@ -257,8 +261,10 @@ class RouterServer:
         if self.rebalancer is not None:
             self.rebalancer.start()
         if self.config.membership_address is not None:
+            shared = self.shared_adapters
             self.membership = MembershipWatcher(self.config.membership_address, self._apply_members,
-                                                watcher_name=f"router {self.address}")
+                                                watcher_name=f"router {self.address}",
+                                                apply_adapters=lambda a, fresh: shared.apply(a, fresh=fresh))  # type: ignore[union-attr]  # set with membership_address
             self.membership.start()
             if not await self.membership.wait_first(self.config.membership_wait_s):
                 logger.warning("router: no member list from the controller at %s within %.0f s; serving "

@@ -22,6 +22,12 @@ counted where requests enter a pool, latencies where they are observed (the rout
 A provider that has no window yet for some pool (the first round of a live provider) leaves that
 round out: every pool holds.
 
+Controller restarts: with a ``store`` (``duet serve`` on an existing Ray cluster passes the
+registry's), each round ends by saving a snapshot -- the policy's memory, the provider's readings,
+the standby targets -- and ``restore()`` before the first round takes them back, so cooldowns,
+offsets and the metrics window go on where the dead controller left them
+(cluster/autoscale/persist.py).
+
 Every loop iteration logs one line per pool whose size changes (INFO) or holds (DEBUG), with the
 decision's reason, and keeps the last decisions for ``duet status``-style inspection.
 
@@ -38,9 +44,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from cluster.autoscale.actuator import PoolActuator, PoolStatus
+from cluster.autoscale.persist import VERSION, Persistent, StateStore, state_from_json, state_to_json
 from cluster.autoscale.slo import AutoscalerConfig, AutoscalerState, Decision, PoolMetrics, decide
 
 logger = logging.getLogger(__name__)
@@ -74,17 +81,26 @@ class SLOAutoscaler:
         decisions, self.state = decide(self.config, now, metrics, status, self.state)
         return decisions
 
+    def snapshot(self, now: float) -> dict:
+        return state_to_json(self.state, now)
+
+    def restore(self, data: Mapping[str, Any], saved_at: float, now: float) -> None:
+        self.state = state_from_json(data, saved_at)
+
 
 class AutoscaleLoop:
     """Applies ``policy`` to ``actuator`` every ``interval_s`` seconds of ``clock``."""
 
     def __init__(self, policy: ScalingPolicy, provider: MetricsProvider, actuator: PoolActuator, *,
-                 interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 store: StateStore | None = None, wall: Callable[[], float] = time.time) -> None:
         if not interval_s > 0:
             raise ValueError(f"autoscaler interval_s={interval_s!r}: must be > 0 seconds")
         self.policy, self.provider, self.actuator = policy, provider, actuator
         self.interval_s = interval_s
         self.clock = clock
+        self.store, self.wall = store, wall  # snapshots for a restarted controller (None: not kept)
+        self.num_save_failures = 0
         self.last: dict[str, Decision] = {}
         self.num_steps = 0
         self.num_failures = 0
@@ -100,6 +116,7 @@ class AutoscaleLoop:
         if missing := [p for p in pools if p not in metrics]:
             logger.debug("autoscaler: no metrics window yet for %s; holding", ", ".join(missing))
             self.num_steps += 1
+            self._save(now, {p: s.standby_target for p, s in status.items()})
             return {}
         decisions = self.policy.decide(now, metrics, status)
         for pool, d in decisions.items():
@@ -113,7 +130,43 @@ class AutoscaleLoop:
                 logger.info("autoscaler: %s standby %d -> %d", pool, d.standby_current, d.standby)
         self.last = decisions
         self.num_steps += 1
+        self._save(now, {p: d.standby if d.standby is not None else status[p].standby_target
+                         for p, d in decisions.items()})
         return decisions
+
+    # ---------------------------------------------------------------- restarts (cluster/autoscale/persist.py)
+    def restore(self) -> bool:
+        """Take the policy's memory and the provider's window from the store's snapshot (a
+        restarted controller's, before its first round). False: no store, no snapshot, or one of
+        another layout version."""
+        payload = self.store.load() if self.store is not None else None
+        if payload is None:
+            return False
+        if payload.get("version") != VERSION:
+            logger.warning("autoscaler: not restoring a saved state of version %r (this one reads %d); starting "
+                           "fresh", payload.get("version"), VERSION)
+            return False
+        elapsed = max(0.0, self.wall() - float(payload["saved_at"]))
+        now = self.clock()
+        for name, part in (("policy", self.policy), ("provider", self.provider)):
+            if isinstance(part, Persistent) and name in payload:
+                part.restore(payload[name], now - elapsed, now)  # the save's moment on this process' clock
+        logger.info("autoscaler: restored the state saved %.0f s ago (%s)", elapsed,
+                    ", ".join(n for n in ("policy", "provider") if n in payload) or "nothing to restore")
+        return True
+
+    def _save(self, now: float, standby: Mapping[str, int]) -> None:
+        if self.store is None:
+            return
+        payload: dict[str, Any] = {"version": VERSION, "saved_at": self.wall(), "standby": dict(standby)}
+        for name, part in (("policy", self.policy), ("provider", self.provider)):
+            if isinstance(part, Persistent):
+                payload[name] = part.snapshot(now)
+        try:
+            self.store.save(payload)
+        except Exception as e:  # noqa: BLE001 - the GCS may be restarting (GCS FT): next round saves again
+            self.num_save_failures += 1
+            logger.warning("autoscaler: saving its state failed (%d so far): %r", self.num_save_failures, e)
 
     def start(self) -> None:
         """Run ``step`` every ``interval_s`` on a daemon thread until ``stop``."""

@@ -36,6 +36,10 @@ counted twice or lost when the set of routers changes. The per-pool gauges come 
 router sees the same, so the largest reading is taken, not the sum. Until two readings exist there
 is no window and ``windows`` returns nothing: the loop holds every pool (see AutoscaleLoop.step).
 
+Controller restarts: ``snapshot`` / ``restore`` carry the readings over (cluster/autoscale/persist.py);
+a router that kept running is then differenced across the restart's gap, and the first round
+after it already has a window.
+
 Sources: a registry (``registry_source``), one URL (``http_source``), or every address a DNS name
 resolves to (``dns_source``, for ``dns+http://router-headless:9090/metrics``: a Kubernetes headless
 Service resolves to each ready router pod, so N replicas behind one Service are all read, each
@@ -91,6 +95,17 @@ class PoolReading:
     buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # histogram -> le -> cumulative count
     gauges: dict[str, float] = field(default_factory=dict)
     replicas: dict[tuple[str, str], float] = field(default_factory=dict)  # (DraftWindow field, replica) -> value
+
+    def to_json(self) -> dict:
+        return {"counters": self.counters, "gauges": self.gauges,
+                "buckets": {h: [[str(le), v] for le, v in b.items()] for h, b in self.buckets.items()},
+                "replicas": [[kind, replica, v] for (kind, replica), v in self.replicas.items()]}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> PoolReading:
+        return cls(counters=dict(d["counters"]), gauges=dict(d["gauges"]),
+                   buckets={h: {float(le): v for le, v in b} for h, b in d["buckets"].items()},
+                   replicas={(kind, replica): v for kind, replica, v in d["replicas"]})
 
 
 def registry_source(collect: Callable[[], Iterable[Metric]]) -> Source:
@@ -198,6 +213,27 @@ class PrometheusWindows:
         self.window_buckets, self.latency_buckets = window_buckets, latency_buckets
         # (time, router -> pool -> reading), oldest first
         self.readings: deque[tuple[float, dict[str, dict[str, PoolReading]]]] = deque(maxlen=window_buckets + 1)
+
+    def snapshot(self, now: float) -> dict:
+        """The readings, each at its age at ``now`` (cluster/autoscale/persist.py)."""
+        return {"readings": [[now - t, {router: {pool: r.to_json() for pool, r in pools.items()}
+                                         for router, pools in read.items()}] for t, read in self.readings]}
+
+    def restore(self, data: Mapping, saved_at: float, now: float) -> None:
+        """Readings saved by ``snapshot`` (``saved_at``: the save's moment on this clock), unless the
+        gap from the last one to ``now`` is longer than the window they span: the first step after
+        the restart would then be most of the window, and its rate an average over the outage."""
+        saved = [(saved_at - age_s, {router: {pool: PoolReading.from_json(r) for pool, r in pools.items()}
+                                for router, pools in read.items()}) for age_s, read in data.get("readings", [])]
+        if not saved:
+            return
+        gap, span = now - saved[-1][0], saved[-1][0] - saved[0][0]
+        if gap > span:
+            logger.info("autoscaler metrics: not restoring %d readings (%.0f s since the last one, the window "
+                        "spans %.0f s)", len(saved), gap, span)
+            return
+        self.readings.clear()
+        self.readings.extend(saved)
 
     def windows(self, pools: Sequence[str], now: float) -> dict[str, PoolMetrics]:
         read: dict[str, dict[str, PoolReading]] = {}  # router -> pool -> reading

@@ -41,6 +41,12 @@ engine, no endpoint):
     preparing --prepare() returned--> standby --promote()--> starting --start() returned--> up
         (a promotion asked for while preparing starts as soon as the load is done)
 
+A replica adopted as a standby after a controller restart (cluster/deploy/pools.py ``is_standby``)
+starts as ``preparing`` (prepare() is idempotent: a loaded one answers at once) and stays a standby
+until promoted; a promotion is recorded, so a restart after it starts the replica instead. A
+replica retired while ``up`` is recorded draining with the end of its drain (settle + grace); one
+adopted so stays ``draining`` (probed once for its endpoint, so routers keep seeing it draining)
+and is stopped and released when that time is up.
 A standby replica is no member; ``describe()`` and ``pool_states()`` list it (``duet status``, the
 router's /metrics). Every poll keeps each pool's standby count at its target: missing ones are
 created (``WorkerPool.add_replica``) and prepared, extra ones released (nothing to drain). A standby
@@ -127,7 +133,9 @@ class Controller:
         self._pools = {p.name: p for p in pools}
         self._roles = {r.worker_id: p.section.role for p in pools for r in p.replicas}
         self._pool_of = {r.worker_id: p.name for p in pools for r in p.replicas}
-        self._replicas = [_Replica(r) for p in pools for r in list(p.replicas)]
+        # a replica adopted as a standby (cluster/deploy/pools.py) stays one: prepared, not started;
+        # one adopted draining finishes its drain
+        self._replicas = [_adopted(p, r) for p in pools for r in list(p.replicas)]
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._subscribers: list[tuple[Callable[[Any], None], bool]] = []  # (push, detailed)
@@ -146,11 +154,14 @@ class Controller:
 
     # ---------------------------------------------------------------- public
     def start(self) -> None:
-        """Issue start() on every replica and begin polling."""
+        """Issue start() on every replica (prepare() on an adopted standby one) and begin polling."""
         assert self._thread is None, "Controller.start() called twice"
         for r in self._replicas:
             r.created_at = time.monotonic()
-            self._issue_start(r)
+            if r.state == "draining":  # adopted mid-drain: learn its endpoint (routers keep seeing it draining)
+                self._issue_probe(r)
+            else:
+                (self._issue_prepare if r.standby else self._issue_start)(r)
         self._thread = threading.Thread(target=self._run, name="duet-controller", daemon=True)
         self._thread.start()
 
@@ -214,6 +225,7 @@ class Controller:
             else:
                 r.promote_pending = True  # prepare() is outstanding: start once it returns
             self._changed.notify_all()
+        self._pools[pool].mark_serving(r.replica)  # a restarted controller starts it, not prepares it
         logger.info("controller: %s promoted from standby", r.replica.worker_id)
         return r.replica.worker_id
 
@@ -228,7 +240,7 @@ class Controller:
                 self._drop_standby(r, "no longer needed")
             for _ in range(target - len(spares)):
                 try:
-                    replica = pool.add_replica()
+                    replica = pool.add_replica(standby=True)
                 except Exception:
                     logger.exception("controller: pool %s: could not create a standby replica", name)
                     break
@@ -254,9 +266,14 @@ class Controller:
                             worker_id, drain_settle_s, drain_grace_s)
                 r.state, r.drain_at, r.drain_grace_s = "draining", time.monotonic() + drain_settle_s, drain_grace_s
                 self._changed.notify_all()
-                return
-            self._replicas.remove(r)
-            self._changed.notify_all()
+                draining = r.replica
+            else:
+                draining = None
+                self._replicas.remove(r)
+                self._changed.notify_all()
+        if draining is not None:  # recorded: a restarted controller finishes the drain (cluster/deploy/pools.py)
+            self._pools[draining.pool].mark_draining(draining, time.time() + drain_settle_s + drain_grace_s)
+            return
         logger.info("controller: %s retired while %s (nothing to drain)", worker_id, r.state)
         self._pools[r.replica.pool].release(r.replica)
 
@@ -459,10 +476,14 @@ class Controller:
         import ray
 
         try:
-            ray.get(call)
+            result = ray.get(call)
             error = ""
         except Exception as e:  # noqa: BLE001 - a dead actor has nothing left to drain
-            error = _first_line(e)
+            result, error = None, _first_line(e)
+        if kind == "probe" and isinstance(result, dict) and result.get("endpoint") and r.endpoint is None:
+            with self._changed:  # adopted mid-drain: listed draining at its endpoint until released
+                r.endpoint, r.incarnation = result["endpoint"], result.get("incarnation")
+                self._changed.notify_all()
         if kind == "drain" or error:
             self._release(r, f"drained{f' ({error})' if error else ''}")
 
@@ -557,6 +578,18 @@ class Controller:
             self._pushed[index] = members
         logger.info("controller: membership -> %s", ", ".join(
             f"{m[0]}@{m[1]}{' (draining)' if detailed and len(m) > 4 and m[4] else ''}" for m in members) or "(none)")
+
+
+def _adopted(pool: WorkerPool, replica: Replica) -> _Replica:
+    """A replica of ``pool`` as the controller tracks it from the start: a standby one preparing, one
+    adopted mid-drain draining until the recorded end of its drain's grace (then stopped with no
+    grace left: anything still running moves to its peers or is resumed by the router), else starting."""
+    if pool.is_standby(replica.worker_id):
+        return _Replica(replica, state="preparing", standby=True)
+    until = pool.drain_until(replica.worker_id)
+    if until is not None:
+        return _Replica(replica, state="draining", drain_at=time.monotonic() + max(0.0, until - time.time()))
+    return _Replica(replica)
 
 
 def _dead_nodes(node_ids: set[str]) -> set[str]:

@@ -9,6 +9,11 @@ with ``draining`` set (routers send it nothing new and let its streams finish) u
 the server's pool per watcher (``max_watchers``; routers are few). Stopping the service ends every
 stream (the routers then keep their last list and reconnect, see router/membership.py).
 
+``PutAdapter`` / ``DeleteAdapter``: the runtime LoRA adapters a router's admin API loaded or
+unloaded (router/shared_adapters.py), kept here (and with ``adapters_store``, the registry's Ray KV
+blob ``adapters``: a restarted controller has them) and sent with every MemberList, so every router
+-- one started later, or restarted -- serves the same adapters.
+
 ``Wake`` (a router holds a request no member can take) wakes the pools of the roles it names that
 are scaled to zero, through the ``wake`` callable ``duet serve`` installs (cluster/deploy/wake.py
 ``PoolWaker.wake``); without one, nothing sleeps and the reply is empty.
@@ -35,6 +40,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cluster.autoscale.persist import StateStore
 from cluster.deploy.controller import Controller, MemberDetails, Members
 from protos.duet.control.v1 import control_pb2, control_pb2_grpc
 
@@ -53,7 +59,8 @@ class MembershipServicer(control_pb2_grpc.MembershipServicer):
     def __init__(self, role_of: Callable[[str], str] = lambda worker_id: "colocated",
                  drafter_pool_of: Callable[[str], str] = lambda worker_id: "",
                  wake: Callable[[list[str], str], Any] | None = None,
-                 model_of: Callable[[str], str] = lambda worker_id: "") -> None:
+                 model_of: Callable[[str], str] = lambda worker_id: "",
+                 adapters_store: StateStore | None = None) -> None:
         self._role_of = role_of  # worker id -> pool role, sent with each member
         self._drafter_pool_of = drafter_pool_of  # worker id -> the drafter pool its requests draft on
         self._model_of = model_of  # worker id -> the served model of its pool ("" = the default model)
@@ -64,6 +71,13 @@ class MembershipServicer(control_pb2_grpc.MembershipServicer):
         self._members: Members | MemberDetails | None = None
         self._closed = False
         self.num_watchers = 0
+        # runtime LoRA adapters shared by the routers: name -> SharedAdapter, and the list's revision
+        self._store = adapters_store
+        saved = adapters_store.load() if adapters_store is not None else None
+        self._adapters = {a["name"]: control_pb2.SharedAdapter(**a) for a in (saved or {}).get("adapters", [])}
+        self._revision = int((saved or {}).get("revision", 0))
+        if self._adapters:
+            logger.info("membership: %d shared adapters restored (%s)", len(self._adapters), ", ".join(self._adapters))
 
     def publish(self, members: Members | MemberDetails) -> None:
         """The controller's subscriber: called with the full list after every change, as
@@ -72,9 +86,19 @@ class MembershipServicer(control_pb2_grpc.MembershipServicer):
             if members == self._members:
                 return
             self._members = members.copy()
-            self._version += 1
-            self._message = control_pb2.MemberList(version=self._version, members=[self._member(m) for m in members])
-            self._cond.notify_all()
+            self._republish()
+
+    def _republish(self) -> None:
+        """A new MemberList from the members and shared adapters (the caller holds ``_cond``)."""
+        self._version += 1
+        self._message = control_pb2.MemberList(version=self._version,
+                                               members=[self._member(m) for m in self._members or []],
+                                               adapters=self._shared())
+        self._cond.notify_all()
+
+    def _shared(self) -> control_pb2.SharedAdapters:
+        return control_pb2.SharedAdapters(revision=self._revision,
+                                          adapters=[self._adapters[n] for n in sorted(self._adapters)])
 
     def _member(self, m: tuple) -> control_pb2.Member:
         if len(m) == 2:
@@ -114,6 +138,41 @@ class MembershipServicer(control_pb2_grpc.MembershipServicer):
         with self._cond:
             self._cond.notify_all()
 
+    # ---------------------------------------------------------------- shared adapters
+    def PutAdapter(self, request: control_pb2.SharedAdapter, context: grpc.ServicerContext) -> control_pb2.SharedAdapters:
+        if not request.name or not request.source or not request.base_model:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name, source and base_model are required")
+        with self._cond:
+            held = self._adapters.get(request.name)
+            if held is not None and held != request:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                              f"adapter {request.name!r} is already shared on {held.base_model} (source {held.source}"
+                              f"{', pinned' if held.pinned else ''}); unload it first")
+            if held is None:
+                self._adapters[request.name] = control_pb2.SharedAdapter()
+                self._adapters[request.name].CopyFrom(request)
+                self._changed_adapters(f"{request.name} shared on {request.base_model} ({request.source})")
+            return self._shared()
+
+    def DeleteAdapter(self, request: control_pb2.DeleteAdapterRequest,
+                      context: grpc.ServicerContext) -> control_pb2.SharedAdapters:
+        with self._cond:
+            if self._adapters.pop(request.name, None) is None:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"no shared adapter named {request.name!r}")
+            self._changed_adapters(f"{request.name} unshared")
+            return self._shared()
+
+    def _changed_adapters(self, what: str) -> None:
+        """Bump the revision, keep the list (the registry, when there is one), tell every watcher."""
+        self._revision += 1
+        if self._store is not None:
+            self._store.save({"revision": self._revision, "adapters": [
+                {"name": a.name, "source": a.source, "base_model": a.base_model, "pinned": a.pinned}
+                for a in self._adapters.values()]})
+        logger.info("membership: adapter %s (revision %d)", what, self._revision)
+        if self._members is not None:
+            self._republish()
+
     def Wake(self, request: control_pb2.WakeRequest, context: grpc.ServicerContext) -> control_pb2.WakeReply:
         if self._wake_pools is None:
             return control_pb2.WakeReply()
@@ -146,10 +205,13 @@ class MembershipService:
 
 
 def serve_membership(controller: Controller, host: str, port: int, *, max_watchers: int = 16,
-                     wake: Callable[[list[str], str], Any] | None = None) -> MembershipService:
+                     wake: Callable[[list[str], str], Any] | None = None,
+                     adapters_store: StateStore | None = None) -> MembershipService:
     """Listen on host:port (0 = any free port) and follow ``controller``'s member list. wake:
-    answers Wake (cluster/deploy/wake.py ``PoolWaker.wake``); None = nothing sleeps."""
-    servicer = MembershipServicer(controller.role_of, controller.drafter_pool_of, wake, controller.model_of)
+    answers Wake (cluster/deploy/wake.py ``PoolWaker.wake``); None = nothing sleeps. adapters_store:
+    where the shared adapters are kept (the registry's, on an existing cluster); None = in memory."""
+    servicer = MembershipServicer(controller.role_of, controller.drafter_pool_of, wake, controller.model_of,
+                                  adapters_store)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_watchers, thread_name_prefix="duet-membership"),
                          options=[("grpc.so_reuseport", 0)])
     control_pb2_grpc.add_MembershipServicer_to_server(servicer, server)

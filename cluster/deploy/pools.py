@@ -37,6 +37,11 @@ names). ``create_pool`` with recorded replicas of the pool *adopts* them: it fin
 group and the actors by name and creates only the ones that are gone (in their recorded bundles);
 the controller's ``start()`` is idempotent, so an adopted worker that serves answers with its
 endpoint at once (no reload, its KV cache intact) and one that Ray restarted meanwhile loads again.
+A standby replica is recorded as one (``add_replica(standby=True)``, until ``mark_serving``) and
+adopted as one (``is_standby``): the controller prepares it again (idempotent) and keeps it unrouted
+until it is promoted, as before the restart. A draining replica is recorded with the end of its drain
+(``mark_draining``) and adopted still draining (``drain_until``): the controller stops and releases
+it once that time has passed, as the dead controller would have.
 
 Example::
 
@@ -87,7 +92,8 @@ class WorkerPool:
 
     def __init__(self, section: PoolSection, namespace: str, placement_group: Any, replicas: list[Replica],
                  make_actors: ActorFactory | None = None, registry: Registry | None = None,
-                 free_slots: list[int] | None = None) -> None:
+                 free_slots: list[int] | None = None, standby: frozenset[str] = frozenset(),
+                 draining: dict[str, float] | None = None) -> None:
         self.section = section
         self.name = section.name
         self.namespace = namespace
@@ -99,6 +105,8 @@ class WorkerPool:
         self._free_slots: list[int] = list(free_slots or [])
         self._shut_down = False
         self._registry = registry  # records each replica for a restarted controller (None: embedded Ray)
+        self._standby = set(standby)  # worker ids of standby replicas (adopted as such, or added so)
+        self._draining = dict(draining or {})  # worker id -> wall-clock end of its drain's grace
         for r in replicas:
             self._record(r)
 
@@ -106,8 +114,34 @@ class WorkerPool:
         with self._lock:
             return next(r for r in self.replicas if r.worker_id == worker_id)
 
-    def add_replica(self) -> Replica:
-        """Create (not start) one more replica; see the module docstring for where it goes."""
+    def is_standby(self, worker_id: str) -> bool:
+        """Whether the replica is a standby one: added with ``standby`` or adopted as one, not promoted since."""
+        with self._lock:
+            return worker_id in self._standby
+
+    def mark_serving(self, replica: Replica) -> None:
+        """A standby replica was promoted: record it as serving (a restarted controller starts it)."""
+        with self._lock:
+            if replica.worker_id not in self._standby:
+                return
+            self._standby.discard(replica.worker_id)
+        self._record(replica)
+
+    def drain_until(self, worker_id: str) -> float | None:
+        """When the replica's drain ends (wall clock), if it is draining (``mark_draining``, or adopted so)."""
+        with self._lock:
+            return self._draining.get(worker_id)
+
+    def mark_draining(self, replica: Replica, until: float) -> None:
+        """The controller is draining the replica until ``until`` (wall clock): record it, so a
+        restarted controller finishes the drain instead of serving from it again."""
+        with self._lock:
+            self._draining[replica.worker_id] = until
+        self._record(replica)
+
+    def add_replica(self, *, standby: bool = False) -> Replica:
+        """Create (not start) one more replica; see the module docstring for where it goes.
+        standby: it is to be loaded as a standby replica (and recorded so)."""
         from ray.util.placement_group import placement_group, remove_placement_group
 
         assert self._make_actors is not None, f"pool {self.name!r} was built without an actor factory"
@@ -135,6 +169,8 @@ class WorkerPool:
         replica = Replica(self.name, index, worker_id, actor, followers, own, slot)
         with self._lock:
             self.replicas.append(replica)
+            if standby:
+                self._standby.add(worker_id)
         self._record(replica)
         where = f"slot {slot} of the pool's placement group" if own is None else "its own placement group"
         logger.info("pool %s: added replica %s in %s (%s)", self.name, worker_id, where,
@@ -151,7 +187,9 @@ class WorkerPool:
         if own is not None:
             own_name = ray.util.placement_group_table(own).get("name") or f"duet-{self.namespace}-{r.worker_id}"
         followers = tuple(_follower_name(r.worker_id, rank) for rank in range(1, len(r.followers) + 1))
-        self._registry.record(ReplicaRecord(self.name, r.index, r.worker_id, r.slot, own_name, followers))
+        self._registry.record(ReplicaRecord(self.name, r.index, r.worker_id, r.slot, own_name, followers,
+                                            standby=self.is_standby(r.worker_id),
+                                            drain_until=self.drain_until(r.worker_id)))
 
     def is_placed(self, replica: Replica) -> bool:
         """Whether every bundle of the replica is reserved on a node that is alive now. False: its
@@ -185,6 +223,8 @@ class WorkerPool:
             if replica not in self.replicas:
                 return
             self.replicas.remove(replica)
+            self._standby.discard(replica.worker_id)
+            self._draining.pop(replica.worker_id, None)
         if self._registry is not None:
             self._registry.forget(replica.worker_id)
         for actor in (replica.actor, *replica.followers):
@@ -334,10 +374,15 @@ def _adopt(section: PoolSection, engine_config: Any, namespace: str, host: str |
     if pg is None:  # the pool's own group is gone: later replicas get groups of their own
         logger.warning("pool %s: its placement group is gone; adopted only replicas with their own", section.name)
     used = {r.slot for r in replicas if r.slot is not None}
-    logger.info("pool %s: adopted %d recorded replicas (%d created again: their actors were gone) in namespace %r",
-                section.name, len(replicas), recreated, namespace)
+    logger.info("pool %s: adopted %d recorded replicas (%d created again: their actors were gone; %d standby) in "
+                "namespace %r", section.name, len(replicas), recreated,
+                sum(rec.standby for rec in records if any(r.worker_id == rec.worker_id for r in replicas)), namespace)
+    adopted = {r.worker_id for r in replicas}
     return WorkerPool(section, namespace, pg, replicas, make_actors, registry,
-                      free_slots=[s for s in range(slots) if s not in used])
+                      free_slots=[s for s in range(slots) if s not in used],
+                      standby=frozenset(rec.worker_id for rec in records if rec.standby and rec.worker_id in adopted),
+                      draining={rec.worker_id: rec.drain_until for rec in records
+                                if rec.drain_until is not None and rec.worker_id in adopted})
 
 
 def _follower_name(worker_id: str, rank: int) -> str:

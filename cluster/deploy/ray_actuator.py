@@ -58,7 +58,9 @@ class RayActuator:
         self._controller = controller
         self.drain_grace_s = drain_grace_s
         self.drain_settle_s = drain_settle_s
-        self._desired = {p.name: len(p.replicas) for p in pools}
+        # standby and draining replicas (adopted so too, after a controller restart) are no live replica
+        self._desired = {p.name: sum(not p.is_standby(r.worker_id) and p.drain_until(r.worker_id) is None
+                                     for r in list(p.replicas)) for p in pools}
         self._lock = threading.Lock()  # one scale_to at a time
 
     def status(self, pool: str) -> PoolStatus:

@@ -10,12 +10,20 @@ tolerance, a killed process) does not take the workers and their KV caches with 
     replica record   per worker id: its pool, index, where its bundles are (a slot of the pool's
                      placement group, or a placement group of its own) and its gang followers'
                      actor names. Written when a replica is created, deleted when it is released.
+                     A standby replica (loaded, unrouted) is recorded with ``standby`` set, cleared
+                     when it is promoted, so the next controller adopts it as a standby again; a
+                     draining one with ``drain_until``, so the next controller finishes its drain.
     controller lease who manages the namespace now (host, pid) and when it last said so. A new
                      controller waits until the lease is older than ``LEASE_TTL_S`` before it adopts,
                      so two live controllers never drive the same workers.
+    state blobs      what the controller's components carry over a restart (``state_store(name)``:
+                     the autoscaler's memory and metrics window, cluster/autoscale/persist.py), one
+                     JSON value per name. Written only while this controller holds the lease;
+                     dropped with it on a clean shutdown (nothing is left to adopt then).
 
-Both live in Ray's internal key-value store (the GCS; with GCS fault tolerance, in its Redis), under
-the Ray namespace ``duet`` and keys ``<namespace>/replica/<worker id>`` and ``<namespace>/lease``.
+All live in Ray's internal key-value store (the GCS; with GCS fault tolerance, in its Redis), under
+the Ray namespace ``duet`` and keys ``<namespace>/replica/<worker id>``, ``<namespace>/lease`` and
+``<namespace>/state/<name>``.
 An embedded Ray dies with its ``duet serve``: nothing is recorded there.
 
 Example::
@@ -24,6 +32,9 @@ Example::
     reg.record(ReplicaRecord("decode", 3, "decode-3", slot=None, own_placement_group="duet-duet-decode-3"))
     reg.records("decode")          # [ReplicaRecord(pool='decode', index=3, ...)]
     reg.forget("decode-3")
+    store = reg.state_store("autoscaler")
+    store.save({"pools": {...}})   # only while reg holds the lease (after acquire)
+    store.load()                   # the dict, or None
 """
 
 from __future__ import annotations
@@ -51,6 +62,8 @@ class ReplicaRecord:
     slot: int | None = None  # bundles slot*gang_size.. of the pool's placement group
     own_placement_group: str | None = None  # else: the name of its own placement group
     followers: tuple[str, ...] = ()  # a gang's follower actors' names, rank order
+    standby: bool = False  # loaded and unrouted until promoted (cluster/deploy/controller.py)
+    drain_until: float | None = None  # draining (scaled down): wall-clock time its drain's grace ends
 
 
 class LeaseHeld(RuntimeError):
@@ -118,15 +131,46 @@ class Registry:
         self._thread.start()
 
     def release(self) -> None:
-        """Stop renewing and drop the lease (a clean shutdown: the next controller need not wait)."""
-        from ray.experimental.internal_kv import _internal_kv_del
+        """Stop renewing and drop the lease and the state blobs (a clean shutdown: the next
+        controller need not wait, and has nothing to adopt)."""
+        from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_list
 
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         held = self._lease()
         if held is not None and held["owner"] == self._owner:
+            for key in _internal_kv_list(self._key("state/"), namespace=KV_NAMESPACE):
+                _internal_kv_del(key, namespace=KV_NAMESPACE)
             _internal_kv_del(self._key("lease"), namespace=KV_NAMESPACE)
+
+    def holds_lease(self) -> bool:
+        """Whether this controller holds the namespace's lease now (acquired, not released, not
+        taken over by a successor after this one stalled past LEASE_TTL_S)."""
+        held = self._lease()
+        return self._thread is not None and not self._stop.is_set() and held is not None \
+            and held["owner"] == self._owner
+
+    # ---------------------------------------------------------------- state blobs
+    def state_store(self, name: str) -> StateBlob:
+        """The JSON blob ``name`` of this namespace (module docstring)."""
+        return StateBlob(self, name)
+
+    def _put_state(self, name: str, payload: dict) -> bool:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        if not self.holds_lease():
+            logger.warning("registry: not saving %s state: this controller does not hold the lease of %r",
+                           name, self.namespace)
+            return False
+        _internal_kv_put(self._key(f"state/{name}"), json.dumps(payload), namespace=KV_NAMESPACE)
+        return True
+
+    def _get_state(self, name: str) -> dict | None:
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        raw = _internal_kv_get(self._key(f"state/{name}"), namespace=KV_NAMESPACE)
+        return json.loads(raw) if raw else None
 
     def _keep(self) -> None:
         while not self._stop.wait(LEASE_RENEW_S):
@@ -149,3 +193,17 @@ class Registry:
 
     def _key(self, rest: str) -> str:
         return f"{self.namespace}/{rest}"
+
+
+class StateBlob:
+    """One named JSON blob of a Registry (``Registry.state_store``): ``save`` writes it while the
+    registry holds the lease (returns False, logged, when it does not), ``load`` reads it (None: none)."""
+
+    def __init__(self, registry: Registry, name: str) -> None:
+        self.registry, self.name = registry, name
+
+    def save(self, payload: dict) -> bool:
+        return self.registry._put_state(self.name, payload)
+
+    def load(self) -> dict | None:
+        return self.registry._get_state(self.name)

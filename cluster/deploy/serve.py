@@ -32,7 +32,10 @@ The order, in ``start_deployment`` (each step undone, in reverse, if a later one
        cluster/autoscale/slo.py, applied by the actuator ``autoscaling.actuator`` names
        (cluster/deploy/kuberay_actuator.py): ``ray`` (cluster/deploy/ray_actuator.py: new replicas start and
        join; removed ones drain first) or ``kubernetes`` (the same, plus the pool's KubeRay worker
-       group resized: pods added before the actors, removed after the drain).
+       group resized: pods added before the actors, removed after the drain). On an existing
+       cluster each round's state is saved beside the replica records (cluster/autoscale/persist.py):
+       a restarted ``duet serve`` restores it (cooldowns, offsets, metrics window, standby counts),
+       and its adopted standby replicas stay standby.
 
 ``Deployment.stop()`` undoes it: autoscaler (no more resizing) -> router (NOT_SERVING, streams get ``router.shutdown_grace_s`` to
 finish) -> membership service -> controller (no restarts any more) -> workers (drain, abort,
@@ -238,8 +241,15 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
                               start_timeout_s=config.controller.start_timeout_s)
     for section in config.pools:  # loaded from the controller's first poll on, beside the serving replicas
         d.controller.set_standby(section.name, section.standby_replicas)
+    if config.autoscaling.enabled and d.registry is not None:  # the standby counts the dead controller's autoscaler set
+        from cluster.autoscale.persist import standby_targets
+
+        for pool, n in standby_targets(d.registry.state_store("autoscaler").load(),
+                                       config.to_autoscaler_config()).items():
+            d.controller.set_standby(pool, n)
     d.controller.start()
-    replicas = sum(len(p.replicas) for p in d.pools)
+    replicas = sum(not p.is_standby(r.worker_id) and p.drain_until(r.worker_id) is None  # adopted standby or
+                   for p in d.pools for r in list(p.replicas))                              # draining: stay so
     logger.info("duet: waiting for %d workers to load %s", replicas,
                 ", ".join(m.name for m in config.served_models))
     if not d.controller.wait_ready(replicas, timeout=config.controller.start_timeout_s):
@@ -266,7 +276,8 @@ def _start(d: Deployment, router_overrides: dict[str, Any], with_router: bool) -
     d.max_model_len = d.max_model_lens[default]
     d.actuator = _make_actuator(d)
     d.waker = PoolWaker(d.actuator, {p.name: p.role for p in config.pools})
-    d.membership = serve_membership(d.controller, config.controller.host, config.controller.port, wake=d.waker.wake)
+    d.membership = serve_membership(d.controller, config.controller.host, config.controller.port, wake=d.waker.wake,
+                                    adapters_store=d.registry.state_store("adapters") if d.registry is not None else None)
     if not with_router:
         _start_autoscaler(d)
         logger.info("duet: controller serving %d workers of %s (context %d tokens), no router here; routers "
@@ -317,7 +328,9 @@ def _start_autoscaler(d: Deployment) -> None:
     d.autoscaler = AutoscaleLoop(SLOAutoscaler(d.config.to_autoscaler_config()),
                                  PrometheusWindows(sources, window_buckets=a.window_buckets,
                                                    latency_buckets=a.latency_buckets),
-                                 d.actuator, interval_s=a.interval_s)
+                                 d.actuator, interval_s=a.interval_s,
+                                 store=d.registry.state_store("autoscaler") if d.registry is not None else None)
+    d.autoscaler.restore()  # a restarted controller's: cooldowns, offsets and the window go on
     d.autoscaler.start()
     logger.info("duet: autoscaling %s every %g s (metrics from %s)", ", ".join(p.pool for p in a.pools), a.interval_s,
                 ", ".join(a.metrics_urls) or f"the {len(d.routers)} router(s) of this process")

@@ -114,9 +114,14 @@ void run_item(const VarlenAttnArgs& a, const Prims<C>& pr, const Seq& sq, const 
         float* sr = s + r * kChunk;
         if (tail) {
           const int64_t i = it.i0 + r / hpg;
-          for (int64_t t = std::max(c0, sq.prefix); t < c1; ++t) {
-            const int64_t j = t - sq.prefix;
-            if (j > i || (anc && !anc[sq.anc_off + i * sq.n + j])) sr[t - c0] = kNegInf;
+          if (anc) {
+            for (int64_t t = std::max(c0, sq.prefix); t < c1; ++t) {
+              const int64_t j = t - sq.prefix;
+              if (j > i || !anc[sq.anc_off + i * sq.n + j]) sr[t - c0] = kNegInf;
+            }
+          } else {  // causal: keys after the query's own position, one contiguous run
+            const int64_t from = std::max(c0, sq.prefix + i + 1);
+            if (from < c1) std::fill(sr + (from - c0), sr + (c1 - c0), kNegInf);
           }
         }
         const float mn = std::max(m[r], pr.rowmax(sr, len));

@@ -16,6 +16,10 @@ latest LoadReport lists A in ``adapters``; least = the least-loaded healthy work
 Only workers that serve adapters (LoadReport.max_loaded_adapters > 0) are candidates; the pipeline
 refuses an adapter request whose model has none (FAILED_PRECONDITION).
 
+The rule itself is ``adapter_pick``, which router/policies/disagg.py applies to the prefill side
+of a disaggregated request as well (a prefill worker computes the prompt's KV under the adapter,
+so it loads the adapter too).
+
 A request without an adapter goes to the inner policy untouched. The thresholds are
 prefix_aware's (4096 tokens and 1.5x by default) for the same reason: loading an adapter costs
 about one prefill of its weights, not worth it for a small imbalance, but a popular adapter must
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from router.policies.base import (NoWorkersAvailable, PolicyConfigError, RouteRequest, RoutingPolicy, WorkerState,
@@ -39,11 +43,43 @@ from router.policies.least_loaded import least_loaded
 
 logger = logging.getLogger(__name__)
 
+HIT, COLD, OVERLOADED = "hit", "cold", "overloaded"
+BALANCE_ABS_TOKENS, BALANCE_REL = 4096, 1.5  # the defaults (prefix_aware's): module docstring
+
+
+@dataclass(frozen=True)
+class AdapterPick:
+    """The rule's outcome: the workers a request for the adapter may go to, and why (HIT: holders
+    that are not overloaded; COLD: nobody holds it; OVERLOADED: every holder is -- both: the least
+    loaded worker, which loads it). ``holders``: every healthy holder."""
+
+    usable: tuple[str, ...]
+    outcome: str
+    holders: tuple[WorkerState, ...] = ()
+
+
+def adapter_pick(adapter: str, candidates: Sequence[WorkerState], *, balance_abs_tokens: int,
+                 balance_rel: float) -> AdapterPick:
+    """The module docstring's rule over ``candidates`` (healthy workers that serve adapters; not empty)."""
+    assert candidates, "adapter_pick needs at least one candidate"
+    least = least_loaded(candidates)
+    holders = tuple(w for w in candidates if adapter in w.adapters)
+
+    def overloaded(w: WorkerState) -> bool:
+        hi, lo = w.load_tokens, least.load_tokens
+        return hi - lo > balance_abs_tokens and hi > balance_rel * lo
+
+    usable = tuple(w.worker_id for w in holders if not overloaded(w))
+    if usable:
+        return AdapterPick(usable, HIT, holders)
+    return AdapterPick((least.worker_id,), OVERLOADED if holders else COLD, holders)
+
 
 class AdapterAffinityPolicy:
     name: ClassVar[str] = "adapter_affinity"
 
-    def __init__(self, inner: RoutingPolicy, *, balance_abs_tokens: int = 4096, balance_rel: float = 1.5) -> None:
+    def __init__(self, inner: RoutingPolicy, *, balance_abs_tokens: int = BALANCE_ABS_TOKENS,
+                 balance_rel: float = BALANCE_REL) -> None:
         if not isinstance(balance_abs_tokens, int) or balance_abs_tokens < 0:
             raise PolicyConfigError(f"adapter_affinity.balance_abs_tokens={balance_abs_tokens!r}: must be an "
                                     "integer >= 0")
@@ -60,34 +96,35 @@ class AdapterAffinityPolicy:
         healthy = [w for w in healthy_workers(workers) if w.max_loaded_adapters > 0]
         if not healthy:  # the pipeline refuses such a request first (FAILED_PRECONDITION)
             raise NoWorkersAvailable(f"request {request.request_id}: no healthy worker serves LoRA adapters")
-        least = least_loaded(healthy)
-        holders = [w for w in healthy if request.adapter in w.adapters]
-        usable = {w.worker_id for w in holders if not self._overloaded(w, least)}
-        if usable:
-            self.counts["adapter_hits"] += 1
-        elif holders:
-            self.counts["adapter_overload_fallbacks"] += 1
-            log_fallback(logger, self.counts["adapter_overload_fallbacks"],
-                         "request %s: every worker holding adapter %s is overloaded (least load %d on %s, beyond "
-                         "+%d tokens and x%.2f); routing to %s, which loads it", request.request_id, request.adapter,
-                         min(w.load_tokens for w in holders), min(holders, key=lambda w: w.load_tokens).worker_id,
-                         self.balance_abs_tokens, self.balance_rel, least.worker_id)
-            usable = {least.worker_id}
-        else:
-            self.counts["adapter_cold"] += 1
+        pick = adapter_pick(request.adapter, healthy, balance_abs_tokens=self.balance_abs_tokens,
+                            balance_rel=self.balance_rel)
+        self.counts[_COUNTER[pick.outcome]] += 1
+        if pick.outcome == OVERLOADED:
+            log_overload(self.counts["adapter_overload_fallbacks"], request, pick, self.balance_abs_tokens,
+                         self.balance_rel)
+        elif pick.outcome == COLD:
             logger.debug("request %s: no worker holds adapter %s; %s (least loaded) loads it", request.request_id,
-                         request.adapter, least.worker_id)
-            usable = {least.worker_id}
+                         request.adapter, pick.usable[0])
         # The inner policy chooses (and records its own state, e.g. prefix_aware's) among ``usable`` only.
+        usable = set(pick.usable)
         return self.inner.select(request, [w if w.worker_id in usable else replace(w, healthy=False)
                                            for w in workers])
-
-    def _overloaded(self, w: WorkerState, least: WorkerState) -> bool:
-        hi, lo = w.load_tokens, least.load_tokens
-        return hi - lo > self.balance_abs_tokens and hi > self.balance_rel * lo
 
     def on_request_complete(self, worker_id: str, request_id: str) -> None:
         self.inner.on_request_complete(worker_id, request_id)
 
     def counters(self) -> dict[str, int]:
         return {**self.inner.counters(), **self.counts}
+
+
+_COUNTER = {HIT: "adapter_hits", COLD: "adapter_cold", OVERLOADED: "adapter_overload_fallbacks"}
+
+
+def log_overload(count: int, request: RouteRequest, pick: AdapterPick, balance_abs_tokens: int, balance_rel: float,
+                 side: str = "") -> None:
+    """The overload fallback's warning (rate-limited by ``log_fallback``)."""
+    busiest = min(pick.holders, key=lambda w: w.load_tokens)
+    log_fallback(logger, count, "request %s: every %sworker holding adapter %s is overloaded (least load %d on %s, "
+                 "beyond +%d tokens and x%.2f); routing to %s, which loads it", request.request_id, side,
+                 request.adapter, busiest.load_tokens, busiest.worker_id, balance_abs_tokens, balance_rel,
+                 pick.usable[0])

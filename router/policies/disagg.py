@@ -27,6 +27,13 @@ Algorithm, per request (P = prompt token ids, bs = block_size, load = WorkerStat
     minimised on its own.
  4. Record P's blocks under the chosen prefill worker.
 
+A request with a LoRA adapter: its prompt's KV is computed under the adapter, so the prefill worker
+loads the adapter too. Step 3 then runs over the prefill workers that serve adapters
+(``max_loaded_adapters`` > 0), narrowed by the decode side's rule (router/policies/adapter_affinity.py
+``adapter_pick``): the ones holding the adapter that are not overloaded, else the least-loaded one,
+which loads it. With no healthy prefill worker serving adapters it runs colocated on ``decode``
+(a fallback: logged and counted as ``prefill_no_adapter_fallbacks``).
+
 Example (bs=16, min_prompt_tokens=256): a 40-token chat turn runs colocated on the least-loaded
 decode worker; a 900-token document goes to the prefill worker that summarised the same document
 before (57 blocks, 50 matched -> cost 7 + its load) unless another one is idle enough to win.
@@ -39,6 +46,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from router.policies.adapter_affinity import (
+    BALANCE_ABS_TOKENS,
+    BALANCE_REL,
+    COLD,
+    HIT,
+    OVERLOADED,
+    adapter_pick,
+    log_overload,
+)
 from router.policies.base import (
     PolicyConfigError,
     RouteRequest,
@@ -76,8 +92,12 @@ class DisaggRouter:
     block_size: int = 16
     min_prompt_tokens: int = 256
     tree: PrefixTree = field(default_factory=PrefixTree)
-    counts: dict[str, int] = field(default_factory=lambda: {"disagg_routes": 0, "colocated_short": 0,
-                                                             "no_prefill_fallbacks": 0, "retry_colocated": 0})
+    counts: dict[str, int] = field(default_factory=lambda: {
+        "disagg_routes": 0, "colocated_short": 0, "no_prefill_fallbacks": 0, "retry_colocated": 0,
+        "prefill_adapter_hits": 0, "prefill_adapter_cold": 0, "prefill_adapter_overload_fallbacks": 0,
+        "prefill_no_adapter_fallbacks": 0})
+    adapter_balance_abs_tokens: int = BALANCE_ABS_TOKENS  # adapter_pick's thresholds on the prefill side
+    adapter_balance_rel: float = BALANCE_REL
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -106,6 +126,14 @@ class DisaggRouter:
                 log_fallback(logger, self.counts["no_prefill_fallbacks"], "request %s: no healthy prefill worker "
                              "(%d known); prefilling on decode worker %s", request.request_id, len(prefills), decode_id)
             return Route(decode_id)
+        if request.adapter:
+            healthy = self._adapter_prefills(request, healthy)
+            if not healthy:
+                self.counts["prefill_no_adapter_fallbacks"] += 1
+                log_fallback(logger, self.counts["prefill_no_adapter_fallbacks"], "request %s: no healthy prefill "
+                             "worker serves LoRA adapters (adapter %s); prefilling on decode worker %s",
+                             request.request_id, request.adapter, decode_id)
+                return Route(decode_id)
         hashes = block_hashes(request.prompt_token_ids, self.block_size, request.prefix_root)
         matched = self.tree.match(hashes)
         total = -(-len(request.prompt_token_ids) // self.block_size)
@@ -114,6 +142,22 @@ class DisaggRouter:
         self.tree.insert(best.worker_id, hashes, MAX_TREE_BLOCKS_PER_WORKER)
         self.counts["disagg_routes"] += 1
         return Route(decode_id, best.worker_id)
+
+    def _adapter_prefills(self, request: RouteRequest, healthy: Sequence[WorkerState]) -> list[WorkerState]:
+        """The prefill workers an adapter request may use (module docstring); [] if none serves adapters."""
+        candidates = [w for w in healthy if w.max_loaded_adapters > 0]
+        if not candidates:
+            return []
+        pick = adapter_pick(request.adapter, candidates, balance_abs_tokens=self.adapter_balance_abs_tokens,
+                            balance_rel=self.adapter_balance_rel)
+        key = {HIT: "prefill_adapter_hits", COLD: "prefill_adapter_cold",
+               OVERLOADED: "prefill_adapter_overload_fallbacks"}[pick.outcome]
+        self.counts[key] += 1
+        if pick.outcome == OVERLOADED:
+            log_overload(self.counts[key], request, pick, self.adapter_balance_abs_tokens, self.adapter_balance_rel,
+                         side="prefill ")
+        usable = set(pick.usable)
+        return [w for w in candidates if w.worker_id in usable]
 
     def on_request_complete(self, worker_id: str, request_id: str) -> None:
         self.decode_policy.on_request_complete(worker_id, request_id)

@@ -41,7 +41,11 @@ prefixes computed under the same adapter, as the workers key them):
  2. best  = the healthy worker with the highest score; ties -> lower load (so a popular
             prefix held by several workers is spread by load), then fewer in-flight, then id.
     least = the least-loaded healthy worker (router/policies/least_loaded.py).
- 3. matched(best) == 0        -> least      (nothing cached anywhere: plain least-loaded)
+ 3. matched(best) == 0        -> least      (nothing cached anywhere: plain least-loaded; with
+                                             ``cold_home``, its home: among the workers whose
+                                             reported load is within this request's cost of the
+                                             least, the one its first block hashes to, the same
+                                             from every router: router/policies/cold_home.py)
     load(best) - load(least) > balance_abs_tokens
       and load(best) > balance_rel * load(least)
                               -> least      (imbalance fallback: logged, counted)
@@ -76,6 +80,7 @@ from collections import deque
 from collections.abc import Callable
 
 from router.policies.base import PolicyConfigError, RouteRequest, WorkerState, healthy_workers, log_fallback
+from router.policies.cold_home import cold_home
 from router.policies.least_loaded import least_loaded
 from router.prefix_index import PrefixIndex
 from router.prefix_tree import PrefixTree, block_hashes
@@ -91,7 +96,7 @@ class PrefixAwarePolicy:
 
     def __init__(self, holdings: PrefixIndex | None = None, clock: Callable[[], float] = time.monotonic, *,
                  block_size: int = 16, balance_abs_tokens: int = 4096, balance_rel: float = 1.5,
-                 max_blocks_per_worker: int | None = None, pending_s: float = 1.0,
+                 max_blocks_per_worker: int | None = None, pending_s: float = 1.0, cold_home: bool = False,
                  host_weight: float = 0.9, disk_weight: float = 0.5) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise PolicyConfigError(f"prefix_aware.block_size={block_size!r}: must be an integer >= 1 "
@@ -115,6 +120,10 @@ class PrefixAwarePolicy:
             raise PolicyConfigError(f"prefix_aware.disk_weight={disk_weight!r} > prefix_aware.host_weight="
                                     f"{host_weight!r}: a disk hit is never worth more than a host hit")
         self.tier_weights = {Tier.DEVICE: 1.0, Tier.HOST: float(host_weight), Tier.DISK: float(disk_weight)}
+        if not isinstance(cold_home, bool):
+            raise PolicyConfigError(f"prefix_aware.cold_home={cold_home!r}: must be true (a new prefix goes to its "
+                                    "home, the same worker from every router) or false (to the least loaded)")
+        self.cold_home = cold_home
         self.block_size = block_size
         self.holdings = holdings
         self.pending_s = float(pending_s)
@@ -151,9 +160,9 @@ class PrefixAwarePolicy:
         best_blocks = len(best_tiers)
         if score.get(best.worker_id, 0.0) == 0.0:
             self.num_no_match += 1
-            logger.debug("request %s: no cached prefix on any worker, least-loaded -> %s",
-                         request.request_id, least.worker_id)
-            chosen = least
+            chosen = cold_home(request, hashes[0] if hashes else None, healthy, least) if self.cold_home else least
+            logger.debug("request %s: no cached prefix on any worker -> %s (%s)", request.request_id,
+                         chosen.worker_id, "its home" if self.cold_home else "least loaded")
         elif best is not least and self._imbalanced(best, least):
             self.num_imbalance_fallbacks += 1
             log_fallback(logger, self.num_imbalance_fallbacks,

@@ -74,6 +74,46 @@ def test_unhealthy_prefill_falls_back_colocated_and_a_retry_runs_colocated():
         r.select(req(100), [ws("p0", "prefill")])  # nobody to decode
 
 
+def lora(wid: str, role: str, load: int = 0, adapters: tuple[str, ...] = (), max_loaded: int = 4) -> WorkerState:
+    return WorkerState(wid, f"{wid}:1", healthy=True, role=role, outstanding_tokens=load, kv_block_size=16,
+                       adapters=frozenset(adapters), max_loaded_adapters=max_loaded)
+
+
+def test_prefill_prefers_a_worker_holding_the_adapter_like_decode():
+    """The prefill side follows the decode side's adapter rule (router/policies/adapter_affinity.py):
+    a holder unless overloaded, else the least-loaded worker; only workers that serve adapters."""
+    r = DisaggRouter(make_policy("least_loaded"), block_size=16, min_prompt_tokens=0)
+    sql = lambda rid, base=0: RouteRequest(rid, [base + i for i in range(320)], 8, adapter="sql")  # noqa: E731
+    workers = [lora("d0", "decode"), lora("p0", "prefill", 0), lora("p1", "prefill", 2000, ("sql",)),
+               lora("p2", "prefill", 0, max_loaded=0)]
+    assert r.select(sql("a"), workers) == Route("d0", "p1")  # the holder, though p0 (and p2) are idler
+    assert r.select(req(320, "base", base=5_000), workers).prefill_id in ("p0", "p2")  # no adapter: by cost
+    # the holder overloaded (beyond +4096 tokens and x1.5 over the least loaded): the least-loaded
+    # prefill worker that serves adapters loads it -- never p2, which serves none
+    swamped = [lora("d0", "decode"), lora("p0", "prefill", 100), lora("p1", "prefill", 9000, ("sql",)),
+               lora("p2", "prefill", 0, max_loaded=0)]
+    assert r.select(sql("b", base=10_000), swamped) == Route("d0", "p0")
+    # nobody holds it: the least loaded that serves adapters
+    cold = [lora("d0", "decode"), lora("p0", "prefill", 500), lora("p1", "prefill", 100),
+            lora("p2", "prefill", 0, max_loaded=0)]
+    assert r.select(sql("c", base=20_000), cold) == Route("d0", "p1")
+    # no prefill worker serves adapters: colocated on the decode worker (a counted fallback)
+    assert r.select(sql("d"), [lora("d0", "decode"), lora("p2", "prefill", max_loaded=0)]) == Route("d0")
+    c = r.counters()
+    assert (c["prefill_adapter_hits"], c["prefill_adapter_overload_fallbacks"], c["prefill_adapter_cold"],
+            c["prefill_no_adapter_fallbacks"]) == (1, 1, 1, 1)
+
+
+def test_prefill_adapter_choice_equals_the_plain_path_without_adapters():
+    """Equivalence with the plain path: requests without an adapter route exactly as before, whatever
+    adapters the workers hold (the adapter rule only narrows the candidates of adapter requests)."""
+    plain, aware = router(min_prompt_tokens=0), router(min_prompt_tokens=0)
+    held = [lora("d0", "decode", 30), lora("p0", "prefill", 0, ("sql",)), lora("p1", "prefill", 16 * 10)]
+    bare = [ws("d0", "decode", 30), ws("p0", "prefill", 0), ws("p1", "prefill", 16 * 10)]
+    for i, base in enumerate((1, 1, 10_000, 1, 20_000)):
+        assert aware.select(req(800, f"r{i}", base=base), held) == plain.select(req(800, f"r{i}", base=base), bare)
+
+
 class DecodeFake(FakeWorker):
     """A decode worker double: fails the Submit with ABORTED when its remote_prefill names a
     worker in ``bad_prefill`` (as a real decode worker does when the prefill half fails)."""

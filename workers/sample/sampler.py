@@ -89,12 +89,16 @@ def scaled(processed: torch.Tensor, params: Sequence[SamplingParams]) -> torch.T
     return processed / temperatures(params, processed)
 
 
-def sampling_weights(processed: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def sampling_weights(processed: torch.Tensor, params: Sequence[SamplingParams], *, consume: bool = False) -> torch.Tensor:
     """processed logits [N, V] -> what each (non-greedy) row draws in proportion to: exp(filtered
     scaled logits - the row's max) [N, V], unnormalised (the draw divides by the row's sum itself,
-    so the softmax's own normalising pass is not needed)."""
+    so the softmax's own normalising pass is not needed). consume: ``processed`` is a private
+    copy no one reads afterwards, so it is overwritten instead of a new [N, V] tensor being
+    allocated and filled (the same values either way)."""
     filtered = apply_filters(scaled(processed, params), [p.top_k for p in params], [p.top_p for p in params],
                              [p.min_p for p in params])
+    if consume or filtered is not processed:  # a tensor of our own: in place
+        return filtered.sub_(filtered.amax(-1, keepdim=True)).exp_()
     return (filtered - filtered.amax(-1, keepdim=True)).exp_()
 
 
@@ -144,12 +148,15 @@ class Sampler:
             picked = processed.argmax(-1) if not sampled else processed[greedy].argmax(-1)  # [G]
             for i, t in zip(greedy, picked.tolist()):
                 tokens[i] = t
+        want = [i for i, p in enumerate(params) if p.top_logprobs is not None]
         if sampled:
             rows_s = processed if not greedy else processed[sampled]  # [S, V]
-            weights = sampling_weights(rows_s, [params[i] for i in sampled])  # [S, V]
+            # overwritable when it is no caller's tensor (a row subset, or the fp32 copy of bf16
+            # logits) and no logprobs are read from it below
+            private = rows_s is not logits and not (want and rows_s is processed)
+            weights = sampling_weights(rows_s, [params[i] for i in sampled], consume=private)  # [S, V]
             for i, t in zip(sampled, draw(weights, [generators[i] for i in sampled])):
                 tokens[i] = t
-        want = [i for i, p in enumerate(params) if p.top_logprobs is not None]
         out: list[TokenLogprob | None] = [None] * len(rows)
         if want:
             for i, lp in zip(want, logprobs_of(processed[want], [params[i] for i in want], [tokens[i] for i in want])):

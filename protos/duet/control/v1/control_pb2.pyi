@@ -6,6 +6,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SharedAdapter(_message.Message):
+    __slots__ = ("name", "source", "base_model", "pinned")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source: str
+    base_model: str
+    pinned: bool
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., base_model: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class SharedAdapters(_message.Message):
+    __slots__ = ("revision", "adapters")
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    revision: int
+    adapters: _containers.RepeatedCompositeFieldContainer[SharedAdapter]
+    def __init__(self, revision: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[SharedAdapter, _Mapping]]] = ...) -> None: ...
+
+class DeleteAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
 class WakeRequest(_message.Message):
     __slots__ = ("roles", "requester")
     ROLES_FIELD_NUMBER: _ClassVar[int]
@@ -49,12 +75,14 @@ class Member(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., role: _Optional[str] = ..., pool: _Optional[str] = ..., draining: _Optional[bool] = ..., drafter_pool: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class MemberList(_message.Message):
-    __slots__ = ("version", "members")
+    __slots__ = ("version", "members", "adapters")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
-    def __init__(self, version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ...) -> None: ...
+    adapters: SharedAdapters
+    def __init__(self, version: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., adapters: _Optional[_Union[SharedAdapters, _Mapping]] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("name", "source", "base_model", "preload", "pinned")

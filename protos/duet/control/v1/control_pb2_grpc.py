@@ -44,6 +44,16 @@ class MembershipStub:
                 request_serializer=duet_dot_control_dot_v1_dot_control__pb2.WakeRequest.SerializeToString,
                 response_deserializer=duet_dot_control_dot_v1_dot_control__pb2.WakeReply.FromString,
                 _registered_method=True)
+        self.PutAdapter = channel.unary_unary(
+                '/duet.control.v1.Membership/PutAdapter',
+                request_serializer=duet_dot_control_dot_v1_dot_control__pb2.SharedAdapter.SerializeToString,
+                response_deserializer=duet_dot_control_dot_v1_dot_control__pb2.SharedAdapters.FromString,
+                _registered_method=True)
+        self.DeleteAdapter = channel.unary_unary(
+                '/duet.control.v1.Membership/DeleteAdapter',
+                request_serializer=duet_dot_control_dot_v1_dot_control__pb2.DeleteAdapterRequest.SerializeToString,
+                response_deserializer=duet_dot_control_dot_v1_dot_control__pb2.SharedAdapters.FromString,
+                _registered_method=True)
 
 
 class MembershipServicer:
@@ -66,6 +76,26 @@ class MembershipServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutAdapter(self, request, context):
+        """LoRA adapters registered at runtime through any router's admin API (RouterAdmin.LoadAdapter,
+        HTTP /v1/load_lora_adapter): the router that took the call shares the adapter here, and every
+        router learns the deployment's runtime adapters from MemberList.adapters (a router that starts
+        or restarts too). The controller keeps them (on an existing Ray cluster beside its replica
+        records, so a restarted controller has them as well). Both reply with the list after the change.
+        PutAdapter     ALREADY_EXISTS: the name is shared with another source, base model or pin
+        (the same adapter again is no error)
+        DeleteAdapter  NOT_FOUND: no shared adapter of that name
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MembershipServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +108,16 @@ def add_MembershipServicer_to_server(servicer, server):
                     servicer.Wake,
                     request_deserializer=duet_dot_control_dot_v1_dot_control__pb2.WakeRequest.FromString,
                     response_serializer=duet_dot_control_dot_v1_dot_control__pb2.WakeReply.SerializeToString,
+            ),
+            'PutAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutAdapter,
+                    request_deserializer=duet_dot_control_dot_v1_dot_control__pb2.SharedAdapter.FromString,
+                    response_serializer=duet_dot_control_dot_v1_dot_control__pb2.SharedAdapters.SerializeToString,
+            ),
+            'DeleteAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteAdapter,
+                    request_deserializer=duet_dot_control_dot_v1_dot_control__pb2.DeleteAdapterRequest.FromString,
+                    response_serializer=duet_dot_control_dot_v1_dot_control__pb2.SharedAdapters.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -144,6 +184,60 @@ class Membership:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def PutAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.control.v1.Membership/PutAdapter',
+            duet_dot_control_dot_v1_dot_control__pb2.SharedAdapter.SerializeToString,
+            duet_dot_control_dot_v1_dot_control__pb2.SharedAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.control.v1.Membership/DeleteAdapter',
+            duet_dot_control_dot_v1_dot_control__pb2.DeleteAdapterRequest.SerializeToString,
+            duet_dot_control_dot_v1_dot_control__pb2.SharedAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class RouterAdminStub:
     """Missing associated documentation comment in .proto file."""
@@ -188,7 +282,8 @@ class RouterAdminServicer:
 
     def LoadAdapter(self, request, context):
         """LoRA adapters at runtime (router/adapters.py; the `admin` token scope, like the rest of this
-        service). LoadAdapter registers an adapter on a base model, so requests may name it, and with
+        service). LoadAdapter registers an adapter on a base model, so requests may name it (through
+        every router of the deployment, when the router follows a controller), and with
         `preload` loads it on the least-loaded healthy worker of that model first (its answer decides:
         a bad adapter is refused and not registered). UnloadAdapter stops routing it and unloads it
         from every worker of its model. ListAdapters lists the registered ones and who holds them.
@@ -199,7 +294,9 @@ class RouterAdminServicer:
         ALREADY_EXISTS     LoadAdapter: the name is taken (by a model or another adapter)
         FAILED_PRECONDITION  the adapter comes from config or the watched directory (UnloadAdapter),
         or the model's workers cannot load adapters (UNIMPLEMENTED there)
-        UNAVAILABLE        preload asked, but no healthy worker serves the base model
+        UNAVAILABLE        preload asked, but no healthy worker serves the base model; or the router
+        follows a controller and could not reach it to share the adapter
+        (Membership.PutAdapter: every router serves a loaded adapter)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
