@@ -122,6 +122,11 @@ def _weight_only_forward(self: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, w, self._parameters["bias"])  # the fp32 GEMV/GEMM the float layers use
 
 
+# The KV cache of these comparisons: float32 (a quantized model's own default on CPU is bf16, whose
+# rounding would turn the gang's fp32 summation-order differences in k / v into one-bf16-ulp ones).
+QUANT_TP_KV = "float32"
+
+
 @contextmanager
 def weight_only_math(model) -> Iterator[None]:
     """Every quantized layer (row-parallel ones keep their all-reduce, the head its gather) computes
@@ -160,7 +165,8 @@ def run_model(target, prompts: list[list[int]], max_tokens: int, rank: int | Non
         if rank is None:
             tokens = generate(target.engine, prompts, max_tokens)
         else:
-            tokens = run_gang(runner, rank, prompts, max_tokens, path, quantization=quantization)
+            tokens = run_gang(runner, rank, prompts, max_tokens, path, quantization=quantization,
+                              kv_cache_dtype=QUANT_TP_KV)
     out["weight_only"] = {"logits": logits, "tokens": tokens}
     return out
 
@@ -173,7 +179,7 @@ def quant_model_rank(rank: int, runs: list[tuple[str, str]], prompts: list[list[
     """``run_model`` for each (checkpoint path, quantization) of ``runs`` on this gang rank."""
     out = {}
     for path, quantization in runs:
-        runner = make_runner(path, quantization=quantization)
+        runner = make_runner(path, quantization=quantization, kv_cache_dtype=QUANT_TP_KV)
         out[(path, quantization)] = run_model(runner, prompts, max_tokens, rank, path, quantization)
         del runner
     return out

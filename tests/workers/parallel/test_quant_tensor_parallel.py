@@ -30,6 +30,7 @@ from testkit.quant_tp_cases import (
     HEADS,
     HIDDEN,
     KV_HEADS,
+    QUANT_TP_KV,
     VOCAB,
     WIDTH,
     quant_full_weights,
@@ -99,7 +100,7 @@ def gang(tmp_path_factory, smollm2_path) -> dict:
     ranks = spawn_gang(quant_tp_rank, TP2, args=(str(bad), list(runs.values()), PROMPTS, MAX_TOKENS))
     models = {}
     for name, run in runs.items():
-        llm = make_llm(run[0], quantization=run[1])
+        llm = make_llm(run[0], quantization=run[1], kv_cache_dtype=QUANT_TP_KV)
         models[name] = {"tp2": [r["models"][run] for r in ranks], "tp1": run_model(llm, PROMPTS, MAX_TOKENS),
                         "spec": llm.engine.runner.model.spec, "path": run[0]}
         del llm
