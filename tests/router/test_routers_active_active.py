@@ -7,7 +7,6 @@ never sent it anywhere -- and every router's index agrees with what the workers 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import grpc
 import pytest
@@ -20,6 +19,7 @@ from router.config import RouterConfig
 from router.server import serve_router
 from workers.config import CacheConfig, EngineConfig
 from workers.server.service import start_worker_server
+from testkit.static_controller import StaticController
 
 STEM = ("A lighthouse keeper lived alone on a small island in the north sea. Every evening he climbed the "
         "stairs, wound the clockwork and lit the lamp, and every morning he wrote one line in his log. ")
@@ -27,31 +27,12 @@ OTHER = ("The river town held a market every Thursday: fishermen sold their catc
          "brought bread from the hills, and children ran between the stalls until the bells rang noon. ")
 
 
-class _Controller:
-    """What serve_membership needs of cluster.deploy.controller.Controller (a static member list)."""
-
-    def __init__(self, members: list[tuple[str, str]]) -> None:
-        self.members = members
-
-    def role_of(self, worker_id: str) -> str:
-        return "colocated"
-
-    def drafter_pool_of(self, worker_id: str) -> str:
-        return ""
-
-    def model_of(self, worker_id: str) -> str:
-        return ""  # the default model
-
-    def subscribe(self, push: Callable[[list[tuple[str, str]]], None], *, detailed: bool = False) -> None:
-        push(self.members)
-
-
 @pytest.fixture(scope="module")
 def cluster(smollm2_path, tok):
     lt = LoopThread()
     config = EngineConfig(model=str(smollm2_path), cache=CacheConfig(kv_cache_memory_bytes=32 << 20))
     workers = [lt.run(start_worker_server(config, worker_id=f"w{i}"), timeout=600) for i in range(2)]
-    service = serve_membership(_Controller([(w.worker_id, w.endpoint) for w in workers]), "127.0.0.1", 0)
+    service = serve_membership(StaticController([(w.worker_id, w.endpoint) for w in workers]), "127.0.0.1", 0)
     routers = [serve_router(RouterConfig(tokenizer_path=str(smollm2_path), port=0, http_port=0, policy="prefix_aware",
                                          load_poll_interval_s=0.05, membership_address=service.address,
                                          membership_wait_s=10.0), [], tokenizer=tok) for _ in range(2)]

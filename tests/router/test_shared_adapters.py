@@ -7,7 +7,6 @@ survives the controller, and a list older than the one applied is skipped."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import grpc
 import pytest
@@ -21,27 +20,9 @@ from router.client import DuetError, generate_text
 from router.config import ModelSpec
 from router.server import serve_router
 from router.shared_adapters import SharedAdapters
+from testkit.static_controller import StaticController
 
 SMOL = "SmolLM2-135M-Instruct"
-
-
-class _Controller:
-    """What serve_membership needs of cluster.deploy.controller.Controller (a static member list)."""
-
-    def __init__(self, members: list[tuple[str, str]]) -> None:
-        self.members = members
-
-    def role_of(self, worker_id: str) -> str:
-        return "colocated"
-
-    def drafter_pool_of(self, worker_id: str) -> str:
-        return ""
-
-    def model_of(self, worker_id: str) -> str:
-        return ""
-
-    def subscribe(self, push: Callable[[list[tuple[str, str]]], None], *, detailed: bool = False) -> None:
-        push(self.members)
 
 
 class DictStore:
@@ -65,7 +46,7 @@ def deployment(smollm2_path, tok):
         s.start()
         s.worker.lora = True
     store = DictStore()
-    service = serve_membership(_Controller([(w, s.endpoint) for w, s in workers.items()]), "127.0.0.1", 0,
+    service = serve_membership(StaticController([(w, s.endpoint) for w, s in workers.items()]), "127.0.0.1", 0,
                                adapters_store=store)
     try:
         yield workers, service, store

@@ -7,7 +7,6 @@ equal those of the other worker computing the whole prompt."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import grpc
 import pytest
@@ -21,28 +20,10 @@ from router.server import serve_router
 from workers.block_hash import Tier
 from workers.config import CacheConfig, EngineConfig
 from workers.server.service import start_worker_server
+from testkit.static_controller import StaticController
 
 KV_BYTES = 16 << 20  # 22 blocks of 16 tokens with fp32 KV (352 tokens), 45 with bf16
 SYSTEM = [1, 9690, 198] + list(range(2000, 2125))  # 128 tokens: 8 blocks
-
-
-class _Controller:
-    """What serve_membership needs of cluster.deploy.controller.Controller (a static member list)."""
-
-    def __init__(self, members: list[tuple[str, str]]) -> None:
-        self.members = members
-
-    def role_of(self, worker_id: str) -> str:
-        return "colocated"
-
-    def drafter_pool_of(self, worker_id: str) -> str:
-        return ""
-
-    def model_of(self, worker_id: str) -> str:
-        return ""
-
-    def subscribe(self, push: Callable[[list[tuple[str, str]]], None], *, detailed: bool = False) -> None:
-        push(self.members)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +32,7 @@ def cluster(smollm2_path, tok):
     config = EngineConfig(model=str(smollm2_path),
                           cache=CacheConfig(kv_cache_memory_bytes=KV_BYTES, host_tier_bytes=64 << 20))
     workers = [lt.run(start_worker_server(config, worker_id=f"w{i}"), timeout=600) for i in range(2)]
-    service = serve_membership(_Controller([(w.worker_id, w.endpoint) for w in workers]), "127.0.0.1", 0)
+    service = serve_membership(StaticController([(w.worker_id, w.endpoint) for w in workers]), "127.0.0.1", 0)
     router = serve_router(RouterConfig(tokenizer_path=str(smollm2_path), port=0, http_port=0, policy="prefix_aware",
                                        load_poll_interval_s=0.05, membership_address=service.address,
                                        membership_wait_s=10.0), [], tokenizer=tok)
