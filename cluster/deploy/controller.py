@@ -437,6 +437,11 @@ class Controller:
             self._set(r, "down", None, f"{type(e).__name__}: {_first_line(e)}")
             return
         except ray.exceptions.RayTaskError as e:  # start() itself raised (bad model, port taken, ...)
+            if _rendezvous_timeout(e):  # a gang rank came back too slowly: the actor is alive, try again
+                self._set(r, "down", None, f"{kind} failed: {_first_line(e.cause if e.cause else e)}")
+                logger.warning("controller: %s %s timed out waiting for its gang's ranks; retrying: %s", wid, kind,
+                               _first_line(e.cause if e.cause else e))
+                return
             self._set(r, "failed", None, f"{kind} failed: {_first_line(e.cause if e.cause else e)}")
             logger.error("controller: %s %s failed (not retried): %s", wid, kind, e)
             return
@@ -599,6 +604,14 @@ def _dead_nodes(node_ids: set[str]) -> set[str]:
     if not node_ids:
         return set()
     return {n["NodeID"] for n in ray.nodes() if n["NodeID"] in node_ids and not n["Alive"]}
+
+
+def _rendezvous_timeout(e: Exception) -> bool:
+    """A start that failed because the gang's other ranks did not join its torch.distributed
+    rendezvous in time (a rank restarted by Ray on a healed or new node is still loading): transient,
+    unlike a bad model or a taken port, so the replica is retried rather than marked failed."""
+    cause = getattr(e, "cause", None) or e
+    return type(cause).__name__ in ("DistStoreError", "DistNetworkError") or "clients joined" in str(cause)
 
 
 def _first_line(e: BaseException) -> str:

@@ -97,3 +97,22 @@ def test_failed_start_is_reported_not_retried(ray_cluster):
         controller.stop()
         for r in pool.replicas:
             ray.kill(r.actor, no_restart=True)
+
+
+def test_a_gang_rendezvous_timeout_is_retried_other_start_errors_are_not():
+    """A gang leader's start that timed out waiting for its ranks (a rank Ray restarted on a healed
+    node is still loading) leaves the replica 'down', so the next probe starts it again; any other
+    error from start() (a bad model, a taken port) is 'failed', not retried (test above)."""
+    import torch.distributed as dist
+
+    from cluster.deploy.controller import _rendezvous_timeout
+
+    class _TaskError(Exception):  # what ray.exceptions.RayTaskError exposes: the remote exception as .cause
+        def __init__(self, cause: Exception) -> None:
+            super().__init__(str(cause))
+            self.cause = cause
+
+    timeout = dist.DistStoreError("Timed out after 31 seconds waiting for clients. 1/2 clients joined.")
+    assert _rendezvous_timeout(_TaskError(timeout))
+    assert not _rendezvous_timeout(_TaskError(FileNotFoundError("model 'nope' not found")))
+    assert not _rendezvous_timeout(_TaskError(OSError("address already in use")))
