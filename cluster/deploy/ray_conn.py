@@ -103,12 +103,24 @@ def connect(section: RaySection, *, log_to_driver: bool = True) -> RayConnection
         raise RayConnectionError(f"cannot start or reach {where}: {e}; {fix}") from e
     finally:
         _restore(saved)
+    no_auto_init()
     address_info = info.address_info  # type: ignore[attr-defined]  # a RayContext; ray.init is typed BaseContext
     conn = RayConnection(kind, address_info.get("gcs_address", ""), address_info.get("session_dir", ""),
                          section.namespace)
     cpus = ray.cluster_resources().get("CPU", 0)
     logger.info("ray: %s cluster at %s (%g CPUs, session %s)", kind, conn.address, cpus, conn.session_dir)
     return conn
+
+
+def no_auto_init() -> None:
+    """Turn off Ray's "start a local Ray on the first API call" in this process. Duet connects
+    explicitly (``connect``); after ``close`` a call still in flight on another thread (the
+    controller's poll, a teardown step the shutdown stopped waiting for) would otherwise start a
+    fresh local Ray with every CPU of the machine, and that stray cluster kept ``duet serve`` from
+    exiting. Off, such a call raises instead. (Ray reads RAY_ENABLE_AUTO_CONNECT once, at import.)"""
+    from ray._private import auto_init_hook
+
+    auto_init_hook.enable_auto_connect = False
 
 
 def _signal_handlers() -> dict[int, Any]:
