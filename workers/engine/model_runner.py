@@ -217,7 +217,21 @@ class ModelRunner:
         loaded, then the weights (mapped from the node's snapshot with ``shared_weights_dir``)."""
         path = checkpoint_dir(config.model)
         config = resolve_for_process(config, path)  # idempotent: an engine passes a resolved config
-        spec = ModelSpec.from_pretrained(path)
+        spec = ModelRunner.load_spec_and_kernels(config, timeline)
+        shared = SharedWeights(Path(config.shared_weights_dir)) if config.shared_weights_dir else None
+        model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
+                                 fused_decode=config.fused_decode, shared=shared, spec=spec,
+                                 prepack_weights=config.prepack_weights, quantized_batches=config.quantized_batches)
+        if timeline is not None:
+            timeline.mark("weights", note=shared.last_source if shared is not None else "checkpoint")
+        return model, spec
+
+    @staticmethod
+    def load_spec_and_kernels(config: EngineConfig, timeline: StartupTimeline | None = None) -> ModelSpec:
+        """What a load does before the weights: the checkpoint's config read (in a fresh process its
+        first read imports transformers' configuration code) and the CPU kernels loaded (marks config,
+        kernels). A warm worker process runs it ahead of time (workers/build.py ``prewarm``)."""
+        spec = ModelSpec.from_pretrained(checkpoint_dir(config.model))
         if timeline is not None:
             timeline.mark("config")
         if not config.cpu_kernels:
@@ -226,13 +240,7 @@ class ModelRunner:
             cpu_kernels_available()  # load (or build) now rather than inside the first request
         if timeline is not None:
             timeline.mark("kernels")
-        shared = SharedWeights(Path(config.shared_weights_dir)) if config.shared_weights_dir else None
-        model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
-                                 fused_decode=config.fused_decode, shared=shared, spec=spec,
-                                 prepack_weights=config.prepack_weights, quantized_batches=config.quantized_batches)
-        if timeline is not None:
-            timeline.mark("weights", note=shared.last_source if shared is not None else "checkpoint")
-        return model, spec
+        return spec
 
     def kv_layout(self) -> KVLayout:
         s = self.spec
