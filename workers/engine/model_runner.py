@@ -20,6 +20,7 @@ Axes: T tokens in the step, B single-token chunks, L context, S cache slots, G k
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import mmap
@@ -135,9 +136,26 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pop
 
 def _populate(buf: mmap.mmap) -> None:
     try:
-        buf.madvise(_MADV_POPULATE_WRITE)
+        madvise_releasing_gil(buf, _MADV_POPULATE_WRITE)
     except (OSError, ValueError) as e:  # an older kernel: pages stay lazily committed, nothing else changes
         logger.info("KV cache: MADV_POPULATE_WRITE unsupported here (%s); its pages become resident on first use", e)
+
+
+def madvise_releasing_gil(buf: mmap.mmap, advice: int) -> None:
+    """madvise(2) over the whole map through libc, which ctypes calls with the GIL released.
+    ``mmap.madvise`` holds the GIL while the kernel works, so a populate "in the background" stalled
+    every Python thread of the worker until the whole cache was committed (~0.5 s for 256 MiB on a
+    busy host: most of a start's kv phase). OSError with the kernel's errno on failure."""
+    view = ctypes.c_char.from_buffer(buf)  # an export of the map: it cannot be closed while we advise
+    try:
+        if _LIBC.madvise(ctypes.c_void_p(ctypes.addressof(view)), ctypes.c_size_t(len(buf)), ctypes.c_int(advice)):
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    finally:
+        del view
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)  # this process's libc (madvise_releasing_gil)
 
 
 def cache_blocks(config: EngineConfig, spec: ModelSpec) -> int:
