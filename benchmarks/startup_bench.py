@@ -58,7 +58,8 @@ promotes a warm worker process, which maps the node's snapshot).
 
 Memory: two replicas serving at once, with the snapshot (shared) and without (private): each
 process's Rss and Pss from /proc/<pid>/smaps_rollup (Pss charges a page shared by k processes 1/k
-to each), the node's total Pss, and the snapshot's size.
+to each), the node's total Pss, and the snapshot's size. Also, for each in-process standby and
+prestarted start, its process's Rss and Pss once prepared (what it holds while it waits).
 
 Writes benchmarks/results/startup_bench.json: per scenario the runs, the median of each phase and
 of wall_s; ratios shared / cold and standby / cold; the memory table. Run it alone (the machine is
@@ -114,9 +115,10 @@ def child(args: argparse.Namespace) -> None:
         nonlocal timeline
         cfg = await asyncio.to_thread(rank_config, config, 0.0)
         timeline.mark("resolve")
-        make_engine, prepared = None, None
+        make_engine, prepared, prepared_memory = None, None, None
         if args.prestart:  # a warm worker process: prepared now, started when the parent says go (at t0)
             tokenizer = await asyncio.to_thread(prewarm, cfg, timeline)
+            prepared_memory = rollup(os.getpid())
             print(json.dumps({"prestarted": True}), flush=True)
             origin = float(await asyncio.to_thread(sys.stdin.readline))
             prepared, timeline = timeline, StartupTimeline.start(origin)
@@ -129,6 +131,7 @@ def child(args: argparse.Namespace) -> None:
                 pre.warm_up(cfg, timeline)
                 return pre
             pre = await asyncio.to_thread(prepare)
+            prepared_memory = rollup(os.getpid())
             prepared, timeline = timeline, StartupTimeline.start()  # the promotion starts now
 
             def make_engine():
@@ -148,6 +151,7 @@ def child(args: argparse.Namespace) -> None:
         out = {"timeline": timeline.to_dict(), "tokens": tokens, "pid": os.getpid(), "origin_is_t0": not args.standby}
         if prepared is not None:
             out["prepare"] = prepared.to_dict()
+            out["prepared_memory"] = {"rss": prepared_memory["Rss"], "pss": prepared_memory["Pss"]}
         print(json.dumps(out), flush=True)
         if args.hold:  # two replicas at once: measured by the parent, then released
             await asyncio.to_thread(sys.stdin.readline)
@@ -216,7 +220,8 @@ def read_start(proc: subprocess.Popen, t0: float) -> dict[str, Any]:
         out["wall_s"] = out["sum_phases_s"]
     if "prepare" in report:
         prep = StartupTimeline.from_dict(report["prepare"])
-        out["prepare"] = {"phases": dict(prep.phases()), "elapsed_s": prep.elapsed_s, "notes": prep.notes}
+        out["prepare"] = {"phases": dict(prep.phases()), "elapsed_s": prep.elapsed_s, "notes": prep.notes,
+                          "memory": report["prepared_memory"]}  # Rss / Pss once prepared, before the start
     return out
 
 
@@ -284,6 +289,9 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                          "weights": sorted({r["notes"].get("weights", "") for r in rs}), "repeats": len(rs)}
         if "prepare" in rs[0]:
             out[scenario]["prepare_s_median"] = statistics.median(r["prepare"]["elapsed_s"] for r in rs)
+            if "memory" in rs[0]["prepare"]:  # in process: what a standby / warm process holds while it waits
+                out[scenario]["prepared_rss_median"] = statistics.median(r["prepare"]["memory"]["rss"] for r in rs)
+                out[scenario]["prepared_pss_median"] = statistics.median(r["prepare"]["memory"]["pss"] for r in rs)
     for prefix in ("", "cluster-"):
         cold = out.get(f"{prefix}cold", {}).get("wall_s_median")
         for scenario in ("shared", "standby", "prestarted", "warm", "publish"):
@@ -468,6 +476,9 @@ def print_table(res: dict[str, Any]) -> None:
         print(f"{name:9} {v['wall_s_median']:7.2f} {ratio}  " + " ".join(
             f"{v['phases_median'].get(p, float('nan')):10.3f}" if p in v["phases_median"] else f"{'-':>10}"
             for p in order))
+    for name, v in s.items():
+        if "prepared_rss_median" in v:
+            print(f"{name} while prepared: Rss {v['prepared_rss_median'] / 1e6:.0f} MB, Pss {v['prepared_pss_median'] / 1e6:.0f} MB")
     if "memory" in res:
         m = res["memory"]
         print(f"snapshot {m['snapshot_bytes'] / 1e6:.0f} MB; two replicas, node Pss: shared "
