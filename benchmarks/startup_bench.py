@@ -150,6 +150,7 @@ def child(args: argparse.Namespace) -> None:
                 tokens.extend(msg.token_ids)
         out = {"timeline": timeline.to_dict(), "tokens": tokens, "pid": os.getpid(), "origin_is_t0": not args.standby}
         if prepared is not None:
+            assert prepared_memory is not None  # read when it was prepared
             out["prepare"] = prepared.to_dict()
             out["prepared_memory"] = {"rss": prepared_memory["Rss"], "pss": prepared_memory["Pss"]}
         print(json.dumps(out), flush=True)
