@@ -30,6 +30,10 @@ The data flow (one direction per event):
                   manager reports the device in: routers see host and disk holdings as such
                   (router/prefix_index.py), not as losses; a block loaded back into the device is
                   stored on the device again by the block manager when the scheduler keys it
+    node feed     with the node's shared host tier (workers/kv/tiers/node.py), a thread reports its
+                  change feed every ``watch_interval_s`` (``watch_node``): every worker of the node
+                  reports every block in the node tier as held in host, whoever put it there, and
+                  stops reporting one a neighbour deleted within that interval
     admission     the scheduler takes device prefix hits, then asks ``match`` for the blocks that
                   continue the prefix in host memory (verified: a corrupt or foreign block ends the
                   match there, is counted and recomputed), allocates, and ``PrefixLoad.write`` copies
@@ -56,6 +60,7 @@ Worked example (block_size 4, device cache of 2 blocks, host tier on)::
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -71,6 +76,7 @@ from workers.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
+NODE_WATCH_INTERVAL_S = 1.0  # a shared host tier's changes are reported within this long (``watch_node``)
 DIGEST_BYTES = 16
 ROOT_DIGEST = bytes(DIGEST_BYTES)  # the parent of a prompt's first block
 
@@ -131,8 +137,11 @@ class TierStore(Protocol):
     """The lower tiers as the engine sees them (workers/kv/tiers/store.py ``TieredStore``).
     Digests are ``next_digest`` chains; kv is one block, [L, 2, 1, bs, G, D] on the CPU."""
 
-    def put(self, digest: bytes, kv: torch.Tensor) -> None:
-        """Keep an evicted block (its checksum and the fingerprint are attached here)."""
+    shared: bool  # the host tier is the node's, shared with other processes (``watch_shared``)
+
+    def put(self, digest: bytes, kv: torch.Tensor, chain_hash: int) -> None:
+        """Keep an evicted block (its checksum and the fingerprint are attached here; the chain
+        hash goes with it, for the node's other workers to report it)."""
 
     def where(self, digest: bytes) -> str | None:
         """'host', 'disk' or None."""
@@ -154,6 +163,10 @@ class TierStore(Protocol):
 
     def changes(self) -> list[bytes]:
         """The digests whose tiers changed since the last call."""
+
+    def watch_shared(self) -> tuple[list[int], list[int]]:
+        """Only when ``shared``: the chain hashes of blocks added to and removed from the shared
+        host tier since the last call, by any process (the first call: all). Off the engine thread."""
 
     def count_deadline_miss(self) -> None: ...
 
@@ -205,11 +218,22 @@ class KVTiers:
     PROBE_EVERY = 16  # while recompute is cheaper, every 16th match loads anyway (re-measures the load)
 
     def __init__(self, store: TierStore, io: BlockIO, block_size: int, load_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic, events: BlockEventLog | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, events: BlockEventLog | None = None,
+                 watch_interval_s: float = NODE_WATCH_INTERVAL_S) -> None:
         """events: the block event log to report moves below the device in (the block manager's),
-        None to report nothing."""
+        None to report nothing. watch_interval_s: with a shared host tier (``store.shared``), how
+        often the node tier's change feed is reported (``watch_node``)."""
         self.store = store
         self.events = events
+        self._node_held: set[int] = set()  # chain hashes the node tier's feed reported in host
+        self._watch_lock = threading.Lock()
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        if store.shared and events is not None:
+            self.watch_node()  # the first report already names what the node's tier holds
+            self._watcher = threading.Thread(target=self._watch, args=(watch_interval_s,),
+                                             name="kv-node-watch", daemon=True)
+            self._watcher.start()
         self._below: dict[bytes, tuple[int, Tier]] = {}  # digest -> (chain hash, tier reported) below the device
         self.io = io
         self.block_size = block_size
@@ -235,7 +259,7 @@ class KVTiers:
             self.store.touch(digest)  # (or another worker of the node put it in the node's shared tier)
             self._sync(digest)
             return
-        self.store.put(digest, self.io.read_blocks([block_id]).to("cpu"))
+        self.store.put(digest, self.io.read_blocks([block_id]).to("cpu"), chain_hash)
         self._report()
 
     def _report(self) -> None:
@@ -263,6 +287,29 @@ class KVTiers:
             del self._below[digest]
         else:
             self._below[digest] = (h, new)
+
+    # ------------------------------------------------------- node tier feed
+    def watch_node(self) -> None:
+        """Report the node tier's changes since the last pass (``TierStore.watch_shared``) as host
+        block events: blocks the node's other workers put there are held in host here too (this
+        worker loads them on a hit), and blocks any of them deleted are removed. Idempotent with
+        this worker's own reports (the log keeps one bit per tier)."""
+        assert self.events is not None
+        with self._watch_lock:
+            added, removed = self.store.watch_shared()
+            if removed:
+                self._node_held.difference_update(removed)
+                self.events.removed(removed, Tier.HOST)
+            if added:
+                self._node_held.update(added)
+                self.events.stored(added, Tier.HOST)
+
+    def _watch(self, interval_s: float) -> None:
+        while not self._watch_stop.wait(interval_s):
+            try:
+                self.watch_node()
+            except Exception:  # noqa: BLE001 - the next pass retries; routing lags meanwhile
+                logger.exception("KV node tier: reporting its changes failed; retrying in %.1fs", interval_s)
 
     # ------------------------------------------------------------- admission
     def digests(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -376,9 +423,15 @@ class KVTiers:
                        load_seconds=self._load_seconds)
 
     def close(self) -> None:
+        if self._watcher is not None:
+            self._watch_stop.set()
+            self._watcher.join()
+            self._watcher = None
         self.store.close()
         if self.events is not None:
             for h, tier in self._below.values():
                 if tier != Tier.DEVICE:
                     self.events.removed((h,), tier)
+            self.events.removed(self._node_held, Tier.HOST)
         self._below.clear()
+        self._node_held.clear()

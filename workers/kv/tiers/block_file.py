@@ -6,10 +6,15 @@ computes it: workers/kv/wire.py ``block_checksums``) and the model fingerprint
 (``TierBlock``); on disk they lead the file:
 
     header   int64[HEADER_WORDS]: magic, version, fingerprint, layout words (layers, block size,
-             kv heads, head dim, dtype code), checksum, payload bytes, digest (2 words)
+             kv heads, head dim, dtype code), checksum, payload bytes, digest (2 words), chain hash
     payload  the block's bytes, [L, 2, 1, bs, G, D] in the cache dtype
 
-``check`` refuses a block whose fingerprint or layout is another model's (``foreign``) or whose
+The chain hash (workers/block_hash.py) is the name routers know the block by: a worker sharing
+the node's tier reads it from a neighbour's file to report that block (``read_chain_hash``). It is
+not part of the block's identity (the digest is) and is not checked: a wrong one costs a routing
+guess, never a wrong answer. 0 (the chain's root, never a block's hash) means unknown.
+
+``decode`` refuses a block whose fingerprint or layout is another model's (``foreign``) or whose
 digest, size or checksum does not match (``corrupt``); a refused block is never served.
 
 Worked example::
@@ -28,8 +33,9 @@ from workers.engine.runner import KVLayout
 from workers.kv.wire import block_checksums
 
 MAGIC = 0x4455_4554_5449_4552  # "DUETTIER"
-VERSION = 1
-HEADER_WORDS = 12
+VERSION = 2  # 2: the chain hash after the digest
+HEADER_WORDS = 13
+CHAIN_HASH_WORD = 12
 
 
 class BlockRefused(Exception):
@@ -45,16 +51,17 @@ class TierBlock:
     digest: bytes
     kv: torch.Tensor  # [L, 2, 1, bs, G, D], CPU, contiguous
     checksum: int  # block_checksums(kv)[0] when it left the device
+    chain_hash: int = 0  # the block's name for routers (workers/block_hash.py); 0: unknown
 
     @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
 
-def seal(digest: bytes, kv: torch.Tensor) -> TierBlock:
+def seal(digest: bytes, kv: torch.Tensor, chain_hash: int = 0) -> TierBlock:
     """A block fresh from the device, with its checksum."""
     kv = kv.contiguous()
-    return TierBlock(digest, kv, int(block_checksums(kv)[0]))
+    return TierBlock(digest, kv, int(block_checksums(kv)[0]), chain_hash)
 
 
 def verify(block: TierBlock) -> None:
@@ -72,7 +79,7 @@ def block_shape(layout: KVLayout) -> tuple[int, ...]:
 def encode(block: TierBlock, fingerprint: int, layout: KVLayout) -> bytes:
     d = int.from_bytes(block.digest, "little", signed=False)
     words = [MAGIC, VERSION, fingerprint, *layout.as_words(), block.checksum, block.nbytes,
-             _signed(d & (2**64 - 1)), _signed(d >> 64)]
+             _signed(d & (2**64 - 1)), _signed(d >> 64), _signed(block.chain_hash)]
     head = torch.tensor(words, dtype=torch.int64).numpy().tobytes()
     return head + block.kv.view(torch.uint8).numpy().tobytes()
 
@@ -99,9 +106,20 @@ def decode(raw: bytes, digest: bytes, fingerprint: int, layout: KVLayout) -> Tie
         raise BlockRefused("corrupt", f"block {digest.hex()}: {len(payload)} payload bytes, header says "
                            f"{words[9]}, a block is {want}")
     kv = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(block_shape(layout))
-    block = TierBlock(digest, kv, words[8])
+    block = TierBlock(digest, kv, words[8], words[CHAIN_HASH_WORD] & (2**64 - 1))
     verify(block)
     return block
+
+
+def read_chain_hash(head: bytes) -> int | None:
+    """The chain hash in a block file's first HEADER_WORDS * 8 bytes (None: unknown, or not a block
+    file of this version). Nothing else is checked: ``decode`` does that when the block is read."""
+    if len(head) < HEADER_WORDS * 8:
+        return None
+    words = torch.frombuffer(bytearray(head[:HEADER_WORDS * 8]), dtype=torch.int64).tolist()
+    if words[0] != MAGIC or words[1] != VERSION:
+        return None
+    return (words[CHAIN_HASH_WORD] & (2**64 - 1)) or None
 
 
 def _signed(u: int) -> int:

@@ -12,7 +12,7 @@ remembered until ``changes`` hands it over: the engine reports those moves as bl
 Example::
 
     store = TieredStore(HostTier(64 << 20), DiskTier(1 << 30, fingerprint, layout))
-    store.put(digest, kv)                   # kv [L, 2, 1, bs, G, D] on the CPU
+    store.put(digest, kv, chain_hash)       # kv [L, 2, 1, bs, G, D] on the CPU
     store.where(digest)                     # 'host'
     store.get(digest)                       # the tensor, verified
     store.close()
@@ -43,14 +43,15 @@ class TieredStore:
         cache.host_tier_shared)."""
         self.host = host
         self.disk = disk
+        self.shared = isinstance(host, NodeTier)
         self._reads: dict[bytes, concurrent.futures.Future] = {}
         self._changed: set[bytes] = set()  # digests whose tiers changed since the last ``changes``
         # (host hits and bytes loaded into the device are counted where the load happens: KVTiers)
         self._n = dict(disk_hits=0, stored_blocks=0, bytes_to_host=0, bytes_to_disk=0, host_evictions=0, disk_evictions=0, refused_corrupt=0, refused_foreign=0,
                        deadline_misses=0)
 
-    def put(self, digest: bytes, kv: torch.Tensor) -> None:
-        block = seal(digest, kv)
+    def put(self, digest: bytes, kv: torch.Tensor, chain_hash: int = 0) -> None:
+        block = seal(digest, kv, chain_hash)
         self._n["stored_blocks"] += 1
         self._n["bytes_to_host"] += block.nbytes
         self._changed.add(digest)
@@ -114,6 +115,12 @@ class TieredStore:
             self._n["disk_hits"] += 1
             self._changed.add(digest)
             self._spill(self.host.put(block))
+
+    def watch_shared(self) -> tuple[list[int], list[int]]:
+        """The shared host tier's change feed (NodeTier.watch: chain hashes added, removed); only
+        when ``shared``. Called off the engine thread."""
+        assert isinstance(self.host, NodeTier)
+        return self.host.watch()
 
     def changes(self) -> list[bytes]:
         """The digests whose tiers changed since the last call (``where`` says where they are now)."""
