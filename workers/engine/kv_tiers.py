@@ -59,6 +59,7 @@ Worked example (block_size 4, device cache of 2 blocks, host tier on)::
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -154,6 +155,10 @@ class TierStore(Protocol):
 
     def prefetch(self, digest: bytes) -> bool:
         """Start reading a disk-resident block into host; True while such a read is in flight."""
+
+    def read_disk(self, digest: bytes) -> concurrent.futures.Future | None:
+        """Start reading a disk-resident block without moving it into host (None: not on disk):
+        the Future gives the verified TierBlock or raises BlockRefused."""
 
     def poll(self) -> None:
         """Move finished disk reads into host (engine thread)."""
@@ -350,6 +355,30 @@ class KVTiers:
         load.verify_s = time.perf_counter() - t0
         self._report()  # refusals
         return load if load.kv else None
+
+    def read_prefix(self, token_ids: list[int], adapter: str, first_block: int,
+                    num_blocks: int) -> list[torch.Tensor | concurrent.futures.Future] | None:
+        """For a peer's prefix pull (workers/handoff/prefix_pull.py): blocks first_block ..
+        first_block + num_blocks - 1 of ``token_ids``' prefix computed under ``adapter``, from the
+        lower tiers: per block its kv from host ([L, 2, 1, bs, G, D], verified now) or, for one on
+        disk, a Future of its read (a verified TierBlock, or BlockRefused) that leaves host as it
+        is (a peer's pull does not displace this worker's own blocks). None when a block is in no
+        tier or host refused it (counted, dropped). Never waits on disk."""
+        bs = self.block_size
+        digest = root_digest(root_key(adapter))
+        out: list[torch.Tensor | concurrent.futures.Future] = []
+        for i in range(first_block + num_blocks):
+            digest = next_digest(digest, token_ids[i * bs:(i + 1) * bs])
+            if i < first_block:
+                continue
+            where = self.store.where(digest)
+            got = (self.store.get(digest) if where == "host"
+                   else self.store.read_disk(digest) if where == "disk" else None)
+            if got is None:  # absent, or refused (counted by the store): the peer recomputes
+                self._report()
+                return None
+            out.append(got)
+        return out
 
     def loaded(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
         self._load_seconds += seconds

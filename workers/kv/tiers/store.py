@@ -99,6 +99,11 @@ class TieredStore:
         self._reads[digest] = self.disk.read(digest)
         return True
 
+    def read_disk(self, digest: bytes) -> concurrent.futures.Future | None:
+        if self.disk is None or digest not in self.disk:
+            return None
+        return self.disk.read(digest)
+
     def poll(self) -> None:
         for digest, fut in list(self._reads.items()):
             if not fut.done():
