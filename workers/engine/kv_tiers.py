@@ -67,6 +67,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+import numpy as np
 import torch
 import xxhash
 
@@ -85,7 +86,7 @@ ROOT_DIGEST = bytes(DIGEST_BYTES)  # the parent of a prompt's first block
 def next_digest(parent: bytes, tokens: tuple[int, ...] | list[int]) -> bytes:
     """The digest of a block with these token ids whose parent block has digest ``parent``."""
     h = xxhash.xxh3_128(parent)
-    h.update(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes())
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())  # int64 little-endian, as torch.int64's bytes
     return h.digest()
 
 

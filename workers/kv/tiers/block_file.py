@@ -19,14 +19,16 @@ digest, size or checksum does not match (``corrupt``); a refused block is never 
 
 Worked example::
 
-    raw = encode(block, fingerprint, layout)        # bytes to write
+    raw = encode(block, fingerprint, layout)        # bytes to write (``write``: into a file, no copy)
     decode(raw, digest, fingerprint, layout)        # -> TierBlock; raises BlockRefused otherwise
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import BinaryIO
 
+import numpy as np
 import torch
 
 from workers.engine.runner import KVLayout
@@ -77,11 +79,27 @@ def block_shape(layout: KVLayout) -> tuple[int, ...]:
 
 
 def encode(block: TierBlock, fingerprint: int, layout: KVLayout) -> bytes:
+    """The file's bytes: ``header(...)`` then ``payload(block)``, in one copy."""
+    return header(block, fingerprint, layout) + payload(block).tobytes()
+
+
+def header(block: TierBlock, fingerprint: int, layout: KVLayout) -> bytes:
     d = int.from_bytes(block.digest, "little", signed=False)
     words = [MAGIC, VERSION, fingerprint, *layout.as_words(), block.checksum, block.nbytes,
              _signed(d & (2**64 - 1)), _signed(d >> 64), _signed(block.chain_hash)]
-    head = torch.tensor(words, dtype=torch.int64).numpy().tobytes()
-    return head + block.kv.view(torch.uint8).numpy().tobytes()
+    return np.array(words, dtype=np.int64).tobytes()
+
+
+def payload(block: TierBlock) -> np.ndarray:
+    """The block's bytes without a copy (a view of its tensor, which no one writes once sealed): a
+    writer hands it to ``file.write`` after ``header``."""
+    return block.kv.view(torch.uint8).numpy().reshape(-1)
+
+
+def write(f: BinaryIO, block: TierBlock, fingerprint: int, layout: KVLayout) -> None:
+    """Write the block's file (header, payload) to ``f`` without copying the payload."""
+    f.write(header(block, fingerprint, layout))
+    f.write(payload(block))
 
 
 def decode(raw: bytes, digest: bytes, fingerprint: int, layout: KVLayout) -> TierBlock:

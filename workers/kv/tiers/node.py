@@ -61,7 +61,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from workers.engine.runner import KVLayout
-from workers.kv.tiers.block_file import HEADER_WORDS, BlockRefused, TierBlock, decode, encode, read_chain_hash
+from workers.kv.tiers.block_file import HEADER_WORDS, BlockRefused, TierBlock, decode, read_chain_hash, write
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class NodeTier:
         tmp = path.with_suffix(f".{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
             with open(tmp, "wb") as f:
-                f.write(encode(block, self.fingerprint, self.layout))
+                write(f, block, self.fingerprint, self.layout)
             os.replace(tmp, path)
         except OSError as e:  # tmpfs full: the block is not kept (recomputed if needed)
             tmp.unlink(missing_ok=True)
