@@ -30,8 +30,8 @@ The data flow (one direction per event):
                   manager reports the device in: routers see host and disk holdings as such
                   (router/prefix_index.py), not as losses; a block loaded back into the device is
                   stored on the device again by the block manager when the scheduler keys it
-    node feed     with the node's shared host tier (workers/kv/tiers/node.py), a thread reports its
-                  change feed every ``watch_interval_s`` (``watch_node``): every worker of the node
+    node feed     with the node's shared host tier (workers/kv/tiers/node.py), workers/engine/node_feed.py
+                  reports its change feed every ``watch_interval_s``: every worker of the node
                   reports every block in the node tier as held in host, whoever put it there, and
                   stops reporting one a neighbour deleted within that interval
     admission     the scheduler takes device prefix hits, then asks ``match`` for the blocks that
@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -73,12 +72,13 @@ import xxhash
 
 from workers.block_hash import Tier
 from workers.engine.block_events import BlockEventLog
+from workers.engine.node_feed import INTERVAL_S as NODE_FEED_INTERVAL_S
+from workers.engine.node_feed import NodeFeed
 from workers.engine.block_manager import root_key
 from workers.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-NODE_WATCH_INTERVAL_S = 1.0  # a shared host tier's changes are reported within this long (``watch_node``)
 DIGEST_BYTES = 16
 ROOT_DIGEST = bytes(DIGEST_BYTES)  # the parent of a prompt's first block
 
@@ -225,21 +225,12 @@ class KVTiers:
 
     def __init__(self, store: TierStore, io: BlockIO, block_size: int, load_timeout_s: float,
                  clock: Callable[[], float] = time.monotonic, events: BlockEventLog | None = None,
-                 watch_interval_s: float = NODE_WATCH_INTERVAL_S) -> None:
+                 watch_interval_s: float = NODE_FEED_INTERVAL_S) -> None:
         """events: the block event log to report moves below the device in (the block manager's),
         None to report nothing. watch_interval_s: with a shared host tier (``store.shared``), how
-        often the node tier's change feed is reported (``watch_node``)."""
+        often the node tier's change feed is reported (workers/engine/node_feed.py)."""
         self.store = store
         self.events = events
-        self._node_held: set[int] = set()  # chain hashes the node tier's feed reported in host
-        self._watch_lock = threading.Lock()
-        self._watch_stop = threading.Event()
-        self._watcher: threading.Thread | None = None
-        if store.shared and events is not None:
-            self.watch_node()  # the first report already names what the node's tier holds
-            self._watcher = threading.Thread(target=self._watch, args=(watch_interval_s,),
-                                             name="kv-node-watch", daemon=True)
-            self._watcher.start()
         self._below: dict[bytes, tuple[int, Tier]] = {}  # digest -> (chain hash, tier reported) below the device
         self.io = io
         self.block_size = block_size
@@ -253,6 +244,8 @@ class KVTiers:
         self._host_hits = 0
         self._skipped = 0  # matches recomputed by the rule since the last load
         self._bytes_loaded = 0
+        # with the node's shared host tier: every block in it is reported as held in host here
+        self.node_feed = NodeFeed(store, events, watch_interval_s) if store.shared and events is not None else None
 
     # -------------------------------------------------------------- eviction
     def evicted(self, key: tuple, block_id: int, chain_hash: int) -> None:
@@ -293,29 +286,6 @@ class KVTiers:
             del self._below[digest]
         else:
             self._below[digest] = (h, new)
-
-    # ------------------------------------------------------- node tier feed
-    def watch_node(self) -> None:
-        """Report the node tier's changes since the last pass (``TierStore.watch_shared``) as host
-        block events: blocks the node's other workers put there are held in host here too (this
-        worker loads them on a hit), and blocks any of them deleted are removed. Idempotent with
-        this worker's own reports (the log keeps one bit per tier)."""
-        assert self.events is not None
-        with self._watch_lock:
-            added, removed = self.store.watch_shared()
-            if removed:
-                self._node_held.difference_update(removed)
-                self.events.removed(removed, Tier.HOST)
-            if added:
-                self._node_held.update(added)
-                self.events.stored(added, Tier.HOST)
-
-    def _watch(self, interval_s: float) -> None:
-        while not self._watch_stop.wait(interval_s):
-            try:
-                self.watch_node()
-            except Exception:  # noqa: BLE001 - the next pass retries; routing lags meanwhile
-                logger.exception("KV node tier: reporting its changes failed; retrying in %.1fs", interval_s)
 
     # ------------------------------------------------------------- admission
     def digests(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -453,15 +423,12 @@ class KVTiers:
                        load_seconds=self._load_seconds)
 
     def close(self) -> None:
-        if self._watcher is not None:
-            self._watch_stop.set()
-            self._watcher.join()
-            self._watcher = None
+        if self.node_feed is not None:
+            self.node_feed.close()
+            self.node_feed = None
         self.store.close()
         if self.events is not None:
             for h, tier in self._below.values():
                 if tier != Tier.DEVICE:
                     self.events.removed((h,), tier)
-            self.events.removed(self._node_held, Tier.HOST)
         self._below.clear()
-        self._node_held.clear()

@@ -44,7 +44,7 @@ class TensorPool:
 
 def build(num_blocks: int, store: TieredStore, watch_interval_s: float = 3600.0):
     """watch_interval_s: how often a shared host tier's feed is reported (by default: only at
-    construction and by explicit ``watch_node`` calls, so a test decides when)."""
+    construction and by explicit ``node_feed.poll`` calls, so a test decides when)."""
     pool = TensorPool(num_blocks)
     events = BlockEventLog()
     tiers = KVTiers(store, pool, BS, load_timeout_s=5.0, events=events, watch_interval_s=watch_interval_s)
@@ -233,7 +233,7 @@ def test_every_worker_of_a_node_reports_the_node_tiers_blocks_and_serves_them(tm
     run_prefill(pool_a, sched_a, Sequence("a", a, SamplingParams(), 0))
     run_prefill(pool_a, sched_a, Sequence("f", list(range(100, 116)), SamplingParams(), 1))  # a -> node tier
     assert all(h not in held(bm_b.events) for h in ha)  # b has not looked at the feed since
-    tiers_b.watch_node()
+    tiers_b.node_feed.poll()
     assert [held(bm_b.events)[h] for h in ha] == [Tier.HOST] * 3
     _, tiers_c, bm_c, _ = build(4, store())  # a worker started now: its first report names them
     assert [held(bm_c.events)[h] for h in ha] == [Tier.HOST] * 3
@@ -246,7 +246,7 @@ def test_every_worker_of_a_node_reports_the_node_tiers_blocks_and_serves_them(tm
     assert all(tuple(float(t) for t in a[i * BS:(i + 1) * BS]) in rows for i in range(3))  # a's KV, loaded
     # the feed reports diffs: a second pass with nothing changed reports nothing
     seq = bm_c.events.seq
-    tiers_c.watch_node()
+    tiers_c.node_feed.poll()
     assert bm_c.events.seq == seq
     for t in (tiers_a, tiers_b, tiers_c):
         t.close()

@@ -25,8 +25,8 @@ miss (an open file still reads whole), never a torn read.
 
 Change feed: ``watch`` lists the directory and returns the chain hashes (workers/block_hash.py, in
 each file's header) of the blocks added and removed since its last call, whoever wrote or deleted
-them; its first call lists every block. The engine (workers/engine/kv_tiers.py) calls it every
-``watch_interval_s`` on a thread of its own and reports the diff as host-tier block events, so
+them; its first call lists every block. The engine (workers/engine/node_feed.py) calls it every
+second on a thread of its own and reports the diff as host-tier block events, so
 every worker of the node reports the node tier's holdings (a restarted worker's first report
 included) and a block a neighbour deleted stops being reported within one interval. Only new
 names are opened (one header read each): a pass costs one directory listing.
