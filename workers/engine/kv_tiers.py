@@ -167,8 +167,10 @@ class TierStore(Protocol):
     def wait(self, timeout: float) -> None:
         """Sleep until a disk read finishes or ``timeout`` seconds pass."""
 
-    def changes(self) -> list[bytes]:
-        """The digests whose tiers changed since the last call."""
+    def changes(self) -> list[tuple[bytes, int]]:
+        """(digest, chain hash) of the blocks whose tiers changed since the last call; the hash is
+        that of the block as it moved (a node-tier block another worker put there and that this
+        store spilled to its disk), or 0 when not at hand."""
 
     def watch_shared(self) -> tuple[list[int], list[int]]:
         """Only when ``shared``: the chain hashes of blocks added to and removed from the shared
@@ -263,7 +265,9 @@ class KVTiers:
 
     def _report(self) -> None:
         """Turn the store's moves into block events (``_sync`` each digest it names)."""
-        for digest in self.store.changes():
+        for digest, h in self.store.changes():
+            if h and digest not in self._below:  # a neighbour's block from the node tier, now on this disk
+                self._below[digest] = (h, Tier.DEVICE)  # (DEVICE: not reported below by this worker yet)
             self._sync(digest)
 
     def _sync(self, digest: bytes) -> None:

@@ -6,6 +6,7 @@ events predicts exactly what the engine serves (device hits, then host loads).""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -284,3 +285,40 @@ def test_a_block_a_neighbour_deleted_from_the_node_tier_is_reported_gone_within_
     assert held(bm_b.events) == {}  # b's report of the node tier ends with it
     tiers_a.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_neighbours_block_the_node_tier_pushed_onto_this_workers_disk_is_reported_on_disk(tmp_path: Path):
+    """The node tier's budget (3 blocks here) is node-wide: worker b's put pushes worker a's blocks
+    out, onto b's disk tier. b reports them on disk (their files carry the chain hash), not gone."""
+    from workers.kv.tiers.disk import DiskTier
+    from workers.kv.tiers.node import NodeTier
+
+    store_a = TieredStore(NodeTier(3 * BLOCK_BYTES, 7, LAYOUT, str(tmp_path / "shm")))
+    store_b = TieredStore(NodeTier(3 * BLOCK_BYTES, 7, LAYOUT, str(tmp_path / "shm")),
+                          DiskTier(1 << 20, 7, LAYOUT, str(tmp_path / "disk")))
+    pool_a, tiers_a, _, sched_a = build(4, store_a)
+    pool_b, tiers_b, bm_b, sched_b = build(4, store_b)
+    a = list(range(1, 13))
+    ha = chain_hashes(a, BS)
+    run_prefill(pool_a, sched_a, Sequence("a", a, SamplingParams(), 0))
+    run_prefill(pool_a, sched_a, Sequence("f", list(range(100, 116)), SamplingParams(), 1))  # a's 3 blocks -> node
+    tiers_b.node_feed.poll()
+    assert [held(bm_b.events)[h] for h in ha] == [Tier.HOST] * 3
+    b = list(range(200, 216))  # 4 blocks: b's 4th write takes b's count of the node tier past the budget
+    run_prefill(pool_b, sched_b, Sequence("b", b, SamplingParams(), 2))
+    run_prefill(pool_b, sched_b, Sequence("g", list(range(300, 316)), SamplingParams(), 3))  # b's blocks push a's out
+    tiers_b.node_feed.poll()
+    got = held(bm_b.events)
+    on_disk = [h for h in ha if got.get(h) == Tier.DISK]
+    assert on_disk and all(got.get(h) in (Tier.HOST, Tier.DISK) for h in ha)  # moved, none reported lost
+    assert len(on_disk) == sum(store_b.where(d) == "disk" for d in tiers_b.digests(Sequence("p", a, SamplingParams(), 9), 3))
+    # and b serves what it reports: a's prefix loads (from the node tier and b's disk), nothing computed
+    seq = Sequence("a2", a + [13], SamplingParams(), 4)
+    assert tiers_b.prefetch(seq)  # parked on its disk reads
+    end = time.monotonic() + 10
+    while not tiers_b.take_ready():
+        assert time.monotonic() < end
+        tiers_b.wait(0.05)
+    assert run_prefill(pool_b, sched_b, seq) == 12
+    for t in (tiers_a, tiers_b):
+        t.close()
