@@ -62,7 +62,7 @@ def test_digest_bytes_are_those_of_the_torch_int64_encoding():
 def test_written_file_equals_the_encoded_bytes(tmp_path: Path, dtype):
     """block_file.write (header, then the payload straight from the tensor: no copy) writes exactly
     encode's bytes."""
-    from workers.kv.tiers.block_file import write
+    from workers.kv.tiers.block_file import HEADER_WORDS, read, write
 
     b = seal(digest(3), block(3).to(dtype), chain_hash=2**63 + 5)
     layout = KVLayout(2, 4, 2, 8, dtype)
@@ -72,6 +72,15 @@ def test_written_file_equals_the_encoded_bytes(tmp_path: Path, dtype):
     assert raw == encode(b, 7, layout)
     back = decode(raw, b.digest, 7, layout)
     assert torch.equal(back.kv, b.kv) and back.chain_hash == 2**63 + 5
+    # read(): one buffer the decoded tensor is a view of, decoded to the same block
+    buf = read(tmp_path / "b.kvb")
+    again = decode(buf, b.digest, 7, layout)
+    assert torch.equal(again.kv, b.kv) and again.checksum == b.checksum
+    assert again.kv.data_ptr() == torch.frombuffer(buf, dtype=torch.uint8).data_ptr() + HEADER_WORDS * 8  # no copy
+    (tmp_path / "b.kvb").write_bytes(raw[:-3])  # cut short
+    with pytest.raises(BlockRefused) as e:
+        decode(read(tmp_path / "b.kvb"), b.digest, 7, layout)
+    assert e.value.kind == "corrupt"
 
 
 def test_block_file_round_trip_and_refusals():

@@ -25,6 +25,7 @@ Worked example::
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -102,12 +103,23 @@ def write(f: BinaryIO, block: TierBlock, fingerprint: int, layout: KVLayout) -> 
     f.write(payload(block))
 
 
-def decode(raw: bytes, digest: bytes, fingerprint: int, layout: KVLayout) -> TierBlock:
-    """The block in ``raw`` (a file's bytes), verified. Raises BlockRefused."""
+def read(path: str | os.PathLike) -> bytearray:
+    """A block file's bytes, read once into a writable buffer ``decode`` uses without copying.
+    Raises FileNotFoundError / OSError."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        raw = bytearray(size)
+        n = f.readinto(raw)
+    return raw if n == size else raw[:n]  # (a file cut short meanwhile: decode refuses it)
+
+
+def decode(raw: bytes | bytearray, digest: bytes, fingerprint: int, layout: KVLayout) -> TierBlock:
+    """The block in ``raw`` (a file's bytes: ``read``), verified. Raises BlockRefused. A bytearray
+    is used in place: the block's tensor is a view of it (no copy of the payload)."""
     n_head = HEADER_WORDS * 8
     if len(raw) < n_head:
         raise BlockRefused("corrupt", f"block {digest.hex()}: {len(raw)} bytes, shorter than its header")
-    words = torch.frombuffer(bytearray(raw[:n_head]), dtype=torch.int64).tolist()
+    words = np.frombuffer(raw, dtype=np.int64, count=HEADER_WORDS).tolist()
     if words[0] != MAGIC or words[1] != VERSION:
         raise BlockRefused("corrupt", f"block {digest.hex()}: bad magic or version ({words[0]:#x}, {words[1]})")
     if words[2] != fingerprint or words[3:8] != layout.as_words():
@@ -117,13 +129,15 @@ def decode(raw: bytes, digest: bytes, fingerprint: int, layout: KVLayout) -> Tie
     d = int.from_bytes(digest, "little", signed=False)
     if words[10:12] != [_signed(d & (2**64 - 1)), _signed(d >> 64)]:
         raise BlockRefused("corrupt", f"block {digest.hex()}: the file holds another block's digest")
-    payload = raw[n_head:]
+    n_payload = len(raw) - n_head
     dtype = layout.dtype
     want = torch.Size(block_shape(layout)).numel() * torch.empty((), dtype=dtype).element_size()
-    if words[9] != len(payload) or len(payload) != want:
-        raise BlockRefused("corrupt", f"block {digest.hex()}: {len(payload)} payload bytes, header says "
+    if words[9] != n_payload or n_payload != want:
+        raise BlockRefused("corrupt", f"block {digest.hex()}: {n_payload} payload bytes, header says "
                            f"{words[9]}, a block is {want}")
-    kv = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(block_shape(layout))
+    buf = raw if isinstance(raw, bytearray) else bytearray(raw)  # torch.frombuffer wants a writable buffer
+    # n_head (104 bytes) is a multiple of every KV element size, so the dtype view needs no copy
+    kv = torch.frombuffer(buf, dtype=torch.uint8, offset=n_head, count=n_payload).view(dtype).view(block_shape(layout))
     block = TierBlock(digest, kv, words[8], words[CHAIN_HASH_WORD] & (2**64 - 1))
     verify(block)
     return block
@@ -134,7 +148,7 @@ def read_chain_hash(head: bytes) -> int | None:
     file of this version). Nothing else is checked: ``decode`` does that when the block is read."""
     if len(head) < HEADER_WORDS * 8:
         return None
-    words = torch.frombuffer(bytearray(head[:HEADER_WORDS * 8]), dtype=torch.int64).tolist()
+    words = np.frombuffer(head, dtype=np.int64, count=HEADER_WORDS).tolist()
     if words[0] != MAGIC or words[1] != VERSION:
         return None
     return (words[CHAIN_HASH_WORD] & (2**64 - 1)) or None

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from workers.engine.runner import KVLayout
-from workers.kv.tiers.block_file import HEADER_WORDS, BlockRefused, TierBlock, decode, write
+from workers.kv.tiers.block_file import HEADER_WORDS, BlockRefused, TierBlock, decode, read, write
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class DiskTier:
 
     def _read(self, path: Path, digest: bytes) -> TierBlock:
         try:
-            raw = path.read_bytes()
+            raw = read(path)
         except OSError as e:
             self.num_errors += 1
             raise BlockRefused("corrupt", f"block {digest.hex()}: {e}") from None

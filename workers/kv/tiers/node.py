@@ -61,7 +61,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from workers.engine.runner import KVLayout
-from workers.kv.tiers.block_file import HEADER_WORDS, BlockRefused, TierBlock, decode, read_chain_hash, write
+from workers.kv.tiers.block_file import HEADER_WORDS, BlockRefused, TierBlock, decode, read, read_chain_hash, write
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class NodeTier:
         deleted first (the store counts it; the engine recomputes)."""
         path = self.path(digest)
         try:
-            raw = path.read_bytes()
+            raw = read(path)
         except FileNotFoundError:
             return None
         try:
@@ -193,7 +193,7 @@ class NodeTier:
                 break
             digest = bytes.fromhex(path.stem)
             try:
-                raw = path.read_bytes()
+                raw = read(path)
                 out.append(decode(raw, digest, self.fingerprint, self.layout))
             except (FileNotFoundError, BlockRefused):
                 pass  # gone already, or not worth keeping below
