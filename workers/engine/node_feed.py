@@ -73,7 +73,7 @@ class NodeFeed:
         while not self._stop.wait(interval_s):
             try:
                 self.poll()
-            except Exception:  # noqa: BLE001 - the next pass retries; routing lags meanwhile
+            except Exception:  # the next pass retries; routing lags meanwhile
                 logger.exception("KV node tier: reporting its changes failed; retrying in %.1fs", interval_s)
 
     def close(self) -> None:
