@@ -100,7 +100,7 @@ def payload(block: TierBlock) -> np.ndarray:
 def write(f: BinaryIO, block: TierBlock, fingerprint: int, layout: KVLayout) -> None:
     """Write the block's file (header, payload) to ``f`` without copying the payload."""
     f.write(header(block, fingerprint, layout))
-    f.write(memoryview(payload(block)))
+    f.write(payload(block).data)  # the ndarray's memoryview
 
 
 def read(path: str | os.PathLike) -> bytearray:
