@@ -30,6 +30,9 @@ KV_BYTES = 16 << 20  # 22 blocks of 16 tokens with fp32 KV (352 tokens), 45 with
 SYSTEM = [1, 9690, 198] + list(range(2200, 2325))  # 128 tokens: 8 blocks
 TURN1 = SYSTEM + list(range(3000, 3030))
 FILLERS = [list(range(5000 + 400 * i, 5300 + 400 * i)) for i in range(3)]  # 3 x 20 blocks: more than the cache
+# room for every block both tests evict (~170 blocks, ~60 MiB with bf16 KV, twice that with fp32): the
+# node tier's own LRU never deletes what a test waits to see reported
+NODE_BYTES = 512 << 20
 
 
 def _node_dirs() -> list[Path]:
@@ -42,7 +45,7 @@ def cluster(smollm2_path, tok):
         pytest.skip(f"another process uses a node tier now ({_node_dirs()}): this test checks /dev/shm is left empty")
     lt = LoopThread()
     shared = EngineConfig(model=str(smollm2_path), cache=CacheConfig(
-        kv_cache_memory_bytes=KV_BYTES, host_tier_bytes=64 << 20, host_tier_shared=True))
+        kv_cache_memory_bytes=KV_BYTES, host_tier_bytes=NODE_BYTES, host_tier_shared=True))
     workers = [lt.run(start_worker_server(shared, worker_id=f"w{i}"), timeout=600) for i in range(2)]
     plain = lt.run(start_worker_server(EngineConfig(model=str(smollm2_path), cache=CacheConfig(
         kv_cache_memory_bytes=KV_BYTES)), worker_id="plain"), timeout=600)  # tiers off: the reference
@@ -95,7 +98,7 @@ def test_a_prefix_a_neighbour_put_in_the_node_tier_is_routed_on_and_loaded(clust
         _submit(w0.endpoint, f"f{i}", filler)
     # w1 never saw the conversation; the node tier's feed makes it report the prefix in host
     wait_until(lambda: index.match_tiers(SYSTEM).get("w1", [])[:8] == [Tier.HOST] * 8,
-               what="w1 reports the node tier's copy of the prefix", timeout=20)
+               what="w1 reports the node tier's copy of the prefix", timeout=60)
     assert index.match_tiers(SYSTEM)["w0"] == [Tier.HOST] * 8
     # w0 gets busy: the router weighs the two equal host hits against load and picks w1
     busy = threading.Thread(target=_submit, args=(w0.endpoint, "busy", list(range(7000, 7040)), 400))
@@ -122,13 +125,13 @@ def test_a_block_deleted_from_the_node_tier_stops_being_reported_by_every_worker
         _submit(w0.endpoint, f"g{i}", filler)
     hashes = chain_hashes(turn, 16)
     wait_until(lambda: all(index.match_tiers(turn).get(w, [])[:1] == [Tier.HOST] for w in ("w0", "w1")),
-               what="both report the prefix in host", timeout=20)
+               what="both report the prefix in host", timeout=60)
     (node_dir,) = _node_dirs()
     for path in node_dir.glob("*.kvb"):  # the node tier loses every block (another worker's eviction pass)
         path.unlink()
     # no lookup happens: the feed reports the removal within its interval (1 s), the router drops it
     wait_until(lambda: not any(index.match_tiers(turn).get(w) for w in ("w0", "w1")),
-               what="no worker still claims the deleted prefix", timeout=20)
+               what="no worker still claims the deleted prefix", timeout=60)
     assert not any(h in set(_reported(w.endpoint)) for h in hashes for w in (w0, w1))  # the workers' own reports
 
 
