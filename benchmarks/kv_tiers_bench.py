@@ -22,8 +22,11 @@ The configs run side by side, interleaved: each request runs on every config bac
 (rotating which goes first), so load drift on a shared machine hits them alike.
 
 Reported per (workload, config): TTFT p50 / p99 (add -> the step that returns the first token),
-throughput (prompt + output tokens of all requests / the config's own busy time), hit rate per tier (device prefix
-hits, host loads, disk reads over prompt blocks), and whether every config's tokens equal tiers off.
+throughput (prompt + output tokens of all requests / the config's own busy time), the paired request
+time vs off (median and quartiles over requests of this config's time for request i / off's: each
+pair ran back to back, so load drift and a stall on one request do not move it), hit rate per tier
+(device prefix hits, host loads, disk reads over prompt blocks), and whether every config's tokens
+equal tiers off.
 Ratios vs off in the same run. Writes JSON to ``--out`` (default benchmarks/results/kv_tiers_bench.json).
 The machine is shared: note ``uptime`` with the figures.
 """
@@ -63,6 +66,7 @@ class Lane:
         self.ttfts: list[float] = []
         self.outs: list[list[int]] = []
         self.busy_s = 0.0
+        self.request_s: list[float] = []  # each request's busy time, in arrival order (paired across configs)
         self.n_tokens = self.n_prompt_blocks = 0
         self.s0 = self.engine.stats()
 
@@ -81,7 +85,8 @@ class Lane:
                     got += o.new_token_ids
                     if first is None and o.new_token_ids:
                         first = time.perf_counter() - t0
-        self.busy_s += time.perf_counter() - t0
+        self.request_s.append(time.perf_counter() - t0)
+        self.busy_s += self.request_s[-1]
         assert first is not None, f"request r{i} produced no token"
         self.ttfts.append(first)
         self.outs.append(got)
@@ -102,7 +107,7 @@ class Lane:
             "throughput_tok_s": self.n_tokens / self.busy_s, "busy_s": self.busy_s, "prompt_blocks": nb,
             "hit_rate": {"device": device / nb, "host": host / nb, "disk_read_back": disk / nb},
             "tiers": None if t1s is None else dict(t1s.__dict__),
-            "tokens": self.outs,
+            "tokens": self.outs, "request_s": self.request_s,
         }
 
 
@@ -165,6 +170,11 @@ def main() -> None:
                 r["identical_to_off"] = r["tokens"] == off["tokens"]
                 r["ttft_p50_vs_off"] = r["ttft_p50_s"] / off["ttft_p50_s"]
                 r["throughput_vs_off"] = r["throughput_tok_s"] / off["throughput_tok_s"]
+                # paired: request i ran on every config back to back, so its time ratio is immune to
+                # the load drifting between requests; a stall hits one pair, not the median
+                q = sorted(a / b for a, b in zip(r["request_s"], off["request_s"]))
+                r["paired_time_vs_off"] = {"p25": q[len(q) // 4], "median": statistics.median(q),
+                                           "p75": q[(3 * len(q)) // 4]}
             for r in results[workload].values():
                 del r["tokens"]
         left = os.listdir(tmp) + [p.name for p in Path("/dev/shm").glob("duet-kv-node-*")]
@@ -175,7 +185,9 @@ def main() -> None:
     }
     for workload, rs in results.items():
         for name, r in rs.items():
+            pt = r["paired_time_vs_off"]
             print(f"{workload:9s} {name:9s} ttft p50 x{r['ttft_p50_vs_off']:.2f}  throughput x{r['throughput_vs_off']:.2f}"
+                  f"  request time x{pt['median']:.2f} (p25 {pt['p25']:.2f}, p75 {pt['p75']:.2f})"
                   f"  identical {r['identical_to_off']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2))

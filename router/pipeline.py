@@ -77,6 +77,7 @@ from router.policies.adapter_affinity import AdapterAffinityPolicy
 from router.policies.disagg import DisaggRouter, Route
 from router.policies.drafter import make_drafter_policy
 from router.policies.prefix_pull import PrefixPullPlanner
+from router.prefix_index import PrefixIndex
 from router.preprocess import PreparedRequest, RequestError, ServedModel, prepare_request
 from router.request_metrics import RequestClock, RequestMetrics
 from router.worker_stream import Progress, stream_attempt
@@ -92,7 +93,10 @@ _OFFLOAD_CHARS = 16_384  # prompts longer than this are tokenized on a thread, o
 class Pipeline:
     def __init__(self, config: RouterConfig, model: ServedModel, directory: WorkerDirectory,
                  policy: RoutingPolicy, admission: AdmissionController, metrics: RequestMetrics | None = None,
-                 hold: WorkerHold | None = None, catalog: ModelCatalog | None = None) -> None:
+                 hold: WorkerHold | None = None, catalog: ModelCatalog | None = None,
+                 holdings: PrefixIndex | None = None) -> None:
+        """holdings: the workers' reported prefix holdings (router/prefix_index.py), for the prefix
+        pull planner; None: it goes by what this router sent where."""
         self.config = config
         self.model = model  # the default model
         # every served model and adapter (router/catalog.py); one model alone by default
@@ -103,7 +107,7 @@ class Pipeline:
         # LoRA requests prefer workers holding their adapter (router/policies/adapter_affinity.py)
         self.router = DisaggRouter(AdapterAffinityPolicy(policy), block_size=config.disagg_block_size,
                                    min_prompt_tokens=config.disagg_min_prompt_tokens)
-        self.pull_planner = (PrefixPullPlanner(config.prefix_pull_min_tokens, config.disagg_block_size)
+        self.pull_planner = (PrefixPullPlanner(config.prefix_pull_min_tokens, config.disagg_block_size, holdings)
                              if config.prefix_pull_min_tokens else None)
         self.admission = admission
         self.drafters = DrafterRouting(

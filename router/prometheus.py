@@ -132,6 +132,8 @@ WORKER_COUNTERS = (
     ("prefix_pull_bytes", "prefix_pull_bytes", "KV bytes pulled for prompt prefixes"),
     ("prefix_pull_failures", "prefix_pull_failures", "prefix pulls that failed (the prompt was computed instead)"),
     ("prefix_pulls_served", "prefix_pulls_served", "prefix pulls this worker served as the holder"),
+    ("prefix_pull_tier_blocks_served", "prefix_pull_tier_blocks_served",
+     "KV blocks of served prefix pulls read from this worker's lower tiers (host, disk)"),
     # lower KV tiers (workers/engine/kv_tiers.py); all 0 when cache.host_tier_bytes is 0. Load latency per
     # block = rate(..._kv_tier_load_seconds_total) / rate(..._kv_tier_host_hits_total). Where the router sent
     # prefix hits, by the tier the worker held them in: duet_router_outcomes_total{outcome=

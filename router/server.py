@@ -197,7 +197,7 @@ class RouterServer:
         self.catalog = ModelCatalog([model, *others], AdapterRegistry(config.served_models))
         self.pipeline = Pipeline(config, model, self.directory, policy,
                                  AdmissionController(config.max_in_flight, config.max_queue), self.metrics, hold,
-                                 self.catalog)
+                                 self.catalog, holdings=self.prefix_index)
         # LoRA adapters at runtime, over gRPC (RouterAdmin) and HTTP, admin scope (router/adapter_admin.py)
         # with a controller, shared with every router through it (router/shared_adapters.py)
         self.shared_adapters = (SharedAdapters(config.membership_address, self.catalog.adapters)

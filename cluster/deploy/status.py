@@ -132,6 +132,7 @@ def _worker_load(endpoint: str, timeout: float) -> dict[str, Any]:
                      "kv_transfer_failures": r.kv_transfer_failures, "prefix_pulls": r.prefix_pulls,
                      "prefix_pull_blocks": r.prefix_pull_blocks, "prefix_pull_bytes": r.prefix_pull_bytes,
                      "prefix_pull_failures": r.prefix_pull_failures, "prefix_pulls_served": r.prefix_pulls_served,
+                     "prefix_pull_tier_blocks_served": r.prefix_pull_tier_blocks_served,
                      "migrations_out": r.migrations_out, "migrations_in": r.migrations_in,
                      "migration_failures": r.migration_failures, "migration_kv_bytes": r.migration_kv_bytes,
                      "draining": r.draining,
@@ -270,7 +271,9 @@ def format_status(status: dict[str, Any]) -> str:
             if ld.get("prefix_pulls") or ld.get("prefix_pull_failures") or ld.get("prefix_pulls_served"):
                 lines.append(f"  {'':<12} prefix pulls: {ld['prefix_pulls']} pulled ({ld['prefix_pull_blocks']} blocks, "
                              f"{ld['prefix_pull_bytes'] / 1e6:.1f} MB), {ld['prefix_pull_failures']} fell back to "
-                             f"recompute, {ld['prefix_pulls_served']} served")
+                             f"recompute, {ld['prefix_pulls_served']} served"
+                             + (f" ({ld['prefix_pull_tier_blocks_served']} blocks from its KV tiers)"
+                                if ld.get("prefix_pull_tier_blocks_served") else ""))
     return "\n".join(lines)
 
 

@@ -6,7 +6,13 @@ The planner keeps its own PrefixTree (router/prefix_tree.py) of what was sent wh
 routing policy, so the pull works under round_robin and least_loaded as well as prefix_aware (whose
 imbalance fallback is exactly the case it helps: a hot prefix overflowing to an idle worker).
 
-Rule, per colocated route (P = the prompt, matched(w) = leading blocks of P sent to worker w):
+With ``holdings`` (router/prefix_index.py, what the workers report: their prefix caches and lower
+KV tiers, host memory and disk), matched(w) is the larger of what the tree says and what w reports
+holding in any tier: a holder's tiers keep a prefix long after the tree, capped at the device
+cache's size, forgot it, and the holder serves a pull from them (workers/handoff/prefix_pull.py).
+
+Rule, per colocated route (P = the prompt, matched(w) = leading blocks of P sent to worker w, or
+reported by it):
     holder = the healthy worker other than the chosen one with the most matched blocks (ties:
              lower load, then id)
     n      = min(matched(holder), (len(P) - 1) // block_size) blocks (the last prompt token is
@@ -28,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.policies.base import PolicyConfigError, RouteRequest, WorkerState
+from router.prefix_index import PrefixIndex
 from router.prefix_tree import PrefixTree, block_hashes
 
 MAX_BLOCKS_PER_WORKER = 4096  # before a worker reports its KV capacity
@@ -44,7 +51,8 @@ class PullSource:
 
 
 class PrefixPullPlanner:
-    def __init__(self, min_tokens: int, block_size: int) -> None:
+    def __init__(self, min_tokens: int, block_size: int, holdings: PrefixIndex | None = None) -> None:
+        """holdings: the workers' reported holdings (every tier), None to go by the tree alone."""
         if not isinstance(min_tokens, int) or min_tokens < 1:
             raise PolicyConfigError(f"prefix_pull_min_tokens={min_tokens!r}: must be an integer >= 1 to plan pulls")
         if not isinstance(block_size, int) or block_size < 1:
@@ -52,6 +60,7 @@ class PrefixPullPlanner:
         self.min_tokens = min_tokens
         self.block_size = block_size
         self.tree = PrefixTree()
+        self.holdings = holdings
         self._incarnations: dict[str, str] = {}
         self.counts = {"prefix_pulls_planned": 0, "prefix_pull_tokens_planned": 0}
 
@@ -60,6 +69,8 @@ class PrefixPullPlanner:
         self._sync(workers)
         hashes = block_hashes(request.prompt_token_ids, self.block_size, request.prefix_root)
         matched = self.tree.match(hashes)
+        for wid, n in self._reported(request, workers).items():
+            matched[wid] = max(matched.get(wid, 0), n)
         chosen = next((w for w in workers if w.worker_id == chosen_id), None)
         source = None
         holders = [w for w in workers if w.healthy and w.worker_id != chosen_id and matched.get(w.worker_id, 0)
@@ -74,6 +85,15 @@ class PrefixPullPlanner:
         if chosen is not None:
             self.tree.insert(chosen_id, hashes, self._max_blocks(chosen))
         return source
+
+    def _reported(self, request: RouteRequest, workers: Sequence[WorkerState]) -> dict[str, int]:
+        """Leading blocks (of ``block_size`` tokens) of the prompt each worker reports holding, in any tier."""
+        h = self.holdings
+        if h is None:
+            return {}
+        ids = [w.worker_id for w in workers if h.knows(w.worker_id)]
+        return {wid: n * h.block_size(wid) // self.block_size
+                for wid, n in h.match(request.prompt_token_ids, ids, request.prefix_root).items()}
 
     def _max_blocks(self, w: WorkerState) -> int:
         if w.kv_blocks_total and w.kv_block_size:

@@ -13,6 +13,7 @@ from protos.duet.v1 import duet_pb2
 from router.config import RouterConfig, RouterConfigError
 from router.policies.base import PolicyConfigError, RouteRequest, WorkerState
 from router.policies.prefix_pull import PrefixPullPlanner, PullSource
+from router.prefix_tree import block_hashes
 
 BS = 16
 
@@ -56,6 +57,29 @@ def test_forgets_workers_that_leave_or_restart():
     assert planner.plan(req(100), "w1", restarted) is None  # w0's cache is empty now
     planner.plan(req(100, base=500), "w0", restarted)
     assert planner.plan(req(100, base=500), "w1", workers("w1")) is None  # w0 left
+
+
+def test_reported_holdings_in_any_tier_name_the_holder_the_tree_forgot():
+    """With the workers' reported holdings: a prefix w0 reports in its host and disk tiers (the
+    tree, capped at w0's 4-block device cache, kept only 4 of its blocks) is pulled from w0 whole;
+    reports in another block size are converted; a worker reporting nothing is not a holder."""
+    from router.prefix_index import BlockReport, PrefixIndex
+    from workers.block_hash import Tier, chain_hashes
+
+    index = PrefixIndex()
+    prompt = list(range(300))
+    hashes = chain_hashes(prompt, 32)  # w0's KV blocks are 32 tokens: 9 full blocks of the prompt
+    tiers = [Tier.DEVICE] * 2 + [Tier.HOST] * 4 + [Tier.DISK] * 3
+    index.apply("w0", "inc-w0", BlockReport(1, True, hashes, (), [int(t) for t in tiers]), block_size=32)
+    index.apply("w1", "inc-w1", BlockReport(1, True, (), ()), block_size=32)
+    planner = PrefixPullPlanner(min_tokens=64, block_size=BS, holdings=index)
+    ws = workers("w0", "w1", kv_blocks_total=2, kv_block_size=32)  # the tree keeps 4 blocks of 16 per worker
+    planner.plan(RouteRequest("a", prompt), "w0", ws)
+    assert planner.tree.match(block_hashes(prompt, BS)).get("w0", 0) == 4
+    assert planner.plan(RouteRequest("b", prompt), "w1", ws) == PullSource("w0", "w0:1", "inc-w0", 288)
+    blind = PrefixPullPlanner(min_tokens=64, block_size=BS)  # the tree alone
+    blind.plan(RouteRequest("a", prompt), "w0", ws)
+    assert blind.plan(RouteRequest("b", prompt), "w1", ws) == PullSource("w0", "w0:1", "inc-w0", 64)
 
 
 def test_config_validation_names_the_field():

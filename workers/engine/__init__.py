@@ -13,6 +13,7 @@
     migration.py     the engine side of live migration: pause, snapshot, import, resume
     kv_tiers.py      the engine side of the lower KV tiers (host, disk): evicted blocks go down, prefix
                      hits and preempted requests load back; the TierStore protocol (workers/kv/tiers/)
+    node_feed.py     the node's shared host tier reported as this worker's host holdings (a thread)
     proposer.py      the Proposer protocol (speculative drafts) and the Draft message
     speculator.py    what the step calls to draft and record acceptance; draft_length.py adapts depth
     grammar_gate.py  structured-output requests wait here while their grammar compiles

@@ -30,6 +30,10 @@ The data flow (one direction per event):
                   manager reports the device in: routers see host and disk holdings as such
                   (router/prefix_index.py), not as losses; a block loaded back into the device is
                   stored on the device again by the block manager when the scheduler keys it
+    node feed     with the node's shared host tier (workers/kv/tiers/node.py), workers/engine/node_feed.py
+                  reports its change feed every ``watch_interval_s``: every worker of the node
+                  reports every block in the node tier as held in host, whoever put it there, and
+                  stops reporting one a neighbour deleted within that interval
     admission     the scheduler takes device prefix hits, then asks ``match`` for the blocks that
                   continue the prefix in host memory (verified: a corrupt or foreign block ends the
                   match there, is counted and recomputed), allocates, and ``PrefixLoad.write`` copies
@@ -55,17 +59,21 @@ Worked example (block_size 4, device cache of 2 blocks, host tier on)::
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+import numpy as np
 import torch
 import xxhash
 
 from workers.block_hash import Tier
 from workers.engine.block_events import BlockEventLog
+from workers.engine.node_feed import INTERVAL_S as NODE_FEED_INTERVAL_S
+from workers.engine.node_feed import NodeFeed
 from workers.engine.block_manager import root_key
 from workers.engine.sequence import Sequence
 
@@ -78,7 +86,7 @@ ROOT_DIGEST = bytes(DIGEST_BYTES)  # the parent of a prompt's first block
 def next_digest(parent: bytes, tokens: tuple[int, ...] | list[int]) -> bytes:
     """The digest of a block with these token ids whose parent block has digest ``parent``."""
     h = xxhash.xxh3_128(parent)
-    h.update(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes())
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())  # int64 little-endian, as torch.int64's bytes
     return h.digest()
 
 
@@ -131,8 +139,11 @@ class TierStore(Protocol):
     """The lower tiers as the engine sees them (workers/kv/tiers/store.py ``TieredStore``).
     Digests are ``next_digest`` chains; kv is one block, [L, 2, 1, bs, G, D] on the CPU."""
 
-    def put(self, digest: bytes, kv: torch.Tensor) -> None:
-        """Keep an evicted block (its checksum and the fingerprint are attached here)."""
+    shared: bool  # the host tier is the node's, shared with other processes (``watch_shared``)
+
+    def put(self, digest: bytes, kv: torch.Tensor, chain_hash: int) -> None:
+        """Keep an evicted block (its checksum and the fingerprint are attached here; the chain
+        hash goes with it, for the node's other workers to report it)."""
 
     def where(self, digest: bytes) -> str | None:
         """'host', 'disk' or None."""
@@ -146,14 +157,24 @@ class TierStore(Protocol):
     def prefetch(self, digest: bytes) -> bool:
         """Start reading a disk-resident block into host; True while such a read is in flight."""
 
+    def read_disk(self, digest: bytes) -> concurrent.futures.Future | None:
+        """Start reading a disk-resident block without moving it into host (None: not on disk):
+        the Future gives the verified TierBlock or raises BlockRefused."""
+
     def poll(self) -> None:
         """Move finished disk reads into host (engine thread)."""
 
     def wait(self, timeout: float) -> None:
         """Sleep until a disk read finishes or ``timeout`` seconds pass."""
 
-    def changes(self) -> list[bytes]:
-        """The digests whose tiers changed since the last call."""
+    def changes(self) -> list[tuple[bytes, int]]:
+        """(digest, chain hash) of the blocks whose tiers changed since the last call; the hash is
+        that of the block as it moved (a node-tier block another worker put there and that this
+        store spilled to its disk), or 0 when not at hand."""
+
+    def watch_shared(self) -> tuple[list[int], list[int]]:
+        """Only when ``shared``: the chain hashes of blocks added to and removed from the shared
+        host tier since the last call, by any process (the first call: all). Off the engine thread."""
 
     def count_deadline_miss(self) -> None: ...
 
@@ -205,9 +226,11 @@ class KVTiers:
     PROBE_EVERY = 16  # while recompute is cheaper, every 16th match loads anyway (re-measures the load)
 
     def __init__(self, store: TierStore, io: BlockIO, block_size: int, load_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic, events: BlockEventLog | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, events: BlockEventLog | None = None,
+                 watch_interval_s: float = NODE_FEED_INTERVAL_S) -> None:
         """events: the block event log to report moves below the device in (the block manager's),
-        None to report nothing."""
+        None to report nothing. watch_interval_s: with a shared host tier (``store.shared``), how
+        often the node tier's change feed is reported (workers/engine/node_feed.py)."""
         self.store = store
         self.events = events
         self._below: dict[bytes, tuple[int, Tier]] = {}  # digest -> (chain hash, tier reported) below the device
@@ -223,6 +246,8 @@ class KVTiers:
         self._host_hits = 0
         self._skipped = 0  # matches recomputed by the rule since the last load
         self._bytes_loaded = 0
+        # with the node's shared host tier: every block in it is reported as held in host here
+        self.node_feed = NodeFeed(store, events, watch_interval_s) if store.shared and events is not None else None
 
     # -------------------------------------------------------------- eviction
     def evicted(self, key: tuple, block_id: int, chain_hash: int) -> None:
@@ -235,12 +260,14 @@ class KVTiers:
             self.store.touch(digest)  # (or another worker of the node put it in the node's shared tier)
             self._sync(digest)
             return
-        self.store.put(digest, self.io.read_blocks([block_id]).to("cpu"))
+        self.store.put(digest, self.io.read_blocks([block_id]).to("cpu"), chain_hash)
         self._report()
 
     def _report(self) -> None:
         """Turn the store's moves into block events (``_sync`` each digest it names)."""
-        for digest in self.store.changes():
+        for digest, h in self.store.changes():
+            if h and digest not in self._below:  # a neighbour's block from the node tier, now on this disk
+                self._below[digest] = (h, Tier.DEVICE)  # (DEVICE: not reported below by this worker yet)
             self._sync(digest)
 
     def _sync(self, digest: bytes) -> None:
@@ -303,6 +330,30 @@ class KVTiers:
         load.verify_s = time.perf_counter() - t0
         self._report()  # refusals
         return load if load.kv else None
+
+    def read_prefix(self, token_ids: list[int], adapter: str, first_block: int,
+                    num_blocks: int) -> list[torch.Tensor | concurrent.futures.Future] | None:
+        """For a peer's prefix pull (workers/handoff/prefix_pull.py): blocks first_block ..
+        first_block + num_blocks - 1 of ``token_ids``' prefix computed under ``adapter``, from the
+        lower tiers: per block its kv from host ([L, 2, 1, bs, G, D], verified now) or, for one on
+        disk, a Future of its read (a verified TierBlock, or BlockRefused) that leaves host as it
+        is (a peer's pull does not displace this worker's own blocks). None when a block is in no
+        tier or host refused it (counted, dropped). Never waits on disk."""
+        bs = self.block_size
+        digest = root_digest(root_key(adapter))
+        out: list[torch.Tensor | concurrent.futures.Future] = []
+        for i in range(first_block + num_blocks):
+            digest = next_digest(digest, token_ids[i * bs:(i + 1) * bs])
+            if i < first_block:
+                continue
+            where = self.store.where(digest)
+            got = (self.store.get(digest) if where == "host"
+                   else self.store.read_disk(digest) if where == "disk" else None)
+            if got is None:  # absent, or refused (counted by the store): the peer recomputes
+                self._report()
+                return None
+            out.append(got)
+        return out
 
     def loaded(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
         self._load_seconds += seconds
@@ -376,6 +427,9 @@ class KVTiers:
                        load_seconds=self._load_seconds)
 
     def close(self) -> None:
+        if self.node_feed is not None:
+            self.node_feed.close()
+            self.node_feed = None
         self.store.close()
         if self.events is not None:
             for h, tier in self._below.values():

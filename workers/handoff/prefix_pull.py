@@ -15,7 +15,10 @@ Sequence (P = puller, H = holder; both halves of every KV move are workers/kv/tr
     P  receiver        expect transfer <pull id>, start the pair's channel (shm on one host)
     P -> H  PullPrefix(prefix tokens, first_block=c, P's store, pair key)        [gRPC]
     H  engine thread   look the prefix up in its cache; copy blocks c..k-1 out (``export``):
-                       between two steps, so nothing evicts or overwrites them meanwhile
+                       between two steps, so nothing evicts or overwrites them meanwhile; blocks
+                       its device cache evicted come from its lower KV tiers (host memory, disk:
+                       each verified, checksum and model fingerprint, as it is read; disk reads
+                       run on the disk tier's thread, awaited up to cache.tier_load_timeout_s)
     H => P  header (layout + model fingerprint), per-block checksums, payload   [shm / gloo / nccl]
     H -> P  PullPrefixResponse (blocks, bytes)
     P  engine thread   write the blocks, key them in its prefix cache (``install``) and let them
@@ -36,6 +39,7 @@ Worked example (what the Submit handler does)::
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import time
@@ -49,6 +53,7 @@ from workers.handoff.disagg import Disaggregation, PrefillRejected
 from workers.engine.engine import Engine
 from workers.engine.loop import EngineLoop, WorkerUnavailableError
 from workers.engine.kv_handoff import KVCapacityError
+from workers.kv.tiers.block_file import BlockRefused
 from workers.kv.transfer import KVTransferError
 from workers.sampling_params import SamplingParams
 from workers.engine.sequence import Sequence
@@ -61,6 +66,33 @@ class PrefixMissing(Exception):
 
 
 @dataclass
+class _Pending:
+    """A prefix export whose blocks come partly from the lower tiers: the device's part (a copy,
+    [L, 2, n, bs, G, D], or None), then per block its kv from host or a Future of its disk read."""
+
+    on_device: torch.Tensor | None
+    parts: list[torch.Tensor | concurrent.futures.Future]
+    timeout_s: float
+
+    @property
+    def waiting(self) -> bool:
+        return any(isinstance(p, concurrent.futures.Future) for p in self.parts)
+
+    async def gather(self) -> torch.Tensor:
+        """Await the disk reads (raises BlockRefused for a refused block) and assemble."""
+        for i, p in enumerate(self.parts):
+            if isinstance(p, concurrent.futures.Future):
+                self.parts[i] = (await asyncio.wrap_future(p)).kv
+        return self.assemble()
+
+    def assemble(self) -> torch.Tensor:
+        """[L, 2, n, bs, G, D] on the CPU, the device's part first."""
+        lower = [p for p in self.parts if isinstance(p, torch.Tensor)]
+        assert len(lower) == len(self.parts), "disk reads still pending"
+        return torch.cat(([self.on_device] if self.on_device is not None else []) + lower, dim=2)
+
+
+@dataclass
 class PullStats:
     """Counters since the worker started (exported in LoadReport, see worker.proto)."""
 
@@ -69,6 +101,7 @@ class PullStats:
     bytes: int = 0
     failures: int = 0  # puller: pulls that fell back to computing the prompt
     served: int = 0  # holder: pulls served
+    tier_blocks_served: int = 0  # holder: blocks of those read from its lower KV tiers (host, disk)
 
 
 class PrefixPull:
@@ -205,7 +238,7 @@ class PrefixPull:
                                 request.backend)
         channel_future = sender.channel(key, request.kv_store_address)
         adapter = request.adapter.name if request.HasField("adapter") else ""
-        kv = await self._engine.call(lambda engine: self._export(engine, tokens, request.first_block, adapter))
+        kv = await self._read(tokens, request.first_block, adapter)
         if isinstance(kv, PrefixMissing):
             raise PrefillRejected(grpc.StatusCode.FAILED_PRECONDITION, f"prefix_token_ids: {kv}")
         if isinstance(kv, Exception):
@@ -222,18 +255,55 @@ class PrefixPull:
         return worker_pb2.PullPrefixResponse(num_blocks=kv.shape[2], kv_bytes=nbytes,
                                              transfer_seconds=time.monotonic() - start)
 
+    async def _read(self, tokens: list[int], first_block: int, adapter: str) -> torch.Tensor | Exception:
+        """The holder's blocks first_block.. of the prefix (``_export``), waiting off the engine thread
+        for those read from its disk tier, at most the tiers' ``tier_load_timeout_s``."""
+        kv = await self._engine.call(lambda engine: self._export(engine, tokens, first_block, adapter, self.stats))
+        if not isinstance(kv, _Pending):
+            return kv
+        try:
+            return await asyncio.wait_for(kv.gather(), kv.timeout_s)
+        except TimeoutError:
+            for part in kv.parts:
+                if isinstance(part, concurrent.futures.Future):
+                    part.cancel()
+            return PrefixMissing(f"the prefix's blocks on this worker's disk tier were not read within "
+                                 f"{kv.timeout_s}s (cache.tier_load_timeout_s)")
+        except BlockRefused as e:  # never sent; a lookup here later refuses, counts and drops it too
+            return PrefixMissing(f"a prefix block on this worker's disk tier was refused ({e.kind}): {e}")
+
     @staticmethod
-    def _export(engine: Engine, tokens: list[int], first_block: int, adapter: str = "") -> torch.Tensor | PrefixMissing:
+    def _export(engine: Engine, tokens: list[int], first_block: int, adapter: str = "",
+                stats: PullStats | None = None) -> torch.Tensor | PrefixMissing | _Pending:
         """Engine thread: a copy of the prefix's blocks first_block.. ([L, 2, n, bs, G, D]) computed
-        under ``adapter``, or PrefixMissing (returned, not raised: a normal outcome, not an engine failure)."""
+        under ``adapter``, or PrefixMissing (returned, not raised: a normal outcome, not an engine
+        failure). Blocks past the device's prefix-cache hits come from the lower tiers (host
+        memory, disk: workers/engine/kv_tiers.py ``read_prefix``), each verified against its
+        checksum and the model fingerprint as it is read; with some on disk the result is
+        _Pending: their reads run on the disk thread (the engine thread never waits on disk).
+        stats: where to count the blocks read from the lower tiers."""
         blocks = engine.block_manager.cached_prefix(tokens, adapter)
         total = len(tokens) // engine.block_manager.block_size
-        if len(blocks) < total:
-            return PrefixMissing(f"this worker holds {len(blocks)} of the prefix's {total} blocks (evicted since)")
-        return engine.runner.read_blocks(blocks[first_block:])
+        if len(blocks) >= total:
+            return engine.runner.read_blocks(blocks[first_block:])
+        tiers = engine.tiers
+        missing = PrefixMissing(f"this worker holds {len(blocks)} of the prefix's {total} blocks (evicted since"
+                                f"{', and not the rest in its lower KV tiers' if tiers is not None else ''})")
+        if tiers is None:
+            return missing
+        start = max(first_block, len(blocks))
+        below = tiers.read_prefix(tokens, adapter, start, total - start)
+        if below is None:
+            return missing
+        if stats is not None:
+            stats.tier_blocks_served += len(below)
+        on_device = engine.runner.read_blocks(blocks[first_block:]).cpu() if start > first_block else None
+        pending = _Pending(on_device, below, tiers.load_timeout_s)
+        return pending if pending.waiting else pending.assemble()
 
     # ------------------------------------------------------------------ stats
     def load_fields(self) -> dict[str, int]:
         s = self.stats
         return dict(prefix_pulls=s.pulls, prefix_pull_blocks=s.blocks, prefix_pull_bytes=s.bytes,
-                    prefix_pull_failures=s.failures, prefix_pulls_served=s.served)
+                    prefix_pull_failures=s.failures, prefix_pulls_served=s.served,
+                    prefix_pull_tier_blocks_served=s.tier_blocks_served)

@@ -24,6 +24,10 @@ def test_status_shows_transfers_and_pulls_only_when_there_are_some():
         prefix_pull_failures=1, prefix_pulls_served=3)]})
     assert "KV transfers: sent 1 (5.0 MB), received 2 (3.0 MB), 1 failed" in busy
     assert "prefix pulls: 2 pulled (250 blocks, 4.0 MB), 1 fell back to recompute, 3 served" in busy
+    from_tiers = format_status({"workers": [_worker(
+        prefix_pulls=0, prefix_pull_blocks=0, prefix_pull_bytes=0, prefix_pull_failures=0, prefix_pulls_served=3,
+        prefix_pull_tier_blocks_served=40)]})
+    assert "3 served (40 blocks from its KV tiers)" in from_tiers
 
 
 def test_every_exported_worker_counter_is_a_load_report_field():

@@ -6,6 +6,7 @@ events predicts exactly what the engine serves (device hits, then host loads).""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -42,10 +43,12 @@ class TensorPool:
         self.kv[:, :, block_ids] = kv
 
 
-def build(num_blocks: int, store: TieredStore):
+def build(num_blocks: int, store: TieredStore, watch_interval_s: float = 3600.0):
+    """watch_interval_s: how often a shared host tier's feed is reported (by default: only at
+    construction and by explicit ``node_feed.poll`` calls, so a test decides when)."""
     pool = TensorPool(num_blocks)
     events = BlockEventLog()
-    tiers = KVTiers(store, pool, BS, load_timeout_s=5.0, events=events)
+    tiers = KVTiers(store, pool, BS, load_timeout_s=5.0, events=events, watch_interval_s=watch_interval_s)
     bm = BlockManager(num_blocks, BS, events=events, on_evict=tiers.evicted)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256), bm, lower_tiers=tiers)
     return pool, tiers, bm, sched
@@ -204,3 +207,118 @@ def test_a_block_a_neighbour_deleted_from_the_node_tier_is_reported_gone_on_the_
     got = held(bm.events)
     assert ha[0] not in got and [got[h] for h in ha[1:]] == [Tier.HOST] * 2  # no stale host claim left
     tiers.close()
+
+
+def _index(**workers: BlockEventLog) -> PrefixIndex:
+    index = PrefixIndex()
+    for wid, events in workers.items():
+        diff = events.read(0)
+        index.apply(wid, "i", BlockReport(diff.seq, diff.snapshot, diff.stored, diff.removed, diff.stored_tiers),
+                    block_size=BS)
+    return index
+
+
+def test_every_worker_of_a_node_reports_the_node_tiers_blocks_and_serves_them(tmp_path: Path):
+    """Worker a evicts a prefix into the node tier; worker b (never saw it) and worker c (started
+    afterwards: a restart) report it held in host, a router's index matches it on both, and b loads
+    exactly what it reported instead of computing it."""
+    from workers.kv.tiers.node import NodeTier
+
+    def store() -> TieredStore:
+        return TieredStore(NodeTier(1 << 20, 7, LAYOUT, str(tmp_path)))
+
+    pool_a, tiers_a, bm_a, sched_a = build(4, store())
+    pool_b, tiers_b, bm_b, sched_b = build(4, store())
+    a = list(range(1, 13))
+    ha = chain_hashes(a, BS)
+    run_prefill(pool_a, sched_a, Sequence("a", a, SamplingParams(), 0))
+    run_prefill(pool_a, sched_a, Sequence("f", list(range(100, 116)), SamplingParams(), 1))  # a -> node tier
+    assert all(h not in held(bm_b.events) for h in ha)  # b has not looked at the feed since
+    tiers_b.node_feed.poll()
+    assert [held(bm_b.events)[h] for h in ha] == [Tier.HOST] * 3
+    _, tiers_c, bm_c, _ = build(4, store())  # a worker started now: its first report names them
+    assert [held(bm_c.events)[h] for h in ha] == [Tier.HOST] * 3
+    index = _index(b=bm_b.events, c=bm_c.events)
+    assert index.match_tiers(a + [13], ["b", "c"]) == {"b": [Tier.HOST] * 3, "c": [Tier.HOST] * 3}
+    # b serves what it reports: the 3 blocks are loaded from the node tier, not computed
+    assert run_prefill(pool_b, sched_b, Sequence("a2", a + [13], SamplingParams(), 2)) == 12
+    assert tiers_b.stats().host_hits == 3 and tiers_b.stats().stored_blocks == 0
+    rows = {tuple(pool_b.kv[0, 0, i, :, 0, 0].tolist()) for i in range(4)}  # slot of token t holds float(t)
+    assert all(tuple(float(t) for t in a[i * BS:(i + 1) * BS]) in rows for i in range(3))  # a's KV, loaded
+    # the feed reports diffs: a second pass with nothing changed reports nothing
+    seq = bm_c.events.seq
+    tiers_c.node_feed.poll()
+    assert bm_c.events.seq == seq
+    for t in (tiers_a, tiers_b, tiers_c):
+        t.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_block_a_neighbour_deleted_from_the_node_tier_is_reported_gone_within_the_interval(tmp_path: Path):
+    """Without any lookup: the feed's thread reports the deletion within its interval."""
+    import time
+
+    from workers.kv.tiers.node import NodeTier
+
+    store_a = TieredStore(NodeTier(1 << 20, 7, LAYOUT, str(tmp_path)))
+    pool_a, tiers_a, bm_a, sched_a = build(4, store_a)
+    _, tiers_b, bm_b, _ = build(4, TieredStore(NodeTier(1 << 20, 7, LAYOUT, str(tmp_path))), watch_interval_s=0.05)
+    a = list(range(1, 13))
+    ha = chain_hashes(a, BS)
+    run_prefill(pool_a, sched_a, Sequence("a", a, SamplingParams(), 0))
+    run_prefill(pool_a, sched_a, Sequence("f", list(range(100, 116)), SamplingParams(), 1))
+
+    def wait_for(cond) -> bool:
+        deadline = time.monotonic() + 10.0  # 200 intervals: generous for a loaded CI machine
+        while not cond():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    assert wait_for(lambda: all(held(bm_b.events).get(h) == Tier.HOST for h in ha))
+    first = tiers_a.digests(Sequence("p", a, SamplingParams(), 9), 1)[0]
+    store_a.host.path(first).unlink()  # a neighbour's eviction pass  # type: ignore[union-attr]
+    assert wait_for(lambda: ha[0] not in held(bm_b.events))
+    assert [held(bm_b.events)[h] for h in ha[1:]] == [Tier.HOST] * 2
+    tiers_b.close()
+    assert held(bm_b.events) == {}  # b's report of the node tier ends with it
+    tiers_a.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_neighbours_block_the_node_tier_pushed_onto_this_workers_disk_is_reported_on_disk(tmp_path: Path):
+    """The node tier's budget (3 blocks here) is node-wide: worker b's put pushes worker a's blocks
+    out, onto b's disk tier. b reports them on disk (their files carry the chain hash), not gone."""
+    from workers.kv.tiers.disk import DiskTier
+    from workers.kv.tiers.node import NodeTier
+
+    store_a = TieredStore(NodeTier(3 * BLOCK_BYTES, 7, LAYOUT, str(tmp_path / "shm")))
+    store_b = TieredStore(NodeTier(3 * BLOCK_BYTES, 7, LAYOUT, str(tmp_path / "shm")),
+                          DiskTier(1 << 20, 7, LAYOUT, str(tmp_path / "disk")))
+    pool_a, tiers_a, _, sched_a = build(4, store_a)
+    pool_b, tiers_b, bm_b, sched_b = build(4, store_b)
+    a = list(range(1, 13))
+    ha = chain_hashes(a, BS)
+    run_prefill(pool_a, sched_a, Sequence("a", a, SamplingParams(), 0))
+    run_prefill(pool_a, sched_a, Sequence("f", list(range(100, 116)), SamplingParams(), 1))  # a's 3 blocks -> node
+    tiers_b.node_feed.poll()
+    assert [held(bm_b.events)[h] for h in ha] == [Tier.HOST] * 3
+    b = list(range(200, 216))  # 4 blocks: b's 4th write takes b's count of the node tier past the budget
+    run_prefill(pool_b, sched_b, Sequence("b", b, SamplingParams(), 2))
+    run_prefill(pool_b, sched_b, Sequence("g", list(range(300, 316)), SamplingParams(), 3))  # b's blocks push a's out
+    tiers_b.node_feed.poll()
+    got = held(bm_b.events)
+    on_disk = [h for h in ha if got.get(h) == Tier.DISK]
+    assert on_disk and all(got.get(h) in (Tier.HOST, Tier.DISK) for h in ha)  # moved, none reported lost
+    assert len(on_disk) == sum(store_b.where(d) == "disk" for d in tiers_b.digests(Sequence("p", a, SamplingParams(), 9), 3))
+    # and b serves what it reports: a's prefix loads (from the node tier and b's disk), nothing computed
+    seq = Sequence("a2", a + [13], SamplingParams(), 4)
+    assert tiers_b.prefetch(seq)  # parked on its disk reads
+    end = time.monotonic() + 10
+    while not tiers_b.take_ready():
+        assert time.monotonic() < end
+        tiers_b.wait(0.05)
+    assert run_prefill(pool_b, sched_b, seq) == 12
+    for t in (tiers_a, tiers_b):
+        t.close()

@@ -23,7 +23,8 @@ from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from workers.build import build_engine
 from workers.engine.engine import Engine
 from workers.llm import engine_config
-from workers.handoff.prefix_pull import PrefixMissing, PrefixPull
+from workers.handoff.prefix_pull import PrefixMissing, PrefixPull, PullStats, _Pending
+from workers.kv.tiers.block_file import BlockRefused
 from workers.sampling_params import SamplingParams
 from workers.server.service import start_worker_server
 
@@ -117,6 +118,73 @@ def test_released_reservation_and_evicted_prefix_leave_nothing(tiny_llama):
     assert isinstance(missing, PrefixMissing) and "holds 0 of the prefix's 125 blocks" in str(missing)
 
 
+def export_now(engine: Engine, tokens: list[int], first_block: int, stats: PullStats | None = None):
+    """The holder's export as the service runs it, the disk reads awaited here."""
+    kv = PrefixPull._export(engine, tokens, first_block, "", stats)
+    if isinstance(kv, _Pending):
+        kv = asyncio.run(asyncio.wait_for(kv.gather(), 30))
+    return kv
+
+
+TIERS = {"host": dict(host_tier_bytes=8 << 20),  # room for every block the fillers push out
+         "host+disk": dict(host_tier_bytes=256 << 10, disk_tier_bytes=64 << 20)}  # most of them go to disk
+
+
+@pytest.mark.parametrize("tiers", list(TIERS))
+def test_a_prefix_the_holder_evicted_to_its_lower_tiers_is_pulled_from_them(tiny_llama, holder, tiers, tmp_path):
+    """Issue 34 item 4, across nodes: the holder's device cache evicted the prefix into host memory
+    (and disk); the pull reads it from there, verified, and the puller's greedy and seeded tokens
+    equal those of computing the whole prompt."""
+    _, want = holder
+    extra = dict(TIERS[tiers], disk_tier_dir=str(tmp_path)) if "disk_tier_bytes" in TIERS[tiers] else TIERS[tiers]
+    source = build_engine(engine_config(str(tiny_llama), **(SMALL | dict(num_blocks=200) | extra)))
+    generate(source, "s", PREFIX + QUESTIONS[0], PARAMS[0])
+    for i in range(2):  # 2 x 125 blocks of other prompts through a 200-block cache: the prefix goes below
+        generate(source, f"filler{i}", prompt(50 + i, PREFIX_TOKENS) + [7], PARAMS[0])
+    total = PREFIX_TOKENS // BS
+    on_device = len(source.block_manager.cached_prefix(PREFIX))
+    assert on_device < total
+    stats = source.tiers.stats()
+    assert (stats.disk_blocks > 0) == (tiers == "host+disk")
+    puller = build_engine(engine_config(str(tiny_llama), **SMALL))
+    pull = PrefixPull(None, None, BS, 5.0)
+    reserved = pull._reserve(puller, "pull/t", PREFIX, "")
+    assert reserved == (0, total)
+    served = PullStats()
+    kv = export_now(source, PREFIX, 0, served)
+    assert isinstance(kv, torch.Tensor) and kv.shape[2] == total
+    assert served.tier_blocks_served == total - on_device
+    assert pull._install(puller, "pull/t", kv) == total
+    for i, p in enumerate(PARAMS):
+        got, cached = generate(puller, f"p{i}", PREFIX + QUESTIONS[i], p)
+        assert got == want[i]  # the tokens of recomputing the prompt
+        assert cached == PREFIX_TOKENS
+    assert source.tiers.stats().refused_corrupt == 0
+    source.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_corrupt_block_on_the_holders_disk_fails_the_pull(tiny_llama, tmp_path):
+    source = build_engine(engine_config(str(tiny_llama), **(SMALL | dict(
+        num_blocks=200, host_tier_bytes=256 << 10, disk_tier_bytes=64 << 20, disk_tier_dir=str(tmp_path)))))
+    generate(source, "s", PREFIX + QUESTIONS[0], PARAMS[0])
+    for i in range(2):
+        generate(source, f"filler{i}", prompt(50 + i, PREFIX_TOKENS) + [7], PARAMS[0])
+    disk = source.tiers.store.disk
+    disk._pool.submit(lambda: None).result()  # the writes queued so far are done
+    files = sorted(disk.dir.glob("*.kvb"))
+    assert files
+    for f in files:  # flip a byte of every block on disk
+        raw = bytearray(f.read_bytes())
+        raw[-1] ^= 0xFF
+        f.write_bytes(bytes(raw))
+    kv = PrefixPull._export(source, PREFIX, 0)
+    assert isinstance(kv, _Pending) and kv.waiting
+    with pytest.raises(BlockRefused):  # never sent: the service answers FAILED_PRECONDITION, the puller recomputes
+        asyncio.run(asyncio.wait_for(kv.gather(), 30))
+    source.close()
+
+
 # ---------------------------------------------------------------------- through the service
 def run(loop, coro, timeout: float = 120):
     return loop.run_until_complete(asyncio.wait_for(coro, timeout))
@@ -176,3 +244,28 @@ def test_a_failed_pull_computes_the_prompt_instead(loop, workers, case):
     assert got == want and usage.cached_prompt_tokens == 0
     after = run(loop, load(puller))
     assert after.prefix_pull_failures == before + 1 and after.kv_blocks_used == 0
+
+
+def test_a_holder_serves_a_pull_from_its_disk_tier_through_the_service(loop, tiny_llama, holder, tmp_path):
+    """The service path (PullPrefix, shm transport): the holder's prefix is mostly on its disk tier;
+    the pull awaits those reads off its engine thread and the puller's tokens equal recomputing."""
+    _, want = holder
+    tiered = engine_config(str(tiny_llama), **(SMALL | dict(
+        num_blocks=200, host_tier_bytes=256 << 10, disk_tier_bytes=64 << 20, disk_tier_dir=str(tmp_path))))
+    servers = [run(loop, start_worker_server(c, worker_id=f"t{i}", kv_transfer_timeout_s=5))
+               for i, c in enumerate([tiered, engine_config(str(tiny_llama), **SMALL)])]
+    try:
+        src, puller = servers
+        run(loop, submit(src, "s", PREFIX + QUESTIONS[0]))
+        for i in range(2):  # the prefix leaves src's device cache, mostly for its disk tier
+            run(loop, submit(src, f"filler{i}", prompt(50 + i, PREFIX_TOKENS) + [7]))
+        assert run(loop, load(src)).tier_disk_bytes > 0
+        got, usage = run(loop, submit(puller, "p", PREFIX + QUESTIONS[0], source(src)))
+        assert got == want[0] and usage.cached_prompt_tokens == PREFIX_TOKENS
+        h, p = run(loop, load(src)), run(loop, load(puller))
+        assert h.prefix_pulls_served == 1 and h.prefix_pull_tier_blocks_served > 0
+        assert p.prefix_pulls == 1 and p.prefix_pull_failures == 0
+    finally:
+        for s in servers:
+            run(loop, s.stop(grace=1))
+    assert list(tmp_path.iterdir()) == []

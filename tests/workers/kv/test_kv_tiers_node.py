@@ -81,6 +81,25 @@ def test_a_corrupt_block_is_refused_counted_and_recomputed(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_change_feed_names_every_workers_blocks_by_chain_hash_and_their_removal(tmp_path: Path):
+    a = NodeTier(1 << 20, FP, LAYOUT, str(tmp_path))
+    a.put(seal(digest(0), block(0), chain_hash=100))
+    b = NodeTier(1 << 20, FP, LAYOUT, str(tmp_path))  # starts after a's block: its first pass names it
+    assert b.watch() == ([100], [])
+    assert b.watch() == ([], [])  # diffs, not the state again
+    a.put(seal(digest(1), block(1), chain_hash=(1 << 64) - 5))  # a hash above 2^63 survives the header
+    a.put(seal(digest(2), block(2)))  # unknown hash (0): kept and served, not reported
+    assert b.watch() == ([(1 << 64) - 5], [])
+    got = b.get(digest(1))
+    assert got is not None and got.chain_hash == (1 << 64) - 5 and torch.equal(got.kv, block(1))
+    a.drop(digest(0))
+    a.drop(digest(2))
+    assert b.watch() == ([], [100])
+    a.clear()
+    b.clear()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_node_budget_evicts_least_recently_used_and_spills_to_disk(tmp_path: Path):
     from workers.kv.tiers.disk import DiskTier
 

@@ -46,6 +46,43 @@ def test_digest_names_the_whole_prefix():
     assert key_digest(k2) != key_digest(((None, (0, 2, 3, 4)), (5, 6, 7, 8)))  # same tokens, other parent
 
 
+def test_digest_bytes_are_those_of_the_torch_int64_encoding():
+    """next_digest hashes the tokens' int64 bytes through numpy (faster): the same digests as the
+    plain torch encoding it replaced, so blocks written before stay found."""
+    import xxhash
+
+    for tokens in ([1, 2, 3, 4], [0, 49151, 2**40, 7], list(range(100, 116))):
+        h = xxhash.xxh3_128(ROOT_DIGEST)
+        h.update(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes())
+        assert next_digest(ROOT_DIGEST, tokens) == h.digest()
+        assert next_digest(ROOT_DIGEST, tuple(tokens)) == h.digest()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_written_file_equals_the_encoded_bytes(tmp_path: Path, dtype):
+    """block_file.write (header, then the payload straight from the tensor: no copy) writes exactly
+    encode's bytes."""
+    from workers.kv.tiers.block_file import HEADER_WORDS, read, write
+
+    b = seal(digest(3), block(3).to(dtype), chain_hash=2**63 + 5)
+    layout = KVLayout(2, 4, 2, 8, dtype)
+    with open(tmp_path / "b.kvb", "wb") as f:
+        write(f, b, 7, layout)
+    raw = (tmp_path / "b.kvb").read_bytes()
+    assert raw == encode(b, 7, layout)
+    back = decode(raw, b.digest, 7, layout)
+    assert torch.equal(back.kv, b.kv) and back.chain_hash == 2**63 + 5
+    # read(): one buffer the decoded tensor is a view of, decoded to the same block
+    buf = read(tmp_path / "b.kvb")
+    again = decode(buf, b.digest, 7, layout)
+    assert torch.equal(again.kv, b.kv) and again.checksum == b.checksum
+    assert again.kv.data_ptr() == torch.frombuffer(buf, dtype=torch.uint8).data_ptr() + HEADER_WORDS * 8  # no copy
+    (tmp_path / "b.kvb").write_bytes(raw[:-3])  # cut short
+    with pytest.raises(BlockRefused) as e:
+        decode(read(tmp_path / "b.kvb"), b.digest, 7, layout)
+    assert e.value.kind == "corrupt"
+
+
 def test_block_file_round_trip_and_refusals():
     b = seal(digest(1), block(1))
     raw = encode(b, 7, LAYOUT)

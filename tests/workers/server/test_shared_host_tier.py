@@ -1,11 +1,13 @@
 """The node's shared host tier through real workers (two SmolLM2 worker servers in this process, one
 node, ``cache.host_tier_shared``): a conversation one worker evicted into the node's tier is a host
 hit on the other worker, and on a worker restarted on the node; the greedy tokens equal a worker's
-with tiers off; stopping every worker leaves no shared-memory file."""
+with tiers off; the restarted worker reports the node tier's blocks as its host holdings; stopping
+every worker leaves no shared-memory file."""
 
 from __future__ import annotations
 
 import gc
+import time
 from pathlib import Path
 
 import grpc
@@ -13,6 +15,7 @@ import pytest
 from testkit.router_fakes import LoopThread
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
+from workers.block_hash import Tier, chain_hashes
 from workers.config import CacheConfig, EngineConfig
 from workers.kv.tiers.node import PREFIX
 from workers.server.service import start_worker_server
@@ -33,6 +36,13 @@ def _submit(endpoint: str, rid: str, ids: list[int]) -> list[int]:
 def _host_hits(endpoint: str) -> int:
     with grpc.insecure_channel(endpoint) as channel:
         return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=10).tier_host_hits
+
+
+def _reported_tiers(endpoint: str) -> dict[int, int]:
+    """The blocks a worker reports holding now (a snapshot of its block events): hash -> tier."""
+    with grpc.insecure_channel(endpoint) as channel:
+        r = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(block_events=True), timeout=10)
+    return dict(zip(r.blocks_stored, r.blocks_stored_tiers or [Tier.DEVICE] * len(r.blocks_stored)))
 
 
 def _node_dirs() -> list[Path]:
@@ -80,6 +90,13 @@ def test_workers_of_a_node_share_the_host_tier_and_a_restarted_one_reuses_it(smo
         workers[0] = lt.run(start_worker_server(config, worker_id="w0"), timeout=600)
         for i, filler in enumerate(FILLERS):  # and w1's copy of turn 2 goes down to the node tier too
             _submit(workers[1].endpoint, f"g{i}", filler)
+        # the restarted worker reports the node tier's blocks (its own report, not only w1's): the
+        # node feed's pass at start, then every second, names turn 2's blocks in host
+        want = chain_hashes(turn2, 16)[: len(turn2) // 16 - 1]
+        deadline = time.monotonic() + 20
+        while any(_reported_tiers(workers[0].endpoint).get(h) != Tier.HOST for h in want):
+            assert time.monotonic() < deadline, "the restarted worker does not report the node tier's blocks"
+            time.sleep(0.1)
         assert _submit(workers[0].endpoint, "t3", turn3) == out3
         assert _host_hits(workers[0].endpoint) >= len(turn2) // 16 - 1  # the restarted worker reused it
     finally:

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from workers.engine.runner import KVLayout
-from workers.kv.tiers.block_file import HEADER_WORDS, BlockRefused, TierBlock, decode, encode
+from workers.kv.tiers.block_file import HEADER_WORDS, BlockRefused, TierBlock, decode, read, write
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +64,11 @@ class DiskTier:
         if block.digest in self._index:
             self._index.move_to_end(block.digest)
             return []
-        raw = encode(block, self.fingerprint, self.layout)  # a copy: the tensor may be reused meanwhile
+        # encoded and written on the disk thread, straight from the tensor: a sealed block's tensor
+        # is never written again (the host tier let go of it), so the engine thread copies nothing
         self._index[block.digest] = block.nbytes
         self.bytes += block.nbytes
-        self._pool.submit(self._write, self.path(block.digest), raw)
+        self._pool.submit(self._write, self.path(block.digest), block)
         evicted = []
         while self.bytes > self.capacity_bytes and len(self._index) > 1:
             evicted.append(next(iter(self._index)))
@@ -93,11 +94,11 @@ class DiskTier:
         self._finalizer()
 
     # ------------------------------------------------------- disk thread
-    def _write(self, path: Path, raw: bytes) -> None:
+    def _write(self, path: Path, block: TierBlock) -> None:
         tmp = path.with_suffix(".tmp")
         try:
             with open(tmp, "wb") as f:
-                f.write(raw)
+                write(f, block, self.fingerprint, self.layout)
             os.replace(tmp, path)
         except OSError as e:
             self.num_errors += 1
@@ -105,7 +106,7 @@ class DiskTier:
 
     def _read(self, path: Path, digest: bytes) -> TierBlock:
         try:
-            raw = path.read_bytes()
+            raw = read(path)
         except OSError as e:
             self.num_errors += 1
             raise BlockRefused("corrupt", f"block {digest.hex()}: {e}") from None

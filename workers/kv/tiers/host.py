@@ -14,6 +14,7 @@ Example (budget of 2 blocks)::
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 
 from workers.kv.tiers.block_file import TierBlock
 
@@ -39,7 +40,7 @@ class HostTier:
         if old is not None:
             self.bytes -= old.nbytes
         if self.pin and not block.kv.is_pinned():
-            block = TierBlock(block.digest, block.kv.pin_memory(), block.checksum)
+            block = replace(block, kv=block.kv.pin_memory())
         self._blocks[block.digest] = block
         self.bytes += block.nbytes
         out = []

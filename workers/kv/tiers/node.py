@@ -23,6 +23,14 @@ least recently used blocks (file modification time: set by the write, refreshed 
 to 90% of the budget. Several processes may evict at once: a block deleted under a reader is a
 miss (an open file still reads whole), never a torn read.
 
+Change feed: ``watch`` lists the directory and returns the chain hashes (workers/block_hash.py, in
+each file's header) of the blocks added and removed since its last call, whoever wrote or deleted
+them; its first call lists every block. The engine (workers/engine/node_feed.py) calls it every
+second on a thread of its own and reports the diff as host-tier block events, so
+every worker of the node reports the node tier's holdings (a restarted worker's first report
+included) and a block a neighbour deleted stops being reported within one interval. Only new
+names are opened (one header read each): a pass costs one directory listing.
+
 Users and cleanup: joining and leaving take an exclusive ``flock`` on the root directory. Joining
 writes this process's user file, drops the user files of dead pids and removes other
 ``duet-kv-node-*`` directories whose users are all dead (a node whose workers all crashed leaks
@@ -53,7 +61,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from workers.engine.runner import KVLayout
-from workers.kv.tiers.block_file import HEADER_WORDS, BlockRefused, TierBlock, decode, encode
+from workers.kv.tiers.block_file import HEADER_WORDS, BlockRefused, TierBlock, decode, read, read_chain_hash, write
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +83,7 @@ class NodeTier:
         self._user = self.dir / "users" / f"{os.getpid()}-{secrets.token_hex(4)}"
         self.bytes = 0  # the directory's payload bytes at the last scan, plus what this process wrote since
         self._blocks = 0
+        self._seen: dict[str, int] = {}  # file name -> chain hash (0: unknown) at the last ``watch``
         _join(self.root, self.dir, self._user)
         self._scan()
         # the user file goes (and the directory with the last user) even if close() is never called
@@ -99,7 +108,7 @@ class NodeTier:
         tmp = path.with_suffix(f".{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
             with open(tmp, "wb") as f:
-                f.write(encode(block, self.fingerprint, self.layout))
+                write(f, block, self.fingerprint, self.layout)
             os.replace(tmp, path)
         except OSError as e:  # tmpfs full: the block is not kept (recomputed if needed)
             tmp.unlink(missing_ok=True)
@@ -114,7 +123,7 @@ class NodeTier:
         deleted first (the store counts it; the engine recomputes)."""
         path = self.path(digest)
         try:
-            raw = path.read_bytes()
+            raw = read(path)
         except FileNotFoundError:
             return None
         try:
@@ -137,6 +146,29 @@ class NodeTier:
     def clear(self) -> None:
         """Leave the tier (the blocks stay for the node's other workers, or go with the last one)."""
         self._finalizer()
+
+    def watch(self) -> tuple[list[int], list[int]]:
+        """(added, removed): the chain hashes of the blocks that appeared in and disappeared from the
+        directory since the last call, by any worker of the node (the first call: every block).
+        Blocks of unknown hash (0) are not named. Safe beside the engine thread: it touches only
+        ``_seen`` (one caller at a time)."""
+        try:
+            names = {e.name for e in os.scandir(self.dir) if e.name.endswith(".kvb")}
+        except FileNotFoundError:  # the directory went with its last user (this one closing)
+            names = set()
+        added = []
+        for name in names - self._seen.keys():
+            try:
+                with open(self.dir / name, "rb") as f:
+                    h = read_chain_hash(f.read(HEADER_WORDS * 8)) or 0
+            except FileNotFoundError:  # deleted meanwhile: not added
+                continue
+            self._seen[name] = h
+            if h:
+                added.append(h)
+        gone = self._seen.keys() - names
+        removed = [h for h in (self._seen.pop(name) for name in gone) if h]
+        return added, removed
 
     def _scan(self) -> list[tuple[float, Path, int]]:
         """(mtime, path, payload bytes) of every block, oldest first; refreshes ``bytes``."""
@@ -161,7 +193,7 @@ class NodeTier:
                 break
             digest = bytes.fromhex(path.stem)
             try:
-                raw = path.read_bytes()
+                raw = read(path)
                 out.append(decode(raw, digest, self.fingerprint, self.layout))
             except (FileNotFoundError, BlockRefused):
                 pass  # gone already, or not worth keeping below

@@ -12,7 +12,7 @@ remembered until ``changes`` hands it over: the engine reports those moves as bl
 Example::
 
     store = TieredStore(HostTier(64 << 20), DiskTier(1 << 30, fingerprint, layout))
-    store.put(digest, kv)                   # kv [L, 2, 1, bs, G, D] on the CPU
+    store.put(digest, kv, chain_hash)       # kv [L, 2, 1, bs, G, D] on the CPU
     store.where(digest)                     # 'host'
     store.get(digest)                       # the tensor, verified
     store.close()
@@ -43,29 +43,32 @@ class TieredStore:
         cache.host_tier_shared)."""
         self.host = host
         self.disk = disk
+        self.shared = isinstance(host, NodeTier)
         self._reads: dict[bytes, concurrent.futures.Future] = {}
-        self._changed: set[bytes] = set()  # digests whose tiers changed since the last ``changes``
+        # digests whose tiers changed since the last ``changes`` -> their chain hash where a block
+        # carried one (a block of the node's tier another worker put there), else 0
+        self._changed: dict[bytes, int] = {}
         # (host hits and bytes loaded into the device are counted where the load happens: KVTiers)
         self._n = dict(disk_hits=0, stored_blocks=0, bytes_to_host=0, bytes_to_disk=0, host_evictions=0, disk_evictions=0, refused_corrupt=0, refused_foreign=0,
                        deadline_misses=0)
 
-    def put(self, digest: bytes, kv: torch.Tensor) -> None:
-        block = seal(digest, kv)
+    def put(self, digest: bytes, kv: torch.Tensor, chain_hash: int = 0) -> None:
+        block = seal(digest, kv, chain_hash)
         self._n["stored_blocks"] += 1
         self._n["bytes_to_host"] += block.nbytes
-        self._changed.add(digest)
+        self._changed[digest] = chain_hash
         self._spill(self.host.put(block))
 
     def _spill(self, victims: list[TierBlock]) -> None:
         """Blocks out of host's budget go to disk (dropped without a disk tier)."""
         for victim in victims:
             self._n["host_evictions"] += 1
-            self._changed.add(victim.digest)
+            self._changed[victim.digest] = victim.chain_hash
             if self.disk is not None:
                 self._n["bytes_to_disk"] += victim.nbytes
                 deleted = self.disk.put(victim)
                 self._n["disk_evictions"] += len(deleted)
-                self._changed.update(deleted)
+                self._changed.update(dict.fromkeys(deleted, 0))
 
     def touch(self, digest: bytes) -> None:
         self.host.touch(digest)
@@ -79,14 +82,15 @@ class TieredStore:
 
     def get(self, digest: bytes) -> torch.Tensor | None:
         try:
-            block = self.host.get(digest)  # a NodeTier verifies as it reads (and may refuse)
+            block = self.host.get(digest)  # a NodeTier decodes and verifies the file as it reads it (or refuses)
             if block is None:
                 return None
-            verify(block)
+            if not self.shared:  # a HostTier block: its checksum against the memory it sits in
+                verify(block)
         except BlockRefused as e:
             self._refuse(e)
             self.host.drop(digest)
-            self._changed.add(digest)
+            self._changed.setdefault(digest, 0)
             return None
         return block.kv
 
@@ -97,6 +101,11 @@ class TieredStore:
             return False
         self._reads[digest] = self.disk.read(digest)
         return True
+
+    def read_disk(self, digest: bytes) -> concurrent.futures.Future | None:
+        if self.disk is None or digest not in self.disk:
+            return None
+        return self.disk.read(digest)
 
     def poll(self) -> None:
         for digest, fut in list(self._reads.items()):
@@ -109,15 +118,22 @@ class TieredStore:
                 self._refuse(e)
                 assert self.disk is not None
                 self.disk.drop(digest)
-                self._changed.add(digest)
+                self._changed.setdefault(digest, 0)
                 continue
             self._n["disk_hits"] += 1
-            self._changed.add(digest)
+            self._changed.setdefault(digest, 0)
             self._spill(self.host.put(block))
 
-    def changes(self) -> list[bytes]:
-        """The digests whose tiers changed since the last call (``where`` says where they are now)."""
-        out = list(self._changed)
+    def watch_shared(self) -> tuple[list[int], list[int]]:
+        """The shared host tier's change feed (NodeTier.watch: chain hashes added, removed); only
+        when ``shared``. Called off the engine thread."""
+        assert isinstance(self.host, NodeTier)
+        return self.host.watch()
+
+    def changes(self) -> list[tuple[bytes, int]]:
+        """(digest, chain hash or 0) of each block whose tiers changed since the last call (``where``
+        says where it is now)."""
+        out = list(self._changed.items())
         self._changed.clear()
         return out
 
@@ -136,8 +152,8 @@ class TieredStore:
         d = self.disk
         return TierStats(
             host_capacity_bytes=self.host.capacity_bytes, host_bytes=self.host.bytes, host_blocks=len(self.host),
-            disk_capacity_bytes=d.capacity_bytes if d else 0, disk_bytes=d.bytes if d else 0,
-            disk_blocks=len(d) if d else 0, disk_errors=d.num_errors if d else 0, **self._n)
+            disk_capacity_bytes=d.capacity_bytes if d is not None else 0, disk_bytes=d.bytes if d is not None else 0,
+            disk_blocks=len(d) if d is not None else 0, disk_errors=d.num_errors if d is not None else 0, **self._n)
 
     def close(self) -> None:
         for fut in self._reads.values():
