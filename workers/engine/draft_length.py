@@ -55,6 +55,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 PRIOR_ACCEPTANCE = 0.6
 EMA = 0.3  # weight of the newest observation
@@ -159,6 +160,11 @@ def _best_k(acceptance: float, k_cap: int, step: Cost, draft: Cost, batch: int) 
     return best_k
 
 
+def _nominal_perfect_pays(k_cap: int, free_draft: bool) -> bool:
+    """Whether perfect drafts would pay a seeded request (nominal costs; drafting is free there)."""
+    return _best_k(1.0, k_cap, NOMINAL_STEP, NOMINAL_DRAFT, 1) > 0
+
+
 def plan_rows(requests: Sequence[tuple[float, int]], batch: int, step: Cost, draft: Cost,
               base_rows: int = 0, base_k: int = 0) -> list[int]:
     """Draft tokens for each of ``requests`` ((acceptance, cap) each) in one step of ``batch``
@@ -253,8 +259,7 @@ class DraftLengthPolicy:
             st = self._requests.setdefault(request_id, _Request())
             if reproducible:
                 best = _best_k(st.acceptance, k_cap, NOMINAL_STEP, NOMINAL_DRAFT, 1)
-                ks[i] = self._settle(st, best, lambda _free, cap=k_cap: _best_k(1.0, cap, NOMINAL_STEP, NOMINAL_DRAFT, 1) > 0,
-                                     stale=False)
+                ks[i] = self._settle(st, best, partial(_nominal_perfect_pays, k_cap), stale=False)
             elif plain_step:
                 st.probe_again = False  # (a stale probe's second round would not measure in this step)
             else:
@@ -263,13 +268,16 @@ class DraftLengthPolicy:
             base_rows, base_k = sum(ks), max(ks)
             step, draft = self.step, self.draft
             plan = plan_rows([(st.acceptance, cap) for _, st, cap in planned], batch, step, draft, base_rows, base_k)
-            for (i, st, cap), best in zip(planned, plan):
+            rows, longest = base_rows + sum(plan), max(base_k, *plan)
+
+            def perfect_pays(cap: int, free_draft: bool) -> bool:
                 # a probe is worth it only where some acceptance could make drafting pay: a request
                 # with perfect drafts, alone in this step beside the others' plan (free_draft: and a
                 # drafter that costs no wait)
-                ks[i] = self._settle(st, best, lambda free_draft, cap=cap: plan_rows(
-                    [(1.0, cap)], batch, step, NOMINAL_DRAFT if free_draft else draft, base_rows + sum(plan),
-                    max(base_k, *plan))[0] > 0, stale=stale)
+                return plan_rows([(1.0, cap)], batch, step, NOMINAL_DRAFT if free_draft else draft, rows, longest)[0] > 0
+
+            for (i, st, cap), best in zip(planned, plan):
+                ks[i] = self._settle(st, best, partial(perfect_pays, cap), stale=stale)
                 stale = stale and self._since_draft > 0  # (one stale probe per stale_after steps, not one per request)
         return ks
 
