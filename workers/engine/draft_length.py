@@ -20,11 +20,11 @@ what the overlap hides. Seeded requests decide alone (``_best_k``, nominal costs
 Why rows are priced from steps with that many rows and planned per step, not by a line fitted to
 decode steps and chosen per request: a line's slope is only learnt from steps of different sizes,
 and a batch whose requests all draft the same k runs steps of one size (B (1 + k)); and a line
-cannot price a kernel tile. Qwen2.5-Coder-1.5B q4 on one Xeon thread takes 141 ms for 1 row, 196
-for 8, 396 for 9 and 835 for 40 (nearly flat to 8 rows, then a pass per extra rows): a line fitted
-to 1-stream steps priced a verify row at ~7 ms, and 8 streams kept drafting at 0.72x of plain
-decoding. Planned per step, one request's drafts that push 8 rows to 9 are charged the 200 ms they
-cost, not a share. A row count never measured is priced optimistically (extrapolated from the
+cannot price a kernel tile. The q4 CPU kernel's step is nearly flat up to 8 rows, jumps at 9 and
+then grows by the row (benchmarks/README.md, ``drafter_pool_e2e.py``, has the measured curve): a
+line fitted to 1-stream steps priced a verify row at a few ms, and 8 streams kept drafting at
+0.72x of plain decoding. Planned per step, one request's drafts that push 8 rows to 9 are charged
+the whole jump they cost, not a share. A row count never measured is priced optimistically (extrapolated from the
 nearest measured one by the fitted slope), so it gets tried and measured; the plain size step(B)
 is measured outright: at a batch size whose plain step has no sample, the step decodes plainly
 (``choose_step``), at most once per ``stale_after`` steps for each size.
@@ -43,9 +43,10 @@ re-measures it.
 Worked example: batch 1, step(n) = 20 ms + 1 ms n, a = 0.8, prompt lookup (no draft cost):
 a plain step is 21 ms; k = 4 gains E(4) - 1 = 2.36 tokens for 4 ms (0.19 tokens' worth): draft 4.
 With a = 0.1 and a drafter at 8 ms a token, k = 1 gains 0.1 tokens for 9 ms (0.43): decode
-plainly. Batch 8 on the q4 kernel above, a = 0.8, drafts free: one draft each (R = 8) gains 6.4
-tokens for 478 - 196 = 282 ms (11.5 tokens' worth at 8 tokens per 196 ms); four each (R = 32)
-gains 18.9 for 639 ms (26 tokens' worth): decode plainly.
+plainly. Batch 8 on a kernel like the q4 one, say step(8) = 200 ms, step(16) = 480 ms, step(40) =
+840 ms, a = 0.8, drafts free: one draft each (R = 8) gains 6.4 tokens for 280 ms (11.2 tokens'
+worth at 8 tokens per 200 ms); four each (R = 32) gains 18.9 for 640 ms (25.6 tokens' worth):
+decode plainly.
 """
 
 from __future__ import annotations

@@ -242,9 +242,9 @@ def _simulate(policy: DraftLengthPolicy, streams: int, steps: int, acceptance: f
     return tokens / seconds, choices
 
 
-# Qwen2.5-Coder-1.5B q4 on one thread of this machine's Xeon (2026-11-29, ms by rows; a 100-token context):
-# nearly flat to 8 rows, +200 ms at 9 (past the kernel's 8-row tile), then ~16 ms a row. Between the
-# measured counts: linear.
+# A target step's ms by rows shaped like Qwen2.5-Coder-1.5B q4 on one CPU thread (the curve in
+# benchmarks/README.md, drafter_pool_e2e.py's section): nearly flat to 8 rows, +200 ms at 9, then
+# ~16 ms a row. Between the listed counts: linear.
 Q4_STEP_MS = {1: 141, 2: 144, 5: 170, 8: 196, 9: 396, 12: 422, 16: 478, 24: 636, 32: 699, 40: 835}
 
 
