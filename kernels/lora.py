@@ -44,7 +44,18 @@ computes in the slots' dtype (bf16 products accumulate in fp32 inside oneDNN, h 
 rounded to bf16, as the base layer's own output is); the grouped form and the reference compute in
 float32 and round the update once when adding it to y.
 
-Dispatch: CPU -> the two grouped GEMMs above through the C++ grouped GEMM kernel (GEMV below
+Per projection (``lora_parts``, what the model's layers call): a fused projection (q/k/v, gate/up)
+gets every targeted part's update in one call. On CPU, with x, y and the slots all float32 or all
+bfloat16 and at most ROWS_MAX_TOKEN_RANKS tokens x rank, that is one C++ call
+(kernels/csrc/lora.cpp) that goes token by token: h = scale * A_p[s] x[t] (R dot products), then y's
+part columns += h Bt_p[s] (R axpys over the transposed B's contiguous rows), fp32 accumulation, y
+rounded once. No intermediate tensors, no mask, no per-part Python; each token's update depends on
+that token alone, so a row gives the same bits in any batch. Its cost grows with tokens x rank
+(every token reads its slot's A and B, cache-resident after the first token of a slot), so long
+prompts at high rank take the grouped GEMMs, which do the same multiply-adds blocked through MKL.
+Otherwise (another dtype mix, CUDA, the kernels off) it is one ``lora`` call per part.
+
+Dispatch of ``lora``: CPU -> the two grouped GEMMs above through the C++ grouped GEMM kernel (GEMV below
 GEMV_MAX_ROWS rows per slot, MKL above; ``grouped_gemm`` counts a fallback to its torch reference
 where the extension is missing). CUDA with triton -> one fused Triton kernel gathered per token
 (kernels/triton_ops/lora.py: no sort, no intermediate buffer); CUDA without triton -> the grouped
@@ -66,8 +77,11 @@ from kernels.grouped_gemm import grouped_gemm
 
 _F32 = torch.float32
 
-# Steps with at most this many tokens use the dense form (docstring).
+# Steps with at most this many tokens use the dense form or the per-token kernel (docstring).
 DENSE_MAX_TOKENS = 32
+_ROWS_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ per-token kernel takes (x, y and slots alike)
+# lora_parts takes the per-token kernel up to this many tokens x rank, the grouped GEMMs above (docstring).
+ROWS_MAX_TOKEN_RANKS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -158,6 +172,26 @@ def lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, sca
     return y
 
 
+def lora_parts(y: torch.Tensor, x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, int]],
+               scales: torch.Tensor, groups: LoraGroups) -> torch.Tensor:
+    # y [T, N] += every part's per-token update into its columns (in place, returned); x [T, K];
+    # parts: (a [S, R, K], bt [S, R, n] (B transposed, last dim contiguous), first column of y)
+    if groups.empty or not parts:
+        return y
+    if (x.is_cpu and x.shape[0] * parts[0][0].shape[1] <= ROWS_MAX_TOKEN_RANKS and x.dtype in _ROWS_DTYPES and y.dtype is x.dtype
+            and parts[0][0].dtype is x.dtype):
+        ext = _build.ext()
+        if ext is not None:
+            xc = x if x.stride(1) == 1 else x.contiguous()
+            ext.lora_rows(y, xc, [a for a, _, _ in parts], [bt for _, bt, _ in parts],
+                          [start for _, _, start in parts], scales, groups.idx)
+            return y
+        _build.note_ref_path("lora")
+    for a, bt, start in parts:
+        lora(y.narrow(1, start, bt.shape[2]), x, a, bt.transpose(1, 2), scales, groups=groups)
+    return y
+
+
 def _dense(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor,
            groups: LoraGroups) -> torch.Tensor:
     """The dense form of the module docstring (every token, the first U slots)."""
@@ -171,4 +205,4 @@ def _dense(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s
     return y.add_(delta)
 
 
-__all__ = ["LoraGroups", "lora", "lora_groups", "lora_ref"]
+__all__ = ["LoraGroups", "lora", "lora_groups", "lora_parts", "lora_ref"]

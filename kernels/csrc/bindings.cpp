@@ -16,6 +16,13 @@ at::Tensor grouped_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tens
 }  // namespace duet
 // ---- end MoE
 
+// ---- batched LoRA at decode sizes (lora.cpp): checks beside the kernel.
+namespace duet {
+void lora_rows(const at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& a,
+               const std::vector<at::Tensor>& bt, const std::vector<int64_t>& starts, const at::Tensor& scales,
+               const at::Tensor& idx);
+}  // namespace duet
+
 // ---- fused decoder stack (decoder_stack.cpp): its classes are bound beside the kernel.
 namespace duet {
 void bind_decoder_stack(pybind11::module& m);
@@ -469,6 +476,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(outs: list of [T, H, D], lses: list of [T, H]) -> (out [T, H, D], lse [T, H])");
   m.def("rotary_and_cache_write", &rotary_and_cache_write,
         "(q, k, v, cos, sin, k_cache, v_cache, slot_mapping): RoPE on q, k in place; k, v into the cache");
+  m.def("lora_rows", &duet::lora_rows,
+        "(y [T, N] (added to in place), x [T, K], a [[S, R, K]] per part, bt [[S, R, n]] per part, starts [P], "
+        "scales [S] f32, idx [T] int64): y[t, start_p:] += scales[s] (x[t] A_p[s]^T) Bt_p[s], s = idx[t] >= 0");
   m.def("grouped_gemm", &duet::grouped_gemm,
         "(x [M, K] rows sorted by expert, w [E, N, K], offsets [E + 1], max_gemv_rows) -> y [M, N]");
   duet::bind_decoder_stack(m);

@@ -15,7 +15,7 @@ import torch
 
 import kernels
 from kernels.grouped_gemm import GEMV_MAX_ROWS
-from kernels.lora import DENSE_MAX_TOKENS, lora, lora_groups, lora_ref
+from kernels.lora import DENSE_MAX_TOKENS, lora, lora_groups, lora_parts, lora_ref
 
 from testkit.tolerance import KERNEL_FP32, bf16_ulps
 
@@ -151,3 +151,89 @@ def test_triton_kernel_on_a_column_slice_leaves_the_rest() -> None:
     want = lora_ref(wide[:, 10:10 + y.shape[1]].clone(), x, a, b, scales, ix)
     KERNEL_FP32.assert_close(got[:, 10:10 + y.shape[1]], want)
     assert torch.equal(got[:, :10], wide[:, :10]) and torch.equal(got[:, 10 + y.shape[1]:], wide[:, 10 + y.shape[1]:])
+
+
+# lora_parts: one call per projection, every targeted part into its columns of y (the per-token C++
+# kernel at decode sizes on CPU; the loop over ``lora`` elsewhere).
+PART_CASES = [
+    # (idx, S, R, K, part widths with a gap between parts, N)
+    ([0, -1, 1, 0, 2, -1, 1], 4, 8, 64, [(0, 40), (56, 24)], 96),
+    ([2], 3, 16, 33, [(1, 17)], 20),
+    ([3, 3, 0, -1, 3], 5, 12, 65, [(0, 48), (48, 16), (64, 16)], 80),
+    ([i % 5 - 1 for i in range(DENSE_MAX_TOKENS)], 4, 8, 40, [(0, 24), (24, 24)], 48),
+    ([-1, -1], 2, 8, 16, [(0, 16)], 16),
+]
+
+
+def make_parts(idx, s, r, k, widths, n, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(len(idx), k, generator=g).to(dtype)
+    y = torch.randn(len(idx), n, generator=g).to(dtype)
+    parts = []
+    for start, w in widths:
+        a = torch.randn(s, r, k, generator=g) / k**0.5
+        bt = torch.randn(s, r, w, generator=g) / r**0.5
+        a[:, r // 2:] = 0  # zero-padded rank, as in the slots
+        bt[:, r // 2:] = 0
+        parts.append((a.to(dtype), bt.to(dtype), start))
+    return y, x, parts, torch.rand(s, generator=g) + 0.5, torch.tensor(idx)
+
+
+def parts_ref(y, x, parts, scales, idx):
+    y = y.float()
+    for a, bt, start in parts:
+        lora_ref(y.narrow(1, start, bt.shape[2]), x.float(), a.float(), bt.float().transpose(1, 2), scales, idx)
+    return y
+
+
+@pytest.mark.parametrize("case", PART_CASES)
+def test_parts_match_the_per_part_reference(isa: str, case) -> None:
+    y, x, parts, scales, ix = make_parts(*case)
+    got = lora_parts(y.clone(), x, parts, scales, lora_groups(ix, scales.shape[0]))
+    KERNEL_FP32.assert_close(got, parts_ref(y, x, parts, scales, ix))
+    covered = torch.zeros(y.shape[1], dtype=torch.bool)
+    for _, bt, start in parts:
+        covered[start:start + bt.shape[2]] = True
+    base = ix < 0
+    assert torch.equal(got[base], y[base]) and torch.equal(got[:, ~covered], y[:, ~covered])  # untouched, bit for bit
+
+
+@pytest.mark.parametrize("case", PART_CASES[:4])
+def test_parts_bf16(isa: str, case) -> None:
+    """bf16 x, y and slots: the update accumulates in fp32 and is added to y once (one rounding)."""
+    y, x, parts, scales, ix = make_parts(*case, seed=1, dtype=torch.bfloat16)
+    got = lora_parts(y.clone(), x, parts, scales, lora_groups(ix, scales.shape[0]))
+    assert got.dtype is torch.bfloat16
+    bf16_ulps(1).assert_close(got, parts_ref(y, x, parts, scales, ix).bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parts_rows_are_batch_invariant(ext, dtype) -> None:
+    """A token's update depends on that token alone: the same bits alone or in any batch (what keeps
+    speculative verification, which runs a request's rows beside other batches, exact under LoRA)."""
+    y, x, parts, scales, ix = make_parts(*PART_CASES[3], seed=2, dtype=dtype)
+    batch = lora_parts(y.clone(), x, parts, scales, lora_groups(ix, scales.shape[0]))
+    for t in range(0, len(ix), 5):
+        one = lora_parts(y[t:t + 1].clone(), x[t:t + 1], parts, scales, lora_groups(ix[t:t + 1], scales.shape[0]))
+        assert torch.equal(one[0], batch[t])
+
+
+def test_parts_with_the_kernels_off_match(ext) -> None:
+    y, x, parts, scales, ix = make_parts(*PART_CASES[0], seed=3)
+    old = kernels.set_cpu_kernels_enabled(False)
+    try:
+        got = lora_parts(y.clone(), x, parts, scales, lora_groups(ix, scales.shape[0]))
+    finally:
+        kernels.set_cpu_kernels_enabled(old)
+    KERNEL_FP32.assert_close(got, parts_ref(y, x, parts, scales, ix))
+
+
+def test_parts_kernel_refuses_bad_shapes(ext) -> None:
+    y, x, parts, scales, ix = make_parts(*PART_CASES[0])
+    a, bt, _ = parts[0]
+    with pytest.raises(RuntimeError, match="outside y's 96"):
+        ext.lora_rows(y, x, [a], [bt], [90], scales, ix)
+    with pytest.raises(RuntimeError, match="must be \\[S, R, K\\]"):
+        ext.lora_rows(y, x, [a[:, :, :10]], [bt], [0], scales, ix)
+    with pytest.raises(RuntimeError, match="adapter index 7 >= 4 slots"):
+        ext.lora_rows(y, x, [a], [bt], [0], scales, torch.tensor([7] + [0] * 6))

@@ -9,7 +9,8 @@ For each (layer, PEFT module) that a loaded adapter targets (workers/lora/target
 
 and ``scales[s]`` = slot s's lora_alpha / r (or / sqrt(r) with rslora). A module's update goes
 into its part of the fused projection's output (q, k, v of qkv_proj; gate, up of gate_up_proj):
-``apply`` runs the batched LoRA once per targeted part on that column range of y. Parts no loaded
+``apply`` runs the batched LoRA once per projection for all its targeted parts, each into its
+column range of y (kernels/lora.py ``lora_parts``). Parts no loaded
 adapter targets have no buffers and cost nothing (PEFT's default q_proj + v_proj touches two parts
 of qkv and nothing else); a slot whose adapter skips a part has zeros there, which add exactly 0.
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lora import LoraGroups, lora, lora_groups
+from kernels.lora import LoraGroups, lora_groups, lora_parts
 from workers.lora.reader import LoraAdapter
 from workers.lora.targets import PEFT_MODULES, LoraTargets
 
@@ -108,7 +109,8 @@ class LoraStacks:
         step = self._step
         if step is None:
             return y
-        for start, rows, module in self._parts.get((layer, projection), ()):
-            key = (layer, module)
-            lora(y.narrow(1, start, rows), x, self._a[key], self._b[key].transpose(1, 2), self.scales, groups=step)
-        return y
+        parts = self._parts.get((layer, projection))
+        if not parts:
+            return y
+        return lora_parts(y, x, [(self._a[(layer, m)], self._b[(layer, m)], start) for start, _, m in parts],
+                          self.scales, step)
