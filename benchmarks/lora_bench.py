@@ -12,6 +12,11 @@
    the same work. Runs alternate per repeat; medians are reported with the CPU load other
    processes caused (CpuLoadMeter).
 2. adapter load time: read + validate + place into a slot (AdapterSet.load), median over the adapters.
+3. ``--spec``: what an adapter costs speculative decoding whose drafter runs the base model only
+   (an int8 SmolLM2 draft engine in this process, 4 drafts a round, adaptive length off): the
+   acceptance rate of the same chat prompts run under no adapter and under each adapter, with the
+   share of greedy tokens each adapter changes against the base model (how far it moves the model:
+   random adapters of ``--spec-b-std`` stand in for fine-tunes, which move it by their own amount).
 
 The adapters are random PEFT LoRAs of rank ``--rank``, written with peft into a temporary directory,
 for each ``--targets`` set: ``qv`` (q_proj + v_proj, PEFT's default for Llama models) and ``all``
@@ -56,7 +61,7 @@ ALL_MODULES = list(PEFT_MODULES)
 TARGET_SETS = {"qv": ["q_proj", "v_proj"], "all": ALL_MODULES}
 
 
-def make_adapters(base: Path, out: Path, n: int, rank: int, targets: list[str]) -> list[Path]:
+def make_adapters(base: Path, out: Path, n: int, rank: int, targets: list[str], b_std: float = 0.02) -> list[Path]:
     from peft import LoraConfig as PeftLoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -71,7 +76,7 @@ def make_adapters(base: Path, out: Path, n: int, rank: int, targets: list[str]) 
                 if "lora_A" in name:
                     p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
                 elif "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+                    p.copy_(torch.randn(p.shape, generator=g) * b_std)
         peft_model.save_pretrained(str(out / f"a{i}"))
         paths.append(out / f"a{i}")
     return paths
@@ -161,6 +166,8 @@ def run_set(base: Path, targets: str, args: argparse.Namespace) -> dict[str, Any
         for n in args.adapters:
             names = [f"a{i % n}" for i in range(args.batch)]
             record(f"batched_{n}", *timed_batch(llm, prompts, params, names))
+            if args.skip_merged:
+                continue
             seconds, tokens, ttft = 0.0, 0, []
             for a in range(n):  # one merged model per adapter, its requests as one batch, one after another
                 mine = [p for i, p in enumerate(prompts) if i % n == a]
@@ -179,7 +186,7 @@ def run_set(base: Path, targets: str, args: argparse.Namespace) -> dict[str, Any
     base_tok_s = summary["base"]["tok_s_median"]
     for s in summary.values():
         s["vs_base"] = s["tok_s_median"] / base_tok_s
-    for n in args.adapters:
+    for n in [] if args.skip_merged else args.adapters:
         summary[f"batched_{n}"]["vs_merged"] = summary[f"batched_{n}"]["tok_s_median"] / \
             summary[f"merged_{n}"]["tok_s_median"]
     adapters = llm.engine.adapters
@@ -189,6 +196,60 @@ def run_set(base: Path, targets: str, args: argparse.Namespace) -> dict[str, Any
             "adapter_bytes": info[0].bytes, "slots_bytes": adapters.stacks.nbytes,
             "adapter_load_s": {"median": statistics.median(load_s), "max": max(load_s), "all": load_s},
             "results": summary}
+
+
+SPEC_PROMPTS = [
+    "<|im_start|>user\nWrite a Python function that returns the n-th Fibonacci number.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nList the planets of the solar system in order.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nExplain what a hash table is in two sentences.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nTranslate 'good morning, how are you?' into French.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+def spec_acceptance(base: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Section 3 of the module docstring."""
+    from workers.config import CacheConfig, EngineConfig, SpeculativeConfig
+    from workers.spec_decode.draft_model import DraftModelProposer
+    from workers.spec_decode.drafter import DraftEngine
+    from workers.spec_decode.drafter_service import endpoint_connector, serve_drafter
+
+    tmp = tempfile.TemporaryDirectory(prefix="lora_spec_")
+    rows: dict[str, Any] = {}
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    plain = LLM(str(base), dtype="float32", kv_cache_memory_bytes=64 << 20,
+                lora=LoraConfig(enabled=True, max_loaded=4, max_rank=args.rank))
+    draft = DraftEngine(EngineConfig(model=str(base), quantization="int8",
+                                     cache=CacheConfig(kv_cache_memory_bytes=32 << 20)))
+    server, endpoint = serve_drafter(draft)
+    try:
+        spec = SpeculativeConfig(method="draft_model", draft_model=str(base), num_speculative_tokens=4, adaptive=False)
+        llm = LLM(str(base), dtype="float32", kv_cache_memory_bytes=64 << 20, speculative=spec,
+                  proposer=DraftModelProposer(endpoint_connector(endpoint)),
+                  lora=LoraConfig(enabled=True, max_loaded=4, max_rank=args.rank))
+        base_tokens = [c.token_ids for c in plain.generate(SPEC_PROMPTS, params)]
+        for targets in args.targets:
+            paths = make_adapters(base, Path(tmp.name) / targets, 3, args.rank, TARGET_SETS[targets],
+                                  b_std=args.spec_b_std)
+            for i, p in enumerate(paths):
+                name = f"{targets}{i}"
+                plain.load_adapter(name, str(p))
+                llm.load_adapter(name, str(p))
+            for name in ["", *(f"{targets}{i}" for i in range(len(paths)))]:
+                if name in rows:
+                    continue
+                before = llm.engine.stats().spec
+                outs = [c.token_ids for c in llm.generate(SPEC_PROMPTS, params, adapters=name)]
+                after = llm.engine.stats().spec
+                want = [c.token_ids for c in plain.generate(SPEC_PROMPTS, params, adapters=name)]
+                drafted = after.num_draft_tokens - before.num_draft_tokens
+                changed = sum(a != b for o, bo in zip(want, base_tokens) for a, b in zip(o, bo))
+                rows[name or "base"] = {
+                    "acceptance": (after.num_accepted_tokens - before.num_accepted_tokens) / max(drafted, 1),
+                    "draft_tokens": drafted, "identical_to_plain": outs == want,
+                    "tokens_changed_vs_base": changed / sum(len(o) for o in want)}
+    finally:
+        server.stop(grace=0)
+    return rows
 
 
 def main() -> None:
@@ -201,16 +262,34 @@ def main() -> None:
     ap.add_argument("--targets", nargs="+", default=["qv", "all"], choices=sorted(TARGET_SETS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto", help="the engine's dtype (auto: bf16 on AMX / AVX512-BF16 CPUs)")
+    ap.add_argument("--spec", action="store_true", help="also section 3: the base drafter's acceptance under adapters")
+    ap.add_argument("--spec-b-std", type=float, default=0.05, help="section 3's adapters: lora_B's random scale")
+    ap.add_argument("--skip-throughput", action="store_true", help="only sections 2 and 3")
+    ap.add_argument("--skip-merged", action="store_true", help="no merged-model runs (batched vs base only)")
+    ap.add_argument("--also-per-part", action="store_true",
+                    help="also run each target set with the per-token kernel off (ROWS_MAX_TOKEN_RANKS = 0: one "
+                    "dense / grouped call per part, the form before kernels/csrc/lora.cpp), right after it")
     ap.add_argument("--out", type=Path, default=RESULTS / "lora_bench.json")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     base = prepare_smollm2()
-    sets = {t: run_set(base, t, args) for t in args.targets}
+    sets = {}
+    for t in [] if args.skip_throughput else args.targets:
+        sets[t] = run_set(base, t, args)
+        if args.also_per_part:
+            import kernels.lora
+
+            kept, kernels.lora.ROWS_MAX_TOKEN_RANKS = kernels.lora.ROWS_MAX_TOKEN_RANKS, 0
+            try:
+                sets[f"{t}/per-part"] = run_set(base, t, args)
+            finally:
+                kernels.lora.ROWS_MAX_TOKEN_RANKS = kept
+    spec = spec_acceptance(base, args) if args.spec else None
     result = {
         "benchmark": "lora_bench", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
         "code": code_version(), "loadavg_1m_end": os.getloadavg()[0],
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "target_sets": sets,
+        "target_sets": sets, "spec_acceptance": spec,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
@@ -224,6 +303,11 @@ def main() -> None:
                   f"{s['ttft_median_s'] * 1e3:7.0f}ms")
         print(f"adapter load: median {r['adapter_load_s']['median'] * 1e3:.0f} ms, max "
               f"{r['adapter_load_s']['max'] * 1e3:.0f} ms ({r['adapter_bytes'] / 1e6:.1f} MB each)")
+    if spec is not None:
+        print(f"\nbase-model drafter (int8), 4 drafts a round, fp32 target; adapters b_std {args.spec_b_std}")
+        for name, r in spec.items():
+            print(f"{name:<8} acceptance {r['acceptance']:.3f} ({r['draft_tokens']} drafted), greedy tokens changed vs "
+                  f"base {r['tokens_changed_vs_base']:.0%}, identical to plain: {r['identical_to_plain']}")
     print(f"wrote {args.out}")
 
 

@@ -32,6 +32,11 @@ Scenarios (each a fresh process):
     standby    a standby replica (loaded with the snapshot, warmed up once, no KV, no engine)
                promoted: phases from the promotion call (kv, serve, first_token); its load is
                reported beside
+    prestarted a warm worker process (a standby with ``standby_load: process``: imports done, the
+               model's config and tokenizer read, kernels loaded, no weights; workers/build.py
+               ``prewarm``) started at t0 by this script's go over its stdin: the whole load in
+               that process (config, kernels, weights mapped from the snapshot, kv, warm_up,
+               serve, first_token); its preparation is reported beside
 
 Cluster path (``--cluster``): a real ``duet serve`` deployment (embedded Ray, controller,
 membership service, router in this process; one pool, ``shared_weights_dir`` set) whose pool is
@@ -46,12 +51,15 @@ promoted), joins, and serves the held request. Phases, from t0:
     first_token  controller -> membership push -> router health poll -> dispatch -> first token
 
 ``wall_s`` is the client's own time to the first token. Scenarios: ``cluster-cold`` (no snapshot,
-files dropped from the page cache), ``cluster-shared`` (the node's snapshot is mapped) and
-``cluster-standby`` (the pool keeps one standby replica; the wake promotes it).
+files dropped from the page cache), ``cluster-shared`` (the node's snapshot is mapped),
+``cluster-standby`` (the pool keeps one standby replica; the wake promotes it) and
+``cluster-prestarted`` (a second deployment whose pool has ``standby_load: process``: the wake
+promotes a warm worker process, which maps the node's snapshot).
 
 Memory: two replicas serving at once, with the snapshot (shared) and without (private): each
 process's Rss and Pss from /proc/<pid>/smaps_rollup (Pss charges a page shared by k processes 1/k
-to each), the node's total Pss, and the snapshot's size.
+to each), the node's total Pss, and the snapshot's size. Also, for each in-process standby and
+prestarted start, its process's Rss and Pss once prepared (what it holds while it waits).
 
 Writes benchmarks/results/startup_bench.json: per scenario the runs, the median of each phase and
 of wall_s; ratios shared / cold and standby / cold; the memory table. Run it alone (the machine is
@@ -74,7 +82,8 @@ from typing import Any, cast
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "startup_bench.json"
-SCENARIOS = ("cold", "warm", "publish", "shared", "standby")
+SCENARIOS = ("cold", "warm", "publish", "shared", "standby", "prestarted")
+NEEDS_SNAPSHOT = ("shared", "standby", "prestarted")
 PROMPT = [1, 504, 3575, 282, 4649, 314]
 
 logger = logging.getLogger(__name__)
@@ -92,7 +101,7 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
-    from workers.build import build_engine, preload
+    from workers.build import build_engine, preload, prewarm
     from workers.config import CacheConfig, EngineConfig
     from workers.server.actor import rank_config
     from workers.server.service import start_worker_server
@@ -106,19 +115,29 @@ def child(args: argparse.Namespace) -> None:
         nonlocal timeline
         cfg = await asyncio.to_thread(rank_config, config, 0.0)
         timeline.mark("resolve")
-        make_engine, prepared = None, None
-        if args.standby:
+        make_engine, prepared, prepared_memory = None, None, None
+        if args.prestart:  # a warm worker process: prepared now, started when the parent says go (at t0)
+            tokenizer = await asyncio.to_thread(prewarm, cfg, timeline)
+            prepared_memory = rollup(os.getpid())
+            print(json.dumps({"prestarted": True}), flush=True)
+            origin = float(await asyncio.to_thread(sys.stdin.readline))
+            prepared, timeline = timeline, StartupTimeline.start(origin)
+
+            def make_engine():
+                return build_engine(cfg, tokenizer=tokenizer, timeline=timeline)
+        elif args.standby:
             def prepare():
                 pre = preload(cfg, timeline)
                 pre.warm_up(cfg, timeline)
                 return pre
             pre = await asyncio.to_thread(prepare)
+            prepared_memory = rollup(os.getpid())
             prepared, timeline = timeline, StartupTimeline.start()  # the promotion starts now
 
             def make_engine():
                 return build_engine(cfg, runner=pre.runner(cfg, timeline), tokenizer=pre.tokenizer, timeline=timeline)
         server = await start_worker_server(cfg, "127.0.0.1", 0, "bench-0", num_threads=args.threads,
-                                           make_engine=make_engine, timeline=timeline, warm_up=make_engine is None)
+                                           make_engine=make_engine, timeline=timeline, warm_up=not args.standby)
         async with grpc.aio.insecure_channel(server.endpoint) as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
             request = worker_pb2.SubmitRequest(request_id="first", prompt_token_ids=PROMPT, sampling=worker_pb2.SamplingParams(
@@ -129,9 +148,11 @@ def child(args: argparse.Namespace) -> None:
                     timeline.mark("first_token")
                     print(json.dumps({"first_token": True}), flush=True)
                 tokens.extend(msg.token_ids)
-        out = {"timeline": timeline.to_dict(), "tokens": tokens, "pid": os.getpid()}
+        out = {"timeline": timeline.to_dict(), "tokens": tokens, "pid": os.getpid(), "origin_is_t0": not args.standby}
         if prepared is not None:
+            assert prepared_memory is not None  # read when it was prepared
             out["prepare"] = prepared.to_dict()
+            out["prepared_memory"] = {"rss": prepared_memory["Rss"], "pss": prepared_memory["Pss"]}
         print(json.dumps(out), flush=True)
         if args.hold:  # two replicas at once: measured by the parent, then released
             await asyncio.to_thread(sys.stdin.readline)
@@ -164,8 +185,8 @@ def cold_files(model_path: Path) -> list[Path]:
     return files + [p for p in build_dir().glob("*.so")]
 
 
-def launch(args: argparse.Namespace, *, shared_dir: str | None, standby: bool, hold: bool = False
-           ) -> tuple[subprocess.Popen, float]:
+def launch(args: argparse.Namespace, *, shared_dir: str | None, standby: bool, hold: bool = False,
+           prestart: bool = False) -> tuple[subprocess.Popen, float]:
     t0 = time.monotonic()
     cmd = [sys.executable, "-m", "benchmarks.startup_bench", "--child", "--origin", repr(t0), "--model", args.model,
            "--quantization", args.quantization, "--threads", str(args.threads), "--kv-bytes", str(args.kv_bytes),
@@ -173,6 +194,7 @@ def launch(args: argparse.Namespace, *, shared_dir: str | None, standby: bool, h
     cmd += ["--shared-dir", shared_dir] if shared_dir else []
     cmd += ["--standby"] if standby else []
     cmd += ["--hold"] if hold else []
+    cmd += ["--prestart"] if prestart else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
     return proc, t0
@@ -191,14 +213,16 @@ def read_start(proc: subprocess.Popen, t0: float) -> dict[str, Any]:
     timeline = StartupTimeline.from_dict(report["timeline"])
     phases = timeline.phases()
     out = {"phases": dict(phases), "order": [p for p, _ in phases], "notes": timeline.notes,
-           "wall_s": wall if "prepare" not in report else None, "sum_phases_s": sum(d for _, d in phases),
+           "wall_s": wall if report["origin_is_t0"] else None, "sum_phases_s": sum(d for _, d in phases),
            "tokens": report["tokens"], "pid": report["pid"]}
     if out["wall_s"] is not None:
         out["unaccounted_s"] = wall - out["sum_phases_s"]
     else:  # standby: the promotion's origin is inside the process; its wall is the phases' sum
         out["wall_s"] = out["sum_phases_s"]
+    if "prepare" in report:
         prep = StartupTimeline.from_dict(report["prepare"])
-        out["prepare"] = {"phases": dict(prep.phases()), "elapsed_s": prep.elapsed_s, "notes": prep.notes}
+        out["prepare"] = {"phases": dict(prep.phases()), "elapsed_s": prep.elapsed_s, "notes": prep.notes,
+                          "memory": report["prepared_memory"]}  # Rss / Pss once prepared, before the start
     return out
 
 
@@ -209,9 +233,16 @@ def run_start(args: argparse.Namespace, scenario: str, node_dir: Path, model_pat
     if scenario == "publish":
         for f in snapshot:
             f.unlink()
-    shared = str(node_dir) if scenario in ("publish", "shared", "standby") else None
-    proc, t0 = launch(args, shared_dir=shared, standby=scenario == "standby")
+    shared = str(node_dir) if scenario in ("publish", *NEEDS_SNAPSHOT) else None
+    proc, t0 = launch(args, shared_dir=shared, standby=scenario == "standby", prestart=scenario == "prestarted")
     try:
+        if scenario == "prestarted":  # wait until it is warm, then say go: t0 is now
+            assert proc.stdin is not None and proc.stdout is not None  # launched with PIPEs
+            if not proc.stdout.readline():
+                raise RuntimeError(f"the warm process exited ({proc.wait()}) before it was ready; see its stderr")
+            t0 = time.monotonic()
+            proc.stdin.write(f"{t0!r}\n")
+            proc.stdin.flush()
         out = read_start(proc, t0)
         proc.wait(timeout=120)
     finally:
@@ -259,19 +290,31 @@ def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                          "weights": sorted({r["notes"].get("weights", "") for r in rs}), "repeats": len(rs)}
         if "prepare" in rs[0]:
             out[scenario]["prepare_s_median"] = statistics.median(r["prepare"]["elapsed_s"] for r in rs)
+            if "memory" in rs[0]["prepare"]:  # in process: what a standby / warm process holds while it waits
+                out[scenario]["prepared_rss_median"] = statistics.median(r["prepare"]["memory"]["rss"] for r in rs)
+                out[scenario]["prepared_pss_median"] = statistics.median(r["prepare"]["memory"]["pss"] for r in rs)
     for prefix in ("", "cluster-"):
         cold = out.get(f"{prefix}cold", {}).get("wall_s_median")
-        for scenario in ("shared", "standby", "warm", "publish"):
+        for scenario in ("shared", "standby", "prestarted", "warm", "publish"):
             if cold and f"{prefix}{scenario}" in out:
                 out[f"{prefix}{scenario}"]["vs_cold"] = out[f"{prefix}{scenario}"]["wall_s_median"] / cold
     return out
 
 
 # ---------------------------------------------------------------------------------- the cluster path
-CLUSTER_SCENARIOS = ("cluster-cold", "cluster-shared", "cluster-standby")
+CLUSTER_SCENARIOS = ("cluster-cold", "cluster-shared", "cluster-standby", "cluster-prestarted")
 
 
 def cluster_runs(args: argparse.Namespace, node_dir: Path, model_path: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every cluster scenario, ``args.repeats`` each: the first three through one deployment, the
+    warm-process one through a second whose pool has ``standby_load: process``."""
+    runs = deployment_runs(args, node_dir, model_path, CLUSTER_SCENARIOS[:3], "model")
+    runs.update(deployment_runs(args, node_dir, model_path, CLUSTER_SCENARIOS[3:], "process"))
+    return runs
+
+
+def deployment_runs(args: argparse.Namespace, node_dir: Path, model_path: Path, scenarios: tuple[str, ...],
+                    standby_load: str) -> dict[str, list[dict[str, Any]]]:
     """Wake-from-zero starts through a real deployment (module docstring), ``args.repeats`` each."""
     import grpc
     import ray
@@ -284,8 +327,9 @@ def cluster_runs(args: argparse.Namespace, node_dir: Path, model_path: Path) -> 
     config = load_config(env={}, overrides={
         "model.name": str(model_path), "model.quantization": args.quantization, "model.shared_weights_dir": str(node_dir),
         "pools[0].cpus_per_replica": args.threads, "pools[0].engine.kv_cache_memory_bytes": args.kv_bytes,
-        "ray.num_cpus": 4, "router.port": 0, "router.http_port": 0, "controller.port": 0})
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in CLUSTER_SCENARIOS}
+        "pools[0].standby_load": standby_load, "ray.num_cpus": 4, "router.port": 0, "router.http_port": 0,
+        "controller.port": 0})
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in scenarios}
     with start_deployment(config, log_to_driver=False) as d:
         pool, controller, actuator = config.pools[0].name, d.controller, d.actuator
         assert controller is not None  # start_deployment started it
@@ -298,7 +342,7 @@ def cluster_runs(args: argparse.Namespace, node_dir: Path, model_path: Path) -> 
                 time.sleep(0.1)
 
         def one(scenario: str) -> dict[str, Any]:
-            standby = scenario == "cluster-standby"
+            standby = scenario in ("cluster-standby", "cluster-prestarted")
             controller.set_standby(pool, 1 if standby else 0)
             wait(lambda: controller.pool_states()[pool]["standby"] == (1 if standby else 0)
                  and controller.pool_states()[pool]["preparing"] == 0, "the standby count")
@@ -325,7 +369,7 @@ def cluster_runs(args: argparse.Namespace, node_dir: Path, model_path: Path) -> 
             timeline = StartupTimeline.start(t0)
             timeline.mark("wake", at=d.waker.woken_at[pool])
             start = StartupTimeline.from_dict(report["start"])
-            if not report["prepare"]:  # a new actor, scheduled and started cold (not a promoted standby)
+            if not report["prepare"]:  # a new actor, scheduled and started cold (not a promoted standby or warm process)
                 timeline.mark("schedule", at=report["init_at"])
             timeline.extend(start)
             timeline.mark("register", at=float(row["ready_at"]))
@@ -341,7 +385,7 @@ def cluster_runs(args: argparse.Namespace, node_dir: Path, model_path: Path) -> 
             return out
 
         for i in range(args.repeats):
-            for scenario in CLUSTER_SCENARIOS:
+            for scenario in scenarios:
                 r = one(scenario)
                 runs[scenario].append(r)
                 logger.info("%s #%d: %.2f s (%s)", scenario, i, r["wall_s"],
@@ -375,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-dir", help=argparse.SUPPRESS)
     p.add_argument("--standby", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--prestart", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -395,7 +440,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for i in range(args.repeats):
             for scenario in scenarios:  # interleaved: the machine's load drifts over the run
-                if scenario in ("shared", "standby") and not list(node_dir.glob("*.safetensors")):
+                if scenario in NEEDS_SNAPSHOT and not list(node_dir.glob("*.safetensors")):
                     run_start(args, "publish", node_dir, model_path)  # needs a snapshot to map
                 r = run_start(args, scenario, node_dir, model_path)
                 runs[scenario].append(r)
@@ -432,6 +477,9 @@ def print_table(res: dict[str, Any]) -> None:
         print(f"{name:9} {v['wall_s_median']:7.2f} {ratio}  " + " ".join(
             f"{v['phases_median'].get(p, float('nan')):10.3f}" if p in v["phases_median"] else f"{'-':>10}"
             for p in order))
+    for name, v in s.items():
+        if "prepared_rss_median" in v:
+            print(f"{name} while prepared: Rss {v['prepared_rss_median'] / 1e6:.0f} MB, Pss {v['prepared_pss_median'] / 1e6:.0f} MB")
     if "memory" in res:
         m = res["memory"]
         print(f"snapshot {m['snapshot_bytes'] / 1e6:.0f} MB; two replicas, node Pss: shared "

@@ -21,6 +21,13 @@ from the node's snapshot with ``shared_weights_dir``) and tokenizer, no KV cache
 warmed up once through a throwaway engine (``Preloaded.warm_up``). Promoting it builds the runner's
 KV cache and the engine around them (``Preloaded.runner``): loading and first-call costs are paid.
 
+A warm worker process (a standby replica with the pool's ``standby_load: process``) holds less: it
+ran ``prewarm``, which pays a fresh process's one-time costs that do not need the model loaded
+(transformers' configuration and tokenizer code imported by reading the checkpoint's config and
+tokenizer, the CPU kernels loaded) and keeps the tokenizer; its promotion is a whole start in that
+process (``build_engine(config, tokenizer=...)``: weights, KV cache, warm-up) minus the process
+start, the imports and those reads.
+
 Worked example::
 
     path = resolve_model("SmolLM2-135M-Instruct")
@@ -124,6 +131,18 @@ def preload(config: EngineConfig, timeline: StartupTimeline | None = None) -> Pr
     if timeline is not None:
         timeline.mark("tokenizer")
     return Preloaded(model, spec, tokenizer)
+
+
+def prewarm(config: EngineConfig, timeline: StartupTimeline | None = None) -> Any:
+    """A warm worker process's preparation (module docstring): read ``config``'s model config, load the
+    CPU kernels and the tokenizer, and return the tokenizer; no weights, no KV cache (marks config,
+    kernels, tokenizer)."""
+    config = resolve_for_process(config, checkpoint_dir(config.model))
+    ModelRunner.load_spec_and_kernels(config, timeline)
+    tokenizer = load_tokenizer(checkpoint_dir(config.model))
+    if timeline is not None:
+        timeline.mark("tokenizer")
+    return tokenizer
 
 
 def load_tokenizer(path: Path) -> Any:

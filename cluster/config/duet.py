@@ -195,6 +195,14 @@ def _resource_pairs(value: Any) -> Any:
                           "(cluster/deploy/controller.py); one that dies is replaced. With model.shared_weights_dir "
                           "each maps the node's one copy of the weights. The autoscaler may change the count "
                           "(autoscaling.pools[].max_standby).", json_schema_extra={"hint": "must be >= 0"}))),
+    ("standby_load", (Literal["model", "process"], Field("model", description="How far a standby replica is "
+                      "brought up before a scale-up promotes it: model (loaded and warmed up, serves in about a "
+                      "second) or process (a warm worker process only: imports, model config, tokenizer and CPU "
+                      "kernels, no weights) (workers/server/actor.py prepare); a process standby holds less memory "
+                      "and its promotion loads the weights (mapped from the node's snapshot with "
+                      "model.shared_weights_dir) and warms up, skipping the process start and imports a new "
+                      "replica pays.",
+                      json_schema_extra={"hint": "must be model or process"}))),
     ("cpus_per_replica", (int | None, Field(None, ge=1, description="CPUs reserved per rank = its torch threads. "
                           "null: an embedded Ray shares this machine's CPUs, less one for the router, among the ranks "
                           "that leave it unset; with ray.address, 1 (cluster/deploy/cpu_share.py).",

@@ -99,7 +99,7 @@ HINTS: dict[str, dict[str, Any]] = {
 
 # chart value (its path in values.yaml; "pool." = pools[] and poolDefaults alike) -> the config key
 # it feeds (templates/_config.tpl) and what the chart narrows further.
-_POOL = {"replicas": "replicas", "standbyReplicas": "standby_replicas", "epSize": "ep_size", "spSize": "sp_size", "tpSize": "tp_size",
+_POOL = {"replicas": "replicas", "standbyReplicas": "standby_replicas", "standbyLoad": "standby_load", "epSize": "ep_size", "spSize": "sp_size", "tpSize": "tp_size",
          "placementStrategy": "placement_strategy", "maxRestarts": "max_restarts",
          **{f"engine.{k}": f"engine.{v}" for k, v in (
              ("blockSize", "block_size"), ("kvCacheMemory", "kv_cache_memory_bytes"),

@@ -36,7 +36,8 @@ frees the placement (``WorkerPool.release``).
 
 Standby (warm spare) replicas: a pool may keep ``set_standby(pool, n)`` replicas started and loaded
 but unrouted (the actor's ``prepare()``: weights mapped from the node's snapshot, no KV cache, no
-engine, no endpoint):
+engine, no endpoint; with the pool's ``standby_load: process`` only a warm worker process, whose
+promotion loads the weights itself but skips the process start and imports):
 
     preparing --prepare() returned--> standby --promote()--> starting --start() returned--> up
         (a promotion asked for while preparing starts as soon as the load is done)
@@ -520,7 +521,8 @@ class Controller:
         self._kick.set()
 
     def _issue_prepare(self, r: _Replica) -> None:
-        r.call, r.call_kind, r.call_since, r.slow_warned = r.replica.actor.prepare.remote(), "prepare", time.monotonic(), False
+        load = self._pools[r.replica.pool].section.standby_load  # a loaded model, or a warm process only
+        r.call, r.call_kind, r.call_since, r.slow_warned = r.replica.actor.prepare.remote(load), "prepare", time.monotonic(), False
         r.starts += 1
         self._kick.set()
 

@@ -58,7 +58,11 @@ def test_standby_replicas_are_pods_of_their_group(helm, tmp_path):
                            "pools[0].standbyReplicas=1"))
     (group,) = one(kinds, "RayCluster")["spec"]["workerGroupSpecs"]
     assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (3, 3, 5)
-    assert loaded_config(kinds, tmp_path).pool.standby_replicas == 1
+    config = loaded_config(kinds, tmp_path)
+    assert (config.pool.standby_replicas, config.pool.standby_load) == (1, "model")
+    warm = by_kind(render(helm, None, "pools[0].name=main", "pools[0].role=colocated", "pools[0].standbyReplicas=1",
+                          "pools[0].standbyLoad=process"))
+    assert loaded_config(warm, tmp_path).pool.standby_load == "process"  # warm worker processes only
 
 
 def test_scale_to_zero_values_reach_the_config(helm, tmp_path):

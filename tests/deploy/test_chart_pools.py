@@ -26,6 +26,7 @@ REACHES_CONFIG: dict[str, tuple[str, str, Any]] = {
     "model": ("model=SmolLM2-135M-Instruct", "model", "SmolLM2-135M-Instruct"),  # several: tests/deploy/test_chart_models.py
     "replicas": ("replicas=3", "replicas", 3),
     "standbyReplicas": ("standbyReplicas=2", "standby_replicas", 2),  # also sizes the group (+2 pods)
+    "standbyLoad": ("standbyLoad=process", "standby_load", "process"),
     "cpusPerRank": ("cpusPerRank=5", "cpus_per_replica", 5),
     "epSize": ("epSize=2", "ep_size", 2),
     "spSize": ("spSize=2", "sp_size", 2),

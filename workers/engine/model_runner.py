@@ -20,6 +20,7 @@ Axes: T tokens in the step, B single-token chunks, L context, S cache slots, G k
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import mmap
@@ -135,9 +136,26 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pop
 
 def _populate(buf: mmap.mmap) -> None:
     try:
-        buf.madvise(_MADV_POPULATE_WRITE)
+        madvise_releasing_gil(buf, _MADV_POPULATE_WRITE)
     except (OSError, ValueError) as e:  # an older kernel: pages stay lazily committed, nothing else changes
         logger.info("KV cache: MADV_POPULATE_WRITE unsupported here (%s); its pages become resident on first use", e)
+
+
+def madvise_releasing_gil(buf: mmap.mmap, advice: int) -> None:
+    """madvise(2) over the whole map through libc, which ctypes calls with the GIL released.
+    ``mmap.madvise`` holds the GIL while the kernel works, so a populate "in the background" stalled
+    every Python thread of the worker until the whole cache was committed (~0.5 s for 256 MiB on a
+    busy host: most of a start's kv phase). OSError with the kernel's errno on failure."""
+    view = ctypes.c_char.from_buffer(buf)  # an export of the map: it cannot be closed while we advise
+    try:
+        if _LIBC.madvise(ctypes.c_void_p(ctypes.addressof(view)), ctypes.c_size_t(len(buf)), ctypes.c_int(advice)):
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    finally:
+        del view
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)  # this process's libc (madvise_releasing_gil)
 
 
 def cache_blocks(config: EngineConfig, spec: ModelSpec) -> int:
@@ -217,7 +235,21 @@ class ModelRunner:
         loaded, then the weights (mapped from the node's snapshot with ``shared_weights_dir``)."""
         path = checkpoint_dir(config.model)
         config = resolve_for_process(config, path)  # idempotent: an engine passes a resolved config
-        spec = ModelSpec.from_pretrained(path)
+        spec = ModelRunner.load_spec_and_kernels(config, timeline)
+        shared = SharedWeights(Path(config.shared_weights_dir)) if config.shared_weights_dir else None
+        model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
+                                 fused_decode=config.fused_decode, shared=shared, spec=spec,
+                                 prepack_weights=config.prepack_weights, quantized_batches=config.quantized_batches)
+        if timeline is not None:
+            timeline.mark("weights", note=shared.last_source if shared is not None else "checkpoint")
+        return model, spec
+
+    @staticmethod
+    def load_spec_and_kernels(config: EngineConfig, timeline: StartupTimeline | None = None) -> ModelSpec:
+        """What a load does before the weights: the checkpoint's config read (in a fresh process its
+        first read imports transformers' configuration code) and the CPU kernels loaded (marks config,
+        kernels). A warm worker process runs it ahead of time (workers/build.py ``prewarm``)."""
+        spec = ModelSpec.from_pretrained(checkpoint_dir(config.model))
         if timeline is not None:
             timeline.mark("config")
         if not config.cpu_kernels:
@@ -226,13 +258,7 @@ class ModelRunner:
             cpu_kernels_available()  # load (or build) now rather than inside the first request
         if timeline is not None:
             timeline.mark("kernels")
-        shared = SharedWeights(Path(config.shared_weights_dir)) if config.shared_weights_dir else None
-        model, spec = load_model(path, config.torch_dtype, config.device, config.quantization,
-                                 fused_decode=config.fused_decode, shared=shared, spec=spec,
-                                 prepack_weights=config.prepack_weights, quantized_batches=config.quantized_batches)
-        if timeline is not None:
-            timeline.mark("weights", note=shared.last_source if shared is not None else "checkpoint")
-        return model, spec
+        return spec
 
     def kv_layout(self) -> KVLayout:
         s = self.spec

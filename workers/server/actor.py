@@ -28,6 +28,12 @@ engine, and stops there: no KV cache, no engine, no endpoint. A later ``start()`
 builds the KV cache and engine around what is loaded and serves, in a fraction of a cold start. ``startup()`` reports both starts' phases
 (workers/startup.py).
 
+``prepare("process")`` stops earlier: a *warm worker process* (the pool's ``standby_load: process``)
+has imported the worker stack, read the model's config and tokenizer and loaded the CPU kernels
+(workers/build.py ``prewarm``), but holds no weights. Its ``start()`` is a whole start in this
+process -- weights (mapped from the node's snapshot with ``shared_weights_dir``), KV cache, warm-up,
+serving -- without the process start, the imports and the first reads a new replica pays.
+
 After a Ray restart the actor comes back *not serving* (``__init__`` runs again, ``start`` does
 not): whoever owns the pool calls ``start()`` again and learns the new endpoint (the port is chosen
 afresh unless one was given) and, from GetLoad, the new incarnation.
@@ -40,10 +46,11 @@ import dataclasses
 import logging
 import os
 import time
+from typing import Any
 
 import ray
 
-from workers.build import Preloaded, build_engine, preload
+from workers.build import Preloaded, build_engine, preload, prewarm
 from workers.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.device import resolve_for_rank
@@ -54,6 +61,8 @@ from workers.server.threads import thread_niceness
 from workers.startup import StartupTimeline
 
 logger = logging.getLogger(__name__)
+
+STANDBY_LOADS = ("model", "process")  # how far prepare() brings a standby replica (module docstring)
 
 
 def rank_config(config: EngineConfig, gpus: float) -> EngineConfig:
@@ -85,6 +94,7 @@ class WorkerActor:
         self._port = port
         self._server: WorkerServer | None = None
         self._preloaded: Preloaded | None = None
+        self._tokenizer: Any = None  # a warm worker process's (prepare("process")), until start()
         self._resolved = False
         self._timelines: dict[str, StartupTimeline] = {}  # "prepare" (standby load), "start"
         self._lock: asyncio.Lock | None = None  # created on the actor's event loop
@@ -100,18 +110,24 @@ class WorkerActor:
             self._resolved = True
             timeline.mark("resolve")
 
-    async def prepare(self) -> None:
-        """Standby: load the model and tokenizer, no KV cache, no serving (module docstring). Idempotent;
-        a no-op once serving."""
+    async def prepare(self, load: str = "model") -> None:
+        """Standby: ``load`` "model" loads the model and tokenizer, no KV cache, no serving; "process"
+        only prepares a warm worker process (module docstring). Idempotent; a no-op once serving."""
+        if load not in STANDBY_LOADS:
+            raise ValueError(f"prepare(load={load!r}): one of {', '.join(STANDBY_LOADS)}")
         async with self._guard():
-            if self._preloaded is not None or self._server is not None:
+            if self._preloaded is not None or self._tokenizer is not None or self._server is not None:
                 return
             timeline = StartupTimeline.start(self._init_at)
             await self._resolve(timeline)
-            self._preloaded = await asyncio.to_thread(self._preload, timeline)
+            if load == "model":
+                self._preloaded = await asyncio.to_thread(self._preload, timeline)
+            else:
+                self._tokenizer = await asyncio.to_thread(prewarm, self._config, timeline)
             self._timelines["prepare"] = timeline
-            logger.info("actor %s: standby (loaded in %.2f s; %s)", self._worker_id, timeline.elapsed_s,
-                        timeline.notes.get("weights", ""))
+            logger.info("actor %s: standby (%s in %.2f s; %s)", self._worker_id,
+                        "loaded" if load == "model" else "warm process", timeline.elapsed_s,
+                        timeline.notes.get("weights", "no weights"))
 
     def _preload(self, timeline: StartupTimeline) -> Preloaded:
         import torch  # the worker process only (the driver imports this module too)
@@ -126,22 +142,25 @@ class WorkerActor:
         left); returns the endpoint ("host:port"). Idempotent."""
         async with self._guard():
             if self._server is None:
-                timeline = StartupTimeline.start(self._init_at if self._preloaded is None else None)
+                promoted = self._preloaded is not None or self._tokenizer is not None
+                timeline = StartupTimeline.start(None if promoted else self._init_at)
                 await self._resolve(timeline)
                 make_engine = None
+                config = self._config
                 if (pre := self._preloaded) is not None:
-                    config = self._config
-
                     def make_engine() -> Engine:
                         return build_engine(config, runner=pre.runner(config, timeline), tokenizer=pre.tokenizer,
                                             timeline=timeline)
+                elif (tokenizer := self._tokenizer) is not None:  # a warm process: the whole load, here
+                    def make_engine() -> Engine:
+                        return build_engine(config, tokenizer=tokenizer, timeline=timeline)
                 self._server = await start_worker_server(
                     self._config, self._host, self._port, self._worker_id, num_threads=self._num_threads,
-                    make_engine=make_engine, timeline=timeline, warm_up=make_engine is None)
-                self._preloaded = None  # the engine owns the model now
+                    make_engine=make_engine, timeline=timeline, warm_up=self._preloaded is None)
+                self._preloaded, self._tokenizer = None, None  # the engine owns the model and tokenizer now
                 self._timelines["start"] = timeline
                 logger.info("actor %s: %d torch threads, serving on %s (%s in %.2f s)", self._worker_id,
-                            self._num_threads, self._server.endpoint, "promoted" if make_engine is not None else "started",
+                            self._num_threads, self._server.endpoint, "promoted" if promoted else "started",
                             timeline.elapsed_s)
         return self._server.endpoint
 
@@ -180,7 +199,7 @@ class WorkerActor:
             "glibc_tunables": self._threads.glibc_tunables,  # malloc's settings since start (memory_tuning)
             "gpu_ids": self._gpu_ids,
             "device": self._config.device,
-            "standby": self._preloaded is not None and self._server is None,
+            "standby": (self._preloaded is not None or self._tokenizer is not None) and self._server is None,
         }
 
     async def stop(self, grace: float = 5.0, migrate_to: list[tuple[str, str]] | None = None) -> None:

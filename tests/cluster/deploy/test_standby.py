@@ -34,9 +34,14 @@ class StandbyFake:
     def __init__(self) -> None:
         self.endpoint: str | None = None
         self.prepared = False
+        self.load: str | None = None
 
-    async def prepare(self) -> None:
-        self.prepared = True
+    async def prepare(self, load: str = "model") -> None:
+        self.prepared, self.load = True, load
+
+    def prepared_load(self) -> str | None:
+        """What the controller asked prepare() for (the pool's standby_load)."""
+        return self.load
 
     async def start(self) -> str:
         self.endpoint = f"127.0.0.1:{10000 + os.getpid() % 50000}"
@@ -56,11 +61,12 @@ def _factory(worker_id: str, pg, first_bundle: int):
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle)).remote(), ()
 
 
-@pytest.fixture
-def pool_and_controller(ray_cluster):
+@pytest.fixture(params=["model"])
+def pool_and_controller(ray_cluster, request):
     base = placement_group([{"CPU": 1}], name=f"{NAMESPACE}-base")
     ray.get(base.ready(), timeout=60)
-    pool = WorkerPool(PoolSection(name="fake", replicas=1, cpus_per_replica=1), NAMESPACE, base,
+    section = PoolSection(name="fake", replicas=1, cpus_per_replica=1, standby_load=request.param)
+    pool = WorkerPool(section, NAMESPACE, base,
                       [Replica("fake", 0, "fake-0", _factory("fake-0", base, 0)[0], slot=0)], make_actors=_factory)
     controller = Controller([pool], poll_interval_s=0.1)
     controller.start()
@@ -122,6 +128,21 @@ def test_a_pool_at_zero_wakes_from_its_standby(pool_and_controller):
     wait_until(lambda: len(controller.members()) == 1, 60, "the woken replica to join")
     assert [how for _, how, _ in controller.joins][-1] == "promoted"
     assert waker.wake(["colocated"]) == type(out)()  # serving: nothing to do
+
+
+@pytest.mark.parametrize("pool_and_controller", ["process"], indirect=True)
+def test_a_warm_process_standby_is_prepared_as_one_and_promoted(pool_and_controller):
+    """standby_load: process reaches the actor's prepare() (the warm process itself: tests/workers/
+    server/test_warm_process.py); the standby lifecycle around it is the same."""
+    pool, controller = pool_and_controller
+    actuator = RayActuator([pool], controller, drain_grace_s=1.0, drain_settle_s=0.1)
+    actuator.set_standby("fake", 1)
+    wait_until(lambda: _states(controller).get("fake-1") == "standby:standby", 60, "fake-1 prepared as a standby")
+    assert ray.get(pool.replica("fake-1").actor.prepared_load.remote(), timeout=30) == "process"
+    assert ray.get(pool.replica("fake-0").actor.prepared_load.remote(), timeout=30) is None  # serving, never prepared
+    actuator.scale_to("fake", 2)
+    wait_until(lambda: [w for w, _ in controller.members()] == ["fake-0", "fake-1"], 60, "the promoted warm process")
+    assert [how for _, how, _ in controller.joins][-1] == "promoted"
 
 
 def test_duet_status_lists_standby_replicas():

@@ -1,6 +1,7 @@
 """The KV cache's allocation (workers/engine/model_runner.py ``zeroed``): on the CPU an anonymous private
 memory map that is all zeros like ``torch.zeros``, costs no resident memory until blocks are
-written (a start or a standby's promotion pays nothing up front), and reads back what is written."""
+written (a start or a standby's promotion pays nothing up front), and reads back what is written;
+committing it all in the background does not stall the worker's other threads."""
 
 from __future__ import annotations
 
@@ -53,6 +54,24 @@ def test_populate_commits_every_page_in_the_background_and_keeps_what_was_writte
     want = torch.zeros(8, 2, 4096, 4, 128)
     want[3] = 2.0
     assert torch.equal(t, want)
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="resident memory is read from Linux's /proc")
+def test_populate_leaves_the_gil_to_the_caller_while_it_commits():
+    """The populating thread commits the pages with the GIL released, so this thread keeps running
+    Python (counting polls of its resident size) while the kernel works. With the GIL held throughout
+    (``mmap.madvise``) the count is 0: this thread gets the GIL back only once the map is all
+    resident. Only the order of events is asserted, no timing."""
+    import time
+
+    before = _rss()
+    t = zeroed((16, 2, 4096, 4, 128), torch.float32, torch.device("cpu"), populate=True)  # 256 MiB
+    polls, deadline = 0, time.monotonic() + 60
+    while _rss() - before < 250 << 20 and time.monotonic() < deadline:
+        polls += 1
+    assert _rss() - before >= 250 << 20  # all of it committed, in the background
+    assert polls > 0  # this thread ran Python while that happened
+    assert torch.equal(t[::5], torch.zeros_like(t[::5]))
 
 
 def _thp_mode() -> str | None:

@@ -302,7 +302,7 @@ component of name), or the one model's. */}}
       "cpus_per_replica" (int .cpusPerRank) "placement_strategy" .placementStrategy
       "max_restarts" (int .maxRestarts) "ep_size" (int .epSize) "sp_size" (int .spSize) "tp_size" (int .tpSize)
       "gpus_per_rank" (int .gpusPerRank) "resources_per_rank" (dict .rayResource 1)
-      "standby_replicas" (int .standbyReplicas) "engine" $engine "speculative" $speculative }}
+      "standby_replicas" (int .standbyReplicas) "standby_load" (.standbyLoad | default "model") "engine" $engine "speculative" $speculative }}
 {{- if eq .role "drafter" }}
 {{- $d := .drafter }}
 {{- $_ := set $pool "drafter" (dict "model" $d.model "quantization" $d.quantization "threads" (int $d.threads)
