@@ -13,7 +13,12 @@ In each, the *plain* arm is the same deployment with speculation off per request
 (``num_speculative_tokens=0``): the same worker and weights, the drafter idle. Rounds alternate
 plain and speculative on the same prompts, at each concurrency (1 = one request at a time; 8 = eight
 at once), greedy, ``--max-tokens`` new tokens with EOS ignored; every speculative output is compared
-with the plain one. Tokens/s = the round's output tokens / its wall time; medians over ``--repeats``.
+with the first plain one, and so is every later plain round (``plain_mismatches``: plain decoding at
+a batch is only as repeatable as its batch shapes, which arrival timing changes). Tokens/s = the
+round's output tokens / its wall time; medians over ``--repeats``.
+Each speculative round also records the target's speculation counters (verifies, draft tokens,
+accepted, fallbacks, seconds waiting for drafts and verifying: what the adaptive draft length chose
+and what it saw), in the JSON's ``spec_counters``.
 
     python -m benchmarks.drafter_pool_e2e [--quantization q4] [--concurrency 1 8] [--repeats 3]
 
@@ -32,8 +37,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from cluster.config.duet import DuetConfig
 from cluster.deploy.serve import start_deployment
+from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import DuetClient
 
 logger = logging.getLogger("drafter_pool_e2e")
@@ -79,27 +87,49 @@ async def one_round(address: str, prompts: list[str], max_tokens: int, spec: boo
     return wall, tokens, [list(o.token_ids) for o in outs]
 
 
+SPEC_COUNTERS = ("spec_verifies", "spec_draft_tokens", "spec_accepted_tokens", "spec_fallbacks",
+                 "spec_draft_seconds", "spec_verify_seconds")
+
+
+def spec_counters(endpoint: str) -> dict[str, float]:
+    """The target worker's speculation counters (since start): verifies, drafts, accepted, fallbacks,
+    seconds waiting for drafts, seconds of steps that verified drafts."""
+    with grpc.insecure_channel(endpoint) as channel:
+        load = worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=30)
+    return {k: round(float(getattr(load, k)), 3) for k in SPEC_COUNTERS}
+
+
 def run_arm(arm: str, args: argparse.Namespace) -> dict[str, Any]:
     d = start_deployment(config(arm, args.quantization, args.kv_cache), log_to_driver=False)
     try:
+        assert d.controller is not None
+        target = dict(d.controller.members())["main-0"]
         out: dict[str, Any] = {}
         for c in args.concurrency:
             prompts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
             asyncio.run(one_round(d.address, prompts[:1], 8, True))  # warm-up: both engines, the stream
             rows: dict[str, list[float]] = {"plain": [], "spec": []}
-            mismatches, ref = 0, None
+            counters: list[dict[str, float]] = []  # per speculative round: what the adaptive policy did
+            mismatches, plain_mismatches, ref = 0, 0, None
             for r in range(args.repeats):
                 for side in (("plain", "spec") if r % 2 == 0 else ("spec", "plain")):
+                    c0 = spec_counters(target)
                     wall, tokens, ids = asyncio.run(one_round(d.address, prompts, args.max_tokens, side == "spec"))
+                    delta = {k: round(v - c0[k], 3) for k, v in spec_counters(target).items()}
                     rows[side].append(tokens / wall)
                     if side == "plain":
+                        plain_mismatches += ref is not None and ids != ref  # plain decoding against itself
                         ref = ref or ids
-                    logger.info("%s c=%d %s: %.2f tok/s (%d tokens in %.1f s; load %.1f)", arm, c, side,
-                                tokens / wall, tokens, wall, os.getloadavg()[0])
+                    else:
+                        counters.append(delta)
+                    logger.info("%s c=%d %s: %.2f tok/s (%d tokens in %.1f s; load %.1f) %s", arm, c, side,
+                                tokens / wall, tokens, wall, os.getloadavg()[0], delta)
                     if side == "spec" and ref is not None and ids != ref:
                         mismatches += 1
             out[str(c)] = {side: {"tok_s": v, "median": statistics.median(v)} for side, v in rows.items()}
+            out[str(c)]["spec_counters"] = counters
             out[str(c)]["greedy_mismatches"] = mismatches
+            out[str(c)]["plain_mismatches"] = plain_mismatches
             out[str(c)]["speedup"] = out[str(c)]["spec"]["median"] / out[str(c)]["plain"]["median"]
         return out
     finally:
@@ -127,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     for arm, per_c in arms.items():
         for c, r in per_c.items():
             print(f"{arm:8} c={c}: plain {r['plain']['median']:.2f} tok/s, spec {r['spec']['median']:.2f} tok/s "
-                  f"({r['speedup']:.2f}x), greedy mismatches {r['greedy_mismatches']}")
+                  f"({r['speedup']:.2f}x), greedy mismatches {r['greedy_mismatches']} "
+                  f"(plain rounds vs the first: {r['plain_mismatches']})")
     print(f"JSON: {args.out}")
 
 

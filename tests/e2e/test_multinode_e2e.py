@@ -15,6 +15,10 @@ the other, share the cluster:
             duet_drafter. Placement; a serving worker's node removed mid-stream (Ray re-places it
             on a node with room); the same with no room left (pending until a node returns); the
             drafter node removed.
+    pool    pool ``main``: 1 replica on duet_pool_main drafting on pool ``drafters`` (role:
+            drafter, 1 replica on duet_drafter, the same model). The drafter's node removed while
+            streams draft on it: every stream completes identically, fallbacks counted; the pool
+            comes back with the node and drafting resumes.
     pd      pool ``prefill``: 2 replicas PACK on duet_pool_prefill; pool ``decode``: 1 replica on
             duet_pool_decode. Placement; the prefill node removed while a request is in prefill
             (retried colocated on the decode worker, router/policies/disagg.py).
@@ -23,7 +27,7 @@ the other, share the cluster:
 
 After every test the removed nodes come back (a replacement pod), the deployment returns to full
 size, and nothing is leaked: no KV block in use, no decode reservation, no request left running, no
-placement group pending or rescheduling. After each deployment stops: no actor of its namespace
+drafter state (requests, KV blocks, rounds in flight), no placement group pending or rescheduling. After each deployment stops: no actor of its namespace
 and every placement group REMOVED. The bad-input check (a STRICT_SPREAD pool on too few nodes)
 needs no workers.
 """
@@ -43,6 +47,7 @@ from cluster.deploy.pools import PoolError
 from cluster.deploy.ray_actuator import RayActuator
 from cluster.deploy.serve import Deployment, start_deployment
 from cluster.deploy.status import format_status, worker_status
+from protos.duet.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import DuetClient, DuetError
 from testkit.multinode import NODE_RESOURCE, LocalCluster
@@ -119,8 +124,12 @@ def _pool_yaml(name: str, role: str, replicas: int, strategy: str, resource: str
 
 DRAFTING = (", speculative: {method: draft_model, draft_model: '{model}', num_speculative_tokens: 3, adaptive: false, "
             "overlap: false, draft_timeout_s: 5, drafter_resources: {" + DRAFTER + ": 1}}")
+POOL_DRAFTING = (", speculative: {method: draft_model, drafter_pool: drafters, num_speculative_tokens: 3, "
+                 "adaptive: false, draft_timeout_s: 5}")
 DEPLOYMENTS = {  # name -> (pools YAML, config overrides); {model}: the tiny checkpoint
     "spec": ("pools:\n" + _pool_yaml("main", "colocated", 2, "SPREAD", MAIN, DRAFTING), {}),
+    "pool": ("pools:\n" + _pool_yaml("main", "colocated", 1, "SPREAD", MAIN, POOL_DRAFTING)
+             + _pool_yaml("drafters", "drafter", 1, "SPREAD", DRAFTER, ", drafter: {model: '{model}'}"), {}),
     "pd": ("pools:\n" + _pool_yaml("prefill", "prefill", 2, "PACK", PREFILL, engine=f", max_num_batched_tokens: {PD_CHUNK}")
            + _pool_yaml("decode", "decode", 1, "SPREAD", DECODE, engine=f", max_num_batched_tokens: {PD_CHUNK}"),
            {"router.disagg_min_prompt_tokens": 64}),
@@ -180,7 +189,7 @@ def healed(request, cluster, deployments):
     _wait(lambda: len(d.controller.members()) == deployments.expected, 120, "every replica back up")
     _wait(lambda: all(ray.util.placement_group_table(p.placement_group)["state"] == "CREATED" for p in d.pools),
           60, "every placement group placed")
-    _wait(lambda: all(_idle(_load(ep)) for _, ep in d.controller.members()), 30, "every worker idle")
+    _wait(lambda: all(_member_idle(d, w, ep) for w, ep in d.controller.members()), 30, "every worker idle")
     assert _leaks(d) == []
 
 
@@ -194,8 +203,26 @@ def _idle(r: worker_pb2.LoadReport) -> bool:
     return r.kv_blocks_used == 0 and r.num_reserved == 0 and r.num_running == 0 and r.num_waiting == 0
 
 
+def _drafter_load(endpoint: str) -> drafter_pb2.DrafterLoad:
+    with grpc.insecure_channel(endpoint) as channel:
+        return drafter_pb2_grpc.DrafterStub(channel).GetLoad(drafter_pb2.GetDrafterLoadRequest(), timeout=5)
+
+
+def _drafter_idle(r: drafter_pb2.DrafterLoad) -> bool:
+    return r.num_requests == 0 and r.num_active == 0 and r.kv_blocks_used == 0
+
+
+def _is_drafter(d: Deployment, worker_id: str) -> bool:
+    return any(p.section.role == "drafter" and any(r.worker_id == worker_id for r in p.replicas) for p in d.pools)
+
+
+def _member_idle(d: Deployment, worker_id: str, endpoint: str) -> bool:
+    return _drafter_idle(_drafter_load(endpoint)) if _is_drafter(d, worker_id) else _idle(_load(endpoint))
+
+
 def _leaks(d: Deployment) -> list[str]:
-    out = [f"{w}: {_load(ep)}" for w, ep in d.controller.members() if not _idle(_load(ep))]
+    out = [f"{w}: {_drafter_load(ep) if _is_drafter(d, w) else _load(ep)}" for w, ep in d.controller.members()
+           if not _member_idle(d, w, ep)]
     out += [f"{pg_id}: {t['state']}" for pg_id, t in ray.util.placement_group_table().items()
             if t["state"] in ("PENDING", "RESCHEDULING")]
     return out
@@ -242,6 +269,11 @@ async def _remove_mid_stream(d: Deployment, cluster: LocalCluster, pick_node) ->
 
 def _stats(d: Deployment) -> dict:
     return d.router.stats()["requests"]
+
+
+def _failures(d: Deployment) -> int:
+    """Requests the router ended with an error, or that failed mid-stream."""
+    return sum(v for k, v in _stats(d).items() if k.startswith("error_") or k == "failed_mid_stream")
 
 
 # ----------------------------------------------------------------------------- bad input: no workers
@@ -358,6 +390,51 @@ def test_drafter_node_loss_falls_back_to_plain_decoding_and_resumes(healed, clus
         return spec_counts()[0] > v0
     _wait(drafting_again, 90, "speculation to resume with a drafter on the restored node")
     assert _drafter_nodes(cluster) == ["d", "d"]
+
+
+# ------------------------------------------------------------- pool: a target pool and a drafter pool
+POOL_STREAMS = 4
+
+
+@pytest.mark.parametrize("healed", ["pool"], indirect=True)
+def test_drafter_pool_node_lost_under_load_costs_drafts_not_tokens_and_the_pool_recovers(healed, cluster, reference):
+    d = healed
+    assert _nodes_of(d, cluster, "drafters") == {"drafters-0": ["d"]}
+    assert set(_nodes_of(d, cluster, "main")["main-0"]) <= {"a", "b", "c"}
+    target = dict(d.controller.members())["main-0"]
+    before, failures_before = _load(target), _failures(d)
+    want_long, want_short = reference[(len(PROMPT), STREAM_TOKENS)], reference[(len(PROMPT), SHORT_TOKENS)]
+
+    async def under_load() -> tuple[list[list[int]], list[list[int]], worker_pb2.LoadReport]:
+        started = [asyncio.Event() for _ in range(POOL_STREAMS)]
+        streams = [asyncio.ensure_future(_stream(d.address, PROMPT, STREAM_TOKENS, e)) for e in started]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        drafting = await asyncio.to_thread(_load, target)  # every stream has tokens, drafted on drafters-0
+        await asyncio.to_thread(cluster.remove, "d")
+        late = [asyncio.ensure_future(_stream(d.address, PROMPT, SHORT_TOKENS)) for _ in range(2)]  # no drafter left
+        return await asyncio.gather(*streams), await asyncio.gather(*late), drafting
+
+    long, short, drafting = asyncio.run(under_load())
+    assert long == [want_long] * POOL_STREAMS and short == [want_short] * 2  # no token lost or changed
+    after = _load(target)
+    assert drafting.spec_verifies > before.spec_verifies  # they speculated on the pool before the loss
+    assert after.spec_fallbacks > before.spec_fallbacks  # and went on without drafts after it
+    assert _failures(d) == failures_before  # (the streams' tokens above already say so; the router agrees)
+    _wait(lambda: _idle(_load(target)), 30, "the target to free every request")
+
+    # the node returns: Ray re-creates the drafter there, the controller starts it again, the router
+    # takes it back (a new incarnation) and requests draft on it again, leaving nothing behind
+    cluster.restore()
+    _wait(lambda: "drafters-0" in dict(d.controller.members()), 120, "drafters-0 back on the restored node")
+    _wait(lambda: any(x["drafter_id"] == "drafters-0" and x["healthy"] for x in d.router.stats()["drafters"]),
+          60, "the router to take drafters-0 back")
+    assert _nodes_of(d, cluster, "drafters") == {"drafters-0": ["d"]}
+    verifies = _load(target).spec_verifies
+    assert asyncio.run(_stream(d.address, PROMPT, SHORT_TOKENS)) == want_short
+    assert _load(target).spec_verifies > verifies  # drafting on the pool again
+    drafter = dict(d.controller.members())["drafters-0"]
+    _wait(lambda: _drafter_idle(_drafter_load(drafter)), 30, "the drafter to release the request")
+    assert _drafter_load(drafter).num_streams <= 1  # one stream per (target, drafter) pair at most
 
 
 # ---------------------------------------------------------------------------------- pd: P/D + PACK

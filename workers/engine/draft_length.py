@@ -1,17 +1,33 @@
-"""Adaptive draft length: how many tokens to draft for a request this step.
+"""Adaptive draft length: how many tokens each request drafts this step.
 
 Model (Leviathan et al. 2023; DuoDecoding's hardware-aware draft budget): with a per-token
 acceptance rate a, a window of k drafts yields E(k) = (1 - a^(k+1)) / (1 - a) tokens per target
-pass (the accepted prefix plus the target's own token), so E(k) - 1 more than plain decoding.
-Costs are fitted online from measured times:
-    step(n)  = s0 + s1 n   seconds of a decode-only target step computing n tokens (decodes + drafts)
+pass (the accepted prefix plus the target's own token), so E(k) - 1 = a + a^2 + ... + a^k more
+than plain decoding: the j-th draft is worth a^j tokens. Costs come from measured times:
+    step(n)  seconds of a decode-only target step computing n rows (decodes + drafts), priced from
+             the steps measured with that many rows (``RowCost``: the median of the recent ones;
+             between measured row counts interpolated, beyond them extrapolated by the fitted slope)
     draft(k) = d0 + d1 k   seconds the target waits for a drafter call drafting k tokens per request
-A step of B decoding requests produces tokens at rate r = B / step(B). Drafting k tokens for one
-request adds s1 k to the step, plus its share draft(k) / B of the wait for drafts (one call serves
-the batch). draft() fits the measured *wait*, so a drafter that overlaps its work with the target's
-step (draft_model.py's overlap) is already credited for what the overlap hides. The policy picks
-the k in 0..k_max with the largest net gain  E(k) - 1 - r * extra_seconds(k)  (in tokens; k = 0
-means decode plainly this step).
+A step of B decoding requests decodes B tokens in step(B). Drafting R rows in all (k_i per request,
+sum R) makes it step(B + R) plus the wait draft(max k_i) for the drafts (one call serves the
+step); in those extra seconds plain decoding would have produced B / step(B) tokens a second. So
+the step's plan (``plan_rows``) takes, for each R, the R most valuable drafts (a_i^j over requests
+i and positions j) and keeps the R with the largest net gain  sum a_i^j - extra seconds x B / step(B)
+(in tokens; R = 0 means decode plainly this step). draft() fits the measured *wait*, so a drafter
+that overlaps its work with the target's step (draft_model.py's overlap) is already credited for
+what the overlap hides. Seeded requests decide alone (``_best_k``, nominal costs: below).
+
+Why rows are priced from steps with that many rows and planned per step, not by a line fitted to
+decode steps and chosen per request: a line's slope is only learnt from steps of different sizes,
+and a batch whose requests all draft the same k runs steps of one size (B (1 + k)); and a line
+cannot price a kernel tile. The q4 CPU kernel's step is nearly flat up to 8 rows, jumps at 9 and
+then grows by the row (benchmarks/README.md, ``drafter_pool_e2e.py``, has the measured curve): a
+line fitted to 1-stream steps priced a verify row at a few ms, and 8 streams kept drafting at
+0.72x of plain decoding. Planned per step, one request's drafts that push 8 rows to 9 are charged
+the whole jump they cost, not a share. A row count never measured is priced optimistically (extrapolated from the
+nearest measured one by the fitted slope), so it gets tried and measured; the plain size step(B)
+is measured outright: at a batch size whose plain step has no sample, the step decodes plainly
+(``choose_step``), at most once per ``stale_after`` steps for each size.
 
 Per request, a is an exponential moving average of accepted / drafted (prior 0.6, so a new request
 speculates). A request whose drafts keep failing reaches k = 0; it is re-probed with k = 1 every
@@ -19,21 +35,28 @@ speculates). A request whose drafts keep failing reaches k = 0; it is re-probed 
 even perfect drafts would not pay at this batch (then a probe could not change the answer). That
 verdict rests on the fitted draft cost, which only drafting updates: one slow round (a drafter
 still warming up, a load spike) would otherwise turn speculation off for good, every later request
-included. So after ``stale_after`` choices without a draft sample, the next due probe runs anyway,
+included. So after ``stale_after`` steps without a draft sample, the next due probe runs anyway,
 followed by one more round at the next step: the first catches the drafter up on the tokens since
 it last drafted (not a sample: workers/engine/speculator.py fits steady rounds only), the second
 re-measures it.
 
 Worked example: batch 1, step(n) = 20 ms + 1 ms n, a = 0.8, prompt lookup (no draft cost):
-r = 1/21 tokens/ms; k = 4 gains E(4) - 1 = 2.36 tokens for 4 ms (0.19 tokens' worth): draft 4.
+a plain step is 21 ms; k = 4 gains E(4) - 1 = 2.36 tokens for 4 ms (0.19 tokens' worth): draft 4.
 With a = 0.1 and a drafter at 8 ms a token, k = 1 gains 0.1 tokens for 9 ms (0.43): decode
-plainly.
+plainly. Batch 8 on a kernel like the q4 one, say step(8) = 200 ms, step(16) = 480 ms, step(40) =
+840 ms, a = 0.8, drafts free: one draft each (R = 8) gains 6.4 tokens for 280 ms (11.2 tokens'
+worth at 8 tokens per 200 ms); four each (R = 32) gains 18.9 for 640 ms (25.6 tokens' worth):
+decode plainly.
 """
 
 from __future__ import annotations
 
+import bisect
+import statistics
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 PRIOR_ACCEPTANCE = 0.6
 EMA = 0.3  # weight of the newest observation
@@ -76,17 +99,112 @@ NOMINAL_STEP = _nominal(1.0, 0.05)
 NOMINAL_DRAFT = _nominal(0.0, 0.0)
 
 
-def _best_k(acceptance: float, k_cap: int, step: LinearCost, draft: LinearCost, batch: int) -> int:
-    """The k in 0..k_cap with the largest net gain (module doc); 0 if none beats a small margin."""
+class RowCost:
+    """Seconds of a decode-only step by the rows n it computes, from the steps measured with n rows:
+    the median of the last ``per_size`` of them (one slow step does not move it). A row count with no
+    sample is interpolated between the nearest measured ones below and above; outside the measured
+    range it is extrapolated from the nearest measured count by the slope of ``line`` (a least-squares
+    fit over every step, LinearCost: with one row count seen so far, its prior split). Nothing
+    measured at all: 0 (drafting is free until a step says otherwise, as before the first sample)."""
+
+    def __init__(self, prior_ratio: float, window: int = 32, per_size: int = 5) -> None:
+        self.line = LinearCost(prior_ratio, window)
+        self._per_size = per_size
+        self._by_rows: dict[int, deque[float]] = {}
+        self._medians: dict[int, float] = {}
+        self._sizes: list[int] = []  # the measured row counts, sorted
+
+    def add(self, n: int, seconds: float) -> None:
+        self.line.add(n, seconds)
+        samples = self._by_rows.get(n)
+        if samples is None:
+            samples = self._by_rows[n] = deque(maxlen=self._per_size)
+            bisect.insort(self._sizes, n)
+        samples.append(seconds)
+        self._medians[n] = statistics.median(samples)
+
+    def measured(self, n: int) -> bool:
+        return n in self._medians
+
+    def __call__(self, n: float) -> float:
+        med, sizes = self._medians, self._sizes
+        if not sizes:
+            return 0.0
+        j = bisect.bisect_left(sizes, n)
+        if j < len(sizes) and sizes[j] == n:
+            return med[sizes[j]]
+        if 0 < j < len(sizes):  # between two measured counts
+            lo, hi = sizes[j - 1], sizes[j]
+            return med[lo] + (n - lo) / (hi - lo) * (med[hi] - med[lo])
+        nearest = sizes[0] if j == 0 else sizes[-1]
+        if len(sizes) == 1:  # one row count: the prior's shape, scaled to what it measured
+            return med[nearest] * self.line(n) / max(self.line(nearest), 1e-12)
+        return max(0.0, med[nearest] + self.line.b * (n - nearest))
+
+
+Cost = Callable[[float], float]
+MARGIN = 0.02  # tokens per drafting request: do not speculate for noise
+MAX_PLAN_POINTS = 128  # total draft rows a step's plan evaluates at most (every one up to this, then a stride)
+
+
+def _best_k(acceptance: float, k_cap: int, step: Cost, draft: Cost, batch: int) -> int:
+    """One request's k in 0..k_cap with the largest net gain if the whole batch of ``batch`` drafted
+    like it (module doc); 0 if none beats the margin. Seeded requests decide with this alone."""
     a = min(acceptance, 0.999)
-    rate = batch / max(step(batch), 1e-9)  # tokens per second of plain decoding
-    best_k, best_gain = 0, 0.02  # a margin: do not speculate for noise
+    plain = max(step(batch), 1e-9)  # seconds of a plain step of the batch
+    best_k, best_gain = 0, MARGIN
     for k in range(1, k_cap + 1):
         extra_tokens = (1.0 - a ** (k + 1)) / (1.0 - a) - 1.0
-        gain = extra_tokens - rate * (step.b * k + draft(k) / batch)
+        gain = extra_tokens - (step(batch * (1 + k)) - step(batch) + draft(k)) / plain
         if gain > best_gain:
             best_k, best_gain = k, gain
     return best_k
+
+
+def _nominal_perfect_pays(k_cap: int, free_draft: bool) -> bool:
+    """Whether perfect drafts would pay a seeded request (nominal costs; drafting is free there)."""
+    return _best_k(1.0, k_cap, NOMINAL_STEP, NOMINAL_DRAFT, 1) > 0
+
+
+def plan_rows(requests: Sequence[tuple[float, int]], batch: int, step: Cost, draft: Cost,
+              base_rows: int = 0, base_k: int = 0) -> list[int]:
+    """Draft tokens for each of ``requests`` ((acceptance, cap) each) in one step of ``batch``
+    decoding requests, chosen together: the step's rows are what costs, and on a kernel whose step
+    grows by whole passes (flat up to 8 rows, say) one request's 4 drafts can cost a whole pass
+    that 8 requests' drafts would share. The j-th draft of a request with acceptance a is worth a^j
+    tokens (it counts if the j - 1 before it were kept); for each total R of draft rows the R most
+    valuable are taken (a request's drafts in order), and the R with the largest gain
+        sum of their worth - (step(B + R) - step(B) + draft wait) x B / step(B)
+    wins (the second term: tokens that plain decoding would have produced in the extra seconds).
+    base_rows / base_k: draft rows and the longest window already in the step (seeded requests,
+    decided on their own); the drafter call's wait is charged once for the step."""
+    values = sorted(((min(a, 0.999) ** j, j, i) for i, (a, cap) in enumerate(requests) for j in range(1, cap + 1)),
+                    key=lambda v: (-v[0], v[1], v[2]))
+    counts = [0] * len(requests)
+    if not values:
+        return counts
+    plain = max(step(batch), 1e-9)
+    worth = batch / plain  # tokens per second of plain decoding
+    rows0 = batch + base_rows
+    step0, wait0 = step(rows0), (draft(base_k) if base_k else 0.0)
+    n = len(values)
+    points = set(range(1, min(n, MAX_PLAN_POINTS) + 1)) if n <= MAX_PLAN_POINTS else \
+        {1 + (n - 1) * p // (MAX_PLAN_POINTS - 1) for p in range(MAX_PLAN_POINTS)}
+    best_r, best_gain, tokens, longest, drafting = 0, 0.0, 0.0, base_k, 0
+    for r, (value, j, i) in enumerate(values, 1):
+        tokens += value
+        drafting += counts[i] == 0
+        counts[i] += 1
+        longest = max(longest, j)
+        if r not in points:
+            continue
+        gain = tokens - (step(rows0 + r) - step0 + draft(longest) - wait0) * worth
+        if gain > MARGIN * drafting and gain > best_gain:
+            best_r, best_gain = r, gain
+    counts = [0] * len(requests)
+    for _, _, i in values[:best_r]:
+        counts[i] += 1
+    return counts
 
 
 @dataclass
@@ -104,26 +222,75 @@ class DraftLengthPolicy:
         self.adaptive = adaptive
         self.probe_every = probe_every
         self.stale_after = stale_after
-        self._since_draft = 0  # choices since the draft cost last got a sample
-        self.step = LinearCost(prior_ratio=0.05)  # target step seconds vs tokens it computes
+        self._since_draft = 0  # steps since the draft cost last got a sample
+        self._steps = 0  # steps that chose adaptively
+        self._plain_tried: dict[int, int] = {}  # batch size -> self._steps when a plain step was last forced for it
+        self.step = RowCost(prior_ratio=0.05)  # target step seconds vs rows it computes
         self.draft = LinearCost(prior_ratio=1e3)  # seconds waiting for a drafter call vs tokens drafted per request
         self._requests: dict[str, _Request] = {}
 
-    def choose(self, request_id: str, limit: int, batch: int = 1, reproducible: bool = False) -> int:
-        """Draft tokens for this request this step, at most ``limit`` (its remaining budget);
-        batch: decoding requests in the step. reproducible (seeded sampling): decide from the
-        request's own acceptance and nominal costs only (a step of 1 + 0.05 per token, drafting
-        free), never from timings or the batch, so the same seed gives the same draws."""
-        k_cap = min(self.k_max, limit)
-        if k_cap <= 0:
-            return 0
+    def choose_step(self, asks: Sequence[tuple[str, int, bool]]) -> list[int]:
+        """Draft tokens for every decoding request of one step: asks are (request id, limit: its
+        remaining budget, reproducible: seeded sampling) for each, so the batch is len(asks).
+        Seeded requests decide from their own acceptance and nominal costs only (a step of
+        1 + 0.05 per row, drafting free), never from timings or the batch, so the same seed gives the
+        same draws; the others are planned together (plan_rows) around them. If a plain step of
+        this batch size was never measured, the others decode plainly this step so it is measured
+        (at most once per stale_after steps per size: a step with seeded drafts does not measure it)."""
+        batch = len(asks)
+        ks = [0] * batch
         if not self.adaptive:
-            return k_cap
-        st = self._requests.setdefault(request_id, _Request())
-        step, draft = (NOMINAL_STEP, NOMINAL_DRAFT) if reproducible else (self.step, self.draft)
-        batch = 1 if reproducible else batch
-        best_k = _best_k(st.acceptance, k_cap, step, draft, batch)
+            return [max(0, min(self.k_max, limit)) for _, limit, _ in asks]
+        if not any(limit > 0 and self.k_max > 0 for _, limit, _ in asks):
+            return ks
+        self._steps += 1
         self._since_draft += 1
+        plain_step = False
+        if not self.step.measured(batch):
+            last = self._plain_tried.get(batch)
+            if last is None or self._steps - last >= self.stale_after:
+                self._plain_tried[batch] = self._steps
+                plain_step = True
+        stale = self._since_draft >= self.stale_after
+        planned: list[tuple[int, _Request, int]] = []
+        for i, (request_id, limit, reproducible) in enumerate(asks):
+            k_cap = min(self.k_max, limit)
+            if k_cap <= 0:
+                continue
+            st = self._requests.setdefault(request_id, _Request())
+            if reproducible:
+                best = _best_k(st.acceptance, k_cap, NOMINAL_STEP, NOMINAL_DRAFT, 1)
+                ks[i] = self._settle(st, best, partial(_nominal_perfect_pays, k_cap), stale=False)
+            elif plain_step:
+                st.probe_again = False  # (a stale probe's second round would not measure in this step)
+            else:
+                planned.append((i, st, k_cap))
+        if planned:
+            base_rows, base_k = sum(ks), max(ks)
+            step, draft = self.step, self.draft
+            plan = plan_rows([(st.acceptance, cap) for _, st, cap in planned], batch, step, draft, base_rows, base_k)
+            rows, longest = base_rows + sum(plan), max(base_k, *plan)
+
+            def perfect_pays(cap: int, free_draft: bool) -> bool:
+                # a probe is worth it only where some acceptance could make drafting pay: a request
+                # with perfect drafts, alone in this step beside the others' plan (free_draft: and a
+                # drafter that costs no wait)
+                return plan_rows([(1.0, cap)], batch, step, NOMINAL_DRAFT if free_draft else draft, rows, longest)[0] > 0
+
+            for (i, st, cap), best in zip(planned, plan):
+                ks[i] = self._settle(st, best, partial(perfect_pays, cap), stale=stale)
+                stale = stale and self._since_draft > 0  # (one stale probe per stale_after steps, not one per request)
+        return ks
+
+    def choose(self, request_id: str, limit: int, reproducible: bool = False) -> int:
+        """One request's draft tokens in a step where it decodes alone (choose_step of one)."""
+        return self.choose_step([(request_id, limit, reproducible)])[0]
+
+    def _settle(self, st: _Request, best_k: int, perfect_pays: Callable[[bool], bool], stale: bool) -> int:
+        """The request's k this step from its plan ``best_k``: a stale probe's second round, or a
+        probe every probe_every steps at k = 0. stale: the draft cost has had no sample for
+        stale_after steps. perfect_pays(free_draft): whether perfect drafts would pay (with a
+        drafter costing no wait)."""
         if st.probe_again:
             st.probe_again = False
             return max(best_k, 1)
@@ -131,13 +298,16 @@ class DraftLengthPolicy:
             st.steps_at_zero += 1
             # probe (re-measure acceptance) only where some acceptance could make drafting pay: at a
             # batch where even perfect drafts do not, a probe is a drafter call and a verify for nothing;
-            # unless that verdict rests on a draft cost nobody has re-measured for stale_after choices
-            stale = not reproducible and self._since_draft >= self.stale_after
-            if st.steps_at_zero % self.probe_every == 0 and (stale or _best_k(1.0, k_cap, step, draft, batch)):
-                if stale:
-                    self._since_draft = 0  # one stale probe per stale_after choices, not one per request
+            # unless that verdict rests on a draft cost nobody has re-measured for stale_after steps
+            # (and a cheaper drafter could change it: where even free drafts do not pay, the
+            # target's own rows decide and a re-measure could not)
+            if st.steps_at_zero % self.probe_every == 0:
+                if stale and perfect_pays(True):
+                    self._since_draft = 0  # one stale probe per stale_after steps, not one per request
                     st.probe_again = True
-                return 1
+                    return 1
+                if perfect_pays(False):
+                    return 1
         else:
             st.steps_at_zero = 0
         return best_k
@@ -150,7 +320,7 @@ class DraftLengthPolicy:
         st.acceptance += EMA * (accepted / drafted - st.acceptance)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A decode-only target step computed ``num_tokens`` tokens (decodes + drafts)."""
+        """A decode-only target step computed ``num_tokens`` rows (decodes + drafts)."""
         self.step.add(num_tokens, seconds)
 
     def observe_draft(self, tokens_per_request: float, seconds: float) -> None:

@@ -77,18 +77,19 @@ class Speculator:
 
     def draft(self, running: Iterable[Sequence], max_model_len: int) -> dict[str, Draft]:
         """Drafts for the running requests that are decoding and want speculation this step."""
-        asks = []
         decoding = [seq for seq in running if seq.in_decode]
+        limits = []
         for seq in decoding:
             p = seq.sampling_params
             wanted = self.config.num_speculative_tokens
             if p.num_speculative_tokens is not None:
                 wanted = min(wanted, p.num_speculative_tokens)
             # the drafts and the target's own token must fit max_tokens and the context limit
-            limit = min(wanted, p.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens)
-            k = self.policy.choose(seq.request_id, limit, len(decoding), reproducible=p.seed is not None)
-            if k > 0:
-                asks.append(DraftAsk(seq.request_id, seq.token_ids, k, p, self._drafters.get(seq.request_id)))
+            limits.append((seq.request_id, min(wanted, p.max_tokens - seq.num_output_tokens - 1,
+                                               max_model_len - seq.num_tokens), p.seed is not None))
+        ks = self.policy.choose_step(limits)  # the step's rows are planned together
+        asks = [DraftAsk(seq.request_id, seq.token_ids, k, seq.sampling_params, self._drafters.get(seq.request_id))
+                for seq, k in zip(decoding, ks) if k > 0]
         if not asks:
             return {}
         t0 = time.perf_counter()

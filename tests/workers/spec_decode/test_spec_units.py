@@ -4,6 +4,8 @@ and the scheduler / block manager's handling of drafts (budget, rollback of reje
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from workers.config import SchedulerConfig
 from workers.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence
-from workers.engine.draft_length import DraftLengthPolicy
+from workers.engine.draft_length import DraftLengthPolicy, RowCost
 from workers.spec_decode.ngram import NgramProposer, lookup
 from workers.engine.proposer import DraftAsk
 from workers.sample.rejection_sampler import accept_greedy, accept_sampled, target_probs
@@ -157,15 +159,18 @@ def test_adaptive_decodes_plainly_when_the_wait_for_drafts_costs_more_than_they_
 
 def test_adaptive_does_not_probe_where_even_perfect_drafts_would_not_pay():
     # as measured for the Qwen pair at batch 8 on 1 thread: a verify row costs what a decode row
-    # does, and every drafter call waits ~0.15 s: no acceptance can make drafting pay
-    pol = DraftLengthPolicy(k_max=6)
+    # does, and every drafter call waits ~0.15 s: no acceptance can make drafting pay (the stale
+    # draft-cost re-probe, tested below, is out of the way)
+    pol = DraftLengthPolicy(k_max=6, stale_after=10**6)
     for n in (8, 16, 24, 40, 8, 32, 48, 16):
         pol.observe_step(n, 0.001 + 0.020 * n)
     for k in (1, 2, 4, 6, 3):
         pol.observe_draft(k, 0.150 + 0.008 * k)
-    for _ in range(20):
-        pol.observe("r", 4, 0)
-    assert [pol.choose("r", 10, batch=8) for _ in range(16)] == [0] * 16  # no probes
+    asks = [(f"r{i}", 10, False) for i in range(8)]
+    for rid, _, _ in asks:
+        for _ in range(20):
+            pol.observe(rid, 4, 0)
+    assert [pol.choose_step(asks) for _ in range(16)] == [[0] * 8] * 16  # no probes
 
 
 def test_adaptive_remeasures_a_draft_cost_that_turned_drafting_off_for_good():
@@ -190,6 +195,121 @@ def test_adaptive_respects_the_limit_and_switch():
     pol = _trained()
     assert pol.choose("r", 2) <= 2 and pol.choose("r", 0) == 0
     assert DraftLengthPolicy(k_max=3, adaptive=False).choose("x", 10) == 3
+
+
+def test_row_cost_prices_a_row_count_from_the_steps_that_had_it():
+    cost = RowCost(prior_ratio=0.05)
+    assert cost(8) == 0.0  # nothing measured: free, as before the first step
+    for s in (0.5, 0.5, 4.0, 0.5):  # one slow step (a load spike) does not move the median
+        cost.add(8, s)
+    assert cost(8) == 0.5 and cost.measured(8) and not cost.measured(40)
+    # one row count seen: others follow the prior's shape (1 + 0.05 n), scaled to it
+    assert cost(40) == estimate(0.5 * 3.0 / 1.4, rel=1e-12, why="float64 arithmetic of a few terms") and cost(40) < 2.0
+    for _ in range(3):
+        cost.add(40, 2.5)
+    assert cost(24) == 1.5  # between measured counts: interpolated (8: 0.5, 40: 2.5)
+    assert cost(40) == 2.5
+    # beyond them: from the nearest measured count by the fitted slope (here 2 s / 32 rows)
+    assert cost(48) == estimate(2.5 + cost.line.b * 8, rel=1e-12, why="float64 arithmetic of a few terms")
+    assert cost.line.b > 0.0
+
+
+def _simulate(policy: DraftLengthPolicy, streams: int, steps: int, acceptance: float, step_s, draft_s,
+              rng: random.Random) -> tuple[float, list[list[int]]]:
+    """Runs ``steps`` decode steps of ``streams`` requests the way the Speculator drives the policy
+    (choose_step, the step's and the drafter's measured times, each verify's
+    acceptance: every draft kept with probability ``acceptance`` until the first miss); returns
+    (tokens per second, each step's choices)."""
+    seconds = tokens = 0.0
+    choices = []
+    for _ in range(steps):
+        ks = policy.choose_step([(f"r{i}", 100, False) for i in range(streams)])
+        choices.append(ks)
+        rows = streams + sum(ks)
+        dt = step_s(rows)
+        if any(ks):
+            wait = draft_s(max(ks))
+            policy.observe_draft(sum(ks) / sum(1 for k in ks if k), wait)
+            dt += wait
+        policy.observe_step(rows, step_s(rows))
+        for i, k in enumerate(ks):
+            kept = 0
+            while kept < k and rng.random() < acceptance:
+                kept += 1
+            policy.observe(f"r{i}", k, kept)
+            tokens += kept + 1
+        seconds += dt
+    return tokens / seconds, choices
+
+
+# A target step's ms by rows shaped like Qwen2.5-Coder-1.5B q4 on one CPU thread (the curve in
+# benchmarks/README.md, drafter_pool_e2e.py's section): nearly flat to 8 rows, +200 ms at 9, then
+# ~16 ms a row. Between the listed counts: linear.
+Q4_STEP_MS = {1: 141, 2: 144, 5: 170, 8: 196, 9: 396, 12: 422, 16: 478, 24: 636, 32: 699, 40: 835}
+
+
+def _q4_step(rows: int) -> float:
+    sizes = sorted(Q4_STEP_MS)
+    hi = next(m for m in sizes if m >= rows)
+    lo = max(m for m in sizes if m <= rows)
+    ms = Q4_STEP_MS[lo] if lo == hi else Q4_STEP_MS[lo] + (rows - lo) / (hi - lo) * (Q4_STEP_MS[hi] - Q4_STEP_MS[lo])
+    return ms / 1e3
+
+
+def _draft_wait(k: int) -> float:  # an overlapped drafter: 5 ms + 10 ms a draft position
+    return 0.005 + 0.010 * k
+
+
+def test_adaptive_declines_at_8_streams_on_the_measured_q4_kernel_after_1_stream_drafted():
+    # the bench's order: one stream first (drafting 4 costs ~+30 ms a step: it pays), then eight. A
+    # line fitted to those steps prices a row at ~7 ms; at 8 streams a verify of 8 x 2 rows costs
+    # 2.4x a plain step and 8 x 5 rows 4.3x: drafting at any depth loses (k = 4 at acceptance 0.8:
+    # 0.8x), so the policy must decline.
+    policy = DraftLengthPolicy(k_max=4)
+    rng = random.Random(0)
+    rate1, _ = _simulate(policy, 1, 100, 0.8, _q4_step, _draft_wait, rng)
+    assert rate1 * _q4_step(1) >= 1.5  # 1 stream drafts: 1.5x+ of one token per plain step
+    plain = 8 / _q4_step(8)
+    for k in range(1, 5):  # every fixed depth loses here
+        assert 8 * (1 - 0.8 ** (k + 1)) / 0.2 / (_q4_step(8 * (1 + k)) + _draft_wait(k)) < plain
+    rate8, choices = _simulate(policy, 8, 200, 0.8, _q4_step, _draft_wait, rng)
+    assert rate8 / plain >= 0.97  # ~1.0x
+    late = [k for ks in choices[10:] for k in ks]
+    assert late.count(0) / len(late) >= 0.97
+
+
+def test_adaptive_drafts_alone_but_not_beside_plain_requests_past_a_kernel_tile():
+    # 8 streams, one of them with drafts that are always right, the others' never: drafting 4 for
+    # that one alone takes the step from 8 to 12 rows, across the 8-row tile (+226 ms): not worth
+    # 3.4 tokens against a 196 ms step of 8. With 4 streams (8 rows after its 4 drafts) it is.
+    for streams, want_drafts in ((8, False), (4, True)):
+        policy = DraftLengthPolicy(k_max=4, stale_after=10**6)
+        for n in range(streams, streams + 33):  # every size already measured
+            policy.observe_step(n, _q4_step(n))
+        for k in range(1, 5):
+            policy.observe_draft(k, _draft_wait(k))
+        for _ in range(20):
+            policy.observe("good", 4, 4)
+            for i in range(streams - 1):
+                policy.observe(f"bad{i}", 4, 0)
+        ks = policy.choose_step([("good", 10, False)] + [(f"bad{i}", 10, False) for i in range(streams - 1)])
+        assert ks[1:] == [0] * (streams - 1)
+        assert (ks[0] > 0) == want_drafts, (streams, ks)
+
+
+def test_a_batch_size_with_no_plain_step_measured_decodes_plainly_once():
+    policy = DraftLengthPolicy(k_max=4, stale_after=64)
+    for _ in range(3):
+        policy.observe_step(40, 1.7)  # only verify steps of 8 x 5 rows so far
+    asks = [(f"r{i}", 10, False) for i in range(7)] + [("seeded", 10, True)]
+    ks = policy.choose_step(asks)
+    assert ks[:7] == [0] * 7  # this step measures step(8) ...
+    assert ks[7] > 0  # ... but seeded requests decide as always (so it does not)
+    assert sum(policy.choose_step(asks)[:7]) > 0  # tried already: not again so soon; drafting looks cheap
+    policy.observe_step(8, 0.42)
+    assert policy.choose_step(asks)[:7] == [0] * 7  # now priced: 8 x 5 rows cost 4x a plain step
+    assert not policy.step.measured(4)
+    assert policy.choose_step(asks[:4]) == [0] * 4  # the first step of 4: plain, to measure it
 
 
 # ------------------------------------------------- scheduler and block rollback
@@ -231,10 +351,12 @@ def test_adaptive_is_timing_free_for_reproducible_requests():
     for n in (1, 3, 5, 7, 2, 4, 6, 8):
         slow.observe_step(n, 0.001 + 0.05 * n)  # drafts very expensive here
     for pol in (fast, slow):
-        for _ in range(5):
-            pol.observe("r", 4, 2)
-    assert slow.choose("r", 6, batch=8) < fast.choose("r", 6)  # timings matter normally ...
-    assert slow.choose("r", 6, batch=8, reproducible=True) == fast.choose("r", 6, batch=1, reproducible=True)
+        for i in range(8):
+            for _ in range(5):
+                pol.observe(f"r{i}", 4, 2)
+    assert max(slow.choose_step([(f"r{i}", 6, False) for i in range(8)])) < fast.choose("r0", 6)  # timings matter ...
+    want = fast.choose("r1", 6, reproducible=True)
+    assert slow.choose_step([(f"r{i}", 6, True) for i in range(8)]) == [want] * 8  # ... except for seeded requests
 
 
 # ------------------------------------------------------- verification with penalties
