@@ -51,6 +51,9 @@ class CacheConfig:
     host_tier_shared: keep the host tier in the node's shared memory (/dev/shm), one copy per node
         and model, shared by the node's workers and kept across a worker's restart
         (workers/kv/tiers/node.py); host_tier_bytes is then the node's budget. CPU workers only.
+    host_tier_dir: the directory the shared host tier lives in (None = /dev/shm). A memory-backed
+        filesystem (tmpfs) every worker of the node sees at the same path, e.g. a pod's
+        ``emptyDir: {medium: Memory}`` mount; workers share a tier only when they name the same one.
     tier_policy: which block a full tier gives up first: 'lru' (least recently used).
     tier_load_timeout_s: a new request whose prefix continues on disk waits at most this long for
         the reads (outside the scheduler); then it recomputes what has not arrived.
@@ -73,6 +76,7 @@ class CacheConfig:
     disk_tier_bytes: int = 0
     disk_tier_dir: str | None = None
     host_tier_shared: bool = False
+    host_tier_dir: str | None = None
     tier_policy: str = "lru"
     tier_load_timeout_s: float = 0.5
     kv_cache_dtype: str = "auto"
@@ -99,6 +103,10 @@ class CacheConfig:
         if self.host_tier_shared and not self.host_tier_bytes:
             raise ConfigError("cache.host_tier_shared=true with cache.host_tier_bytes=0: set the node tier's budget "
                               "in host_tier_bytes (e.g. 4GiB) or host_tier_shared to false")
+        if self.host_tier_dir is not None and not (isinstance(self.host_tier_dir, str)
+                                                   and self.host_tier_dir.startswith("/")):
+            raise ConfigError(f"cache.host_tier_dir={self.host_tier_dir!r}: must be an absolute path (a tmpfs such "
+                              "as /dev/shm) or unset")
         if self.tier_policy not in TIER_POLICIES:
             raise ConfigError(f"cache.tier_policy={self.tier_policy!r}: must be one of {', '.join(TIER_POLICIES)}")
         if not self.tier_load_timeout_s > 0:

@@ -135,6 +135,7 @@ class ModelSection(_Model):
     ("disk_tier_bytes", Part(CacheConfig, "disk_tier_bytes", type=ByteCount)),
     ("disk_tier_dir", Part(CacheConfig, "disk_tier_dir")),
     ("host_tier_shared", Part(CacheConfig, "host_tier_shared")),
+    ("host_tier_dir", Part(CacheConfig, "host_tier_dir")),
     ("tier_policy", Part(CacheConfig, "tier_policy")),
     ("tier_load_timeout_s", Part(CacheConfig, "tier_load_timeout_s")),
     ("kv_cache_dtype", Part(CacheConfig, "kv_cache_dtype")),

@@ -18,17 +18,13 @@ from cluster.config.duet import load_config
 from cluster.deploy.serve import start_deployment
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import complete
-from workers.kv.tiers.node import PREFIX
+from testkit.node_tier import node_dirs, private_node_root
 
 KV_BYTES = 16 << 20  # 22 blocks of 16 tokens with fp32 KV (352 tokens), 45 with bf16
 NAMESPACE = "duet_e2e_nodetier"
 SYSTEM = [1, 9690, 198] + list(range(2000, 2125))  # 128 tokens: 8 blocks
 TURN1 = SYSTEM + list(range(3000, 3030))
 FILLERS = [list(range(5000 + 400 * i, 5300 + 400 * i)) for i in range(3)]  # 3 x 20 blocks: more than the cache
-
-
-def _node_dirs() -> list[Path]:
-    return sorted(Path("/dev/shm").glob(f"{PREFIX}*"))
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +57,16 @@ def reference(smollm2_path):
 
 
 def test_a_killed_worker_restarted_on_the_node_reuses_the_node_tier(ray_cluster, smollm2_path, reference):
-    if _node_dirs():
-        pytest.skip(f"another process uses a node tier now ({_node_dirs()}): this test checks /dev/shm is left empty")
+    with private_node_root() as root:
+        _restart_reuses(smollm2_path, reference, root)
+
+
+def _restart_reuses(smollm2_path, reference, root: Path) -> None:
     out1, turn2, out2 = reference
     config = load_config(env={}, overrides={
         "model.name": str(smollm2_path), "pool.replicas": 1, "pool.cpus_per_replica": 1,
         "pool.engine.kv_cache_memory_bytes": KV_BYTES, "pool.engine.host_tier_bytes": 64 << 20,
-        "pool.engine.host_tier_shared": True, "router.port": 0, "router.http_port": 0, "controller.port": 0,
+        "pool.engine.host_tier_shared": True, "pool.engine.host_tier_dir": str(root), "router.port": 0, "router.http_port": 0, "controller.port": 0,
         "ray.namespace": NAMESPACE, "controller.poll_interval_s": 0.2, "controller.start_timeout_s": 240})
     d = start_deployment(config)
     try:
@@ -78,7 +77,7 @@ def test_a_killed_worker_restarted_on_the_node_reuses_the_node_tier(ray_cluster,
         assert generate(TURN1) == out1
         for filler in FILLERS:  # the conversation leaves the device cache: into the node's tier
             generate(filler)
-        assert len(_node_dirs()) == 1
+        assert len(node_dirs(root)) == 1
         [(victim, endpoint)] = d.controller.members()
         ray.kill(d.pool.replica(victim).actor, no_restart=False)  # a crash: Ray restarts it on this node
         assert d.controller.wait_for(lambda m: dict(m).get(victim) not in (None, endpoint), timeout=240), \
@@ -100,4 +99,4 @@ def test_a_killed_worker_restarted_on_the_node_reuses_the_node_tier(ray_cluster,
         assert load.tier_refused_corrupt == load.tier_refused_foreign == 0
     finally:
         d.stop()
-    assert _node_dirs() == []  # the last user out removed the node's tier
+    assert node_dirs(root) == []  # the last user out removed the node's tier

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from testkit.node_tier import node_dirs, private_node_root
 from testkit.router_fakes import LoopThread, wait_until
 from testkit.static_controller import StaticController
 
@@ -23,7 +24,6 @@ from router.config import RouterConfig
 from router.server import serve_router
 from workers.block_hash import Tier, chain_hashes
 from workers.config import CacheConfig, EngineConfig
-from workers.kv.tiers.node import PREFIX
 from workers.server.service import start_worker_server
 
 KV_BYTES = 16 << 20  # 22 blocks of 16 tokens with fp32 KV (352 tokens), 45 with bf16
@@ -35,17 +35,16 @@ FILLERS = [list(range(5000 + 400 * i, 5300 + 400 * i)) for i in range(3)]  # 3 x
 NODE_BYTES = 512 << 20
 
 
-def _node_dirs() -> list[Path]:
-    return sorted(Path("/dev/shm").glob(f"{PREFIX}*"))
-
-
 @pytest.fixture(scope="module")
 def cluster(smollm2_path, tok):
-    if _node_dirs():
-        pytest.skip(f"another process uses a node tier now ({_node_dirs()}): this test checks /dev/shm is left empty")
+    with private_node_root() as root:
+        yield from _cluster(smollm2_path, tok, root)
+
+
+def _cluster(smollm2_path, tok, root: Path):
     lt = LoopThread()
     shared = EngineConfig(model=str(smollm2_path), cache=CacheConfig(
-        kv_cache_memory_bytes=KV_BYTES, host_tier_bytes=NODE_BYTES, host_tier_shared=True))
+        kv_cache_memory_bytes=KV_BYTES, host_tier_bytes=NODE_BYTES, host_tier_shared=True, host_tier_dir=str(root)))
     workers = [lt.run(start_worker_server(shared, worker_id=f"w{i}"), timeout=600) for i in range(2)]
     plain = lt.run(start_worker_server(EngineConfig(model=str(smollm2_path), cache=CacheConfig(
         kv_cache_memory_bytes=KV_BYTES)), worker_id="plain"), timeout=600)  # tiers off: the reference
@@ -54,14 +53,14 @@ def cluster(smollm2_path, tok):
                                        load_poll_interval_s=0.05, membership_address=service.address,
                                        membership_wait_s=10.0), [], tokenizer=tok)
     try:
-        yield router, workers, plain
+        yield router, workers, plain, root
     finally:
         router.stop(0)
         service.stop()
         for w in [*workers, plain]:
             lt.run(w.stop(grace=1))
         lt.close()
-    assert _node_dirs() == []  # the last worker out removed the node tier
+    assert node_dirs(root) == []  # the last worker out removed the node tier
 
 
 def _generate(address: str, ids: list[int]) -> list[int]:
@@ -89,16 +88,18 @@ def _load_tokens(router, worker_id: str) -> int:
 
 
 def test_a_prefix_a_neighbour_put_in_the_node_tier_is_routed_on_and_loaded(cluster):
-    router, (w0, w1), plain = cluster
+    router, (w0, w1), plain, _ = cluster
     index = router.server.prefix_index
     policy = router.server.pipeline.policy
     wait_until(lambda: all(index.knows(w.worker_id) for w in (w0, w1)), what="both workers reported", timeout=30)
     out1 = _submit(w0.endpoint, "t1", TURN1)  # w0 alone computes turn 1...
     for i, filler in enumerate(FILLERS):  # ...and pushes it out of its device cache into the node tier
         _submit(w0.endpoint, f"f{i}", filler)
-    # w1 never saw the conversation; the node tier's feed makes it report the prefix in host
-    wait_until(lambda: index.match_tiers(SYSTEM).get("w1", [])[:8] == [Tier.HOST] * 8,
-               what="w1 reports the node tier's copy of the prefix", timeout=60)
+    turn2 = TURN1 + out1 + list(range(3100, 3130))
+    # w1 never saw the conversation; the node tier's feed makes it report the prefix in host: every
+    # block w0 reports of it (the feed's pass may trail w0's own eviction events by a second)
+    wait_until(lambda: (m := index.match_tiers(turn2)).get("w1", [])[:8] == [Tier.HOST] * 8
+               and m.get("w1") == m.get("w0"), what="w1 reports the node tier's copy of the prefix", timeout=60)
     assert index.match_tiers(SYSTEM)["w0"] == [Tier.HOST] * 8
     # w0 gets busy: the router weighs the two equal host hits against load and picks w1
     busy = threading.Thread(target=_submit, args=(w0.endpoint, "busy", list(range(7000, 7040)), 400))
@@ -107,7 +108,6 @@ def test_a_prefix_a_neighbour_put_in_the_node_tier_is_routed_on_and_loaded(clust
         wait_until(lambda: _load_tokens(router, "w0") > 100, what="the router sees w0 busy", timeout=20)
         before = _load(w1.endpoint).tier_host_hits
         host_blocks = policy.counters()["matched_host_blocks"]
-        turn2 = TURN1 + out1 + list(range(3100, 3130))
         got = _generate(router.address, turn2)
         assert policy.counters()["matched_host_blocks"] - host_blocks >= len(SYSTEM) // 16  # routed on the hit
         assert _load(w1.endpoint).tier_host_hits - before >= len(SYSTEM) // 16  # w1 loaded it from the node tier
@@ -117,7 +117,7 @@ def test_a_prefix_a_neighbour_put_in_the_node_tier_is_routed_on_and_loaded(clust
 
 
 def test_a_block_deleted_from_the_node_tier_stops_being_reported_by_every_worker(cluster):
-    router, (w0, w1), _ = cluster
+    router, (w0, w1), _, root = cluster
     index = router.server.prefix_index
     turn = [1, 9690, 198] + list(range(8000, 8090))  # 93 tokens: 5 full blocks
     _submit(w0.endpoint, "d1", turn)
@@ -126,7 +126,7 @@ def test_a_block_deleted_from_the_node_tier_stops_being_reported_by_every_worker
     hashes = chain_hashes(turn, 16)
     wait_until(lambda: all(index.match_tiers(turn).get(w, [])[:1] == [Tier.HOST] for w in ("w0", "w1")),
                what="both report the prefix in host", timeout=60)
-    (node_dir,) = _node_dirs()
+    (node_dir,) = node_dirs(root)
     for path in node_dir.glob("*.kvb"):  # the node tier loses every block (another worker's eviction pass)
         path.unlink()
     # no lookup happens: the feed reports the removal within its interval (1 s), the router drops it

@@ -186,3 +186,14 @@ def test_config_shared_host_tier():
     assert store is not None and isinstance(store.host, NodeTier)
     store.close()
     assert not store.host.dir.exists()
+
+
+def test_config_host_tier_dir(tmp_path):
+    """cache.host_tier_dir: where the node tier lives (absolute); the store builds it there."""
+    with pytest.raises(ConfigError, match="cache.host_tier_dir='shm': must be an absolute path"):
+        CacheConfig(host_tier_bytes=1 << 20, host_tier_shared=True, host_tier_dir="shm")
+    cache = CacheConfig(host_tier_bytes=1 << 20, host_tier_shared=True, host_tier_dir=str(tmp_path))
+    store = make_tier_store(cache, LAYOUT, FP, pin=False)
+    assert store is not None and isinstance(store.host, NodeTier) and store.host.dir.parent == tmp_path
+    store.close()
+    assert list(tmp_path.iterdir()) == []

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+from testkit.node_tier import node_dirs, private_node_root
 from testkit.router_fakes import LoopThread
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from workers.block_hash import Tier, chain_hashes
 from workers.config import CacheConfig, EngineConfig
-from workers.kv.tiers.node import PREFIX
 from workers.server.service import start_worker_server
 
 KV_BYTES = 16 << 20  # 22 blocks of 16 tokens with fp32 KV (352 tokens), 45 with bf16
@@ -45,10 +45,6 @@ def _reported_tiers(endpoint: str) -> dict[int, int]:
     return dict(zip(r.blocks_stored, r.blocks_stored_tiers or [Tier.DEVICE] * len(r.blocks_stored)))
 
 
-def _node_dirs() -> list[Path]:
-    return sorted(Path("/dev/shm").glob(f"{PREFIX}*"))
-
-
 @pytest.fixture(scope="module")
 def reference(smollm2_path):
     """Turns 1, 2 and 3 computed by a worker with tiers off (the plain path)."""
@@ -69,10 +65,13 @@ def reference(smollm2_path):
 
 
 def test_workers_of_a_node_share_the_host_tier_and_a_restarted_one_reuses_it(smollm2_path, reference):
-    if _node_dirs():
-        pytest.skip(f"another process uses a node tier now ({_node_dirs()}): this test checks /dev/shm is left empty")
+    with private_node_root() as root:
+        _share_and_restart(smollm2_path, reference, root)
+
+
+def _share_and_restart(smollm2_path, reference, root: Path) -> None:
     config = EngineConfig(model=str(smollm2_path), cache=CacheConfig(
-        kv_cache_memory_bytes=KV_BYTES, host_tier_bytes=64 << 20, host_tier_shared=True))
+        kv_cache_memory_bytes=KV_BYTES, host_tier_bytes=64 << 20, host_tier_shared=True, host_tier_dir=str(root)))
     lt = LoopThread()
     workers = [lt.run(start_worker_server(config, worker_id=f"w{i}"), timeout=600) for i in range(2)]
     try:
@@ -80,7 +79,7 @@ def test_workers_of_a_node_share_the_host_tier_and_a_restarted_one_reuses_it(smo
         assert _submit(workers[0].endpoint, "t1", turn1) == out1
         for i, filler in enumerate(FILLERS):  # push the conversation out of w0's device cache: into the node tier
             _submit(workers[0].endpoint, f"f{i}", filler)
-        assert len(_node_dirs()) == 1
+        assert len(node_dirs(root)) == 1
         # w1 never saw the conversation: it loads it from the node's tier instead of computing it
         before = _host_hits(workers[1].endpoint)
         assert _submit(workers[1].endpoint, "t2", turn2) == out2
@@ -104,4 +103,4 @@ def test_workers_of_a_node_share_the_host_tier_and_a_restarted_one_reuses_it(smo
             lt.run(w.stop(grace=1))
         lt.close()
     gc.collect()
-    assert _node_dirs() == []  # the last worker out removed the node tier
+    assert node_dirs(root) == []  # the last worker out removed the node tier
