@@ -420,8 +420,9 @@ class EngineConfig:
         rows (kernels/linear.py ``prepack``): ``F.linear`` on a plain bf16 weight reorders it on every
         call. The results are oneDNN's GEMM's either way; the cost is a second copy of those weights
         in memory (true by default; false: one copy, the per-call reorder).
-    quantized_batches: how a quantized model (int8, q4) on the CPU runs batches of more than 64 rows
-        (prompt chunks; decode batches up to 64 always take the quantized kernels):
+    quantized_batches: how a quantized model (int8, q4) on the CPU runs more than 64 prompt rows in a
+        step (decode rows, plain or speculative verify, always take the quantized kernels, so a
+        request's numbers do not depend on what shares its step):
         'kernel' on the quantized kernels; 'bf16' on a oneDNN-packed bf16 copy of each layer's
         de-quantized weight (the same values to bf16's 8 significant bits, 2 more bytes per weight
         of memory; workers/layers/quant_linear.py); 'auto' (default) = 'bf16' where the CPU has AMX,

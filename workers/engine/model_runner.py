@@ -42,6 +42,7 @@ from workers.errors import ConfigError
 from workers.lora.adapter_set import AdapterSet
 from workers.lora.attach import attach_lora
 from workers.layers.attention_metadata import AttentionMetadata, PrefillSpan
+from workers.layers.quant_linear import StepRows
 from workers.layers.ring_attention import RingChunk, zigzag_pieces
 from workers.sample.draw import skip_draws
 from workers.sample.logprobs import TokenLogprob
@@ -174,6 +175,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, spec: ModelSpec, config: EngineConfig, num_blocks: int) -> None:
         self.model = model
+        self._step_rows: StepRows | None = getattr(model, "step_rows", None)  # set by the loader's bf16 copies
         self.spec = spec
         self.config = config
         # a runner built around an already loaded model (tests) may get an unresolved 'auto': the
@@ -444,6 +446,8 @@ class ModelRunner:
             return self.graphs.run(input_ids, positions, meta), sample_rows
         rest, split = self.sp_split(multis)
         input_ids, positions, meta, sample_rows = self._prepare(singles + rest, len(singles), split)
+        if self._step_rows is not None:  # quantized layers keep the decode rows on their kernel
+            self._step_rows.decode = len(singles)
         if self.adapters is None:
             self._prepare_s = time.perf_counter() - t0  # (RunnerTiming.prepare_s of this step)
             return self.model(input_ids, positions, self.kv_caches, meta), sample_rows

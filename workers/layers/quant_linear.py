@@ -55,6 +55,20 @@ _BUFFERS = {"int8": ("qweight", "scales"), "q4": ("qweight", "scales", "mins")}
 BF16_COPY_MIN_ROWS = 64
 
 
+class StepRows:
+    """How many of the current step's rows lead as decode rows (plain decodes and speculative verify
+    rows: the model runner puts them first and sets ``decode`` before each forward pass). Shared by a
+    model's quantized layers that keep a bf16 copy: a step that also carries a long prompt chunk runs
+    only the prompt rows on the copy and its decode rows on the quantized kernel, so a decode row's
+    numbers never depend on what else the step carries (greedy output does not change with load,
+    and speculative verification stays exact)."""
+
+    __slots__ = ("decode",)
+
+    def __init__(self) -> None:
+        self.decode = 0
+
+
 @dataclass(frozen=True)
 class QuantizedWeight:
     """An already-quantized [N, K] weight in one of our formats; ``tensors`` maps buffer name ->
@@ -134,14 +148,17 @@ class QuantLinear(nn.Module):
         # the de-quantized weight in bf16, oneDNN-packed (``make_bf16_copy``; None = none): derived
         # state, never saved or shared
         self.bf16_copy: torch.Tensor | None = None
+        self.step_rows: StepRows | None = None  # with a bf16 copy: the step's leading decode rows (StepRows)
 
-    def make_bf16_copy(self) -> bool:
+    def make_bf16_copy(self, step_rows: StepRows | None = None) -> bool:
         """Keep the de-quantized weight as a oneDNN-packed bf16 copy (kernels/linear.py ``prepack``) for
         batches of more than BF16_COPY_MIN_ROWS rows; True if made (CPU with oneDNN only). The copy
         holds this layer's quantized values (each rounded to bf16: 8 significant bits, far finer
-        than the 4- or 8-bit grid they sit on); it costs 2 bytes per weight of memory."""
+        than the 4- or 8-bit grid they sit on); it costs 2 bytes per weight of memory. step_rows: the
+        model's StepRows (its decode rows stay on the quantized kernel)."""
         if not self.qweight.is_cpu:
             return False
+        self.step_rows = step_rows
         w = self.quantized_weight().dequantize()  # [N, K] fp32
         self.bf16_copy = prepack(w.to(torch.bfloat16))
         return self.bf16_copy is not None
@@ -182,11 +199,20 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]. Reads _buffers / _parameters directly: nn.Module.__getattr__ is a
         # slow Python fallback, and a decode step would make hundreds of those lookups.
-        b: dict[str, Any] = self._buffers  # all registered in __init__
         bias = self._parameters["bias"]
-        if self.bf16_copy is not None and x.numel() > BF16_COPY_MIN_ROWS * x.shape[-1]:
-            y = packed_linear(x.to(torch.bfloat16), self.bf16_copy, self.out_features).float()
-            return y if bias is None else y.add_(bias)
+        copy = self.bf16_copy
+        if copy is not None and x.numel() > BF16_COPY_MIN_ROWS * x.shape[-1]:
+            rows = self.step_rows
+            n = rows.decode if rows is not None and x.dim() == 2 and rows.decode < x.shape[0] else 0
+            if x.shape[0] - n > BF16_COPY_MIN_ROWS:  # the prompt rows on the copy, decode rows on the kernel
+                y = packed_linear(x[n:].to(torch.bfloat16), copy, self.out_features).float()
+                if bias is not None:
+                    y.add_(bias)
+                return y if n == 0 else torch.cat([self._kernel(x[:n], bias), y])
+        return self._kernel(x, bias)
+
+    def _kernel(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        b: dict[str, Any] = self._buffers  # all registered in __init__
         if self._int8:
             return int8_linear(x, b["qweight"], b["scales"], bias)
         return q4_linear(x, b["qweight"], b["scales"], b["mins"], bias)

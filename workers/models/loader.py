@@ -26,7 +26,7 @@ import torch
 from workers.errors import CheckpointError
 from kernels.cpu_features import features
 from workers.layers.linear import Linear
-from workers.layers.quant_linear import BF16_COPY_MIN_ROWS, QuantLinear
+from workers.layers.quant_linear import BF16_COPY_MIN_ROWS, QuantLinear, StepRows
 from workers.layers.vocab_parallel import ParallelLMHead
 from workers.models.checkpoint import gguf_source
 from workers.models.config import ModelSpec
@@ -107,7 +107,9 @@ def load_model(
         model.fused_decode = fused_decode
     if quantization != "none" and torch.device(device).type == "cpu" and (
             quantized_batches == "bf16" or (quantized_batches == "auto" and features().amx)):
-        copies = sum(m.make_bf16_copy() for m in model.modules() if isinstance(m, QuantLinear))
+        step_rows = StepRows()  # the runner sets its decode rows each step (ModelRunner.forward)
+        copies = sum(m.make_bf16_copy(step_rows) for m in model.modules() if isinstance(m, QuantLinear))
+        setattr(model, "step_rows", step_rows)  # noqa: B010 - any model class; ModelRunner reads it
         logger.info("%d quantized layers keep a bf16 copy for batches of more than %d rows", copies,
                     BF16_COPY_MIN_ROWS)
     if prepack_weights:

@@ -107,3 +107,30 @@ def test_q4_model_with_bf16_batches_scores_like_its_kernels(smollm2_path: Path) 
     agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     assert agree == estimate(1.0, abs=0.06, why="the same 4-bit weights with bf16 instead of int8 activations: they"
                                                 " flip greedy near-ties about as often as q4 vs fp32 does (95.9%)")
+
+
+def test_a_steps_decode_rows_stay_on_the_quantized_kernel() -> None:
+    """StepRows: in a step of n decode rows then a long prompt chunk, the decode rows run on the
+    quantized kernel (the same bits as a decode-only step: no load-dependent numbers) and only the
+    prompt rows on the bf16 copy; without step rows the whole batch goes to the copy as before."""
+    from workers.layers.quant_linear import BF16_COPY_MIN_ROWS, QuantLinear, StepRows
+
+    g = torch.Generator().manual_seed(4)
+    for method in ("q4", "int8"):
+        layer = QuantLinear(576, 960, bias=True, method=method)
+        layer.load_weight(torch.randn(960, 576, generator=g) * 576**-0.5)
+        layer.weight_loader(layer.bias, torch.randn(960, generator=g))
+        rows = StepRows()
+        if not layer.make_bf16_copy(rows):
+            continue  # no oneDNN to pack with: the kernel runs every row anyway
+        decode, prompt = torch.randn(5, 576, generator=g), torch.randn(BF16_COPY_MIN_ROWS + 7, 576, generator=g)
+        alone = layer(decode)  # a decode-only step: the kernel
+        prompt_on_copy = layer(prompt)  # rows.decode = 0: the copy
+        rows.decode = 5
+        got = layer(torch.cat([decode, prompt]))
+        assert torch.equal(got[:5], alone) and torch.equal(got[5:], prompt_on_copy)
+        rows.decode = 0
+        assert not torch.equal(layer(torch.cat([decode, prompt]))[:5], alone)  # what the split prevents
+        rows.decode = BF16_COPY_MIN_ROWS  # too few prompt rows left for the copy: all on the kernel
+        mixed = torch.cat([decode, prompt])[: BF16_COPY_MIN_ROWS + 20]
+        assert torch.equal(layer(mixed), layer._kernel(mixed, layer.bias))
