@@ -48,10 +48,10 @@ from workers.config import QUANTIZATIONS
 from workers.layers.linear import Linear
 
 _BUFFERS = {"int8": ("qweight", "scales"), "q4": ("qweight", "scales", "mins")}
-# A batch of more rows than this runs on the layer's bf16 copy when it has one (``make_bf16_copy``):
-# up to here (every decode batch of a default scheduler) the quantized kernel, whose int8 dot
-# products are batch-invariant and stream 4x (q4) fewer weight bytes; past it (prompt chunks)
-# oneDNN's bf16 GEMM on AMX does ~3x the work per second of the int8 dot (benchmarks/README.md).
+# A step with more prompt rows than this runs them on the layer's bf16 copy when it has one
+# (``make_bf16_copy``): oneDNN's bf16 GEMM on AMX does ~3x the work per second of the int8 dot there
+# (benchmarks/README.md). Decode rows (StepRows) and smaller batches take the quantized kernel,
+# whose int8 dot products are batch-invariant and stream 4x (q4) fewer weight bytes.
 BF16_COPY_MIN_ROWS = 64
 
 
