@@ -78,6 +78,13 @@ def _submit(endpoint: str, rid: str, ids: list[int], max_tokens: int = 8) -> lis
         return [t for r in worker_pb2_grpc.WorkerStub(channel).Submit(req, timeout=300) for t in r.token_ids]
 
 
+def _try(f, *args):
+    try:
+        return len(f(*args))
+    except Exception as e:  # noqa: BLE001 - reported in the assertion's message
+        return repr(e)
+
+
 def _load(endpoint: str) -> worker_pb2.LoadReport:
     with grpc.insecure_channel(endpoint) as channel:
         return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
@@ -89,28 +96,36 @@ def _load_tokens(router, worker_id: str) -> int:
 
 def test_a_prefix_a_neighbour_put_in_the_node_tier_is_routed_on_and_loaded(cluster):
     router, (w0, w1), plain, _ = cluster
+    holder, neighbour = w1, w0  # the neighbour also wins a tie (same match, same load) by its id
     index = router.server.prefix_index
     policy = router.server.pipeline.policy
     wait_until(lambda: all(index.knows(w.worker_id) for w in (w0, w1)), what="both workers reported", timeout=30)
-    out1 = _submit(w0.endpoint, "t1", TURN1)  # w0 alone computes turn 1...
+    out1 = _submit(holder.endpoint, "t1", TURN1)  # the holder alone computes turn 1...
     for i, filler in enumerate(FILLERS):  # ...and pushes it out of its device cache into the node tier
-        _submit(w0.endpoint, f"f{i}", filler)
+        _submit(holder.endpoint, f"f{i}", filler)
     turn2 = TURN1 + out1 + list(range(3100, 3130))
-    # w1 never saw the conversation; the node tier's feed makes it report the prefix in host: every
-    # block w0 reports of it (the feed's pass may trail w0's own eviction events by a second)
-    wait_until(lambda: (m := index.match_tiers(turn2)).get("w1", [])[:8] == [Tier.HOST] * 8
-               and m.get("w1") == m.get("w0"), what="w1 reports the node tier's copy of the prefix", timeout=60)
-    assert index.match_tiers(SYSTEM)["w0"] == [Tier.HOST] * 8
-    # w0 gets busy: the router weighs the two equal host hits against load and picks w1
-    busy = threading.Thread(target=_submit, args=(w0.endpoint, "busy", list(range(7000, 7040)), 400))
+    # the neighbour never saw the conversation; the node tier's feed makes it report the prefix in
+    # host: every block the holder reports of it (the feed's pass may trail the holder's own events)
+    wait_until(lambda: (m := index.match_tiers(turn2)).get("w0", [])[:8] == [Tier.HOST] * 8
+               and m.get("w0") == m.get("w1"), what="the neighbour reports the node tier's copy", timeout=60)
+    assert index.match_tiers(SYSTEM)["w1"] == [Tier.HOST] * 8
+    # the holder gets busy: the router weighs the two equal host hits against load, picks the neighbour
+    busy_out: list = []
+    busy = threading.Thread(target=lambda: busy_out.append(
+        _try(_submit, holder.endpoint, "busy", list(range(7000, 7040)), 200)))  # 15 blocks: fits the cache
     busy.start()
     try:
-        wait_until(lambda: _load_tokens(router, "w0") > 100, what="the router sees w0 busy", timeout=20)
-        before = _load(w1.endpoint).tier_host_hits
+        wait_until(lambda: _load_tokens(router, "w1") > 100, what="the router sees the holder busy", timeout=20)
+        before, before_holder = _load(neighbour.endpoint).tier_host_hits, _load(holder.endpoint).tier_host_hits
         host_blocks = policy.counters()["matched_host_blocks"]
+        seen = (index.match_tiers(turn2), [(m["worker_id"], m["healthy"], m["load_tokens"])
+                                           for m in router.server.directory.describe()])
         got = _generate(router.address, turn2)
         assert policy.counters()["matched_host_blocks"] - host_blocks >= len(SYSTEM) // 16  # routed on the hit
-        assert _load(w1.endpoint).tier_host_hits - before >= len(SYSTEM) // 16  # w1 loaded it from the node tier
+        why = (f"busy: {busy_out}; the holder loaded {_load(holder.endpoint).tier_host_hits - before_holder} host "
+               f"blocks instead; the router saw tiers {seen[0]} and workers {seen[1]} just before; "
+               f"policy {policy.counters()}")
+        assert _load(neighbour.endpoint).tier_host_hits - before >= len(SYSTEM) // 16, why  # loaded from the node tier
         assert got == _submit(plain.endpoint, "plain", turn2)  # the tokens of computing it all, tiers off
     finally:
         busy.join()

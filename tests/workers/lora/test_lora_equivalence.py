@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit.lora_cases import merged_greedy, save_adapter
+from testkit.lora_cases import merged_greedy
 from testkit.tiny_families import PROMPTS
 from workers.config import LoraConfig
 from workers.llm import LLM
@@ -77,15 +77,6 @@ def test_quantized_base_matches_its_plain_path(tiny_llama, tiny_adapters, quanti
         base = [c.token_ids for c in llm.generate(prompts[:1], GREEDY)]
     assert got[0] == got[1]
     assert got[0][0] != base[0] and got[0][1] == base[0]
-
-
-@pytest.fixture(scope="module")
-def smol_adapters(tmp_path_factory, smollm2_path: Path) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("smol_adapters")
-    return {"qkvo": save_adapter(smollm2_path, root / "qkvo", seed=5, r=8, alpha=16,
-                                 targets=["q_proj", "k_proj", "v_proj", "o_proj"], b_std=0.02),
-            "mlp": save_adapter(smollm2_path, root / "mlp", seed=6, r=16, alpha=16,
-                                targets=["gate_proj", "up_proj", "down_proj"], b_std=0.02)}
 
 
 def test_smollm2_adapters_mixed_with_base_match_peft_merged(smollm2_path, smol_adapters) -> None:

@@ -16,7 +16,6 @@ from workers.spec_decode.draft_model import DraftModelProposer
 from workers.spec_decode.drafter import DraftEngine
 from workers.spec_decode.drafter_service import endpoint_connector, serve_drafter
 
-from testkit.lora_cases import save_adapter
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
@@ -26,15 +25,6 @@ PROMPTS = [
 NAMES = ["qkvo", "", "mlp"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 LORA = LoraConfig(enabled=True, max_loaded=2, max_rank=16)
-
-
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory, smollm2_path: Path) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("spec_adapters")
-    return {"qkvo": save_adapter(smollm2_path, root / "qkvo", seed=11, r=8, alpha=16,
-                                 targets=["q_proj", "k_proj", "v_proj", "o_proj"], b_std=0.05),
-            "mlp": save_adapter(smollm2_path, root / "mlp", seed=12, r=16, alpha=16,
-                                targets=["gate_proj", "up_proj", "down_proj"], b_std=0.05)}
 
 
 def _llm(path: Path, adapters: dict[str, Path], **kw) -> LLM:
@@ -54,20 +44,20 @@ def _generate(llm: LLM, names: list[str]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def plain(smollm2_path, adapters) -> list[list[int]]:
-    outs = _generate(_llm(smollm2_path, adapters), NAMES * 2)
+def plain(smollm2_path, smol_adapters) -> list[list[int]]:
+    outs = _generate(_llm(smollm2_path, smol_adapters), NAMES * 2)
     assert outs[0] != _generate(_llm(smollm2_path, {}), [""])[0], "the adapter changes nothing: the test proves nothing"
     return outs
 
 
-def test_ngram_speculation_under_adapters_equals_plain(smollm2_path, adapters, plain) -> None:
+def test_ngram_speculation_under_adapters_equals_plain(smollm2_path, smol_adapters, plain) -> None:
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False)
-    llm = _llm(smollm2_path, adapters, speculative=spec)
+    llm = _llm(smollm2_path, smol_adapters, speculative=spec)
     assert _generate(llm, NAMES * 2) == plain
     assert llm.engine.stats().spec.num_accepted_tokens > 0, "no draft was accepted: nothing was verified"
 
 
-def test_a_base_draft_model_drafts_for_adapter_requests(smollm2_path, adapters, plain) -> None:
+def test_a_base_draft_model_drafts_for_adapter_requests(smollm2_path, smol_adapters, plain) -> None:
     """The drafter runs the base model (int8), never the adapter: tokens still equal plain decoding."""
     from workers.config import CacheConfig, EngineConfig
 
@@ -77,7 +67,7 @@ def test_a_base_draft_model_drafts_for_adapter_requests(smollm2_path, adapters, 
     try:
         spec = SpeculativeConfig(method="draft_model", draft_model=str(smollm2_path), num_speculative_tokens=4,
                                  adaptive=False)
-        llm = _llm(smollm2_path, adapters, speculative=spec, proposer=DraftModelProposer(endpoint_connector(endpoint)))
+        llm = _llm(smollm2_path, smol_adapters, speculative=spec, proposer=DraftModelProposer(endpoint_connector(endpoint)))
         assert _generate(llm, NAMES * 2) == plain
         assert llm.engine.stats().spec.num_accepted_tokens > 0
     finally:
