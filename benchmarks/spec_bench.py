@@ -252,10 +252,11 @@ def _drafter_stats(llm: LLM) -> dict[str, Any]:
 
 
 def _policy_fit(llm: LLM) -> dict[str, float]:
-    """The adaptive policy's cost model at the end: step(n) = s0 + s1 n, wait(k) = d0 + d1 k (ms)."""
+    """The adaptive policy's cost model at the end: the line through the target's step times, step(n) =
+    s0 + s1 n (the policy prices measured row counts from their own medians), wait(k) = d0 + d1 k (ms)."""
     assert llm.engine.speculator is not None  # built with speculation
     pol = llm.engine.speculator.policy
-    return {"step_s0_ms": round(1e3 * pol.step.a, 2), "step_s1_ms": round(1e3 * pol.step.b, 2),
+    return {"step_s0_ms": round(1e3 * pol.step.line.a, 2), "step_s1_ms": round(1e3 * pol.step.line.b, 2),
             "draft_wait_d0_ms": round(1e3 * pol.draft.a, 2), "draft_wait_d1_ms": round(1e3 * pol.draft.b, 2)}
 
 
