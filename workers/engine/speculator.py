@@ -54,7 +54,10 @@ class Speculator:
     def __init__(self, proposer: Proposer, config: SpeculativeConfig) -> None:
         self.proposer = proposer
         self.config = config
-        self.policy = DraftLengthPolicy(config.num_speculative_tokens, config.adaptive)
+        # a drafter model's round with the overlap drafts one token more than asked (its guess of the
+        # target's token): one more pass over its rows
+        extra = int(config.method == "draft_model" and config.overlap)
+        self.policy = DraftLengthPolicy(config.num_speculative_tokens, config.adaptive, extra_passes=extra)
         self._verifies = self._drafted = self._accepted = self._emitted = 0
         self._draft_s = self._verify_s = 0.0
         # tokens each request had at its last draft call: a call that must first catch the drafter up
@@ -103,8 +106,8 @@ class Speculator:
         steady = all(a.request_id in self._drafted_at and len(a.token_ids) - self._drafted_at[a.request_id]
                      <= round_tokens for a in asks)
         self._drafted_at.update((a.request_id, len(a.token_ids)) for a in asks)
-        if drafts and steady:
-            self.policy.observe_draft(sum(len(d.token_ids) for d in drafts.values()) / len(drafts), dt)
+        if drafts and steady:  # the call's passes (its longest window) over its requests' rows
+            self.policy.observe_draft(max(a.num_tokens for a in asks), dt, len(asks))
         return drafts
 
     def record(self, sched: SchedulerOutput, sampled: Mapping[str, list[int]], seconds: float) -> None:
