@@ -76,6 +76,17 @@ class Drafter:
         t = psutil.Process(self.proc.pid).cpu_times()
         return t.user + t.system
 
+    def load(self) -> dict[str, float]:
+        """The replica's engine counters (DrafterLoad): forward passes, rows, compute seconds."""
+        import grpc
+
+        from protos.duet.drafter.v1 import drafter_pb2, drafter_pb2_grpc
+
+        with grpc.insecure_channel(self.endpoint) as channel:
+            load = drafter_pb2_grpc.DrafterStub(channel).GetLoad(drafter_pb2.GetDrafterLoadRequest(), timeout=30)
+        return {k: float(getattr(load, k)) for k in ("forward_passes", "batched_rows", "compute_seconds", "rounds",
+                                                     "draft_tokens")}
+
     def stop(self) -> None:
         assert self.proc.stdin is not None  # stdin=PIPE
         self.proc.stdin.close()
@@ -150,19 +161,26 @@ def run_arm(drafters: list[Drafter], targets: int, requests: int, k: int, accept
 
     all_steps(warmup)  # prompts computed, links open
     tokens0 = sum(t.draft_tokens for t in ts)
+    loads0 = [d.load() for d in drafters]
     cpu0 = sum(d.cpu_seconds() for d in drafters)
     load0 = psutil.cpu_times()
     t0 = time.perf_counter()
     all_steps(rounds)
     wall = time.perf_counter() - t0
     cpu = sum(d.cpu_seconds() for d in drafters) - cpu0
+    engine = {k: sum(d.load()[k] - l0[k] for d, l0 in zip(drafters, loads0)) for k in loads0[0]}
     tokens = sum(t.draft_tokens for t in ts) - tokens0
     load1 = psutil.cpu_times()
     for t in ts:
         t.close()
     busy = (load1.user + load1.system + load1.nice) - (load0.user + load0.system + load0.nice)
     return {"draft_tokens": tokens, "cpu_seconds": cpu, "wall_seconds": wall, "tokens_per_cpu_second": tokens / cpu,
-            "tokens_per_second": tokens / wall, "host_cpu_seconds_busy": busy}
+            "tokens_per_second": tokens / wall, "host_cpu_seconds_busy": busy,
+            # where the drafter processes' CPU went: rows per forward pass (the batching the arm got) and
+            # the engine's own compute (scheduler-thread wall time in forward passes) vs their CPU seconds
+            "rows_per_pass": engine["batched_rows"] / max(engine["forward_passes"], 1),
+            "passes_per_round": engine["forward_passes"] / max(engine["rounds"], 1),
+            "engine_compute_seconds": engine["compute_seconds"], "engine_forward_passes": engine["forward_passes"]}
 
 
 def bench_sharing(args: argparse.Namespace) -> dict[str, Any]:
@@ -178,8 +196,10 @@ def bench_sharing(args: argparse.Namespace) -> dict[str, Any]:
                     for arm, drafters in (("shared", shared), ("private", private)):
                         r = run_arm(drafters, args.targets, requests, args.k, args.accept, args.rounds, args.warmup,
                                     seed=1000 * requests + rep * 2 + (arm == "private"))
-                        logger.info("%s %s rep %d: %.1f draft tokens / CPU s (%.1f tokens/s wall)", key, arm, rep,
-                                    r["tokens_per_cpu_second"], r["tokens_per_second"])
+                        logger.info("%s %s rep %d: %.1f draft tokens / CPU s (%.1f tokens/s wall; %.1f rows a pass, "
+                                    "%.1f passes a round, engine compute %.1f s of %.1f CPU s)", key, arm, rep,
+                                    r["tokens_per_cpu_second"], r["tokens_per_second"], r["rows_per_pass"],
+                                    r["passes_per_round"], r["engine_compute_seconds"], r["cpu_seconds"])
                         runs[arm].append(r)
                 med = {arm: statistics.median(r["tokens_per_cpu_second"] for r in rs) for arm, rs in runs.items()}
                 wall = {arm: statistics.median(r["tokens_per_second"] for r in rs) for arm, rs in runs.items()}
@@ -264,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shared-threads", type=int, nargs="+", default=[4, 1])
     p.add_argument("--private-threads", type=int, default=1)
     p.add_argument("--overhead-rounds", type=int, default=200)
+    p.add_argument("--skip", nargs="+", default=[], choices=["overhead", "sharing"], help="parts not to run")
     p.add_argument("--out", type=Path, default=RESULTS / "drafter_pool_bench.json")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -281,18 +302,22 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {"benchmark": "drafter_pool_bench", "date": started, "machine": machine_info(), "code": code_version(),
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "loadavg_before": load_before}
-    result["overhead"] = bench_overhead(args)
-    logger.info("remote round overhead: %.3f ms median (in-process %.2f ms, remote %.2f ms)",
-                result["overhead"]["overhead_median_s"] * 1e3, result["overhead"]["median_in_process_s"] * 1e3,
-                result["overhead"]["median_remote_s"] * 1e3)
-    result["sharing"] = bench_sharing(args)
+    if "overhead" not in args.skip:
+        result["overhead"] = bench_overhead(args)
+        logger.info("remote round overhead: %.3f ms median (in-process %.2f ms, remote %.2f ms)",
+                    result["overhead"]["overhead_median_s"] * 1e3, result["overhead"]["median_in_process_s"] * 1e3,
+                    result["overhead"]["median_remote_s"] * 1e3)
+    if "sharing" not in args.skip:
+        result["sharing"] = bench_sharing(args)
     result["loadavg_after"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    for key, r in result["sharing"].items():
+    for key, r in result.get("sharing", {}).items():
         print(f"{key}: shared {r['median_tokens_per_cpu_second']['shared']:.1f} vs private "
               f"{r['median_tokens_per_cpu_second']['private']:.1f} draft tokens / CPU s: "
               f"{r['ratio_per_cpu_second']:.2f}x (wall {r['ratio_per_second']:.2f}x)")
+    if "overhead" not in result:
+        return
     o = result["overhead"]
     print(f"remote round overhead (median): {o['overhead_median_s'] * 1e3:.3f} ms "
           f"(in-process {o['median_in_process_s'] * 1e3:.2f} ms, remote {o['median_remote_s'] * 1e3:.2f} ms, "
