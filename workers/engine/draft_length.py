@@ -50,7 +50,8 @@ Per request, a is an exponential moving average over the draft positions the tar
 (prior 0.6, so a new request speculates): a verify that kept j of k drafts judged j + 1 positions (j
 accepted, then one rejected) or k (all kept); the positions after the first rejection were never
 judged. (An average of j / k per verify reads a per-token rate of 0.8 as ~0.6 at k = 4: the
-tail a window could not reach counted as rejected, which priced long windows out at 1 stream.) A request whose drafts keep failing reaches k = 0; it is re-probed with k = 1 every
+tail a window could not reach counted as rejected, which priced long windows out at 1 stream.)
+A request whose drafts keep failing reaches k = 0; it is re-probed with k = 1 every
 ``probe_every`` steps, so a request whose text turns repetitive picks speculation back up -- unless
 even perfect drafts would not pay at this batch (then a probe could not change the answer). That
 verdict rests on the fitted draft cost, which only drafting updates: one slow round (a drafter
@@ -67,10 +68,10 @@ With a = 0.1 and a drafter at 8 ms a pass, k = 1 gains 0.1 tokens for 9 ms (0.43
 plainly. A CPU drafter beside a flat 100 ms GPU-like step, 4 ms + 10 ms a row per pass, a = 0.8,
 k = 4 (5 passes with the overlap's guess): at 1 stream the wait is at most 72 ms for 2.36 tokens
 (0.72 tokens' worth): draft; at 8 streams 5 x 84 ms = 420 ms for 8 x 2.36 = 18.9 tokens (33.6
-tokens' worth at 8 tokens per 100 ms): decode plainly. Batch 8 on a kernel like the q4 one, say step(8) = 200 ms, step(16) = 480 ms, step(40) =
-840 ms, a = 0.8, drafts free: one draft each (R = 8) gains 6.4 tokens for 280 ms (11.2 tokens'
-worth at 8 tokens per 200 ms); four each (R = 32) gains 18.9 for 640 ms (25.6 tokens' worth):
-decode plainly.
+tokens' worth at 8 tokens per 100 ms): decode plainly. Batch 8 on a kernel like the q4 one, say
+step(8) = 200 ms, step(16) = 480 ms, step(40) = 840 ms, a = 0.8, drafts free: one draft each
+(R = 8) gains 6.4 tokens for 280 ms (11.2 tokens' worth at 8 tokens per 200 ms); four each
+(R = 32) gains 18.9 for 640 ms (25.6 tokens' worth): decode plainly.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def _nominal(a: float, b: float) -> LinearCost:
 NOMINAL_STEP = _nominal(1.0, 0.05)
 
 
-def NOMINAL_DRAFT(k: float, n: float = 1) -> float:  # noqa: N802 - a constant cost function: drafting is free
+def NOMINAL_DRAFT(k: float, n: float = 1) -> float:  # a constant cost function: drafting is free
     return 0.0
 
 
