@@ -253,11 +253,13 @@ def _drafter_stats(llm: LLM) -> dict[str, Any]:
 
 def _policy_fit(llm: LLM) -> dict[str, float]:
     """The adaptive policy's cost model at the end: the line through the target's step times, step(n) =
-    s0 + s1 n (the policy prices measured row counts from their own medians), wait(k) = d0 + d1 k (ms)."""
+    s0 + s1 n (the policy prices measured row counts from their own medians), and the drafter's wait
+    wait(k, n) = f + passes(k) x (p + r n) (workers/engine/draft_length.py DraftCost; ms)."""
     assert llm.engine.speculator is not None  # built with speculation
     pol = llm.engine.speculator.policy
     return {"step_s0_ms": round(1e3 * pol.step.line.a, 2), "step_s1_ms": round(1e3 * pol.step.line.b, 2),
-            "draft_wait_d0_ms": round(1e3 * pol.draft.a, 2), "draft_wait_d1_ms": round(1e3 * pol.draft.b, 2)}
+            "draft_wait_f_ms": round(1e3 * pol.draft.f, 2), "draft_pass_p_ms": round(1e3 * pol.draft.p, 2),
+            "draft_pass_row_r_ms": round(1e3 * pol.draft.r, 3)}
 
 
 def _rtt_ms(prop, n: int = 200) -> float:
