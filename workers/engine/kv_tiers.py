@@ -167,6 +167,10 @@ class TierStore(Protocol):
     def wait(self, timeout: float) -> None:
         """Sleep until a disk read finishes or ``timeout`` seconds pass."""
 
+    def claim_shared(self, digest: bytes, chain_hash: int) -> None:
+        """Only when ``shared``: this engine reported the block in the shared host tier itself, so
+        the change feed (``watch_shared``) reports its removal even if no pass saw its file."""
+
     def changes(self) -> list[tuple[bytes, int]]:
         """(digest, chain hash) of the blocks whose tiers changed since the last call; the hash is
         that of the block as it moved (a node-tier block another worker put there and that this
@@ -287,6 +291,10 @@ class KVTiers:
         if self.events is not None:
             if new is not None:
                 self.events.stored((h,), new)
+                if new == Tier.HOST and self.node_feed is not None:
+                    # the node tier's feed clears this claim when the file goes, seen by a pass or not
+                    # (one bit per tier and hash: the feed's removal is also this claim's)
+                    self.store.claim_shared(digest, h)
             if old != Tier.DEVICE:
                 self.events.removed((h,), old)
         if new is None:

@@ -65,6 +65,7 @@ import logging
 import os
 import secrets
 import shutil
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -98,6 +99,8 @@ class NodeTier:
         self.capacity_blocks = max(1, capacity_bytes // self.block_bytes)
         self._blocks = 0  # the node-wide count as this process last saw it (under the lock)
         self._seen: dict[str, int] = {}  # file name -> chain hash (0: unknown) at the last ``watch``
+        self._claimed: dict[str, int] = {}  # ``claim``ed since the last ``watch`` (engine thread -> feed's)
+        self._claim_lock = threading.Lock()
         _join(self.root, self.dir, self._user)
         self._budget = os.open(self.dir / "budget", os.O_RDWR | os.O_CREAT, 0o644)
         # the user file goes (and the directory with the last user) even if close() is never called
@@ -183,11 +186,25 @@ class NodeTier:
         """Leave the tier (the blocks stay for the node's other workers, or go with the last one)."""
         self._finalizer()
 
+    def claim(self, digest: bytes, chain_hash: int) -> None:
+        """This worker reported ``digest``'s block in host on its own (its engine put or touched it):
+        the next ``watch`` counts the block as seen, so its file's disappearance is reported as a
+        removal even when no pass listed the file before it went (otherwise that claim would stand
+        for good). Thread-safe."""
+        if chain_hash:
+            with self._claim_lock:
+                self._claimed[self.path(digest).name] = chain_hash
+
     def watch(self) -> tuple[list[int], list[int]]:
         """(added, removed): the chain hashes of the blocks that appeared in and disappeared from the
-        directory since the last call, by any worker of the node (the first call: every block).
-        Blocks of unknown hash (0) are not named. Safe beside the engine thread: it touches only
-        ``_seen`` (one caller at a time)."""
+        directory since the last call, by any worker of the node (the first call: every block), and
+        of ``claim``ed blocks already gone. Blocks of unknown hash (0) are not named. Safe beside the
+        engine thread: it touches only ``_seen`` (one caller at a time) and takes the claims under
+        their lock."""
+        with self._claim_lock:
+            claimed, self._claimed = self._claimed, {}
+        for name, h in claimed.items():  # claimed before this listing: a file gone by now is a removal
+            self._seen[name] = h
         try:
             names = {e.name for e in os.scandir(self.dir) if e.name.endswith(".kvb")}
         except FileNotFoundError:  # the directory went with its last user (this one closing)
