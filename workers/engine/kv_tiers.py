@@ -21,9 +21,14 @@ Terms:
 
 The data flow (one direction per event):
     eviction      the block manager evicts a prefix-cached block (workers/engine/block_manager.py
-                  ``on_evict``) -> ``KVTiers.evicted`` copies it out of the runner (its checksum and
-                  the model fingerprint are attached by the store) into host; host's LRU spills to
-                  disk on the store's writer thread; disk's LRU is deleted
+                  ``on_evict``) -> ``KVTiers.evicted`` copies it out of the runner at once (the
+                  block is about to be overwritten) and keeps the copy pending; ``flush``, at the
+                  start of the next step (``take_ready``) or before anything looks below the device
+                  (``match``, ``prefetch``, ``read_prefix``), stores it in host (its checksum and the
+                  model fingerprint are attached by the store); host's LRU spills to disk on the
+                  store's writer thread; disk's LRU is deleted. So the sealing, the host (or node
+                  tier file) writes and the spills an admission's evictions cause run after the step
+                  that returns its first token, not before it
     reporting     every move below the device (into host, spilled to disk, read back into host,
                   deleted, refused) is a block event (workers/engine/block_events.py) under the
                   block's chain hash (workers/block_hash.py) with its tier, in the log the block
@@ -246,6 +251,8 @@ class KVTiers:
         self.load_timeout_s = load_timeout_s
         self._clock = clock
         self._digests: dict[str, list[bytes]] = {}  # request id -> digests of its full blocks so far
+        # evicted from the device, copied out, not yet stored below: digest -> (kv [L, 2, 1, bs, G, D], chain hash)
+        self._pending: dict[bytes, tuple[torch.Tensor, int]] = {}
         self._parked: list[_Parked] = []
         self._load_s_per_block: float | None = None
         self._prefill_s_per_token: float | None = None
@@ -267,7 +274,19 @@ class KVTiers:
             self.store.touch(digest)  # (or another worker of the node put it in the node's shared tier)
             self._sync(digest)
             return
-        self.store.put(digest, self.io.read_blocks([block_id]).to("cpu"), chain_hash)
+        self._pending[digest] = (self.io.read_blocks([block_id]).to("cpu"), chain_hash)  # stored by ``flush``
+
+    def flush(self) -> None:
+        """Store the blocks evicted since the last flush in host (module docstring: eviction)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        for digest, (kv, chain_hash) in pending.items():
+            if self.store.where(digest) == "host":  # a neighbour put it in the node's tier meanwhile
+                self.store.touch(digest)
+                self._sync(digest)
+            else:
+                self.store.put(digest, kv, chain_hash)
         self._report()
 
     def _report(self) -> None:
@@ -323,6 +342,7 @@ class KVTiers:
         verified; None when there are none or recompute is cheaper."""
         if max_blocks <= 0:
             return None
+        self.flush()  # blocks evicted earlier in this step count as held below
         if self.recompute_is_cheaper():
             self._skipped += 1
             if self._skipped % self.PROBE_EVERY:
@@ -350,6 +370,7 @@ class KVTiers:
         disk, a Future of its read (a verified TierBlock, or BlockRefused) that leaves host as it
         is (a peer's pull does not displace this worker's own blocks). None when a block is in no
         tier or host refused it (counted, dropped). Never waits on disk."""
+        self.flush()
         bs = self.block_size
         digest = root_digest(root_key(adapter))
         out: list[torch.Tensor | concurrent.futures.Future] = []
@@ -385,6 +406,7 @@ class KVTiers:
     # --------------------------------------------------------------- parking
     def prefetch(self, seq: Sequence) -> bool:
         """Start disk reads for the prefix blocks of a new request; True: park it (``take_ready``)."""
+        self.flush()
         bs = self.block_size
         waiting = []
         for digest in self.digests(seq, (seq.num_tokens - 1) // bs):
@@ -400,7 +422,8 @@ class KVTiers:
     def take_ready(self) -> list[Sequence]:
         """Parked requests whose disk reads finished (or timed out: they recompute), oldest first.
         Called every step: finished reads move into host also when nobody is parked (reads started
-        by ``match`` for a resuming request)."""
+        by ``match`` for a resuming request); the previous step's evictions are stored first."""
+        self.flush()
         self.store.poll()
         self._report()
         if not self._parked:
@@ -425,6 +448,11 @@ class KVTiers:
     def num_parked(self) -> int:
         return len(self._parked)
 
+    @property
+    def num_pending(self) -> int:
+        """Evicted blocks not stored below yet: the next step (``take_ready``) stores them."""
+        return len(self._pending)
+
     def wait(self, timeout: float) -> None:
         self.store.wait(timeout)
 
@@ -438,6 +466,7 @@ class KVTiers:
                        load_seconds=self._load_seconds)
 
     def close(self) -> None:
+        self._pending.clear()  # (never reported below)
         if self.node_feed is not None:
             self.node_feed.close()
             self.node_feed = None

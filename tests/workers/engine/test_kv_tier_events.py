@@ -55,8 +55,9 @@ def build(num_blocks: int, store: TieredStore, watch_interval_s: float = 3600.0)
 
 
 def run_prefill(pool: TensorPool, sched: Scheduler, seq: Sequence) -> int:
-    """Schedule ``seq`` alone, 'compute' its KV (slot of token t holds float(t)), free it; -> the
-    prompt tokens that were not computed (device hits + host loads)."""
+    """Schedule ``seq`` alone, 'compute' its KV (slot of token t holds float(t)), free it, start the
+    next step (the evicted blocks are stored below); -> the prompt tokens that were not computed
+    (device hits + host loads)."""
     sched.add(seq)
     out = sched.schedule()
     (chunk,) = out.chunks
@@ -65,6 +66,8 @@ def run_prefill(pool: TensorPool, sched: Scheduler, seq: Sequence) -> int:
         pool.kv[:, :, chunk.block_table[pos // BS], pos % BS] = float(tok)
     sched.commit(out)
     sched.remove(seq)
+    assert isinstance(sched.lower_tiers, KVTiers)
+    sched.lower_tiers.take_ready()  # the engine's next step starts by storing this one's evictions below
     return chunk.start_pos
 
 
