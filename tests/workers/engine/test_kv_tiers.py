@@ -122,3 +122,22 @@ def test_evictions_are_copied_at_once_and_stored_by_the_next_step():
     assert tiers.num_pending == 0 and tiers.stats().stored_blocks == 3
     assert load is not None and load.num_blocks == 3
     assert torch.equal(torch.cat(load.kv, dim=2), want)  # a's contents, not b's
+
+
+def test_memoised_key_digests_equal_the_walk():
+    """KeyDigests (the eviction path's digest) equals key_digest for chains evicted in any order,
+    for keys sharing parents, for equal keys that are other objects, and past its capacity."""
+    import random
+
+    from workers.engine.kv_tiers import KeyDigests, key_digest
+
+    rng = random.Random(0)
+    memo = KeyDigests(capacity=16)
+    keys: list[tuple] = []
+    for _ in range(300):
+        parent = rng.choice(keys) if keys and rng.random() < 0.8 else rng.choice([None, 7])
+        keys.append((parent, tuple(rng.randrange(1000) for _ in range(BS))))
+    for key in rng.sample(keys, len(keys)) + keys:
+        assert memo(key) == key_digest(key)
+    twin = (keys[-1][0], tuple(keys[-1][1]))  # an equal key, another object
+    assert memo(twin) == key_digest(keys[-1])
