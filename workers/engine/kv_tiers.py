@@ -138,6 +138,7 @@ class KeyDigests:
             chain.append(node)
             node = node[0]
         if digest is None:
+            assert not isinstance(node, tuple)  # the walk reached the chain's root
             digest = root_digest(node)
         for k in reversed(chain):
             digest = next_digest(digest, k[1])

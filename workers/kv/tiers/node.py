@@ -98,6 +98,7 @@ class NodeTier:
         self.block_bytes = torch.Size(block_shape(layout)).numel() * torch.empty((), dtype=layout.dtype).element_size()
         self.capacity_blocks = max(1, capacity_bytes // self.block_bytes)
         self._blocks = 0  # the node-wide count as this process last saw it (under the lock)
+        self.bytes = 0  # the same in payload bytes (held or being written)
         self._seen: dict[str, int] = {}  # file name -> chain hash (0: unknown) at the last ``watch``
         self._claimed: dict[str, int] = {}  # ``claim``ed since the last ``watch`` (engine thread -> feed's)
         self._claim_lock = threading.Lock()
@@ -116,11 +117,6 @@ class NodeTier:
 
     def __len__(self) -> int:
         return self._blocks
-
-    @property
-    def bytes(self) -> int:
-        """The node-wide payload bytes (held or being written) as this process last saw them."""
-        return self._blocks * self.block_bytes
 
     def put(self, block: TierBlock) -> list[TierBlock]:
         """Keep ``block`` (most recently used); -> the blocks evicted to stay in budget (any worker's:
@@ -236,10 +232,12 @@ class NodeTier:
     def _count(self) -> int:
         raw = os.pread(self._budget, 8, 0)
         self._blocks = int.from_bytes(raw, "little", signed=True) if len(raw) == 8 else 0
+        self.bytes = self._blocks * self.block_bytes
         return self._blocks
 
     def _set_count(self, n: int) -> None:
         self._blocks = max(n, 0)
+        self.bytes = self._blocks * self.block_bytes
         os.pwrite(self._budget, self._blocks.to_bytes(8, "little", signed=True), 0)
 
     def _scan(self) -> tuple[list[tuple[float, Path]], int]:
