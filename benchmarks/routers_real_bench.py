@@ -160,8 +160,9 @@ def _start_echo(args: argparse.Namespace, logs: Path) -> tuple[list[_Proc], Any]
                      str(args.echo_first_token_ms), "--gap-ms", str(args.echo_gap_ms)], logs / f"echo_{i}.log")
               for i in range(args.workers)]
     ports = [int(e.wait_for(r"ECHO_WORKER_PORT=(\d+)", timeout=120).group(1)) for e in echoes]
-    service = serve_membership(_StaticMembers([(f"e{i}", f"127.0.0.1:{p}") for i, p in enumerate(ports)]),
-                               "127.0.0.1", 0)
+    # serve_membership is typed for the real Controller; it uses only what _StaticMembers has
+    members: Any = _StaticMembers([(f"e{i}", f"127.0.0.1:{p}") for i, p in enumerate(ports)])
+    service = serve_membership(members, "127.0.0.1", 0)
     return echoes, service
 
 
