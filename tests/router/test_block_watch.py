@@ -84,3 +84,29 @@ def test_watched_and_polled_indexes_agree_and_a_worker_without_watch_is_polled(e
     finally:
         for r in routers:
             r.stop(0)
+
+
+def test_the_watch_reopens_on_a_restarted_worker_and_takes_its_new_holdings(smollm2_path, tok):
+    lt = LoopThread()
+    server, port = lt.run(start_echo_worker(worker=EchoWorker(first_token_ms=5)))
+    router = serve_router(router_config(smollm2_path, policy="prefix_aware", load_poll_interval_s=0.2),
+                          [("e0", f"127.0.0.1:{port}")], tokenizer=tok)
+    try:
+        directory, index = router.server.directory, router.server.prefix_index
+        _generate(router.address, PROMPT)
+        wait_until(lambda: index.match(PROMPT) == {"e0": 4}, what="the first incarnation's holdings")
+        lt.run(server.stop(0))
+        restarted = EchoWorker(first_token_ms=5)  # a new incarnation, empty cache, same endpoint
+        server, _ = lt.run(start_echo_worker(port=port, worker=restarted))
+        watch = directory._members["e0"].block_watch
+        assert watch is not None
+        wait_until(lambda: watch.num_reconnects >= 1 and watch.watching, timeout=10, what="the watch reopened")
+        other = [2000 + i for i in range(32)]
+        wait_until(lambda: directory.snapshot()[0].healthy, timeout=10, what="e0 routable again")
+        _generate(router.address, other)
+        wait_until(lambda: index.match(other) == {"e0": 2}, timeout=5, what="the new incarnation's holdings")
+        assert index.match(PROMPT) == {} and index.cursor("e0")[1] == restarted.incarnation
+    finally:
+        router.stop(0)
+        lt.run(server.stop(0))
+        lt.close()

@@ -37,6 +37,8 @@ async def watch_blocks(events: BlockEventLog, request: worker_pb2.GetLoadRequest
     changed = asyncio.Event()
 
     def notify() -> None:  # on whichever thread recorded the event
+        if changed.is_set():  # a wake-up is pending: its read (after the clear) will include this event
+            return
         try:
             loop.call_soon_threadsafe(changed.set)
         except RuntimeError:  # the loop closed under a late record (shutdown): nobody to tell
