@@ -19,6 +19,7 @@ always sending to router i mod N, run for ``--seconds`` per phase:
                   (every 0.2 s), the baseline of the push
     prefix_aware_random  random 64-token prompts, policy prefix_aware: every prompt is new, so this
                   is how evenly its no-match path (router/policies/cold_home.py) fills the workers
+    prefix_aware_random_poll  the same with ``watch_block_events`` off (the baseline)
     *_home        the same with prefix_aware's ``cold_home`` on (a prompt no worker holds goes to
                   its home, the same worker from every router) against the default (to the
                   least-loaded worker as this router sees it), side by side in the same run
@@ -83,6 +84,7 @@ PHASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "prefix_aware": ("prefix_aware", {}, {}), "prefix_aware_home": ("prefix_aware", {"cold_home": True}, {}),
     "prefix_aware_poll": ("prefix_aware", {}, {"watch_block_events": False}),
     "prefix_aware_random": ("prefix_aware", {}, {}),
+    "prefix_aware_random_poll": ("prefix_aware", {}, {"watch_block_events": False}),
     "prefix_aware_random_home": ("prefix_aware", {"cold_home": True}, {})}
 SHARED_PREFIX_PHASES = ("prefix_aware", "prefix_aware_home", "prefix_aware_poll")
 
