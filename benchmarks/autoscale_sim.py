@@ -34,7 +34,8 @@ Service model: prefill 20 ms + 0.1 ms/token; decode step 20 ms + 4 ms per sequen
 16 (a GPU-class replica of a mid-size model).
 
 Start-up: measured, not assumed (cluster/sim/startup.py): a new replica takes the profile's
-``cold_s`` (or ``shared_s`` with --startup-kind shared), a promoted standby its ``standby_s``,
+``cold_s`` (or ``shared_s`` with --startup-kind shared), a promoted standby its ``standby_s`` (or,
+with --standby-load process, a warm worker process's ``prestarted_s``),
 from --startup-profile's entry --startup-model (default: SmolLM2-135M-Instruct on CPU, measured by
 benchmarks/startup_bench.py); --startup-s overrides it with a constant (120 s: the assumption of
 the earlier tables in benchmarks/README.md). The autoscaler's horizon is the new replica's start-up.
@@ -102,6 +103,9 @@ def build_parser(description: str | None = None, *, trace_args: bool = True) -> 
     p.add_argument("--startup-kind", default="cold", choices=("cold", "shared"),
                    help="a new replica's start-up: cold (weights from disk) or shared (the node holds them) [cold]")
     p.add_argument("--standby-s", type=float, default=None, help="a promoted standby's start-up (default: measured)")
+    p.add_argument("--standby-load", default="model", choices=("model", "process"),
+                   help="which measured promotion --standby-s defaults to: a loaded standby's (model) or a warm "
+                        "worker process's (process: the profile's prestarted_s) [model]")
     p.add_argument("--max-standby", type=int, default=1000, help="duet-standby: most standby replicas per pool; "
                    "the burst risk decides how many [1000: no cap]")
     p.add_argument("--standby-cost", type=float, default=0.1,
@@ -148,7 +152,7 @@ def resolve_startup(args: argparse.Namespace) -> None:
         if args.startup_s is None:
             args.startup_s = measured.new_replica_s(args.startup_kind)
         if args.standby_s is None:
-            args.standby_s = measured.standby_s
+            args.standby_s = measured.promoted_s(args.standby_load)
         args.startup_source = measured.source
     else:
         args.startup_source = "given"
@@ -191,6 +195,7 @@ def run(args: argparse.Namespace, trace: Trace | None = None) -> dict[str, Any]:
                   "peak_rps_1min": float(trace.rate_series(60.0).max())},
         "service": SVC.__dict__, "slo": SLO.__dict__, "migration": migration.__dict__,
         "startup": {"new_replica_s": args.startup_s, "standby_s": args.standby_s, "kind": args.startup_kind,
+                    "standby_load": args.standby_load,
                     "profile": args.startup_model, "source": args.startup_source},
         "capacity": {"prefill_rps": cap_p.requests_per_s, "decode_rps": cap_d.requests_per_s,
                      "prefill_in_flight": inflight_p, "decode_in_flight": inflight_d,

@@ -3,6 +3,7 @@ the same batch, same prompts, same settings.
 
     .venv/bin/python benchmarks/served_vs_offline.py [--quick] [--quant q4] [--cpus 1]
         [--concurrency 1,8,32,64] [--requests-per-stream 3] [--temperature 1.0] [--out PATH]
+        [--server-cores 0 --client-cores 1]   # as make bench-peers runs: the client on a core of its own
 
 Workload (the issue's AIPerf setup): every request has a --prompt-tokens prompt of distinct token
 ids (no prefix-cache hits) and makes exactly --output-tokens tokens (ignore_eos), at
@@ -111,12 +112,17 @@ def offline(args: argparse.Namespace, n: int, work: list[list[int]], warm: list[
     # the environment a pool's worker starts with (OpenMP wait policy, malloc tunables), so both
     # sides run the engine the same way
     env = {**os.environ, **process_env(EngineConfig()), "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    out = subprocess.run([sys.executable, "-c", _OFFLINE], input=json.dumps(payload), env=env, capture_output=True,
+    out = subprocess.run([*_pin(args.server_cores), sys.executable, "-c", _OFFLINE], input=json.dumps(payload), env=env, capture_output=True,
                          text=True, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     return {"tokens": r["tokens"], "wall_s": r["wall_s"], "tokens_per_s": r["tokens"] / r["wall_s"],
             "itl_p50_ms": 1e3 * _pct(r["itl"], 0.5), "itl_p99_ms": 1e3 * _pct(r["itl"], 0.99),
             "cpu_ms_per_token": 1e3 * r["cpu_s"] / r["tokens"]}
+
+
+def _pin(cores: str | None) -> list[str]:
+    """The command prefix that runs a process tree on ``cores`` (taskset), or nothing."""
+    return ["taskset", "-c", cores] if cores else []
 
 
 # ------------------------------------------------------------------------------------ served
@@ -131,7 +137,7 @@ class Deployment:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.port = _free_port()
-        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--quantization", args.quant, "--cpus-per-replica",
+        cmd = [*_pin(args.server_cores), sys.executable, "-m", "cluster.cli", "serve", "--quantization", args.quant, "--cpus-per-replica",
                str(args.cpus), "--ray-num-cpus", str(args.cpus + 1), "--http-port", str(self.port), "--port", "0",
                "--controller-port", "0", "--kv-cache-memory", "1GiB"]
         self.log = open(RESULTS / ".served_vs_offline.serve.log", "w")
@@ -250,8 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="concurrency 1,8; 2 requests per stream; 32 output tokens")
+    p.add_argument("--server-cores", default=None,
+                   help="run the offline engine and the whole duet serve tree (Ray, router, worker) on these cores "
+                        "(taskset list, e.g. 0) [unpinned]")
+    p.add_argument("--client-cores", default=None,
+                   help="run this process (the HTTP client) on these cores, e.g. 1 [unpinned]")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.client_cores:
+        os.sched_setaffinity(0, {int(c) for c in args.client_cores.split(",")})
     if args.quick:
         args.concurrency, args.requests_per_stream, args.output_tokens = "1,8", 2, 32
     levels = [int(x) for x in args.concurrency.split(",")]

@@ -512,7 +512,8 @@ def write_profile(res: dict[str, Any], args: argparse.Namespace) -> None:
                          s[f"{prefix}standby"]["wall_s_median"],
                          f"benchmarks/startup_bench.py ({'cluster path: duet serve, wake from zero' if prefix else 'in process'}"
                          f"), {time.strftime('%Y-%m-%d')}, load {res['load_avg'][0]:.1f}, median of "
-                         f"{s[f'{prefix}cold']['repeats']}")
+                         f"{s[f'{prefix}cold']['repeats']}",
+                         s[f"{prefix}prestarted"]["wall_s_median"] if f"{prefix}prestarted" in s else None)
     key = f"{Path(res['model']).name}{'-' + res['quantization'] if res['quantization'] != 'none' else ''}@{args.device}"
     save_startup(args.profile_out, key, model)
     print(f"wrote {key} to {args.profile_out}")

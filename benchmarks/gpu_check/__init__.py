@@ -10,8 +10,10 @@ Sections, in order (benchmarks/gpu_check/<name>.py; each exposes ``run(ctx) -> d
     kernels    every Triton kernel against its ``_ref`` on CUDA, fp32 and bf16
     engine_hf  engine greedy tokens == HF transformers (fp32); teacher-forced agreement in bf16
     graphs     CUDA graphs on vs off: identical tokens; decode tok/s at batch 1, 8, 64
-    speed      Qwen2.5-1.5B shape, bf16: decode tok/s at batch 1 and 32, Duet vs HF generate,
-               against the bandwidth roofline (weight bytes per token / measured copy bandwidth)
+    speed      Qwen2.5-1.5B shape, bf16: decode tok/s at batch 1, 32 and 128, Duet vs HF generate
+               (eager, and static cache + torch.compile), against the bandwidth roofline (weight
+               bytes per token / measured copy bandwidth); asserts >= 60% roofline at batch 1 and
+               >= 2x HF static + compile at batch 32
     cpu_kernels  build/load the C++ CPU kernels (the CPU drafter and CPU-only runs need them)
     pd         prefill and decode workers in two processes, KV over the gloo staging path,
                tokens equal to colocated

@@ -6,6 +6,9 @@ Terms:
     shared_s   a replica on a node that holds the weights already (the node's shared snapshot,
                workers/models/shared_weights.py): mapped instead of read
     standby_s  a standby replica promoted (loaded, unrouted; cluster/deploy/controller.py)
+    prestarted_s  a warm worker process promoted (a standby with ``standby_load: process``: imports,
+               config, tokenizer and kernels done, no weights; it maps the node's snapshot), where
+               measured; a pool whose standbys are warm processes promotes them in this time
 
 A profile file (JSON) maps ``<model>@<device>`` to those three figures plus where they come from;
 benchmarks/startup_bench.py writes one from its medians (``--profile-out``: the cluster path's,
@@ -43,10 +46,13 @@ class StartupModel:
     shared_s: float
     standby_s: float
     source: str = ""
+    prestarted_s: float | None = None
 
     def __post_init__(self) -> None:
-        for key in ("cold_s", "shared_s", "standby_s"):
+        for key in ("cold_s", "shared_s", "standby_s", "prestarted_s"):
             v = getattr(self, key)
+            if key == "prestarted_s" and v is None:
+                continue
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise StartupProfileError(f"{key}={v!r}: must be a number of seconds >= 0")
 
@@ -55,6 +61,17 @@ class StartupModel:
         if kind not in ("cold", "shared"):
             raise StartupProfileError(f"start-up kind {kind!r}: must be cold or shared")
         return self.cold_s if kind == "cold" else self.shared_s
+
+    def promoted_s(self, standby_load: str) -> float:
+        """A standby's promotion: 'model' (loaded, unrouted) or 'process' (a warm worker process)."""
+        if standby_load == "model":
+            return self.standby_s
+        if standby_load != "process":
+            raise StartupProfileError(f"standby load {standby_load!r}: must be model or process")
+        if self.prestarted_s is None:
+            raise StartupProfileError("this start-up profile entry has no prestarted_s (a warm process's promotion): "
+                                      "measure it with `python -m benchmarks.startup_bench --cluster --profile-out FILE`")
+        return self.prestarted_s
 
 
 def load_startup(path: Path, key: str) -> StartupModel:
@@ -69,8 +86,9 @@ def load_startup(path: Path, key: str) -> StartupModel:
         known = ", ".join(sorted(profiles)) if isinstance(profiles, dict) else "none"
         raise StartupProfileError(f"startup profile {str(path)!r} has no entry {key!r} (it has: {known})")
     try:
+        pre = entry.get("prestarted_s")
         return StartupModel(float(entry["cold_s"]), float(entry["shared_s"]), float(entry["standby_s"]),
-                            str(entry.get("source", "")))
+                            str(entry.get("source", "")), None if pre is None else float(pre))
     except (KeyError, TypeError, ValueError) as e:
         raise StartupProfileError(f"startup profile {str(path)!r} entry {key!r}: {e}") from None
 

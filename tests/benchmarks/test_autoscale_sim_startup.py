@@ -16,7 +16,7 @@ from cluster.sim.startup import StartupModel, StartupProfileError, load_startup,
 
 def _args(tmp_path, *extra):
     profile = tmp_path / "startup.json"
-    save_startup(profile, "M@cpu", StartupModel(7.5, 3.0, 0.6, "test"))
+    save_startup(profile, "M@cpu", StartupModel(7.5, 3.0, 0.6, "test", prestarted_s=1.4))
     return build_parser().parse_args(["--hours", "0.1", "--policies", "duet,duet-standby", "--startup-profile",
                                       str(profile), "--startup-model", "M@cpu", *extra])
 
@@ -43,3 +43,16 @@ def test_a_missing_entry_is_refused_naming_the_known_ones(tmp_path):
         load_startup(path, "B@gpu")
     with pytest.raises(StartupProfileError, match="cold_s=-1"):
         StartupModel(-1, 1, 1)
+
+
+def test_warm_process_standbys_promote_in_the_profiles_prestarted_time(tmp_path):
+    res = run(_args(tmp_path, "--standby-load", "process", "--policies", "duet-standby"))
+    assert res["startup"]["standby_s"] == 1.4 and res["startup"]["standby_load"] == "process"
+    path = tmp_path / "old.json"  # an entry measured before warm processes existed
+    path.write_text(json.dumps({"A@cpu": {"cold_s": 9, "shared_s": 7, "standby_s": 1}}))
+    old = load_startup(path, "A@cpu")
+    assert old.prestarted_s is None and old.promoted_s("model") == 1
+    with pytest.raises(StartupProfileError, match="no prestarted_s"):
+        old.promoted_s("process")
+    with pytest.raises(StartupProfileError, match="prestarted_s=-2"):
+        StartupModel(1, 1, 1, prestarted_s=-2)

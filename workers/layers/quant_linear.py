@@ -203,7 +203,9 @@ class QuantLinear(nn.Module):
         copy = self.bf16_copy
         if copy is not None and x.numel() > BF16_COPY_MIN_ROWS * x.shape[-1]:
             rows = self.step_rows
-            n = rows.decode if rows is not None and x.dim() == 2 and rows.decode < x.shape[0] else 0
+            # every decode row, also in a decode-only step of more than BF16_COPY_MIN_ROWS rows: a
+            # decode row's numbers must not depend on whether a prompt chunk shares its step
+            n = min(rows.decode, x.shape[0]) if rows is not None and x.dim() == 2 else 0
             if x.shape[0] - n > BF16_COPY_MIN_ROWS:  # the prompt rows on the copy, decode rows on the kernel
                 y = packed_linear(x[n:].to(torch.bfloat16), copy, self.out_features).float()
                 if bias is not None:

@@ -112,7 +112,8 @@ def test_q4_model_with_bf16_batches_scores_like_its_kernels(smollm2_path: Path) 
 def test_a_steps_decode_rows_stay_on_the_quantized_kernel() -> None:
     """StepRows: in a step of n decode rows then a long prompt chunk, the decode rows run on the
     quantized kernel (the same bits as a decode-only step: no load-dependent numbers) and only the
-    prompt rows on the bf16 copy; without step rows the whole batch goes to the copy as before."""
+    prompt rows on the bf16 copy, also when the step has more decode rows than the copy's threshold;
+    without step rows the whole batch goes to the copy as before."""
     from workers.layers.quant_linear import BF16_COPY_MIN_ROWS, QuantLinear, StepRows
 
     g = torch.Generator().manual_seed(4)
@@ -134,3 +135,11 @@ def test_a_steps_decode_rows_stay_on_the_quantized_kernel() -> None:
         rows.decode = BF16_COPY_MIN_ROWS  # too few prompt rows left for the copy: all on the kernel
         mixed = torch.cat([decode, prompt])[: BF16_COPY_MIN_ROWS + 20]
         assert torch.equal(layer(mixed), layer._kernel(mixed, layer.bias))
+        # a decode-only step of more rows than the copy's threshold: still the kernel, row by row
+        # the same bits as when those rows share a step with a prompt chunk
+        many = torch.randn(BF16_COPY_MIN_ROWS + 16, 576, generator=g)
+        rows.decode = many.shape[0]
+        decode_only = layer(many)
+        assert torch.equal(decode_only, layer._kernel(many, layer.bias))
+        rows.decode = many.shape[0]
+        assert torch.equal(layer(torch.cat([many, prompt]))[: many.shape[0]], decode_only)
