@@ -13,9 +13,13 @@ always sending to router i mod N, run for ``--seconds`` per phase:
     least_loaded  random 64-token prompts, policy least_loaded: how evenly N routers that each see
                   the workers' reports (and only their own sends since the last report) fill them
     prefix_aware  ``--prefixes`` shared 256-token prefixes (16 blocks) + a random 16-token suffix,
-                  policy prefix_aware (reported holdings + own sends of the last second)
+                  policy prefix_aware (reported holdings + own sends of the last second), the
+                  holdings pushed by the workers as they change (router/block_watch.py: the default)
+    prefix_aware_poll  the same with ``watch_block_events`` off: holdings from the load poll only
+                  (every 0.2 s), the baseline of the push
     prefix_aware_random  random 64-token prompts, policy prefix_aware: every prompt is new, so this
                   is how evenly its no-match path (router/policies/cold_home.py) fills the workers
+    prefix_aware_random_poll  the same with ``watch_block_events`` off (the baseline)
     *_home        the same with prefix_aware's ``cold_home`` on (a prompt no worker holds goes to
                   its home, the same worker from every router) against the default (to the
                   least-loaded worker as this router sees it), side by side in the same run
@@ -72,16 +76,21 @@ class _Loop:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
 
-# phase -> (policy, its options). The *_home phases run prefix_aware with cold_home on (a prompt no
-# worker holds goes to its home, router/policies/cold_home.py); the phase without is its baseline.
-PHASES = {"least_loaded": ("least_loaded", {}),
-          "prefix_aware": ("prefix_aware", {}), "prefix_aware_home": ("prefix_aware", {"cold_home": True}),
-          "prefix_aware_random": ("prefix_aware", {}),
-          "prefix_aware_random_home": ("prefix_aware", {"cold_home": True})}
+# phase -> (policy, its options, RouterConfig overrides). The *_home phases run prefix_aware with
+# cold_home on (a prompt no worker holds goes to its home, router/policies/cold_home.py); the phase
+# without is its baseline. prefix_aware_poll: block events from the load poll only (no WatchBlocks).
+PHASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "least_loaded": ("least_loaded", {}, {}),
+    "prefix_aware": ("prefix_aware", {}, {}), "prefix_aware_home": ("prefix_aware", {"cold_home": True}, {}),
+    "prefix_aware_poll": ("prefix_aware", {}, {"watch_block_events": False}),
+    "prefix_aware_random": ("prefix_aware", {}, {}),
+    "prefix_aware_random_poll": ("prefix_aware", {}, {"watch_block_events": False}),
+    "prefix_aware_random_home": ("prefix_aware", {"cold_home": True}, {})}
+SHARED_PREFIX_PHASES = ("prefix_aware", "prefix_aware_home", "prefix_aware_poll")
 
 
 def _prompt(rng: random.Random, phase: str, prefixes: list[list[int]]) -> list[int]:
-    if phase in ("prefix_aware", "prefix_aware_home"):
+    if phase in SHARED_PREFIX_PHASES:
         return rng.choice(prefixes) + [rng.randrange(1000, 20000) for _ in range(16)]
     return [rng.randrange(1000, 20000) for _ in range(64)]
 
@@ -110,8 +119,10 @@ async def _sample(workers: list[EchoWorker], stop_at: float, samples: list[list[
 
 def run_phase(args: argparse.Namespace, n_routers: int, phase: str, members: list[tuple[str, str]],
               workers: list[EchoWorker], prefixes: list[list[int]]) -> dict[str, Any]:
-    routers = [serve_router(RouterConfig(tokenizer_path=str(args.model_path), port=0, http_port=0, policy=PHASES[phase][0], policy_options=PHASES[phase][1],
-                                         max_in_flight=1024), members) for _ in range(n_routers)]
+    policy, options, overrides = PHASES[phase]
+    routers = [serve_router(RouterConfig(tokenizer_path=str(args.model_path), port=0, http_port=0, policy=policy,
+                                         policy_options=options, max_in_flight=1024, **overrides), members)
+               for _ in range(n_routers)]
     q0, h0 = sum(w.prefix_queries for w in workers), sum(w.prefix_hits for w in workers)
     try:
         time.sleep(0.5)  # a few polls: every router has every worker's first report
@@ -150,6 +161,23 @@ def run_phase(args: argparse.Namespace, n_routers: int, phase: str, members: lis
     }
 
 
+def _summary(results: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per (phase, N): medians over the repeats (the hit-rate difference is paired within a repeat)."""
+    out = []
+    for phase in args.phases:
+        for n in args.routers:
+            rows = [r for r in results if r["phase"] == phase and r["routers"] == n]
+            row: dict[str, Any] = {"phase": phase, "routers": n, "repeats": len(rows)}
+            for key in ("prefix_hit_rate", "prefix_hit_points_vs_1", "imbalance_max_over_mean",
+                        "imbalance_max_over_mean_p95", "peak_running", "throughput_rps", "ttft_p50_ms"):
+                xs = [r[key] for r in rows if r.get(key) is not None]
+                row[f"median_{key}"] = round(statistics.median(xs), 4) if xs else None
+                if key == "prefix_hit_points_vs_1" and xs:
+                    row["points_vs_1_all"] = xs
+            out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=4)
@@ -162,34 +190,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-token-ms", type=float, default=20.0)
     p.add_argument("--gap-ms", type=float, default=10.0)
     p.add_argument("--model-path", type=Path, default=DEFAULT_MODEL, help="tokenizer directory")
+    p.add_argument("--repeats", type=int, default=1, help="run every (phase, N) point this many times, "
+                   "interleaved; the summary gives medians over the repeats")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/routers_bench.json"))
     args = p.parse_args(argv)
     loop = _Loop()
     rng = random.Random(0)
     prefixes = [[rng.randrange(1000, 20000) for _ in range(256)] for _ in range(args.prefixes)]
     results = []
-    for phase in args.phases:
-        for n in args.routers:
-            # fresh workers per point: empty caches, so every N starts from the same state
-            workers = [EchoWorker(args.first_token_ms, args.gap_ms) for _ in range(args.workers)]
-            servers = [loop.run(start_echo_worker(worker=w)) for w in workers]
-            members = [(f"e{i}", f"127.0.0.1:{port}") for i, (_, port) in enumerate(servers)]
-            try:
-                row = run_phase(args, n, phase, members, workers, prefixes)
-            finally:
-                for server, _ in servers:
-                    loop.run(server.stop(0))
-            print(json.dumps(row), flush=True)
-            results.append(row)
-    base = {r["phase"]: r for r in results if r["routers"] == min(args.routers)}
+    for repeat, phase, n in ((r, ph, n) for r in range(args.repeats) for ph in args.phases for n in args.routers):
+        # fresh workers per point: empty caches, so every N starts from the same state
+        workers = [EchoWorker(args.first_token_ms, args.gap_ms) for _ in range(args.workers)]
+        servers = [loop.run(start_echo_worker(worker=w)) for w in workers]
+        members = [(f"e{i}", f"127.0.0.1:{port}") for i, (_, port) in enumerate(servers)]
+        try:
+            row = run_phase(args, n, phase, members, workers, prefixes)
+        finally:
+            for server, _ in servers:
+                loop.run(server.stop(0))
+        row["repeat"] = repeat
+        print(json.dumps(row), flush=True)
+        results.append(row)
+    base = {(r["repeat"], r["phase"]): r for r in results if r["routers"] == min(args.routers)}
     for r in results:
-        b = base[r["phase"]]
+        b = base[r["repeat"], r["phase"]]
         r["throughput_vs_1"] = round(r["throughput_rps"] / b["throughput_rps"], 3) if b["throughput_rps"] else None
         if r["prefix_hit_rate"] is not None and b["prefix_hit_rate"] is not None:
             r["prefix_hit_points_vs_1"] = round(100 * (r["prefix_hit_rate"] - b["prefix_hit_rate"]), 2)
+    summary = _summary(results, args)
+    for row in summary:
+        print(json.dumps(row), flush=True)
     report = {"benchmark": "routers_bench", "date": time.strftime("%Y-%m-%d"), "host": platform.node(),
               "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "args": {k: str(v) for k, v in vars(args).items()},
-              "results": results}
+              "summary": summary, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -1,6 +1,7 @@
 """1 vs 2 vs 3 routers, each its own process, in front of the same real workers (issue 33 (b)).
 
     python -m benchmarks.routers_real_bench [--workers 2] [--streams 16] [--seconds 30] [--routers 1 2 3]
+    python -m benchmarks.routers_real_bench --echo [--echo-first-token-ms 20] [--echo-gap-ms 2] ...
 
 Setup: ``duet serve --no-router`` (an embedded Ray, ``--workers`` SmolLM2-135M worker replicas of one
 CPU each, the controller's Membership service), then for each router count N, N ``duet router``
@@ -14,8 +15,17 @@ SIGTERM between points; the workers stay up, so every point runs on the same war
 
 What it answers: whether adding routers costs real-worker throughput or latency (they share the
 workers' load reports and prefix holdings; each is another hop's worth of CPU on the host). With real
-workers the workers are the bottleneck; the echo-worker run (routers_bench.py) is the router-bound one.
-Writes JSON to ``--out`` (default benchmarks/results/routers_real_bench.json).
+workers the workers are the bottleneck.
+
+``--echo``: the router-bound arm. Instead of ``duet serve``, ``--workers`` echo workers
+(cluster/bench/echo_worker.py: no model work, ``--echo-first-token-ms`` then one id every
+``--echo-gap-ms``), each its own process, and this process serves their member list on a
+Membership service (as the controller would); the N routers are ``duet router`` processes as above.
+With ids streamed every few milliseconds the routers' own work (detokenization, streaming, routing)
+is what limits throughput. On a host with fewer cores than routers + echo workers + this process,
+they share the cores: the result says how routers scale *on this host*, not on a router per core.
+Writes JSON to ``--out`` (default benchmarks/results/routers_real_bench.json, or
+routers_real_bench_echo.json with ``--echo``).
 """
 
 from __future__ import annotations
@@ -122,6 +132,40 @@ async def _client(i: int, address: str, max_tokens: int, start_at: float, stop_a
                 counts[1] += tokens
 
 
+class _StaticMembers:
+    """What cluster.deploy.membership_service.serve_membership needs of a controller, for a fixed
+    list of (worker id, endpoint): every worker colocated, serving the default model."""
+
+    def __init__(self, members: list[tuple[str, str]]) -> None:
+        self.members = members
+
+    def role_of(self, worker_id: str) -> str:
+        return "colocated"
+
+    def drafter_pool_of(self, worker_id: str) -> str:
+        return ""
+
+    def model_of(self, worker_id: str) -> str:
+        return ""
+
+    def subscribe(self, push: Any, *, detailed: bool = False) -> None:
+        push(self.members)
+
+
+def _start_echo(args: argparse.Namespace, logs: Path) -> tuple[list[_Proc], Any]:
+    """``--workers`` echo worker processes and a Membership service listing them (this process)."""
+    from cluster.deploy.membership_service import serve_membership
+
+    echoes = [_Proc([sys.executable, "-m", "cluster.bench.echo_worker", "--port", "0", "--first-token-ms",
+                     str(args.echo_first_token_ms), "--gap-ms", str(args.echo_gap_ms)], logs / f"echo_{i}.log")
+              for i in range(args.workers)]
+    ports = [int(e.wait_for(r"ECHO_WORKER_PORT=(\d+)", timeout=120).group(1)) for e in echoes]
+    # serve_membership is typed for the real Controller; it uses only what _StaticMembers has
+    members: Any = _StaticMembers([(f"e{i}", f"127.0.0.1:{p}") for i, p in enumerate(ports)])
+    service = serve_membership(members, "127.0.0.1", 0)
+    return echoes, service
+
+
 def run_point(args: argparse.Namespace, n: int, membership: str, logs: Path) -> dict[str, Any]:
     ports = [_free_port() for _ in range(n)]
     routers = [_Proc([*DUET, "router", "--membership", membership, "--model", str(args.model), "--port", str(p),
@@ -160,27 +204,44 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routers", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--model", default="SmolLM2-135M-Instruct", help="a model name or path (as `duet serve --model`)")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "routers_real_bench.json")
+    p.add_argument("--echo", action="store_true", help="echo workers (one process each) instead of real ones: "
+                   "the router-bound arm")
+    p.add_argument("--echo-first-token-ms", type=float, default=20.0)
+    p.add_argument("--echo-gap-ms", type=float, default=2.0)
+    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = ROOT / "benchmarks" / "results" / f"routers_real_bench{'_echo' if args.echo else ''}.json"
     logs = args.out.parent / "routers_real_bench_logs"
     logs.mkdir(parents=True, exist_ok=True)
-    controller_port = _free_port()
     load_before = os.getloadavg()[0]
-    serve = _Proc([*DUET, "serve", "--no-router", "--model", str(args.model), "--replicas", str(args.workers),
-                   "--controller-port", str(controller_port), "--ray-num-cpus", str(args.workers),
-                   "--kv-cache-memory", "256MiB"], logs / "serve.log")
     points = []
-    try:
-        serve.wait_for(r"duet: ready \(no router\)", timeout=600)
-        for n in args.routers:
-            points.append(run_point(args, n, f"127.0.0.1:{controller_port}", logs))
-            print(json.dumps(points[-1]), flush=True)
-    finally:
-        serve.stop(timeout=120)
+    if args.echo:
+        echoes, service = _start_echo(args, logs)
+        try:
+            for n in args.routers:
+                points.append(run_point(args, n, service.address, logs))
+                print(json.dumps(points[-1]), flush=True)
+        finally:
+            service.stop()
+            for e in echoes:
+                e.stop()
+    else:
+        controller_port = _free_port()
+        serve = _Proc([*DUET, "serve", "--no-router", "--model", str(args.model), "--replicas", str(args.workers),
+                       "--controller-port", str(controller_port), "--ray-num-cpus", str(args.workers),
+                       "--kv-cache-memory", "256MiB"], logs / "serve.log")
+        try:
+            serve.wait_for(r"duet: ready \(no router\)", timeout=600)
+            for n in args.routers:
+                points.append(run_point(args, n, f"127.0.0.1:{controller_port}", logs))
+                print(json.dumps(points[-1]), flush=True)
+        finally:
+            serve.stop(timeout=120)
     base = points[0]["output_tok_s"] if points else 0
     for pt in points:
         pt["vs_first"] = round(pt["output_tok_s"] / base, 3) if base else None
-    result = {"benchmark": "routers_real_bench", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    result = {"benchmark": "routers_real_bench_echo" if args.echo else "routers_real_bench", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "host": platform.node(), "cpus": os.cpu_count(), "loadavg_1m_before": load_before,
               "loadavg_1m_after": os.getloadavg()[0], "settings": {k: str(v) for k, v in vars(args).items()},
               "points": points}

@@ -4,6 +4,7 @@ the same batch, same prompts, same settings.
     .venv/bin/python benchmarks/served_vs_offline.py [--quick] [--quant q4] [--cpus 1]
         [--concurrency 1,8,32,64] [--requests-per-stream 3] [--temperature 1.0] [--out PATH]
         [--server-cores 0 --client-cores 1]   # as make bench-peers runs: the client on a core of its own
+        [--worker-only-pin]   # with those: only the worker on core 0 (as the offline engine), router + Ray on 1
 
 Workload (the issue's AIPerf setup): every request has a --prompt-tokens prompt of distinct token
 ids (no prefix-cache hits) and makes exactly --output-tokens tokens (ignore_eos), at
@@ -137,7 +138,10 @@ class Deployment:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.port = _free_port()
-        cmd = [*_pin(args.server_cores), sys.executable, "-m", "cluster.cli", "serve", "--quantization", args.quant, "--cpus-per-replica",
+        # --worker-only-pin: the deployment starts on the client's cores; its worker moves to the
+        # server cores once up (pin_worker)
+        tree_cores = args.client_cores if args.worker_only_pin else args.server_cores
+        cmd = [*_pin(tree_cores), sys.executable, "-m", "cluster.cli", "serve", "--quantization", args.quant, "--cpus-per-replica",
                str(args.cpus), "--ray-num-cpus", str(args.cpus + 1), "--http-port", str(self.port), "--port", "0",
                "--controller-port", "0", "--kv-cache-memory", "1GiB"]
         self.log = open(RESULTS / ".served_vs_offline.serve.log", "w")
@@ -148,6 +152,12 @@ class Deployment:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"duet serve did not come up; see {self.log.name}")
             time.sleep(1)
+
+    def pin_worker(self, cores: str) -> None:
+        """Every thread of the worker process onto ``cores`` (taskset -a: the engine and OpenMP threads
+        exist already), the rest of the deployment staying where it started."""
+        for p in self.processes()["worker"]:
+            subprocess.run(["taskset", "-a", "-p", "-c", cores, str(p.pid)], check=True, capture_output=True)
 
     def processes(self) -> dict[str, list[Any]]:
         import psutil
@@ -261,8 +271,14 @@ def main(argv: list[str] | None = None) -> int:
                         "(taskset list, e.g. 0) [unpinned]")
     p.add_argument("--client-cores", default=None,
                    help="run this process (the HTTP client) on these cores, e.g. 1 [unpinned]")
+    p.add_argument("--worker-only-pin", action="store_true",
+                   help="with --server-cores / --client-cores: only the worker process runs on the server cores (as "
+                        "the offline engine does); the router and Ray run on the client's cores, as a router on "
+                        "another node would [off: the whole duet serve tree on the server cores]")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.worker_only_pin and not (args.server_cores and args.client_cores):
+        p.error("--worker-only-pin needs --server-cores and --client-cores")
     if args.client_cores:
         os.sched_setaffinity(0, {int(c) for c in args.client_cores.split(",")})
     if args.quick:
@@ -273,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv[1:], "load_avg_before": os.getloadavg(),
                            "settings": {k: v for k, v in vars(args).items() if k != "out"}, "levels": []}
     dep = Deployment(args)
+    if args.worker_only_pin:
+        dep.pin_worker(args.server_cores)
     try:
         for i, n in enumerate(levels):
             work = prompts(n * args.requests_per_stream, args.prompt_tokens, args.seed + 2 * i)

@@ -169,6 +169,10 @@ class RouterConfig:
     # Workers.
     load_poll_interval_s: float = 0.2
     load_poll_timeout_s: float = 2.0
+    # Keep each worker's WatchBlocks stream open (router/block_watch.py): its prefix-cache block events,
+    # pending prompts included, arrive as they happen rather than with the next poll; false = the
+    # poll alone (a worker without WatchBlocks is polled either way).
+    watch_block_events: bool = True
     worker_failure_threshold: int = 3
     stream_failure_cooldown_s: float = 1.0
     max_route_attempts: int = 2
@@ -252,6 +256,8 @@ class RouterConfig:
         _int_at_least("max_stop_strings", self.max_stop_strings, 0)
         _int_at_least("max_stop_string_len", self.max_stop_string_len, 1)
         _int_at_least("max_n", self.max_n, 1)
+        if not isinstance(self.watch_block_events, bool):
+            _fail("watch_block_events", self.watch_block_events, "must be true or false")
         for name in ("load_poll_interval_s", "load_poll_timeout_s"):
             value = getattr(self, name)
             if not _finite(value) or value <= 0:

@@ -29,7 +29,11 @@ Example (block_size 4)::
     index.match_tiers([1, 2, 3, 4, 5, 6, 7, 8, 9])   # {"w0": [Tier.HOST, Tier.DEVICE]}
 
 A worker that restarts (new incarnation) sends a snapshot (its cursor is refused); one that leaves
-is forgotten (``forget``). Single event loop: all methods run on the router's loop.
+is forgotten (``forget``). A report older than the one applied (same incarnation, lower seq) is
+stale and dropped: the load poll and the pushed stream (router/block_watch.py) can cross.
+Pending blocks (Tier.PENDING: a prompt the worker admitted and has not computed yet) count in
+``match_tiers`` (the prefix-aware policy routes to the worker computing a prefix) but not in
+``match`` (nothing can be pulled from a block that is not there yet). Single event loop: all methods run on the router's loop.
 """
 
 from __future__ import annotations
@@ -65,6 +69,10 @@ class _Holdings:
     block_size: int
     seq: int = 0
     held: dict[int, int] = field(default_factory=dict)  # chain hash -> Tier
+    pending: int = 0  # entries of ``held`` in Tier.PENDING
+
+    def count_pending(self) -> None:
+        self.pending = sum(1 for t in self.held.values() if t == Tier.PENDING)
 
 
 class PrefixIndex:
@@ -72,6 +80,7 @@ class PrefixIndex:
         self._workers: dict[str, _Holdings] = {}
         self.num_snapshots = 0  # reports applied as a full replacement
         self.num_diffs = 0
+        self.num_stale = 0  # reports dropped as older than the one applied
 
     def cursor(self, worker_id: str, incarnation: str = "") -> tuple[int, str]:
         """(block_events_since, block_events_incarnation) to send on the next poll of ``worker_id``."""
@@ -82,13 +91,20 @@ class PrefixIndex:
         """Apply one worker's report: a snapshot replaces its holdings, a diff updates them."""
         assert block_size > 0
         h = self._workers.get(worker_id)
+        if h is not None and h.incarnation == incarnation and h.block_size == block_size and report.seq < h.seq:
+            self.num_stale += 1
+            return
         if report.snapshot or h is None or h.incarnation != incarnation or h.block_size != block_size:
             h = self._workers[worker_id] = _Holdings(incarnation, block_size, report.seq, report.held())
+            h.count_pending()
             self.num_snapshots += 1
             return
+        pending = Tier.PENDING
         for x in report.removed:
-            h.held.pop(x, None)
-        h.held.update(report.held())
+            h.pending -= h.held.pop(x, None) == pending
+        for x, t in report.held().items():
+            h.pending += (t == pending) - (h.held.get(x) == pending)
+            h.held[x] = t
         h.seq = report.seq
         self.num_diffs += 1
 
@@ -100,9 +116,15 @@ class PrefixIndex:
         return worker_id in self._workers
 
     def match(self, token_ids: Sequence[int], workers: Iterable[str] | None = None, root: int = ROOT) -> dict[str, int]:
-        """Leading full blocks of ``token_ids`` each known worker holds (workers holding none omitted).
+        """Leading full blocks of ``token_ids`` each known worker holds, pending ones not counted
+        (workers holding none omitted).
         root: the chain's root (``adapter_root(adapter)`` for a request under a LoRA adapter)."""
-        return {wid: len(tiers) for wid, tiers in self.match_tiers(token_ids, workers, root).items()}
+        out = {}
+        for wid, tiers in self.match_tiers(token_ids, workers, root).items():
+            n = next((i for i, t in enumerate(tiers) if t == Tier.PENDING), len(tiers))
+            if n:
+                out[wid] = n
+        return out
 
     def match_tiers(self, token_ids: Sequence[int], workers: Iterable[str] | None = None,
                     root: int = ROOT) -> dict[str, list[int]]:
@@ -125,6 +147,12 @@ class PrefixIndex:
             if tiers:
                 out[wid] = tiers
         return out
+
+    def pending_tokens(self, worker_id: str) -> int:
+        """Prompt tokens ``worker_id`` reports admitted and not computed yet (its pending blocks):
+        load that its last load report may not show yet."""
+        h = self._workers.get(worker_id)
+        return h.pending * h.block_size if h is not None else 0
 
     def block_size(self, worker_id: str) -> int:
         return self._workers[worker_id].block_size

@@ -50,6 +50,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.drafters import DrafterDirectory
 from router.policies import RouteRequest, WorkerState
+from router.block_watch import BlockWatch
 from router.prefix_index import BlockReport, PrefixIndex
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class _Member:
     last_error: str = ""
     leases: set[WorkerLease] = field(default_factory=set)
     poll_task: asyncio.Task[None] | None = None
+    block_watch: BlockWatch | None = None  # the pushed block events (router/block_watch.py)
     first_poll: asyncio.Event = field(default_factory=asyncio.Event)
     removed: bool = False
     warned: set[str] = field(default_factory=set)
@@ -146,13 +148,16 @@ class WorkerDirectory:
     def __init__(self, *, poll_interval_s: float = 0.2, poll_timeout_s: float = 2.0, failure_threshold: int = 3,
                  stream_failure_cooldown_s: float = 1.0,
                  on_health_change: Callable[[bool], None] | None = None,
-                 prefix_index: PrefixIndex | None = None) -> None:
+                 prefix_index: PrefixIndex | None = None, watch_blocks: bool = True) -> None:
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
         self.failure_threshold = failure_threshold
         self.stream_failure_cooldown_s = stream_failure_cooldown_s
         self.on_health_change = on_health_change
         self.prefix_index = prefix_index  # fed from every poll's block events (router/prefix_index.py)
+        # ... or, where the worker pushes them, from its WatchBlocks stream (router/block_watch.py)
+        self.watch_blocks = watch_blocks and prefix_index is not None
+        self.num_block_watch_unsupported = 0
         self._members: dict[str, _Member] = {}
         self._any_healthy = False
         self._closed = False
@@ -220,6 +225,11 @@ class WorkerDirectory:
         m = _Member(worker_id, endpoint, channel, WorkerState(worker_id, endpoint, healthy=False, role=role))
         self._members[worker_id] = m
         m.poll_task = asyncio.create_task(self._poll_loop(m), name=f"poll-{worker_id}")
+        if self.watch_blocks:
+            assert self.prefix_index is not None
+            m.block_watch = BlockWatch(worker_id, m.stub, self.prefix_index, retry_s=self.poll_interval_s,
+                                       incarnation=lambda: m.state.incarnation, on_unsupported=self._watch_unsupported)
+            m.block_watch.start()
         logger.info("worker %s joined at %s", worker_id, endpoint)
         return m
 
@@ -228,6 +238,8 @@ class WorkerDirectory:
         del self._members[m.worker_id]
         if m.poll_task is not None:
             m.poll_task.cancel()
+        if m.block_watch is not None:
+            m.block_watch.stop()
         m.state = replace(m.state, healthy=False)
         if self.prefix_index is not None:
             self.prefix_index.forget(m.worker_id)
@@ -249,7 +261,9 @@ class WorkerDirectory:
         for m in members:
             if m.poll_task is not None:
                 m.poll_task.cancel()
-        await asyncio.gather(*(m.poll_task for m in members if m.poll_task), return_exceptions=True)
+        watches = [m.block_watch.stop() for m in members if m.block_watch is not None]
+        await asyncio.gather(*(m.poll_task for m in members if m.poll_task), *(t for t in watches if t),
+                             return_exceptions=True)
         await asyncio.gather(*(m.channel.close() for m in members), *self._background, return_exceptions=True)
         await self.drafters.close()
         self._notify_health()
@@ -310,7 +324,7 @@ class WorkerDirectory:
         report: Any
         status: Any
         request = worker_pb2.GetLoadRequest()
-        if self.prefix_index is not None:
+        if self.prefix_index is not None and not self._watching(m):
             since, incarnation = self.prefix_index.cursor(m.worker_id, m.state.incarnation)
             request = worker_pb2.GetLoadRequest(block_events=True, block_events_since=since,
                                                 block_events_incarnation=incarnation)
@@ -344,7 +358,8 @@ class WorkerDirectory:
                 self._fail_leases(m, f"worker {m.worker_id} stopped answering ({m.last_error})")
             return
         m.failures = 0
-        if self.prefix_index is not None and report.block_events_supported and report.kv_block_size:
+        if self.prefix_index is not None and report.block_events_supported and report.kv_block_size \
+                and not self._watching(m):
             self.prefix_index.apply(m.worker_id, report.incarnation,
                                     BlockReport(report.block_seq, report.block_snapshot, report.blocks_stored,
                                                 report.blocks_removed, report.blocks_stored_tiers),
@@ -365,6 +380,13 @@ class WorkerDirectory:
             self._set_healthy(m, False, f"health of {WORKER_HEALTH_SERVICE} is {name}")
         elif time.monotonic() >= m.cooldown_until:
             self._set_healthy(m, True, "poll succeeded")
+
+    @staticmethod
+    def _watching(m: _Member) -> bool:
+        return m.block_watch is not None and m.block_watch.watching
+
+    def _watch_unsupported(self, worker_id: str) -> None:
+        self.num_block_watch_unsupported += 1
 
     def _fail_leases(self, m: _Member, reason: str) -> None:
         for lease in list(m.leases):

@@ -41,11 +41,15 @@ _MASK = (1 << 64) - 1
 class Tier(IntEnum):
     """Where a worker holds a block (LoadReport.blocks_stored_tiers): lower is faster to serve.
     DEVICE: its KV cache (GPU or CPU memory); HOST and DISK: its lower KV tiers
-    (workers/engine/kv_tiers.py)."""
+    (workers/engine/kv_tiers.py). PENDING: not held yet, but a request admitted here is about to
+    compute it (its prompt's blocks from admission until its first token), so a router routing
+    the same new prefix elsewhere would make a second copy; nothing can be read from a PENDING
+    block (prefix pulls ignore it). Numbered last so that any real tier wins."""
 
     DEVICE = 0
     HOST = 1
     DISK = 2
+    PENDING = 3
 
 
 def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:

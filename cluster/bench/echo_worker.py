@@ -17,7 +17,10 @@ router accepts it as a member. Its load report is honest about what it does: ``n
 ``outstanding_tokens`` (ids still to stream), and a stand-in prefix cache: each prompt's full
 blocks of ``BLOCK_SIZE`` tokens are remembered (LRU, ``cache_blocks`` of them), counted as
 prefix-cache queries and hits, and reported as block events (workers/engine/block_events.py) to
-routers that ask, exactly as a real worker reports its prefix cache.
+routers that ask (GetLoad) or watch (WatchBlocks), as a real worker reports its prefix cache: a
+prompt's blocks as pending from its admission (workers/engine/block_events.py PendingBlocks), on
+the device from its first token (a lookup counts them cached from admission on, as if a second
+request for the same prefix always waited for the first one's prefill).
 
 Run it on its own (it prints ``ECHO_WORKER_PORT=<port>`` once it listens)::
 
@@ -40,7 +43,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.server import wait_for_stop_signal
 from workers.block_hash import chain_hashes
-from workers.engine.block_events import BlockEventLog
+from workers.engine.block_events import BlockEventLog, PendingBlocks
+from workers.server.block_watch import watch_blocks
 
 SERVICE_NAME = "duet.worker.v1.Worker"
 BLOCK_SIZE = 16  # tokens per stand-in KV block (the default engine block size)
@@ -55,36 +59,46 @@ class EchoWorker(worker_pb2_grpc.WorkerServicer):
         self.outstanding = 0  # ids still to stream, over running requests
         self.cache_blocks = cache_blocks
         self.events = BlockEventLog()
+        self.pending = PendingBlocks(self.events)
         self._cached: OrderedDict[int, None] = OrderedDict()  # chain hash -> None, least recently used first
         self.prefix_queries = 0
         self.prefix_hits = 0
 
-    def _lookup_and_store(self, prompt: list[int]) -> None:
-        """The stand-in prefix cache: count the prompt's leading cached blocks, then cache them all."""
+    def _lookup_and_store(self, prompt: list[int]) -> list[int]:
+        """The stand-in prefix cache: count the prompt's leading cached blocks, then cache them all
+        (reported pending); returns their hashes, for ``_computed``."""
         hashes = chain_hashes(prompt, BLOCK_SIZE)
         self.prefix_queries += len(hashes)
         self.prefix_hits += next((i for i, h in enumerate(hashes) if h not in self._cached), len(hashes))
         for h in hashes:
             self._cached[h] = None
             self._cached.move_to_end(h)
-        self.events.stored(hashes)
+        self.pending.add(hashes)
         evicted = []
         while len(self._cached) > self.cache_blocks:
             evicted.append(self._cached.popitem(last=False)[0])
         self.events.removed(evicted)
+        return hashes
+
+    def _computed(self, hashes: list[int]) -> None:
+        """The stand-in prefill is done: its blocks (still cached) are on the device, no longer pending."""
+        self.events.stored([h for h in hashes if h in self._cached])
+        self.pending.release(hashes)
 
     async def Submit(self, request: worker_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: must not be empty")
         n = max(1, request.sampling.max_tokens)
         ids = itertools.cycle(request.prompt_token_ids)
-        self._lookup_and_store(list(request.prompt_token_ids))
+        pending = self._lookup_and_store(list(request.prompt_token_ids))
         self.running += 1
         self.outstanding += n
         sent = 0
         try:
             if self.first_token_s:
                 await asyncio.sleep(self.first_token_s)
+            self._computed(pending)
+            pending = []
             for i in range(n):
                 if i and self.gap_s:
                     await asyncio.sleep(self.gap_s)
@@ -97,6 +111,8 @@ class EchoWorker(worker_pb2_grpc.WorkerServicer):
                 self.outstanding -= 1
                 yield response
         finally:
+            if pending:  # cancelled before its first token
+                self.pending.release(pending)
             self.running -= 1
             self.outstanding -= n - sent
 
@@ -114,7 +130,12 @@ class EchoWorker(worker_pb2_grpc.WorkerServicer):
             report.block_events_supported, report.block_seq, report.block_snapshot = True, diff.seq, diff.snapshot
             report.blocks_stored.extend(diff.stored)
             report.blocks_removed.extend(diff.removed)
+            report.blocks_stored_tiers.extend(diff.stored_tiers)
         return report
+
+    async def WatchBlocks(self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
+        async for message in watch_blocks(self.events, request, self.incarnation, block_size=BLOCK_SIZE):
+            yield message
 
 
 async def start_echo_worker(host: str = "127.0.0.1", port: int = 0, *, first_token_ms: float = 0.0,

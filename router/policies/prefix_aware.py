@@ -26,6 +26,11 @@ as device. A matched block is worth, in blocks of prefill saved:
                       and recomputed if the read misses cache.tier_load_timeout_s; it also
                       displaces host blocks on its way in. Half a block: a disk hit beats
                       recomputing but loses to a device or host hit of half the length
+    pending   1.0     a prompt the worker admitted and is computing (pushed on its WatchBlocks
+                      stream within milliseconds, router/block_watch.py): on its device by the
+                      time a request sent now runs, like this router's own recent sends. This is
+                      what makes N routers agree on a new prefix: the first router's choice is
+                      every router's match before any of them polls again
     (none)    0       recompute
 
 (``host_weight`` and ``disk_weight`` set them; 0 <= disk <= host <= 1.) So for one prompt of 8
@@ -33,14 +38,18 @@ blocks: w0 holding 4 on device scores 4.0; w1 holding all 8 in host, 7.2; w2 all
 (a tie with w0, broken by load). Load enters as before: by the balance thresholds of step 3, and
 as the tie-break.
 
-Algorithm, per request (P = the prompt's token ids, load = WorkerState.load_tokens; a request under
+Algorithm, per request (P = the prompt's token ids, load = WorkerState.load_tokens, plus with
+``holdings`` the prompt tokens the worker reports pending -- admitted, not computed yet, pushed as
+they happen: the other routers' sends of the last poll interval, which its load report may not
+show yet; once it does, they count twice until the prompt is computed, a bias toward workers with
+fewer queued prompts; a request under
 a LoRA adapter hashes P from its adapter's root, RouteRequest.prefix_root, so it matches only
 prefixes computed under the same adapter, as the workers key them):
  1. Cut P into full blocks of ``block_size`` tokens (= the workers' KV block size): matched(w) =
     leading blocks of P that worker w holds (above), score(w) = the sum of their tier weights.
  2. best  = the healthy worker with the highest score; ties -> lower load (so a popular
             prefix held by several workers is spread by load), then fewer in-flight, then id.
-    least = the least-loaded healthy worker (router/policies/least_loaded.py).
+    least = the least-loaded healthy worker (as router/policies/least_loaded.py, on this load).
  3. matched(best) == 0        -> least      (nothing cached anywhere: plain least-loaded; with
                                              ``cold_home``, its home: among the workers whose
                                              reported load is within this request's cost of the
@@ -81,7 +90,6 @@ from collections.abc import Callable
 
 from router.policies.base import PolicyConfigError, RouteRequest, WorkerState, healthy_workers, log_fallback
 from router.policies.cold_home import cold_home
-from router.policies.least_loaded import least_loaded
 from router.prefix_index import PrefixIndex
 from router.prefix_tree import PrefixTree, block_hashes
 from workers.block_hash import ROOT, Tier, chain_hashes
@@ -119,7 +127,8 @@ class PrefixAwarePolicy:
         if disk_weight > host_weight:
             raise PolicyConfigError(f"prefix_aware.disk_weight={disk_weight!r} > prefix_aware.host_weight="
                                     f"{host_weight!r}: a disk hit is never worth more than a host hit")
-        self.tier_weights = {Tier.DEVICE: 1.0, Tier.HOST: float(host_weight), Tier.DISK: float(disk_weight)}
+        self.tier_weights = {Tier.DEVICE: 1.0, Tier.HOST: float(host_weight), Tier.DISK: float(disk_weight),
+                             Tier.PENDING: 1.0}
         if not isinstance(cold_home, bool):
             raise PolicyConfigError(f"prefix_aware.cold_home={cold_home!r}: must be true (a new prefix goes to its "
                                     "home, the same worker from every router) or false (to the least loaded)")
@@ -153,8 +162,9 @@ class PrefixAwarePolicy:
         hashes = block_hashes(request.prompt_token_ids, self.block_size, root)
         matched = self._match(request.prompt_token_ids, hashes, healthy, root)
         score = {wid: sum(self.tier_weights[Tier(t)] for t in tiers) for wid, tiers in matched.items()}
-        least = least_loaded(healthy)
-        best = min(healthy, key=lambda w: (-score.get(w.worker_id, 0.0), w.load_tokens,
+        load = self._loads(healthy)
+        least = min(healthy, key=lambda w: (load[w.worker_id], w.in_flight_requests, w.worker_id))
+        best = min(healthy, key=lambda w: (-score.get(w.worker_id, 0.0), load[w.worker_id],
                                            w.in_flight_requests, w.worker_id))
         best_tiers = matched.get(best.worker_id, [])
         best_blocks = len(best_tiers)
@@ -163,13 +173,13 @@ class PrefixAwarePolicy:
             chosen = cold_home(request, hashes[0] if hashes else None, healthy, least) if self.cold_home else least
             logger.debug("request %s: no cached prefix on any worker -> %s (%s)", request.request_id,
                          chosen.worker_id, "its home" if self.cold_home else "least loaded")
-        elif best is not least and self._imbalanced(best, least):
+        elif best is not least and self._imbalanced(load[best.worker_id], load[least.worker_id]):
             self.num_imbalance_fallbacks += 1
             log_fallback(logger, self.num_imbalance_fallbacks,
                          "request %s: %s holds %d prefix tokens but its load %d exceeds %s's %d beyond the "
                          "balance thresholds (+%d tokens and x%.2f); routing to %s",
-                         request.request_id, best.worker_id, best_blocks * self.block_size, best.load_tokens,
-                         least.worker_id, least.load_tokens, self.balance_abs_tokens, self.balance_rel,
+                         request.request_id, best.worker_id, best_blocks * self.block_size, load[best.worker_id],
+                         least.worker_id, load[least.worker_id], self.balance_abs_tokens, self.balance_rel,
                          least.worker_id)
             chosen = least
         else:
@@ -248,8 +258,15 @@ class PrefixAwarePolicy:
                 else:
                     held[h] -= 1
 
-    def _imbalanced(self, best: WorkerState, least: WorkerState) -> bool:
-        hi, lo = best.load_tokens, least.load_tokens
+    def _loads(self, healthy: Sequence[WorkerState]) -> dict[str, int]:
+        """Each worker's load_tokens plus, with ``holdings``, the prompt tokens it reports pending
+        (admitted, not computed): pushed within milliseconds, so N routers see each other's fresh
+        sends in the load too, not only their own until the next poll (module docstring)."""
+        if self.holdings is None:
+            return {w.worker_id: w.load_tokens for w in healthy}
+        return {w.worker_id: w.load_tokens + self.holdings.pending_tokens(w.worker_id) for w in healthy}
+
+    def _imbalanced(self, hi: int, lo: int) -> bool:
         return hi - lo > self.balance_abs_tokens and hi > self.balance_rel * lo
 
     def _max_blocks(self, w: WorkerState) -> int:

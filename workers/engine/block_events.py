@@ -30,6 +30,15 @@ Example::
     log.stored([13], Tier.HOST); log.removed([13])      # evicted from the device into host
     log.read(4)       # BlockDiff(seq=5, snapshot=False, stored=[13], removed=[], stored_tiers=[1])
 
+Watchers (``add_listener``): a callback run after every record that changed what a reader sees
+(outside the lock, on the recording thread), so a server can push diffs the moment they happen
+(``duet.worker.v1.Worker/WatchBlocks``) instead of waiting for the next poll.
+
+Pending blocks (``PendingBlocks``): the prompt blocks of requests admitted but not yet computed,
+recorded under Tier.PENDING (refcounted: two requests sharing a new prefix keep it pending until
+both released it). A router that sees them routes the same new prefix to the worker already
+computing it (router/policies/prefix_aware.py) instead of starting a second copy elsewhere.
+
 Thread-safe (one lock; the engine thread's appends are a few dict operations per step).
 """
 
@@ -37,7 +46,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from workers.block_hash import Tier
@@ -67,6 +76,17 @@ class BlockEventLog:
         self._held: dict[int, int] = {}  # hash -> bit mask of the tiers holding it (bit t: Tier t)
         self._touched: OrderedDict[int, int] = OrderedDict()  # hash -> seq of its latest event, oldest first
         self._forgotten_upto = 0  # events at or below this seq may be missing from _touched
+        self._listeners: list[Callable[[], None]] = []
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after each record that bumps ``seq`` (on the recording thread, no lock
+        held; it must be quick and thread-safe, e.g. ``loop.call_soon_threadsafe(event.set)``)."""
+        with self._lock:
+            self._listeners = [*self._listeners, callback]
+
+    def remove_listener(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            self._listeners = [c for c in self._listeners if c is not callback]
 
     @property
     def seq(self) -> int:
@@ -89,6 +109,7 @@ class BlockEventLog:
     def _record(self, hashes: Iterable[int], tier: Tier, held: bool) -> None:
         bit = 1 << tier
         with self._lock:
+            seq0 = self._seq
             for h in hashes:
                 old = self._held.get(h, 0)
                 new = old | bit if held else old & ~bit
@@ -106,6 +127,9 @@ class BlockEventLog:
             while len(self._touched) > self.capacity:
                 _, seq = self._touched.popitem(last=False)
                 self._forgotten_upto = seq
+            listeners = self._listeners if self._seq != seq0 else []
+        for callback in listeners:
+            callback()
 
     def read(self, since: int) -> BlockDiff:
         """The diff since cursor ``since`` (module docstring), or a snapshot."""
@@ -127,3 +151,49 @@ class BlockEventLog:
         if all(m & 1 for m in masks):
             return []
         return [(m & -m).bit_length() - 1 for m in masks]
+
+
+class PendingBlocks:
+    """The prompt blocks of admitted requests not computed yet, in ``events`` under Tier.PENDING.
+
+    ``add(hashes)`` at admission, ``release(hashes)`` once the request's prompt is computed (its
+    first token) or it ends; a hash stays pending while any request holds it. Thread-safe.
+
+    Example::
+
+        pending = PendingBlocks(log)
+        pending.add([11, 12]); pending.add([11])
+        pending.release([11, 12])     # 11 still pending (the second request)
+        log.tier(11), log.tier(12)    # (Tier.PENDING, None)
+    """
+
+    def __init__(self, events: BlockEventLog) -> None:
+        self.events = events
+        self._lock = threading.Lock()
+        self._count: dict[int, int] = {}
+
+    def add(self, hashes: Iterable[int]) -> None:
+        with self._lock:
+            new = []
+            for h in hashes:
+                n = self._count.get(h, 0)
+                self._count[h] = n + 1
+                if not n:
+                    new.append(h)
+            self.events.stored(new, Tier.PENDING)
+
+    def release(self, hashes: Iterable[int]) -> None:
+        with self._lock:
+            gone = []
+            for h in hashes:
+                n = self._count.get(h, 0)
+                assert n > 0, f"PendingBlocks.release of {h:#x}, which is not pending"
+                if n == 1:
+                    del self._count[h]
+                    gone.append(h)
+                else:
+                    self._count[h] = n - 1
+            self.events.removed(gone, Tier.PENDING)
+
+    def __len__(self) -> int:
+        return len(self._count)

@@ -308,7 +308,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or len(self.grammars) > 0
-                or (self.tiers is not None and self.tiers.num_parked > 0))
+                or (self.tiers is not None and (self.tiers.num_parked > 0 or self.tiers.num_pending > 0)))
 
     def close(self) -> None:
         """Release what outlives a step: the lower KV tiers' thread, files and memory. Idempotent."""

@@ -21,9 +21,14 @@ Terms:
 
 The data flow (one direction per event):
     eviction      the block manager evicts a prefix-cached block (workers/engine/block_manager.py
-                  ``on_evict``) -> ``KVTiers.evicted`` copies it out of the runner (its checksum and
-                  the model fingerprint are attached by the store) into host; host's LRU spills to
-                  disk on the store's writer thread; disk's LRU is deleted
+                  ``on_evict``) -> ``KVTiers.evicted`` copies it out of the runner at once (the
+                  block is about to be overwritten) and keeps the copy pending; ``flush``, at the
+                  start of the next step (``take_ready``) or before anything looks below the device
+                  (``match``, ``prefetch``, ``read_prefix``), stores it in host (its checksum and the
+                  model fingerprint are attached by the store); host's LRU spills to disk on the
+                  store's writer thread; disk's LRU is deleted. So the sealing, the host (or node
+                  tier file) writes and the spills an admission's evictions cause run after the step
+                  that returns its first token, not before it
     reporting     every move below the device (into host, spilled to disk, read back into host,
                   deleted, refused) is a block event (workers/engine/block_events.py) under the
                   block's chain hash (workers/block_hash.py) with its tier, in the log the block
@@ -62,6 +67,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -108,6 +114,38 @@ def key_digest(key: tuple) -> bytes:
     for tokens in reversed(chain):
         digest = next_digest(digest, tokens)
     return digest
+
+
+class KeyDigests:
+    """``key_digest`` with a memo of the keys it walked: an evicted block's digest costs one
+    ``next_digest`` when its parent's is remembered, instead of a walk of its whole chain (~4 us a
+    level). Entries are keyed by the key object's identity and keep the key alive (so an id is never
+    reused while its entry stands); the oldest ``capacity`` entries are kept."""
+
+    def __init__(self, capacity: int = 8192) -> None:
+        self.capacity = capacity
+        self._memo: OrderedDict[int, tuple[tuple, bytes]] = OrderedDict()  # id(key) -> (key, digest)
+
+    def __call__(self, key: tuple) -> bytes:
+        chain: list[tuple] = []
+        node: tuple | int | None = key
+        digest = None
+        while isinstance(node, tuple):
+            hit = self._memo.get(id(node))
+            if hit is not None and hit[0] is node:
+                digest = hit[1]
+                break
+            chain.append(node)
+            node = node[0]
+        if digest is None:
+            assert not isinstance(node, tuple)  # the walk reached the chain's root
+            digest = root_digest(node)
+        for k in reversed(chain):
+            digest = next_digest(digest, k[1])
+            self._memo[id(k)] = (k, digest)
+        while len(self._memo) > self.capacity:
+            self._memo.popitem(last=False)
+        return digest
 
 
 @dataclass(frozen=True)
@@ -167,6 +205,10 @@ class TierStore(Protocol):
     def wait(self, timeout: float) -> None:
         """Sleep until a disk read finishes or ``timeout`` seconds pass."""
 
+    def claim_shared(self, digest: bytes, chain_hash: int) -> None:
+        """Only when ``shared``: this engine reported the block in the shared host tier itself, so
+        the change feed (``watch_shared``) reports its removal even if no pass saw its file."""
+
     def changes(self) -> list[tuple[bytes, int]]:
         """(digest, chain hash) of the blocks whose tiers changed since the last call; the hash is
         that of the block as it moved (a node-tier block another worker put there and that this
@@ -212,9 +254,12 @@ class PrefixLoad:
         return len(self.kv)
 
     def write(self, block_ids: list[int]) -> None:
+        """Each block straight from its tier copy into its device block: no concatenated staging
+        tensor (allocating and filling one cost as much as the writes themselves on the CPU)."""
         assert len(block_ids) == len(self.kv)
         t0 = time.perf_counter()
-        self.tiers.io.write_blocks(block_ids, torch.cat(self.kv, dim=2))
+        for block_id, kv in zip(block_ids, self.kv):
+            self.tiers.io.write_blocks([block_id], kv)
         self.tiers.loaded(len(block_ids), sum(k.numel() * k.element_size() for k in self.kv),
                           time.perf_counter() - t0 + self.verify_s)
 
@@ -239,6 +284,9 @@ class KVTiers:
         self.load_timeout_s = load_timeout_s
         self._clock = clock
         self._digests: dict[str, list[bytes]] = {}  # request id -> digests of its full blocks so far
+        self._key_digest = KeyDigests()
+        # evicted from the device, copied out, not yet stored below: digest -> (kv [L, 2, 1, bs, G, D], chain hash)
+        self._pending: dict[bytes, tuple[torch.Tensor, int]] = {}
         self._parked: list[_Parked] = []
         self._load_s_per_block: float | None = None
         self._prefill_s_per_token: float | None = None
@@ -253,14 +301,26 @@ class KVTiers:
     def evicted(self, key: tuple, block_id: int, chain_hash: int) -> None:
         """The block manager is about to reuse ``block_id`` (prefix key ``key``, reported as
         ``chain_hash``): keep a copy below."""
-        digest = key_digest(key)
+        digest = self._key_digest(key)
         if digest not in self._below:
             self._below[digest] = (chain_hash, Tier.DEVICE)  # DEVICE: not reported below yet
         if self.store.where(digest) == "host":  # inclusive: the copy from its last load is still there
             self.store.touch(digest)  # (or another worker of the node put it in the node's shared tier)
             self._sync(digest)
             return
-        self.store.put(digest, self.io.read_blocks([block_id]).to("cpu"), chain_hash)
+        self._pending[digest] = (self.io.read_blocks([block_id]).to("cpu"), chain_hash)  # stored by ``flush``
+
+    def flush(self) -> None:
+        """Store the blocks evicted since the last flush in host (module docstring: eviction)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        for digest, (kv, chain_hash) in pending.items():
+            if self.store.where(digest) == "host":  # a neighbour put it in the node's tier meanwhile
+                self.store.touch(digest)
+                self._sync(digest)
+            else:
+                self.store.put(digest, kv, chain_hash)
         self._report()
 
     def _report(self) -> None:
@@ -284,6 +344,10 @@ class KVTiers:
         if self.events is not None:
             if new is not None:
                 self.events.stored((h,), new)
+                if new == Tier.HOST and self.node_feed is not None:
+                    # the node tier's feed clears this claim when the file goes, seen by a pass or not
+                    # (one bit per tier and hash: the feed's removal is also this claim's)
+                    self.store.claim_shared(digest, h)
             if old != Tier.DEVICE:
                 self.events.removed((h,), old)
         if new is None:
@@ -312,6 +376,7 @@ class KVTiers:
         verified; None when there are none or recompute is cheaper."""
         if max_blocks <= 0:
             return None
+        self.flush()  # blocks evicted earlier in this step count as held below
         if self.recompute_is_cheaper():
             self._skipped += 1
             if self._skipped % self.PROBE_EVERY:
@@ -339,6 +404,7 @@ class KVTiers:
         disk, a Future of its read (a verified TierBlock, or BlockRefused) that leaves host as it
         is (a peer's pull does not displace this worker's own blocks). None when a block is in no
         tier or host refused it (counted, dropped). Never waits on disk."""
+        self.flush()
         bs = self.block_size
         digest = root_digest(root_key(adapter))
         out: list[torch.Tensor | concurrent.futures.Future] = []
@@ -374,6 +440,7 @@ class KVTiers:
     # --------------------------------------------------------------- parking
     def prefetch(self, seq: Sequence) -> bool:
         """Start disk reads for the prefix blocks of a new request; True: park it (``take_ready``)."""
+        self.flush()
         bs = self.block_size
         waiting = []
         for digest in self.digests(seq, (seq.num_tokens - 1) // bs):
@@ -389,7 +456,8 @@ class KVTiers:
     def take_ready(self) -> list[Sequence]:
         """Parked requests whose disk reads finished (or timed out: they recompute), oldest first.
         Called every step: finished reads move into host also when nobody is parked (reads started
-        by ``match`` for a resuming request)."""
+        by ``match`` for a resuming request); the previous step's evictions are stored first."""
+        self.flush()
         self.store.poll()
         self._report()
         if not self._parked:
@@ -414,6 +482,11 @@ class KVTiers:
     def num_parked(self) -> int:
         return len(self._parked)
 
+    @property
+    def num_pending(self) -> int:
+        """Evicted blocks not stored below yet: the next step (``take_ready``) stores them."""
+        return len(self._pending)
+
     def wait(self, timeout: float) -> None:
         self.store.wait(timeout)
 
@@ -427,6 +500,7 @@ class KVTiers:
                        load_seconds=self._load_seconds)
 
     def close(self) -> None:
+        self._pending.clear()  # (never reported below)
         if self.node_feed is not None:
             self.node_feed.close()
             self.node_feed = None

@@ -18,7 +18,9 @@ as host-tier events. So
 This worker's own moves (workers/engine/kv_tiers.py ``KVTiers``) are reported on the engine thread
 as they happen; both reporters may name the same block. The log keeps one bit per tier and hash,
 so a second ``stored`` or ``removed`` of the same bit changes nothing, and both converge on the
-directory's contents within one interval.
+directory's contents within one interval. The engine ``claim``s each block it reports in host
+(workers/kv/tiers/node.py ``NodeTier.claim``), so a block deleted before any pass listed its file
+is still reported removed by the next pass, instead of the engine's claim standing for good.
 
 Example::
 

@@ -63,6 +63,10 @@ def block_checksums(kv: torch.Tensor) -> torch.Tensor:
     """kv [L, 2, n, bs, G, D] (any device) -> int64[n]: per block, XXH3-64 of its bytes (module docstring)."""
     host = kv.detach().to("cpu").contiguous()
     L, two, n = host.shape[:3]
+    if n == 1:  # one block (the KV tiers' case): its L * 2 pieces are one run of bytes, hashed in one
+        # call (the stream's hash by XXH3's definition; ~2x faster than the 60-odd piece updates)
+        return torch.tensor([signed64(xxhash.xxh3_64_intdigest(host.view(torch.uint8).numpy().reshape(-1).data))],
+                            dtype=torch.int64)
     rows = host.view(torch.uint8).view(L * two, n, -1).numpy()  # [L*2, n, bytes of one piece]
     out = []
     for i in range(n):

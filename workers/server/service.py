@@ -73,6 +73,9 @@ from workers.sample.logprobs_proto import to_proto
 from workers.handoff.migration_service import MigrationFailed, Migrator
 from workers.handoff.prefix_pull import PrefixPull
 from workers.server.adapters import LORA_ERRORS, AdapterAdmin, lora_status
+from workers.server.block_watch import watch_blocks
+from workers.block_hash import adapter_root, chain_hashes
+from workers.engine.block_events import PendingBlocks
 from workers.sampling_params import SamplingParams
 from workers.engine.proposer import DrafterRef
 from workers.startup import StartupTimeline
@@ -175,6 +178,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.on_drain: Callable[[], Awaitable[object]] | None = None  # set by WorkerServer: health NOT_SERVING
         self.prefix_pull: PrefixPull | None = None  # set by start_worker_server (with disagg)
         self.adapter_admin = AdapterAdmin(limits.adapters)  # LoRA (workers/server/adapters.py)
+        # admitted prompts not computed yet, reported as pending blocks (workers/engine/block_events.py)
+        self.pending = PendingBlocks(limits.block_events) if limits.block_events is not None else None
 
     @property
     def num_inflight(self) -> int:
@@ -234,6 +239,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._engine.call(_drafter_assignment(rid, request.drafter))
         self._inflight.add(rid)
         finished = False
+        pending = self._add_pending(request) if attached is None else []
         try:
             # LoRA: load the request's adapter first if this worker lacks it (off the engine thread)
             adapter = await self.adapter_admin.ensure(request.adapter) \
@@ -259,6 +265,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     finished = True  # the engine no longer holds the request
                     await context.abort(*_status_of(error))
                 finished = items[-1].finished
+                if pending:  # its prompt is computed: the blocks are held (or not) for real now
+                    self._release_pending(pending)
+                    pending = []
                 migrated = items[-1].finish_reason is FinishReason.MIGRATED
                 yield _merge(items, self.migrator.migrated_to(rid) if migrated and self.migrator else None)
         except (InvalidRequestError, KVCapacityError, RemotePrefillError, PrefillRejected, *LORA_ERRORS) as e:
@@ -274,7 +283,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if not finished:  # cancelled, deadline, or the stream broke: free the KV blocks
                 self._engine.abort(rid)
                 logger.debug("request %s ended early; aborted in the engine", rid)
+            self._release_pending(pending)
             self._inflight.discard(rid)
+
+    def _add_pending(self, request: worker_pb2.SubmitRequest) -> list[int]:
+        """Report the prompt's full blocks as pending (Tier.PENDING) from admission to its first
+        token, so every router watching sees this worker computing the prefix; returns the hashes."""
+        block_size = self._engine.snapshot.kv_block_size
+        if self.pending is None or not block_size:
+            return []
+        root = adapter_root(request.adapter.name) if request.HasField("adapter") and request.adapter.name else 0
+        hashes = chain_hashes(request.prompt_token_ids, block_size, root=root)
+        self.pending.add(hashes)
+        return hashes
+
+    def _release_pending(self, hashes: list[int]) -> None:
+        if hashes and self.pending is not None:
+            self.pending.release(hashes)
 
     async def Abort(self, request: worker_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> worker_pb2.AbortResponse:
@@ -301,6 +326,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             report.blocks_removed.extend(diff.removed)
             report.blocks_stored_tiers.extend(diff.stored_tiers)
         return report
+
+    async def WatchBlocks(self, request: worker_pb2.GetLoadRequest,
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.BlockEvents]:
+        events, block_size = self.limits.block_events, self._engine.snapshot.kv_block_size
+        if events is None or not block_size:
+            await _abort(context, grpc.StatusCode.UNIMPLEMENTED, "this worker has no prefix caching: no block events")
+        assert events is not None
+        async for message in watch_blocks(events, request, self.incarnation, block_size=block_size):
+            yield message
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PrefillResponse]:

@@ -95,3 +95,40 @@ def test_adapter_roots_separate_chains_and_are_stable_across_processes() -> None
     seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": seed, "PYTHONPATH": "."}).stdout.strip() for seed in ("1", "2")}
     assert seen == {str(adapter_root("sql"))}
+
+
+def test_listeners_hear_every_change_and_only_changes():
+    from workers.block_hash import Tier
+    log = BlockEventLog()
+    heard: list[int] = []
+    listener = lambda: heard.append(log.seq)  # noqa: E731
+    log.add_listener(listener)
+    log.stored([1, 2])
+    log.stored([1])  # already held: nothing a reader would see
+    log.stored([2], Tier.HOST)  # the fastest tier is still the device: nothing to report either
+    log.removed([2])  # device copy gone: now reported in host
+    assert heard == [2, 3]
+    log.remove_listener(listener)
+    log.removed([1])
+    assert heard == [2, 3]
+
+
+def test_pending_blocks_are_refcounted_and_yield_to_real_tiers():
+    from workers.block_hash import Tier
+    from workers.engine.block_events import PendingBlocks
+    log = BlockEventLog()
+    pending = PendingBlocks(log)
+    a, b = chain_hashes(list(range(8)), 4), chain_hashes(list(range(4)), 4)  # b is a's first block
+    pending.add(a)
+    pending.add(b)
+    assert [log.tier(h) for h in a] == [Tier.PENDING, Tier.PENDING]
+    diff = log.read(0)
+    assert diff.snapshot and sorted(diff.stored) == sorted(a) and diff.stored_tiers == [int(Tier.PENDING)] * 2
+    cursor = diff.seq
+    log.stored(a[:1])  # the first block computed (the device copy wins)
+    assert log.tier(a[0]) is Tier.DEVICE and log.read(cursor).stored_tiers == []
+    pending.release(a)
+    assert log.tier(a[0]) is Tier.DEVICE and log.tier(a[1]) is None  # a[1] never computed: gone
+    assert len(pending) == 1  # b (= a[0]) still pending for the second request
+    pending.release(b)
+    assert len(pending) == 0 and log.tier(a[0]) is Tier.DEVICE

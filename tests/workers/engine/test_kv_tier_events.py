@@ -55,8 +55,9 @@ def build(num_blocks: int, store: TieredStore, watch_interval_s: float = 3600.0)
 
 
 def run_prefill(pool: TensorPool, sched: Scheduler, seq: Sequence) -> int:
-    """Schedule ``seq`` alone, 'compute' its KV (slot of token t holds float(t)), free it; -> the
-    prompt tokens that were not computed (device hits + host loads)."""
+    """Schedule ``seq`` alone, 'compute' its KV (slot of token t holds float(t)), free it, start the
+    next step (the evicted blocks are stored below); -> the prompt tokens that were not computed
+    (device hits + host loads)."""
     sched.add(seq)
     out = sched.schedule()
     (chunk,) = out.chunks
@@ -65,6 +66,8 @@ def run_prefill(pool: TensorPool, sched: Scheduler, seq: Sequence) -> int:
         pool.kv[:, :, chunk.block_table[pos // BS], pos % BS] = float(tok)
     sched.commit(out)
     sched.remove(seq)
+    assert isinstance(sched.lower_tiers, KVTiers)
+    sched.lower_tiers.take_ready()  # the engine's next step starts by storing this one's evictions below
     return chunk.start_pos
 
 
@@ -285,6 +288,29 @@ def test_a_block_a_neighbour_deleted_from_the_node_tier_is_reported_gone_within_
     assert held(bm_b.events) == {}  # b's report of the node tier ends with it
     tiers_a.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_block_this_worker_put_in_the_node_tier_and_lost_before_its_feed_looked_is_reported_gone(tmp_path: Path):
+    """The worker reports its own evictions into the node tier at once (engine thread); its feed
+    lists the directory only every interval. A block deleted in between (a neighbour's eviction
+    pass) was never listed, yet its removal must clear the worker's claim: it used to stand for
+    good (tests/router/test_node_tier_routing.py's deletion test timed out on it once)."""
+    from workers.kv.tiers.node import NodeTier
+
+    store = TieredStore(NodeTier(1 << 20, 7, LAYOUT, str(tmp_path)))
+    pool, tiers, bm, sched = build(4, store)  # the feed passes only when the test polls
+    a = list(range(1, 13))
+    ha = chain_hashes(a, BS)
+    run_prefill(pool, sched, Sequence("a", a, SamplingParams(), 0))
+    run_prefill(pool, sched, Sequence("f", list(range(100, 116)), SamplingParams(), 1))
+    assert [held(bm.events).get(h) for h in ha] == [Tier.HOST] * 3  # reported by the engine, not the feed
+    for d in tiers.digests(Sequence("p", a, SamplingParams(), 9), 2):  # gone before any pass listed them
+        store.host.path(d).unlink()  # type: ignore[union-attr]
+    assert tiers.node_feed is not None
+    tiers.node_feed.poll()
+    assert [held(bm.events).get(h) for h in ha] == [None, None, Tier.HOST]
+    tiers.close()
+    assert Tier.HOST not in held(bm.events).values() and list(tmp_path.iterdir()) == []
 
 
 def test_a_neighbours_block_the_node_tier_pushed_onto_this_workers_disk_is_reported_on_disk(tmp_path: Path):

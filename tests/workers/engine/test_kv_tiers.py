@@ -40,7 +40,8 @@ def build(num_blocks: int = 4):
 
 
 def run_prefill(pool: TensorPool, sched: Scheduler, seq: Sequence) -> None:
-    """Schedule ``seq`` alone and 'compute' its KV: every slot of token t holds float(t)."""
+    """Schedule ``seq`` alone and 'compute' its KV: every slot of token t holds float(t). Then the
+    start of the engine's next step: the blocks this one evicted are stored below (``take_ready``)."""
     sched.add(seq)
     out = sched.schedule()
     for chunk in out.chunks:
@@ -48,6 +49,8 @@ def run_prefill(pool: TensorPool, sched: Scheduler, seq: Sequence) -> None:
             pos = chunk.start_pos + i
             pool.kv[:, :, chunk.block_table[pos // BS], pos % BS] = float(tok)
     sched.commit(out)
+    assert isinstance(sched.lower_tiers, KVTiers)
+    sched.lower_tiers.take_ready()
 
 
 def test_evicted_prefix_comes_back_from_host():
@@ -95,3 +98,46 @@ def test_swap_or_recompute_rule_follows_measurements():
     a2 = Sequence("a2", list(range(1, 14)), SamplingParams(), 2)
     answers = [tiers.match(a2, 0, 3) is not None for _ in range(KVTiers.PROBE_EVERY * 2)]
     assert answers.count(True) == 2  # only the probes load
+
+
+def test_evictions_are_copied_at_once_and_stored_by_the_next_step():
+    """An admission's evictions are copied out of the device at once (the blocks are overwritten
+    right after) but stored below only at the next step's start, or before anything looks below
+    the device: a match in the same step finds them, with the contents they had when evicted."""
+    pool, tiers, bm, sched = build()
+    a = Sequence("a", list(range(1, 13)), SamplingParams(), 0)  # 3 blocks
+    run_prefill(pool, sched, a)
+    want = pool.read_blocks(bm.block_table("a")[:3])
+    sched.remove(a)
+    sched.add(Sequence("b", list(range(100, 116)), SamplingParams(), 1))  # 4 blocks: evicts a's 3
+    out = sched.schedule()
+    assert tiers.num_pending == 3 and tiers.stats().stored_blocks == 0  # copied, not stored yet
+    (chunk,) = out.chunks
+    for i, tok in enumerate(chunk.token_ids):  # b's prefill overwrites a's old blocks
+        pool.kv[:, :, chunk.block_table[i // BS], i % BS] = float(tok)
+    sched.commit(out)
+    sched.remove(sched.running[0])
+    a2 = Sequence("a2", list(range(1, 13)) + [13], SamplingParams(), 2)
+    load = tiers.match(a2, 0, 3)  # looks below: stores the pending blocks first
+    assert tiers.num_pending == 0 and tiers.stats().stored_blocks == 3
+    assert load is not None and load.num_blocks == 3
+    assert torch.equal(torch.cat(load.kv, dim=2), want)  # a's contents, not b's
+
+
+def test_memoised_key_digests_equal_the_walk():
+    """KeyDigests (the eviction path's digest) equals key_digest for chains evicted in any order,
+    for keys sharing parents, for equal keys that are other objects, and past its capacity."""
+    import random
+
+    from workers.engine.kv_tiers import KeyDigests, key_digest
+
+    rng = random.Random(0)
+    memo = KeyDigests(capacity=16)
+    keys: list[tuple] = []
+    for _ in range(300):
+        parent = rng.choice(keys) if keys and rng.random() < 0.8 else rng.choice([None, 7])
+        keys.append((parent, tuple(rng.randrange(1000) for _ in range(BS))))
+    for key in rng.sample(keys, len(keys)) + keys:
+        assert memo(key) == key_digest(key)
+    twin = (keys[-1][0], tuple(keys[-1][1]))  # an equal key, another object
+    assert memo(twin) == key_digest(keys[-1])

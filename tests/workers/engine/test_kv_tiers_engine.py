@@ -132,6 +132,28 @@ def test_preemption_swaps_from_host(smollm2_path: Path):
     on.engine.close()
 
 
+def test_write_blocks_equals_index_copy(smollm2_path: Path):
+    """The CPU runner writes block by block (the tiers' load path); the cache must end up as the
+    plain index_copy_ along the block axis leaves it, for blocks in any order, also cast from
+    another dtype, and read_blocks must give them back."""
+    import torch
+
+    llm = LLM(str(smollm2_path), **DEVICE)
+    runner = llm.engine.runner
+    want = runner._blocks_view().clone()  # [L, 2, NB, bs, G, D]
+    ids = [7, 2, 11, 3]
+    kv = torch.randn(*want.shape[:2], len(ids), *want.shape[3:], generator=torch.Generator().manual_seed(0))
+    want.index_copy_(2, torch.tensor(ids), kv)
+    runner.write_blocks(ids, kv)
+    assert torch.equal(runner._blocks_view(), want)
+    assert torch.equal(runner.read_blocks(ids), kv)
+    half = kv.to(torch.bfloat16)  # cast on the way in, as index_copy_ after .to(cache dtype)
+    want.index_copy_(2, torch.tensor(ids), half.to(want.dtype))
+    runner.write_blocks(ids, half)
+    assert torch.equal(runner._blocks_view(), want)
+    llm.engine.close()
+
+
 @pytest.mark.parametrize("kwargs, names", [
     (dict(disk_tier_bytes=1 << 20), ("cache.disk_tier_bytes", "cache.host_tier_bytes")),
     (dict(host_tier_bytes=1 << 20, enable_prefix_caching=False), ("cache.host_tier_bytes", "enable_prefix_caching")),

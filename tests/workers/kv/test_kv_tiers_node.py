@@ -5,6 +5,8 @@ out removes the directory: no shared-memory file is left."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import fcntl
 import os
 import signal
 import subprocess
@@ -117,6 +119,92 @@ def test_node_budget_evicts_least_recently_used_and_spills_to_disk(tmp_path: Pat
     store.close()
     other.clear()
     assert list((tmp_path / "shm").iterdir()) == [] and list((tmp_path / "disk").iterdir()) == []
+
+
+def _held(directory: Path) -> int:
+    """Blocks in the node tier's directory, kept or being written (its budget's unit), counted
+    under the budget's lock (no eviction or reservation moves meanwhile) by digest (a block renamed
+    from its temporary name during the listing may show under both)."""
+    fd = os.open(directory / "budget", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return len({p.name.split(".")[0] for p in directory.iterdir() if p.suffix in (".kvb", ".tmp")})
+    finally:
+        os.close(fd)
+
+
+def test_node_budget_holds_across_workers_writing_in_turn(tmp_path: Path):
+    """Each worker used to count only its own writes since its last look: a second worker writing
+    into a full tier kept writing past the budget. Now every write reserves in the node-wide count."""
+    a = NodeTier(4 * BLOCK_BYTES, FP, LAYOUT, str(tmp_path))
+    b = NodeTier(4 * BLOCK_BYTES, FP, LAYOUT, str(tmp_path))
+    for i in range(12):
+        (a if i % 3 else b).put(seal(digest(i), block(i)))
+        assert _held(a.dir) <= 4  # the old accounting: 4 of a's, then b's on top of them
+        assert len(a if i % 3 else b) == _held(a.dir)  # the writer's view of the node-wide count is exact
+    assert max(len(a), len(b)) == _held(a.dir) <= 4
+    assert digest(11) in a and digest(10) in b  # the newest stay, whoever wrote them
+    b.drop(digest(11))  # a refused block leaves the count too
+    assert len(b) == _held(a.dir)
+    a.clear()
+    b.clear()
+    assert list(tmp_path.iterdir()) == []
+
+
+WRITER = textwrap.dedent("""
+    import sys, time, torch
+    from pathlib import Path
+    from workers.engine.kv_tiers import ROOT_DIGEST, next_digest
+    from workers.engine.runner import KVLayout
+    from workers.kv.tiers.block_file import seal
+    from workers.kv.tiers.node import NodeTier
+    root, fp, first, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+    tier = NodeTier(8 * 1024, fp, KVLayout(2, 4, 2, 8, torch.float32), root)  # 8 blocks
+    print("ready", flush=True)
+    while not go.exists():
+        time.sleep(0.01)
+    for i in range(first, first + 60):
+        g = torch.Generator().manual_seed(i)
+        tier.put(seal(next_digest(ROOT_DIGEST, [i, i + 1, i + 2, i + 3]), torch.randn(2, 2, 1, 4, 2, 8, generator=g)))
+    print(len(tier), flush=True)
+    sys.stdin.readline()  # stay a user of the tier until the test has looked
+""")
+
+
+def test_node_budget_holds_with_two_writer_processes(tmp_path: Path):
+    """Two worker processes write 60 blocks each at once into an 8-block node tier: sampled
+    throughout, the directory never holds (or is writing) more than 8 blocks, and the shared count
+    ends equal to what the directory holds."""
+    env = dict(os.environ, PYTHONPATH=str(Path.cwd()) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    go, root = tmp_path / "go", tmp_path / "shm"
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(root), str(FP), str(first), str(go)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+             for first in (0, 1000)]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        (directory,) = root.glob(f"{PREFIX}*")
+        counts: list[int] = []
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # each writer's last line: its count
+            done = [pool.submit(p.stdout.readline) for p in procs if p.stdout is not None]
+            go.touch()
+            most = samples = 0
+            while not all(f.done() for f in done):
+                try:
+                    most = max(most, _held(directory))
+                except FileNotFoundError:  # a file renamed or deleted while listed
+                    continue
+                samples += 1
+            counts = [int(f.result()) for f in done]
+        assert samples > 10 and 0 < most <= 8, (samples, most)
+        assert _held(directory) <= 8 and all(0 < n <= 8 for n in counts)
+        assert int.from_bytes((directory / "budget").read_bytes(), "little") == _held(directory)
+    finally:
+        for p in procs:
+            if p.stdin is not None:
+                p.stdin.close()
+            p.wait(timeout=30)
+    assert list(root.iterdir()) == []
 
 
 WORKER = textwrap.dedent("""

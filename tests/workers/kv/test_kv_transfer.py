@@ -48,6 +48,25 @@ def test_checksum_detects_single_flip_and_swapped_blocks():
     assert (block_checksums(swapped) != base).tolist() == [True, True, False]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_one_block_checksum_equals_the_piecewise_stream(dtype):
+    """block_checksums hashes a single block in one call (the tiers' case); it must equal the
+    stream of the block's L * 2 pieces the wire defines, and each block's checksum in a batch."""
+    import xxhash
+
+    from workers.kv.wire import signed64
+
+    kv = kv_of(3, 4).to(dtype)  # [L, 2, 4, bs, G, D]
+    batch = block_checksums(kv).tolist()
+    for i in range(kv.shape[2]):
+        block = kv[:, :, i : i + 1]
+        h = xxhash.xxh3_64()
+        for piece in block.contiguous().view(torch.uint8).view(-1, block[0, 0, 0].numel() * kv.element_size()).numpy():
+            h.update(piece)
+        assert block_checksums(block).tolist() == [signed64(h.intdigest())] == [batch[i]]
+        assert block_checksums(block.transpose(3, 4).contiguous().transpose(3, 4)).tolist() == [batch[i]]
+
+
 def test_transfers_arrive_intact_in_any_order(receiver, peer, backend):
     key = receiver.pair_key("prefill-0", "inc-p", backend)
     futures = {tid: receiver.expect(key, tid, first, n) for tid, first, n in (("a", 0, 3), ("b", 2, 1), ("c", 1, 5))}

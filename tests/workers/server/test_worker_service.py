@@ -139,6 +139,41 @@ def test_prefix_cache_hits_show_in_usage_and_load(loop, worker):
     assert hits == 2 and after.prefix_cache_queries - before.prefix_cache_queries > hits  # + pc1's miss
 
 
+def test_watch_blocks_pushes_a_prompt_onto_the_device_and_leaves_nothing_pending(loop, worker):
+    from workers.block_hash import Tier, chain_hashes
+
+    prompt = list(range(700, 748))  # 3 full blocks, new to this worker
+
+    async def go(stub):
+        watch = stub.WatchBlocks(worker_pb2.GetLoadRequest(block_events=True))
+        first = await asyncio.wait_for(watch.read(), 30)  # a snapshot (no cursor)
+        hashes = set(chain_hashes(prompt, first.kv_block_size))
+        tiers: dict[int, int] = {}
+        submit = asyncio.ensure_future(collect(stub, "watched", prompt, sampling(max_tokens=2)))
+        while not (len(tiers) == len(hashes) and set(tiers.values()) == {Tier.DEVICE}):
+            msg = await asyncio.wait_for(watch.read(), 30)
+            assert not msg.block_snapshot and msg.incarnation == first.incarnation
+            for h, t in zip(msg.blocks_stored, list(msg.blocks_stored_tiers) or [0] * len(msg.blocks_stored)):
+                if h in hashes:
+                    tiers[h] = t
+        await submit
+        # a request cancelled right after admission (before or after its first token) leaves nothing pending
+        call = stub.Submit(worker_pb2.SubmitRequest(request_id="cancel-early", prompt_token_ids=list(range(800, 848)),
+                                                    sampling=sampling(max_tokens=50, ignore_eos=True)))
+        await asyncio.sleep(0.01)
+        call.cancel()
+        await wait_idle(stub)
+        watch.cancel()
+        return first, hashes
+
+    first, hashes = with_stub(loop, worker, go)
+    assert first.block_snapshot and first.kv_block_size > 0 and len(hashes) == 3
+    assert len(worker.servicer.pending) == 0
+    events = worker.limits.block_events
+    assert all(events.tier(h) is Tier.DEVICE for h in hashes)
+    assert not [h for h in chain_hashes(list(range(800, 848)), first.kv_block_size) if events.tier(h) is Tier.PENDING]
+
+
 def test_cancel_mid_stream_frees_every_kv_block(loop, worker):
     async def go(stub):
         call = stub.Submit(worker_pb2.SubmitRequest(

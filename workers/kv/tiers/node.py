@@ -9,6 +9,7 @@ directory named by the model fingerprint and KV layout:
         <digest>.kvb          a block as block_file.py encodes it: header (magic, fingerprint,
                               layout, digest, checksum, size) + payload; written to a temporary
                               name and renamed, so a reader never sees half a block
+        budget                the node-wide block count (see Budget), and the lock guarding it
         users/<pid>-<token>   one per process using the tier (its liveness: the pid)
 
 Every worker of the node serving the same model (same fingerprint and layout) opens the same
@@ -17,11 +18,20 @@ replaces it after a crash (Ray restarts the actor; the files outlive the process
 and verify the whole header and checksum (block_file.py ``decode``): a corrupt block or another
 model's is refused, deleted and recomputed, never served, as in the per-worker tiers.
 
-Budget and eviction: ``capacity_bytes`` bounds the directory's payload bytes node-wide. A process
-counts what it wrote since its last look; past the budget it lists the directory and deletes the
-least recently used blocks (file modification time: set by the write, refreshed by every hit) down
-to 90% of the budget. Several processes may evict at once: a block deleted under a reader is a
-miss (an open file still reads whole), never a torn read.
+Budget and eviction: ``capacity_bytes`` bounds the directory's blocks node-wide, across every
+worker writing to it (all blocks of one directory have one size: its layout's). The directory
+keeps an accounting file, ``budget``: the number of blocks it holds or that are being written (an
+int64), read and changed only under an exclusive ``flock`` of that file. A ``put`` reserves its
+block under the lock before writing it; when the reservation would pass the budget, the same lock
+holder lists the directory, resets the count from what it finds (block files plus live writers'
+temporary files: a worker that crashed mid-write or a count that drifted is corrected on every
+pass) and evicts the least recently used blocks (file modification time: set by the write,
+refreshed by every hit) down to 90% of the budget. So the budget holds at every moment, whatever
+the number of writers, at the cost of one lock and an 8-byte read and write per block written
+(a listing only per eviction pass). Victims are renamed to a private name under the lock and read
+(to spill them to the evicting worker's disk tier) and deleted after it. A block deleted or
+evicted under a reader is a miss (an open file still reads whole), never a torn read. Workers
+configured with different budgets for one directory each enforce their own on their writes.
 
 Change feed: ``watch`` lists the directory and returns the chain hashes (workers/block_hash.py, in
 each file's header) of the blocks added and removed since its last call, whoever wrote or deleted
@@ -55,13 +65,17 @@ import logging
 import os
 import secrets
 import shutil
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
 from workers.engine.runner import KVLayout
-from workers.kv.tiers.block_file import HEADER_WORDS, BlockRefused, TierBlock, decode, read, read_chain_hash, write
+from workers.kv.tiers.block_file import (HEADER_WORDS, BlockRefused, TierBlock, block_shape, decode, read,
+                                         read_chain_hash, write)
 
 logger = logging.getLogger(__name__)
 
@@ -81,13 +95,19 @@ class NodeTier:
         layout_tag = "-".join(str(w) for w in layout.as_words())
         self.dir = self.root / f"{PREFIX}{fingerprint & (2**64 - 1):016x}-{layout_tag}"
         self._user = self.dir / "users" / f"{os.getpid()}-{secrets.token_hex(4)}"
-        self.bytes = 0  # the directory's payload bytes at the last scan, plus what this process wrote since
-        self._blocks = 0
+        self.block_bytes = torch.Size(block_shape(layout)).numel() * torch.empty((), dtype=layout.dtype).element_size()
+        self.capacity_blocks = max(1, capacity_bytes // self.block_bytes)
+        self._blocks = 0  # the node-wide count as this process last saw it (under the lock)
+        self.bytes = 0  # the same in payload bytes (held or being written)
         self._seen: dict[str, int] = {}  # file name -> chain hash (0: unknown) at the last ``watch``
+        self._claimed: dict[str, int] = {}  # ``claim``ed since the last ``watch`` (engine thread -> feed's)
+        self._claim_lock = threading.Lock()
         _join(self.root, self.dir, self._user)
-        self._scan()
+        self._budget = os.open(self.dir / "budget", os.O_RDWR | os.O_CREAT, 0o644)
         # the user file goes (and the directory with the last user) even if close() is never called
-        self._finalizer = weakref.finalize(self, _leave, self.root, self.dir, self._user)
+        self._finalizer = weakref.finalize(self, _leave, self.root, self.dir, self._user, self._budget)
+        with self._locked():
+            self._set_count(len(self._scan()[0]) + self._scan_writing())  # the truth at join
 
     def path(self, digest: bytes) -> Path:
         return self.dir / f"{digest.hex()}.kvb"
@@ -101,22 +121,32 @@ class NodeTier:
     def put(self, block: TierBlock) -> list[TierBlock]:
         """Keep ``block`` (most recently used); -> the blocks evicted to stay in budget (any worker's:
         the store spills them to its disk tier)."""
+        assert block.nbytes == self.block_bytes, "a block of this directory's layout"
         path = self.path(block.digest)
-        if path.exists():
+        tmp = path.with_suffix(f".{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        with self._locked():  # reserve its place in the node-wide budget (evicting first if full)
+            if path.exists():
+                victims: list[Path] = []
+                reserved = False
+            else:
+                victims = self._evict() if self._count() + 1 > self.capacity_blocks else []
+                tmp.touch()  # a live writer's temporary file: counted by a resync from here on
+                self._set_count(self._count() + 1)
+                reserved = True
+        if not reserved:
             self.touch(block.digest)
             return []
-        tmp = path.with_suffix(f".{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        out = self._take(victims)
         try:
             with open(tmp, "wb") as f:
                 write(f, block, self.fingerprint, self.layout)
             os.replace(tmp, path)
         except OSError as e:  # tmpfs full: the block is not kept (recomputed if needed)
             tmp.unlink(missing_ok=True)
+            with self._locked():
+                self._set_count(self._count() - 1)
             logger.warning("KV node tier: writing %s failed (%s); the block is dropped", path, e)
-            return []
-        self.bytes += block.nbytes
-        self._blocks += 1
-        return self._evict() if self.bytes > self.capacity_bytes else []
+        return out
 
     def get(self, digest: bytes) -> TierBlock | None:
         """The block, verified (None: absent). Raises BlockRefused for a corrupt or foreign block,
@@ -141,17 +171,36 @@ class NodeTier:
             pass
 
     def drop(self, digest: bytes) -> None:
-        self.path(digest).unlink(missing_ok=True)
+        with self._locked():
+            try:
+                self.path(digest).unlink()
+            except FileNotFoundError:  # gone already (another worker evicted it): counted there
+                return
+            self._set_count(self._count() - 1)
 
     def clear(self) -> None:
         """Leave the tier (the blocks stay for the node's other workers, or go with the last one)."""
         self._finalizer()
 
+    def claim(self, digest: bytes, chain_hash: int) -> None:
+        """This worker reported ``digest``'s block in host on its own (its engine put or touched it):
+        the next ``watch`` counts the block as seen, so its file's disappearance is reported as a
+        removal even when no pass listed the file before it went (otherwise that claim would stand
+        for good). Thread-safe."""
+        if chain_hash:
+            with self._claim_lock:
+                self._claimed[self.path(digest).name] = chain_hash
+
     def watch(self) -> tuple[list[int], list[int]]:
         """(added, removed): the chain hashes of the blocks that appeared in and disappeared from the
-        directory since the last call, by any worker of the node (the first call: every block).
-        Blocks of unknown hash (0) are not named. Safe beside the engine thread: it touches only
-        ``_seen`` (one caller at a time)."""
+        directory since the last call, by any worker of the node (the first call: every block), and
+        of ``claim``ed blocks already gone. Blocks of unknown hash (0) are not named. Safe beside the
+        engine thread: it touches only ``_seen`` (one caller at a time) and takes the claims under
+        their lock."""
+        with self._claim_lock:
+            claimed, self._claimed = self._claimed, {}
+        for name, h in claimed.items():  # claimed before this listing: a file gone by now is a removal
+            self._seen[name] = h
         try:
             names = {e.name for e in os.scandir(self.dir) if e.name.endswith(".kvb")}
         except FileNotFoundError:  # the directory went with its last user (this one closing)
@@ -170,8 +219,29 @@ class NodeTier:
         removed = [h for h in (self._seen.pop(name) for name in gone) if h]
         return added, removed
 
-    def _scan(self) -> list[tuple[float, Path, int]]:
-        """(mtime, path, payload bytes) of every block, oldest first; refreshes ``bytes``."""
+    # ------------------------------------------------ budget (under the lock)
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The node-wide lock of the directory's budget (an exclusive flock of the budget file)."""
+        fcntl.flock(self._budget, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._budget, fcntl.LOCK_UN)
+
+    def _count(self) -> int:
+        raw = os.pread(self._budget, 8, 0)
+        self._blocks = int.from_bytes(raw, "little", signed=True) if len(raw) == 8 else 0
+        self.bytes = self._blocks * self.block_bytes
+        return self._blocks
+
+    def _set_count(self, n: int) -> None:
+        self._blocks = max(n, 0)
+        self.bytes = self._blocks * self.block_bytes
+        os.pwrite(self._budget, self._blocks.to_bytes(8, "little", signed=True), 0)
+
+    def _scan(self) -> tuple[list[tuple[float, Path]], int]:
+        """((mtime, path) of every block, oldest first; payload bytes of them)."""
         entries = []
         for e in os.scandir(self.dir):
             if e.name.endswith(".kvb"):
@@ -179,27 +249,52 @@ class NodeTier:
                     st = e.stat()
                 except FileNotFoundError:  # deleted by another worker meanwhile
                     continue
-                entries.append((st.st_mtime, Path(e.path), st.st_size - HEADER_WORDS * 8))
+                entries.append((st.st_mtime, Path(e.path)))
         entries.sort()
-        self.bytes = sum(n for _, _, n in entries)
-        self._blocks = len(entries)
-        return entries
+        return entries, len(entries) * self.block_bytes
 
-    def _evict(self) -> list[TierBlock]:
-        out: list[TierBlock] = []
-        entries = self._scan()
-        for _, path, n in entries:
-            if self.bytes <= EVICT_TO * self.capacity_bytes or len(entries) - len(out) <= 1:
+    def _scan_writing(self) -> int:
+        """Blocks being written by live processes (their temporary files; a dead writer's go)."""
+        n = 0
+        for e in os.scandir(self.dir):
+            if e.name.endswith(".tmp"):
+                if _alive(e.name.split(".")[1]):
+                    n += 1
+                else:
+                    Path(e.path).unlink(missing_ok=True)
+        return n
+
+    def _evict(self) -> list[Path]:
+        """Under the lock: reset the count from the directory and take the least recently used
+        blocks out until the next one fits in 90% of the budget; -> the victims, renamed to this
+        process's private names (``_take`` reads and deletes them after the lock)."""
+        entries, _ = self._scan()
+        count = len(entries) + self._scan_writing()
+        victims = []
+        for _, path in entries:
+            if count + 1 <= EVICT_TO * self.capacity_blocks:
                 break
-            digest = bytes.fromhex(path.stem)
+            private = path.with_suffix(f".{os.getpid()}.{secrets.token_hex(4)}.evict")
             try:
-                raw = read(path)
-                out.append(decode(raw, digest, self.fingerprint, self.layout))
+                os.rename(path, private)
+            except FileNotFoundError:  # deleted by a worker not holding the lock (cannot happen) or by hand
+                pass
+            else:
+                victims.append(private)
+            count -= 1
+        self._set_count(count)
+        return victims
+
+    def _take(self, victims: list[Path]) -> list[TierBlock]:
+        """The evicted blocks, read (for the store to spill to its disk tier) and deleted."""
+        out: list[TierBlock] = []
+        for path in victims:
+            digest = bytes.fromhex(path.name.split(".")[0])
+            try:
+                out.append(decode(read(path), digest, self.fingerprint, self.layout))
             except (FileNotFoundError, BlockRefused):
-                pass  # gone already, or not worth keeping below
+                pass  # not worth keeping below
             path.unlink(missing_ok=True)
-            self.bytes -= n
-            self._blocks -= 1
         return out
 
 
@@ -246,13 +341,14 @@ def _join(root: Path, directory: Path, user: Path) -> None:
         (directory / "users").mkdir(parents=True, exist_ok=True)
         _live_users(directory)
         user.touch()
-        for stale in directory.glob("*.tmp"):  # <digest>.<pid>.<token>.tmp half-written by a process that died
-            if not _alive(stale.name.split(".")[1]):
+        for stale in [*directory.glob("*.tmp"), *directory.glob("*.evict")]:  # <digest>.<pid>.<token>.tmp
+            if not _alive(stale.name.split(".")[1]):  # half-written (or .evict: being evicted) by a dead process
                 stale.unlink(missing_ok=True)
     logger.info("KV node tier: %s %s", "joined" if reused else "created", directory)
 
 
-def _leave(root: Path, directory: Path, user: Path) -> None:
+def _leave(root: Path, directory: Path, user: Path, budget_fd: int) -> None:
+    os.close(budget_fd)
     try:
         with _root_lock(root):
             user.unlink(missing_ok=True)

@@ -130,6 +130,11 @@ class TieredStore:
         assert isinstance(self.host, NodeTier)
         return self.host.watch()
 
+    def claim_shared(self, digest: bytes, chain_hash: int) -> None:
+        """Only when ``shared``: the engine reported this block in host itself (NodeTier.claim)."""
+        assert isinstance(self.host, NodeTier)
+        self.host.claim(digest, chain_hash)
+
     def changes(self) -> list[tuple[bytes, int]]:
         """(digest, chain hash or 0) of each block whose tiers changed since the last call (``where``
         says where it is now)."""

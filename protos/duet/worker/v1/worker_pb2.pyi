@@ -485,6 +485,24 @@ class GetLoadRequest(_message.Message):
     block_events_incarnation: str
     def __init__(self, block_events: _Optional[bool] = ..., block_events_since: _Optional[int] = ..., block_events_incarnation: _Optional[str] = ...) -> None: ...
 
+class BlockEvents(_message.Message):
+    __slots__ = ("incarnation", "kv_block_size", "block_seq", "block_snapshot", "blocks_stored", "blocks_removed", "blocks_stored_tiers")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_STORED_TIERS_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    kv_block_size: int
+    block_seq: int
+    block_snapshot: bool
+    blocks_stored: _containers.RepeatedScalarFieldContainer[int]
+    blocks_removed: _containers.RepeatedScalarFieldContainer[int]
+    blocks_stored_tiers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, incarnation: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., block_seq: _Optional[int] = ..., block_snapshot: _Optional[bool] = ..., blocks_stored: _Optional[_Iterable[int]] = ..., blocks_removed: _Optional[_Iterable[int]] = ..., blocks_stored_tiers: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class LoadReport(_message.Message):
     __slots__ = ("worker_id", "incarnation", "num_running", "num_waiting", "outstanding_tokens", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_transfers_sent", "kv_bytes_sent", "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfer_seconds", "num_reserved", "expert_tokens", "ep_rank_tokens", "spec_method", "spec_verifies", "spec_draft_tokens", "spec_accepted_tokens", "spec_emitted_tokens", "spec_draft_seconds", "spec_verify_seconds", "spec_fallbacks", "migrations_out", "migrations_in", "migration_failures", "migration_kv_bytes", "migration_seconds", "block_events_supported", "block_seq", "block_snapshot", "blocks_stored", "blocks_removed", "blocks_stored_tiers", "draining", "prefix_pulls", "prefix_pull_blocks", "prefix_pull_bytes", "prefix_pull_failures", "prefix_pulls_served", "prefix_pull_tier_blocks_served", "tier_host_bytes", "tier_disk_bytes", "tier_host_hits", "tier_disk_hits", "tier_bytes_to_host", "tier_bytes_to_disk", "tier_bytes_loaded", "tier_host_evictions", "tier_disk_evictions", "tier_refused_corrupt", "tier_refused_foreign", "tier_deadline_misses", "tier_load_seconds", "adapters", "max_loaded_adapters")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -50,6 +50,11 @@ class WorkerStub:
                 request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.WatchBlocks = channel.unary_stream(
+                '/duet.worker.v1.Worker/WatchBlocks',
+                request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.BlockEvents.FromString,
+                _registered_method=True)
         self.Prefill = channel.unary_stream(
                 '/duet.worker.v1.Worker/Prefill',
                 request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
@@ -119,6 +124,17 @@ class WorkerServicer:
 
     def GetLoad(self, request, context):
         """A snapshot of this worker's load, for routing. Cheap: never waits for an engine step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchBlocks(self, request, context):
+        """The prefix-cache holdings of GetLoad's block events, pushed: a first message from the
+        request's cursor (a snapshot or a diff, as GetLoad), then one diff each time the holdings
+        change (coalesced while the reader is behind), until the caller cancels. Blocks under tier 3
+        (pending) are prompts admitted here and not yet computed. UNIMPLEMENTED: a worker without
+        prefix caching (poll GetLoad instead).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -250,6 +266,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.LoadReport.SerializeToString,
             ),
+            'WatchBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchBlocks,
+                    request_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
+                    response_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.BlockEvents.SerializeToString,
+            ),
             'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
@@ -373,6 +394,33 @@ class Worker:
             '/duet.worker.v1.Worker/GetLoad',
             duet_dot_worker_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
             duet_dot_worker_dot_v1_dot_worker__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/duet.worker.v1.Worker/WatchBlocks',
+            duet_dot_worker_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
+            duet_dot_worker_dot_v1_dot_worker__pb2.BlockEvents.FromString,
             options,
             channel_credentials,
             insecure,
