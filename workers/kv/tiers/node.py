@@ -140,7 +140,8 @@ class NodeTier:
         try:
             with open(tmp, "wb") as f:
                 write(f, block, self.fingerprint, self.layout)
-            os.replace(tmp, path)
+            with self._locked():  # not while an eviction pass lists the directory: renamed from .tmp to
+                os.replace(tmp, path)  # .kvb between its two listings, a block would count in neither
         except OSError as e:  # tmpfs full: the block is not kept (recomputed if needed)
             tmp.unlink(missing_ok=True)
             with self._locked():
