@@ -132,36 +132,15 @@ async def _client(i: int, address: str, max_tokens: int, start_at: float, stop_a
                 counts[1] += tokens
 
 
-class _StaticMembers:
-    """What cluster.deploy.membership_service.serve_membership needs of a controller, for a fixed
-    list of (worker id, endpoint): every worker colocated, serving the default model."""
-
-    def __init__(self, members: list[tuple[str, str]]) -> None:
-        self.members = members
-
-    def role_of(self, worker_id: str) -> str:
-        return "colocated"
-
-    def drafter_pool_of(self, worker_id: str) -> str:
-        return ""
-
-    def model_of(self, worker_id: str) -> str:
-        return ""
-
-    def subscribe(self, push: Any, *, detailed: bool = False) -> None:
-        push(self.members)
-
-
 def _start_echo(args: argparse.Namespace, logs: Path) -> tuple[list[_Proc], Any]:
     """``--workers`` echo worker processes and a Membership service listing them (this process)."""
-    from cluster.deploy.membership_service import serve_membership
+    from cluster.deploy.membership_service import StaticMembers, serve_membership
 
     echoes = [_Proc([sys.executable, "-m", "cluster.bench.echo_worker", "--port", "0", "--first-token-ms",
                      str(args.echo_first_token_ms), "--gap-ms", str(args.echo_gap_ms)], logs / f"echo_{i}.log")
               for i in range(args.workers)]
     ports = [int(e.wait_for(r"ECHO_WORKER_PORT=(\d+)", timeout=120).group(1)) for e in echoes]
-    # serve_membership is typed for the real Controller; it uses only what _StaticMembers has
-    members: Any = _StaticMembers([(f"e{i}", f"127.0.0.1:{p}") for i, p in enumerate(ports)])
+    members = StaticMembers([(f"e{i}", f"127.0.0.1:{p}") for i, p in enumerate(ports)])
     service = serve_membership(members, "127.0.0.1", 0)
     return echoes, service
 

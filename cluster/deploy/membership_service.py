@@ -35,13 +35,13 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.autoscale.persist import StateStore
-from cluster.deploy.controller import Controller, MemberDetails, Members
+from cluster.deploy.controller import MemberDetails, Members
 from protos.duet.control.v1 import control_pb2, control_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -204,7 +204,40 @@ class MembershipService:
         self._server.stop(grace).wait(grace + 5)
 
 
-def serve_membership(controller: Controller, host: str, port: int, *, max_watchers: int = 16,
+class MemberSource(Protocol):
+    """What serve_membership follows: the controller (cluster/deploy/controller.py), or StaticMembers."""
+
+    def role_of(self, worker_id: str) -> str: ...
+
+    def drafter_pool_of(self, worker_id: str) -> str: ...
+
+    def model_of(self, worker_id: str) -> str: ...
+
+    def subscribe(self, push: Callable[[Any], None], *, detailed: bool = False) -> None: ...
+
+
+class StaticMembers:
+    """A fixed member list of (worker id, endpoint) in place of a controller: every worker colocated,
+    in no drafter pool, serving the default model. For routers in front of workers started without a
+    controller (benchmarks, tests)."""
+
+    def __init__(self, members: list[tuple[str, str]]) -> None:
+        self.members = members
+
+    def role_of(self, worker_id: str) -> str:
+        return "colocated"
+
+    def drafter_pool_of(self, worker_id: str) -> str:
+        return ""
+
+    def model_of(self, worker_id: str) -> str:
+        return ""  # the default model
+
+    def subscribe(self, push: Callable[[Any], None], *, detailed: bool = False) -> None:
+        push(self.members)
+
+
+def serve_membership(controller: MemberSource, host: str, port: int, *, max_watchers: int = 16,
                      wake: Callable[[list[str], str], Any] | None = None,
                      adapters_store: StateStore | None = None) -> MembershipService:
     """Listen on host:port (0 = any free port) and follow ``controller``'s member list. wake:
