@@ -76,9 +76,11 @@ def test_watched_and_polled_indexes_agree_and_a_worker_without_watch_is_polled(e
         index_of = [r.server.prefix_index for r in routers]
         # both feeds settle on the same holdings (each index fills at its own pace: the pushed one at
         # once, the polled one at its next poll of each worker), then every prompt matches alike
+        # (a prompt's blocks show as pending until its first token, as computed after)
         wait_until(lambda: all(index_of[0].num_blocks(w) == index_of[1].num_blocks(w) > 0 for w in ("e0", "e1"))
-                   and all(index_of[0].match_tiers(p) == index_of[1].match_tiers(p) for p in prompts),
-                   timeout=10.0, what="both indexes filled alike")
+                   and all(index_of[0].match_tiers(p) == index_of[1].match_tiers(p)
+                           and sum(index_of[0].match(p).values()) == len(chain_hashes(p, 16)) for p in prompts),
+                   timeout=10.0, what="both indexes filled alike, every prompt computed")
         for p in prompts:  # the same holdings, whichever feed brought them
             assert index_of[0].match_tiers(p) == index_of[1].match_tiers(p), p
             assert sum(index_of[0].match(p).values()) == len(chain_hashes(p, 16))
