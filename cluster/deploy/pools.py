@@ -114,6 +114,13 @@ class WorkerPool:
         with self._lock:
             return next(r for r in self.replicas if r.worker_id == worker_id)
 
+    @property
+    def free_slots(self) -> list[int]:
+        """Slots of the pool's placement group that no replica holds now (the next ``add_replica``
+        takes the first; it creates its own group only when this is empty)."""
+        with self._lock:
+            return list(self._free_slots)
+
     def is_standby(self, worker_id: str) -> bool:
         """Whether the replica is a standby one: added with ``standby`` or adopted as one, not promoted since."""
         with self._lock:

@@ -118,7 +118,8 @@ def test_scale_up_pending_drain_and_slot_reuse(scaled):
     _wait(lambda: all(d[0] != "fake-1" for d in pushes[-1]), 10, "fake-1 gone from the list")
 
     actuator.scale_to("fake", 0)  # fake-0 drains; its slot in the pool's group is freed ...
-    _wait(lambda: not controller.describe(), 30, "fake-0 released")
+    # released: gone from the controller's list, then (pool.release, after killing it) its slot freed
+    _wait(lambda: not controller.describe() and pool.free_slots == [0], 30, "fake-0 released")
     actuator.scale_to("fake", 1)  # ... and reused by the next replica, which needs no new group
     _wait(lambda: actuator.status("fake").ready == 1, 60, "fake-3 up")
     (replica,) = pool.replicas
