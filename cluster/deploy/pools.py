@@ -248,7 +248,8 @@ class WorkerPool:
 
     def shutdown(self, grace: float = 5.0, timeout: float = 30.0) -> None:
         """Stop each replica (drain for ``grace`` s, abort the rest), kill the actors without restart,
-        remove the placement group. Idempotent; dead or restarting actors are simply killed."""
+        remove the placement group. Idempotent; dead or restarting actors are simply killed, and so is
+        a replica whose own group still waits for room (it never ran: nothing to drain)."""
         with self._lock:
             if self._shut_down:
                 return
@@ -257,7 +258,9 @@ class WorkerPool:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        refs = [r.actor.stop.remote(grace) for r in replicas]
+        # a replica whose group still waits for room never ran: no stop() to wait for (it would
+        # never return), it is only killed with its group
+        refs = [r.actor.stop.remote(grace) for r in replicas if self.is_placed(r)]
         _, not_done = ray.wait(refs, num_returns=len(refs), timeout=grace + timeout)
         if not_done:
             logger.warning("pool %s: %d replicas did not stop within %.0f s; killing them",

@@ -170,14 +170,19 @@ class PairChannel:
         self._wait_store = PrefixStore(key.prefix, wait_store) if wait_store is not None else pstore
         self.group: Any = None  # a ProcessGroupGloo or ProcessGroupNCCL of the pair (None over shm)
         self.transport: ShmRing | _GroupTransport
+        # The handshake's blocking waits go to the wait store too (when there is one): on the shared
+        # client a rendezvous still waiting for its peer would hold up every other pair's calls, and
+        # close(), until it timed out. NCCL stays on the shared one: it reads the store again when
+        # its communicator is first used, which may be while the receive loop waits on its own.
+        handshake = self._wait_store
         if backend == "shm":
-            self.transport = offer_ring(pstore, timeout_s) if rank == 1 else attach_ring(pstore, timeout_s)
+            self.transport = offer_ring(handshake, timeout_s) if rank == 1 else attach_ring(handshake, timeout_s)
         elif backend == "nccl":
             from torch.distributed import ProcessGroupNCCL
 
             self.group = ProcessGroupNCCL(pstore, rank, 2)  # type: ignore[call-arg]  # options has a default
         else:
-            self.group = ProcessGroupGloo(pstore, rank, 2, self.timeout)
+            self.group = ProcessGroupGloo(handshake, rank, 2, self.timeout)
         if self.group is not None:
             self.transport = _GroupTransport(self.group, self.timeout, key)
         self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")

@@ -64,6 +64,31 @@ def test_transfers_larger_than_the_ring_arrive_intact_and_leave_no_file(pair, mo
     assert sender.stats.bytes_sent == receiver.stats.bytes_received > 3 * kv_of(0, 50).nbytes
 
 
+@pytest.mark.parametrize("pending_backend", ["shm", None])  # None: the receiver's own (gloo)
+def test_a_rendezvous_waiting_for_its_peer_holds_up_no_other_pair_nor_close(pending_backend):
+    """A pair whose sender never comes waits on its own store client: another pair meanwhile
+    builds and transfers, and close() returns, both while that rendezvous still waits (on the shared
+    client both would have waited for it to time out)."""
+    receiver = KVReceiver(LAYOUT, "decode-0", "inc-d", timeout_s=6.0, fingerprint=7)
+    sender = KVSender(LAYOUT, "shm", timeout_s=6.0, fingerprint=7)
+    try:
+        pending = receiver.channel(receiver.pair_key("prefill-9", "gone", pending_backend))
+        time.sleep(0.5)  # its rendezvous is waiting by now
+        key = receiver.pair_key("prefill-0", "inc-p", "shm")
+        fut = receiver.expect(key, "t", 0, 2)
+        key, channel = _channel(receiver, sender)
+        sender.send(channel, "t", 0, kv_of(0, 2))
+        assert torch.equal(fut.result(timeout=20).kv, kv_of(0, 2))
+        assert not pending.done()
+        sender.drop(key)
+        receiver.close()
+        assert not pending.done()  # close() did not wait for it
+        with pytest.raises(KVTransferError, match="rendezvous failed"):
+            pending.result(timeout=30)  # it times out on its own (and unlinks its segment)
+    finally:
+        receiver.close()
+
+
 def test_a_peer_with_another_model_is_refused_at_the_header(pair):
     receiver, _ = pair
     other = KVSender(LAYOUT, "shm", timeout_s=5.0, fingerprint=8)
