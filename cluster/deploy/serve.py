@@ -2,7 +2,8 @@
 
 The order, in ``start_deployment`` (each step undone, in reverse, if a later one fails):
 
-    1. preflight (cluster/deploy/preflight.py): resolve the model and each drafter and check that their
+    1. the ports it will listen on are free (a second; a busy one fails before anything else), then
+       preflight (cluster/deploy/preflight.py): resolve the model and each drafter and check that their
        architecture runs with each pool's parallel sizes and quantization, before anything starts
        (the router needs the tokenizer files too)
     2. Ray: start an embedded local Ray or join ``ray.address`` (cluster/deploy/ray_conn.py); pools that
@@ -200,11 +201,10 @@ def start_deployment(config: DuetConfig, *, router_overrides: dict[str, Any] | N
     each config key came from (``load_config(sources=...)``), for the preflight's messages."""
     from cluster.deploy.preflight import preflight
 
-    checked = preflight(config, sources)
     if config.autoscaling.enabled and not with_router and not config.autoscaling.metrics_urls:
         raise ServeError("autoscaling.enabled with no router in this process (--no-router): set "
                          "autoscaling.metrics_urls to the routers' /metrics (`duet router --metrics-port`)")
-    if with_router:  # before minutes of startup
+    if with_router:  # before minutes of startup (and the model checks)
         for i in range(config.router.replicas):
             _check_port_free(config.router.host, config.router.port + i if config.router.port else 0,
                              "router.port" + (f" + {i} (router.replicas)" if i else ""), "--port")
@@ -212,6 +212,7 @@ def start_deployment(config: DuetConfig, *, router_overrides: dict[str, Any] | N
                              "router.http_port" + (f" + {i} (router.replicas)" if i else ""), "--http-port",
                              off_hint="0 turns the HTTP API off")
     _check_port_free(config.controller.host, config.controller.port, "controller.port", "--controller-port")
+    checked = preflight(config, sources)  # after the ports: they fail in a second, the model checks take a few
     ray_conn = connect(config.ray, log_to_driver=log_to_driver)
     deployment = Deployment(config, ray_conn, model_path=checked.model_path, model_paths=checked.model_paths)
     try:
