@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from testkit.ports import free_port
 
 DUET = [sys.executable, "-m", "cluster.cli"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,12 +91,6 @@ def test_busy_port_and_missing_router_fail_fast_with_one_line(smollm2_path):
     assert r.returncode == 1 and r.stderr.startswith("duet: error: ") and "Traceback" not in r.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _processes_mentioning(text: str) -> list[str]:
     found = []
     for p in Path("/proc").iterdir():
@@ -138,7 +133,7 @@ class _Lines:
 
 
 def test_serve_generate_status_and_ctrl_c(smollm2_path):
-    port, http_port = _free_port(), _free_port()
+    port, http_port = free_port(), free_port()
     proc = subprocess.Popen(
         [*DUET, "serve", "--model", str(smollm2_path), "--port", str(port), "--http-port", str(http_port),
          "--controller-port", "0", "--replicas", "1", "--kv-cache-memory", "64MiB", "--ray-num-cpus", "1"],
@@ -194,7 +189,7 @@ def test_serve_stops_promptly_when_a_group_sigterm_stops_its_ray_too(smollm2_pat
     raylet get the SIGTERM with ``duet serve``. Its shutdown sees the GCS gone and skips the actor
     drain (an actor call would block until Ray's 60 s GCS timeout kills the process): it stops
     cleanly, well within a 30 s grace, and leaves no process of its Ray behind."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [*DUET, "serve", "--model", str(smollm2_path), "--port", str(port), "--http-port", "0",
          "--controller-port", "0", "--replicas", "1", "--kv-cache-memory", "64MiB", "--ray-num-cpus", "1"],

@@ -19,7 +19,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import re
-import socket
 
 import grpc
 import httpx
@@ -30,16 +29,11 @@ from cluster.config.duet import load_config
 from cluster.deploy.serve import start_deployment
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from testkit.waiting import wait_until
+from testkit.ports import free_port
 
 NAMESPACE = "duet_coldstart_e2e"
 PROMPT = [1, 504, 3575, 282, 4649, 314]
 WAKE_TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +42,7 @@ def deployment(ray_cluster, smollm2_path, tmp_path_factory):
     config = load_config(env={}, overrides={
         "model.name": str(smollm2_path), "model.shared_weights_dir": str(node), "pools[0].standby_replicas": 1,
         "pools[0].cpus_per_replica": 1, "pools[0].engine.kv_cache_memory_bytes": 64 << 20,
-        "router.port": 0, "router.http_port": _free_port(), "controller.port": 0, "ray.namespace": NAMESPACE,
+        "router.port": 0, "router.http_port": free_port(), "controller.port": 0, "ray.namespace": NAMESPACE,
         "router.wake_timeout_s": WAKE_TIMEOUT_S, "controller.poll_interval_s": 0.2, "controller.start_timeout_s": 240})
     d = start_deployment(config, router_overrides=dict(load_poll_interval_s=0.1))
     yield d
@@ -102,7 +96,7 @@ def test_past_its_wait_a_held_request_gets_unavailable_and_http_503_naming_it(de
 
     d = deployment
     want = _generate(d.address)
-    impatient = serve_router(dataclasses.replace(d.router.server.config, port=0, http_port=_free_port(),
+    impatient = serve_router(dataclasses.replace(d.router.server.config, port=0, http_port=free_port(),
                                                  wake_timeout_s=0.5), [])
     try:
         d.controller.set_standby("default", 0)

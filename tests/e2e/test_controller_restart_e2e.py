@@ -16,7 +16,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,17 +30,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import DuetClient
+from testkit.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "duet_restart"
 PROMPT = "Write a short story about a lighthouse keeper and the sea."
 TOKENS = 48
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Proc:
@@ -147,7 +141,7 @@ def test_a_killed_controller_loses_no_stream_and_its_successor_adopts_the_worker
     import ray
 
     gcs = ray.get_runtime_context().gcs_address
-    controller_port, router_port, metrics_port = _free_port(), _free_port(), _free_port()
+    controller_port, router_port, metrics_port = free_port(), free_port(), free_port()
     (tmp_path / "profile.json").write_text(json.dumps(PROFILE))
     config = tmp_path / "duet.yaml"
     config.write_text(

@@ -13,7 +13,6 @@ another: the fixture is module-scoped and parametrized, so only one runs at a ti
 
 from __future__ import annotations
 
-import socket
 
 import grpc
 import httpx
@@ -23,16 +22,11 @@ from cluster.config.duet import load_config
 from cluster.deploy.serve import start_deployment
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from tests.testkit.tiny_families import CASES, NEW, PROMPTS, hf_generate, save_tiny
+from testkit.ports import free_port
 
 FAMILIES = ["qwen3-qknorm-yarn", "qwen3_moe", "mistral-sliding", "gemma2-softcap", "gemma3-local-global",
             "phi3-longrope", "deepseek_v3-mla-grouped"]
 HTTP_FAMILY = "qwen3-qknorm-yarn"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -45,7 +39,7 @@ def served(request, ray_cluster, smollm2_path, tmp_path_factory):
         "model.name": str(path), "pool.replicas": 1, "pool.cpus_per_replica": 1,
         "pool.engine.kv_cache_memory_bytes": 8 << 20, "pool.engine.block_size": 8,
         "pool.engine.max_num_batched_tokens": 32, "router.port": 0,
-        "router.http_port": _free_port() if case == HTTP_FAMILY else 0,
+        "router.http_port": free_port() if case == HTTP_FAMILY else 0,
         "controller.port": 0, "ray.namespace": f"duet_families_{arch}", "controller.start_timeout_s": 240})
     d = start_deployment(config, router_overrides=dict(load_poll_interval_s=0.1))
     try:

@@ -24,18 +24,11 @@ from cluster.deploy.status import format_status, router_status, worker_status
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from router.client import auth_metadata
 from tests.testkit.tiny_families import NEW, PROMPTS, hf_generate, save_tiny
+from testkit.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOL, TINY = "SmolLM2-135M-Instruct", "tiny"
 NAMESPACE = "duet_multi_model"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +47,7 @@ def deployment(ray_cluster, smollm2_path, tmp_path_factory):
                               "lora": {"enabled": True, "max_loaded": 2, "max_rank": 8}}},
                   {"name": "tiny", "model": TINY, "cpus_per_replica": 1,
                    "engine": {"kv_cache_memory_bytes": "8MiB", "block_size": 8, "max_num_batched_tokens": 64}}],
-        "router": {"port": 0, "http_port": _free_port(), "auth_tokens_file": str(pki / "tokens")},
+        "router": {"port": 0, "http_port": free_port(), "auth_tokens_file": str(pki / "tokens")},
         "controller": {"port": 0, "start_timeout_s": 240}, "ray": {"namespace": NAMESPACE}}))
     deployment = start_deployment(load_config(config_file, env={}), router_overrides=dict(load_poll_interval_s=0.1))
     try:

@@ -25,25 +25,18 @@ from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.client import complete
 
 from testkit.tolerance import LOGPROB_ACROSS_BATCHES, LOGPROB_VS_HF
+from testkit.ports import free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 KV_BYTES = 64 << 20
 CHAT = [{"role": "user", "content": "Name three colours."}]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def deployment(ray_cluster, smollm2_path):
     config = load_config(env={}, overrides={
         "model.name": str(smollm2_path), "pool.replicas": 1, "pool.cpus_per_replica": 1,
-        "pool.engine.kv_cache_memory_bytes": KV_BYTES, "router.port": 0, "router.http_port": _free_port(),
+        "pool.engine.kv_cache_memory_bytes": KV_BYTES, "router.port": 0, "router.http_port": free_port(),
         "controller.port": 0, "ray.namespace": "duet_openai_e2e", "controller.start_timeout_s": 240})
     d = start_deployment(config, router_overrides=dict(load_poll_interval_s=0.1))
     yield d

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,14 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cluster.config.duet import load_config
 from cluster.deploy.serve import start_deployment
 from router.client import complete
+from testkit.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _health(address: str, service: str = "") -> str:
@@ -54,14 +48,14 @@ def test_controller_without_router_and_a_separate_router_process(ray_cluster, sm
     config_file = tmp_path / "duet.yaml"  # the file the chart's ConfigMap would hold, in miniature
     config_file.write_text(f"model: {{name: {smollm2_path}}}\nrouter: {{policy: round_robin, max_queue: 7}}\n")
     config = load_config(config_file, env={}, overrides={
-        "pool.engine.kv_cache_memory_bytes": "64MiB", "controller.port": 0, "router.port": _free_port(), "router.http_port": 0,
+        "pool.engine.kv_cache_memory_bytes": "64MiB", "controller.port": 0, "router.port": free_port(), "router.http_port": 0,
         "ray.namespace": "duet_split", "controller.poll_interval_s": 0.2, "controller.start_timeout_s": 240})
     with start_deployment(config, with_router=False) as d:
         assert d.router is None and d.address == d.membership.address
         for service in ("", "duet.control.v1.Membership"):  # the head's startup/liveness/readiness probes
             assert _health(d.membership.address, service) == "SERVING"
 
-        port, metrics_port = _free_port(), _free_port()
+        port, metrics_port = free_port(), free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DUET_", "RAY_")) or k == "DUET_CACHE_DIR"}
         proc = subprocess.Popen(
             [sys.executable, "-m", "cluster.cli", "router", "--config", str(config_file), "--membership",

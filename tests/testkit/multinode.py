@@ -33,12 +33,12 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from testkit.ports import free_port
 
 NODE_RESOURCE = "duet_node_{}"  # offered once by each worker node: its name as Ray sees it
 # No idle worker processes started ahead of need (each costs a Python process on a 2-core host);
@@ -47,12 +47,6 @@ NODE_RESOURCE = "duet_node_{}"  # offered once by each worker node: its name as 
 SYSTEM_CONFIG = {"enable_worker_prestart": False, "prestart_worker_first_driver": False,
                  "health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
                  "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -41,6 +41,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.config import RouterConfig
+from testkit.ports import free_port  # noqa: F401 - re-exported: tests import it from here
 
 SCRIPT = "Héllo wörld! 日本語のテキスト 🙂 The quick brown fox jumps over the lazy dog. Ünïcödé ✓ done"
 WORKER_HEALTH = "duet.worker.v1.Worker"
@@ -317,10 +318,3 @@ def fake_pool(tokenizer: Any, n: int = 2) -> Iterator[list[FakeWorkerServer]]:
         lt.close()
 
 
-def free_port() -> int:
-    """A TCP port free right now on 127.0.0.1 (for servers whose 0 means "off", e.g. http_port)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
