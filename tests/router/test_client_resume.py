@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 from testkit.router_fakes import LoopThread
+from testkit.router_kill import assert_like_unbroken, streams_through_a_kill
 
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from router.client import collect, complete, stream
@@ -49,47 +50,11 @@ def test_streams_resume_on_another_router_with_identical_output(smollm2_path, to
     try:
         expected = [complete(p, target=standby.address, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=300, **s)
                     for p, s in cases]
-        got: list = [None] * len(cases)
-        seen = [0] * len(cases)
-        errors: list[str] = []
-
-        def run(i: int) -> None:
-            prompt, sampling = cases[i]
-            chunks = []
-            try:
-                for c in stream(prompt, target=[doomed.address, standby.address], max_tokens=MAX_TOKENS,
-                                ignore_eos=True, timeout=300, **sampling):
-                    chunks.append(c)
-                    seen[i] += len(c.token_ids)
-                got[i] = collect(chunks)
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(f"{cases[i]}: {e!r}")
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 300
-        while min(seen) < 2 and not errors and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert min(seen) >= 2 and max(seen) < MAX_TOKENS, (seen, errors)  # every stream is mid-way
-        at_kill = list(seen)
-        doomed.stop(0)  # the router dies: its streams end now
-        for t in threads:
-            t.join(300)
-        assert not errors, errors
-        # Equal to the unbroken run, except where a seeded draw flipped at a near-tie because 8 streams
-        # shared a batch (batched logits differ in the last bits; benchmarks/README.md, issue 30):
-        # such a divergence must precede the kill, so the resume had no part in it.
-        diverged = []
-        for (prompt, sampling), e, g, at in zip(cases, expected, got, at_kill):
-            assert g.finish_reason == e.finish_reason == "length" and g.usage.completion_tokens == MAX_TOKENS
-            if g.token_ids == e.token_ids:
-                assert g.text == e.text
-                continue
-            first = next(i for i, (a, b) in enumerate(zip(g.token_ids, e.token_ids)) if a != b)
-            assert "seed" in sampling and first < at, (prompt, sampling, at, e.token_ids, g.token_ids)
-            diverged.append(prompt)
-        assert len(diverged) < len(cases) // 4, diverged
+        # the router carrying them dies mid-way: its streams end now
+        got, at_kill = streams_through_a_kill(cases, [doomed.address, standby.address], lambda: doomed.stop(0),
+                                              max_tokens=MAX_TOKENS, min_seen=2)
+        assert_like_unbroken(cases, expected, got, at_kill, max_tokens=MAX_TOKENS, max_diverged=len(cases) // 4 - 1,
+                             diverge_before_kill=True)
         stats = standby.stats()["requests"]
         assert stats.get("client_resumes", 0) == len(cases)
     finally:
