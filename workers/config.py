@@ -28,7 +28,7 @@ PARALLEL_AXES = ("ep", "sp", "tp")  # mesh order, outermost first (workers/paral
 COMM_MODES = ("auto", "shm", "gloo")  # ParallelConfig.comm
 KV_BACKENDS = ("auto", "shm", "gloo", "nccl")  # EngineConfig.kv_transfer_backend (workers/kv/transfer.py)
 CACHE_DTYPES = ("auto", "float32", "bfloat16")  # CacheConfig.kv_cache_dtype
-TIER_POLICIES = ("lru",)  # CacheConfig.tier_policy (workers/kv/tiers/)
+TIER_POLICIES = ("lru", "arc")  # CacheConfig.tier_policy (workers/kv/tiers/policy.py)
 QUANTIZED_BATCHES = ("auto", "kernel", "bf16")  # EngineConfig.quantized_batches (workers/layers/quant_linear.py)
 OMP_WAIT_POLICIES = ("passive", "active", "runtime")  # EngineConfig.omp_wait_policy (workers/server/threads.py)
 
@@ -54,7 +54,10 @@ class CacheConfig:
     host_tier_dir: the directory the shared host tier lives in (None = /dev/shm). A memory-backed
         filesystem (tmpfs) every worker of the node sees at the same path, e.g. a pod's
         ``emptyDir: {medium: Memory}`` mount; workers share a tier only when they name the same one.
-    tier_policy: which block a full tier gives up first: 'lru' (least recently used).
+    tier_policy: which block a full host tier gives up first: 'lru' (least recently used) or 'arc'
+        (adaptive replacement: blocks used again outlast one-off prompts; pays where a few shared
+        documents are asked about often, loses a little on plain chat histories, benchmarks/README.md).
+        The disk tier and a node's shared tier give up their least recently used block.
     tier_load_timeout_s: a new request whose prefix continues on disk waits at most this long for
         the reads (outside the scheduler); then it recomputes what has not arrived.
     kv_cache_dtype: the KV cache's element type: 'auto', 'float32' or 'bfloat16'. 'bfloat16' under
@@ -109,6 +112,10 @@ class CacheConfig:
                               "as /dev/shm) or unset")
         if self.tier_policy not in TIER_POLICIES:
             raise ConfigError(f"cache.tier_policy={self.tier_policy!r}: must be one of {', '.join(TIER_POLICIES)}")
+        if self.tier_policy != "lru" and self.host_tier_shared:
+            raise ConfigError(f"cache.tier_policy={self.tier_policy!r} with cache.host_tier_shared=true: the node's shared "
+                              "tier gives up its least recently used block (its workers share no other order); set "
+                              "tier_policy to lru or host_tier_shared to false")
         if not self.tier_load_timeout_s > 0:
             raise ConfigError(f"cache.tier_load_timeout_s={self.tier_load_timeout_s}: must be > 0 (seconds)")
         if self.kv_cache_dtype not in CACHE_DTYPES:

@@ -107,7 +107,8 @@ _POOL = {"replicas": "replicas", "standbyReplicas": "standby_replicas", "standby
              ("enablePrefixCaching", "enable_prefix_caching"), ("device", "device"), ("cudaGraphs", "cuda_graphs"),
              ("hostTierMemory", "host_tier_bytes"), ("diskTierSize", "disk_tier_bytes"),
              ("hostTierShared", "host_tier_shared"),
-             ("tierLoadTimeoutSeconds", "tier_load_timeout_s"), ("kvCacheDtype", "kv_cache_dtype"),
+             ("tierLoadTimeoutSeconds", "tier_load_timeout_s"), ("tierPolicy", "tier_policy"),
+             ("kvCacheDtype", "kv_cache_dtype"),
              ("lora.enabled", "lora.enabled"),
              ("lora.maxLoaded", "lora.max_loaded"), ("lora.maxRank", "lora.max_rank"))},
          **{f"speculative.{k}": f"speculative.{v}" for k, v in (

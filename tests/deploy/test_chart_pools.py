@@ -46,6 +46,7 @@ REACHES_CONFIG: dict[str, tuple[str, str, Any]] = {
     "engine.kvCacheDtype": ("engine.kvCacheDtype=bfloat16", "engine.kv_cache_dtype", "bfloat16"),
     "engine.diskTierSize": ("engine.diskTierSize=8GiB", "engine.disk_tier_bytes", 8 << 30),  # with a host tier
     "engine.hostTierShared": ("engine.hostTierShared=true", "engine.host_tier_shared", True),  # with a host tier
+    "engine.tierPolicy": ("engine.tierPolicy=arc", "engine.tier_policy", "arc"),  # with a host tier
     "engine.lora.enabled": ("engine.lora.enabled=true", "engine.lora.enabled", True),
     "engine.lora.maxLoaded": ("engine.lora.maxLoaded=4", "engine.lora.max_loaded", 4),
     "engine.lora.maxRank": ("engine.lora.maxRank=32", "engine.lora.max_rank", 32),
@@ -125,7 +126,7 @@ def test_pool_value_reaches_its_config_key(helm, tmp_path, key):
     sets = [f"poolDefaults.{assignment}"]
     if key.startswith("speculative.") and key != "speculative.method":
         sets.append("poolDefaults.speculative.method=ngram")  # options of a speculating pool
-    if key in ("engine.diskTierSize", "engine.hostTierShared"):
+    if key in ("engine.diskTierSize", "engine.hostTierShared", "engine.tierPolicy"):
         sets.append("poolDefaults.engine.hostTierMemory=1GiB")  # the disk tier sits below a host tier
     config = loaded_config(_render(helm, *sets), tmp_path)
     assert _attr(config.pool, attr) == expected

@@ -63,10 +63,13 @@ def test_multi_turn_identical_with_host_tier(smollm2_path: Path, tiers_off):
     llm.engine.close()
 
 
-def test_multi_turn_identical_with_host_and_disk(smollm2_path: Path, tmp_path: Path, tiers_off):
-    # 4 host blocks: most history spills to disk and comes back through it
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_multi_turn_identical_with_host_and_disk(smollm2_path: Path, tmp_path: Path, tiers_off, policy):
+    # 4 host blocks: most history spills to disk and comes back through it (the host tier's policy
+    # decides which blocks go down first: never what a request reads)
     llm = LLM(str(smollm2_path), host_tier_bytes=4 * BLOCK_BYTES, disk_tier_bytes=256 * BLOCK_BYTES,
-              disk_tier_dir=str(tmp_path), tier_load_timeout_s=60.0, **DEVICE)
+              disk_tier_dir=str(tmp_path), tier_load_timeout_s=60.0, tier_policy=policy, **DEVICE)
+    assert llm.engine.tiers.store.host.policy == policy
     assert multi_turn(llm) == tiers_off
     t = llm.engine.stats().tiers
     assert t.disk_hits > 0 and t.host_hits > 0 and t.bytes_to_disk > 0 and t.deadline_misses == 0

@@ -179,7 +179,7 @@ def make_tier_store(cache: CacheConfig, layout: KVLayout, fingerprint: int, pin:
         raise ConfigError("cache.host_tier_shared=true on a GPU worker (device cuda): the node's shared host tier "
                           "is for CPU workers; set device to cpu or host_tier_shared to false")
     host = (NodeTier(cache.host_tier_bytes, fingerprint, layout, root=cache.host_tier_dir) if cache.host_tier_shared
-            else HostTier(cache.host_tier_bytes, pin=pin))
+            else HostTier(cache.host_tier_bytes, pin=pin, policy=cache.tier_policy))
     disk = (DiskTier(cache.disk_tier_bytes, fingerprint, layout, cache.disk_tier_dir)
             if cache.disk_tier_bytes else None)
     logger.info("KV tiers: host %d bytes%s, disk %s, policy %s", cache.host_tier_bytes,

@@ -289,6 +289,7 @@ component of name), or the one model's. */}}
       "disk_tier_bytes" (toString (.engine.diskTierSize | default "0"))
       "host_tier_shared" (.engine.hostTierShared | default false)
       "tier_load_timeout_s" (float64 (.engine.tierLoadTimeoutSeconds | default 0.5))
+      "tier_policy" (.engine.tierPolicy | default "lru")
       "kv_cache_dtype" (.engine.kvCacheDtype | default "auto")
       "lora" (dict "enabled" .engine.lora.enabled "max_loaded" (int .engine.lora.maxLoaded)
                    "max_rank" (int .engine.lora.maxRank)) }}
