@@ -160,7 +160,7 @@ def test_write_blocks_equals_index_copy(smollm2_path: Path):
 @pytest.mark.parametrize("kwargs, names", [
     (dict(disk_tier_bytes=1 << 20), ("cache.disk_tier_bytes", "cache.host_tier_bytes")),
     (dict(host_tier_bytes=1 << 20, enable_prefix_caching=False), ("cache.host_tier_bytes", "enable_prefix_caching")),
-    (dict(host_tier_bytes=1 << 20, tier_policy="arc"), ("cache.tier_policy",)),
+    (dict(host_tier_bytes=1 << 20, tier_policy="lfu"), ("cache.tier_policy",)),
 ])
 def test_config_refuses_naming_the_keys(kwargs, names):
     from workers.config import CacheConfig
