@@ -5,6 +5,7 @@ the same batch, same prompts, same settings.
         [--concurrency 1,8,32,64] [--requests-per-stream 3] [--temperature 1.0] [--out PATH]
         [--server-cores 0 --client-cores 1]   # as make bench-peers runs: the client on a core of its own
         [--worker-only-pin]   # with those: only the worker on core 0 (as the offline engine), router + Ray on 1
+        [--per-request-streams]   # the router's plain transport (a Submit call per request), to compare
 
 Workload (the issue's AIPerf setup): every request has a --prompt-tokens prompt of distinct token
 ids (no prefix-cache hits) and makes exactly --output-tokens tokens (ignore_eos), at
@@ -144,6 +145,10 @@ class Deployment:
         cmd = [*_pin(tree_cores), sys.executable, "-m", "cluster.cli", "serve", "--quantization", args.quant, "--cpus-per-replica",
                str(args.cpus), "--ray-num-cpus", str(args.cpus + 1), "--http-port", str(self.port), "--port", "0",
                "--controller-port", "0", "--kv-cache-memory", "1GiB"]
+        if args.per_request_streams:  # the plain transport: one Submit call per request
+            config = RESULTS / ".served_vs_offline.config.yaml"
+            config.write_text("router:\n  multiplex_worker_streams: false\n")
+            cmd += ["--config", str(config)]
         self.log = open(RESULTS / ".served_vs_offline.serve.log", "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
@@ -275,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --server-cores / --client-cores: only the worker process runs on the server cores (as "
                         "the offline engine does); the router and Ray run on the client's cores, as a router on "
                         "another node would [off: the whole duet serve tree on the server cores]")
+    p.add_argument("--per-request-streams", action="store_true",
+                   help="the router sends each request as its own Submit call (router.multiplex_worker_streams: "
+                        "false) instead of on the worker's one SubmitStream")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.worker_only_pin and not (args.server_cores and args.client_cores):

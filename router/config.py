@@ -173,6 +173,9 @@ class RouterConfig:
     # pending prompts included, arrive as they happen rather than with the next poll; false = the
     # poll alone (a worker without WatchBlocks is polled either way).
     watch_block_events: bool = True
+    # Send a worker's requests on one SubmitStream (router/submit_mux.py: the worker sends one message
+    # per step for all of them); false = one Submit call per request (the plain path).
+    multiplex_worker_streams: bool = True
     worker_failure_threshold: int = 3
     stream_failure_cooldown_s: float = 1.0
     max_route_attempts: int = 2
@@ -258,6 +261,8 @@ class RouterConfig:
         _int_at_least("max_n", self.max_n, 1)
         if not isinstance(self.watch_block_events, bool):
             _fail("watch_block_events", self.watch_block_events, "must be true or false")
+        if not isinstance(self.multiplex_worker_streams, bool):
+            _fail("multiplex_worker_streams", self.multiplex_worker_streams, "must be true or false")
         for name in ("load_poll_interval_s", "load_poll_timeout_s"):
             value = getattr(self, name)
             if not _finite(value) or value <= 0:

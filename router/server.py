@@ -185,7 +185,8 @@ class RouterServer:
             poll_interval_s=config.load_poll_interval_s, poll_timeout_s=config.load_poll_timeout_s,
             failure_threshold=config.worker_failure_threshold,
             stream_failure_cooldown_s=config.stream_failure_cooldown_s, on_health_change=self._on_health_change,
-            prefix_index=self.prefix_index, watch_blocks=config.watch_block_events)
+            prefix_index=self.prefix_index, watch_blocks=config.watch_block_events,
+            multiplex=config.multiplex_worker_streams)
         self.metrics = RequestMetrics()  # per-pool histograms; router/prometheus.py exports them
         waker = None
         if config.membership_address is not None:  # a pool scaled to zero is woken by the controller

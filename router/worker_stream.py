@@ -112,7 +112,7 @@ async def stream_attempt(prep: PreparedRequest, lease: WorkerLease, prefill: Wor
     if pull is not None:
         request.prefix_source.CopyFrom(worker_pb2.PrefixSource(
             worker_id=pull.worker_id, endpoint=pull.endpoint, incarnation=pull.incarnation, num_tokens=pull.num_tokens))
-    call = lease.stub.Submit(request, timeout=timeout)
+    call = lease.submit(request, timeout)
     lease.call = call
     if prefill is not None:  # a prefill worker declared dead cancels the call too (it may hang on it)
         prefill.call = call

@@ -32,6 +32,9 @@ vanished without closing its connections would otherwise leave those streams han
 that answers NOT_SERVING (draining) is only taken out of routing; its streams finish. A member
 that leaves keeps its channel until its last lease ends, so leaving never cuts a stream short.
 
+Requests travel on one SubmitStream per worker (router/submit_mux.py: the worker batches a step's
+output of all of them into one message), or with ``multiplex=False`` as one Submit call each.
+
 Single event loop: every method runs on the router's loop.
 """
 
@@ -52,6 +55,7 @@ from router.drafters import DrafterDirectory
 from router.policies import RouteRequest, WorkerState
 from router.block_watch import BlockWatch
 from router.prefix_index import BlockReport, PrefixIndex
+from router.submit_mux import StreamCall, SubmitMux
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +91,20 @@ class WorkerLease:
     worker_id: str
     stub: worker_pb2_grpc.WorkerStub
     cost_tokens: int
-    call: grpc.aio.Call | None = None
+    call: StreamCall | None = None
     failure: str | None = None
     _member: _Member | None = field(default=None, repr=False)
     request_id: str = ""  # the worker-side request id (the router's internal id)
     tokens: int = 0  # prompt + tokens streamed on this lease: what the worker's KV holds (rebalancer)
     last_chunk: float = 0.0  # time.monotonic() of the latest chunk (TPOT)
+
+    def submit(self, request: worker_pb2.SubmitRequest, timeout: float | None) -> StreamCall:
+        """Send the request to the worker: on its SubmitStream (router/submit_mux.py), or as a
+        Submit call of its own when the directory does not multiplex."""
+        m = self._member
+        if m is not None and m.mux is not None:
+            return m.mux.submit(request, timeout)
+        return self.stub.Submit(request, timeout=timeout)
 
     def observe_chunk(self, num_tokens: int, now: float) -> None:
         """A chunk of ``num_tokens`` arrived: count its tokens, and feed the worker's TPOT estimate
@@ -138,18 +150,24 @@ class _Member:
     draining: bool = False
     report: worker_pb2.LoadReport | None = None  # the latest, for the metrics exporter
     tpot_s: float | None = None  # EWMA of seconds per output token of its streams (WorkerLease.observe_chunk)
+    multiplex: bool = True
+    mux: SubmitMux | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        if self.multiplex:
+            self.mux = SubmitMux(self.stub, self.worker_id)
 
 
 class WorkerDirectory:
     def __init__(self, *, poll_interval_s: float = 0.2, poll_timeout_s: float = 2.0, failure_threshold: int = 3,
                  stream_failure_cooldown_s: float = 1.0,
                  on_health_change: Callable[[bool], None] | None = None,
-                 prefix_index: PrefixIndex | None = None, watch_blocks: bool = True) -> None:
+                 prefix_index: PrefixIndex | None = None, watch_blocks: bool = True,
+                 multiplex: bool = True) -> None:
         self.poll_interval_s = poll_interval_s
+        self.multiplex = multiplex  # requests to a worker share one SubmitStream (router/submit_mux.py)
         self.poll_timeout_s = poll_timeout_s
         self.failure_threshold = failure_threshold
         self.stream_failure_cooldown_s = stream_failure_cooldown_s
@@ -222,7 +240,8 @@ class WorkerDirectory:
 
     def _add(self, worker_id: str, endpoint: str, role: str = "colocated") -> _Member:
         channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
-        m = _Member(worker_id, endpoint, channel, WorkerState(worker_id, endpoint, healthy=False, role=role))
+        m = _Member(worker_id, endpoint, channel, WorkerState(worker_id, endpoint, healthy=False, role=role),
+                    multiplex=self.multiplex)
         self._members[worker_id] = m
         m.poll_task = asyncio.create_task(self._poll_loop(m), name=f"poll-{worker_id}")
         if self.watch_blocks:
@@ -272,6 +291,10 @@ class WorkerDirectory:
     def snapshot(self) -> list[WorkerState]:
         """Every member's current state (healthy or not): what a policy's ``select`` takes."""
         return [m.state for m in self._members.values()]
+
+    def open_stream_requests(self) -> int:
+        """Requests waiting on the workers' SubmitStreams now (router/submit_mux.py)."""
+        return sum(m.mux.open_requests for m in self._members.values() if m.mux is not None)
 
     def any_healthy(self) -> bool:
         return any(m.state.healthy for m in self._members.values())

@@ -12,7 +12,7 @@ Terms:
 
 Streamed ids cycle through the request's own prompt ids, so they are always valid for the
 tokenizer the router detokenizes with. It speaks the real protocol (health SERVING for
-``duet.worker.v1.Worker``, ``GetLoad`` with a fixed incarnation, cancellation), so an unmodified
+``duet.worker.v1.Worker``, ``GetLoad`` with a fixed incarnation, cancellation, ``SubmitStream``), so an unmodified
 router accepts it as a member. Its load report is honest about what it does: ``num_running``,
 ``outstanding_tokens`` (ids still to stream), and a stand-in prefix cache: each prompt's full
 blocks of ``BLOCK_SIZE`` tokens are remembered (LRU, ``cache_blocks`` of them), counted as
@@ -45,6 +45,7 @@ from router.server import wait_for_stop_signal
 from workers.block_hash import chain_hashes
 from workers.engine.block_events import BlockEventLog, PendingBlocks
 from workers.server.block_watch import watch_blocks
+from workers.server.submit_stream import SubmitStreams
 
 SERVICE_NAME = "duet.worker.v1.Worker"
 BLOCK_SIZE = 16  # tokens per stand-in KV block (the default engine block size)
@@ -58,6 +59,7 @@ class EchoWorker(worker_pb2_grpc.WorkerServicer):
         self.running = 0
         self.outstanding = 0  # ids still to stream, over running requests
         self.cache_blocks = cache_blocks
+        self.streams = SubmitStreams(self.Submit)  # SubmitStream (the router's transport), as a real worker
         self.events = BlockEventLog()
         self.pending = PendingBlocks(self.events)
         self._cached: OrderedDict[int, None] = OrderedDict()  # chain hash -> None, least recently used first
@@ -84,6 +86,10 @@ class EchoWorker(worker_pb2_grpc.WorkerServicer):
         """The stand-in prefill is done: its blocks (still cached) are on the device, no longer pending."""
         self.events.stored([h for h in hashes if h in self._cached])
         self.pending.release(hashes)
+
+    async def SubmitStream(self, request_iterator, context: grpc.aio.ServicerContext):
+        async for batch in self.streams.serve(request_iterator):
+            yield batch
 
     async def Submit(self, request: worker_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
         if not request.prompt_token_ids:

@@ -276,6 +276,9 @@ class PoolSection(_Pool):
     ("prefix_pull_min_tokens", Part(RouterConfig, "prefix_pull_min_tokens", "A worker routed a prompt whose prefix "
                                     "of at least this many tokens another worker holds pulls that KV instead of "
                                     "recomputing it (router/policies/prefix_pull.py); 0 = off.")),
+    ("multiplex_worker_streams", Part(RouterConfig, "multiplex_worker_streams", "Send each worker's requests on one "
+                                      "stream, its output one message per step for all of them; false = a "
+                                      "gRPC call per request.")),
     ("rebalance", Part(RouterConfig, "rebalance", "Move running requests from the hottest to the coolest decode "
                        "worker by live KV migration (router/rebalancer.py).")),
     ("rebalance_interval_s", Part(RouterConfig, "rebalance_interval_s", "Seconds between rebalancing rounds.")),

@@ -22,6 +22,9 @@ With sampling.top_logprobs set it sends one TokenLogprob per id (``fake_logprob`
     bad_sources         adapter sources refused with INVALID_ARGUMENT (a bad PEFT directory)
     busy_adapters       UnloadAdapter answers FAILED_PRECONDITION for these (requests still use them)
     extra_load          added to the reported outstanding_tokens (an overloaded worker)
+    submit_stream       serve SubmitStream (the default, through the worker's own SubmitStreams, so
+                        the router's requests take its SubmitMux); False answers UNIMPLEMENTED, as
+                        an older worker does, and the router sends one Submit call per request
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
 from router.config import RouterConfig
 from testkit.ports import free_port  # noqa: F401 - re-exported: tests import it from here
+from workers.server.submit_stream import SubmitStreams
 
 SCRIPT = "Héllo wörld! 日本語のテキスト 🙂 The quick brown fox jumps over the lazy dog. Ünïcödé ✓ done"
 WORKER_HEALTH = "duet.worker.v1.Worker"
@@ -85,6 +89,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.eos_id = eos_id
         self.server: FakeWorkerServer | None = None
         self.active = 0  # Submit calls running now (not reset: a cancelled call decrements it later)
+        self.streams = SubmitStreams(self.Submit)  # SubmitStream, as a real worker serves it
         self.reset()
 
     def reset(self) -> None:
@@ -104,6 +109,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.busy_adapters: set[str] = set()
         self.extra_load = 0
         self.adapter_calls: list[tuple[str, str]] = []  # (rpc, adapter name) in arrival order
+        self.submit_stream = True
 
     def _load_adapter(self, ref: worker_pb2.AdapterRef, pin: bool) -> worker_pb2.AdapterInfo:
         """The contract's LoadAdapter: (StatusCode, message) raised as a tuple for a refusal."""
@@ -182,6 +188,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             raise
         finally:
             self.active -= 1
+
+    async def SubmitStream(self, request_iterator, context: grpc.aio.ServicerContext):
+        if not self.submit_stream:  # an older worker: the router falls back to Submit calls
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        async for batch in self.streams.serve(request_iterator):
+            yield batch
 
     async def _die(self, context: grpc.aio.ServicerContext) -> None:
         if self.die_mode == "abort":

@@ -13,6 +13,9 @@ Ending a request early:
   client cancel / deadline  the Submit handler's ``finally`` posts an abort; the engine frees the
                             request's KV blocks before its next step. Nothing more is sent.
   Abort RPC                 the stream ends normally with finish_reason ABORT; found=False if unknown.
+  SubmitStream              (workers/server/submit_stream.py) what the router uses: many Submits on
+                            one stream, each run by the Submit handler, their output batched into one
+                            message per step; a SubmitCancel or the stream's end cancels as above.
   stop(grace)               health goes NOT_SERVING and new Submits get UNAVAILABLE at once; in-flight
                             streams get ``grace`` seconds to finish, then the rest are aborted in the
                             engine and end with status UNAVAILABLE (retryable: the router may resend).
@@ -74,6 +77,7 @@ from workers.handoff.migration_service import MigrationFailed, Migrator
 from workers.handoff.prefix_pull import PrefixPull
 from workers.server.adapters import LORA_ERRORS, AdapterAdmin, lora_status
 from workers.server.block_watch import watch_blocks
+from workers.server.submit_stream import SubmitStreams
 from workers.block_hash import adapter_root, chain_hashes
 from workers.engine.block_events import PendingBlocks
 from workers.sampling_params import SamplingParams
@@ -180,6 +184,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.adapter_admin = AdapterAdmin(limits.adapters)  # LoRA (workers/server/adapters.py)
         # admitted prompts not computed yet, reported as pending blocks (workers/engine/block_events.py)
         self.pending = PendingBlocks(limits.block_events) if limits.block_events is not None else None
+        self.submit_streams = SubmitStreams(self.Submit)  # SubmitStream: many Submits, one message per step
 
     @property
     def num_inflight(self) -> int:
@@ -285,6 +290,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 logger.debug("request %s ended early; aborted in the engine", rid)
             self._release_pending(pending)
             self._inflight.discard(rid)
+
+    async def SubmitStream(self, request_iterator: AsyncIterator[worker_pb2.SubmitStreamRequest],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.SubmitStreamResponse]:
+        async for batch in self.submit_streams.serve(request_iterator):
+            yield batch
 
     def _add_pending(self, request: worker_pb2.SubmitRequest) -> list[int]:
         """Report the prompt's full blocks as pending (Tier.PENDING) from admission to its first
@@ -475,6 +485,7 @@ class WorkerServer:
             await self.servicer.migrator.close()
         if self.servicer.disagg is not None:
             await self.servicer.disagg.close()
+        await self.servicer.submit_streams.close(timeout_s=1.0)  # they end once their requests did
         await self._server.stop(grace=1.0)  # the aborted streams send their UNAVAILABLE status
         logger.info("worker %s stopped (%s)", self.worker_id, self.endpoint)
 

@@ -325,7 +325,7 @@ def test_stop_aborts_in_flight_with_unavailable_and_leaves_no_threads(loop, work
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert refused.code() == grpc.StatusCode.UNAVAILABLE
     assert stream_err.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in stream_err.details()
-    assert set(threading.enumerate()) == before
+    assert set(threading.enumerate()) <= before  # nothing new (a pool thread of before may have ended since)
 
 
 class ExplodingEngine:
@@ -376,7 +376,7 @@ def test_engine_failure_fails_every_stream_and_later_request():
     failed, error, later, found = asyncio.run(go())
     assert isinstance(failed, WorkerUnavailableError) and "boom" in str(failed)
     assert isinstance(error, RuntimeError) and isinstance(later, WorkerUnavailableError) and not found
-    assert set(threading.enumerate()) == before
+    assert set(threading.enumerate()) <= before  # nothing new (a pool thread of before may have ended since)
 
 
 def test_engine_load_failure_raises_from_start():
@@ -389,4 +389,4 @@ def test_engine_load_failure_raises_from_start():
 
     before = set(threading.enumerate())
     asyncio.run(go())
-    assert set(threading.enumerate()) == before
+    assert set(threading.enumerate()) <= before  # nothing new (a pool thread of before may have ended since)

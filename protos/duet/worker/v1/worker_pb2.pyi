@@ -219,6 +219,54 @@ class SubmitResponse(_message.Message):
     migrated_to: MigratedTo
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., migrated_to: _Optional[_Union[MigratedTo, _Mapping]] = ...) -> None: ...
 
+class SubmitStreamRequest(_message.Message):
+    __slots__ = ("open", "cancel")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    open: SubmitOpen
+    cancel: SubmitCancel
+    def __init__(self, open: _Optional[_Union[SubmitOpen, _Mapping]] = ..., cancel: _Optional[_Union[SubmitCancel, _Mapping]] = ...) -> None: ...
+
+class SubmitOpen(_message.Message):
+    __slots__ = ("stream_id", "request", "timeout_s")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    request: SubmitRequest
+    timeout_s: float
+    def __init__(self, stream_id: _Optional[int] = ..., request: _Optional[_Union[SubmitRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class SubmitCancel(_message.Message):
+    __slots__ = ("stream_id",)
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    def __init__(self, stream_id: _Optional[int] = ...) -> None: ...
+
+class SubmitStreamResponse(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[SubmitFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[SubmitFrame, _Mapping]]] = ...) -> None: ...
+
+class SubmitFrame(_message.Message):
+    __slots__ = ("stream_id", "response", "end")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    response: SubmitResponse
+    end: SubmitEnd
+    def __init__(self, stream_id: _Optional[int] = ..., response: _Optional[_Union[SubmitResponse, _Mapping]] = ..., end: _Optional[_Union[SubmitEnd, _Mapping]] = ...) -> None: ...
+
+class SubmitEnd(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
 class MigratedTo(_message.Message):
     __slots__ = ("worker_id", "endpoint", "incarnation", "migration_id", "num_output_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -40,6 +40,11 @@ class WorkerStub:
                 request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.SubmitResponse.FromString,
                 _registered_method=True)
+        self.SubmitStream = channel.stream_stream(
+                '/duet.worker.v1.Worker/SubmitStream',
+                request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.SubmitStreamRequest.SerializeToString,
+                response_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.SubmitStreamResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/duet.worker.v1.Worker/Abort',
                 request_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -110,6 +115,23 @@ class WorkerServicer:
         ALREADY_EXISTS      request_id is already in flight on this worker
         RESOURCE_EXHAUSTED  the worker's own queue is full
         UNAVAILABLE         the worker is draining or shutting down
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitStream(self, request_iterator, context):
+        """Many Submits over one stream: what the router uses (one stream per worker, opened on its first
+        request and kept). Each SubmitOpen runs exactly as a Submit of its request would (same checks,
+        same status codes, same messages); the worker answers with batches of frames, one batch per
+        engine step for every request on the stream that produced output (and whatever queued while
+        the previous batch was being written), instead of one message per request per step. A
+        request's frames keep their order; its last frame is a SubmitEnd (code 0 = OK after its final
+        SubmitResponse, else the status a Submit would have ended with). SubmitCancel (or the stream
+        ending: the router went away) aborts requests exactly like cancelling their Submit. Request
+        timeouts are the router's: it cancels the stream id at the deadline. stream_id: chosen by the
+        router, unique on the stream; an id already open ends at once with ALREADY_EXISTS. The worker
+        ends the whole stream (OK) when it stops, once its requests ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -256,6 +278,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.SubmitRequest.FromString,
                     response_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.SubmitResponse.SerializeToString,
             ),
+            'SubmitStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.SubmitStream,
+                    request_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.SubmitStreamRequest.FromString,
+                    response_serializer=duet_dot_worker_dot_v1_dot_worker__pb2.SubmitStreamResponse.SerializeToString,
+            ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
                     request_deserializer=duet_dot_worker_dot_v1_dot_worker__pb2.AbortRequest.FromString,
@@ -340,6 +367,33 @@ class Worker:
             '/duet.worker.v1.Worker/Submit',
             duet_dot_worker_dot_v1_dot_worker__pb2.SubmitRequest.SerializeToString,
             duet_dot_worker_dot_v1_dot_worker__pb2.SubmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/duet.worker.v1.Worker/SubmitStream',
+            duet_dot_worker_dot_v1_dot_worker__pb2.SubmitStreamRequest.SerializeToString,
+            duet_dot_worker_dot_v1_dot_worker__pb2.SubmitStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
