@@ -241,3 +241,32 @@ def test_a_worker_without_submit_stream_gets_one_submit_per_request():
             await server.stop(0)
 
     asyncio.run(go())
+
+
+def test_a_router_streams_from_an_older_worker_through_submit_calls(smollm2_path, tok):
+    """Through the whole router: workers that answer SubmitStream with UNIMPLEMENTED (an older
+    release mid rolling upgrade) still serve every request, deadlines and cancellation included,
+    and the router then sends them Submit calls (nothing waits on a stream)."""
+    from protos.duet.v1 import duet_pb2, duet_pb2_grpc
+    from router.config import RouterConfig
+    from router.server import serve_router
+    from testkit.router_fakes import SCRIPT, fake_pool, members
+
+    with fake_pool(tok) as servers:
+        for s in servers:
+            s.worker.submit_stream = False
+        router = serve_router(RouterConfig(tokenizer_path=str(smollm2_path), port=0, http_port=0,
+                                           load_poll_interval_s=0.05), members(servers), tokenizer=tok)
+        try:
+            with grpc.insecure_channel(router.address) as channel:
+                stub = duet_pb2_grpc.DuetStub(channel)
+                for _ in range(4):  # both workers, each at least once
+                    out = list(stub.Generate(duet_pb2.GenerateRequest(
+                        prompt="x", sampling=duet_pb2.SamplingParams(max_tokens=6, temperature=0)), timeout=20))
+                    assert [t for r in out for t in r.token_ids] == tok.encode(SCRIPT, add_special_tokens=False)[:6]
+            deadlines = [d for s in servers for d in s.worker.deadlines.values()]
+            assert len(deadlines) == 4 and all(d is not None and d < 21 for d in deadlines)
+            assert router.server.directory.open_stream_requests() == 0
+            assert all(s.worker.active == 0 for s in servers)
+        finally:
+            router.stop(0)
