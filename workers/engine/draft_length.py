@@ -32,7 +32,9 @@ k = 1 round: nothing drafted at 1 stream until a stale re-probe). ``DraftCost`` 
 it measured (the mean of its last 5 waits without the slowest, so one cold or spiky round does
 not decide), fits f, p, r over them for the shapes it has not measured, and until
 ``MIN_DRAFT_SAMPLES`` waits are measured at all, prices the wait at 0 (so drafting starts and gets
-measured, as a row count never measured is priced optimistically).
+measured, as a row count never measured is priced optimistically). A shape re-measured after
+``stale_after`` steps without a sample of it starts over (the slow waits of a cold drafter or a load
+spike do not outlive the probe that finds the drafter fast again).
 
 Why rows are priced from steps with that many rows and planned per step, not by a line fitted to
 decode steps and chosen per request: a line's slope is only learnt from steps of different sizes,
@@ -171,6 +173,7 @@ class RowCost:
 
 
 MIN_DRAFT_SAMPLES = 3  # measured drafter waits before they price drafting at all (below: free)
+STALE_WEIGHT = 0.05  # weight in the draft cost's fit of a shape not measured lately, per sample
 
 
 class DraftCost:
@@ -187,35 +190,64 @@ class DraftCost:
     with weak prior rows for the directions the shapes do not span: f = 0, and r = ``row_ratio`` x p
     (a pass over 8 rows costs 2x one over 1 row: a quantized CPU kernel's weights are read once per
     pass whatever the rows). Fewer than ``min_samples`` waits in all: 0, so drafting is tried and
-    measured. Shapes are forgotten once their last sample leaves the ``window`` newest."""
+    measured. Shapes are forgotten once their last sample leaves the ``window`` newest.
+
+    Age (``max_age``, in the caller's steps, given with each sample as ``at``): waits that turned
+    drafting off are only re-measured by a probe now and then, so a few slow rounds (a cold drafter,
+    a load spike) would otherwise keep their shape's price long after the drafter got fast: a probe's
+    one fast wait does not move a mean of the slow ones. So a shape measured again more than max_age
+    steps after its last sample starts over from the new wait, and in the fit a shape not measured
+    within max_age of the newest sample weighs ``STALE_WEIGHT`` per sample: it still decides what
+    no fresh shape says (a pass over 8 rows, at 8 streams that declined to draft), not what they
+    contradict."""
 
     def __init__(self, extra_passes: int = 0, window: int = 32, per_shape: int = 5,
-                 min_samples: int = MIN_DRAFT_SAMPLES, row_ratio: float = 0.125) -> None:
+                 min_samples: int = MIN_DRAFT_SAMPLES, row_ratio: float = 0.125, max_age: int | None = None) -> None:
         self.extra_passes = extra_passes
         self.min_samples = min_samples
         self.row_ratio = row_ratio
+        self.max_age = max_age
         self._per_shape = per_shape
         self._recent: deque[tuple[int, int]] = deque(maxlen=window)  # shapes of the newest samples
         self._by_shape: dict[tuple[int, int], deque[float]] = {}
         self._robust: dict[tuple[int, int], float] = {}
+        self._last_at: dict[tuple[int, int], int] = {}  # shape -> when (the caller's clock) it was last measured
+        self._newest_at = 0
         self.f = self.p = self.r = 0.0
 
     @property
     def samples(self) -> int:
         return len(self._recent)
 
-    def add(self, k: int, n: int, seconds: float) -> None:
+    def add(self, k: int, n: int, seconds: float, at: int | None = None) -> None:
+        """One measured wait of shape (k, n); at: when, on the caller's clock (steps), for max_age."""
         shape = (max(int(k), 0), max(int(n), 1))
+        if at is not None and self.max_age is not None:
+            last = self._last_at.get(shape)
+            if last is not None and at - last > self.max_age:  # re-measured after a drought: a new regime
+                self._forget(shape)
+            self._last_at[shape] = self._newest_at = at
         if len(self._recent) == self._recent.maxlen:
             old = self._recent[0]
             if sum(1 for s in self._recent if s == old) == 1 and old != shape:  # its last sample leaves
-                self._by_shape.pop(old, None)
-                self._robust.pop(old, None)
+                self._forget(old)
         self._recent.append(shape)
         waits = self._by_shape.setdefault(shape, deque(maxlen=self._per_shape))
         waits.append(max(0.0, seconds))
         self._robust[shape] = _trimmed_mean(waits)
         self._fit()
+
+    def _forget(self, shape: tuple[int, int]) -> None:
+        self._by_shape.pop(shape, None)
+        self._robust.pop(shape, None)
+        self._last_at.pop(shape, None)
+        if shape in self._recent:
+            self._recent = deque((s for s in self._recent if s != shape), maxlen=self._recent.maxlen)
+
+    def _fresh(self, shape: tuple[int, int]) -> bool:
+        """Measured within max_age of the newest sample (always, without a clock)."""
+        last = self._last_at.get(shape)
+        return self.max_age is None or last is None or self._newest_at - last <= self.max_age
 
     def _fit(self) -> None:
         counts: dict[tuple[int, int], int] = {}
@@ -226,7 +258,10 @@ class DraftCost:
             passes = k + self.extra_passes
             rows.append((1.0, float(passes), float(passes * n)))
             ys.append(wait)
-            ws.append(float(counts.get((k, n), 1)))
+            # a shape not measured for max_age steps before the newest sample (another regime: a cold
+            # drafter, a load spike) still decides what only it says (e.g. the rows a pass carries), but
+            # yields where fresh shapes say otherwise
+            ws.append(float(counts.get((k, n), 1)) * (1.0 if self._fresh((k, n)) else STALE_WEIGHT))
         prior = 1e-6 * sum(ws)  # only decides directions the data leave open
         rows += [(1.0, 0.0, 0.0), (0.0, -self.row_ratio, 1.0)]
         ys += [0.0, 0.0]
@@ -375,7 +410,9 @@ class DraftLengthPolicy:
         self._steps = 0  # steps that chose adaptively
         self._plain_tried: dict[int, int] = {}  # batch size -> self._steps when a plain step was last forced for it
         self.step = RowCost(prior_ratio=0.05)  # target step seconds vs rows it computes
-        self.draft = DraftCost(extra_passes)  # seconds waiting for a drafter call vs its passes and rows
+        # seconds waiting for a drafter call vs its passes and rows; a shape re-measured after stale_after
+        # steps without a sample of it starts over (what it measured before was another regime)
+        self.draft = DraftCost(extra_passes, max_age=stale_after)
         self._requests: dict[str, _Request] = {}
 
     def choose_step(self, asks: Sequence[tuple[str, int, bool]]) -> list[int]:
@@ -483,7 +520,7 @@ class DraftLengthPolicy:
 
     def observe_draft(self, k: int, seconds: float, requests: int = 1) -> None:
         """A drafter call waited ``seconds`` for ``requests`` requests drafting up to ``k`` tokens each."""
-        self.draft.add(k, requests, seconds)
+        self.draft.add(k, requests, seconds, at=self._steps)
         self._since_draft = 0
 
     def release(self, request_id: str) -> None:

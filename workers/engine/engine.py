@@ -181,6 +181,8 @@ class Engine:
             self.grammars.park(seq, matcher, running=False)  # the scheduler gets it once compiled
         elif not (self.tiers is not None and self.tiers.prefetch(seq)):  # parked: its prefix continues on disk
             self.scheduler.add(seq)
+        if self.speculator is not None and export_from_block is None:  # it decodes here: the drafter computes
+            self.speculator.prefetch(seq, new=True)                    # its prompt KV while we prefill
         return seq.request_id
 
     def reserve(self, request_id: str, prompt: list[int], params: SamplingParams,

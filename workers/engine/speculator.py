@@ -129,7 +129,14 @@ class Speculator:
         if all(len(c.token_ids) == 1 + c.num_draft and c.sample for c in sched.chunks):  # decode-only step
             self.policy.observe_step(sched.num_tokens, seconds)
 
-    def prefetch(self, seq: Sequence) -> None:
+    def prefetch(self, seq: Sequence, new: bool = False) -> None:
+        """The request will decode here soon: a drafter model computes (or keeps) its context's KV now,
+        while the target's KV is in transit (P/D, migration) or, for a ``new`` request added here,
+        while the target prefills it; otherwise the request's first draft round would compute its
+        prompt on the drafter while the target's whole batch waits for it. A request that asks for no
+        speculation (num_speculative_tokens 0) costs the drafter nothing."""
+        if new and seq.sampling_params.num_speculative_tokens == 0:
+            return
         self.proposer.prefetch(seq.request_id, seq.token_ids, seq.sampling_params, self._drafters.get(seq.request_id))
 
     def request_state(self, request_id: str) -> tuple[float, int]:

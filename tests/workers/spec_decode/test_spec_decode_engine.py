@@ -215,3 +215,40 @@ def test_draft_model_greedy_with_penalties_equals_plain(smollm2_path, plain, dra
     _assert_same(run_lp(llm, prompts, params), run_lp(plain, prompts, params))
     assert llm.engine.stats().spec.num_verifies > 0
     llm.engine.speculator.close()
+
+
+def _decode(llm: LLM, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+    llm.engine.add_request(rid, prompt, params)
+    out: list[int] = []
+    while llm.engine.has_unfinished():
+        for o in llm.engine.step():
+            out += o.new_token_ids
+    return out
+
+
+def test_a_new_requests_prompt_is_prefetched_onto_its_drafter(smollm2_path, plain, drafter):
+    """A request added to the target is sent to its drafter at once (a prefetch), so the drafter
+    computes the prompt while the target prefills it, not in the first draft round while the target's
+    batch waits; output = plain greedy. A request that asks for no speculation sends nothing."""
+    import time
+
+    engine, endpoint = drafter
+    llm = with_drafter(smollm2_path, endpoint)
+    prompt = [100 + (7 * i) % 900 for i in range(40)]
+    items, computed = engine.stats().items, engine.stats().tokens_computed
+    llm.engine.add_request("pre", prompt, greedy(24))  # not stepped yet
+    deadline = time.monotonic() + 30
+    while engine.stats().tokens_computed - computed < len(prompt) - 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    # a prefetch computes the prompt but its last token (the first round computes it with the next)
+    assert engine.stats().items - items == 1 and engine.stats().tokens_computed - computed == len(prompt) - 1
+    out: list[int] = []
+    while llm.engine.has_unfinished():
+        for o in llm.engine.step():
+            out += o.new_token_ids
+    assert out == _decode(plain, "pre", prompt, greedy(24))
+    assert llm.engine.stats().spec.num_verifies > 0
+    items = engine.stats().items
+    assert _decode(llm, "off", prompt, greedy(8, num_speculative_tokens=0)) == _decode(plain, "off", prompt, greedy(8))
+    assert engine.stats().items == items  # no prefetch, no round
+    llm.engine.speculator.close()
