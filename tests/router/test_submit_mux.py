@@ -7,6 +7,8 @@ the fallback to per-request Submits for a worker without SubmitStream."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -91,24 +93,30 @@ async def _collect(call) -> list[int]:
     return [t async for m in call for t in m.token_ids]
 
 
+@contextlib.asynccontextmanager
+async def _connected(streams: bool = True) -> AsyncIterator[tuple[_Servicer, SubmitMux]]:
+    """A worker serving ``_Servicer`` and a router-side mux to it; the worker stops on exit."""
+    servicer = _Servicer(streams)
+    server, address = await _serve(servicer)
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            yield servicer, SubmitMux(worker_pb2_grpc.WorkerStub(channel), "w")
+    finally:
+        await server.stop(0)
+
+
 def test_requests_are_demultiplexed_and_a_step_is_one_message():
     async def go():
-        servicer = _Servicer()
-        server, address = await _serve(servicer)
-        try:
-            async with grpc.aio.insecure_channel(address) as channel:
-                mux = SubmitMux(worker_pb2_grpc.WorkerStub(channel), "w")
-                calls = {rid: mux.submit(_req(rid, 4)) for rid in ("a", "bb", "ccc")}
-                readers = {rid: asyncio.ensure_future(_collect(c)) for rid, c in calls.items()}
-                await _until(lambda: len(servicer.engine.sinks) == 3)
-                for _ in range(4):
-                    servicer.engine.step()
-                    await asyncio.sleep(0.05)
-                out = {rid: await r for rid, r in readers.items()}
-                assert all(c.done() for c in calls.values())
-                assert mux.open_requests == 0
-        finally:
-            await server.stop(0)
+        async with _connected() as (servicer, mux):
+            calls = {rid: mux.submit(_req(rid, 4)) for rid in ("a", "bb", "ccc")}
+            readers = {rid: asyncio.ensure_future(_collect(c)) for rid, c in calls.items()}
+            await _until(lambda: len(servicer.engine.sinks) == 3)
+            for _ in range(4):
+                servicer.engine.step()
+                await asyncio.sleep(0.05)
+            out = {rid: await r for rid, r in readers.items()}
+            assert all(c.done() for c in calls.values())
+            assert mux.open_requests == 0
         # each request got its own tokens, in order (the scripted token is the request's position
         # in the step: insertion order a, bb, ccc)
         assert out == {"a": [1000, 1000, 1000, 1000], "bb": [2001] * 4, "ccc": [3002] * 4}
@@ -121,23 +129,17 @@ def test_requests_are_demultiplexed_and_a_step_is_one_message():
 
 def test_statuses_end_only_their_request():
     async def go():
-        servicer = _Servicer()
-        server, address = await _serve(servicer)
-        try:
-            async with grpc.aio.insecure_channel(address) as channel:
-                mux = SubmitMux(worker_pb2_grpc.WorkerStub(channel), "w")
-                good = mux.submit(_req("good", 2))
-                reader = asyncio.ensure_future(_collect(good))
-                with pytest.raises(grpc.aio.AioRpcError) as bad:
-                    await _collect(mux.submit(_req("bad1")))
-                with pytest.raises(grpc.aio.AioRpcError) as boom:
-                    await _collect(mux.submit(_req("boom")))
-                await _until(lambda: "good" in servicer.engine.sinks)
-                servicer.engine.step()
-                servicer.engine.step()
-                assert await reader == [4000, 4000]
-        finally:
-            await server.stop(0)
+        async with _connected() as (servicer, mux):
+            good = mux.submit(_req("good", 2))
+            reader = asyncio.ensure_future(_collect(good))
+            with pytest.raises(grpc.aio.AioRpcError) as bad:
+                await _collect(mux.submit(_req("bad1")))
+            with pytest.raises(grpc.aio.AioRpcError) as boom:
+                await _collect(mux.submit(_req("boom")))
+            await _until(lambda: "good" in servicer.engine.sinks)
+            servicer.engine.step()
+            servicer.engine.step()
+            assert await reader == [4000, 4000]
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert bad.value.details() == "prompt_token_ids: bad1 is bad"
         assert boom.value.code() == grpc.StatusCode.UNKNOWN and "kaput" in boom.value.details()
@@ -147,25 +149,19 @@ def test_statuses_end_only_their_request():
 
 def test_cancel_and_deadline_reach_the_workers_handler():
     async def go():
-        servicer = _Servicer()
-        server, address = await _serve(servicer)
-        try:
-            async with grpc.aio.insecure_channel(address) as channel:
-                mux = SubmitMux(worker_pb2_grpc.WorkerStub(channel), "w")
-                cancelled = mux.submit(_req("c", 10))
-                timed = mux.submit(_req("t", 10), timeout=0.3)
-                await _until(lambda: len(servicer.engine.sinks) == 2)
-                servicer.engine.step()
-                assert [t for t in (await cancelled.__anext__()).token_ids] == [1000]
-                assert cancelled.cancel() and cancelled.done() and not cancelled.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await cancelled.__anext__()
-                with pytest.raises(grpc.aio.AioRpcError) as late:
-                    await _collect(timed)
-                await _until(lambda: servicer.ended == {"c": "cancelled", "t": "cancelled"})
-                assert mux.open_requests == 0
-        finally:
-            await server.stop(0)
+        async with _connected() as (servicer, mux):
+            cancelled = mux.submit(_req("c", 10))
+            timed = mux.submit(_req("t", 10), timeout=0.3)
+            await _until(lambda: len(servicer.engine.sinks) == 2)
+            servicer.engine.step()
+            assert [t for t in (await cancelled.__anext__()).token_ids] == [1000]
+            assert cancelled.cancel() and cancelled.done() and not cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled.__anext__()
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await _collect(timed)
+            await _until(lambda: servicer.ended == {"c": "cancelled", "t": "cancelled"})
+            assert mux.open_requests == 0
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
     asyncio.run(go())
@@ -200,45 +196,33 @@ def test_a_worker_that_stops_fails_its_requests_and_the_next_request_reopens():
 
 def test_close_ends_idle_streams_after_their_requests():
     async def go():
-        servicer = _Servicer()
-        server, address = await _serve(servicer)
-        try:
-            async with grpc.aio.insecure_channel(address) as channel:
-                mux = SubmitMux(worker_pb2_grpc.WorkerStub(channel), "w")
-                call = mux.submit(_req("x", 1))
-                await _until(lambda: "x" in servicer.engine.sinks)
-                closing = asyncio.ensure_future(servicer.streams.close(timeout_s=5.0))
-                await asyncio.sleep(0.1)
-                assert not closing.done()  # a request still runs on the stream
-                servicer.engine.step()
-                assert await _collect(call) == [1000]
-                await asyncio.wait_for(closing, 2.0)  # then the stream ends at once
-                assert mux.open_requests == 0
-        finally:
-            await server.stop(0)
+        async with _connected() as (servicer, mux):
+            call = mux.submit(_req("x", 1))
+            await _until(lambda: "x" in servicer.engine.sinks)
+            closing = asyncio.ensure_future(servicer.streams.close(timeout_s=5.0))
+            await asyncio.sleep(0.1)
+            assert not closing.done()  # a request still runs on the stream
+            servicer.engine.step()
+            assert await _collect(call) == [1000]
+            await asyncio.wait_for(closing, 2.0)  # then the stream ends at once
+            assert mux.open_requests == 0
 
     asyncio.run(go())
 
 
 def test_a_worker_without_submit_stream_gets_one_submit_per_request():
     async def go():
-        servicer = _Servicer(streams=False)
-        server, address = await _serve(servicer)
-        try:
-            async with grpc.aio.insecure_channel(address) as channel:
-                mux = SubmitMux(worker_pb2_grpc.WorkerStub(channel), "w")
-                first = mux.submit(_req("a", 2))  # sent on the stream, answered UNIMPLEMENTED, resent
-                reader = asyncio.ensure_future(_collect(first))
-                await _until(lambda: "a" in servicer.engine.sinks)
-                assert not mux.supported
-                second = mux.submit(_req("bb", 1))
-                assert isinstance(second, grpc.aio.UnaryStreamCall)
-                await _until(lambda: "bb" in servicer.engine.sinks)
-                servicer.engine.step()
-                servicer.engine.step()
-                assert await reader == [1000, 1000] and await _collect(second) == [2001]
-        finally:
-            await server.stop(0)
+        async with _connected(streams=False) as (servicer, mux):
+            first = mux.submit(_req("a", 2))  # sent on the stream, answered UNIMPLEMENTED, resent
+            reader = asyncio.ensure_future(_collect(first))
+            await _until(lambda: "a" in servicer.engine.sinks)
+            assert not mux.supported
+            second = mux.submit(_req("bb", 1))
+            assert isinstance(second, grpc.aio.UnaryStreamCall)
+            await _until(lambda: "bb" in servicer.engine.sinks)
+            servicer.engine.step()
+            servicer.engine.step()
+            assert await reader == [1000, 1000] and await _collect(second) == [2001]
 
     asyncio.run(go())
 
