@@ -13,24 +13,22 @@ Why: the worker sends one message per engine step for all of a worker's requests
 per request per step, and the router reads one (workers/server/submit_stream.py), so the per-token
 cost of the transport on both sides stops growing with the number of streams.
 
-The stream is opened by the first request and, once it ended, again by the next one. A worker that
-does not serve SubmitStream (UNIMPLEMENTED: an older release during a rolling upgrade) gets
-per-request Submits from then on; the requests that were waiting on the stream are resent so.
+The stream is opened by the first request and, once it ended, again by the next one. The router
+uses a worker's mux only once the worker's load report says it serves SubmitStream
+(``LoadReport.submit_stream``, router/workers.py): an older release, during a rolling upgrade, gets
+a Submit call per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 from collections.abc import AsyncIterator
 from typing import Protocol
 
 import grpc
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
-
-logger = logging.getLogger(__name__)
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -58,22 +56,17 @@ _OK = object()
 class SubmitCall:
     """One request on a SubmitMux (module docstring)."""
 
-    def __init__(self, mux: SubmitMux, stream: _Stream, stream_id: int, request: worker_pb2.SubmitRequest,
-                 timeout: float | None) -> None:
+    def __init__(self, mux: SubmitMux, stream: _Stream, stream_id: int, timeout: float | None) -> None:
         loop = asyncio.get_running_loop()
-        self._mux, self._stream, self._id, self._request = mux, stream, stream_id, request
-        self._deadline = None if timeout is None else loop.time() + timeout
+        self._mux, self._stream, self._id = mux, stream, stream_id
         self._items: asyncio.Queue[object] = asyncio.Queue()
         self._end: object | None = None  # what ended it, re-raised to a reader that asks again
-        self._fallback: grpc.aio.UnaryStreamCall | None = None
         self._timer = None if timeout is None else loop.call_later(max(timeout, 0.0), self._expire)
 
     def __aiter__(self) -> SubmitCall:
         return self
 
     async def __anext__(self) -> worker_pb2.SubmitResponse:
-        if self._fallback is not None:
-            return await self._fallback_next()
         item = self._end if self._end is not None and self._items.empty() else await self._items.get()
         if isinstance(item, worker_pb2.SubmitResponse):
             return item
@@ -81,21 +74,11 @@ class SubmitCall:
             raise StopAsyncIteration
         if item is _CANCELLED:
             raise asyncio.CancelledError()
-        if item is _FALLBACK:
-            if self._end is _CANCELLED:
-                raise asyncio.CancelledError()
-            self._start_fallback()
-            return await self._fallback_next()
         assert isinstance(item, grpc.aio.AioRpcError)
         raise item
 
     def cancel(self) -> bool:
         """Cancel the request (here and at the worker); False when it had already ended."""
-        if self._fallback is not None:
-            return self._fallback.cancel()
-        if self._end is _FALLBACK:  # not resent yet: it never will be
-            self._end = _CANCELLED
-            return True
         if self._end is not None:
             return False
         self._finish(_CANCELLED)
@@ -103,7 +86,7 @@ class SubmitCall:
         return True
 
     def done(self) -> bool:
-        return self._fallback.done() if self._fallback is not None else self._end is not None
+        return self._end is not None
 
     # -- fed by the mux
     def _put(self, response: worker_pb2.SubmitResponse) -> None:
@@ -123,19 +106,6 @@ class SubmitCall:
             self._finish(_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
             self._mux._cancel(self._stream, self._id)
 
-    # -- a worker without SubmitStream
-    def _start_fallback(self) -> None:
-        loop = asyncio.get_running_loop()
-        timeout = None if self._deadline is None else max(self._deadline - loop.time(), 0.001)
-        self._fallback = self._mux.stub.Submit(self._request, timeout=timeout)
-        self._fallback_iter = self._fallback.__aiter__()
-
-    async def _fallback_next(self) -> worker_pb2.SubmitResponse:
-        return await self._fallback_iter.__anext__()
-
-
-_FALLBACK = object()
-
 
 class _Stream:
     """One SubmitStream call and the requests on it."""
@@ -143,7 +113,6 @@ class _Stream:
     def __init__(self) -> None:
         self.outgoing: asyncio.Queue[worker_pb2.SubmitStreamRequest | None] = asyncio.Queue()
         self.calls: dict[int, SubmitCall] = {}
-        self.received = False  # any message arrived (a worker that answered serves SubmitStream)
         self.reader: asyncio.Task[None] | None = None
 
     async def requests(self) -> AsyncIterator[worker_pb2.SubmitStreamRequest]:
@@ -154,22 +123,18 @@ class _Stream:
 class SubmitMux:
     """The SubmitStream to one worker (``stub``: its channel's Worker stub)."""
 
-    def __init__(self, stub: worker_pb2_grpc.WorkerStub, name: str = "") -> None:
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub) -> None:
         self.stub = stub
-        self.name = name  # the worker, for the log
-        self.supported = True  # False once the worker answered UNIMPLEMENTED: per-request Submits
         self._stream: _Stream | None = None
         self._ids = itertools.count(1)
 
-    def submit(self, request: worker_pb2.SubmitRequest, timeout: float | None = None) -> StreamCall:
+    def submit(self, request: worker_pb2.SubmitRequest, timeout: float | None = None) -> SubmitCall:
         """Send ``request`` (module docstring); ``timeout`` in seconds, None = none."""
-        if not self.supported:
-            return self.stub.Submit(request, timeout=timeout)
         stream = self._stream
         if stream is None:
             stream = self._stream = self._open()
         stream_id = next(self._ids)
-        call = SubmitCall(self, stream, stream_id, request, timeout)
+        call = SubmitCall(self, stream, stream_id, timeout)
         stream.calls[stream_id] = call
         stream.outgoing.put_nowait(worker_pb2.SubmitStreamRequest(
             open=worker_pb2.SubmitOpen(stream_id=stream_id, request=request, timeout_s=timeout or 0.0)))
@@ -194,7 +159,6 @@ class SubmitMux:
         end: object
         try:
             async for batch in call:
-                stream.received = True
                 for frame in batch.frames:
                     target = stream.calls.get(frame.stream_id)
                     if target is None:
@@ -208,10 +172,6 @@ class SubmitMux:
             end = _error(grpc.StatusCode.UNAVAILABLE, "the worker ended its request stream (it is stopping)")
         except grpc.aio.AioRpcError as e:
             end = e
-            if e.code() is grpc.StatusCode.UNIMPLEMENTED and not stream.received:
-                logger.info("worker %s has no SubmitStream: sending it one Submit per request", self.name)
-                self.supported = False
-                end = _FALLBACK
         except asyncio.CancelledError:  # the channel closed (or the router is stopping)
             end = _CANCELLED
         finally:

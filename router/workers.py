@@ -99,10 +99,11 @@ class WorkerLease:
     last_chunk: float = 0.0  # time.monotonic() of the latest chunk (TPOT)
 
     def submit(self, request: worker_pb2.SubmitRequest, timeout: float | None) -> StreamCall:
-        """Send the request to the worker: on its SubmitStream (router/submit_mux.py), or as a
-        Submit call of its own when the directory does not multiplex."""
+        """Send the request to the worker: on its SubmitStream (router/submit_mux.py) once its load
+        report said it serves one, else (an older worker, or a directory that does not multiplex)
+        as a Submit call of its own."""
         m = self._member
-        if m is not None and m.mux is not None:
+        if m is not None and m.mux is not None and m.report is not None and m.report.submit_stream:
             return m.mux.submit(request, timeout)
         return self.stub.Submit(request, timeout=timeout)
 
@@ -157,7 +158,7 @@ class _Member:
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         if self.multiplex:
-            self.mux = SubmitMux(self.stub, self.worker_id)
+            self.mux = SubmitMux(self.stub)
 
 
 class WorkerDirectory:

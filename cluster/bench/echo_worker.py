@@ -126,7 +126,8 @@ class EchoWorker(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.AbortResponse(found=False)
 
     async def GetLoad(self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
-        report = worker_pb2.LoadReport(worker_id="echo", incarnation=self.incarnation, num_running=self.running,
+        report = worker_pb2.LoadReport(worker_id="echo", incarnation=self.incarnation, submit_stream=True,
+                                       num_running=self.running,
                                        outstanding_tokens=self.outstanding, kv_block_size=BLOCK_SIZE,
                                        kv_blocks_total=1 << 20, prefix_cache_queries=self.prefix_queries,
                                        prefix_cache_hits=self.prefix_hits)

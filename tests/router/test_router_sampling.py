@@ -170,7 +170,10 @@ def test_cancelling_an_n_request_cancels_every_choice(stub, pool):
         if len(seen) == 3:
             break
     stream.cancel()
-    wait_until(lambda: sum(len(s.worker.cancelled) for s in pool) == 3, what="all three worker calls cancelled")
+    # this request's three calls (the previous test's cancelled calls may still be landing)
+    mine = {r.request_id for s in pool for r in s.worker.submitted}
+    assert len(mine) == 3
+    wait_until(lambda: mine <= {rid for s in pool for rid in s.worker.cancelled}, what="all three worker calls cancelled")
 
 
 def test_resume_counts_the_streamed_tokens_as_generated(stub, pool, tok):

@@ -1,8 +1,8 @@
 """The router's SubmitMux against the worker's SubmitStreams (router/submit_mux.py,
 workers/server/submit_stream.py) over real gRPC in one process, with a scripted Submit handler in
 place of the engine: requests demultiplexed, a step's output of every request in one message,
-statuses, cancel and deadline reaching the worker's handler, the stream failing and reopening, and
-the fallback to per-request Submits for a worker without SubmitStream."""
+statuses, cancel and deadline reaching the worker's handler, the stream failing and reopening; and a
+router in front of workers without SubmitStream sending them Submit calls."""
 
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ class _Engine:
 
 
 class _Servicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, streams: bool = True) -> None:
+    def __init__(self) -> None:
         self.engine = _Engine()
         self.ended: dict[str, str] = {}  # request id -> how its handler ended
         self.batches: list[int] = []  # frames per SubmitStreamResponse written
-        self.streams = SubmitStreams(self.Submit) if streams else None
+        self.streams = SubmitStreams(self.Submit)
 
     async def Submit(self, request: worker_pb2.SubmitRequest, context):
         rid = request.request_id
@@ -61,8 +61,6 @@ class _Servicer(worker_pb2_grpc.WorkerServicer):
             del self.engine.sinks[rid]
 
     async def SubmitStream(self, request_iterator, context):
-        if self.streams is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
         async for batch in self.streams.serve(request_iterator):
             self.batches.append(len(batch.frames))
             yield batch
@@ -94,13 +92,13 @@ async def _collect(call) -> list[int]:
 
 
 @contextlib.asynccontextmanager
-async def _connected(streams: bool = True) -> AsyncIterator[tuple[_Servicer, SubmitMux]]:
+async def _connected() -> AsyncIterator[tuple[_Servicer, SubmitMux]]:
     """A worker serving ``_Servicer`` and a router-side mux to it; the worker stops on exit."""
-    servicer = _Servicer(streams)
+    servicer = _Servicer()
     server, address = await _serve(servicer)
     try:
         async with grpc.aio.insecure_channel(address) as channel:
-            yield servicer, SubmitMux(worker_pb2_grpc.WorkerStub(channel), "w")
+            yield servicer, SubmitMux(worker_pb2_grpc.WorkerStub(channel))
     finally:
         await server.stop(0)
 
@@ -173,7 +171,7 @@ def test_a_worker_that_stops_fails_its_requests_and_the_next_request_reopens():
         servicer = _Servicer()
         server, address = await _serve(servicer, port)
         async with grpc.aio.insecure_channel(address) as channel:
-            mux = SubmitMux(worker_pb2_grpc.WorkerStub(channel), "w")
+            mux = SubmitMux(worker_pb2_grpc.WorkerStub(channel))
             running = mux.submit(_req("r", 10))
             await _until(lambda: "r" in servicer.engine.sinks)
             await server.stop(0)  # the worker went away mid-request
@@ -210,35 +208,20 @@ def test_close_ends_idle_streams_after_their_requests():
     asyncio.run(go())
 
 
-def test_a_worker_without_submit_stream_gets_one_submit_per_request():
-    async def go():
-        async with _connected(streams=False) as (servicer, mux):
-            first = mux.submit(_req("a", 2))  # sent on the stream, answered UNIMPLEMENTED, resent
-            reader = asyncio.ensure_future(_collect(first))
-            await _until(lambda: "a" in servicer.engine.sinks)
-            assert not mux.supported
-            second = mux.submit(_req("bb", 1))
-            assert isinstance(second, grpc.aio.UnaryStreamCall)
-            await _until(lambda: "bb" in servicer.engine.sinks)
-            servicer.engine.step()
-            servicer.engine.step()
-            assert await reader == [1000, 1000] and await _collect(second) == [2001]
-
-    asyncio.run(go())
-
-
 def test_a_router_streams_from_an_older_worker_through_submit_calls(smollm2_path, tok):
-    """Through the whole router: workers that answer SubmitStream with UNIMPLEMENTED (an older
-    release mid rolling upgrade) still serve every request, deadlines and cancellation included,
-    and the router then sends them Submit calls (nothing waits on a stream)."""
+    """Workers of a release before SubmitStream (mid rolling upgrade: no such method, and their load
+    reports do not say they serve it) get a Submit call per request, deadlines included, and nothing
+    waits on a stream."""
     from protos.duet.v1 import duet_pb2, duet_pb2_grpc
     from router.config import RouterConfig
     from router.server import serve_router
     from testkit.router_fakes import SCRIPT, fake_pool, members
 
     with fake_pool(tok) as servers:
-        for s in servers:
+        for s in servers:  # restarted as older workers (no SubmitStream method)
             s.worker.submit_stream = False
+            s.stop_sync()
+            s.start()
         router = serve_router(RouterConfig(tokenizer_path=str(smollm2_path), port=0, http_port=0,
                                            load_poll_interval_s=0.05), members(servers), tokenizer=tok)
         try:

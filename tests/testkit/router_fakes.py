@@ -23,8 +23,9 @@ With sampling.top_logprobs set it sends one TokenLogprob per id (``fake_logprob`
     busy_adapters       UnloadAdapter answers FAILED_PRECONDITION for these (requests still use them)
     extra_load          added to the reported outstanding_tokens (an overloaded worker)
     submit_stream       serve SubmitStream (the default, through the worker's own SubmitStreams, so
-                        the router's requests take its SubmitMux); False answers UNIMPLEMENTED, as
-                        an older worker does, and the router sends one Submit call per request
+                        the router's requests take its SubmitMux); False, read when the server
+                        (re)starts: no such method, as on an older worker (gRPC answers it
+                        UNIMPLEMENTED), and the router sends one Submit call per request
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.server: FakeWorkerServer | None = None
         self.active = 0  # Submit calls running now (not reset: a cancelled call decrements it later)
         self.streams = SubmitStreams(self.Submit)  # SubmitStream, as a real worker serves it
+        self.submit_stream = True
         self.reset()
 
     def reset(self) -> None:
@@ -109,7 +111,6 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.busy_adapters: set[str] = set()
         self.extra_load = 0
         self.adapter_calls: list[tuple[str, str]] = []  # (rpc, adapter name) in arrival order
-        self.submit_stream = True
 
     def _load_adapter(self, ref: worker_pb2.AdapterRef, pin: bool) -> worker_pb2.AdapterInfo:
         """The contract's LoadAdapter: (StatusCode, message) raised as a tuple for a refusal."""
@@ -190,8 +191,6 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             self.active -= 1
 
     async def SubmitStream(self, request_iterator, context: grpc.aio.ServicerContext):
-        if not self.submit_stream:  # an older worker: the router falls back to Submit calls
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
         async for batch in self.streams.serve(request_iterator):
             yield batch
 
@@ -210,6 +209,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             await asyncio.sleep(0.01)
         assert self.server is not None
         return worker_pb2.LoadReport(worker_id=self.worker_id, incarnation=self.server.incarnation,
+                                     submit_stream=self.submit_stream,
                                      num_running=self.active, outstanding_tokens=10 * self.active + self.extra_load,
                                      kv_block_size=16, kv_blocks_total=1024, adapters=sorted(self.adapters),
                                      max_loaded_adapters=4 if self.lora else 0)
@@ -220,6 +220,26 @@ class _Refusal(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+class _Registration:
+    """Takes what add_WorkerServicer_to_server registers (the service's method handlers)."""
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.service, self.handlers = service, handlers
+
+
+def _add_without_submit_stream(worker: FakeWorker, server: grpc.aio.Server) -> None:
+    """Serve duet.worker.v1.Worker as a release before SubmitStream did: gRPC itself answers that
+    method UNIMPLEMENTED (no handler), as it does for a real older worker."""
+    taken = _Registration()
+    worker_pb2_grpc.add_WorkerServicer_to_server(worker, taken)  # type: ignore[arg-type]
+    handlers = {name: h for name, h in taken.handlers.items() if name != "SubmitStream"}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(taken.service, handlers),))
+    server.add_registered_method_handlers(taken.service, handlers)
 
 
 class FakeWorkerServer:
@@ -245,7 +265,10 @@ class FakeWorkerServer:
     def start(self) -> None:
         async def start() -> None:
             server = grpc.aio.server()
-            worker_pb2_grpc.add_WorkerServicer_to_server(self.worker, server)
+            if self.worker.submit_stream:
+                worker_pb2_grpc.add_WorkerServicer_to_server(self.worker, server)
+            else:
+                _add_without_submit_stream(self.worker, server)
             self.health = health.aio.HealthServicer()
             await self.health.set(WORKER_HEALTH, health_pb2.HealthCheckResponse.SERVING)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -324,7 +324,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         migrations = self.migrator.load_fields() if self.migrator is not None else {}
         fields: dict[str, Any] = {**dataclasses.asdict(self._engine.snapshot), **transfers, **migrations,
                                   **self.adapter_admin.load_fields()}
-        report = worker_pb2.LoadReport(worker_id=self.worker_id, incarnation=self.incarnation, **fields)
+        report = worker_pb2.LoadReport(worker_id=self.worker_id, incarnation=self.incarnation, submit_stream=True,
+                                       **fields)
         events = self.limits.block_events
         if request.block_events and events is not None:
             # A cursor from another incarnation means nothing here: read from 0 (a snapshot).

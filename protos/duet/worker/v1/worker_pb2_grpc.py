@@ -131,7 +131,8 @@ class WorkerServicer:
         ending: the router went away) aborts requests exactly like cancelling their Submit. Request
         timeouts are the router's: it cancels the stream id at the deadline. stream_id: chosen by the
         router, unique on the stream; an id already open ends at once with ALREADY_EXISTS. The worker
-        ends the whole stream (OK) when it stops, once its requests ended.
+        ends the whole stream (OK) when it stops, once its requests ended. A worker that serves it says
+        so in its LoadReport (submit_stream); routers send Submit calls to one that does not.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
