@@ -4,7 +4,7 @@ see workers/engine/gang_runner.py for what each rank does.)
 
 Worked example::
 
-    def work(rank: int, n: int) -> int:        # module-level, so spawned processes can import it
+    def work(rank: int, n: int) -> int:        # module-level, so rank processes can import it
         return get_group("ep").world_size * n
 
     spawn_gang(work, ParallelConfig(ep_size=2), args=(3,))   # -> [6, 6], one result per rank
@@ -15,11 +15,11 @@ sends back the result (keep it picklable: lists, numpy arrays). A rank that rais
 call with its traceback; every process is reaped, even on timeout.
 
 Ranks are forked from a ``multiprocessing`` fork server (one per calling process, started by the
-first call) that has imported torch and transformers once: a spawned rank imports them again (3-5 s
-a rank on a loaded 2-core machine, several times a test's own work), a forked one starts in a
-fraction of a second. The server imports nothing else and runs nothing, so a rank starts as clean
-as a spawned one (no threads, no CUDA context, none of the caller's state); it takes the caller's
-environment as it is at the call, as a spawned rank would.
+first call) that has imported torch and transformers once: a spawned rank would import them again
+(seconds a rank, often more than a small gang's own work), a forked one starts at once. The server
+imports nothing else and runs nothing, so a rank starts as clean as a spawned one (one thread, no
+CUDA context, none of the caller's state); it takes the caller's environment as it is at the call,
+as a spawned rank would.
 """
 
 from __future__ import annotations
