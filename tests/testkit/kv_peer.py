@@ -10,9 +10,9 @@ Commands (tuples on ``inbox``), answered on ``outbox``:
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import torch
+
+from workers.parallel.launch import helper_process, process_context
 
 LAYOUT_ARGS = (2, 4, 2, 8, torch.float32)  # layers, block size, kv heads, head dim, dtype
 
@@ -59,13 +59,13 @@ def run_peer(inbox, outbox, timeout_s: float = 10.0, backend: str = "gloo", fing
 
 
 class Peer:
-    """The peer process (spawned) and its queues; ``close`` ends it (killing it if it hangs)."""
+    """The peer process (started as a gang rank is: workers/parallel/launch.py) and its queues;
+    ``close`` ends it (killing it if it hangs)."""
 
     def __init__(self, timeout_s: float = 10.0, backend: str = "gloo", fingerprint: int = 0) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = process_context()  # forked from spawn_gang's fork server: torch is imported already
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=run_peer, args=(self.inbox, self.outbox, timeout_s, backend, fingerprint),
-                                daemon=True)
+        self.proc = helper_process(run_peer, (self.inbox, self.outbox, timeout_s, backend, fingerprint))
         self.proc.start()
         assert self.reply(60) == ("ready", 0)  # imports done: rendezvous timeouts measure the transfer only
 

@@ -4,7 +4,7 @@ see workers/engine/gang_runner.py for what each rank does.)
 
 Worked example::
 
-    def work(rank: int, n: int) -> int:        # module-level, so spawned processes can import it
+    def work(rank: int, n: int) -> int:        # module-level, so rank processes can import it
         return get_group("ep").world_size * n
 
     spawn_gang(work, ParallelConfig(ep_size=2), args=(3,))   # -> [6, 6], one result per rank
@@ -13,12 +13,20 @@ Each rank sets its torch thread count (``num_threads``, default 1: W processes o
 must not oversubscribe the cores), calls ``init_parallel_groups``, runs ``fn(rank, *args)`` and
 sends back the result (keep it picklable: lists, numpy arrays). A rank that raises fails the whole
 call with its traceback; every process is reaped, even on timeout.
+
+Ranks are forked from a ``multiprocessing`` fork server (one per calling process, started by the
+first call) that has imported torch and transformers once: a spawned rank would import them again
+(seconds a rank, often more than a small gang's own work), a forked one starts at once. The server
+imports nothing else and runs nothing, so a rank starts as clean as a spawned one (one thread, no
+CUDA context, none of the caller's state); it takes the caller's environment as it is at the call,
+as a spawned rank would.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import os
 import queue
 import socket
 import traceback
@@ -33,6 +41,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# What the fork server imports before forking ranks (a module that is not installed is skipped).
+PRELOAD = ("torch", "transformers", "workers.parallel.groups")
+
+
+def process_context() -> Any:
+    """The multiprocessing context ranks start from: the fork server (see the module docstring). Its
+    preload list only counts before the server's first start."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def helper_process(target: Callable, args: tuple = (), daemon: bool = True) -> Any:
+    """An unstarted process that runs ``target(*args)`` started as a rank is (forked from the fork
+    server, in the caller's environment as of this call): for a test's or benchmark's peer process.
+    Queues for it come from ``process_context()``."""
+    return process_context().Process(target=_in_env, args=(dict(os.environ), target, args), daemon=daemon)
+
+
+def _in_env(env: dict[str, str], target: Callable, args: tuple) -> None:
+    os.environ.clear()  # the caller's environment at the call, not the fork server's from when it started
+    os.environ.update(env)
+    target(*args)
 
 
 def _entry(rank: int, fn: Callable, config: ParallelConfig, init_method: str, args: tuple, out: Any,
@@ -62,13 +95,10 @@ def spawn_gang(fn: Callable, config: ParallelConfig, args: tuple = (), num_threa
         raise ValueError(f"devices: {len(devices)} given for a gang of {config.world_size} ranks")
     if comm is not None:
         config = dataclasses.replace(config, comm=comm)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out = process_context().Queue()
     init = f"tcp://127.0.0.1:{free_port()}"
     procs = [
-        ctx.Process(target=_entry, args=(r, fn, config, init, args, out, num_threads, collective_timeout, devices[r],
-                                         backend),
-                    daemon=True)
+        helper_process(_entry, (r, fn, config, init, args, out, num_threads, collective_timeout, devices[r], backend))
         for r in range(config.world_size)
     ]
     for p in procs:

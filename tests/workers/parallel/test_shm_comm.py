@@ -13,7 +13,6 @@ swept, a peer that dies mid-collective or never arrives fails the collective wit
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 
@@ -24,7 +23,7 @@ from testkit.shm_cases import all_reduce_rank, all_to_all_rank, broadcast_rank, 
 from workers.errors import ConfigError
 from workers.parallel import shm_comm, shm_segment
 from workers.parallel.groups import ParallelConfig
-from workers.parallel.launch import spawn_gang
+from workers.parallel.launch import helper_process, process_context, spawn_gang
 
 pytestmark = pytest.mark.skipif(not shm_segment.supported(), reason="shared-memory collectives need x86-64 Linux")
 
@@ -69,8 +68,7 @@ def test_bad_comm_mode_is_a_config_error():
 
 
 def test_stale_segment_of_a_dead_creator_is_swept():
-    ctx = mp.get_context("spawn")
-    p = ctx.Process(target=time.sleep, args=(0,))
+    p = helper_process(time.sleep, (0,))
     p.start()
     p.join()  # a pid that no longer exists
     path = os.path.join(shm_segment.SHM_DIR, f"{shm_segment.PREFIX}{p.pid}-deadbeef")
@@ -84,11 +82,11 @@ def test_stale_segment_of_a_dead_creator_is_swept():
 
 
 def _pair(seconds: float, timeout_s: float):
-    """This process as rank 0 and a spawned peer (rank 1) that maps the segment but never joins."""
-    ctx = mp.get_context("spawn")
+    """This process as rank 0 and a peer process (rank 1, started as a gang rank is) that maps the
+    segment but never joins."""
     path, nonce = shm_segment.create_segment(2)
-    mapped = ctx.Event()
-    peer = ctx.Process(target=hold_segment, args=(path, nonce, 2, 1, seconds, mapped), daemon=True)
+    mapped = process_context().Event()
+    peer = helper_process(hold_segment, (path, nonce, 2, 1, seconds, mapped))
     peer.start()
     try:
         assert mapped.wait(120), "the peer did not map the segment"
