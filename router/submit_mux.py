@@ -45,11 +45,7 @@ def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
-class _Cancelled:
-    """The end of a cancelled call (raises CancelledError where it is read)."""
-
-
-_CANCELLED = _Cancelled()
+_CANCELLED = object()  # the end of a cancelled call (raises CancelledError where it is read)
 _OK = object()
 
 
@@ -79,11 +75,7 @@ class SubmitCall:
 
     def cancel(self) -> bool:
         """Cancel the request (here and at the worker); False when it had already ended."""
-        if self._end is not None:
-            return False
-        self._finish(_CANCELLED)
-        self._mux._cancel(self._stream, self._id)
-        return True
+        return self._give_up(_CANCELLED)
 
     def done(self) -> bool:
         return self._end is not None
@@ -102,9 +94,15 @@ class SubmitCall:
         self._items.put_nowait(end)
 
     def _expire(self) -> None:
-        if self._end is None:
-            self._finish(_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
-            self._mux._cancel(self._stream, self._id)
+        self._give_up(_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
+    def _give_up(self, end: object) -> bool:
+        """End it here with ``end`` and cancel it at the worker; False when it had already ended."""
+        if self._end is not None:
+            return False
+        self._finish(end)
+        self._mux._cancel(self._stream, self._id)
+        return True
 
 
 class _Stream:
@@ -113,7 +111,7 @@ class _Stream:
     def __init__(self) -> None:
         self.outgoing: asyncio.Queue[worker_pb2.SubmitStreamRequest | None] = asyncio.Queue()
         self.calls: dict[int, SubmitCall] = {}
-        self.reader: asyncio.Task[None] | None = None
+        self.reader: asyncio.Task[None] | None = None  # holds the reading task (the loop keeps only weak refs)
 
     async def requests(self) -> AsyncIterator[worker_pb2.SubmitStreamRequest]:
         while (msg := await self.outgoing.get()) is not None:

@@ -209,19 +209,16 @@ def test_close_ends_idle_streams_after_their_requests():
 
 
 def test_a_router_streams_from_an_older_worker_through_submit_calls(smollm2_path, tok):
-    """Workers of a release before SubmitStream (mid rolling upgrade: no such method, and their load
-    reports do not say they serve it) get a Submit call per request, deadlines included, and nothing
-    waits on a stream."""
+    """Workers whose load reports do not say they serve SubmitStream (a release before it, mid rolling
+    upgrade) get a Submit call per request, deadlines included: no stream is opened to them."""
     from protos.duet.v1 import duet_pb2, duet_pb2_grpc
     from router.config import RouterConfig
     from router.server import serve_router
     from testkit.router_fakes import SCRIPT, fake_pool, members
 
     with fake_pool(tok) as servers:
-        for s in servers:  # restarted as older workers (no SubmitStream method)
+        for s in servers:  # their load reports, as an older worker's, do not say they serve SubmitStream
             s.worker.submit_stream = False
-            s.stop_sync()
-            s.start()
         router = serve_router(RouterConfig(tokenizer_path=str(smollm2_path), port=0, http_port=0,
                                            load_poll_interval_s=0.05), members(servers), tokenizer=tok)
         try:
@@ -234,6 +231,7 @@ def test_a_router_streams_from_an_older_worker_through_submit_calls(smollm2_path
             deadlines = [d for s in servers for d in s.worker.deadlines.values()]
             assert len(deadlines) == 4 and all(d is not None and d < 21 for d in deadlines)
             assert router.server.directory.open_stream_requests() == 0
+            assert all(s.worker.streams.open_streams == 0 for s in servers)  # none opened (a router keeps the ones it opens)
             assert all(s.worker.active == 0 for s in servers)
         finally:
             router.stop(0)

@@ -22,10 +22,10 @@ With sampling.top_logprobs set it sends one TokenLogprob per id (``fake_logprob`
     bad_sources         adapter sources refused with INVALID_ARGUMENT (a bad PEFT directory)
     busy_adapters       UnloadAdapter answers FAILED_PRECONDITION for these (requests still use them)
     extra_load          added to the reported outstanding_tokens (an overloaded worker)
-    submit_stream       serve SubmitStream (the default, through the worker's own SubmitStreams, so
-                        the router's requests take its SubmitMux); False, read when the server
-                        (re)starts: no such method, as on an older worker (gRPC answers it
-                        UNIMPLEMENTED), and the router sends one Submit call per request
+    submit_stream       say so in the load report (the default: it serves SubmitStream through the
+                        worker's own SubmitStreams, so the router's requests take its SubmitMux);
+                        False: the reports do not, as an older worker's, and the router sends one
+                        Submit call per request
 """
 
 from __future__ import annotations
@@ -222,26 +222,6 @@ class _Refusal(Exception):
         self.message = message
 
 
-class _Registration:
-    """Takes what add_WorkerServicer_to_server registers (the service's method handlers)."""
-
-    def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        pass
-
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
-        self.service, self.handlers = service, handlers
-
-
-def _add_without_submit_stream(worker: FakeWorker, server: grpc.aio.Server) -> None:
-    """Serve duet.worker.v1.Worker as a release before SubmitStream did: gRPC itself answers that
-    method UNIMPLEMENTED (no handler), as it does for a real older worker."""
-    taken = _Registration()
-    worker_pb2_grpc.add_WorkerServicer_to_server(worker, taken)  # type: ignore[arg-type]
-    handlers = {name: h for name, h in taken.handlers.items() if name != "SubmitStream"}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(taken.service, handlers),))
-    server.add_registered_method_handlers(taken.service, handlers)
-
-
 class FakeWorkerServer:
     """A FakeWorker behind a grpc.aio server (+ health) on ``loop_thread``; restartable on its port."""
 
@@ -265,10 +245,7 @@ class FakeWorkerServer:
     def start(self) -> None:
         async def start() -> None:
             server = grpc.aio.server()
-            if self.worker.submit_stream:
-                worker_pb2_grpc.add_WorkerServicer_to_server(self.worker, server)
-            else:
-                _add_without_submit_stream(self.worker, server)
+            worker_pb2_grpc.add_WorkerServicer_to_server(self.worker, server)
             self.health = health.aio.HealthServicer()
             await self.health.set(WORKER_HEALTH, health_pb2.HealthCheckResponse.SERVING)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

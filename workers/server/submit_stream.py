@@ -90,6 +90,7 @@ class _Stream:
                                                     name=f"submit-{msg.request.request_id}")
 
     async def _run(self, stream_id: int, request: worker_pb2.SubmitRequest, context: _RequestContext) -> None:
+        """Run one request's handler; a cancelled one (by the router, or the stream's end) sends no end."""
         code, details = grpc.StatusCode.OK, ""
         try:
             async for response in self._submit(request, context):
@@ -97,13 +98,11 @@ class _Stream:
                 self.wake.set()
         except _Ended as e:
             code, details = e.code, e.details
-        except asyncio.CancelledError:
-            self.tasks.pop(stream_id, None)  # cancelled by the router (or the stream ended): no end to send
-            raise
         except Exception as e:  # what gRPC answers for a handler that raised
             logger.exception("request %s failed on its stream", request.request_id)
             code, details = grpc.StatusCode.UNKNOWN, f"Unexpected {type(e)}: {e}"
-        self.tasks.pop(stream_id, None)
+        finally:
+            self.tasks.pop(stream_id, None)
         self._end(stream_id, code, details)
 
     def _end(self, stream_id: int, code: grpc.StatusCode, details: str) -> None:
