@@ -130,8 +130,20 @@ class DuetServicer(duet_pb2_grpc.DuetServicer):
     def __init__(self, pipeline: Pipeline, max_n: int = 1) -> None:
         self.pipeline = pipeline
         self.fanout = FanOut(pipeline, max_n)  # GenerateRequest.n: router/fanout.py
-        self.handoff = asyncio.Event()  # set while draining: single-choice streams end at their next message
+        self.handing_off = False  # set while draining: single-choice streams end now (hand_off)
+        # single-choice streams now awaiting their next response (a long prefill, a slow worker):
+        # hand_off cancels these at once instead of waiting for a message that may be seconds away
+        self._awaiting: set[asyncio.Task] = set()
+        self._handed: set[asyncio.Task] = set()
         self.num_handed_off = 0
+
+    def hand_off(self) -> None:
+        """End every single-choice stream with the hand-off mark: those between messages at their
+        next message, those awaiting one now (their worker call is cancelled, KV freed)."""
+        self.handing_off = True
+        for task in self._awaiting:
+            self._handed.add(task)
+            task.cancel()
 
     async def Generate(self, request: duet_pb2.GenerateRequest | MalformedRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[duet_pb2.GenerateResponse]:
@@ -140,20 +152,41 @@ class DuetServicer(duet_pb2_grpc.DuetServicer):
             raise AssertionError("context.abort raises")
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
+        single = (request.n or 1) == 1
+        task = asyncio.current_task()
         handed_off = False
         try:
             async with aclosing(self.fanout.generate(request, deadline=deadline)) as stream:
-                async for response in stream:
+                responses = aiter(stream)
+                while True:
+                    if single and task is not None:
+                        self._awaiting.add(task)
+                    try:
+                        response = await anext(responses)
+                    except StopAsyncIteration:
+                        break
+                    finally:
+                        self._awaiting.discard(task)
                     yield response
-                    if self.handoff.is_set() and (request.n or 1) == 1 and not response.HasField("finish_reason"):
+                    if self.handing_off and single and not response.HasField("finish_reason"):
                         handed_off = True
                         break  # closing the stream cancels the worker call
+        except asyncio.CancelledError:
+            if task not in self._handed:
+                raise  # the client went away (or the server's grace ran out)
+            self._handed.discard(task)
+            task.uncancel()  # our own cancel (hand_off): the stream ends with the hand-off mark below
+            handed_off = True
         except RequestError as e:
             logger.info("request %s: %s %s", request.request_id or "(unnamed)", e.code.name, e.message)
             await context.abort(e.code, e.message)
         except Exception:  # a router bug: log it whole, tell the client no more than INTERNAL
             logger.exception("request %s: internal router error", request.request_id or "(unnamed)")
             await context.abort(grpc.StatusCode.INTERNAL, "internal router error (see the router's log)")
+        finally:
+            if task in self._handed:  # hand_off's cancel was absorbed below (a retry): take it back
+                self._handed.discard(task)
+                task.uncancel()
         if handed_off:
             self.num_handed_off += 1
             logger.info("request %s: handed off (the router is draining)", request.request_id or "(unnamed)")
@@ -362,7 +395,7 @@ class RouterServer:
     async def _hand_off_after(self, delay: float) -> None:
         await asyncio.sleep(delay)
         logger.info("router on %s: handing off the streams still running to the other routers", self.address)
-        self.servicer.handoff.set()
+        self.servicer.hand_off()
 
     async def wait_for_termination(self) -> None:
         await self._server.wait_for_termination()

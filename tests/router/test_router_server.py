@@ -543,6 +543,40 @@ def test_leaving_worker_finishes_its_streams(router, pool):
     assert sum(len(r.token_ids) for r in responses) == 30
 
 
+def test_draining_router_hands_off_a_stream_awaiting_its_next_token(smollm2_path, tok, pool):
+    """A stream whose worker is slow to send its next token (a long prefill, a busy worker) is handed
+    off at half the grace, not when that token finally comes nor cancelled when the grace ends."""
+    from router.server import HANDOFF_METADATA_KEY
+
+    for s in pool:
+        s.worker.delay_s = 30.0  # the first message at once, the next one after 30 s
+    r = serve_router(_config(smollm2_path), members(pool), tokenizer=tok)
+    try:
+        async def scenario():
+            async with grpc.aio.insecure_channel(r.address) as channel:
+                call = duet_pb2_grpc.DuetStub(channel).Generate(
+                    duet_pb2.GenerateRequest(prompt="x", sampling=S(max_tokens=20)), timeout=60)
+                first = await call.read()
+                started = time.monotonic()
+                stopping = asyncio.ensure_future(asyncio.to_thread(r.stop, 6.0))  # hands off at 3 s
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+                ended = time.monotonic() - started
+                await stopping
+                return first, e.value, ended
+        first, err, ended = run_async(scenario(), timeout=60)
+        assert len(first.token_ids) >= 1
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.details()
+        assert (HANDOFF_METADATA_KEY, "1") in tuple(err.trailing_metadata() or ())
+        assert 2.5 < ended < 5.5, ended  # at half the grace, before the grace ends
+        assert r.server.servicer.num_handed_off == 1
+        worker = next(s.worker for s in pool if s.worker.submitted)
+        assert worker.cancelled_event.wait(30)  # the worker call was cancelled: its request aborted
+    finally:
+        r.stop(0)
+
+
 # ------------------------------------------------------------------ ListModels, reflection, config
 def test_list_models(stub, router):
     r = stub.ListModels(duet_pb2.ListModelsRequest(), timeout=5)
