@@ -5,6 +5,8 @@ kubernetes-validate --strict) is the ``slo-values`` variant of test_helm_chart.p
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 from testkit.helm_tools import CHART, NAMESPACE, RELEASE, by_kind, loaded_config, render, run_helm
@@ -25,7 +27,6 @@ SLO_VALUES = CHART / "ci" / "slo-values.yaml"
     (["autoscaling.duet.actuator=ray"],
      "autoscaling.duet.actuator=ray needs autoscaling.enableInTreeAutoscaling=true"),
     (["router.metrics.enabled=false"], "autoscaling.duet.enabled=true needs router.metrics.enabled=true"),
-    (["pools[0].profile=null", "pools[1].profile=null"], "no pool has both `slo` and `profile`"),
 ])
 def test_bad_autoscaling_values_are_rejected_with_a_clear_message(helm, sets, message):
     args = ["template", RELEASE, str(CHART), "-f", str(SLO_VALUES)]
@@ -46,6 +47,43 @@ def test_ray_actuator_leaves_the_pods_to_kuberay_and_creates_no_rbac(helm, tmp_p
     assert kinds["RayCluster"][0]["spec"]["enableInTreeAutoscaling"] is True
 
 
+def test_no_pool_with_slo_and_profile_keeps_every_size_and_notes_say_so(helm, tmp_path):
+    """autoscaling.duet.enabled is the default: a deployment whose own pools have no slo + profile
+    renders, without an autoscaling section (the loader would refuse one listing no pool), and NOTES
+    says nothing is scaled; the actuator's requirements do not apply then."""
+    sets = ("pools[0].profile=null", "pools[1].profile=null", "autoscaling.duet.actuator=ray")
+    kinds = by_kind(render(helm, SLO_VALUES, *sets))
+    config = loaded_config(kinds, tmp_path)
+    assert not config.autoscaling.enabled and not config.autoscaling.pools
+    assert not {"ServiceAccount", "Role", "RoleBinding"} & set(kinds)
+    r = run_helm(helm, "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
+                 "-f", str(SLO_VALUES), *[a for s in sets for a in ("--set", s)])
+    assert r.returncode == 0, r.stderr
+    assert "autoscaling.duet.enabled: no pool has both slo and a profile of its model, so Duet's SLO autoscaler scales nothing" in r.stdout
+
+
+def test_a_profile_of_another_model_does_not_scale_the_pool_and_notes_say_so(helm, tmp_path):
+    """The default pool's shipped profile is SmolLM2's: a deployment serving another model renders,
+    that pool keeps its size (no autoscaling section), and NOTES names both models."""
+    sets = ("model.name=/models/Qwen2.5-Coder-1.5B-Instruct",)
+    kinds = by_kind(render(helm, None, *sets))
+    assert not loaded_config(kinds, tmp_path).autoscaling.enabled
+    r = run_helm(helm, "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE, "--set", sets[0])
+    assert r.returncode == 0, r.stderr
+    assert ("pools[default].profile was measured for model SmolLM2-135M-Instruct, not the model this pool serves "
+            "(Qwen2.5-Coder-1.5B-Instruct)") in r.stdout
+    # a profile of that model (by its path's last component, or by the served name) scales it again
+    for model in ("/elsewhere/Qwen2.5-Coder-1.5B-Instruct", "Qwen2.5-Coder-1.5B-Instruct"):
+        pool = {"name": "default", "role": "colocated", "maxReplicas": 4, "slo": {"ttftMs": 1000, "tpotMs": 100},
+                "profile": {"format": "duet-profile/1", "model": model, "pool_type": "colocated",
+                            "slo": {"ttft_p90_s": 1.0, "tpot_p90_s": 0.1}, "capacity": {"requests_per_s": 2.0}}}
+        r = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--set", sets[0],
+                     "--set-json", f"pools={json.dumps([pool])}")
+        assert r.returncode == 0, r.stderr
+        kinds = by_kind([doc for doc in yaml.safe_load_all(r.stdout) if doc])
+        assert [p.pool for p in loaded_config(kinds, tmp_path).autoscaling.pools] == ["default"]
+
+
 def test_a_pool_without_slo_or_profile_keeps_its_size_and_notes_say_so(helm, tmp_path):
     kinds = by_kind(render(helm, SLO_VALUES, "pools[0].profile=null"))
     assert [p.pool for p in loaded_config(kinds, tmp_path).autoscaling.pools] == ["decode"]
@@ -58,7 +96,7 @@ def test_a_pool_without_slo_or_profile_keeps_its_size_and_notes_say_so(helm, tmp
 
 def test_runbook_profile_from_a_file_reaches_the_configmap(helm, tmp_path):
     """The README runbook's --set-json of a `duet profile` file into one pool of a values list."""
-    profile = ('{"format": "duet-profile/1", "model": "m", "pool_type": "decode", "slo": {"tpot_p90_s": 0.1}, '
+    profile = ('{"format": "duet-profile/1", "model": "SmolLM2-135M-Instruct", "pool_type": "decode", "slo": {"tpot_p90_s": 0.1}, '
                '"capacity": {"requests_per_s": 3.0, "mean_output_tokens": 40.0}}')
     r = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, "-f", str(SLO_VALUES),
                  "--set-json", f"pools[1].profile={profile}")

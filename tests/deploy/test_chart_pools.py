@@ -136,13 +136,13 @@ def test_a_replica_is_one_pod_holding_its_gang(helm, tmp_path):
     """ep 2 x sp 1 x tp 3 = 6 ranks of 3 CPUs, 1 GPU and 5Gi each: one 18-CPU, 6-GPU, 30Gi pod with 6
     duet_pool_default slots per replica, and Ray's autoscaler sees exactly the room for the pool's 2 x 6
     bundles in 2 pods."""
-    kinds = _render(helm, "image.variant=cuda", "poolDefaults.replicas=2", "poolDefaults.maxReplicas=3",
+    kinds = _render(helm, "image.variant=cuda", "poolDefaults.replicas=2",
                     "poolDefaults.epSize=2", "poolDefaults.tpSize=3", "poolDefaults.cpusPerRank=3",
                     "poolDefaults.gpusPerRank=1", "poolDefaults.memoryPerRank=5Gi")
     pool = loaded_config(kinds, tmp_path).pool
     assert (pool.gang_size, pool.cpus_per_replica, pool.replicas) == (6, 3, 2)
     group = _groups(kinds)["default"]
-    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (2, 2, 3)
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (2, 2, 4)  # the default pool's own max
     assert group["rayStartParams"] == {"num-cpus": "18", "num-gpus": "6", "resources": '"{\\"duet_pool_default\\": 6}"'}
     resources = group["template"]["spec"]["containers"][0]["resources"]
     assert resources["requests"] == {"cpu": "18", "memory": "30Gi", "nvidia.com/gpu": "6"}
@@ -285,7 +285,7 @@ def test_disaggregated_pools_keep_their_own_settings(helm, tmp_path):
     (["poolDefaults.epSize=2", "poolDefaults.placementStrategy=STRICT_SPREAD"],
      "pools[0] (default): placementStrategy=STRICT_SPREAD puts each of the pool's 1 x 2 rank bundles on its own node"),
     (["poolDefaults.replicas=2", "poolDefaults.placementStrategy=STRICT_PACK"],
-     "placementStrategy=STRICT_PACK puts every bundle of the pool on one node, but each of its up to 2 replicas"),
+     "placementStrategy=STRICT_PACK puts every bundle of the pool on one node, but each of its up to 4 replicas"),
     (["model.quantization=int8", "model.dtype=bfloat16"], "model.quantization=int8 needs model.dtype=float32"),
     ([*DRAFT, "poolDefaults.speculative.draftQuantization=q4", "model.dtype=bfloat16"],
      "pools[0] (default): speculative.draftQuantization=q4 with model.dtype=bfloat16: the drafter runs with the "
@@ -294,7 +294,8 @@ def test_disaggregated_pools_keep_their_own_settings(helm, tmp_path):
      "pools[0] (default): replicas=5 must be between minReplicas=5 and maxReplicas=2"),
     (["pools[0].name=a", "pools[0].role=colocated", "pools[1].name=a", "pools[1].role=decode"],
      'pools[1].name="a": pool names must be unique'),
-    (["serviceMonitor.enabled=true", "router.metrics.enabled=false"], "serviceMonitor.enabled=true needs"),
+    (["serviceMonitor.enabled=true", "router.metrics.enabled=false", "autoscaling.duet.enabled=false"],
+     "serviceMonitor.enabled=true needs"),
     (["poolDefaults.engine.maxNumSeqs=600"], "engine.maxNumSeqs=600 must be <= engine.maxNumBatchedTokens=512"),
     (["router.tls.secretName=tls"], "router.tls.serverName: required with router.tls.secretName"),
     (["router.tls.requireClientCerts=true"], "router.tls.requireClientCerts=true needs router.tls.secretName"),

@@ -210,6 +210,16 @@ def test_variant_specifics(variant, tmp_path):
         assert config.pool.speculative.method == "none" and config.model.quantization == "none"
         assert "ServiceMonitor" not in by_kind and set(groups) == {"default"}
         assert {o["metadata"]["name"] for o in by_kind["NetworkPolicy"]} == {f"{FULLNAME}-ray", f"{FULLNAME}-router"}
+        # Duet's SLO autoscaler on by default: the default pool, 1-4 replicas, with the shipped SmolLM2
+        # profile; actuator ray (KubeRay's in-tree autoscaler adds the pods): no RBAC for the head
+        a = config.autoscaling
+        assert (a.enabled, a.actuator) == (True, "ray") and one(by_kind, "RayCluster")["spec"]["enableInTreeAutoscaling"]
+        assert [(p.pool, p.min_replicas, p.max_replicas, p.slo_ttft_ms, p.slo_tpot_ms) for p in a.pools] == [
+            ("default", 1, 4, 1000.0, 100.0)]
+        assert (groups["default"]["minReplicas"], groups["default"]["maxReplicas"]) == (1, 4)
+        profile = config.to_autoscaler_config().pool("default")
+        assert profile.capacity.requests_per_s > 0 and profile.capacity.output_tokens_per_s > 0
+        assert not {"ServiceAccount", "Role", "RoleBinding"} & set(by_kind)
     elif name == "colocated-values":
         assert config.pools[0].replicas == 4 and config.pools[0].engine.kv_cache_memory_bytes == 2 << 30
         assert config.router.policy == "least_loaded" and config.model.max_model_len == 4096
@@ -305,7 +315,7 @@ def test_variant_specifics(variant, tmp_path):
         assert pod["coder"]["memory"] == "6Gi" and config.pools[1].cpus_per_replica == 4
     else:
         raise AssertionError(f"new variant {name}: add its checks here")
-    if name != "slo-values":  # Duet's autoscaler off: no RBAC, the head keeps the default identity
+    if name not in ("slo-values", "default"):  # own pools without slo + profile: Duet's autoscaler off, no RBAC
         assert not {"ServiceAccount", "Role", "RoleBinding"} & set(by_kind) and not config.autoscaling.enabled
 
 

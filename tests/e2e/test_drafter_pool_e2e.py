@@ -6,6 +6,7 @@ on an embedded Ray of this module's own (6 CPUs: more than the test session's 2-
   disaggregated) are split by the router between a decode worker and a drafter replica; each
   target drafts on both replicas and each replica batches both targets' rounds; greedy tokens equal
   plain decoding's; ``duet status`` and /metrics show the drafters.
+* a seeded request drafting on the pool is reproducible.
 * a request migrated mid-stream between the decode workers keeps drafting on its replica.
 * a drafter replica killed mid-stream: every stream completes identically, the targets count
   fallbacks, Ray restarts the replica and the controller and router take it back.
@@ -153,6 +154,30 @@ def test_m_to_n_greedy_equals_plain_and_every_replica_serves_every_target(deploy
     samples = {(s.name, s.labels.get("drafter_id")): s.value
                for m in metrics_registry(d.router.stats).collect() for s in m.samples}
     assert samples[("duet_drafter_rounds_total", "drafters-0")] > 0
+
+
+def _seeded(address: str, prompt: str, seed: int) -> list[int]:
+    async def run() -> list[int]:
+        async with DuetClient(address) as client:
+            return [t async for chunk in client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95,
+                                                         seed=seed, ignore_eos=True, timeout=400)
+                    for t in chunk.token_ids]
+    return asyncio.run(run())
+
+
+def test_seeded_sampling_through_the_pool_is_reproducible(deployment, reference):
+    """A seeded request drafting on the pool gives the same tokens each time it is sent (the
+    drafts, their acceptance and the target's own samples all follow the request's seed), and it
+    did draft; another seed samples other tokens."""
+    d = deployment
+    eps = _endpoints(d)
+    accepted = sum(_worker_load(eps[w]).spec_accepted_tokens for w in ("decode-0", "decode-1"))
+    first = _seeded(d.address, PROMPTS[0], seed=7)
+    assert len(first) == MAX_TOKENS and first != reference[0]  # sampled, not greedy
+    assert _seeded(d.address, PROMPTS[0], seed=7) == first
+    assert _seeded(d.address, PROMPTS[0], seed=8) != first
+    assert sum(_worker_load(eps[w]).spec_accepted_tokens for w in ("decode-0", "decode-1")) > accepted
+    _wait(lambda: _drafters_idle(d), 30, "the drafters to release the requests")
 
 
 def _computed(d) -> int:

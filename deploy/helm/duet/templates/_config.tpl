@@ -118,33 +118,49 @@ which must name one. */}}
 {{- end }}
 {{- end }}
 
-{{/* Duet's SLO autoscaler (autoscaling.duet): who owns the pods, and where its metrics come from. */}}
+{{/* Duet's SLO autoscaler (autoscaling.duet): who owns the pods and where its metrics come from. The
+checks apply when it runs: autoscaling.duet.enabled and at least one pool it scales ("duet.autoscalerOn"). */}}
 {{- define "duet.validateAutoscaling" -}}
 {{- $v := .Values }}
 {{- $a := $v.autoscaling }}
-{{- if $a.duet.enabled }}
+{{- if include "duet.autoscalerOn" . }}
 {{- if and (eq $a.duet.actuator "kubernetes") $a.enableInTreeAutoscaling }}
 {{- fail "autoscaling.duet.actuator=kubernetes with autoscaling.enableInTreeAutoscaling=true: both would resize the same worker groups; set enableInTreeAutoscaling: false (Duet then owns the pools' groups; size the drafters group with its replicas) or use actuator: ray (Duet adds/drains actors, KubeRay adds/removes pods)" }}
 {{- end }}
 {{- if and (eq $a.duet.actuator "ray") (not $a.enableInTreeAutoscaling) }}
-{{- fail "autoscaling.duet.actuator=ray needs autoscaling.enableInTreeAutoscaling=true: the ray actuator only adds worker actors, and without KubeRay's autoscaler no pod would be added for them; or use actuator: kubernetes" }}
+{{- fail "autoscaling.duet.actuator=ray needs autoscaling.enableInTreeAutoscaling=true: the ray actuator only adds worker actors, and without KubeRay's autoscaler no pod would be added for them; or use actuator: kubernetes (or autoscaling.duet.enabled: false)" }}
 {{- end }}
 {{- if not $v.router.metrics.enabled }}
-{{- fail "autoscaling.duet.enabled=true needs router.metrics.enabled=true: the controller reads the router's /metrics" }}
-{{- end }}
-{{- if not (include "duet.autoscaledPools" . | fromJsonArray) }}
-{{- fail "autoscaling.duet.enabled=true but no pool has both `slo` and `profile`; give the pools to scale a p90 target and a capacity profile (`duet profile --out FILE`)" }}
+{{- fail "autoscaling.duet.enabled=true needs router.metrics.enabled=true: the controller reads the router's /metrics (or set autoscaling.duet.enabled: false)" }}
 {{- end }}
 {{- end }}
 {{- end }}
 
-{{/* The pools Duet's SLO autoscaler scales (JSON list of merged pools): those with slo and profile. */}}
+{{/* "true" when Duet's SLO autoscaler runs: autoscaling.duet.enabled and some pool it scales. */}}
+{{- define "duet.autoscalerOn" -}}
+{{- if (include "duet.autoscaledPools" . | fromJsonArray) }}true{{ end }}
+{{- end }}
+
+{{/* The pools Duet's SLO autoscaler scales (JSON list of merged pools): those with slo and a profile
+measured for the model they serve ("duet.profileFits"). */}}
 {{- define "duet.autoscaledPools" -}}
 {{- $out := list }}
 {{- if .Values.autoscaling.duet.enabled }}
-{{- range (include "duet.pools" . | fromJsonArray) }}{{ if and .slo .profile }}{{ $out = append $out . }}{{ end }}{{ end }}
+{{- range (include "duet.pools" . | fromJsonArray) }}{{ if and .slo .profile (include "duet.profileFits" (dict "root" $ "p" .)) }}{{ $out = append $out . }}{{ end }}{{ end }}
 {{- end }}
 {{- toJson $out }}
+{{- end }}
+
+{{/* "true" when pool .p's profile was measured for the model the pool serves (dict "root" "p"): the
+last path component of the profile's `model` is the pool's served name or its model's name. A
+profile without `model` fits any. A replica's capacity is the model's: the shipped profile of the
+default pool is SmolLM2's, and a deployment serving another model with it is not scaled by it. */}}
+{{- define "duet.profileFits" -}}
+{{- $v := .root.Values }}
+{{- $name := .p.model | default (first (include "duet.servedModels" .root | fromJsonArray)) }}
+{{- $names := list $name }}
+{{- range ($v.models | default (list $v.model)) }}{{ if eq (.servedName | default (base .name)) $name }}{{ $names = append $names (base .name) }}{{ end }}{{ end }}
+{{- if or (not .p.profile.model) (has (base (toString .p.profile.model)) $names) }}true{{ end }}
 {{- end }}
 
 {{/* The checks of one pool (dict "root" "p" "at" "drafterGroup"), merged with poolDefaults. */}}
@@ -190,7 +206,13 @@ but would not behave as the values suggest (one line each; NOTES.txt prints them
 {{- $pools := include "duet.pools" . | fromJsonArray }}
 {{- $drafterGroup := include "duet.drafterGroup" . | fromJson }}
 {{- $drafting := list }}
+{{- if and .Values.autoscaling.duet.enabled (not (include "duet.autoscalerOn" .)) }}
+- autoscaling.duet.enabled: no pool has both slo and a profile of its model, so Duet's SLO autoscaler scales nothing and every pool keeps its size; give a pool a p90 target (slo) and a capacity profile (`duet profile --out FILE`), or set autoscaling.duet.enabled: false
+{{- end }}
 {{- range $pools }}
+{{- if and .slo .profile $.Values.autoscaling.duet.enabled (not (include "duet.profileFits" (dict "root" $ "p" .))) }}
+- pools[{{ .name }}].profile was measured for model {{ .profile.model }}, not the model this pool serves ({{ .model | default (first (include "duet.servedModels" $ | fromJsonArray)) }}): a replica's capacity is the model's, so Duet's SLO autoscaler leaves this pool at its size; give it the profile `duet profile --model <its model> --out FILE` measures
+{{- end }}
 {{- if and (or .slo .profile) (not (and .slo .profile $.Values.autoscaling.duet.enabled)) }}
 - pools[{{ .name }}].slo/profile: Duet's SLO autoscaler scales a pool only with slo, profile and autoscaling.duet.enabled all set; this pool keeps its size (KubeRay's in-tree autoscaler, if on, still adds pods for pending placements)
 {{- end }}
