@@ -1,7 +1,9 @@
 """The Kubernetes shape of a deployment, on the session's local Ray: the controller and pool without
 a router (``start_deployment(with_router=False)``, what ``duet serve --no-router`` runs on the Ray
 head) and a separate ``duet router`` process that follows its Membership service (what the Helm
-chart's router Deployment runs), with the probes and the metrics endpoint the chart points at."""
+chart's router Deployment runs), with the probes and the metrics endpoint the chart points at; a
+second router process, and SIGTERM to the first while it carries streams: they are handed off and
+the Duet client finishes each on the second with the tokens of an unbroken run, no error."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -19,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.config.duet import load_config
 from cluster.deploy.serve import start_deployment
-from router.client import complete
+from router.client import collect, complete, stream
 from testkit.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,9 +47,50 @@ def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen[str]) -> 
         time.sleep(0.2)
 
 
+def _router_process(config_file: Path, membership: str, port: int, metrics_port: int) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DUET_", "RAY_")) or k == "DUET_CACHE_DIR"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "router", "--config", str(config_file), "--membership",
+         membership, "--port", str(port), "--metrics-port", str(metrics_port)],
+        cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _sigterm_hands_streams_off(draining: subprocess.Popen[str], address: str, standby: str) -> None:
+    """Three greedy streams through ``address`` (then ``standby``), SIGTERM to ``draining`` mid-way:
+    every stream completes with the tokens of an unbroken run on ``standby``, and none fails."""
+    prompts = ["The old clock in the hallway", "Write a short story about a fox:", "List three rivers of Europe:"]
+    sampling = dict(max_tokens=256, temperature=0.0, ignore_eos=True, timeout=300)
+    expected = [complete(p, target=standby, **sampling).token_ids for p in prompts]
+    got: list = [None] * len(prompts)
+    seen = [0] * len(prompts)
+    errors: list[str] = []
+
+    def run(i: int) -> None:
+        try:
+            chunks = []
+            for c in stream(prompts[i], target=[address, standby], **sampling):
+                chunks.append(c)
+                seen[i] += len(c.token_ids)
+            got[i] = collect(chunks).token_ids
+        except Exception as e:  # noqa: BLE001 - asserted below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    _wait(lambda: min(seen) >= 2 or bool(errors), 120, "every stream to start", draining)
+    assert max(seen) < 128, seen  # mid-way: the hand-off (at half of the 4 s grace) comes before the end
+    draining.send_signal(signal.SIGTERM)
+    assert draining.wait(timeout=30) == 0
+    for t in threads:
+        t.join(300)
+    assert not errors and got == expected, (errors, seen)
+
+
 def test_controller_without_router_and_a_separate_router_process(ray_cluster, smollm2_path, tmp_path):
     config_file = tmp_path / "duet.yaml"  # the file the chart's ConfigMap would hold, in miniature
-    config_file.write_text(f"model: {{name: {smollm2_path}}}\nrouter: {{policy: round_robin, max_queue: 7}}\n")
+    config_file.write_text(f"model: {{name: {smollm2_path}}}\nrouter: {{policy: round_robin, max_queue: 7, http_port: 0, "
+                           "shutdown_grace_s: 4}\n")
     config = load_config(config_file, env={}, overrides={
         "pool.engine.kv_cache_memory_bytes": "64MiB", "controller.port": 0, "router.port": free_port(), "router.http_port": 0,
         "ray.namespace": "duet_split", "controller.poll_interval_s": 0.2, "controller.start_timeout_s": 240})
@@ -56,11 +100,9 @@ def test_controller_without_router_and_a_separate_router_process(ray_cluster, sm
             assert _health(d.membership.address, service) == "SERVING"
 
         port, metrics_port = free_port(), free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("DUET_", "RAY_")) or k == "DUET_CACHE_DIR"}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli", "router", "--config", str(config_file), "--membership",
-             d.membership.address, "--port", str(port), "--metrics-port", str(metrics_port)],
-            cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = _router_process(config_file, d.membership.address, port, metrics_port)
+        standby_port = free_port()
+        standby = _router_process(config_file, d.membership.address, standby_port, free_port())
         address = f"127.0.0.1:{port}"
         try:
             _wait(lambda: _health(address) == "SERVING", 120, "the router to be ready", proc)
@@ -74,12 +116,15 @@ def test_controller_without_router_and_a_separate_router_process(ray_cluster, sm
             assert samples[("duet_router_requests_total", model)] == 1.0
             assert samples[("duet_router_max_queue", model)] == 7.0  # the router section of the shared config applies
             assert samples[("duet_router_workers", tuple(sorted((("healthy", "true"),) + model)))] == 1.0
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=30) == 0
+            standby_address = f"127.0.0.1:{standby_port}"
+            _wait(lambda: _health(standby_address) == "SERVING", 120, "the second router to be ready", standby)
+            _sigterm_hands_streams_off(proc, address, standby_address)  # SIGTERM: exits 0 after the hand-off
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            for p in (proc, standby):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         log = proc.stdout.read()  # type: ignore[union-attr]
         assert "duet router: stopped" in log and "Traceback" not in log, log[-3000:]
+        assert log.count("handed off (the router is draining)") == 3, log[-3000:]
     assert _health(d.membership.address) != "SERVING"  # stopped with the deployment
