@@ -62,6 +62,14 @@ def test_no_pool_with_slo_and_profile_keeps_every_size_and_notes_say_so(helm, tm
     assert "autoscaling.duet.enabled: no pool has both slo and a profile of its model, so Duet's SLO autoscaler scales nothing" in r.stdout
 
 
+def test_notes_say_what_the_autoscaler_scales_by_default(helm):
+    r = run_helm(helm, "install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE)
+    assert r.returncode == 0, r.stderr
+    assert ("Duet's SLO autoscaler (actuator ray) scales: default (1-4 replicas; p90 TTFT 1000 ms TPOT 100 ms; "
+            "capacity ") in r.stdout and "measured for SmolLM2-135M-Instruct)" in r.stdout
+    assert "WARNING" not in r.stdout  # the defaults render without a note
+
+
 def test_a_profile_of_another_model_does_not_scale_the_pool_and_notes_say_so(helm, tmp_path):
     """The default pool's shipped profile is SmolLM2's: a deployment serving another model renders,
     that pool keeps its size (no autoscaling section), and NOTES names both models."""
