@@ -60,7 +60,14 @@ def _sigterm_hands_streams_off(draining: subprocess.Popen[str], address: str, st
     every stream completes with the tokens of an unbroken run on ``standby``, and none fails."""
     prompts = ["The old clock in the hallway", "Write a short story about a fox:", "List three rivers of Europe:"]
     sampling = dict(max_tokens=256, temperature=0.0, ignore_eos=True, timeout=300)
-    expected = [complete(p, target=standby, **sampling).token_ids for p in prompts]
+    expected: list = [None] * len(prompts)  # an unbroken run of each, the three at once (a batch, as below)
+    runs = [threading.Thread(target=lambda i=i: expected.__setitem__(i, complete(prompts[i], target=standby,
+                                                                                  **sampling).token_ids))
+            for i in range(len(prompts))]
+    for t in runs:
+        t.start()
+    for t in runs:
+        t.join(300)
     got: list = [None] * len(prompts)
     seen = [0] * len(prompts)
     errors: list[str] = []
