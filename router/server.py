@@ -174,9 +174,7 @@ class DuetServicer(duet_pb2_grpc.DuetServicer):
         except asyncio.CancelledError:
             if task not in self._handed:
                 raise  # the client went away (or the server's grace ran out)
-            self._handed.discard(task)
-            task.uncancel()  # our own cancel (hand_off): the stream ends with the hand-off mark below
-            handed_off = True
+            handed_off = True  # our own cancel (hand_off): the stream ends with the hand-off mark below
         except RequestError as e:
             logger.info("request %s: %s %s", request.request_id or "(unnamed)", e.code.name, e.message)
             await context.abort(e.code, e.message)
@@ -184,8 +182,8 @@ class DuetServicer(duet_pb2_grpc.DuetServicer):
             logger.exception("request %s: internal router error", request.request_id or "(unnamed)")
             await context.abort(grpc.StatusCode.INTERNAL, "internal router error (see the router's log)")
         finally:
-            if task in self._handed:  # hand_off's cancel was absorbed below (a retry): take it back
-                self._handed.discard(task)
+            if task in self._handed:  # hand_off cancelled it: take that cancel back (whether it ended the
+                self._handed.discard(task)  # stream here or the pipeline absorbed it into a retry)
                 task.uncancel()
         if handed_off:
             self.num_handed_off += 1
