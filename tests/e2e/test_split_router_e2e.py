@@ -11,9 +11,9 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -22,10 +22,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.config.duet import load_config
 from cluster.deploy.serve import start_deployment
-from router.client import collect, complete, stream
+from router.client import complete
 from testkit.ports import free_port
+from testkit.router_kill import assert_like_unbroken, streams_through_a_kill
 
 ROOT = Path(__file__).resolve().parents[2]
+MAX_TOKENS = 256  # per stream of the SIGTERM hand-off: long enough to be mid-way at the hand-off
 
 
 def _health(address: str, service: str = "") -> str:
@@ -58,40 +60,19 @@ def _router_process(config_file: Path, membership: str, port: int, metrics_port:
 def _sigterm_hands_streams_off(draining: subprocess.Popen[str], address: str, standby: str) -> None:
     """Three greedy streams through ``address`` (then ``standby``), SIGTERM to ``draining`` mid-way:
     every stream completes with the tokens of an unbroken run on ``standby``, and none fails."""
-    prompts = ["The old clock in the hallway", "Write a short story about a fox:", "List three rivers of Europe:"]
-    sampling = dict(max_tokens=256, temperature=0.0, ignore_eos=True, timeout=300)
-    expected: list = [None] * len(prompts)  # an unbroken run of each, the three at once (a batch, as below)
-    runs = [threading.Thread(target=lambda i=i: expected.__setitem__(i, complete(prompts[i], target=standby,
-                                                                                  **sampling).token_ids))
-            for i in range(len(prompts))]
-    for t in runs:
-        t.start()
-    for t in runs:
-        t.join(300)
-    got: list = [None] * len(prompts)
-    seen = [0] * len(prompts)
-    errors: list[str] = []
+    cases = [(p, {"temperature": 0.0}) for p in ("The old clock in the hallway", "Write a short story about a fox:",
+                                                 "List three rivers of Europe:")]
+    with ThreadPoolExecutor(len(cases)) as pool:  # unbroken runs, the three at once (a batch, as below)
+        expected = list(pool.map(lambda c: complete(c[0], target=standby, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                    timeout=300, **c[1]), cases))
 
-    def run(i: int) -> None:
-        try:
-            chunks = []
-            for c in stream(prompts[i], target=[address, standby], **sampling):
-                chunks.append(c)
-                seen[i] += len(c.token_ids)
-            got[i] = collect(chunks).token_ids
-        except Exception as e:  # noqa: BLE001 - asserted below
-            errors.append(repr(e))
+    def sigterm() -> None:
+        draining.send_signal(signal.SIGTERM)
+        assert draining.wait(timeout=30) == 0
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    _wait(lambda: min(seen) >= 2 or bool(errors), 120, "every stream to start", draining)
-    assert max(seen) < 128, seen  # mid-way: the hand-off (at half of the 4 s grace) comes before the end
-    draining.send_signal(signal.SIGTERM)
-    assert draining.wait(timeout=30) == 0
-    for t in threads:
-        t.join(300)
-    assert not errors and got == expected, (errors, seen)
+    got, at_kill = streams_through_a_kill(cases, [address, standby], sigterm, max_tokens=MAX_TOKENS, min_seen=2)
+    assert max(at_kill) < MAX_TOKENS // 2, at_kill  # mid-way: the hand-off (at half of the 4 s grace) comes before the end
+    assert_like_unbroken(cases, expected, got, at_kill, max_tokens=MAX_TOKENS, max_diverged=0, diverge_before_kill=True)
 
 
 def test_controller_without_router_and_a_separate_router_process(ray_cluster, smollm2_path, tmp_path):

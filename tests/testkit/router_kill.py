@@ -1,6 +1,6 @@
 """Streams cut by a router's death and resumed through the Duet client (router/client.py), for the
 tests that kill a router mid-stream (tests/router/test_client_resume.py in one process,
-tests/e2e/test_routers_e2e.py through ``duet serve``)."""
+tests/e2e/test_routers_e2e.py through ``duet serve``) or SIGTERM one (tests/e2e/test_split_router_e2e.py)."""
 
 from __future__ import annotations
 
