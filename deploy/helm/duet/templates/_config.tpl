@@ -157,10 +157,15 @@ profile without `model` fits any. A replica's capacity is the model's: the shipp
 default pool is SmolLM2's, and a deployment serving another model with it is not scaled by it. */}}
 {{- define "duet.profileFits" -}}
 {{- $v := .root.Values }}
-{{- $name := .p.model | default (first (include "duet.servedModels" .root | fromJsonArray)) }}
+{{- $name := include "duet.poolModel" . }}
 {{- $names := list $name }}
 {{- range ($v.models | default (list $v.model)) }}{{ if eq (.servedName | default (base .name)) $name }}{{ $names = append $names (base .name) }}{{ end }}{{ end }}
 {{- if or (not .p.profile.model) (has (base (toString .p.profile.model)) $names) }}true{{ end }}
+{{- end }}
+
+{{/* The served name of the model pool .p serves (dict "root" "p"): its `model`, else the default model's. */}}
+{{- define "duet.poolModel" -}}
+{{- .p.model | default (first (include "duet.servedModels" .root | fromJsonArray)) }}
 {{- end }}
 
 {{/* The checks of one pool (dict "root" "p" "at" "drafterGroup"), merged with poolDefaults. */}}
@@ -211,7 +216,7 @@ but would not behave as the values suggest (one line each; NOTES.txt prints them
 {{- end }}
 {{- range $pools }}
 {{- if and .slo .profile $.Values.autoscaling.duet.enabled (not (include "duet.profileFits" (dict "root" $ "p" .))) }}
-- pools[{{ .name }}].profile was measured for model {{ .profile.model }}, not the model this pool serves ({{ .model | default (first (include "duet.servedModels" $ | fromJsonArray)) }}): a replica's capacity is the model's, so Duet's SLO autoscaler leaves this pool at its size; give it the profile `duet profile --model <its model> --out FILE` measures
+- pools[{{ .name }}].profile was measured for model {{ .profile.model }}, not the model this pool serves ({{ include "duet.poolModel" (dict "root" $ "p" .) }}): a replica's capacity is the model's, so Duet's SLO autoscaler leaves this pool at its size; give it the profile `duet profile --model <its model> --out FILE` measures
 {{- end }}
 {{- if and (or .slo .profile) (not (and .slo .profile $.Values.autoscaling.duet.enabled)) }}
 - pools[{{ .name }}].slo/profile: Duet's SLO autoscaler scales a pool only with slo, profile and autoscaling.duet.enabled all set; this pool keeps its size (KubeRay's in-tree autoscaler, if on, still adds pods for pending placements)
