@@ -178,6 +178,12 @@ class Controller:
         """``members()`` with each worker's role: what routers are given."""
         return [(w, e, self.role_of(w)) for w, e in self.members()]
 
+    def running(self) -> set[str]:
+        """Worker ids whose actor answered its start, prepare or probe last (up, standby or draining):
+        placed and running, so a ``stop()`` call reaches them (``WorkerPool.shutdown(running=...)``)."""
+        with self._lock:
+            return {r.replica.worker_id for r in self._replicas if r.state in ("up", "standby", "draining")}
+
     def member_details(self) -> MemberDetails:
         """Members and draining replicas: (worker_id, endpoint, role, pool, draining), by worker id.
         Drafter replicas are members like workers (role drafter); ``drafter_pool_of`` tells which of

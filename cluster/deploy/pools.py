@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,10 +246,15 @@ class WorkerPool:
                 self._free_slots.append(replica.slot)
         logger.info("pool %s: replica %s removed", self.name, replica.worker_id)
 
-    def shutdown(self, grace: float = 5.0, timeout: float = 30.0) -> None:
+    def shutdown(self, grace: float = 5.0, timeout: float = 30.0, *, running: Collection[str] | None = None) -> None:
         """Stop each replica (drain for ``grace`` s, abort the rest), kill the actors without restart,
         remove the placement group. Idempotent; dead or restarting actors are simply killed, and so is
-        a replica whose own group still waits for room (it never ran: nothing to drain)."""
+        a replica whose own group still waits for room (it never ran: nothing to drain).
+
+        running: the worker ids known to run (``Controller.running()``): only they are asked to stop,
+        the rest are killed. Without it each replica's placement is looked up in Ray's GCS -- which a
+        deployment's teardown avoids: a SIGTERM to the whole process group stops the embedded GCS under
+        that lookup, and Ray aborts the process when a GCS state call is cancelled."""
         with self._lock:
             if self._shut_down:
                 return
@@ -260,7 +265,8 @@ class WorkerPool:
 
         # a replica whose group still waits for room never ran: no stop() to wait for (it would
         # never return), it is only killed with its group
-        refs = [r.actor.stop.remote(grace) for r in replicas if self.is_placed(r)]
+        refs = [r.actor.stop.remote(grace) for r in replicas
+                if (r.worker_id in running if running is not None else self.is_placed(r))]
         _, not_done = ray.wait(refs, num_returns=len(refs), timeout=grace + timeout)
         if not_done:
             logger.warning("pool %s: %d replicas did not stop within %.0f s; killing them",

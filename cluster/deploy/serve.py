@@ -154,8 +154,10 @@ class Deployment:
         logger.info("duet: stopped")
 
     def _stop_pools(self) -> None:
+        # the controller's view of which replicas run, not a GCS lookup per replica (WorkerPool.shutdown)
+        running = self.controller.running() if self.controller is not None else None
         for pool in self.pools:
-            pool.shutdown()
+            pool.shutdown(running=running)
 
     def _unless_ray_gone(self, what: str, step: Callable[[], None]) -> None:
         """Run a teardown step that calls Ray, unless Ray's GCS goes away meanwhile: a SIGTERM to the

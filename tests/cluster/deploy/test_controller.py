@@ -9,6 +9,7 @@ import os
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import ray
 
@@ -22,8 +23,8 @@ class FakeWorker:
     """Speaks the WorkerActor lifecycle (start / info / stop); the endpoint is fake but unique per
     process, like a real restart's new port."""
 
-    def __init__(self, fail_start: bool = False) -> None:
-        self.fail_start = fail_start
+    def __init__(self, fail_start: bool = False, stopped_marker: str = "") -> None:
+        self.fail_start, self.stopped_marker = fail_start, stopped_marker
         self.endpoint: str | None = None
         self.incarnation: str | None = None
 
@@ -38,11 +39,13 @@ class FakeWorker:
 
     async def stop(self, grace: float = 0.0, migrate_to: list | None = None) -> None:
         self.endpoint = None
+        if self.stopped_marker:  # survives the kill that follows a pool's shutdown
+            open(self.stopped_marker, "w").close()
 
 
-def _pool(name: str, *fail: bool) -> WorkerPool:
-    replicas = [Replica(name, i, f"{name}-{i}", FakeWorker.options(max_restarts=-1).remote(f))
-                for i, f in enumerate(fail)]
+def _pool(name: str, *fail: bool, markers: Path | None = None) -> WorkerPool:
+    replicas = [Replica(name, i, f"{name}-{i}", FakeWorker.options(max_restarts=-1).remote(
+                    f, str(markers / f"{name}-{i}") if markers else "")) for i, f in enumerate(fail)]
     return WorkerPool(PoolSection(name=name, replicas=len(fail)), "test", None, replicas)
 
 
@@ -116,3 +119,27 @@ def test_a_gang_rendezvous_timeout_is_retried_other_start_errors_are_not():
     assert _rendezvous_timeout(_TaskError(timeout))
     assert not _rendezvous_timeout(_TaskError(FileNotFoundError("model 'nope' not found")))
     assert not _rendezvous_timeout(_TaskError(OSError("address already in use")))
+
+
+def test_shutdown_stops_the_replicas_the_controller_saw_running(ray_cluster, tmp_path):
+    """A deployment's teardown asks the controller which replicas run (``running()``: up, standby or
+    draining) instead of looking each one's placement up in Ray's GCS (under a process-group SIGTERM
+    the GCS stops under that call and Ray aborts the process): those are stopped, the others (here
+    one whose start failed) only killed."""
+    pool = _pool("mixed", False, True, markers=tmp_path)
+    controller = Controller([pool], poll_interval_s=0.1)
+    try:
+        controller.start()
+        assert not controller.wait_ready(timeout=60) and controller.wait_ready(1, timeout=60)
+        assert controller.running() == {"mixed-0"}
+    finally:
+        controller.stop()
+    actors = [r.actor for r in pool.replicas]
+    pool.shutdown(grace=0, running=controller.running())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mixed-0"]  # mixed-1 was not asked to stop
+    for actor in actors:  # both killed, not restarted
+        try:
+            ray.get(actor.info.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            continue
+        raise AssertionError(f"{actor} still answers after the pool's shutdown")
