@@ -48,12 +48,13 @@ _KINDS = {"fp32": 0, "int8": 1, "q4": 2, "bf16": 3}
 class StackLinearWeights:
     """One projection: kind 'fp32' or 'bf16' (tensors = (w [N, K],)), 'int8' ((codes [N, Kp],
     scales [N])) or 'q4' ((codes [N, Kp / 2], scales, mins [N, Kp / 32])); bias [N] or None; K
-    input features."""
+    input features; q4 tiles: kernels/quant_linear.py ``q4_tiles`` of the same weights, or None."""
 
     kind: str
     tensors: tuple[torch.Tensor, ...]
     bias: torch.Tensor | None
     in_features: int
+    tiles: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N], the wrappers' path
         if self.kind in ("fp32", "bf16"):
@@ -62,7 +63,7 @@ class StackLinearWeights:
             codes, scales = self.tensors
             return int8_linear(x, codes, scales, self.bias)
         codes, scales, mins = self.tensors
-        return q4_linear(x, codes, scales, mins, self.bias)
+        return q4_linear(x, codes, scales, mins, self.bias, self.tiles)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def build_decoder_stack(layers: list[StackLayerWeights], final_norm: torch.Tenso
 
     def lin(w: StackLinearWeights) -> Any:
         t = (*w.tensors, None, None)[:3]
-        return ext.StackLinear(_KINDS[w.kind], t[0], t[1], t[2], w.bias, w.in_features)
+        return ext.StackLinear(_KINDS[w.kind], t[0], t[1], t[2], w.bias, w.in_features, w.tiles)
 
     cpp_layers = [ext.StackLayer(l.in_norm, l.post_norm, lin(l.qkv), lin(l.o), lin(l.gate_up), lin(l.down))
                   for l in layers]

@@ -73,14 +73,37 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def q4_tiles_used() -> bool:
+    """Whether the CPU kernel reads ``q4_tiles`` (its AVX-512 VNNI path is the one taken); every
+    other path reads qweight, d and m and ignores them."""
+    ext = _build.ext()
+    return ext is not None and ext.quant_path() == "avx512_vnni"
+
+
+def q4_tiles(qweight: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:
+    """The weights in the AVX-512 VNNI path's tile order (uint8 [ceil(N / 16), 10 Kp]: the same
+    bytes, permuted; kernels/csrc/kernels.h ``make_q4_tiles``), for ``q4_linear(..., tiles=)``; None
+    without the C++ kernels or for a weight off the CPU.
+
+    Why: without them that path repacks every 16-row tile into its scratch on every call, which
+    costs batch-1 decode more than streaming the weights does (worth making only where
+    ``q4_tiles_used()``). The copy costs the codes' and scales' memory again (~4.5 bits per weight)."""
+    ext = _build.ext()
+    if ext is None or not qweight.is_cpu:
+        return None
+    return ext.q4_tiles(qweight.contiguous(), d.contiguous(), m.contiguous())
+
+
 def q4_linear(
-    x: torch.Tensor, qweight: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, qweight: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # x [..., K], qweight uint8 [N, Kp / 2], d / m int16 [N, B], bias [N] -> [..., N]
+    # tiles: q4_tiles(qweight, d, m) or None; the same result either way (bit for bit)
     if x.is_cpu and x.dtype is _F32:
         ext = _build.ext()
         if ext is not None:  # the binding flattens leading dims
-            return ext.q4_linear(x, qweight, d, m, bias, x.shape[-1])
+            return ext.q4_linear(x, qweight, d, m, bias, x.shape[-1], tiles)
         out_shape = (*x.shape[:-1], qweight.shape[0])
         _build.note_ref_path("q4_linear")
         return q4_linear_ref(_rows(x), qweight, d, m, bias).view(out_shape)
@@ -94,5 +117,7 @@ __all__ = [
     "padded_k",
     "q4_linear",
     "q4_linear_ref",
+    "q4_tiles",
+    "q4_tiles_used",
     "quantize_activations_ref",
 ]

@@ -384,8 +384,33 @@ void check_bias(const c10::optional<Tensor>& bias, int64_t N) {
               "], got ", bias->sizes());
 }
 
+void check_q4_tiles(const c10::optional<Tensor>& tiles, int64_t N, int64_t Kp) {
+  if (!tiles.has_value()) return;
+  const int64_t n_tiles = (N + 15) / 16, bytes = duet::q4_tile_bytes(Kp);
+  TORCH_CHECK(tiles->device().is_cpu() && tiles->scalar_type() == at::kByte && tiles->dim() == 2 &&
+                  tiles->size(0) == n_tiles && tiles->size(1) == bytes && tiles->is_contiguous() &&
+                  reinterpret_cast<uintptr_t>(tiles->data_ptr()) % 64 == 0,
+              "tiles must be contiguous, 64-byte aligned uint8 [", n_tiles, ", ", bytes, "] (q4_tiles of this weight), got ",
+              tiles->scalar_type(), " ", tiles->sizes());
+}
+
+Tensor q4_tiles(const Tensor& qweight, const Tensor& scales, const Tensor& mins) {
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kByte && qweight.dim() == 2 &&
+                  qweight.is_contiguous() && qweight.size(1) % 32 == 0,
+              "qweight must be contiguous uint8 [N, Kp / 2], got ", qweight.sizes());
+  const int64_t N = qweight.size(0), Kp = 2 * qweight.size(1);
+  for (auto [t, name] : {std::pair{&scales, "scales"}, {&mins, "mins"}})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kShort && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == Kp / 32 && t->is_contiguous(),
+                name, " must be contiguous int16 (fp16 bits) [", N, ", ", Kp / 32, "], got ", t->sizes());
+  Tensor out = at::empty({(N + 15) / 16, duet::q4_tile_bytes(Kp)}, at::kByte);
+  duet::make_q4_tiles(qweight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()),
+                      reinterpret_cast<const uint16_t*>(mins.data_ptr<int16_t>()), N, Kp, out.data_ptr<uint8_t>());
+  return out;
+}
+
 Tensor q4_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scales, const Tensor& mins,
-                 const c10::optional<Tensor>& bias, int64_t K) {
+                 const c10::optional<Tensor>& bias, int64_t K, const c10::optional<Tensor>& tiles) {
   TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kByte && qweight.dim() == 2 &&
                   qweight.is_contiguous(), "qweight must be contiguous uint8 [N, Kp / 2], got ", qweight.sizes());
   const int64_t N = qweight.size(0), Kp = 2 * qweight.size(1), nb = Kp / 32;
@@ -397,6 +422,7 @@ Tensor q4_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scales
                 name, " must be contiguous int16 (fp16 bits) [", N, ", ", nb, "], got ", t->scalar_type(), " ",
                 t->sizes());
   check_bias(bias, N);
+  check_q4_tiles(tiles, N, Kp);
   const Tensor x = quant_rows(x_in);
   check_quant_x(x, K);
   Tensor y = new_f32({x.size(0), N});
@@ -406,7 +432,7 @@ Tensor q4_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scales
                         reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()),
                         reinterpret_cast<const uint16_t*>(mins.data_ptr<int16_t>()),
                         bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N, x.size(0), N, K,
-                        Kp, at::get_num_threads());
+                        Kp, at::get_num_threads(), tiles.has_value() ? tiles->data_ptr<uint8_t>() : nullptr);
   }
   return quant_out(x_in, y);
 }
@@ -483,8 +509,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(x [M, K] rows sorted by expert, w [E, N, K], offsets [E + 1], max_gemv_rows) -> y [M, N]");
   duet::bind_decoder_stack(m);
   // [quant]
-  m.def("q4_linear", &q4_linear,
-        "(x [..., K], qweight uint8 [N, Kp/2], scales, mins int16 fp16-bits [N, Kp/32], bias [N] | None, K) -> [..., N]");
+  m.def("q4_linear", &q4_linear, pybind11::arg("x"), pybind11::arg("qweight"), pybind11::arg("scales"),
+        pybind11::arg("mins"), pybind11::arg("bias"), pybind11::arg("K"), pybind11::arg("tiles") = pybind11::none(),
+        "(x [..., K], qweight uint8 [N, Kp/2], scales, mins int16 fp16-bits [N, Kp/32], bias [N] | None, K, "
+        "tiles = q4_tiles(qweight, scales, mins) | None) -> [..., N]");
+  m.def("q4_tiles", &q4_tiles,
+        "(qweight uint8 [N, Kp/2], scales, mins int16 [N, Kp/32]) -> uint8 [ceil(N/16), tile bytes]: the weights in "
+        "the AVX-512 VNNI path's tile order (q4_linear's `tiles`)");
   m.def("quantize_activations", &quantize_activations, "(x [T, K], Kp) -> (q int8 [T, Kp], sx [T, Kp/32])");
   m.def("quant_path", [] { return std::string(duet::quant_path_name()); });
   m.def("int8_linear", &int8_linear,

@@ -131,9 +131,17 @@ void rotary_and_cache_write(const RotaryCacheArgs& a, int max_threads);
 // (sx = max|x| / 127, round half to even); weights are padded to Kp (a multiple of 64) columns. A
 // row's result does not depend on T or on the other rows of x (one fixed float sequence per element).
 // q4: w [N, Kp / 2] packed nibbles, d and m [N, Kp / 32] fp16 bit patterns: w = d * q + m per block of 32.
+// tiles: the same weights in tile order (make_q4_tiles) or null; the AVX-512 VNNI path then streams
+// them as they are instead of repacking w, d and m per call (bit-identical results).
 void q4_linear_f32(const float* x, int64_t x_stride, const uint8_t* w, const uint16_t* d, const uint16_t* m,
                    const float* bias, float* y, int64_t y_stride, int64_t T, int64_t N, int64_t K, int64_t Kp,
-                   int max_threads);
+                   int max_threads, const uint8_t* tiles = nullptr);
+// The q4 weights in the VNNI path's tile order: per 16 rows (the last tile zero-padded), 8 * Kp bytes
+// of codes (per chunk of 64 and 4-code group j: 64 bytes = row i's bytes 4j..4j+3 of the chunk, i.e.
+// codes 4j.. in the low nibbles and 32 + 4j.. in the high ones), then per block d and m as fp16
+// [2][16]. q4_tile_bytes(Kp) bytes per tile, 64-byte aligned when `out` is.
+int64_t q4_tile_bytes(int64_t Kp);
+void make_q4_tiles(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t N, int64_t Kp, uint8_t* out);
 // int8: w int8 [N, Kp] (zero past K), w = scale[n] * q.
 void int8_linear_f32(const float* x, int64_t x_stride, const int8_t* w, const float* scale, const float* bias,
                      float* y, int64_t y_stride, int64_t T, int64_t N, int64_t K, int64_t Kp, int max_threads);

@@ -21,8 +21,12 @@
 //                 instruction, and the per-block float step above runs on 16 rows at once (once
 //                 per 8 vpdpbusd) instead of once per row. The repack is a 16 x 16 transpose of
 //                 4-byte groups (q4: after splitting the nibbles) and costs about as much as 4
-//                 tokens' dot products on a tile, so it pays for itself from T = 1 on (batch-1
-//                 decode waits on DRAM, not on these instructions). vpdpbusd multiplies unsigned
+//                 tokens' dot products on a tile, so it pays for itself from T = 1 on -- but at
+//                 batch 1 it is most of the call's time. q4 weights may therefore come with their
+//                 tiles made once (make_q4_tiles, at load): the same bytes in tile order, nibble
+//                 pairs kept (block 2c's codes are chunk c's low nibbles, block 2c + 1's its high
+//                 ones, split with one and / shift per load) and d, m as fp16 [nb][16]; the kernel
+//                 then streams them with no repack, bit-identical. vpdpbusd multiplies unsigned
 //                 by signed bytes: q4 codes are unsigned already; int8 codes are biased to
 //                 q + 128 while packing and the bias is taken off exactly in int32:
 //                 dot_b = raw_b - 128 * sum_{k in b} xq[t, k].
@@ -166,6 +170,7 @@ struct QWeights {
   const uint8_t* w4;  // q4: packed nibbles [N, Kp / 2]
   const uint16_t* d;  // q4: fp16 [N, nb]
   const uint16_t* m;  // q4: fp16 [N, nb]
+  const uint8_t* tiles;  // q4: the same weights in tile order (make_q4_tiles) or null
   const float* bias;  // [N] or null
   float* y;
   int64_t y_stride, N;
@@ -340,9 +345,14 @@ DUET_VNNI void pack_tile(const QWeights& W, int64_t Kp, int64_t n0, int64_t nr, 
 }
 
 // R packed tiles (rows n0 .. n0 + 16R) x TT tokens [t0, t0 + TT): the whole K, then the stores.
-template <WKind KIND, int R, int TT>
+// TILED (q4): the tiles are W.tiles' (nibble pairs, fp16 d and m; see make_q4_tiles), not p's.
+template <WKind KIND, int R, int TT, bool TILED>
 DUET_VNNI void compute_tiles(const QWeights& W, const QActs& a, const Packed& p, int64_t n0, int64_t t0) {
   const int64_t nb = a.nb, tile_bytes = a.Kp / 4 * 64;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const uint8_t* tiled[R];  // TILED: each tile's bytes
+  if (TILED)
+    for (int r = 0; r < R; ++r) tiled[r] = W.tiles + (n0 / kTile + r) * q4_tile_bytes(a.Kp);
   __m512 accf[R][TT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) accf[r][t] = _mm512_setzero_ps();
@@ -355,7 +365,14 @@ DUET_VNNI void compute_tiles(const QWeights& W, const QActs& a, const Packed& p,
     const uint8_t* wb = p.codes.data() + b * 8 * 64;
     for (int s = 0; s < 8; ++s) {
       __m512i wv[R];
-      for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_si512(wb + r * tile_bytes + s * 64);
+      for (int r = 0; r < R; ++r) {
+        if (TILED) {  // block b's codes: the low nibbles of chunk b / 2 (even b), else the high ones
+          const __m512i v = _mm512_load_si512(tiled[r] + ((b >> 1) * 8 + s) * 64);
+          wv[r] = _mm512_and_si512(b & 1 ? _mm512_srli_epi16(v, 4) : v, low4);
+        } else {
+          wv[r] = _mm512_loadu_si512(wb + r * tile_bytes + s * 64);
+        }
+      }
       for (int t = 0; t < TT; ++t) {
         int32_t x4;
         std::memcpy(&x4, xq[t] + b * kBlock + 4 * s, 4);
@@ -373,8 +390,15 @@ DUET_VNNI void compute_tiles(const QWeights& W, const QActs& a, const Packed& p,
       } else {
         const __m512 xs = _mm512_set1_ps(a.xs[tb]);
         for (int r = 0; r < R; ++r) {
-          const __m512 dv = _mm512_loadu_ps(p.d.data() + (r * nb + b) * kTile);
-          const __m512 mv = _mm512_loadu_ps(p.m.data() + (r * nb + b) * kTile);
+          __m512 dv, mv;
+          if (TILED) {
+            const uint16_t* dm = reinterpret_cast<const uint16_t*>(tiled[r] + a.Kp * 8) + b * 2 * kTile;
+            dv = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dm)));
+            mv = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dm + kTile)));
+          } else {
+            dv = _mm512_loadu_ps(p.d.data() + (r * nb + b) * kTile);
+            mv = _mm512_loadu_ps(p.m.data() + (r * nb + b) * kTile);
+          }
           accf[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acci[r][t]), sx), dv, accf[r][t]);
           accf[r][t] = _mm512_fmadd_ps(mv, xs, accf[r][t]);
         }
@@ -393,14 +417,14 @@ DUET_VNNI void compute_tiles(const QWeights& W, const QActs& a, const Packed& p,
   }
 }
 
-template <WKind KIND, int R>
+template <WKind KIND, int R, bool TILED>
 DUET_VNNI void tokens_vnni(const QWeights& W, const QActs& a, const Packed& p, int64_t n0, int64_t t0, int64_t t1) {
   int64_t t = t0;
-  for (; t + kTokens <= t1; t += kTokens) compute_tiles<KIND, R, kTokens>(W, a, p, n0, t);
+  for (; t + kTokens <= t1; t += kTokens) compute_tiles<KIND, R, kTokens, TILED>(W, a, p, n0, t);
   switch (t1 - t) {
-    case 1: compute_tiles<KIND, R, 1>(W, a, p, n0, t); break;
-    case 2: compute_tiles<KIND, R, 2>(W, a, p, n0, t); break;
-    case 3: compute_tiles<KIND, R, 3>(W, a, p, n0, t); break;
+    case 1: compute_tiles<KIND, R, 1, TILED>(W, a, p, n0, t); break;
+    case 2: compute_tiles<KIND, R, 2, TILED>(W, a, p, n0, t); break;
+    case 3: compute_tiles<KIND, R, 3, TILED>(W, a, p, n0, t); break;
     default: break;
   }
 }
@@ -419,15 +443,23 @@ DUET_VNNI void rows_vnni(const QWeights& W, const QActs& a, int64_t n0, int64_t 
   }
   for (int64_t n = n0; n < n1; n += 2 * kTile) {
     const int R = n + kTile < n1 ? 2 : 1;
+    if (KIND == WKind::kQ4 && W.tiles != nullptr) {  // packed once, at load: nothing to repack
+      if (R == 2) {
+        tokens_vnni<KIND, 2, true>(W, a, p, n, t0, t1);
+      } else {
+        tokens_vnni<KIND, 1, true>(W, a, p, n, t0, t1);
+      }
+      continue;
+    }
     for (int r = 0; r < R; ++r) {
       const int64_t rn = n + r * kTile;
       pack_tile<KIND>(W, a.Kp, rn, std::min<int64_t>(kTile, W.N - rn), p.codes.data() + r * tile_bytes,
                       p.d.data() + r * nb * kTile, p.m.data() + r * nb * kTile, true);
     }
     if (R == 2) {
-      tokens_vnni<KIND, 2>(W, a, p, n, t0, t1);
+      tokens_vnni<KIND, 2, false>(W, a, p, n, t0, t1);
     } else {
-      tokens_vnni<KIND, 1>(W, a, p, n, t0, t1);
+      tokens_vnni<KIND, 1, false>(W, a, p, n, t0, t1);
     }
   }
 }
@@ -473,14 +505,37 @@ void quantize_activations_q8(const float* x, int64_t x_stride, int64_t T, int64_
 
 void q4_linear_f32(const float* x, int64_t x_stride, const uint8_t* w, const uint16_t* d, const uint16_t* m,
                    const float* bias, float* y, int64_t y_stride, int64_t T, int64_t N, int64_t K, int64_t Kp,
-                   int max_threads) {
-  const QWeights W{nullptr, nullptr, w, d, m, bias, y, y_stride, N};
+                   int max_threads, const uint8_t* tiles) {
+  // the tiles serve the VNNI path only; every other path reads w, d and m
+  const QWeights W{nullptr, nullptr, w, d, m, active_path() == QPath::kVnni ? tiles : nullptr, bias, y, y_stride, N};
   run<WKind::kQ4>(W, x, x_stride, T, K, Kp, max_threads);
+}
+
+int64_t q4_tile_bytes(int64_t Kp) { return Kp * 8 + Kp / kBlock * 2 * kTile * 2; }
+
+void make_q4_tiles(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t N, int64_t Kp, uint8_t* out) {
+  const int64_t nc = Kp / kChunk, nb = Kp / kBlock, row_bytes = Kp / 2, tb = q4_tile_bytes(Kp);
+  for (int64_t tile = 0; tile * kTile < N; ++tile) {
+    uint8_t* codes = out + tile * tb;
+    uint16_t* dm = reinterpret_cast<uint16_t*>(codes + Kp * 8);
+    for (int64_t i = 0; i < kTile; ++i) {
+      const int64_t n = tile * kTile + i;
+      const bool real = n < N;
+      for (int64_t c = 0; c < nc; ++c)
+        for (int64_t j = 0; j < 8; ++j)  // 4 bytes: codes 64c + 4j.. (low nibbles) and 64c + 32 + 4j.. (high)
+          for (int64_t e = 0; e < 4; ++e)
+            codes[(c * 8 + j) * 64 + i * 4 + e] = real ? w[n * row_bytes + c * 32 + 4 * j + e] : 0;
+      for (int64_t b = 0; b < nb; ++b) {
+        dm[(2 * b) * kTile + i] = real ? d[n * nb + b] : 0;
+        dm[(2 * b + 1) * kTile + i] = real ? m[n * nb + b] : 0;
+      }
+    }
+  }
 }
 
 void int8_linear_f32(const float* x, int64_t x_stride, const int8_t* w, const float* scale, const float* bias,
                      float* y, int64_t y_stride, int64_t T, int64_t N, int64_t K, int64_t Kp, int max_threads) {
-  const QWeights W{w, scale, nullptr, nullptr, nullptr, bias, y, y_stride, N};
+  const QWeights W{w, scale, nullptr, nullptr, nullptr, nullptr, bias, y, y_stride, N};
   run<WKind::kInt8>(W, x, x_stride, T, K, Kp, max_threads);
 }
 

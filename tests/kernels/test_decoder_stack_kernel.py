@@ -18,6 +18,7 @@ import torch
 from kernels import _build
 from kernels.decoder_stack import StackLayerWeights, StackLinearWeights, build_decoder_stack, decoder_stack_ref
 from kernels.quant_formats import quantize_int8, quantize_q4
+from kernels.quant_linear import q4_tiles
 
 from testkit.tolerance import MODEL_FP32
 
@@ -80,6 +81,26 @@ def test_stack_is_bit_identical_to_the_layer_path(ext, isa: str, kind: str, T: i
     assert torch.equal(got, want)
     for (k, v), (kr, vr) in zip(kv, kv_ref):  # the caches it wrote, too
         assert torch.equal(k, kr) and torch.equal(v, vr)
+
+
+@pytest.mark.parametrize("T", [1, 4, 17])
+def test_q4_tiles_change_no_bit_of_the_stack(ext, isa: str, T: int) -> None:
+    """q4 projections that carry their weights in tile order (what a loaded q4 model gives them on a
+    VNNI CPU) compute the same bits as without, and as the layer path without them."""
+    layers, final, kv, x = _case("q4", T, 6, 2, True, seed=T)
+
+    def tiled(w: StackLinearWeights) -> StackLinearWeights:
+        return StackLinearWeights(w.kind, w.tensors, w.bias, w.in_features, q4_tiles(*w.tensors))
+
+    with_tiles = [StackLayerWeights(l.in_norm, l.post_norm, *(tiled(w) for w in (l.qkv, l.o, l.gate_up, l.down)))
+                  for l in layers]
+    outs = []
+    for ls in (layers, with_tiles):
+        caches = [(k.clone(), v.clone()) for k, v in kv]
+        outs.append(build_decoder_stack(ls, final, 1e-5, 6, 2, 16).forward(
+            x["h"], x["cos"], x["sin"], caches, x["slot_mapping"], x["block_tables"], x["context_lens"], BLOCK))
+    want = decoder_stack_ref(layers, final, 1e-5, 6, 2, 16, kv=[(k.clone(), v.clone()) for k, v in kv], **x)
+    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[1], want)
 
 
 def test_stack_matches_the_torch_references(ext) -> None:

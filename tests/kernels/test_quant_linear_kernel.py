@@ -25,7 +25,7 @@ from kernels.quant_formats import (
     quantize_q4,
     unpack_q4,
 )
-from kernels.quant_linear import quantize_activations_ref
+from kernels.quant_linear import q4_tiles, quantize_activations_ref
 from testkit.kernel_paths import available_paths, on_path
 from testkit.tolerance import INT8_ACTIVATIONS, KERNEL_FP32, assert_within, q4_linear_error_bound
 
@@ -134,6 +134,52 @@ def test_bad_input_raises(ext) -> None:
     packed, d, m = quantize_q4(torch.randn(4, 64))
     with pytest.raises(RuntimeError, match="mins"):
         ext.q4_linear(torch.randn(1, 64), packed, d, m.float(), None, 64)
+
+
+def _tiles_ref(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """make_q4_tiles' layout (kernels/csrc/kernels.h) in torch: per 16 rows, the packed codes as 4-byte
+    groups transposed so that group j of chunk c holds every row's bytes 4j..4j+3 of that chunk, then
+    per block d and m (fp16 bits) of the 16 rows."""
+    N, half = q.shape
+    Kp, tiles = 2 * half, -(-N // 16)
+    pad = tiles * 16 - N
+    qp, dp, mp = (F.pad(t, (0, 0, 0, pad)) for t in (q, d, m))
+    codes = qp.view(tiles, 16, Kp // 64, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, -1)  # [tile, chunk, j, row, 4]
+    dm = torch.stack([dp, mp], 2).view(tiles, 16, Kp // 32, 2).permute(0, 2, 3, 1).reshape(tiles, -1)  # [tile, b, d|m, row]
+    return torch.cat([codes, dm.contiguous().view(torch.uint8).view(tiles, -1)], 1)
+
+
+@pytest.mark.parametrize("N,K", [(960, 576), (37, 577), (17, 96), (1, 1)])
+def test_tiles_hold_the_weights_in_the_documented_order(ext, N: int, K: int) -> None:
+    q, d, m = quantize_q4(_problem(N, K, 1, 3)[0])
+    tiles = q4_tiles(q, d, m)
+    assert tiles is not None and torch.equal(tiles, _tiles_ref(q, d, m))
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_tiles_give_the_same_result_bit_for_bit(dot_path: str, N: int, K: int) -> None:
+    """The weights in tile order (read by the VNNI path instead of repacking them per call; every
+    other path ignores them) change no bit of any row, at every token count and thread count."""
+    w, b, x = _problem(N, K, 64, N + K)
+    q, d, m = quantize_q4(w)
+    tiles = q4_tiles(q, d, m)
+    threads = torch.get_num_threads()
+    try:
+        for nt in sorted({1, threads}):
+            torch.set_num_threads(nt)
+            for T in TOKENS:
+                for bias in (None, b):
+                    plain = kernels.q4_linear(x[:T], q, d, m, bias)
+                    assert torch.equal(kernels.q4_linear(x[:T], q, d, m, bias, tiles=tiles), plain), (T, nt, bias is None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_tiles_of_another_weight_are_refused(ext) -> None:
+    q, d, m = quantize_q4(torch.randn(40, 128))
+    other = q4_tiles(*quantize_q4(torch.randn(40, 64)))
+    with pytest.raises(RuntimeError, match=r"tiles must be .* uint8 \[3, 1280\]"):
+        ext.q4_linear(torch.randn(1, 128), q, d, m, None, 128, other)
 
 
 @pytest.mark.skipif(not kernels._triton.triton_available(), reason="the optional triton extra is not installed")

@@ -43,7 +43,7 @@ from kernels.quant_formats import (
 )
 from kernels.int8_linear import int8_linear
 from kernels.linear import packed_linear, prepack
-from kernels.quant_linear import q4_linear
+from kernels.quant_linear import q4_linear, q4_tiles, q4_tiles_used
 from workers.config import QUANTIZATIONS
 from workers.layers.linear import Linear
 
@@ -149,6 +149,21 @@ class QuantLinear(nn.Module):
         # state, never saved or shared
         self.bf16_copy: torch.Tensor | None = None
         self.step_rows: StepRows | None = None  # with a bf16 copy: the step's leading decode rows (StepRows)
+        # q4: the weights in the VNNI kernel's tile order (``make_tiles``; None = none): derived
+        # state, never saved or shared
+        self.tiles: torch.Tensor | None = None
+
+    def make_tiles(self) -> bool:
+        """q4 on a CPU whose quantized kernel takes the AVX-512 VNNI path: also keep the weights in
+        that path's tile order (kernels/quant_linear.py ``q4_tiles``), so that each call streams
+        them as they are instead of repacking every 16-row tile first (bit-identical results; the
+        repack cost batch-1 decode more than reading the weights). True if made; it costs the
+        codes' and scales' memory again (~4.5 bits per weight). ``load_weight`` refreshes it in
+        place (the fused decode stack holds it)."""
+        if self._int8 or not q4_tiles_used():
+            return False
+        self.tiles = q4_tiles(self.qweight, self.scales, self.mins)
+        return self.tiles is not None
 
     def make_bf16_copy(self, step_rows: StepRows | None = None) -> bool:
         """Keep the de-quantized weight as a oneDNN-packed bf16 copy (kernels/linear.py ``prepack``) for
@@ -184,6 +199,8 @@ class QuantLinear(nn.Module):
         for name in _BUFFERS[self.method]:
             getattr(self, name).narrow(0, start, size).copy_(q.tensors[name])
         self.bf16_copy = None  # the weight changed: a copy made before is stale
+        if self.tiles is not None:  # in place: whoever holds the tiles sees the new weights
+            self.tiles.copy_(q4_tiles(self.qweight, self.scales, self.mins))  # type: ignore[arg-type]  # made before: not None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         """Loader of the fp bias (same contract as Linear.weight_loader)."""
@@ -217,7 +234,7 @@ class QuantLinear(nn.Module):
         b: dict[str, Any] = self._buffers  # all registered in __init__
         if self._int8:
             return int8_linear(x, b["qweight"], b["scales"], bias)
-        return q4_linear(x, b["qweight"], b["scales"], b["mins"], bias)
+        return q4_linear(x, b["qweight"], b["scales"], b["mins"], bias, self.tiles)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, method={self.method}, bias={self.bias is not None}"

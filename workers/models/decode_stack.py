@@ -41,7 +41,7 @@ def _linear(m: nn.Module, dtype: torch.dtype) -> StackLinearWeights | None:
         if dtype is not torch.float32:
             return None  # quantized kernels take fp32 activations
         tensors = (m.qweight, m.scales) if m.method == "int8" else (m.qweight, m.scales, m.mins)
-        return StackLinearWeights(m.method, tensors, m.bias, m.in_features)
+        return StackLinearWeights(m.method, tensors, m.bias, m.in_features, m.tiles)
     if isinstance(m, Linear) and m.weight.dtype is dtype and dtype in _FLOAT_KINDS:
         return StackLinearWeights(_FLOAT_KINDS[dtype], (m.weight,), m.bias, m.weight.shape[1])
     return None
