@@ -48,7 +48,7 @@ _KINDS = {"fp32": 0, "int8": 1, "q4": 2, "bf16": 3}
 class StackLinearWeights:
     """One projection: kind 'fp32' or 'bf16' (tensors = (w [N, K],)), 'int8' ((codes [N, Kp],
     scales [N])) or 'q4' ((codes [N, Kp / 2], scales, mins [N, Kp / 32])); bias [N] or None; K
-    input features; q4 tiles: kernels/quant_linear.py ``q4_tiles`` of the same weights, or None."""
+    input features; tiles (int8, q4): kernels ``int8_tiles`` / ``q4_tiles`` of the same weights, or None."""
 
     kind: str
     tensors: tuple[torch.Tensor, ...]
@@ -61,7 +61,7 @@ class StackLinearWeights:
             return linear(x, self.tensors[0], self.bias)
         if self.kind == "int8":
             codes, scales = self.tensors
-            return int8_linear(x, codes, scales, self.bias)
+            return int8_linear(x, codes, scales, self.bias, self.tiles)
         codes, scales, mins = self.tensors
         return q4_linear(x, codes, scales, mins, self.bias, self.tiles)
 

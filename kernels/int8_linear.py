@@ -56,12 +56,26 @@ def int8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     return (y if bias is None else y + bias.double()).float()
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_tiles(qweight: torch.Tensor) -> torch.Tensor | None:
+    """The weights in the AVX-512 VNNI path's tile order (uint8 [ceil(N / 16), 16 Kp]: the codes of
+    16 rows interleaved 4 at a time, biased by 128; kernels/csrc/kernels.h ``make_int8_tiles``), for
+    ``int8_linear(..., tiles=)``; None without the C++ kernels or for a weight off the CPU. Worth
+    making where ``quant_tiles_used()`` (kernels/quant_linear.py: the same path serves both formats);
+    it costs the codes' memory again (8 bits per weight)."""
+    ext = _build.ext()
+    if ext is None or not qweight.is_cpu:
+        return None
+    return ext.int8_tiles(qweight.contiguous())
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                tiles: torch.Tensor | None = None) -> torch.Tensor:
     # x [..., K], qweight int8 [N, Kp], scales [N], bias [N] -> [..., N]
+    # tiles: int8_tiles(qweight) or None; the same result either way (bit for bit)
     if x.is_cpu and x.dtype is _F32:
         ext = _build.ext()
         if ext is not None:  # the binding flattens leading dims
-            return ext.int8_linear(x, qweight, scales, bias, x.shape[-1])
+            return ext.int8_linear(x, qweight, scales, bias, x.shape[-1], tiles)
         _build.note_ref_path("int8_linear")
         out_shape = (*x.shape[:-1], qweight.shape[0])
         return int8_linear_ref(x.reshape(-1, x.shape[-1]), qweight, scales, bias).view(out_shape)
@@ -71,4 +85,4 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
     return F.linear(x, dequantize_int8(qweight, scales, x.shape[-1]).to(x.dtype), bias)
 
 
-__all__ = ["int8_linear", "int8_linear_ref"]
+__all__ = ["int8_linear", "int8_linear_ref", "int8_tiles"]

@@ -73,9 +73,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def q4_tiles_used() -> bool:
-    """Whether the CPU kernel reads ``q4_tiles`` (its AVX-512 VNNI path is the one taken); every
-    other path reads qweight, d and m and ignores them."""
+def quant_tiles_used() -> bool:
+    """Whether the CPU kernel reads ``q4_tiles`` / ``int8_tiles`` (kernels/int8_linear.py): its
+    AVX-512 VNNI path is the one taken; every other path reads the weights in their own format and
+    ignores tiles."""
     ext = _build.ext()
     return ext is not None and ext.quant_path() == "avx512_vnni"
 
@@ -87,7 +88,7 @@ def q4_tiles(qweight: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.T
 
     Why: without them that path repacks every 16-row tile into its scratch on every call, which
     costs batch-1 decode more than streaming the weights does (worth making only where
-    ``q4_tiles_used()``). The copy costs the codes' and scales' memory again (~4.5 bits per weight)."""
+    ``quant_tiles_used()``). The copy costs the codes' and scales' memory again (~4.5 bits per weight)."""
     ext = _build.ext()
     if ext is None or not qweight.is_cpu:
         return None
@@ -118,6 +119,6 @@ __all__ = [
     "q4_linear",
     "q4_linear_ref",
     "q4_tiles",
-    "q4_tiles_used",
+    "quant_tiles_used",
     "quantize_activations_ref",
 ]

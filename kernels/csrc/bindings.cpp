@@ -384,13 +384,13 @@ void check_bias(const c10::optional<Tensor>& bias, int64_t N) {
               "], got ", bias->sizes());
 }
 
-void check_q4_tiles(const c10::optional<Tensor>& tiles, int64_t N, int64_t Kp) {
+void check_tiles(const c10::optional<Tensor>& tiles, int64_t N, int64_t bytes) {
   if (!tiles.has_value()) return;
-  const int64_t n_tiles = (N + 15) / 16, bytes = duet::q4_tile_bytes(Kp);
+  const int64_t n_tiles = (N + 15) / 16;
   TORCH_CHECK(tiles->device().is_cpu() && tiles->scalar_type() == at::kByte && tiles->dim() == 2 &&
                   tiles->size(0) == n_tiles && tiles->size(1) == bytes && tiles->is_contiguous() &&
                   reinterpret_cast<uintptr_t>(tiles->data_ptr()) % 64 == 0,
-              "tiles must be contiguous, 64-byte aligned uint8 [", n_tiles, ", ", bytes, "] (q4_tiles of this weight), got ",
+              "tiles must be contiguous, 64-byte aligned uint8 [", n_tiles, ", ", bytes, "] (the tiles of this weight), got ",
               tiles->scalar_type(), " ", tiles->sizes());
 }
 
@@ -422,7 +422,7 @@ Tensor q4_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scales
                 name, " must be contiguous int16 (fp16 bits) [", N, ", ", nb, "], got ", t->scalar_type(), " ",
                 t->sizes());
   check_bias(bias, N);
-  check_q4_tiles(tiles, N, Kp);
+  check_tiles(tiles, N, duet::q4_tile_bytes(Kp));
   const Tensor x = quant_rows(x_in);
   check_quant_x(x, K);
   Tensor y = new_f32({x.size(0), N});
@@ -448,8 +448,18 @@ std::tuple<Tensor, Tensor> quantize_activations(const Tensor& x_in, int64_t Kp) 
 }
 
 // int8 weights, int8 activations (quant_linear.cpp, like q4)
+Tensor int8_tiles(const Tensor& qweight) {
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kChar && qweight.dim() == 2 &&
+                  qweight.is_contiguous() && qweight.size(1) % 64 == 0,
+              "qweight must be contiguous int8 [N, Kp], got ", qweight.scalar_type(), " ", qweight.sizes());
+  const int64_t N = qweight.size(0), Kp = qweight.size(1);
+  Tensor out = at::empty({(N + 15) / 16, duet::int8_tile_bytes(Kp)}, at::kByte);
+  duet::make_int8_tiles(qweight.data_ptr<int8_t>(), N, Kp, out.data_ptr<uint8_t>());
+  return out;
+}
+
 Tensor int8_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scales, const c10::optional<Tensor>& bias,
-                   int64_t K) {
+                   int64_t K, const c10::optional<Tensor>& tiles) {
   TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kChar && qweight.dim() == 2 &&
                   qweight.is_contiguous(), "qweight must be contiguous int8 [N, Kp], got ", qweight.scalar_type(), " ",
               qweight.sizes());
@@ -460,6 +470,7 @@ Tensor int8_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scal
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.is_contiguous(), "scales must be contiguous [", N,
               "], got ", scales.sizes());
   check_bias(bias, N);
+  check_tiles(tiles, N, duet::int8_tile_bytes(Kp));
   const Tensor x = quant_rows(x_in);
   check_quant_x(x, K);
   Tensor y = new_f32({x.size(0), N});
@@ -467,7 +478,7 @@ Tensor int8_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scal
     pybind11::gil_scoped_release no_gil;
     duet::int8_linear_f32(x.data_ptr<float>(), x.stride(0), qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
                           bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), N, x.size(0), N,
-                          K, Kp, at::get_num_threads());
+                          K, Kp, at::get_num_threads(), tiles.has_value() ? tiles->data_ptr<uint8_t>() : nullptr);
   }
   return quant_out(x_in, y);
 }
@@ -518,8 +529,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the AVX-512 VNNI path's tile order (q4_linear's `tiles`)");
   m.def("quantize_activations", &quantize_activations, "(x [T, K], Kp) -> (q int8 [T, Kp], sx [T, Kp/32])");
   m.def("quant_path", [] { return std::string(duet::quant_path_name()); });
-  m.def("int8_linear", &int8_linear,
-        "(x [..., K] fp32, qweight int8 [N, Kp], scales [N], bias [N] | None, K) -> [..., N]: int8 x int8 per block of 32");
+  m.def("int8_linear", &int8_linear, pybind11::arg("x"), pybind11::arg("qweight"), pybind11::arg("scales"),
+        pybind11::arg("bias"), pybind11::arg("K"), pybind11::arg("tiles") = pybind11::none(),
+        "(x [..., K] fp32, qweight int8 [N, Kp], scales [N], bias [N] | None, K, tiles = int8_tiles(qweight) | None) "
+        "-> [..., N]: int8 x int8 per block of 32");
+  m.def("int8_tiles", &int8_tiles,
+        "(qweight int8 [N, Kp]) -> uint8 [ceil(N/16), 16 Kp]: the weights in the AVX-512 VNNI path's tile order "
+        "(int8_linear's `tiles`)");
   m.def("best_isa", [] { return std::string(duet::isa_name(duet::best_isa())); });
   m.def("active_isa", [] { return std::string(duet::isa_name(duet::active_isa())); });
   m.def("set_isa", [](const std::string& name) { return std::string(duet::isa_name(duet::set_isa(parse_isa(name)))); },

@@ -53,7 +53,8 @@ void check_vec(const Tensor& t, int64_t n, const char* what, at::ScalarType dt =
 void check_f32_vec(const Tensor& t, int64_t n, const char* what) { check_vec(t, n, what); }
 
 // One projection's weights: fp32 / bf16 w [N, K]; int8 w [N, Kp] + s [N]; q4 w [N, Kp / 2] + s, m [N, Kp / 32].
-// q4 may also carry its tiles (the `q4_tiles` binding: the same weights in the VNNI path's order).
+// int8 and q4 may also carry their tiles (the `int8_tiles` / `q4_tiles` bindings: the same weights in
+// the VNNI path's order).
 struct StackLinear {
   int kind;
   Tensor w, s, m;
@@ -84,13 +85,15 @@ struct StackLinear {
         TORCH_CHECK(t->scalar_type() == at::kShort && t->is_contiguous() && t->size(0) == N && t->size(1) == Kp / 32,
                     "q4 scales / mins must be contiguous int16 [", N, ", ", Kp / 32, "]");
     }
-    TORCH_CHECK(!tiles.has_value() || kind == kQ4, "only a q4 linear takes tiles");
-    if (tiles.has_value())
+    TORCH_CHECK(!tiles.has_value() || kind == kQ4 || kind == kInt8, "only an int8 or q4 linear takes tiles");
+    if (tiles.has_value()) {
+      const int64_t bytes = kind == kQ4 ? duet::q4_tile_bytes(Kp) : duet::int8_tile_bytes(Kp);
       TORCH_CHECK(tiles->device().is_cpu() && tiles->scalar_type() == at::kByte && tiles->is_contiguous() &&
-                      tiles->dim() == 2 && tiles->size(0) == (N + 15) / 16 && tiles->size(1) == duet::q4_tile_bytes(Kp) &&
+                      tiles->dim() == 2 && tiles->size(0) == (N + 15) / 16 && tiles->size(1) == bytes &&
                       reinterpret_cast<uintptr_t>(tiles->data_ptr()) % 64 == 0,
-                  "q4 tiles must be the q4_tiles of this weight: contiguous, 64-byte aligned uint8 [", (N + 15) / 16, ", ",
-                  duet::q4_tile_bytes(Kp), "]");
+                  "tiles must be the tiles of this weight: contiguous, 64-byte aligned uint8 [", (N + 15) / 16, ", ",
+                  bytes, "]");
+    }
     TORCH_CHECK(kind == kFp32 || kind == kBf16 || (Kp % 64 == 0 && K <= Kp && K > Kp - 64), "quantized weight holds ", Kp,
                 " columns; K = ", K, " needs ceil(K / 64) * 64");
   }
@@ -113,7 +116,7 @@ struct StackLinear {
                      N, K, nt);
     } else if (kind == kInt8) {
       duet::int8_linear_f32(x.data_ptr<float>(), x.stride(0), w.data_ptr<int8_t>(), s.data_ptr<float>(), b,
-                            y.data_ptr<float>(), N, T, N, K, Kp, nt);
+                            y.data_ptr<float>(), N, T, N, K, Kp, nt, tiles.has_value() ? tiles->data_ptr<uint8_t>() : nullptr);
     } else {
       duet::q4_linear_f32(x.data_ptr<float>(), x.stride(0), w.data_ptr<uint8_t>(),
                           reinterpret_cast<const uint16_t*>(s.data_ptr<int16_t>()),
@@ -280,7 +283,7 @@ void bind_decoder_stack(pybind11::module& m) {
            py::arg("kind"), py::arg("weight"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("K"),
            py::arg("tiles") = py::none(),
            "kind 0 fp32 (weight [N, K]), 1 int8 (codes [N, Kp], scales [N]), 2 q4 (codes [N, Kp/2], scales and "
-           "mins [N, Kp/32]; tiles: their q4_tiles or None), 3 bf16 (weight [N, K])");
+           "mins [N, Kp/32]), 3 bf16 (weight [N, K]); tiles: an int8 / q4 weight's int8_tiles / q4_tiles, or None");
   py::class_<StackLayer>(m, "StackLayer")
       .def(py::init<Tensor, Tensor, StackLinear, StackLinear, StackLinear, StackLinear>(), py::arg("in_norm"),
            py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"));

@@ -142,9 +142,14 @@ void q4_linear_f32(const float* x, int64_t x_stride, const uint8_t* w, const uin
 // [2][16]. q4_tile_bytes(Kp) bytes per tile, 64-byte aligned when `out` is.
 int64_t q4_tile_bytes(int64_t Kp);
 void make_q4_tiles(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t N, int64_t Kp, uint8_t* out);
-// int8: w int8 [N, Kp] (zero past K), w = scale[n] * q.
+// int8: w int8 [N, Kp] (zero past K), w = scale[n] * q. tiles: as for q4 (make_int8_tiles) or null.
 void int8_linear_f32(const float* x, int64_t x_stride, const int8_t* w, const float* scale, const float* bias,
-                     float* y, int64_t y_stride, int64_t T, int64_t N, int64_t K, int64_t Kp, int max_threads);
+                     float* y, int64_t y_stride, int64_t T, int64_t N, int64_t K, int64_t Kp, int max_threads,
+                     const uint8_t* tiles = nullptr);
+// The int8 weights in the VNNI path's tile order: per 16 rows (the last tile padded), 16 * Kp bytes:
+// per group s of 4 codes, 64 bytes = codes 4s..4s+3 of each row, biased to q + 128.
+int64_t int8_tile_bytes(int64_t Kp);
+void make_int8_tiles(const int8_t* w, int64_t N, int64_t Kp, uint8_t* out);
 // The activation quantization alone (tests compare it with the torch reference): q_out [T, Kp], sx_out [T, Kp / 32].
 void quantize_activations_q8(const float* x, int64_t x_stride, int64_t T, int64_t K, int64_t Kp, int8_t* q_out,
                              float* sx_out);

@@ -22,11 +22,12 @@
 //                 per 8 vpdpbusd) instead of once per row. The repack is a 16 x 16 transpose of
 //                 4-byte groups (q4: after splitting the nibbles) and costs about as much as 4
 //                 tokens' dot products on a tile, so it pays for itself from T = 1 on -- but at
-//                 batch 1 it is most of the call's time. q4 weights may therefore come with their
-//                 tiles made once (make_q4_tiles, at load): the same bytes in tile order, nibble
-//                 pairs kept (block 2c's codes are chunk c's low nibbles, block 2c + 1's its high
-//                 ones, split with one and / shift per load) and d, m as fp16 [nb][16]; the kernel
-//                 then streams them with no repack, bit-identical. vpdpbusd multiplies unsigned
+//                 batch 1 it is most of the call's time. The weights may therefore come with their
+//                 tiles made once, at load: int8 (make_int8_tiles) exactly the scratch's layout; q4
+//                 (make_q4_tiles) the same bytes in tile order, nibble pairs kept (block 2c's codes
+//                 are chunk c's low nibbles, block 2c + 1's its high ones, split with one and /
+//                 shift per load) and d, m as fp16 [nb][16]. The kernel then streams them with no
+//                 repack, bit-identical. vpdpbusd multiplies unsigned
 //                 by signed bytes: q4 codes are unsigned already; int8 codes are biased to
 //                 q + 128 while packing and the bias is taken off exactly in int32:
 //                 dot_b = raw_b - 128 * sum_{k in b} xq[t, k].
@@ -170,7 +171,7 @@ struct QWeights {
   const uint8_t* w4;  // q4: packed nibbles [N, Kp / 2]
   const uint16_t* d;  // q4: fp16 [N, nb]
   const uint16_t* m;  // q4: fp16 [N, nb]
-  const uint8_t* tiles;  // q4: the same weights in tile order (make_q4_tiles) or null
+  const uint8_t* tiles;  // the same weights in tile order (make_q4_tiles / make_int8_tiles) or null
   const float* bias;  // [N] or null
   float* y;
   int64_t y_stride, N;
@@ -345,14 +346,16 @@ DUET_VNNI void pack_tile(const QWeights& W, int64_t Kp, int64_t n0, int64_t nr, 
 }
 
 // R packed tiles (rows n0 .. n0 + 16R) x TT tokens [t0, t0 + TT): the whole K, then the stores.
-// TILED (q4): the tiles are W.tiles' (nibble pairs, fp16 d and m; see make_q4_tiles), not p's.
+// TILED: the tiles are W.tiles' (make_int8_tiles: p's layout; make_q4_tiles: nibble pairs, fp16 d
+// and m), not p's.
 template <WKind KIND, int R, int TT, bool TILED>
 DUET_VNNI void compute_tiles(const QWeights& W, const QActs& a, const Packed& p, int64_t n0, int64_t t0) {
   const int64_t nb = a.nb, tile_bytes = a.Kp / 4 * 64;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const uint8_t* tiled[R];  // TILED: each tile's bytes
   if (TILED)
-    for (int r = 0; r < R; ++r) tiled[r] = W.tiles + (n0 / kTile + r) * q4_tile_bytes(a.Kp);
+    for (int r = 0; r < R; ++r)
+      tiled[r] = W.tiles + (n0 / kTile + r) * (KIND == WKind::kQ4 ? q4_tile_bytes(a.Kp) : int8_tile_bytes(a.Kp));
   __m512 accf[R][TT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) accf[r][t] = _mm512_setzero_ps();
@@ -366,7 +369,9 @@ DUET_VNNI void compute_tiles(const QWeights& W, const QActs& a, const Packed& p,
     for (int s = 0; s < 8; ++s) {
       __m512i wv[R];
       for (int r = 0; r < R; ++r) {
-        if (TILED) {  // block b's codes: the low nibbles of chunk b / 2 (even b), else the high ones
+        if (TILED && KIND == WKind::kInt8) {
+          wv[r] = _mm512_load_si512(tiled[r] + (b * 8 + s) * 64);
+        } else if (TILED) {  // block b's codes: the low nibbles of chunk b / 2 (even b), else the high ones
           const __m512i v = _mm512_load_si512(tiled[r] + ((b >> 1) * 8 + s) * 64);
           wv[r] = _mm512_and_si512(b & 1 ? _mm512_srli_epi16(v, 4) : v, low4);
         } else {
@@ -443,7 +448,7 @@ DUET_VNNI void rows_vnni(const QWeights& W, const QActs& a, int64_t n0, int64_t 
   }
   for (int64_t n = n0; n < n1; n += 2 * kTile) {
     const int R = n + kTile < n1 ? 2 : 1;
-    if (KIND == WKind::kQ4 && W.tiles != nullptr) {  // packed once, at load: nothing to repack
+    if (W.tiles != nullptr) {  // packed once, at load: nothing to repack
       if (R == 2) {
         tokens_vnni<KIND, 2, true>(W, a, p, n, t0, t1);
       } else {
@@ -533,9 +538,26 @@ void make_q4_tiles(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64
   }
 }
 
+int64_t int8_tile_bytes(int64_t Kp) { return Kp * kTile; }
+
+void make_int8_tiles(const int8_t* w, int64_t N, int64_t Kp, uint8_t* out) {
+  const int64_t steps = Kp / 4, tb = int8_tile_bytes(Kp);
+  for (int64_t tile = 0; tile * kTile < N; ++tile) {
+    uint8_t* codes = out + tile * tb;
+    for (int64_t i = 0; i < kTile; ++i) {
+      const int64_t n = tile * kTile + i;
+      for (int64_t s = 0; s < steps; ++s)  // codes 4s..4s+3 of row i, biased to q + 128 (vpdpbusd's unsigned side)
+        for (int64_t e = 0; e < 4; ++e)
+          codes[s * 64 + i * 4 + e] = n < N ? static_cast<uint8_t>(w[n * Kp + 4 * s + e] + 128) : 128;
+    }
+  }
+}
+
 void int8_linear_f32(const float* x, int64_t x_stride, const int8_t* w, const float* scale, const float* bias,
-                     float* y, int64_t y_stride, int64_t T, int64_t N, int64_t K, int64_t Kp, int max_threads) {
-  const QWeights W{w, scale, nullptr, nullptr, nullptr, nullptr, bias, y, y_stride, N};
+                     float* y, int64_t y_stride, int64_t T, int64_t N, int64_t K, int64_t Kp, int max_threads,
+                     const uint8_t* tiles) {
+  const QWeights W{w, scale, nullptr, nullptr, nullptr, active_path() == QPath::kVnni ? tiles : nullptr, bias, y,
+                   y_stride, N};
   run<WKind::kInt8>(W, x, x_stride, T, K, Kp, max_threads);
 }
 

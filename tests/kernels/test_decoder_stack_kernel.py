@@ -18,6 +18,7 @@ import torch
 from kernels import _build
 from kernels.decoder_stack import StackLayerWeights, StackLinearWeights, build_decoder_stack, decoder_stack_ref
 from kernels.quant_formats import quantize_int8, quantize_q4
+from kernels.int8_linear import int8_tiles
 from kernels.quant_linear import q4_tiles
 
 from testkit.tolerance import MODEL_FP32
@@ -83,14 +84,16 @@ def test_stack_is_bit_identical_to_the_layer_path(ext, isa: str, kind: str, T: i
         assert torch.equal(k, kr) and torch.equal(v, vr)
 
 
+@pytest.mark.parametrize("kind", ["int8", "q4"])
 @pytest.mark.parametrize("T", [1, 4, 17])
-def test_q4_tiles_change_no_bit_of_the_stack(ext, isa: str, T: int) -> None:
-    """q4 projections that carry their weights in tile order (what a loaded q4 model gives them on a
-    VNNI CPU) compute the same bits as without, and as the layer path without them."""
-    layers, final, kv, x = _case("q4", T, 6, 2, True, seed=T)
+def test_tiles_change_no_bit_of_the_stack(ext, isa: str, kind: str, T: int) -> None:
+    """Quantized projections that carry their weights in tile order (what a loaded int8 / q4 model
+    gives them on a VNNI CPU) compute the same bits as without, and as the layer path without them."""
+    layers, final, kv, x = _case(kind, T, 6, 2, True, seed=T)
 
     def tiled(w: StackLinearWeights) -> StackLinearWeights:
-        return StackLinearWeights(w.kind, w.tensors, w.bias, w.in_features, q4_tiles(*w.tensors))
+        tiles = int8_tiles(w.tensors[0]) if kind == "int8" else q4_tiles(*w.tensors)
+        return StackLinearWeights(w.kind, w.tensors, w.bias, w.in_features, tiles)
 
     with_tiles = [StackLayerWeights(l.in_norm, l.post_norm, *(tiled(w) for w in (l.qkv, l.o, l.gate_up, l.down)))
                   for l in layers]

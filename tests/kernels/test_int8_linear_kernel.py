@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels.int8_linear import int8_tiles
 from kernels.quant_formats import dequantize_int8, quantize_int8
 from testkit.kernel_paths import available_paths, on_path
 from testkit.tolerance import INT8_ACTIVATIONS, KERNEL_FP32, assert_within, int8_linear_error_bound
@@ -152,3 +153,45 @@ def test_triton_kernel_vs_weight_only_ref(T: int, N: int, K: int) -> None:
     q, s, b, x = _problem(N, K, T, 11)
     y = tri("int8_linear").int8_linear_triton(x.view(1, T, K), q, s, b).view(T, N)
     KERNEL_FP32.assert_close(y, F.linear(x, dequantize_int8(q, s, K), b))
+
+
+def _tiles_ref(q: torch.Tensor) -> torch.Tensor:
+    """make_int8_tiles' layout (kernels/csrc/kernels.h) in torch: per 16 rows (the last padded with
+    code 0), per group s of 4 codes, each row's codes 4s..4s+3, biased by 128."""
+    N, Kp = q.shape
+    tiles = -(-N // 16)
+    biased = (F.pad(q, (0, 0, 0, tiles * 16 - N)).to(torch.int16) + 128).to(torch.uint8)
+    return biased.view(tiles, 16, Kp // 4, 4).permute(0, 2, 1, 3).reshape(tiles, -1)
+
+
+@pytest.mark.parametrize("N,K", [(960, 576), (37, 577), (17, 96), (1, 1)])
+def test_tiles_hold_the_weights_in_the_documented_order(ext, N: int, K: int) -> None:
+    q, _ = quantize_int8(torch.randn(N, K))
+    tiles = int8_tiles(q)
+    assert tiles is not None and torch.equal(tiles, _tiles_ref(q))
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_tiles_give_the_same_result_bit_for_bit(dot_path: str, N: int, K: int) -> None:
+    """The weights in tile order (read by the VNNI path instead of repacking them per call; every
+    other path ignores them) change no bit of any row, at every token count and thread count."""
+    g = torch.Generator().manual_seed(N + K)
+    w, b, x = torch.randn(N, K, generator=g), torch.randn(N, generator=g), torch.randn(64, K, generator=g)
+    q, s = quantize_int8(w)
+    tiles = int8_tiles(q)
+    threads = torch.get_num_threads()
+    try:
+        for nt in sorted({1, threads}):
+            torch.set_num_threads(nt)
+            for T in TOKENS:
+                for bias in (None, b):
+                    plain = kernels.int8_linear(x[:T], q, s, bias)
+                    assert torch.equal(kernels.int8_linear(x[:T], q, s, bias, tiles=tiles), plain), (T, nt, bias is None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_tiles_of_another_weight_are_refused(ext) -> None:
+    q, s = quantize_int8(torch.randn(40, 128))
+    with pytest.raises(RuntimeError, match=r"tiles must be .* uint8 \[3, 2048\]"):
+        ext.int8_linear(torch.randn(1, 128), q, s, None, 128, int8_tiles(quantize_int8(torch.randn(40, 64))[0]))

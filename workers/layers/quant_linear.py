@@ -41,9 +41,9 @@ from kernels.quant_formats import (
     quantize_q4,
     unpack_q4,
 )
-from kernels.int8_linear import int8_linear
+from kernels.int8_linear import int8_linear, int8_tiles
 from kernels.linear import packed_linear, prepack
-from kernels.quant_linear import q4_linear, q4_tiles, q4_tiles_used
+from kernels.quant_linear import q4_linear, q4_tiles, quant_tiles_used
 from workers.config import QUANTIZATIONS
 from workers.layers.linear import Linear
 
@@ -149,21 +149,26 @@ class QuantLinear(nn.Module):
         # state, never saved or shared
         self.bf16_copy: torch.Tensor | None = None
         self.step_rows: StepRows | None = None  # with a bf16 copy: the step's leading decode rows (StepRows)
-        # q4: the weights in the VNNI kernel's tile order (``make_tiles``; None = none): derived
-        # state, never saved or shared
+        # the weights in the VNNI kernel's tile order (``make_tiles``; None = none): derived state,
+        # never saved or shared
         self.tiles: torch.Tensor | None = None
 
     def make_tiles(self) -> bool:
-        """q4 on a CPU whose quantized kernel takes the AVX-512 VNNI path: also keep the weights in
-        that path's tile order (kernels/quant_linear.py ``q4_tiles``), so that each call streams
-        them as they are instead of repacking every 16-row tile first (bit-identical results; the
-        repack cost batch-1 decode more than reading the weights). True if made; it costs the
-        codes' and scales' memory again (~4.5 bits per weight). ``load_weight`` refreshes it in
-        place (the fused decode stack holds it)."""
-        if self._int8 or not q4_tiles_used():
+        """On a CPU whose quantized kernel takes the AVX-512 VNNI path: also keep the weights in that
+        path's tile order (kernels ``int8_tiles`` / ``q4_tiles``), so that each call streams them as
+        they are instead of repacking every 16-row tile first (bit-identical results; the repack
+        cost batch-1 decode more than reading the weights). True if made; it costs the codes'
+        memory again (int8: 8 bits per weight, q4: ~4.5). ``load_weight`` refreshes it in place
+        (the fused decode stack holds it)."""
+        if not quant_tiles_used():
             return False
-        self.tiles = q4_tiles(self.qweight, self.scales, self.mins)
+        self.tiles = self._tiles()
         return self.tiles is not None
+
+    def _tiles(self) -> torch.Tensor | None:
+        if self._int8:
+            return int8_tiles(self.qweight)
+        return q4_tiles(self.qweight, self.scales, self.mins)
 
     def make_bf16_copy(self, step_rows: StepRows | None = None) -> bool:
         """Keep the de-quantized weight as a oneDNN-packed bf16 copy (kernels/linear.py ``prepack``) for
@@ -200,7 +205,7 @@ class QuantLinear(nn.Module):
             getattr(self, name).narrow(0, start, size).copy_(q.tensors[name])
         self.bf16_copy = None  # the weight changed: a copy made before is stale
         if self.tiles is not None:  # in place: whoever holds the tiles sees the new weights
-            self.tiles.copy_(q4_tiles(self.qweight, self.scales, self.mins))  # type: ignore[arg-type]  # made before: not None
+            self.tiles.copy_(self._tiles())  # type: ignore[arg-type]  # made before, so the kernels are there
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         """Loader of the fp bias (same contract as Linear.weight_loader)."""
@@ -233,7 +238,7 @@ class QuantLinear(nn.Module):
     def _kernel(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         b: dict[str, Any] = self._buffers  # all registered in __init__
         if self._int8:
-            return int8_linear(x, b["qweight"], b["scales"], bias)
+            return int8_linear(x, b["qweight"], b["scales"], bias, self.tiles)
         return q4_linear(x, b["qweight"], b["scales"], b["mins"], bias, self.tiles)
 
     def extra_repr(self) -> str:

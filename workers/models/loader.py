@@ -134,10 +134,10 @@ def load_model(
         setattr(model, "step_rows", step_rows)  # noqa: B010 - any model class; ModelRunner reads it
         logger.info("%d quantized layers keep a bf16 copy for batches of more than %d rows", copies,
                     BF16_COPY_MIN_ROWS)
-    if quantization == "q4" and torch.device(device).type == "cpu":
+    if quantization != "none" and torch.device(device).type == "cpu":
         tiled = sum(m.make_tiles() for m in model.modules() if isinstance(m, QuantLinear))
         if tiled:
-            logger.info("%d q4 layers keep their weights in the VNNI kernel's tile order too", tiled)
+            logger.info("%d quantized layers keep their weights in the VNNI kernel's tile order too", tiled)
     if prepack_weights:
         packed = sum(m.prepack() for m in model.modules() if isinstance(m, (Linear, ParallelLMHead)))
         if packed and hasattr(model, "prepacked"):

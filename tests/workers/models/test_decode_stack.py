@@ -15,7 +15,7 @@ import pytest
 import torch
 from testkit.mixtral_tiny import save_tiny_mixtral
 
-from kernels.quant_linear import q4_tiles_used
+from kernels.quant_linear import quant_tiles_used
 from workers.layers.quant_linear import QuantLinear
 from workers.llm import LLM
 from workers.models.decode_stack import fused_stack
@@ -81,16 +81,19 @@ def test_engine_config_reaches_the_model(smollm2_path: Path) -> None:
     assert model._stack is False  # decode steps ran, and not through the stack
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "module"])
-def test_q4_tiles_change_no_logit(smollm2_path: Path, monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
-    """A q4 model on a VNNI CPU keeps its weights in the kernel's tile order too (loader.py,
-    QuantLinear.make_tiles): every logit is the same with them and without them, on both paths."""
-    llm = LLM(str(smollm2_path), quantization="q4", enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20,
-              max_num_batched_tokens=48)
-    q4_layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantLinear) and m.method == "q4"]
-    assert q4_layers and all((m.tiles is not None) == q4_tiles_used() for m in q4_layers)
+@pytest.mark.parametrize("quantization,fused", [("q4", True), ("q4", False), ("int8", True)])
+def test_tiles_change_no_logit(smollm2_path: Path, monkeypatch: pytest.MonkeyPatch, quantization: str,
+                               fused: bool) -> None:
+    """A quantized model on a VNNI CPU keeps its weights in the kernel's tile order too (loader.py,
+    QuantLinear.make_tiles; the int8 LM head of a q4 model included): every logit is the same with
+    them and without them, through the fused stack and the module path."""
+    llm = LLM(str(smollm2_path), quantization=quantization, enable_prefix_caching=False,
+              kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=48)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantLinear)]
+    assert {m.method for m in layers} == {quantization, "int8"}  # the LM head is int8 either way
+    assert all((m.tiles is not None) == quant_tiles_used() for m in layers)
     tokens_tiled, logits_tiled = _run(llm, monkeypatch, fused=fused)
-    for m in q4_layers:
+    for m in layers:
         m.tiles = None  # _run builds the stack again, now without them
     tokens_plain, logits_plain = _run(llm, monkeypatch, fused=fused)
     assert tokens_tiled == tokens_plain

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.quant_formats import dequantize_q4, quantize_int8
-from kernels.quant_linear import q4_linear, q4_tiles, q4_tiles_used
+from kernels.int8_linear import int8_linear, int8_tiles
+from kernels.quant_linear import q4_linear, q4_tiles, quant_tiles_used
 from workers.config import EngineConfig
 from workers.errors import ConfigError
 from workers.layers.quant_linear import QuantizedWeight, QuantLinear, QuantMergedLinear, quantize
@@ -116,21 +117,27 @@ def test_loader_checks_shapes_and_converts_methods() -> None:
     assert torch.equal(layer.qweight, quantize("q4", other.dequantize()).tensors["qweight"])
 
 
-def test_loading_a_weight_refreshes_the_tiles_in_place() -> None:
+@pytest.mark.parametrize("method", ["int8", "q4"])
+def test_loading_a_weight_refreshes_the_tiles_in_place(method: str) -> None:
     """The fused decode stack holds a layer's tiles (QuantLinear.make_tiles): a weight loaded later
     (one shard of a merged layer here) is written into that same tensor, so the stack sees it."""
-    layer = QuantMergedLinear(64, {"gate": 24, "up": 24}, method="q4")
+    layer = QuantMergedLinear(64, {"gate": 24, "up": 24}, method=method)
     layer.load_weight(torch.randn(24, 64), "gate")
     made = layer.make_tiles()
     if not made:  # a CPU whose kernel does not read tiles: the layer keeps none
-        assert layer.tiles is None and not q4_tiles_used()
+        assert layer.tiles is None and not quant_tiles_used()
         return
     tiles = layer.tiles
     assert tiles is not None
     layer.load_weight(torch.randn(24, 64), "up")
-    assert layer.tiles is tiles and torch.equal(tiles, q4_tiles(layer.qweight, layer.scales, layer.mins))
     x = torch.randn(3, 64)
-    assert torch.equal(layer(x), q4_linear(x, layer.qweight, layer.scales, layer.mins))  # without tiles
+    assert layer.tiles is tiles
+    if method == "q4":
+        assert torch.equal(tiles, q4_tiles(layer.qweight, layer.scales, layer.mins))
+        assert torch.equal(layer(x), q4_linear(x, layer.qweight, layer.scales, layer.mins))  # without tiles
+    else:
+        assert torch.equal(tiles, int8_tiles(layer.qweight))
+        assert torch.equal(layer(x), int8_linear(x, layer.qweight, layer.scales))
 
 
 def test_gguf_source(tmp_path: Path) -> None:
