@@ -17,6 +17,10 @@ decode step does. Sides, timed in the same run, alternating, 2 threads:
     fp32     F.linear on the de-quantized fp32 weights (torch's BLAS): the baseline to beat
     fp32-duet kernels.linear on the same fp32 weights (Duet's GEMV for T <= 16, else F.linear)
     q4       kernels.q4_linear (4-bit weights, int8 activations): the int8 VNNI class of kernel
+    int8-tiles, q4-tiles
+             the same kernels given the weights' tiles (kernels.int8_tiles / q4_tiles, made once, as a
+             loaded model keeps them on a VNNI CPU): no per-call repack of each 16-row tile. On a CPU
+             without VNNI the kernel ignores them (the figures then equal int8 / q4).
 
 Timings go through engine_throughput.py's quiet-machine gate; medians over quiet repeats (all
 repeats, flagged, when none was quiet). JSON: benchmarks/results/int8_linear_bench[_quick].json.
@@ -47,7 +51,7 @@ logger = logging.getLogger("benchmarks.int8_linear_bench")
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K): qkv, o, gate_up, down
 HEAD_SHAPE = (49152, 576)
-SIDES = ("int8", "fp32", "fp32-duet", "q4")
+SIDES = ("int8", "int8-tiles", "fp32", "fp32-duet", "q4", "q4-tiles")
 
 
 def make_matrices(layers: int, head: bool) -> list[dict[str, Any]]:
@@ -56,7 +60,9 @@ def make_matrices(layers: int, head: bool) -> list[dict[str, Any]]:
     for N, K in shapes:
         w = torch.randn(N, K) / K**0.5
         q, s = quantize_int8(w)
-        mats.append({"K": K, "q": q, "s": s, "w": dequantize_int8(q, s, K).contiguous(), "q4": quantize_q4(w)})
+        q4 = quantize_q4(w)
+        mats.append({"K": K, "q": q, "s": s, "w": dequantize_int8(q, s, K).contiguous(), "q4": q4,
+                     "int8_tiles": kernels.int8_tiles(q), "q4_tiles": kernels.q4_tiles(*q4)})
     return mats
 
 
@@ -67,6 +73,10 @@ def sweep_fn(side: str, mats: list[dict[str, Any]], xs: dict[int, torch.Tensor])
                 x = xs[m["K"]]
                 if side == "int8":
                     kernels.int8_linear(x, m["q"], m["s"])
+                elif side == "int8-tiles":
+                    kernels.int8_linear(x, m["q"], m["s"], tiles=m["int8_tiles"])
+                elif side == "q4-tiles":
+                    kernels.q4_linear(x, *m["q4"], tiles=m["q4_tiles"])
                 elif side == "fp32":
                     F.linear(x, m["w"])
                 elif side == "fp32-duet":
@@ -89,8 +99,10 @@ def measure(T: int, mats: list[dict[str, Any]], repeats: int, gate: QuietGate) -
         r = res[side]
         r["median_ms"] = 1e3 * quiet_median(r["seconds"], r["seconds_load"])
         r["quiet_runs"] = sum(load <= CONTENDED for load in r["seconds_load"])
-    for side in SIDES[1:]:
+    for side in ("fp32", "fp32-duet", "q4"):
         res[f"int8_speedup_vs_{side}"] = res[side]["median_ms"] / res["int8"]["median_ms"]
+    for kind in ("int8", "q4"):  # what the tiles save
+        res[f"{kind}_tiles_speedup"] = res[kind]["median_ms"] / res[f"{kind}-tiles"]["median_ms"]
     return res
 
 
@@ -124,10 +136,11 @@ def main(argv: list[str] | None = None) -> None:
            "isa": ext.active_isa() if ext else None, "threads": args.threads, "results": results,
            "contention": {"threshold": CONTENDED, "whole_run_load": whole.read(), "quiet_budget_spent_s": gate.spent_s}}
     out.write_text(json.dumps(doc, indent=1))
-    print(f"{'T':>5} " + " ".join(f"{s + ' ms':>13}" for s in SIDES) + "   int8 speedup vs fp32 / q4")
+    print(f"{'T':>5} " + " ".join(f"{s + ' ms':>15}" for s in SIDES) + "   int8 vs fp32 / q4   tiles: int8 / q4")
     for r in results:
-        print(f"{r['tokens']:>5} " + " ".join(f"{r[s]['median_ms']:>13.2f}" for s in SIDES)
-              + f"   {r['int8_speedup_vs_fp32']:.2f}x / {r['int8_speedup_vs_q4']:.2f}x")
+        print(f"{r['tokens']:>5} " + " ".join(f"{r[s]['median_ms']:>15.2f}" for s in SIDES)
+              + f"   {r['int8_speedup_vs_fp32']:.2f}x / {r['int8_speedup_vs_q4']:.2f}x"
+              + f"   {r['int8_tiles_speedup']:.2f}x / {r['q4_tiles_speedup']:.2f}x")
     print(f"others' load over the run: {doc['contention']['whole_run_load']:.2f}; JSON: {out}")
 
 
