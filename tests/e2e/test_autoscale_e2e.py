@@ -36,7 +36,8 @@ from testkit.waiting import wait_until as _wait
 
 NAMESPACE = "duet_autoscale_e2e"
 TOKENS = 16
-LONG = 1500  # tokens of the request the drain must wait for (~20+ s here)
+LONG = 1000  # tokens of the request the drain must wait for: the drain begins ~7 s (a 6 s window) after
+# the ramp ends, by when it has streamed ~200 here and at most ~600 on a quiet fast machine
 PROFILE = {"format": "duet-profile/1", "model": "SmolLM2-135M-Instruct", "pool_type": "decode",
            "slo": {"tpot_p90_s": 2.0},
            "capacity": {"requests_per_s": 2.0, "mean_prompt_tokens": 8.0, "mean_output_tokens": float(TOKENS)}}
@@ -52,7 +53,7 @@ pools:
 autoscaling:
   enabled: true
   interval_s: 2
-  window_buckets: 5
+  window_buckets: 3
   latency_buckets: 2
   horizon_s: 2
   up_cooldown_s: 2

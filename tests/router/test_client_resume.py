@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 from testkit.router_fakes import LoopThread
-from testkit.router_kill import assert_like_unbroken, streams_through_a_kill
+from testkit.router_kill import assert_like_unbroken, streams_through_a_kill, unbroken_runs
 
 from protos.duet.v1 import duet_pb2, duet_pb2_grpc
 from router.client import collect, complete, stream
@@ -48,8 +48,7 @@ def test_streams_resume_on_another_router_with_identical_output(smollm2_path, to
     standby = _router(smollm2_path, tok, worker)
     doomed = _router(smollm2_path, tok, worker)
     try:
-        expected = [complete(p, target=standby.address, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=300, **s)
-                    for p, s in cases]
+        expected = unbroken_runs(cases, standby.address, max_tokens=MAX_TOKENS)
         # the router carrying them dies mid-way: its streams end now
         got, at_kill = streams_through_a_kill(cases, [doomed.address, standby.address], lambda: doomed.stop(0),
                                               max_tokens=MAX_TOKENS, min_seen=2)
@@ -115,8 +114,7 @@ def test_a_draining_router_hands_its_streams_off(smollm2_path, tok, worker):
     draining = _router(smollm2_path, tok, worker)
     try:
         prompts = PROMPTS[:3]
-        expected = [complete(p, target=standby.address, max_tokens=48, temperature=0.0, ignore_eos=True, timeout=300)
-                    for p in prompts]
+        expected = unbroken_runs([(p, dict(temperature=0.0)) for p in prompts], standby.address, max_tokens=48)
         got: list = [None] * len(prompts)
         seen = [0] * len(prompts)
         errors: list[str] = []

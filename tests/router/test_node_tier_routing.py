@@ -9,6 +9,7 @@ without any lookup."""
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext
 from pathlib import Path
 
 import grpc
@@ -70,9 +71,10 @@ def _generate(address: str, ids: list[int]) -> list[int]:
         return [t for r in duet_pb2_grpc.DuetStub(channel).Generate(req, timeout=300) for t in r.token_ids]
 
 
-def _submit(endpoint: str, rid: str, ids: list[int], max_tokens: int = 8) -> list[int]:
-    """Straight to one worker (not through the router)."""
-    with grpc.insecure_channel(endpoint) as channel:
+def _submit(endpoint: str, rid: str, ids: list[int], max_tokens: int = 8,
+            channel: grpc.Channel | None = None) -> list[int]:
+    """Straight to one worker (not through the router); on ``channel`` if given (closing it cancels the call)."""
+    with nullcontext(channel) if channel is not None else grpc.insecure_channel(endpoint) as channel:
         req = worker_pb2.SubmitRequest(request_id=rid, prompt_token_ids=ids, sampling=worker_pb2.SamplingParams(
             max_tokens=max_tokens, temperature=0.0, top_p=1.0, ignore_eos=max_tokens > 8))
         return [t for r in worker_pb2_grpc.WorkerStub(channel).Submit(req, timeout=300) for t in r.token_ids]
@@ -111,8 +113,9 @@ def test_a_prefix_a_neighbour_put_in_the_node_tier_is_routed_on_and_loaded(clust
     assert index.match_tiers(SYSTEM)["w1"] == [Tier.HOST] * 8
     # the holder gets busy: the router weighs the two equal host hits against load, picks the neighbour
     busy_out: list = []
+    busy_channel = grpc.insecure_channel(holder.endpoint)
     busy = threading.Thread(target=lambda: busy_out.append(
-        _try(_submit, holder.endpoint, "busy", list(range(7000, 7040)), 200)))  # 15 blocks: fits the cache
+        _try(_submit, holder.endpoint, "busy", list(range(7000, 7040)), 200, busy_channel)))  # 15 blocks: fits the cache
     busy.start()
     try:
         wait_until(lambda: _load_tokens(router, "w1") > 100, what="the router sees the holder busy", timeout=20)
@@ -128,6 +131,7 @@ def test_a_prefix_a_neighbour_put_in_the_node_tier_is_routed_on_and_loaded(clust
         assert _load(neighbour.endpoint).tier_host_hits - before >= len(SYSTEM) // 16, why  # loaded from the node tier
         assert got == _submit(plain.endpoint, "plain", turn2)  # the tokens of computing it all, tiers off
     finally:
+        busy_channel.close()  # the busy request only had to keep the holder busy while turn 2 was routed
         busy.join()
 
 

@@ -7,11 +7,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from router.client import collect, stream
+from router.client import collect, complete, stream
 
 Case = tuple[str, dict[str, Any]]  # (prompt, sampling keyword arguments)
+
+
+def unbroken_runs(cases: list[Case], target: str, *, max_tokens: int, timeout: float = 300) -> list[Any]:
+    """Each case's unbroken run on ``target`` (``max_tokens``, ``ignore_eos``), a thread each, all at
+    once: one batch, as the streams through the kill run are (and in the time of the longest run,
+    not of all of them one after another). Returns the completions in the order of ``cases``."""
+    with ThreadPoolExecutor(len(cases)) as pool:
+        return list(pool.map(lambda case: complete(case[0], target=target, max_tokens=max_tokens, ignore_eos=True,
+                                                  timeout=timeout, **case[1]), cases))
 
 
 def streams_through_a_kill(cases: list[Case], targets: list[str], kill: Callable[[], None], *, max_tokens: int,
@@ -55,8 +65,8 @@ def assert_like_unbroken(cases: list[Case], expected: list[Any], got: list[Any],
                          max_tokens: int, max_diverged: int, diverge_before_kill: bool) -> None:
     """Every resumed stream is complete (``max_tokens`` tokens, finish 'length') and equals its
     unbroken run (tokens and text), except at most ``max_diverged`` seeded streams: a seeded draw can
-    flip at a near-tie when many streams share a batch instead of one running alone (batched logits
-    differ in the last bits: benchmarks/README.md, issue 30), and with ``diverge_before_kill`` such
+    flip at a near-tie when the streams share batches of another make-up than in the unbroken runs
+    (batched logits differ in the last bits: benchmarks/README.md, issue 30), and with ``diverge_before_kill`` such
     a flip must come before the kill, so the resume had no part in it."""
     diverged = []
     for (prompt, sampling), e, g, at in zip(cases, expected, got, at_kill):
