@@ -76,7 +76,8 @@ def sweep_fn(side: str, mats: list[dict[str, Any]], xs: dict[int, torch.Tensor])
                 elif side == "int8-tiles":
                     kernels.int8_linear(x, m["q"], m["s"], tiles=m["int8_tiles"])
                 elif side == "q4-tiles":
-                    kernels.q4_linear(x, *m["q4"], tiles=m["q4_tiles"])
+                    codes, d, mins = m["q4"]
+                    kernels.q4_linear(x, codes, d, mins, tiles=m["q4_tiles"])
                 elif side == "fp32":
                     F.linear(x, m["w"])
                 elif side == "fp32-duet":

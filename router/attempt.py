@@ -61,6 +61,7 @@ import grpc
 
 from protos.duet.v1 import duet_pb2
 from router.config import RouterConfig
+from router.policies.base import WorkerState
 
 
 class OutcomeKind(enum.Enum):
@@ -83,6 +84,10 @@ class AttemptOutcome:
                     its retry (router/policies/disagg.py: colocated on a decode worker).
     report          the worker looks dead: the pipeline reports it to the directory (no traffic
                     until a poll succeeds after the cooldown).
+    process         RETRY: which process of ``worker_id`` failed (its endpoint and incarnation,
+                    ``worker_process``; set by the pipeline from the attempt's lease): the request
+                    avoids that process only, so a worker Ray restarted meanwhile serves it again.
+                    "" = the worker id whatever its process.
     reason          what happened to the worker (the report's text; for RESUME also the message
                     when resumes run out).
     finish_reason   FINISHED: the reason's short name (stop, length, abort).
@@ -101,6 +106,7 @@ class AttemptOutcome:
     response: duet_pb2.GenerateResponse | None = field(default=None, compare=False)
     target_id: str = ""  # MIGRATED: the worker the request now runs on
     migration_id: str = ""  # MIGRATED: what the attach sends (SubmitRequest.migration_id)
+    process: str = ""
 
     @classmethod
     def finished(cls, finish_reason: str, response: duet_pb2.GenerateResponse) -> AttemptOutcome:
@@ -135,6 +141,11 @@ class AttemptOutcome:
             return cls.retry(grpc.StatusCode.UNAVAILABLE, f"worker {worker_id} is unavailable ({reason})", worker_id,
                              report=True, reason=reason)
         return cls.resume(worker_id, reason)
+
+
+def worker_process(worker: WorkerState) -> str:
+    """One process of a worker: its endpoint and incarnation (a restart changes at least one)."""
+    return f"{worker.endpoint}#{worker.incarnation}"
 
 
 PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION}
@@ -189,6 +200,7 @@ class AttemptBudget:
     resume_on_worker_failure: bool
     worker_wait_s: float
     tried: set[str] = field(default_factory=set)  # failed this request before its first token
+    tried_process: dict[str, str] = field(default_factory=dict)  # worker id -> the process that failed ("" = any)
     attempts: int = 0
     resumes: int = 0
     require_prefill: bool = False  # the last failure was a prefill half: the next route needs one
@@ -224,6 +236,7 @@ class AttemptBudget:
             self.last = outcome
             self.require_prefill = outcome.prefill_failed
             self.tried.add(outcome.worker_id)
+            self.tried_process[outcome.worker_id] = outcome.process
             if self.attempts >= self.max_route_attempts:
                 return self._give_up()
             return Decision(Action.RETRY)
@@ -236,6 +249,15 @@ class AttemptBudget:
         self.require_prefill = False
         self.resumes += 1
         return Decision(Action.RESUME)
+
+    def excludes(self, worker: WorkerState) -> bool:
+        """Whether the request must not be routed to ``worker``: it failed this request before its
+        first token -- the same process (a worker restarted since, with a new endpoint or
+        incarnation, is a new chance), or any when the failed process is unknown."""
+        if worker.worker_id not in self.tried:
+            return False
+        failed = self.tried_process.get(worker.worker_id, "")
+        return not failed or failed == worker_process(worker)
 
     def no_worker(self, reason: str, streamed: int, wait: str | None = None) -> Decision:
         """No route within ``worker_wait_s`` (or the deadline; ``wait`` says otherwise, e.g. a

@@ -67,7 +67,7 @@ import grpc
 
 from protos.duet.v1 import duet_pb2
 from router.admission import AdmissionController, AdmissionRejected
-from router.attempt import Action, AttemptBudget, AttemptOutcome, Decision, OutcomeKind
+from router.attempt import Action, AttemptBudget, AttemptOutcome, Decision, OutcomeKind, worker_process
 from router.config import RouterConfig
 from router.drafters import DrafterRouting
 from router.hold import HeldTooLong, WorkerHold
@@ -161,7 +161,7 @@ class Pipeline:
             migration = budget.take_migration()
             try:
                 chosen = self._migration_route(migration) or \
-                    await self._select(route, budget.tried, deadline, budget.require_prefill, prep.model)
+                    await self._select(route, budget, deadline, prep.model)
             except HeldTooLong as e:
                 decision = budget.no_worker(str(e), streamed, wait=e.wait)
             except NoWorkersAvailable as e:
@@ -208,7 +208,10 @@ class Pipeline:
                                                chosen.pull, migration_id, drafter.ref if drafter is not None else None)) as events:
                 async for event in events:
                     if isinstance(event, AttemptOutcome):
-                        self._observe(event, lease if not event.prefill_failed else prefill)
+                        blamed = lease if not event.prefill_failed else prefill
+                        if event.kind is OutcomeKind.RETRY and blamed is not None and blamed.worker_id == event.worker_id:
+                            event = replace(event, process=worker_process(blamed.state))
+                        self._observe(event, blamed)
                     yield event
         except (asyncio.CancelledError, GeneratorExit):
             logger.info("request %s (internal %s) cancelled by the client after %d tokens; aborting it on %s",
@@ -264,21 +267,23 @@ class Pipeline:
         """Whether ``worker`` serves served model ``model`` (a member without a model serves the default)."""
         return (worker.model or self.catalog.default.name) == (model or self.catalog.default.name)
 
-    async def _select(self, route: RouteRequest, tried: set[str], deadline: float | None,
-                      require_prefill: bool, model: str = "") -> Route:
-        """The route among the healthy workers of ``model`` not in ``tried`` (a prefill worker
-        required after a prefill failure); with none, the request is held (router/hold.py: in
-        arrival order, while a worker not in ``tried`` may come back or join, or its pool wakes
-        from zero). Workers of other models are shown to the policies as unhealthy (as ``tried``
-        ones are), so their per-worker state (prefix trees) survives requests for other models."""
+    async def _select(self, route: RouteRequest, budget: AttemptBudget, deadline: float | None,
+                      model: str = "") -> Route:
+        """The route among the healthy workers of ``model`` the budget does not exclude (the
+        processes that failed this request before its first token; a prefill worker required after
+        a prefill failure); with none, the request is held (router/hold.py: in arrival order, while
+        a worker may come back, restart or join, or its pool wakes from zero). Workers of other
+        models are shown to the policies as unhealthy (as excluded ones are), so their per-worker
+        state (prefix trees) survives requests for other models."""
         ticket, reason = None, "no healthy worker"
+        require_prefill = budget.require_prefill
         if route.adapter:
             self._check_adapter_support(route, model)
         try:
             while True:
                 workers = self.directory.snapshot()
-                if tried or len(self.catalog.names) > 1:
-                    workers = [replace(w, healthy=False) if w.worker_id in tried or not self.serves(w, model) else w
+                if budget.tried or len(self.catalog.names) > 1:
+                    workers = [replace(w, healthy=False) if budget.excludes(w) or not self.serves(w, model) else w
                                for w in workers]
                 if ticket is None and self.hold.held:  # others are held: no overtaking
                     ticket = self.hold.enter(("prefill",) if require_prefill else ("colocated", "decode"), deadline)
@@ -297,7 +302,7 @@ class Pipeline:
                         needed = [w for w in mine if w.role == "prefill"] if require_prefill else mine
                         # (no members at all: restarting workers rejoin, or a pool wakes: wait for them)
                         hopeless = (not needed) if require_prefill else bool(needed)
-                        if hopeless and all(w.worker_id in tried for w in needed):
+                        if hopeless and all(budget.excludes(w) for w in needed):
                             raise
                         if ticket is not None and self.hold.expired(ticket):
                             raise HeldTooLong(str(e), self.hold.why(ticket)) from None

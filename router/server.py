@@ -445,6 +445,9 @@ class RouterHandle:
         self.http_url = server.http_url  # its OpenAI base URL (http://host:port/v1)
 
     def _run(self, coro: Any, timeout: float | None) -> Any:
+        if not self._thread.is_alive():  # stopped: nothing would run the call, it would wait out its timeout
+            coro.close()
+            raise RuntimeError(f"the router on {self.address} is stopped")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def set_members(self, members: Members, timeout: float | None = 30.0) -> None:

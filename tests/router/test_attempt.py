@@ -4,11 +4,14 @@ giving up after N, the disaggregated prefill retry, and the no-worker answers.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import grpc
 import pytest
 
-from router.attempt import Action, AttemptBudget, AttemptOutcome, OutcomeKind, outcome_from_status
+from router.attempt import Action, AttemptBudget, AttemptOutcome, OutcomeKind, outcome_from_status, worker_process
 from router.config import RouterConfig
+from router.policies.base import WorkerState
 
 Code = grpc.StatusCode
 
@@ -132,6 +135,23 @@ def test_a_decode_failure_after_a_prefill_failure_no_longer_requires_a_prefill_w
     b.start()
     b.decide(outcome_from_status(Code.UNAVAILABLE, "down", "d0", prefill_id="p1"), streamed=0)
     assert not b.require_prefill and b.tried == {"p0", "d0"}
+
+
+def test_a_failed_worker_is_excluded_as_the_process_that_failed():
+    """A worker that failed a request before its first token is not tried again by it -- as that
+    process: once Ray restarted it (a new endpoint or incarnation) it may serve the request, which
+    would otherwise wait out worker_wait_s for some other worker."""
+    b = budget(max_route_attempts=3)
+    d0 = WorkerState("d0", endpoint="10.0.0.1:5000", incarnation="a")
+    b.start()
+    failed = replace(outcome_from_status(Code.UNAVAILABLE, "down", "d0"), process=worker_process(d0))
+    assert b.decide(failed, streamed=0).action is Action.RETRY
+    assert b.excludes(d0) and not b.excludes(WorkerState("d1"))
+    assert not b.excludes(replace(d0, endpoint="10.0.0.1:5001"))  # restarted on another port
+    assert not b.excludes(replace(d0, incarnation="b"))  # or on the same one
+    b.start()  # a failure whose process is unknown excludes the worker id whatever its process
+    assert b.decide(outcome_from_status(Code.UNAVAILABLE, "down", "d1"), streamed=0).action is Action.RETRY
+    assert b.excludes(WorkerState("d1", endpoint="10.0.0.2:5000", incarnation="c"))
 
 
 def test_no_worker_answers():

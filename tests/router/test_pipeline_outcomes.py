@@ -184,6 +184,25 @@ def test_a_request_waits_for_a_worker_to_come_back(fake_pipeline):
     assert pipeline.counts["waited_for_worker"] == 1 and len(directory.workers["w1"].submitted) == 1
 
 
+def test_a_worker_restarted_after_failing_a_request_serves_it(fake_pipeline):
+    """The only decode worker fails the request before its first token (a prefill worker is left,
+    so the request waits), then Ray restarts it: the held request runs on the new process as soon as
+    it is back (the failed process is excluded, not the worker id), not after worker_wait_s."""
+    expected = baseline(fake_pipeline)
+    pipeline, directory = fake_pipeline(roles={"d0": "decode", "p0": "prefill"}, worker_wait_s=30.0)
+    directory.workers["d0"].misbehave(fail=(Code.UNAVAILABLE, "socket closed"))
+
+    async def restart_later() -> list[duet_pb2.GenerateResponse]:
+        asyncio.get_running_loop().call_later(0.2, directory.restart, "d0")
+        return await collect(pipeline, request())
+
+    started = time.monotonic()
+    assert text_and_ids(asyncio.run(restart_later())) == expected
+    assert time.monotonic() - started < 10  # not worker_wait_s (30 s)
+    assert len(directory.workers["d0"].submitted) == 2 and pipeline.counts["retried"] == 1
+    assert pipeline.counts["waited_for_worker"] == 1
+
+
 DISAGG = {"d0": "decode", "p0": "prefill", "p1": "prefill"}
 
 

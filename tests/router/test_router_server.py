@@ -226,6 +226,21 @@ def test_worker_invalid_argument_passes_through(stub, pool):
 
 
 # ------------------------------------------------------------------ routing and concurrency
+def test_a_stopped_router_answers_calls_at_once(smollm2_path, tok, pool):
+    """After stop(), the handle's calls (stats for /metrics and the in-process autoscaler,
+    set_members) fail at once naming the router, instead of waiting out their timeout for an event
+    loop that no longer runs."""
+    handle = serve_router(_config(smollm2_path), members(pool), tokenizer=tok)
+    assert "requests" in handle.stats()
+    handle.stop()
+    started = time.monotonic()
+    for call in (handle.stats, lambda: handle.set_members(members(pool))):
+        with pytest.raises(RuntimeError, match=f"the router on {handle.address} is stopped"):
+            call()
+    assert time.monotonic() - started < 1.0
+    handle.stop()  # idempotent
+
+
 def test_round_robin_alternates(stub, pool):
     for _ in range(6):
         list(stub.Generate(duet_pb2.GenerateRequest(prompt="x", sampling=S(max_tokens=2)), timeout=10))

@@ -162,6 +162,7 @@ class FakeDirectory:
     def __init__(self, script: list[int], roles: dict[str, str]) -> None:
         self.workers = {wid: FakeWorker(wid, role, script, self) for wid, role in roles.items()}
         self.unhealthy: set[str] = set()
+        self.incarnations = {wid: f"inc-{wid}" for wid in roles}
         self.leases: set[FakeLease] = set()
         self.reported: list[tuple[str, str]] = []
         self.num_stream_failures = 0
@@ -172,7 +173,14 @@ class FakeDirectory:
 
     def _state(self, wid: str) -> WorkerState:
         return WorkerState(wid, f"{wid}:1", healthy=wid not in self.unhealthy, role=self.workers[wid].role,
-                           incarnation=f"inc-{wid}")
+                           incarnation=self.incarnations[wid])
+
+    def restart(self, worker_id: str) -> None:
+        """What Ray restarting the worker looks like: a new incarnation (same endpoint here), healthy
+        again, its failure cue gone."""
+        self.incarnations[worker_id] += "+"
+        self.unhealthy.discard(worker_id)
+        self.workers[worker_id].misbehave()
 
     def begin(self, worker_id: str, request: RouteRequest) -> FakeLease:
         lease = FakeLease(worker_id, self.workers[worker_id], request.cost_tokens, fake_state=self._state(worker_id))
