@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import kernels
 from kernels.int8_linear import int8_tiles
 from kernels.quant_formats import dequantize_int8, quantize_int8
-from testkit.kernel_paths import available_paths, on_path
+from testkit.kernel_paths import assert_tiles_change_no_bit, available_paths, on_path
 from testkit.tolerance import INT8_ACTIVATIONS, KERNEL_FP32, assert_within, int8_linear_error_bound
 
 # SmolLM2's matrices; K not a multiple of 16, 32 or 64 (masked last block, padded columns); N odd
@@ -178,17 +178,7 @@ def test_tiles_give_the_same_result_bit_for_bit(dot_path: str, N: int, K: int) -
     g = torch.Generator().manual_seed(N + K)
     w, b, x = torch.randn(N, K, generator=g), torch.randn(N, generator=g), torch.randn(64, K, generator=g)
     q, s = quantize_int8(w)
-    tiles = int8_tiles(q)
-    threads = torch.get_num_threads()
-    try:
-        for nt in sorted({1, threads}):
-            torch.set_num_threads(nt)
-            for T in TOKENS:
-                for bias in (None, b):
-                    plain = kernels.int8_linear(x[:T], q, s, bias)
-                    assert torch.equal(kernels.int8_linear(x[:T], q, s, bias, tiles=tiles), plain), (T, nt, bias is None)
-    finally:
-        torch.set_num_threads(threads)
+    assert_tiles_change_no_bit(lambda x_, b_, t_: kernels.int8_linear(x_, q, s, b_, tiles=t_), x, b, int8_tiles(q), TOKENS)
 
 
 def test_tiles_of_another_weight_are_refused(ext) -> None:

@@ -26,7 +26,7 @@ from kernels.quant_formats import (
     unpack_q4,
 )
 from kernels.quant_linear import q4_tiles, quantize_activations_ref
-from testkit.kernel_paths import available_paths, on_path
+from testkit.kernel_paths import assert_tiles_change_no_bit, available_paths, on_path
 from testkit.tolerance import INT8_ACTIVATIONS, KERNEL_FP32, assert_within, q4_linear_error_bound
 
 # SmolLM2's matrices plus K not a multiple of 32 or 64 (partial and whole padded blocks), N not a
@@ -162,17 +162,8 @@ def test_tiles_give_the_same_result_bit_for_bit(dot_path: str, N: int, K: int) -
     other path ignores them) change no bit of any row, at every token count and thread count."""
     w, b, x = _problem(N, K, 64, N + K)
     q, d, m = quantize_q4(w)
-    tiles = q4_tiles(q, d, m)
-    threads = torch.get_num_threads()
-    try:
-        for nt in sorted({1, threads}):
-            torch.set_num_threads(nt)
-            for T in TOKENS:
-                for bias in (None, b):
-                    plain = kernels.q4_linear(x[:T], q, d, m, bias)
-                    assert torch.equal(kernels.q4_linear(x[:T], q, d, m, bias, tiles=tiles), plain), (T, nt, bias is None)
-    finally:
-        torch.set_num_threads(threads)
+    assert_tiles_change_no_bit(lambda x_, b_, t_: kernels.q4_linear(x_, q, d, m, b_, tiles=t_), x, b, q4_tiles(q, d, m),
+                               TOKENS)
 
 
 def test_tiles_of_another_weight_are_refused(ext) -> None:

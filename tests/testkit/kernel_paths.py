@@ -10,9 +10,11 @@ AVX512-BF16 / VNNI runs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
+
+import torch
 
 ISAS = ["avx512", "avx2", "scalar"]
 DOT_PATHS = ["avx512", "avx512-nodots", "avx2", "scalar"]
@@ -37,3 +39,19 @@ def available_paths(ext: ModuleType) -> list[str]:
     best = ISAS.index(ext.best_isa())
     return [p for p in DOT_PATHS if ISAS.index(p.removesuffix("-nodots")) >= best]
 
+
+
+def assert_tiles_change_no_bit(linear: Callable[..., torch.Tensor], x: torch.Tensor, bias: torch.Tensor,
+                               tiles: torch.Tensor | None, tokens: list[int]) -> None:
+    """``linear(x, bias, tiles)`` (an int8 / q4 kernel call) gives the same bits with the weights'
+    tiles as without, for the first T rows of x for every T in ``tokens``, with and without bias, on
+    one thread and on the session's threads (the row split differs)."""
+    threads = torch.get_num_threads()
+    try:
+        for nt in sorted({1, threads}):
+            torch.set_num_threads(nt)
+            for T in tokens:
+                for b in (None, bias):
+                    assert torch.equal(linear(x[:T], b, tiles), linear(x[:T], b, None)), (T, nt, b is None)
+    finally:
+        torch.set_num_threads(threads)
