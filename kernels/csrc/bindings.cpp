@@ -26,6 +26,7 @@ void lora_rows(const at::Tensor& y, const at::Tensor& x, const std::vector<at::T
 // ---- fused decoder stack (decoder_stack.cpp): its classes are bound beside the kernel.
 namespace duet {
 void bind_decoder_stack(pybind11::module& m);
+void check_quant_tiles(const c10::optional<at::Tensor>& tiles, int64_t N, int64_t bytes);
 }  // namespace duet
 // ---- end decoder stack
 
@@ -384,16 +385,6 @@ void check_bias(const c10::optional<Tensor>& bias, int64_t N) {
               "], got ", bias->sizes());
 }
 
-void check_tiles(const c10::optional<Tensor>& tiles, int64_t N, int64_t bytes) {
-  if (!tiles.has_value()) return;
-  const int64_t n_tiles = (N + 15) / 16;
-  TORCH_CHECK(tiles->device().is_cpu() && tiles->scalar_type() == at::kByte && tiles->dim() == 2 &&
-                  tiles->size(0) == n_tiles && tiles->size(1) == bytes && tiles->is_contiguous() &&
-                  reinterpret_cast<uintptr_t>(tiles->data_ptr()) % 64 == 0,
-              "tiles must be contiguous, 64-byte aligned uint8 [", n_tiles, ", ", bytes, "] (the tiles of this weight), got ",
-              tiles->scalar_type(), " ", tiles->sizes());
-}
-
 Tensor q4_tiles(const Tensor& qweight, const Tensor& scales, const Tensor& mins) {
   TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kByte && qweight.dim() == 2 &&
                   qweight.is_contiguous() && qweight.size(1) % 32 == 0,
@@ -422,7 +413,7 @@ Tensor q4_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scales
                 name, " must be contiguous int16 (fp16 bits) [", N, ", ", nb, "], got ", t->scalar_type(), " ",
                 t->sizes());
   check_bias(bias, N);
-  check_tiles(tiles, N, duet::q4_tile_bytes(Kp));
+  duet::check_quant_tiles(tiles, N, duet::q4_tile_bytes(Kp));
   const Tensor x = quant_rows(x_in);
   check_quant_x(x, K);
   Tensor y = new_f32({x.size(0), N});
@@ -470,7 +461,7 @@ Tensor int8_linear(const Tensor& x_in, const Tensor& qweight, const Tensor& scal
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N && scales.is_contiguous(), "scales must be contiguous [", N,
               "], got ", scales.sizes());
   check_bias(bias, N);
-  check_tiles(tiles, N, duet::int8_tile_bytes(Kp));
+  duet::check_quant_tiles(tiles, N, duet::int8_tile_bytes(Kp));
   const Tensor x = quant_rows(x_in);
   check_quant_x(x, K);
   Tensor y = new_f32({x.size(0), N});

@@ -35,6 +35,20 @@
 
 #include "kernels.h"
 
+namespace duet {
+// tiles (if any) are the int8_tiles / q4_tiles of an [N, *] weight: `bytes` per 16 rows. Also the
+// int8_linear and q4_linear bindings' check (bindings.cpp).
+void check_quant_tiles(const c10::optional<at::Tensor>& tiles, int64_t N, int64_t bytes) {
+  if (!tiles.has_value()) return;
+  const int64_t n_tiles = (N + 15) / 16;
+  TORCH_CHECK(tiles->device().is_cpu() && tiles->scalar_type() == at::kByte && tiles->dim() == 2 &&
+                  tiles->size(0) == n_tiles && tiles->size(1) == bytes && tiles->is_contiguous() &&
+                  reinterpret_cast<uintptr_t>(tiles->data_ptr()) % 64 == 0,
+              "tiles must be contiguous, 64-byte aligned uint8 [", n_tiles, ", ", bytes, "] (the tiles of this weight), got ",
+              tiles->scalar_type(), " ", tiles->sizes());
+}
+}  // namespace duet
+
 namespace {
 
 using at::Tensor;
@@ -86,14 +100,7 @@ struct StackLinear {
                     "q4 scales / mins must be contiguous int16 [", N, ", ", Kp / 32, "]");
     }
     TORCH_CHECK(!tiles.has_value() || kind == kQ4 || kind == kInt8, "only an int8 or q4 linear takes tiles");
-    if (tiles.has_value()) {
-      const int64_t bytes = kind == kQ4 ? duet::q4_tile_bytes(Kp) : duet::int8_tile_bytes(Kp);
-      TORCH_CHECK(tiles->device().is_cpu() && tiles->scalar_type() == at::kByte && tiles->is_contiguous() &&
-                      tiles->dim() == 2 && tiles->size(0) == (N + 15) / 16 && tiles->size(1) == bytes &&
-                      reinterpret_cast<uintptr_t>(tiles->data_ptr()) % 64 == 0,
-                  "tiles must be the tiles of this weight: contiguous, 64-byte aligned uint8 [", (N + 15) / 16, ", ",
-                  bytes, "]");
-    }
+    duet::check_quant_tiles(tiles, N, kind == kQ4 ? duet::q4_tile_bytes(Kp) : duet::int8_tile_bytes(Kp));
     TORCH_CHECK(kind == kFp32 || kind == kBf16 || (Kp % 64 == 0 && K <= Kp && K > Kp - 64), "quantized weight holds ", Kp,
                 " columns; K = ", K, " needs ceil(K / 64) * 64");
   }
