@@ -20,7 +20,8 @@ Terms:
                                token index; nothing is recomputed and no budget is spent
     budget       the limits of one request (``max_route_attempts`` attempts while nothing was
                  streamed, ``max_resumes`` resumes, and only with ``resume_on_worker_failure``),
-                 with the workers tried so far (never picked again for this request).
+                 with the workers tried so far (never picked again for this request while the process
+                 that failed it runs: a worker Ray restarts is a new chance).
 
 Error mapping (``outcome_from_status``: worker status -> outcome -> client status):
     INVALID_ARGUMENT, OUT_OF_RANGE, FAILED_PRECONDITION  FAIL, passed through (the message names the field)
@@ -199,8 +200,8 @@ class AttemptBudget:
     max_resumes: int
     resume_on_worker_failure: bool
     worker_wait_s: float
-    tried: set[str] = field(default_factory=set)  # failed this request before its first token
-    tried_process: dict[str, str] = field(default_factory=dict)  # worker id -> the process that failed ("" = any)
+    # the workers that failed this request before its first token -> the process that failed ("" = any)
+    tried_process: dict[str, str] = field(default_factory=dict)
     attempts: int = 0
     resumes: int = 0
     require_prefill: bool = False  # the last failure was a prefill half: the next route needs one
@@ -235,7 +236,6 @@ class AttemptBudget:
             assert streamed == 0, "a retry from the start after tokens reached the client"
             self.last = outcome
             self.require_prefill = outcome.prefill_failed
-            self.tried.add(outcome.worker_id)
             self.tried_process[outcome.worker_id] = outcome.process
             if self.attempts >= self.max_route_attempts:
                 return self._give_up()
@@ -250,13 +250,18 @@ class AttemptBudget:
         self.resumes += 1
         return Decision(Action.RESUME)
 
+    @property
+    def tried(self) -> set[str]:
+        """The worker ids that failed this request before its first token."""
+        return set(self.tried_process)
+
     def excludes(self, worker: WorkerState) -> bool:
         """Whether the request must not be routed to ``worker``: it failed this request before its
         first token -- the same process (a worker restarted since, with a new endpoint or
         incarnation, is a new chance), or any when the failed process is unknown."""
-        if worker.worker_id not in self.tried:
+        if worker.worker_id not in self.tried_process:
             return False
-        failed = self.tried_process.get(worker.worker_id, "")
+        failed = self.tried_process[worker.worker_id]
         return not failed or failed == worker_process(worker)
 
     def no_worker(self, reason: str, streamed: int, wait: str | None = None) -> Decision:

@@ -282,7 +282,7 @@ class Pipeline:
         try:
             while True:
                 workers = self.directory.snapshot()
-                if budget.tried or len(self.catalog.names) > 1:
+                if budget.tried_process or len(self.catalog.names) > 1:
                     workers = [replace(w, healthy=False) if budget.excludes(w) or not self.serves(w, model) else w
                                for w in workers]
                 if ticket is None and self.hold.held:  # others are held: no overtaking
