@@ -13,7 +13,8 @@ at a time so TTFT is not queueing):
                answers) - more history than the device cache
     nohit      the same number of requests with prompts of the same lengths that share nothing: what
                the tiers cost when they never hit (every eviction still copies a block down)
-Configs: off (no tiers), host (``--host-mib``, room for everything), host+disk (host of
+Configs: off (no tiers), auto (the default, ``host_tier_bytes: auto``: a host tier the device
+cache's size, workers/kv/tiers/budget.py), host (``--host-mib``, room for everything), host+disk (host of
 ``--small-host-mib``, disk ``--disk-mib`` in a temp directory), and with ``--node``, node (the host
 tier of ``--host-mib`` in the node's shared memory, ``cache.host_tier_shared``: workers/kv/tiers/node.py;
 one engine here, so it measures what files in /dev/shm cost against an in-process host tier).
@@ -133,7 +134,8 @@ def main() -> None:
     path = str(resolve_model("SmolLM2-135M-Instruct"))
     device = dict(num_blocks=args.device_blocks, block_size=16, max_num_batched_tokens=512, max_num_seqs=8)
     configs = {
-        "off": {},
+        "off": dict(host_tier_bytes=0),
+        "auto": {},  # the default (host_tier_bytes 'auto'): a host tier the device cache's size
         "host": dict(host_tier_bytes=args.host_mib << 20),
         "host+disk": dict(host_tier_bytes=args.small_host_mib << 20, disk_tier_bytes=args.disk_mib << 20,
                           tier_load_timeout_s=5.0),

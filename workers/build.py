@@ -79,7 +79,8 @@ def build_engine(config: EngineConfig, *, runner: Runner | None = None, tokenize
     speculator = Speculator(proposer, config.speculative) if proposer is not None else None
     layout = runner.kv_layout()
     tier_store = make_tier_store(config.cache, layout.whole(), kv_fingerprint(runner.spec, layout.dtype,
-                                 config.quantization), pin=config.device.startswith("cuda"))
+                                 config.quantization), pin=config.device.startswith("cuda"),
+                                 device_blocks=runner.num_blocks)
     adapters = runner.adapters if isinstance(runner, ModelRunner) else None  # LoRA: a one-rank runner's (lora.enabled)
     engine = Engine(config, runner, tokenizer, speculator=speculator, tier_store=tier_store, adapters=adapters)
     if config.cuda_graphs:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from workers.errors import ConfigError
 
@@ -41,9 +41,12 @@ class CacheConfig:
     kv_cache_memory_bytes: budget for the preallocated block pool (all layers, K and V).
     num_blocks: overrides the budget with an exact block count (tests use tiny pools).
     enable_prefix_caching: reuse full blocks whose content (and whole prefix) match.
-    host_tier_bytes: host-memory KV tier below the device cache (0 = off): prefix-cached blocks
-        evicted from the device are kept here and loaded back on a prefix hit; a preempted request
-        resumes from them (swap instead of recompute). Pinned for a GPU runner.
+    host_tier_bytes: host-memory KV tier below the device cache: prefix-cached blocks evicted from
+        the device are kept here and loaded back on a prefix hit; a preempted request resumes from
+        them (swap instead of recompute). Pinned for a GPU runner. A size, 0 = off, or 'auto' (the
+        default): the device cache's size, at most a quarter of the memory still free when the worker
+        starts (under a pod's limit, what is left below it), off without prefix caching
+        (workers/kv/tiers/budget.py). Memory is taken as blocks are evicted, never reserved.
     disk_tier_bytes: local-disk KV tier below the host tier (0 = off; needs the host tier): host's
         least recently used blocks are written here and read back asynchronously.
     disk_tier_dir: where the disk tier's directory goes (None = the system temp directory); each
@@ -75,7 +78,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 1 << 30
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
-    host_tier_bytes: int = 0
+    host_tier_bytes: int | Literal["auto"] = "auto"
     disk_tier_bytes: int = 0
     disk_tier_dir: str | None = None
     host_tier_shared: bool = False
@@ -92,20 +95,23 @@ class CacheConfig:
                               "(e.g. 64MiB, 1GiB)")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ConfigError(f"cache.num_blocks={self.num_blocks}: must be >= 2 (or unset)")
-        for key in ("host_tier_bytes", "disk_tier_bytes"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"cache.{key}={getattr(self, key)}: must be >= 0 (0 = off)")
-        if self.disk_tier_bytes and not self.host_tier_bytes:
+        host = self.host_tier_bytes
+        if not (host == "auto" or (isinstance(host, int) and not isinstance(host, bool) and host >= 0)):
+            raise ConfigError(f"cache.host_tier_bytes={host!r}: must be a size >= 0 (0 = off) or 'auto'")
+        if self.disk_tier_bytes < 0:
+            raise ConfigError(f"cache.disk_tier_bytes={self.disk_tier_bytes}: must be >= 0 (0 = off)")
+        if self.disk_tier_bytes and host == 0:
             raise ConfigError(f"cache.disk_tier_bytes={self.disk_tier_bytes} with cache.host_tier_bytes=0: the disk "
                               "tier sits below the host tier; set host_tier_bytes too (e.g. 1GiB) or disk_tier_bytes to 0")
-        if self.host_tier_bytes and not self.enable_prefix_caching:
-            raise ConfigError(f"cache.host_tier_bytes={self.host_tier_bytes} with cache.enable_prefix_caching=false: "
-                              "the tiers keep prefix-cached blocks; enable prefix caching or set host_tier_bytes to 0")
+        if host != 0 and not self.enable_prefix_caching and (host != "auto" or self.disk_tier_bytes):
+            key = f"cache.host_tier_bytes={host}" if host != "auto" else f"cache.disk_tier_bytes={self.disk_tier_bytes}"
+            raise ConfigError(f"{key} with cache.enable_prefix_caching=false: the tiers keep prefix-cached blocks; "
+                              "enable prefix caching or set host_tier_bytes and disk_tier_bytes to 0")
         if not isinstance(self.host_tier_shared, bool):
             raise ConfigError(f"cache.host_tier_shared={self.host_tier_shared!r}: must be true or false")
-        if self.host_tier_shared and not self.host_tier_bytes:
+        if self.host_tier_shared and host == 0:
             raise ConfigError("cache.host_tier_shared=true with cache.host_tier_bytes=0: set the node tier's budget "
-                              "in host_tier_bytes (e.g. 4GiB) or host_tier_shared to false")
+                              "in host_tier_bytes (e.g. 4GiB, or auto) or host_tier_shared to false")
         if self.host_tier_dir is not None and not (isinstance(self.host_tier_dir, str)
                                                    and self.host_tier_dir.startswith("/")):
             raise ConfigError(f"cache.host_tier_dir={self.host_tier_dir!r}: must be an absolute path (a tmpfs such "
@@ -120,10 +126,6 @@ class CacheConfig:
             raise ConfigError(f"cache.tier_load_timeout_s={self.tier_load_timeout_s}: must be > 0 (seconds)")
         if self.kv_cache_dtype not in CACHE_DTYPES:
             raise ConfigError(f"cache.kv_cache_dtype={self.kv_cache_dtype!r}: must be one of {', '.join(CACHE_DTYPES)}")
-
-    @property
-    def tiers_enabled(self) -> bool:
-        return self.host_tier_bytes > 0
 
 
 @dataclass(frozen=True)

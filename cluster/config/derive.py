@@ -28,7 +28,7 @@ import re
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, TypeVar, cast
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar, cast
 
 from pydantic import AfterValidator, BaseModel, ByteSize, ConfigDict, Field, WithJsonSchema, create_model
 
@@ -37,6 +37,10 @@ from cluster.config.sources import KeyMap, Sources, is_lower_config_error, lower
 # An int of bytes, written as one or with a unit: 64MiB, 1GiB, 500MB (pydantic's ByteSize).
 ByteCount = Annotated[ByteSize, AfterValidator(int), WithJsonSchema({
     "type": ["integer", "string"], "minimum": 0, "pattern": r"^\s*[0-9]+(\.[0-9]+)?\s*([kKmMgGtT]i?[bB]|[bB])?\s*$"})]
+# A ByteCount or the word "auto" (the owner resolves it where it runs: CacheConfig.host_tier_bytes).
+AutoByteCount = Annotated[Literal["auto"] | ByteCount, WithJsonSchema({
+    "type": ["integer", "string"], "minimum": 0,
+    "pattern": r"^\s*(auto|[0-9]+(\.[0-9]+)?\s*([kKmMgGtT]i?[bB]|[bB])?)\s*$"})]
 
 
 class Section(BaseModel):

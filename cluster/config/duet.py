@@ -53,7 +53,7 @@ from pydantic.json_schema import JsonDict
 
 from cluster.config.autoscale import AutoscalingSection, check_against_pools, check_autoscaling, to_autoscaler_config
 from cluster.config.combinations import check_combinations
-from cluster.config.derive import (ByteCount, DerivedSection, Part, Section, check_derived, derived_section, keymap,
+from cluster.config.derive import (AutoByteCount, ByteCount, DerivedSection, Part, Section, check_derived, derived_section, keymap,
                                    owner_kwargs)
 from cluster.config.sources import (
     ClusterConfigError,
@@ -131,7 +131,7 @@ class ModelSection(_Model):
     ("max_num_seqs", Part(SchedulerConfig, "max_num_seqs")),
     ("target_itl_ms", Part(SchedulerConfig, "target_itl_ms")),
     ("enable_prefix_caching", Part(CacheConfig, "enable_prefix_caching")),
-    ("host_tier_bytes", Part(CacheConfig, "host_tier_bytes", type=ByteCount)),
+    ("host_tier_bytes", Part(CacheConfig, "host_tier_bytes", type=AutoByteCount)),
     ("disk_tier_bytes", Part(CacheConfig, "disk_tier_bytes", type=ByteCount)),
     ("disk_tier_dir", Part(CacheConfig, "disk_tier_dir")),
     ("host_tier_shared", Part(CacheConfig, "host_tier_shared")),
@@ -372,12 +372,14 @@ class DuetConfig(Section):
 
     def to_drafter_engine_config(self, pool: PoolSection) -> EngineConfig:
         """The ``workers.config.EngineConfig`` of a drafter pool's replicas (its ``drafter`` model and
-        quantization on its ``engine`` device, KV budget and block size; float32 when quantized)."""
+        quantization on its ``engine`` device, KV budget and block size; float32 when quantized; no
+        lower KV tiers: a small model's prefix is cheaper to recompute than to keep)."""
         d, e = pool.drafter, pool.engine
         return EngineConfig(model=d.model or "", quantization=d.quantization,
                             dtype="float32" if d.quantization != "none" else "auto",
                             device=e.device, fused_decode=e.fused_decode, cpu_kernels=e.cpu_kernels,
-                            cache=CacheConfig(block_size=e.block_size, kv_cache_memory_bytes=e.kv_cache_memory_bytes))
+                            cache=CacheConfig(block_size=e.block_size, kv_cache_memory_bytes=e.kv_cache_memory_bytes,
+                                              host_tier_bytes=0))
 
     @property
     def target_pools(self) -> tuple[PoolSection, ...]:

@@ -242,7 +242,9 @@ def _type_text(schema: dict[str, Any]) -> str:
     names: dict[Any, Any] = {"integer": "int", "number": "float", "boolean": "bool", "string": "str", "object": "mapping",
              "array": "list", "null": "null"}
     text = " or ".join(str(names.get(t, t)) for t in (types if isinstance(types, list) else [types]))
-    return text.replace("int or str", "int or size (64MiB)") if "pattern" in schema and "int" in text else text
+    if "pattern" in schema and "int" in text:
+        return text.replace("int or str", "int or size (64MiB) or auto" if "auto" in schema["pattern"] else "int or size (64MiB)")
+    return text
 
 
 def settings_markdown() -> str:

@@ -392,9 +392,11 @@ class DraftEngine:
 
 def private_drafter_config(draft_model: str, quantization: str, target: EngineConfig) -> EngineConfig:
     """A worker's own drafter: on ``target.speculative.drafter_device`` (SpeculativeConfig.drafter_placement)
-    with the target's block size and a KV budget of a quarter of the target's (its model is small)."""
+    with the target's block size and a KV budget of a quarter of the target's (its model is small),
+    no lower KV tiers (a small model's prefix is cheaper to recompute than to keep)."""
     cache = CacheConfig(block_size=target.cache.block_size,
-                        kv_cache_memory_bytes=max(target.cache.kv_cache_memory_bytes // 4, 16 << 20))
+                        kv_cache_memory_bytes=max(target.cache.kv_cache_memory_bytes // 4, 16 << 20),
+                        host_tier_bytes=0)
     device, dtype = target.speculative.drafter_placement(target.device, target.dtype)
     return EngineConfig(model=draft_model, dtype=dtype, device=device, quantization=quantization, seed=target.seed,
                         cache=cache, fused_decode=target.fused_decode, cpu_kernels=target.cpu_kernels)

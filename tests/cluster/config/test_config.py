@@ -244,7 +244,13 @@ def test_kv_tier_keys_reach_the_engine_and_are_checked_at_load(tmp_path):
                                      "disk_tier_bytes: 1GiB, tier_load_timeout_s: 2}\n"), env={})
     cache = ok.to_engine_config().cache
     assert (cache.host_tier_bytes, cache.disk_tier_bytes, cache.tier_load_timeout_s) == (64 << 20, 1 << 30, 2.0)
-    assert DuetConfig().to_engine_config().cache.host_tier_bytes == 0  # off by default
+    assert DuetConfig().to_engine_config().cache.host_tier_bytes == "auto"  # on by default, sized by the worker
+    auto = load_config(_yaml(tmp_path, "pools:\n  - name: default\n    engine: {host_tier_bytes: auto, "
+                                       "disk_tier_bytes: 1GiB}\n"), env={})
+    assert auto.to_engine_config().cache.host_tier_bytes == "auto"
     with pytest.raises(ClusterConfigError, match=r"pools\[0\]\.engine\.disk_tier_bytes=1073741824 .* with "
                                                  r"pools\[0\]\.engine\.host_tier_bytes=0"):
-        load_config(_yaml(tmp_path, "pools:\n  - name: default\n    engine: {disk_tier_bytes: 1GiB}\n"), env={})
+        load_config(_yaml(tmp_path, "pools:\n  - name: default\n    engine: {disk_tier_bytes: 1GiB, "
+                                    "host_tier_bytes: 0}\n"), env={})
+    with pytest.raises(ClusterConfigError, match=r"pools\[0\]\.engine\.host_tier_bytes"):
+        load_config(_yaml(tmp_path, "pools:\n  - name: default\n    engine: {host_tier_bytes: lots}\n"), env={})

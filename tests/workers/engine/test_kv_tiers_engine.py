@@ -46,8 +46,8 @@ def multi_turn(llm: LLM, turns: int = 3, convs: int = 4,
 
 @pytest.fixture(scope="module")
 def tiers_off(smollm2_path: Path) -> list[list[int]]:
-    llm = LLM(str(smollm2_path), **DEVICE)
-    assert llm.engine.tiers is None  # off by default
+    llm = LLM(str(smollm2_path), host_tier_bytes=0, **DEVICE)
+    assert llm.engine.tiers is None
     return multi_turn(llm)
 
 
@@ -61,6 +61,21 @@ def test_multi_turn_identical_with_host_tier(smollm2_path: Path, tiers_off):
     assert (load.tier_host_hits, load.tier_host_bytes, load.tier_bytes_loaded) == (t.host_hits, t.host_bytes,
                                                                                   t.bytes_loaded)
     llm.engine.close()
+
+
+def test_host_tier_is_on_by_default(smollm2_path: Path, tiers_off):
+    """host_tier_bytes 'auto' (the default): a host tier the device cache's size (this machine has far
+    more than 4x its 12 blocks free), serving the evicted history with tokens identical to tiers off."""
+    llm = LLM(str(smollm2_path), **DEVICE)
+    assert llm.config.cache.host_tier_bytes == "auto"
+    assert llm.engine.tiers.store.host.capacity_bytes == DEVICE["num_blocks"] * BLOCK_BYTES
+    assert llm.engine.tiers.store.disk is None  # the disk tier stays off by default
+    assert multi_turn(llm) == tiers_off
+    assert llm.engine.stats().tiers.host_hits > 0
+    llm.engine.close()
+    no_prefix = LLM(str(smollm2_path), enable_prefix_caching=False, **DEVICE)
+    assert no_prefix.engine.tiers is None  # auto is off without prefix caching
+    no_prefix.engine.close()
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
@@ -124,7 +139,7 @@ def test_disk_read_past_deadline_recomputes(smollm2_path: Path, tmp_path: Path, 
 def test_preemption_swaps_from_host(smollm2_path: Path):
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     tight = dict(num_blocks=12, block_size=16, max_num_batched_tokens=64, max_num_seqs=8)
-    off = LLM(str(smollm2_path), **tight)
+    off = LLM(str(smollm2_path), host_tier_bytes=0, **tight)
     want = [o.token_ids for o in off.generate(PROMPTS, params)]
     assert off.engine.stats().num_preemptions > 0
     on = LLM(str(smollm2_path), host_tier_bytes=64 * BLOCK_BYTES, **tight)
@@ -158,8 +173,11 @@ def test_write_blocks_equals_index_copy(smollm2_path: Path):
 
 
 @pytest.mark.parametrize("kwargs, names", [
-    (dict(disk_tier_bytes=1 << 20), ("cache.disk_tier_bytes", "cache.host_tier_bytes")),
+    (dict(host_tier_bytes=0, disk_tier_bytes=1 << 20), ("cache.disk_tier_bytes", "cache.host_tier_bytes")),
     (dict(host_tier_bytes=1 << 20, enable_prefix_caching=False), ("cache.host_tier_bytes", "enable_prefix_caching")),
+    (dict(disk_tier_bytes=1 << 20, enable_prefix_caching=False), ("cache.disk_tier_bytes", "enable_prefix_caching")),
+    (dict(host_tier_bytes="1GiB"), ("cache.host_tier_bytes", "'auto'")),  # sizes are parsed at the config's edge
+    (dict(host_tier_bytes=-1), ("cache.host_tier_bytes", ">= 0")),
     (dict(host_tier_bytes=1 << 20, tier_policy="lfu"), ("cache.tier_policy",)),
 ])
 def test_config_refuses_naming_the_keys(kwargs, names):

@@ -265,12 +265,13 @@ def test_default_root_is_dev_shm_and_nothing_is_leaked():
 def test_config_shared_host_tier():
     cache = CacheConfig(host_tier_bytes=1 << 20, host_tier_shared=True)
     with pytest.raises(ConfigError, match="cache.host_tier_shared=true with cache.host_tier_bytes=0"):
-        CacheConfig(host_tier_shared=True)
+        CacheConfig(host_tier_shared=True, host_tier_bytes=0)
+    CacheConfig(host_tier_shared=True)  # auto: the node's budget resolved where the worker runs
     with pytest.raises(ConfigError, match="cache.host_tier_shared=true with device='cuda'"):
         EngineConfig(model="m", device="cuda", cache=cache)
     with pytest.raises(ConfigError, match="cache.host_tier_shared=true on a GPU worker"):
-        make_tier_store(cache, LAYOUT, FP, pin=True)
-    store = make_tier_store(cache, LAYOUT, int.from_bytes(os.urandom(7), "little"), pin=False)
+        make_tier_store(cache, LAYOUT, FP, pin=True, device_blocks=8)
+    store = make_tier_store(cache, LAYOUT, int.from_bytes(os.urandom(7), "little"), pin=False, device_blocks=8)
     assert store is not None and isinstance(store.host, NodeTier)
     store.close()
     assert not store.host.dir.exists()
@@ -281,7 +282,7 @@ def test_config_host_tier_dir(tmp_path):
     with pytest.raises(ConfigError, match="cache.host_tier_dir='shm': must be an absolute path"):
         CacheConfig(host_tier_bytes=1 << 20, host_tier_shared=True, host_tier_dir="shm")
     cache = CacheConfig(host_tier_bytes=1 << 20, host_tier_shared=True, host_tier_dir=str(tmp_path))
-    store = make_tier_store(cache, LAYOUT, FP, pin=False)
+    store = make_tier_store(cache, LAYOUT, FP, pin=False, device_blocks=8)
     assert store is not None and isinstance(store.host, NodeTier) and store.host.dir.parent == tmp_path
     store.close()
     assert list(tmp_path.iterdir()) == []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 
 import torch
 
@@ -29,7 +30,8 @@ from workers.config import CacheConfig
 from workers.errors import ConfigError
 from workers.engine.kv_tiers import TierStats
 from workers.engine.runner import KVLayout
-from workers.kv.tiers.block_file import BlockRefused, TierBlock, seal, verify
+from workers.kv.tiers.block_file import BlockRefused, TierBlock, block_shape, seal, verify
+from workers.kv.tiers.budget import host_tier_budget, memory_headroom_bytes
 from workers.kv.tiers.disk import DiskTier
 from workers.kv.tiers.host import HostTier
 from workers.kv.tiers.node import NodeTier
@@ -170,19 +172,25 @@ class TieredStore:
             self.disk.close()
 
 
-def make_tier_store(cache: CacheConfig, layout: KVLayout, fingerprint: int, pin: bool) -> TieredStore | None:
-    """The store ``cache`` asks for (None when ``cache.host_tier_bytes`` is 0). pin: page-locked
-    host memory (a GPU runner)."""
-    if not cache.tiers_enabled:
+def make_tier_store(cache: CacheConfig, layout: KVLayout, fingerprint: int, pin: bool,
+                    device_blocks: int) -> TieredStore | None:
+    """The store ``cache`` asks for (None when its host tier resolves to 0: workers/kv/tiers/budget.py).
+    pin: page-locked host memory (a GPU runner); device_blocks: the device cache's blocks (the
+    'auto' budget's size)."""
+    block_bytes = math.prod(block_shape(layout)) * layout.dtype.itemsize
+    host_bytes = host_tier_budget(cache, device_blocks * block_bytes, block_bytes,
+                                  memory_headroom_bytes() if cache.host_tier_bytes == "auto" else 0)
+    if host_bytes == 0:
         return None
     if cache.host_tier_shared and pin:
         raise ConfigError("cache.host_tier_shared=true on a GPU worker (device cuda): the node's shared host tier "
                           "is for CPU workers; set device to cpu or host_tier_shared to false")
-    host = (NodeTier(cache.host_tier_bytes, fingerprint, layout, root=cache.host_tier_dir) if cache.host_tier_shared
-            else HostTier(cache.host_tier_bytes, pin=pin, policy=cache.tier_policy))
+    host = (NodeTier(host_bytes, fingerprint, layout, root=cache.host_tier_dir) if cache.host_tier_shared
+            else HostTier(host_bytes, pin=pin, policy=cache.tier_policy))
     disk = (DiskTier(cache.disk_tier_bytes, fingerprint, layout, cache.disk_tier_dir)
             if cache.disk_tier_bytes else None)
-    logger.info("KV tiers: host %d bytes%s, disk %s, policy %s", cache.host_tier_bytes,
+    logger.info("KV tiers: host %d bytes%s%s, disk %s, policy %s", host_bytes,
+                " (auto)" if cache.host_tier_bytes == "auto" else "",
                 " (pinned)" if pin else f" (shared by the node: {host.dir})" if isinstance(host, NodeTier) else "",
                 f"{cache.disk_tier_bytes} bytes in {disk.dir}" if disk else "off", cache.tier_policy)
     return TieredStore(host, disk)
