@@ -132,6 +132,15 @@ def test_pool_value_reaches_its_config_key(helm, tmp_path, key):
     assert _attr(config.pool, attr) == expected
 
 
+def test_kv_tiers_default_to_an_auto_host_tier_and_no_disk(helm, tmp_path):
+    """The chart's defaults: the host tier on, sized by the worker (``auto``: workers/kv/tiers/budget.py),
+    the disk tier off; hostTierMemory "0" turns the host tier off."""
+    engine = loaded_config(_render(helm), tmp_path).pool.engine
+    assert (engine.host_tier_bytes, engine.disk_tier_bytes) == ("auto", 0)
+    off = loaded_config(_render(helm, "poolDefaults.engine.hostTierMemory=0"), tmp_path).pool.engine
+    assert off.host_tier_bytes == 0
+
+
 def test_a_replica_is_one_pod_holding_its_gang(helm, tmp_path):
     """ep 2 x sp 1 x tp 3 = 6 ranks of 3 CPUs, 1 GPU and 5Gi each: one 18-CPU, 6-GPU, 30Gi pod with 6
     duet_pool_default slots per replica, and Ray's autoscaler sees exactly the room for the pool's 2 x 6

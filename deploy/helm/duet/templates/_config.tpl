@@ -312,7 +312,7 @@ component of name), or the one model's. */}}
       "max_num_batched_tokens" (int .engine.maxNumBatchedTokens) "max_num_seqs" (int .engine.maxNumSeqs)
       "enable_prefix_caching" .engine.enablePrefixCaching "device" (.engine.device | default "auto")
       "cuda_graphs" (.engine.cudaGraphs | default false)
-      "host_tier_bytes" (toString (.engine.hostTierMemory | default "auto"))
+      "host_tier_bytes" (toString (ternary "auto" .engine.hostTierMemory (kindIs "invalid" .engine.hostTierMemory)))
       "disk_tier_bytes" (toString (.engine.diskTierSize | default "0"))
       "host_tier_shared" (.engine.hostTierShared | default false)
       "tier_load_timeout_s" (float64 (.engine.tierLoadTimeoutSeconds | default 0.5))
