@@ -150,7 +150,7 @@ def test_a_killed_controller_loses_no_stream_and_its_successor_adopts_the_worker
         f"engine: {{kv_cache_memory_bytes: 64MiB}}}}]\n"
         f"ray: {{address: '{gcs}', namespace: {NAMESPACE}}}\n"
         f"controller: {{port: {controller_port}, poll_interval_s: 0.2, start_timeout_s: 240}}\n"
-        f"router: {{policy: least_loaded}}\n"
+        f"router: {{policy: least_loaded, http_port: 0}}\n"  # no fixed port: other modules run beside it
         f"autoscaling: {{enabled: true, interval_s: 1, window_buckets: 60, latency_buckets: 2, horizon_s: 2, "
         f"up_cooldown_s: 2, down_cooldown_s: 2, down_interval_s: 1, "
         f"metrics_urls: ['http://127.0.0.1:{metrics_port}/metrics'], "
