@@ -25,7 +25,6 @@ from pathlib import Path
 import json
 
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -136,7 +135,6 @@ async def _generate(address: str, n: int) -> list[list[int]]:
     return [list(o.token_ids) for o in outs]
 
 
-@pytest.mark.serial
 def test_a_killed_controller_loses_no_stream_and_its_successor_adopts_the_worker(ray_cluster, smollm2_path, tmp_path):
     import ray
 
