@@ -68,7 +68,7 @@ def start(workers: int, *, max_in_flight: int = 128, max_queue: int = 512, names
 
     config = load_config(env={}, overrides={
         "pool.replicas": workers, "pool.cpus_per_replica": 1, "pool.engine.kv_cache_memory_bytes": kv_bytes,
-        "router.port": 0, "controller.port": 0, "router.policy": "round_robin", "router.max_in_flight": max_in_flight,
+        "router.port": 0, "router.http_port": 0, "controller.port": 0, "router.policy": "round_robin", "router.max_in_flight": max_in_flight,
         "router.max_queue": max_queue, "ray.namespace": namespace, "controller.poll_interval_s": 0.2,
         "controller.start_timeout_s": 300})
     return start_deployment(config, log_to_driver=False, router_overrides=dict(

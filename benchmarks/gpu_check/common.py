@@ -100,30 +100,52 @@ def strict_fp32() -> None:
 
 
 class WorkerProcess:
-    """A Duet worker gRPC service (workers/server/service.py) in its own process, without Ray."""
+    """A Duet worker gRPC service (workers/server/service.py) in its own process, without Ray.
+
+    ``wait=False`` returns once the process is started; ``wait_ready()`` then waits until it serves,
+    so a section can start several workers (and do its own work) while they load::
+
+        with WorkerProcess(path, ctx, dtype, name="p", wait=False) as p, WorkerProcess(..., wait=False) as d:
+            reference = ...            # in this process, while both load
+            p.wait_ready(); d.wait_ready()
+    """
 
     def __init__(self, path: Path, ctx: Ctx, dtype: torch.dtype, kv_backend: str = "auto", name: str = "w",
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, wait: bool = True) -> None:
+        self.name, self.timeout_s = name, timeout_s
         self.ready_file = Path(ctx.work) / f"{name}-{os.getpid()}-{time.monotonic_ns()}.json"
         cmd = [sys.executable, "-m", "benchmarks.gpu_check.worker_proc", "--model", str(path), "--device", ctx.device,
                "--dtype", dname(dtype), "--kv-backend", kv_backend, "--kv-bytes", str(kv_budget(ctx)), "--ready", str(self.ready_file), "--id", name]
+        self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
-        deadline = time.monotonic() + timeout_s
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until the worker serves (at most ``timeout_s`` from its start); sets endpoint, worker_id, incarnation."""
+        deadline = self.started + self.timeout_s
         while not self.ready_file.exists():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"worker {name} exited with code {self.proc.returncode} before serving")
+                raise RuntimeError(f"worker {self.name} exited with code {self.proc.returncode} before serving")
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"worker {name} not serving after {timeout_s:.0f} s")
+                raise TimeoutError(f"worker {self.name} not serving after {self.timeout_s:.0f} s")
             time.sleep(0.2)
         info = json.loads(self.ready_file.read_text())
         self.endpoint, self.worker_id, self.incarnation = info["endpoint"], info["worker_id"], info["incarnation"]
 
+    def close_stdin(self) -> None:
+        """Ask the worker to stop (it stops when its stdin closes) without waiting for it."""
+        if self.proc.poll() is None and self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:  # it exited meanwhile (broken pipe)
+                pass
+
     def stop(self) -> None:
         if self.proc.poll() is None:
-            assert self.proc.stdin is not None  # stdin=PIPE
             try:
-                self.proc.stdin.close()  # the worker stops when its stdin closes
+                self.close_stdin()
                 self.proc.wait(timeout=20)
             except Exception:  # noqa: BLE001 - it did not stop in time
                 self.proc.kill()

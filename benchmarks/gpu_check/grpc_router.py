@@ -39,13 +39,14 @@ def run(ctx) -> dict:
     common.strict_fp32()
     dtype = torch.float32
     path = common.checkpoint(ctx, "smollm2-135m", dtype)
-    eng = common.engine(path, ctx, dtype)
-    prompts = models.prompts(STREAMS, eng.spec.vocab_size, 5, 80, seed=51)
-    ref = common.greedy(eng, prompts, NEW)
-    del eng
-    if ctx.cuda:
-        torch.cuda.empty_cache()
-    with common.WorkerProcess(path, ctx, dtype, name="grpc-worker") as w:
+    with common.WorkerProcess(path, ctx, dtype, name="grpc-worker", wait=False) as w:  # loads meanwhile
+        eng = common.engine(path, ctx, dtype)
+        prompts = models.prompts(STREAMS, eng.spec.vocab_size, 5, 80, seed=51)
+        ref = common.greedy(eng, prompts, NEW)
+        del eng
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+        w.wait_ready()
         cfg = RouterConfig(tokenizer_path=str(path), port=0, http_port=0)  # gRPC only: no fastapi there
         with serve_router(cfg, [(w.worker_id, w.endpoint)], tokenizer=AutoTokenizer.from_pretrained(path)) as router:
             with cf.ThreadPoolExecutor(STREAMS) as pool:

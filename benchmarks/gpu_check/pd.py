@@ -38,14 +38,17 @@ def run(ctx) -> dict:
 
     dtype = common.dtype_for(ctx)
     path = common.checkpoint(ctx, "smollm2-135m", dtype)
-    eng = common.engine(path, ctx, dtype)
-    prompts = models.prompts(6, eng.spec.vocab_size, 20, 120, seed=31)
-    ref = [common.greedy(eng, [p], NEW, prefix=f"c{i}-")[0] for i, p in enumerate(prompts)]
-    del eng
-    if ctx.cuda:
-        torch.cuda.empty_cache()
-    with common.WorkerProcess(path, ctx, dtype, "gloo", "prefill") as pw, \
-            common.WorkerProcess(path, ctx, dtype, "gloo", "decode") as dw:
+    # both workers load at once, while this process computes the reference
+    with common.WorkerProcess(path, ctx, dtype, "gloo", "prefill", wait=False) as pw, \
+            common.WorkerProcess(path, ctx, dtype, "gloo", "decode", wait=False) as dw:
+        eng = common.engine(path, ctx, dtype)
+        prompts = models.prompts(6, eng.spec.vocab_size, 20, 120, seed=31)
+        ref = [common.greedy(eng, [p], NEW, prefix=f"c{i}-")[0] for i, p in enumerate(prompts)]
+        del eng
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+        pw.wait_ready()
+        dw.wait_ready()
         remote = worker_pb2.RemotePrefill(worker_id=pw.worker_id, endpoint=pw.endpoint, incarnation=pw.incarnation)
         with grpc.insecure_channel(dw.endpoint) as ch:
             stub = worker_pb2_grpc.WorkerStub(ch)
@@ -53,6 +56,8 @@ def run(ctx) -> dict:
             with cf.ThreadPoolExecutor(len(prompts)) as pool:
                 conc = list(pool.map(lambda ip: submit(stub, f"pc{ip[0]}", ip[1], remote), enumerate(prompts)))
             load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+        pw.close_stdin()  # both stop at once (each exit then waits for its own)
+        dw.close_stdin()
     eq_seq = sum(a == b for a, b in zip(seq, ref))
     eq_conc = sum(a == b for a, b in zip(conc, ref))
     out = {"backend": "gloo (pinned host staging)" if ctx.cuda else "gloo (CPU)", "dtype": common.dname(dtype),

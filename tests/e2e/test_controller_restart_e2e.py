@@ -25,7 +25,6 @@ from pathlib import Path
 import json
 
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.duet.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -136,7 +135,6 @@ async def _generate(address: str, n: int) -> list[list[int]]:
     return [list(o.token_ids) for o in outs]
 
 
-@pytest.mark.serial
 def test_a_killed_controller_loses_no_stream_and_its_successor_adopts_the_worker(ray_cluster, smollm2_path, tmp_path):
     import ray
 
@@ -150,7 +148,7 @@ def test_a_killed_controller_loses_no_stream_and_its_successor_adopts_the_worker
         f"engine: {{kv_cache_memory_bytes: 64MiB}}}}]\n"
         f"ray: {{address: '{gcs}', namespace: {NAMESPACE}}}\n"
         f"controller: {{port: {controller_port}, poll_interval_s: 0.2, start_timeout_s: 240}}\n"
-        f"router: {{policy: least_loaded}}\n"
+        f"router: {{policy: least_loaded, http_port: 0}}\n"  # no fixed port: other modules run beside it
         f"autoscaling: {{enabled: true, interval_s: 1, window_buckets: 60, latency_buckets: 2, horizon_s: 2, "
         f"up_cooldown_s: 2, down_cooldown_s: 2, down_interval_s: 1, "
         f"metrics_urls: ['http://127.0.0.1:{metrics_port}/metrics'], "

@@ -33,10 +33,9 @@ from router.client import DuetClient
 from router.prometheus import metrics_registry
 from testkit.waiting import wait_until as _wait
 
-# Its own pytest process (`make test` runs `-m serial` after the rest): it starts an embedded Ray of
-# its own (the session's is paused meanwhile).
-pytestmark = pytest.mark.serial
-
+# Not `serial` (that is for a multi-node Ray cluster, whose settings stay in its process): this
+# module's embedded Ray is a plain ray.init, and the session's Ray (paused meanwhile,
+# session_ray_paused) starts again after it, so it runs beside the rest under xdist.
 NAMESPACE = "duet_drafter_pool_e2e"
 STORY = ("A lighthouse keeper lived on a small island in the north sea, and every night he climbed the "
          "stairs to light the lamp while the waves broke on the rocks below. ")

@@ -26,7 +26,7 @@ DRIVER = Path(__file__).with_name("pd_shapes_driver.py")
 ROOT = Path(__file__).resolve().parents[2]
 KV = 32 << 20
 COMMON = """
-router: {port: 0, policy: least_loaded, disagg_min_prompt_tokens: 16}
+router: {port: 0, http_port: 0, policy: least_loaded, disagg_min_prompt_tokens: 16}
 controller: {port: 0, poll_interval_s: 0.2, start_timeout_s: 600}
 """
 

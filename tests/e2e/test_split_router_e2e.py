@@ -27,7 +27,8 @@ from testkit.ports import free_port
 from testkit.router_kill import assert_like_unbroken, streams_through_a_kill
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_TOKENS = 256  # per stream of the SIGTERM hand-off: long enough to be mid-way at the hand-off
+MAX_TOKENS = 128  # per stream of the SIGTERM hand-off: long enough to be mid-way at the hand-off (1 s
+# after the SIGTERM, at half of the 2 s grace: the margin 256 tokens and a 4 s grace gave, in half the tokens)
 
 
 def _health(address: str, service: str = "") -> str:
@@ -71,14 +72,14 @@ def _sigterm_hands_streams_off(draining: subprocess.Popen[str], address: str, st
         assert draining.wait(timeout=30) == 0
 
     got, at_kill = streams_through_a_kill(cases, [address, standby], sigterm, max_tokens=MAX_TOKENS, min_seen=2)
-    assert max(at_kill) < MAX_TOKENS // 2, at_kill  # mid-way: the hand-off (at half of the 4 s grace) comes before the end
+    assert max(at_kill) < MAX_TOKENS // 2, at_kill  # mid-way: the hand-off (at half of the 2 s grace) comes before the end
     assert_like_unbroken(cases, expected, got, at_kill, max_tokens=MAX_TOKENS, max_diverged=0, diverge_before_kill=True)
 
 
 def test_controller_without_router_and_a_separate_router_process(ray_cluster, smollm2_path, tmp_path):
     config_file = tmp_path / "duet.yaml"  # the file the chart's ConfigMap would hold, in miniature
     config_file.write_text(f"model: {{name: {smollm2_path}}}\nrouter: {{policy: round_robin, max_queue: 7, http_port: 0, "
-                           "shutdown_grace_s: 4}\n")
+                           "shutdown_grace_s: 2}\n")
     config = load_config(config_file, env={}, overrides={
         "pool.engine.kv_cache_memory_bytes": "64MiB", "controller.port": 0, "router.port": free_port(), "router.http_port": 0,
         "ray.namespace": "duet_split", "controller.poll_interval_s": 0.2, "controller.start_timeout_s": 240})
