@@ -7,7 +7,8 @@ construction:
 
     runner     ``ModelRunner.from_config(config)`` (one process), unless given: a gang's leader
                passes its GangRunner (workers/engine/gang_runner.py)
-    tokenizer  the checkpoint's own (transformers ``AutoTokenizer``)
+    tokenizer  the checkpoint's own (transformers ``AutoTokenizer``; with ``shared_weights_dir`` set, from
+               the node's record of it when an earlier start wrote one: workers/models/tokenizer_record.py)
     proposer   from ``config.speculative`` (workers/spec_decode/factory.py), none when speculation
                is off, unless given
     tiers      the lower KV tiers ``config.cache`` asks for (workers/kv/tiers/store.py), none by
@@ -52,6 +53,7 @@ from workers.engine.proposer import Proposer
 from workers.engine.runner import Runner, kv_fingerprint
 from workers.engine.speculator import Speculator
 from workers.models.checkpoint import checkpoint_dir
+from workers.models.tokenizer_record import load_tokenizer
 from workers.kv.tiers.store import make_tier_store
 from workers.spec_decode.factory import make_proposer
 from workers.startup import StartupTimeline
@@ -71,7 +73,7 @@ def build_engine(config: EngineConfig, *, runner: Runner | None = None, tokenize
     config = resolve_for_process(config, path)
     runner = runner or ModelRunner.from_config(config, timeline)
     if tokenizer is None:
-        tokenizer = load_tokenizer(path)
+        tokenizer = load_tokenizer(path, record_dir(config))
         if timeline is not None:
             timeline.mark("tokenizer")
     if proposer is None and config.speculative.enabled:
@@ -128,7 +130,7 @@ def preload(config: EngineConfig, timeline: StartupTimeline | None = None) -> Pr
     path = checkpoint_dir(config.model)
     config = resolve_for_process(config, path)
     model, spec = ModelRunner.load(config, timeline)
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, record_dir(config))
     if timeline is not None:
         timeline.mark("tokenizer")
     return Preloaded(model, spec, tokenizer)
@@ -140,14 +142,13 @@ def prewarm(config: EngineConfig, timeline: StartupTimeline | None = None) -> An
     kernels, tokenizer)."""
     config = resolve_for_process(config, checkpoint_dir(config.model))
     ModelRunner.load_spec_and_kernels(config, timeline)
-    tokenizer = load_tokenizer(checkpoint_dir(config.model))
+    tokenizer = load_tokenizer(checkpoint_dir(config.model), record_dir(config))
     if timeline is not None:
         timeline.mark("tokenizer")
     return tokenizer
 
 
-def load_tokenizer(path: Path) -> Any:
-    """The checkpoint's own tokenizer (transformers ``AutoTokenizer``)."""
-    from transformers import AutoTokenizer  # deferred: transformers is slow to import
-
-    return AutoTokenizer.from_pretrained(path)
+def record_dir(config: EngineConfig) -> Path | None:
+    """Where a node's start-up records live (workers/models/spec_record.py, tokenizer_record.py): the
+    node's shared-weights directory; None without one (nothing recorded, transformers reads all)."""
+    return Path(config.shared_weights_dir) if config.shared_weights_dir else None

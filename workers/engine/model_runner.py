@@ -53,6 +53,7 @@ from workers.models.checkpoint import checkpoint_dir
 from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_model
 from workers.models.shared_weights import SharedWeights
+from workers.models.spec_record import read_spec
 from workers.startup import StartupTimeline
 from workers.parallel.groups import get_group
 from workers.parallel.sharding import attention_shard
@@ -249,9 +250,12 @@ class ModelRunner:
     @staticmethod
     def load_spec_and_kernels(config: EngineConfig, timeline: StartupTimeline | None = None) -> ModelSpec:
         """What a load does before the weights: the checkpoint's config read (in a fresh process its
-        first read imports transformers' configuration code) and the CPU kernels loaded (marks config,
+        first read imports transformers' configuration code, unless the node recorded the spec) and the CPU kernels loaded (marks config,
         kernels). A warm worker process runs it ahead of time (workers/build.py ``prewarm``)."""
-        spec = ModelSpec.from_pretrained(checkpoint_dir(config.model))
+        # with a node directory, a later start reads the spec the node's first start recorded
+        # there instead of importing transformers (workers/models/spec_record.py)
+        records = Path(config.shared_weights_dir) if config.shared_weights_dir else None
+        spec = read_spec(checkpoint_dir(config.model), records)
         if timeline is not None:
             timeline.mark("config")
         if not config.cpu_kernels:

@@ -115,9 +115,15 @@ def _reason(error: str) -> str:
 
 
 def build_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> LLTokenizer:
-    """An llguidance tokenizer for a Hugging Face fast tokenizer (about half a second: build once).
+    """An llguidance tokenizer for a Hugging Face fast tokenizer, or a RecordedTokenizer (its
+    ``serialized_backend``), about half a second: build once.
     vocab_size: the model's logits width (may exceed the tokenizer's: padded ids are never allowed);
     eos_token_ids: the ids that end generation (allowed exactly where the grammar is complete)."""
+    # a node's tokenizer record (workers/models/tokenizer_record.py) holds the very string that
+    # llguidance.hf.from_tokenizer serializes from transformers' tokenizer
+    source = getattr(hf_tokenizer, "serialized_backend", None)
+    if source is not None:
+        return LLTokenizer(source, n_vocab=vocab_size, eos_token=list(eos_token_ids))
     import llguidance.hf
 
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))

@@ -105,9 +105,13 @@ def test_an_unusable_directory_is_warned_about_and_the_worker_loads_its_own(tiny
 
 CHILD = r"""
 import json, sys
+from transformers import AutoConfig, AutoTokenizer
 from workers.llm import LLM
 from workers.sampling_params import SamplingParams
 kwargs = json.loads(sys.argv[2])
+# every worker loads the same libraries (a node's spec and tokenizer records spare a later worker
+# transformers' loaders, workers/models/spec_record.py), so Rss - Pss differs between the pairs by the weights
+AutoConfig.from_pretrained(sys.argv[1]), AutoTokenizer.from_pretrained(sys.argv[1])
 llm = LLM(sys.argv[1], kv_cache_memory_bytes=8 << 20, block_size=8, **kwargs)
 out = llm.generate([[1, 504, 3575, 282, 4649, 314]], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
 print(json.dumps({"tokens": out[0].token_ids}), flush=True)
