@@ -39,6 +39,7 @@ import typing
 from functools import cache
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from workers.models.config import ModelSpec
 
@@ -79,9 +80,10 @@ def spec_to_json(spec: ModelSpec) -> str:
 
 
 def spec_from_json(text: str) -> ModelSpec:
-    fields = json.loads(text)
+    fields: dict[str, Any] = json.loads(text)
     tuples = _tuple_fields()
-    return ModelSpec(**{k: tuple(v) if k in tuples else v for k, v in fields.items()})
+    values: dict[str, Any] = {k: tuple(v) if k in tuples else v for k, v in fields.items()}
+    return ModelSpec(**values)
 
 
 def read_spec(path: Path, record_dir: Path | None) -> ModelSpec:
