@@ -11,7 +11,8 @@ no mark):
     schedule     (cluster side) placement, the worker process's start and imports, up to the
                  actor's ``__init__``; the origin is the scale-up decision
     resolve      the model name resolved to a checkpoint directory (prepared once per node)
-    config       the model's config read (its first use imports transformers, seconds on a busy host)
+    config       the model's config read (its first use imports transformers, seconds on a busy host,
+                 unless the node recorded the spec: workers/models/spec_record.py)
     kernels      the C++ CPU kernels loaded (built on a cache miss; kernels/_build.py)
     weights      the model built and its weights read: from disk or the page cache, or mapped from
                  the node's shared snapshot (workers/models/shared_weights.py); ``notes['weights']``

@@ -106,6 +106,7 @@ def read_spec(path: Path, record_dir: Path | None) -> ModelSpec:
 
 def write_atomically(record: Path, text: str) -> None:
     """Write ``text`` to ``record`` atomically (a temporary file renamed into place)."""
+    tmp = None
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=record.parent, prefix=f".{record.name}.")
@@ -114,4 +115,6 @@ def write_atomically(record: Path, text: str) -> None:
         os.replace(tmp, record)
     except OSError as e:
         logger.warning("cannot write the record %s (%s); later starts read the checkpoint again", record, e)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 

@@ -72,3 +72,12 @@ def test_without_a_directory_nothing_is_recorded(tmp_path):
     path = _write_config(tmp_path / "ckpt", "llama", {})
     assert read_spec(path, None) == ModelSpec.from_pretrained(path)
     assert list(tmp_path.rglob("spec-*.json")) == []
+
+
+def test_an_unwritable_directory_is_warned_about_and_the_spec_still_read(tmp_path, caplog):
+    path = _write_config(tmp_path / "ckpt", "llama", {})
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="workers.models.spec_record"):
+        assert read_spec(path, blocker / "node") == ModelSpec.from_pretrained(path)
+    assert "cannot write the record" in caplog.text
