@@ -44,8 +44,8 @@ class CacheConfig:
     host_tier_bytes: host-memory KV tier below the device cache: prefix-cached blocks evicted from
         the device are kept here and loaded back on a prefix hit; a preempted request resumes from
         them (swap instead of recompute). Pinned for a GPU runner. A size, 0 = off, or 'auto' (the
-        default): the device cache's size, at most a quarter of the memory still free when the worker
-        starts (under a pod's limit, what is left below it), off without prefix caching
+        default): twice the device cache's size, at most a quarter of the memory still free when the
+        worker starts (under a pod's limit, of what is left below it), off without prefix caching
         (workers/kv/tiers/budget.py). Memory is taken as blocks are evicted, never reserved.
     disk_tier_bytes: local-disk KV tier below the host tier (0 = off; needs the host tier): host's
         least recently used blocks are written here and read back asynchronously.

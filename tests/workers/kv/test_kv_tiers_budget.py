@@ -1,4 +1,4 @@
-"""The host tier's 'auto' budget (workers/kv/tiers/budget.py): the device cache's size, capped by a
+"""The host tier's 'auto' budget (workers/kv/tiers/budget.py): twice the device cache, capped by a
 quarter of the memory still free, off without prefix caching or below one block; an explicit size
 is kept as it is; the headroom reads a cgroup v2 or v1 limit when one is set and ignores 'max'."""
 
@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from workers.config import CacheConfig
-from workers.kv.tiers.budget import HEADROOM_SHARE, host_tier_budget, memory_headroom_bytes
+from workers.kv.tiers.budget import DEVICE_MULTIPLE, HEADROOM_SHARE, host_tier_budget, memory_headroom_bytes
 
 BLOCK = 720 << 10
 GIB = 1 << 30
 
 
 @pytest.mark.parametrize("cache, device, headroom, want", [
-    (CacheConfig(), GIB, 16 * GIB, GIB),                                    # the device cache's size
+    (CacheConfig(), GIB, 16 * GIB, DEVICE_MULTIPLE * GIB),                  # twice the device cache
     (CacheConfig(), GIB, 2 * GIB, 2 * GIB // HEADROOM_SHARE),               # a quarter of the headroom
     (CacheConfig(), GIB, 2 * BLOCK, 0),                                     # less than a block: off
     (CacheConfig(enable_prefix_caching=False), GIB, 16 * GIB, 0),           # nothing to keep: off

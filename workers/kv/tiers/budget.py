@@ -1,8 +1,9 @@
 """The host tier's budget when ``cache.host_tier_bytes`` is 'auto' (the default), and the memory
 reading it rests on.
 
-Rule (``host_tier_budget``): as many bytes as the device cache holds, so everything the device
-evicts once fits in host, but at most a quarter of the memory the worker could still take when it
+Rule (``host_tier_budget``): twice the device cache's bytes (device + host then hold three times
+what the device alone does; SGLang's HiCache takes the same ratio by default), but at most a quarter
+of the memory the worker could still take when it
 builds its engine (``memory_headroom_bytes``: the machine's available memory and, under a cgroup
 limit such as a pod's, what is left below that limit); off when prefix caching is off (the tiers
 keep prefix-cached blocks) or when the result holds less than one block. The host tier takes
@@ -17,8 +18,8 @@ the disk; it is offered, not assumed.
 Example::
 
     host_tier_budget(CacheConfig(), device_cache_bytes=1 << 30, block_bytes=720 << 10,
-                     headroom_bytes=16 << 30)        # 1 GiB: the device cache's size
-    host_tier_budget(CacheConfig(), 1 << 30, 720 << 10, 2 << 30)    # 512 MiB: a quarter of the headroom
+                     headroom_bytes=16 << 30)        # 2 GiB: twice the device cache
+    host_tier_budget(CacheConfig(), 1 << 30, 720 << 10, 4 << 30)    # 1 GiB: a quarter of the headroom
     host_tier_budget(CacheConfig(host_tier_bytes=0), 1 << 30, 720 << 10, 16 << 30)    # 0: off
 """
 
@@ -30,7 +31,8 @@ import psutil
 
 from workers.config import CacheConfig
 
-HEADROOM_SHARE = 4  # auto takes at most 1 / HEADROOM_SHARE of the memory still free at start
+DEVICE_MULTIPLE = 2  # auto: this many times the device cache's bytes...
+HEADROOM_SHARE = 4  # ...but at most 1 / HEADROOM_SHARE of the memory still free at start
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -41,7 +43,7 @@ def host_tier_budget(cache: CacheConfig, device_cache_bytes: int, block_bytes: i
         return int(cache.host_tier_bytes)
     if not cache.enable_prefix_caching:
         return 0
-    budget = min(device_cache_bytes, headroom_bytes // HEADROOM_SHARE)
+    budget = min(DEVICE_MULTIPLE * device_cache_bytes, headroom_bytes // HEADROOM_SHARE)
     return budget if budget >= block_bytes else 0
 
 
