@@ -41,7 +41,6 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from workers.config import EngineConfig, SpeculativeConfig
@@ -53,6 +52,7 @@ from workers.engine.proposer import Proposer
 from workers.engine.runner import Runner, kv_fingerprint
 from workers.engine.speculator import Speculator
 from workers.models.checkpoint import checkpoint_dir
+from workers.models.spec_record import record_dir
 from workers.models.tokenizer_record import load_tokenizer
 from workers.kv.tiers.store import make_tier_store
 from workers.spec_decode.factory import make_proposer
@@ -73,7 +73,7 @@ def build_engine(config: EngineConfig, *, runner: Runner | None = None, tokenize
     config = resolve_for_process(config, path)
     runner = runner or ModelRunner.from_config(config, timeline)
     if tokenizer is None:
-        tokenizer = load_tokenizer(path, record_dir(config))
+        tokenizer = load_tokenizer(path, record_dir(config.shared_weights_dir))
         if timeline is not None:
             timeline.mark("tokenizer")
     if proposer is None and config.speculative.enabled:
@@ -130,7 +130,7 @@ def preload(config: EngineConfig, timeline: StartupTimeline | None = None) -> Pr
     path = checkpoint_dir(config.model)
     config = resolve_for_process(config, path)
     model, spec = ModelRunner.load(config, timeline)
-    tokenizer = load_tokenizer(path, record_dir(config))
+    tokenizer = load_tokenizer(path, record_dir(config.shared_weights_dir))
     if timeline is not None:
         timeline.mark("tokenizer")
     return Preloaded(model, spec, tokenizer)
@@ -142,13 +142,8 @@ def prewarm(config: EngineConfig, timeline: StartupTimeline | None = None) -> An
     kernels, tokenizer)."""
     config = resolve_for_process(config, checkpoint_dir(config.model))
     ModelRunner.load_spec_and_kernels(config, timeline)
-    tokenizer = load_tokenizer(checkpoint_dir(config.model), record_dir(config))
+    tokenizer = load_tokenizer(checkpoint_dir(config.model), record_dir(config.shared_weights_dir))
     if timeline is not None:
         timeline.mark("tokenizer")
     return tokenizer
 
-
-def record_dir(config: EngineConfig) -> Path | None:
-    """Where a node's start-up records live (workers/models/spec_record.py, tokenizer_record.py): the
-    node's shared-weights directory; None without one (nothing recorded, transformers reads all)."""
-    return Path(config.shared_weights_dir) if config.shared_weights_dir else None

@@ -103,8 +103,9 @@ class CacheConfig:
         if self.disk_tier_bytes and host == 0:
             raise ConfigError(f"cache.disk_tier_bytes={self.disk_tier_bytes} with cache.host_tier_bytes=0: the disk "
                               "tier sits below the host tier; set host_tier_bytes too (e.g. 1GiB) or disk_tier_bytes to 0")
-        if host != 0 and not self.enable_prefix_caching and (host != "auto" or self.disk_tier_bytes):
-            key = f"cache.host_tier_bytes={host}" if host != "auto" else f"cache.disk_tier_bytes={self.disk_tier_bytes}"
+        sized = host not in (0, "auto")  # (disk over host 0 was refused above)
+        if not self.enable_prefix_caching and (sized or self.disk_tier_bytes):
+            key = f"cache.host_tier_bytes={host}" if sized else f"cache.disk_tier_bytes={self.disk_tier_bytes}"
             raise ConfigError(f"{key} with cache.enable_prefix_caching=false: the tiers keep prefix-cached blocks; "
                               "enable prefix caching or set host_tier_bytes and disk_tier_bytes to 0")
         if not isinstance(self.host_tier_shared, bool):

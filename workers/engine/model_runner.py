@@ -53,7 +53,7 @@ from workers.models.checkpoint import checkpoint_dir
 from workers.models.llama import LlamaForCausalLM
 from workers.models.loader import load_model
 from workers.models.shared_weights import SharedWeights
-from workers.models.spec_record import read_spec
+from workers.models.spec_record import read_spec, record_dir
 from workers.startup import StartupTimeline
 from workers.parallel.groups import get_group
 from workers.parallel.sharding import attention_shard
@@ -254,8 +254,7 @@ class ModelRunner:
         kernels). A warm worker process runs it ahead of time (workers/build.py ``prewarm``)."""
         # with a node directory, a later start reads the spec the node's first start recorded
         # there instead of importing transformers (workers/models/spec_record.py)
-        records = Path(config.shared_weights_dir) if config.shared_weights_dir else None
-        spec = read_spec(checkpoint_dir(config.model), records)
+        spec = read_spec(checkpoint_dir(config.model), record_dir(config.shared_weights_dir))
         if timeline is not None:
             timeline.mark("config")
         if not config.cpu_kernels:

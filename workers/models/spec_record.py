@@ -86,6 +86,13 @@ def spec_from_json(text: str) -> ModelSpec:
     return ModelSpec(**values)
 
 
+def record_dir(shared_weights_dir: str | None) -> Path | None:
+    """Where a node's start-up records live (this module's spec, workers/models/tokenizer_record.py's
+    tokenizer): the node's shared-weights directory (``EngineConfig.shared_weights_dir``); None
+    without one (nothing recorded, transformers reads everything)."""
+    return Path(shared_weights_dir) if shared_weights_dir else None
+
+
 def read_spec(path: Path, record_dir: Path | None) -> ModelSpec:
     """The ModelSpec of checkpoint ``path``: from the node's record in ``record_dir`` when there is one
     for its key, else through transformers (``ModelSpec.from_pretrained``), then recorded. None:

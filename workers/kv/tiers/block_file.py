@@ -25,6 +25,7 @@ Worked example::
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -79,6 +80,11 @@ def block_shape(layout: KVLayout) -> tuple[int, ...]:
     return (layout.num_layers, 2, 1, layout.block_size, layout.num_kv_heads, layout.head_dim)
 
 
+def block_nbytes(layout: KVLayout) -> int:
+    """A block's payload bytes (every layer's K and V, every kv head)."""
+    return math.prod(block_shape(layout)) * layout.dtype.itemsize
+
+
 def encode(block: TierBlock, fingerprint: int, layout: KVLayout) -> bytes:
     """The file's bytes: ``header(...)`` then ``payload(block)``, in one copy."""
     return header(block, fingerprint, layout) + payload(block).tobytes()
@@ -131,7 +137,7 @@ def decode(raw: bytes | bytearray, digest: bytes, fingerprint: int, layout: KVLa
         raise BlockRefused("corrupt", f"block {digest.hex()}: the file holds another block's digest")
     n_payload = len(raw) - n_head
     dtype = layout.dtype
-    want = torch.Size(block_shape(layout)).numel() * torch.empty((), dtype=dtype).element_size()
+    want = block_nbytes(layout)
     if words[9] != n_payload or n_payload != want:
         raise BlockRefused("corrupt", f"block {digest.hex()}: {n_payload} payload bytes, header says "
                            f"{words[9]}, a block is {want}")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 
 import torch
 
@@ -30,7 +29,7 @@ from workers.config import CacheConfig
 from workers.errors import ConfigError
 from workers.engine.kv_tiers import TierStats
 from workers.engine.runner import KVLayout
-from workers.kv.tiers.block_file import BlockRefused, TierBlock, block_shape, seal, verify
+from workers.kv.tiers.block_file import BlockRefused, TierBlock, block_nbytes, seal, verify
 from workers.kv.tiers.budget import host_tier_budget, memory_headroom_bytes
 from workers.kv.tiers.disk import DiskTier
 from workers.kv.tiers.host import HostTier
@@ -177,7 +176,7 @@ def make_tier_store(cache: CacheConfig, layout: KVLayout, fingerprint: int, pin:
     """The store ``cache`` asks for (None when its host tier resolves to 0: workers/kv/tiers/budget.py).
     pin: page-locked host memory (a GPU runner); device_blocks: the device cache's blocks (the
     'auto' budget's size)."""
-    block_bytes = math.prod(block_shape(layout)) * layout.dtype.itemsize
+    block_bytes = block_nbytes(layout)
     host_bytes = host_tier_budget(cache, device_blocks * block_bytes, block_bytes,
                                   memory_headroom_bytes() if cache.host_tier_bytes == "auto" else 0)
     if host_bytes == 0:
