@@ -8,4 +8,6 @@
                    background thread, LRU, removed at close
     store.py       TieredStore: host over disk, verification and counters (the engine's TierStore,
                    workers/engine/kv_tiers.py)
+    budget.py      the host tier's 'auto' budget (the default): twice the device cache, at most a
+                   quarter of the memory free at start
 """
