@@ -42,6 +42,14 @@ def test_headroom_is_capped_by_a_cgroup_v2_limit(tmp_path):
                                                            "memory.current": "4096"})) == room
 
 
+def test_available_memory_is_the_kernels_memavailable(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:    8000000 kB\n")
+    assert memory_headroom_bytes(tmp_path, meminfo) == 8000000 * 1024  # no cgroup files under tmp_path
+    with_limit = _cgroup(tmp_path / "v2", {"memory.max": str(4 << 30), "memory.current": str(1 << 30)})
+    assert memory_headroom_bytes(with_limit, meminfo) == 3 << 30
+
+
 def test_headroom_v1_and_unlimited(tmp_path):
     free = memory_headroom_bytes(tmp_path)
     room = min(free, 1 << 30) // 2

@@ -27,13 +27,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import psutil
-
 from workers.config import CacheConfig
 
 DEVICE_MULTIPLE = 2  # auto: this many times the device cache's bytes...
 HEADROOM_SHARE = 4  # ...but at most 1 / HEADROOM_SHARE of the memory still free at start
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+MEMINFO = Path("/proc/meminfo")
 
 
 def host_tier_budget(cache: CacheConfig, device_cache_bytes: int, block_bytes: int, headroom_bytes: int) -> int:
@@ -47,13 +46,22 @@ def host_tier_budget(cache: CacheConfig, device_cache_bytes: int, block_bytes: i
     return budget if budget >= block_bytes else 0
 
 
-def memory_headroom_bytes(cgroup_root: Path = CGROUP_ROOT) -> int:
-    """Bytes this process could still take: the machine's available memory, capped by the room left
-    under its cgroup's memory limit (v2 ``memory.max`` - ``memory.current``, or v1's
-    ``memory/memory.limit_in_bytes`` - ``memory/memory.usage_in_bytes``) when one is set."""
-    available = int(psutil.virtual_memory().available)
+def memory_headroom_bytes(cgroup_root: Path = CGROUP_ROOT, meminfo: Path = MEMINFO) -> int:
+    """Bytes this process could still take: the machine's available memory (the kernel's estimate,
+    ``MemAvailable`` in /proc/meminfo; read here rather than through psutil, which the GPU check's bare
+    machines may lack), capped by the room left under its cgroup's memory limit (v2 ``memory.max`` -
+    ``memory.current``, or v1's ``memory/memory.limit_in_bytes`` - ``memory/memory.usage_in_bytes``)
+    when one is set."""
+    available = _available(meminfo)
     room = _cgroup_room(cgroup_root)
     return available if room is None else max(0, min(available, room))
+
+
+def _available(meminfo: Path) -> int:
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):  # "MemAvailable:   12345678 kB"
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{meminfo} has no MemAvailable line (Linux 3.14 or later has it)")
 
 
 def _cgroup_room(root: Path) -> int | None:
